@@ -1,0 +1,98 @@
+"""The contiguous slot buffer: one KV tensor for the whole model plus per-slot state, and the
+two-step memory shuffle that keeps live requests in slots [0, n).
+
+Step 1 (`plan_compaction`, pure Python): the fewest slot moves that make the live slots
+contiguous again. Step 2 (`SlotBuffer.apply_moves`): one batched copy per buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Move:
+    src: int  # a live slot at or beyond the new live count
+    dst: int  # a hole below the new live count
+
+
+def plan_compaction(occupied: Sequence[bool]) -> list[Move]:
+    """Moves that pack the occupied slots into [0, live).
+
+    Every live slot at index >= live must move and no other needs to, so the plan has exactly
+    as many moves as there are live slots beyond the target range: the fewest possible. Sources
+    all lie outside [0, live) and destinations inside it, so no copy reads a slot another writes.
+    Holes are filled in order with the lowest sources first, which keeps admission order.
+    """
+    live = sum(1 for o in occupied if o)
+    holes = [i for i in range(live) if not occupied[i]]
+    sources = [i for i in range(live, len(occupied)) if occupied[i]]
+    assert len(holes) == len(sources), "occupancy bookkeeping is inconsistent"
+    return [Move(src, dst) for src, dst in zip(sources, holes)]
+
+
+def kv_cache_bytes(num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int,
+                   head_dim: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * max_slots * kv_heads * max_seq_len * head_dim * elem
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory this process can still take on `device`."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+class SlotBuffer:
+    """KV cache `[layers, 2, max_slots, kv_heads, max_seq_len, head_dim]` plus per-slot state.
+
+    Per-slot state tensors (`[max_slots]` each) are registered with `add_state` and move with
+    the KV rows, so everything about slot i is always found at index i.
+    """
+
+    def __init__(self, num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        need = kv_cache_bytes(num_layers, max_slots, kv_heads, max_seq_len, head_dim, dtype)
+        have = available_memory_bytes(device)
+        if need > have:
+            raise MemoryError(
+                f"KV cache needs {need / 2**20:.1f} MiB ({num_layers} layers x 2 x {max_slots} slots x "
+                f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}) but only "
+                f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots or --max-seq-len"
+            )
+        # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
+        self.kv = torch.zeros(num_layers, 2, max_slots, kv_heads, max_seq_len, head_dim,
+                              dtype=dtype, device=device)
+        self.nbytes = need
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.state: dict[str, torch.Tensor] = {}
+
+    def add_state(self, name: str, dtype: torch.dtype, fill=0) -> torch.Tensor:
+        tensor = torch.full((self.max_slots,), fill, dtype=dtype, device=self.device)
+        self.state[name] = tensor
+        return tensor
+
+    def apply_moves(self, moves: Sequence[Move]) -> None:
+        """Step 2 of the shuffle: one batched copy for the KV (all layers, K and V) and one per
+        state tensor. Safe because sources and destinations are disjoint (see plan_compaction)."""
+        if not moves:
+            return
+        src = torch.tensor([m.src for m in moves], device=self.device)
+        dst = torch.tensor([m.dst for m in moves], device=self.device)
+        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+        for tensor in self.state.values():
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))

@@ -1,0 +1,27 @@
+"""Architectures and the checkpoint loader: `load_model(dir, ...)` returns a ready model."""
+
+from __future__ import annotations
+
+import torch
+
+from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig, load_model_config
+from flover.models.gptj import GPTJForCausalLM
+from flover.models.llama import LlamaForCausalLM
+from flover.models.loader import CheckpointReader, Shard, load_weights
+
+__all__ = ["CheckpointError", "ModelConfig", "load_model", "load_model_config"]
+
+
+def model_class(cfg: ModelConfig):
+    return LlamaForCausalLM if cfg.architecture in LLAMA_FAMILY else GPTJForCausalLM
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_len: int,
+               cfg: ModelConfig | None = None, shard: Shard = Shard()) -> torch.nn.Module:
+    """Build the model for `model_dir` and fill it from its safetensors files."""
+    cfg = cfg or load_model_config(model_dir)
+    reader = CheckpointReader(model_dir)
+    model = model_class(cfg)(cfg, max_len, dtype, device)
+    with torch.no_grad():
+        load_weights(reader, model.weight_specs(), shard)
+    return model.eval()

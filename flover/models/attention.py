@@ -1,0 +1,124 @@
+"""Selective batching: everything but attention runs over the fused token matrix; attention is
+split into one batched decode call over the live slot range and one call per prefill chunk.
+
+Token order inside an iteration's matrix: first one decode token per decoding request (in slot
+order), then the prefill chunks one after another.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    token_start: int  # row of the chunk's first token in the token matrix
+    length: int
+    slot: int
+    start_pos: int  # position of the chunk's first token in its sequence
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one fused forward pass needs to know about the iteration's tokens."""
+
+    input_ids: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    write_slots: torch.Tensor  # [T] slot whose KV row each token writes
+    num_decode: int  # rows [0, num_decode) are decode tokens
+    decode_span: int  # decode attention covers slots [0, decode_span)
+    decode_rows: torch.Tensor | None  # [num_decode] slot of each decode token; None = slots 0..num_decode-1
+    span_lens: torch.Tensor | None  # [decode_span] keys visible to each slot's query (>= 1)
+    max_decode_len: int
+    prefills: list[PrefillSpan]
+    sample_rows: torch.Tensor  # [B] rows whose next-token logits are wanted
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[decode_span, 1, 1, max_decode_len] True where a key must be ignored."""
+        if window not in self._masks:
+            keys = torch.arange(self.max_decode_len, device=self.span_lens.device)
+            lens = self.span_lens[:, None]
+            masked = keys[None, :] >= lens
+            if window is not None:
+                masked |= keys[None, :] < lens - window
+            self._masks[window] = masked[:, None, None, :]
+        return self._masks[window]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    scores_dtype: torch.dtype | None = None  # None = the model dtype; GPT-J forces float32
+    window: int | None = None  # sliding-window size, None = full causal attention
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             batch: ForwardBatch) -> None:
+    """Store every token's K/V at (its slot, its position). k_cache: [slots, kv_heads, seq, head_dim]."""
+    k_cache[batch.write_slots, :, batch.positions] = k  # k: [T, kv_heads, head_dim]
+    v_cache[batch.write_slots, :, batch.positions] = v
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+              opts: AttentionOptions) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. K/V of this iteration are already cached."""
+    outputs = []
+    if batch.num_decode:
+        outputs.append(_decode(q[: batch.num_decode], k_cache, v_cache, batch, opts))
+    for span in batch.prefills:
+        q_span = q[span.token_start: span.token_start + span.length]
+        outputs.append(_prefill(q_span, k_cache[span.slot], v_cache[span.slot], span, opts))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, head_dim: int, q_dtype: torch.dtype,
+                     v_dtype: torch.dtype) -> torch.Tensor:
+    scores = scores / math.sqrt(head_dim)
+    # Softmax at least in float32 (wider if the model is float64), as transformers does.
+    softmax_dtype = torch.promote_types(torch.promote_types(scores.dtype, q_dtype), torch.float32)
+    scores = scores.to(softmax_dtype).masked_fill_(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v_dtype)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+            opts: AttentionOptions) -> torch.Tensor:
+    num_decode, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    span, length = batch.decode_span, batch.max_decode_len
+    if batch.decode_rows is not None:
+        # Decoding slots are not [0, num_decode): place each query at its slot (a tiny scatter of
+        # queries; the KV stays where it is). Slots that do not decode get a zero query.
+        q_span = q.new_zeros(span, heads, head_dim)
+        q_span[batch.decode_rows] = q
+        q = q_span
+    dtype = opts.scores_dtype or q.dtype
+    qg = q.view(span, kv_heads, heads // kv_heads, head_dim).to(dtype)  # [n, kvh, group, d]
+    k = k_cache[:span, :, :length].to(dtype)  # [n, kvh, len, d] view of the live slots
+    v = v_cache[:span, :, :length]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, kvh, group, len]
+    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype)
+    out = torch.matmul(weights, v).reshape(span, heads * head_dim)  # [n, heads * d]
+    return out if batch.decode_rows is None else out[batch.decode_rows]
+
+
+def _prefill(q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, span: PrefillSpan,
+             opts: AttentionOptions) -> torch.Tensor:
+    length, heads, head_dim = q.shape
+    kv_heads = k_slot.shape[0]
+    end = span.start_pos + length
+    dtype = opts.scores_dtype or q.dtype
+    qg = q.view(length, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3).to(dtype)  # [kvh, g, c, d]
+    k = k_slot[:, :end].unsqueeze(1).to(dtype)  # [kvh, 1, end, d]
+    v = v_slot[:, :end].unsqueeze(1)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g, c, end]
+    query_pos = torch.arange(span.start_pos, end, device=q.device)[:, None]
+    key_pos = torch.arange(end, device=q.device)[None, :]
+    mask = key_pos > query_pos  # causal
+    if opts.window is not None:
+        mask |= key_pos <= query_pos - opts.window
+    weights = _softmax_weights(scores, mask, head_dim, q.dtype, v.dtype)
+    out = torch.matmul(weights, v)  # [kvh, g, c, d]
+    return out.permute(2, 0, 1, 3).reshape(length, heads * head_dim)

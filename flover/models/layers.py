@@ -1,0 +1,93 @@
+"""Building blocks shared by the architectures. Precision choices mirror transformers (RMSNorm
+and the rotary tables computed in float32) so that our logits match the reference bit for bit in
+spirit: a float64 run differs from transformers' float64 run only by summation order."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flover.models.config import CheckpointError, ModelConfig
+
+
+def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden]. Computed in float32 and cast back, as LlamaRMSNorm does."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "relu":
+        return F.relu
+    raise CheckpointError(f"config.json: activation {name!r} is not supported")
+
+
+def _inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[rotary_dim / 2] float32 inverse frequencies (transformers' default/linear/llama3 RoPE)."""
+    dim = config.rotary_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: low frequencies are scaled by `factor`, high ones kept, the band between smoothed.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with tables for every position up to `max_len`.
+
+    style "half": Llama's rotate_half over the whole head. style "interleaved": GPT-J's
+    rotate_every_two over the first `rotary_dim` dims of each head.
+    """
+
+    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.interleaved = config.is_gptj
+        self.rotary_dim = config.rotary_dim
+        positions = torch.arange(max_len, dtype=torch.int64).float()
+        freqs = positions[:, None] * _inv_freq(config)[None, :]  # [max_len, rot / 2] float32
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)  # [max_len, rot]: f0 f0 f1 f1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot]: f0 f1 ... f0 f1 ...
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; positions: [T] -> rotated copy of x."""
+        cos = self.cos[positions][:, None, :]  # [T, 1, rot]
+        sin = self.sin[positions][:, None, :]
+        if not self.interleaved:
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        pairs = rot.unflatten(-1, (-1, 2))  # [..., rot / 2, 2]
+        turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        return torch.cat((rot * cos + turned * sin, rest), dim=-1)

@@ -1,0 +1,109 @@
+"""Reads safetensors checkpoints into a model's parameters.
+
+A model lists `WeightSpec`s: which parameter is filled from which checkpoint tensors (several
+for fused projections such as QKV), and along which dimension tensor parallelism splits them.
+Each rank reads only its own slice (`safe_open(...).get_slice`), so no rank holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from flover.models.config import CheckpointError
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # tensor name in the checkpoint
+    shape: tuple[int, ...]  # its full (unsharded) shape, checked before reading
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    param: torch.Tensor  # filled in place; sources are concatenated along dim 0
+    sources: tuple[Source, ...]
+    shard_dim: int | None = None  # tensor-parallel split of each source; None = replicated
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        part = length // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+
+class CheckpointReader:
+    """Maps tensor names to the safetensors file holding them."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        self._handles: dict[Path, object] = {}
+        self.files = self._weight_map()
+
+    def _weight_map(self) -> dict[str, Path]:
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            return {name: self.dir / file for name, file in weight_map.items()}
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            hint = " (convert .bin weights to safetensors first)" if any(self.dir.glob("*.bin")) else ""
+            raise CheckpointError(f"{self.dir}: no *.safetensors files{hint}")
+        mapping = {}
+        for file in files:
+            for name in self._open(file).keys():
+                mapping[name] = file
+        return mapping
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from None
+        return self._handles[file]
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, source: Source, shard_dim: int | None, shard: Shard) -> torch.Tensor:
+        file = self.files.get(source.name)
+        if file is None:
+            raise CheckpointError(f"{self.dir}: tensor {source.name!r} is missing from the checkpoint")
+        try:
+            view = self._open(file).get_slice(source.name)
+            shape = tuple(view.get_shape())
+            if shape != source.shape:
+                raise CheckpointError(
+                    f"{file}: tensor {source.name!r} has shape {list(shape)}, expected {list(source.shape)}"
+                )
+            if shard_dim is None or shard.size == 1:
+                return view[:]
+            lo, hi = shard.bounds(shape[shard_dim])
+            index = tuple(slice(lo, hi) if d == shard_dim else slice(None) for d in range(len(shape)))
+            return view[index]
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: cannot read tensor {source.name!r} ({e})") from None
+
+
+def load_weights(reader: CheckpointReader, specs: list[WeightSpec], shard: Shard = Shard()) -> None:
+    for spec in specs:
+        parts = [reader.read(src, spec.shard_dim, shard) for src in spec.sources]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if tuple(tensor.shape) != tuple(spec.param.shape):
+            names = ", ".join(s.name for s in spec.sources)
+            raise CheckpointError(
+                f"{reader.dir}: {names} give shape {list(tensor.shape)}, the model expects {list(spec.param.shape)}"
+            )
+        spec.param.copy_(tensor)

@@ -1,0 +1,115 @@
+"""A request's life: waiting -> running (prefill, then decode) -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from flover.config import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, holds no slot
+    RUNNING = "running"  # holds a slot; prefilling until num_computed == prompt length
+    FINISHED = "finished"  # done; its slot is freed at the next iteration boundary
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Timings:
+    """Wall-clock stamps (time.perf_counter seconds) and the figures derived from them."""
+
+    arrival: float
+    scheduled: float | None = None  # first iteration that computed any of its tokens
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        """Mean time per output token after the first (the serving benchmarks' TPOT)."""
+        if self.finished is None or self.first_token is None or num_output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (num_output_tokens - 1)
+
+    def as_dict(self, num_output_tokens: int) -> dict:
+        return {
+            "queue_time": self.queue_time,
+            "ttft": self.ttft,
+            "tpot": self.tpot(num_output_tokens),
+            "e2e": self.e2e,
+        }
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    state: RequestState = RequestState.WAITING
+    slot: int | None = None
+    num_computed: int = 0  # prompt tokens whose K/V are in the cache
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_text: str = ""  # kept up to date only when stop strings need it
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    timings: Timings = field(default_factory=lambda: Timings(arrival=time.perf_counter()))
+    stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignored) and stop_token_ids
+    detokenizer: object | None = None  # IncrementalDetokenizer, only for stop strings
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.state = RequestState.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.timings.finished = now
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of a request after an iteration (new tokens) or at its end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]  # produced by this iteration
+    token_ids: list[int]  # everything produced so far
+    text: str | None  # filled on the final output
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None
+    timings: dict
+    error: str | None = None
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids)}

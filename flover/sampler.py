@@ -1,0 +1,103 @@
+"""Vectorised sampling: every row of the logits has its own parameters, one pass for the batch.
+
+Randomness is counter-based: the uniform number behind a request's n-th token is a hash of
+(the request's seed, n). A request therefore draws the same numbers whatever it is batched with,
+and a fixed seed gives the same tokens in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """splitmix64(seed, counter) -> float64 uniform in [0, 1). Both: [B] int64."""
+    z = seed ^ (counter * _GOLDEN)  # int64 arithmetic wraps like uint64
+    z = z + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) / float(1 << 53)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters, each [B]."""
+
+    temperature: torch.Tensor  # float; 0 = greedy
+    top_k: torch.Tensor  # int64; 0 = off
+    top_p: torch.Tensor  # float; 1 = off
+    min_p: torch.Tensor  # float; 0 = off
+    repetition_penalty: torch.Tensor  # float; 1 = off
+    seed: torch.Tensor  # int64
+    counter: torch.Tensor  # int64: index of the token being sampled within its request
+    all_greedy: bool
+    history: list[list[int]] | None = None  # per row, tokens the repetition penalty looks at
+    want_logprobs: bool = False
+
+
+def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, history: list[list[int]]) -> None:
+    """transformers' definition: seen tokens' logits are divided (if > 0) or multiplied by it."""
+    for row, tokens in enumerate(history):
+        if not tokens or float(penalty[row]) == 1.0:
+            continue
+        ids = torch.tensor(sorted(set(tokens)), device=logits.device)
+        seen = logits[row, ids]
+        logits[row, ids] = torch.where(seen < 0, seen * penalty[row], seen / penalty[row])
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [B, vocab] -> (token ids [B] int64, log-probabilities of those ids [B] or None)."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    raw = logits.to(work)
+    logits = raw.clone() if st.history is not None else raw
+    if st.history is not None:
+        apply_repetition_penalty(logits, st.repetition_penalty, st.history)
+    ids = logits.argmax(dim=-1)
+    if not st.all_greedy:
+        ids = torch.where(st.temperature == 0, ids, _sample_random(logits, st))
+    logprobs = None
+    if st.want_logprobs:
+        logprobs = torch.log_softmax(raw, dim=-1).gather(1, ids[:, None]).squeeze(1)
+    return ids, logprobs
+
+
+def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    temperature = torch.where(st.temperature == 0, 1.0, st.temperature).to(logits.dtype)
+    scaled = logits / temperature[:, None]  # [B, vocab]
+    if bool((st.top_k > 0).any()):
+        k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab)  # [B]
+        top = scaled.topk(int(k.max()), dim=-1).values  # [B, kmax], descending
+        kth = top.gather(1, (k - 1)[:, None])  # [B, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if bool((st.top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before > st.top_p[:, None].to(probs.dtype), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if bool((st.min_p > 0).any()):
+        floor = st.min_p[:, None].to(probs.dtype) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    cdf = probs.cumsum(dim=-1)  # [B, vocab], unnormalised after the filters
+    u = counter_uniform(st.seed, st.counter).to(cdf.dtype) * cdf[:, -1]
+    return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)

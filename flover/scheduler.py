@@ -1,0 +1,140 @@
+"""Iteration-level scheduling: which requests leave, which join, and which tokens one iteration
+computes. Pure Python bookkeeping (no tensors), so it is unit-tested alone.
+
+Order inside one `schedule()` call:
+  1. retire finished/cancelled requests (their slots become holes);
+  2. plan the compaction that closes the holes (kv_buffer.plan_compaction);
+  3. every running request that finished its prompt decodes one token;
+  4. prompts still being prefilled continue (FCFS), then waiting requests are admitted (FCFS)
+     into the slots after the live range, while a slot is free and the token budget allows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flover.kv_buffer import Move, plan_compaction
+from flover.request import FinishReason, Request, RequestState
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request: Request
+    start: int  # first prompt position of this chunk
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == self.request.prompt_len
+
+
+@dataclass
+class StepPlan:
+    retired: list[Request] = field(default_factory=list)
+    moves: list[Move] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)  # in slot order
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    num_live: int = 0  # live slots are [0, num_live) after this plan
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.prefill)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, max_slots: int, max_batch_tokens: int):
+        if max_batch_tokens < max_slots:
+            raise ValueError("max_batch_tokens must be >= max_slots")
+        self.max_slots = max_slots
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * max_slots
+        self.num_live = 0  # slots [0, num_live) may hold requests; all above are free
+        self._prefilling: list[Request] = []  # admitted, prompt not complete, FCFS order
+
+    # -- intake ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    def cancel(self, request: Request, now: float) -> None:
+        """Finish a request now. A waiting one leaves the queue; a running one keeps its slot
+        until the next retire step, so its last output is still reported."""
+        if request.finished:
+            return
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        request.finish(FinishReason.CANCELLED, now)
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots[: self.num_live] if r is not None and not r.finished]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots[: self.num_live])
+
+    # -- one iteration --------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._retire(plan)
+        self._compact(plan)
+
+        # 3. decode: one token for every live request whose prompt is complete.
+        plan.decode = [r for r in self.slots[: self.num_live] if not r.prefilling]
+        budget = self.max_batch_tokens - len(plan.decode)
+
+        # 4a. continue chunked prompts, oldest first.
+        for request in self._prefilling:
+            if budget == 0:
+                break
+            budget -= self._add_chunk(plan, request, budget)
+
+        # 4b. admit waiting requests FCFS into the slots after the live range.
+        while self.waiting and budget > 0 and self.num_live < self.max_slots:
+            request = self.waiting.popleft()
+            request.state = RequestState.RUNNING
+            request.slot = self.num_live
+            self.slots[self.num_live] = request
+            self.num_live += 1
+            self._prefilling.append(request)
+            budget -= self._add_chunk(plan, request, budget)
+
+        plan.num_live = self.num_live
+        return plan
+
+    def _retire(self, plan: StepPlan) -> None:
+        for slot in range(self.num_live):
+            request = self.slots[slot]
+            if request is not None and request.finished:
+                self.slots[slot] = None
+                request.slot = None
+                plan.retired.append(request)
+        if plan.retired:
+            gone = {id(r) for r in plan.retired}
+            self._prefilling = [r for r in self._prefilling if id(r) not in gone]
+
+    def _compact(self, plan: StepPlan) -> None:
+        occupied = [r is not None for r in self.slots[: self.num_live]]
+        plan.moves = plan_compaction(occupied)
+        for move in plan.moves:
+            request = self.slots[move.src]
+            self.slots[move.dst], self.slots[move.src] = request, None
+            request.slot = move.dst
+        self.num_live = sum(occupied)
+
+    @staticmethod
+    def _add_chunk(plan: StepPlan, request: Request, budget: int) -> int:
+        length = min(request.prompt_len - request.num_computed, budget)
+        plan.prefill.append(PrefillChunk(request, request.num_computed, length))
+        return length
+
+    def commit(self, plan: StepPlan) -> None:
+        """After the forward pass: the chunks' K/V are now in the cache."""
+        for chunk in plan.prefill:
+            chunk.request.num_computed += chunk.length
+        self._prefilling = [r for r in self._prefilling if r.prefilling]

@@ -1,0 +1,110 @@
+"""Random checkpoints for tests, demos and benchmarks, made offline and deterministically:
+transformers writes the model (fixed seed), `tokenizers` trains a byte-level BPE on a corpus that
+is generated here from a fixed seed. The weights are random, so generated text is meaningless.
+
+Needs the `tools` extra (transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "models" / "presets"
+ARCHS = ("llama", "mistral", "qwen2", "gptj")
+EOS = "<|endoftext|>"
+
+_WORDS = (
+    "the a an of to in and or but if then when while fuse batch request token model layer "
+    "memory slot buffer kernel iteration arrive finish return stream engine rank shard "
+    "time fast slow small large first last new old one two three four five six seven eight "
+    "nine ten is was be are were has have had do does did not no yes can will would should "
+    "cat dog bird fish tree river mountain city road house light dark red blue green yellow "
+    "run walk read write think speak see hear find give take make know want need use work "
+    "über café naïve 東京 数据 模型 ✓ → λ π ∑"
+).split()
+
+
+def corpus(num_sentences: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_sentences):
+        words = rng.choices(_WORDS, k=rng.randint(4, 16))
+        number = str(rng.randint(0, 10**rng.randint(1, 6)))
+        lines.append(" ".join(words).capitalize() + f" {number}{rng.choice('.,!?;:')}")
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE padded with plain added tokens up to `vocab_size`, so that every id the
+    model can produce decodes to some text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([AddedToken(f"<w{i}>", special=False) for i in range(missing)])
+    return tok
+
+
+def load_preset(name_or_path: str) -> dict:
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = PRESETS_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in sorted(PRESETS_DIR.glob("*.json")))
+        raise ValueError(f"unknown preset {name_or_path!r}; known: {known}")
+    return json.loads(path.read_text())
+
+
+def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
+    """The transformers config object for `arch` with the preset's sizes."""
+    import transformers
+
+    p = preset
+    common = dict(vocab_size=p["vocab_size"], bos_token_id=eos_id, eos_token_id=eos_id,
+                  tie_word_embeddings=p.get("tie_word_embeddings", False))
+    if arch == "gptj":
+        kw = dict(n_embd=p["hidden_size"], n_layer=p["num_layers"], n_head=p["num_heads"],
+                  n_inner=p["intermediate_size"], n_positions=p["max_position_embeddings"],
+                  rotary_dim=p.get("rotary_dim", p["hidden_size"] // p["num_heads"] // 2))
+        return transformers.GPTJConfig(**common, **kw, **overrides)
+    kw = dict(hidden_size=p["hidden_size"], num_hidden_layers=p["num_layers"],
+              num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"],
+              intermediate_size=p["intermediate_size"],
+              max_position_embeddings=p["max_position_embeddings"])
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[arch]
+    return cls(**common, **kw, **overrides)
+
+
+def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 0,
+                    **config_overrides) -> Path:
+    """Write a checkpoint directory (config, safetensors, tokenizer) and return its path."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise RuntimeError("making a model needs transformers: pip install 'flover[tools]'") from e
+    preset = load_preset(preset) if isinstance(preset, str) else preset
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(preset["vocab_size"], seed)
+    eos_id = tok.token_to_id(EOS)
+    config = hf_config(arch, preset, eos_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.bos_token_id = eos_id
+    model.save_pretrained(out)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS)
+    fast.save_pretrained(out)
+    return out
