@@ -74,14 +74,14 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         kw = dict(n_embd=p["hidden_size"], n_layer=p["num_layers"], n_head=p["num_heads"],
                   n_inner=p["intermediate_size"], n_positions=p["max_position_embeddings"],
                   rotary_dim=p.get("rotary_dim", p["hidden_size"] // p["num_heads"] // 2))
-        return transformers.GPTJConfig(**common, **kw, **overrides)
+        return transformers.GPTJConfig(**{**common, **kw, **overrides})
     kw = dict(hidden_size=p["hidden_size"], num_hidden_layers=p["num_layers"],
               num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"],
               intermediate_size=p["intermediate_size"],
               max_position_embeddings=p["max_position_embeddings"])
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[arch]
-    return cls(**common, **kw, **overrides)
+    return cls(**{**common, **kw, **overrides})
 
 
 def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 0,

@@ -1,0 +1,28 @@
+"""The command line, run as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def flover(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flover.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_generate_prints_results_and_kv_figure(llama_dir):
+    run = flover("generate", "--model", llama_dir, "--max-new-tokens", "5", "--ignore-eos", "--json",
+                 "--max-seq-len", "64", "Hello", "the cat")
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["Hello", "the cat"]
+    assert all(len(line["token_ids"]) == 5 and line["finish_reason"] == "length" for line in lines)
+    assert "KV cache: " in run.stderr and "MiB allocated" in run.stderr
+
+
+def test_errors_are_one_clear_line(llama_dir, tmp_path):
+    run = flover("generate", "--model", str(tmp_path), "x")
+    assert run.returncode == 2 and "config.json: not found" in run.stderr and "Traceback" not in run.stderr
+    run = flover("generate", "--model", llama_dir, "--max-seq-len", "8", "--max-new-tokens", "10", "x")
+    assert run.returncode == 2 and "exceeds max_seq_len=8" in run.stderr

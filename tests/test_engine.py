@@ -1,0 +1,181 @@
+"""The engine end to end on a real (tiny, random) checkpoint."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flover import LLM, Engine, EngineConfig, SamplingParams
+
+
+def solo_tokens(model_dir: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    llm = LLM(model_dir, dtype="float64", max_slots=1, max_seq_len=128)
+    return llm.generate([prompt], params)[0].token_ids
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    n = rng.randint(1, 24)
+    if rng.random() < 0.5:
+        return SamplingParams(max_new_tokens=n, ignore_eos=True)
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=rng.choice([0.7, 1.0, 1.5]),
+                          top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9]),
+                          min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**40))
+
+
+@pytest.mark.parametrize("variant,seed", [("llama", 0), ("llama", 1), ("mistral-window8", 2), ("gptj", 3)])
+def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed):
+    """Many requests, random arrival iterations, random prompt and output lengths, fewer slots
+    than requests and a small token budget (so prompts are chunked and holes appear in the
+    middle of the buffer). Each request's tokens must equal its solo run, greedy or seeded."""
+    model_dir = make_model(variant)
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(14):
+        prompt = [rng.randrange(1, 512) for _ in range(rng.randint(1, 40))]
+        jobs.append((rng.randint(0, 30), str(i), prompt, random_params(rng)))
+    jobs.sort(key=lambda j: j[0])
+
+    engine = Engine(EngineConfig(model_dir, dtype="float64", max_slots=4, max_seq_len=128, max_batch_tokens=12))
+    finals, it, moves_seen, live_seen = {}, 0, 0, set()
+    pending = list(jobs)
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= it:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(prompt, params, request_id=rid)
+        plan_moves_before = engine.scheduler.num_live
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        live_seen.add(engine.scheduler.num_live)
+        moves_seen += plan_moves_before != engine.scheduler.num_live
+        it += 1
+        assert it < 1000
+    assert len(finals) == len(jobs)
+    assert max(live_seen) == 4  # the buffer was full at some point
+    for _, rid, prompt, params in jobs:
+        assert finals[rid].token_ids == solo_tokens(model_dir, prompt, params), rid
+        assert len(finals[rid].token_ids) == params.max_new_tokens
+
+
+def test_one_fused_forward_per_iteration(llama_dir):
+    """Decode tokens of running requests and the prompt of a newly arrived request go through
+    the model in ONE call over one token matrix."""
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64))
+    calls = []
+    forward = engine.model.forward
+    engine.model.forward = lambda batch, kv: calls.append(batch.input_ids.shape[0]) or forward(batch, kv)
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.add_request([4, 5], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.step()
+    assert calls == [5]  # both prompts, one call
+    engine.add_request([6, 7, 8, 9], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    outs = engine.step()  # 2 decode tokens + the 4-token prompt of the newcomer
+    assert calls == [5, 6]
+    assert {o.request_id for o in outs} == {"0", "1", "2"}  # the newcomer got its first token now
+
+
+def test_finished_requests_return_at_once_and_free_their_slot(llama_dir):
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2, max_seq_len=64))
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True), "short")
+    engine.add_request([3, 4], SamplingParams(max_new_tokens=6, ignore_eos=True), "long")
+    engine.add_request([5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True), "waiting")
+    first = engine.step()
+    assert {o.request_id for o in first} == {"short", "long"}
+    second = engine.step()
+    done = [o for o in second if o.finished]
+    assert [o.request_id for o in done] == ["short"] and done[0].finish_reason == "length"
+    third = engine.step()  # "short" left, "waiting" takes its slot in this very iteration
+    assert {o.request_id for o in third} == {"long", "waiting"}
+    assert engine.requests["waiting"].slot == 0 or engine.requests["waiting"].slot == 1
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llama_dir):
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    llm = LLM(llama_dir, dtype="float32", max_slots=8, max_seq_len=64)
+    alone = llm.generate([[7, 8, 9]], params)[0].token_ids
+    crowd = llm.generate([[1, 2]] * 3 + [[7, 8, 9]] + [[3]] * 3,
+                         [SamplingParams(max_new_tokens=9, temperature=1.2, ignore_eos=True)] * 3
+                         + [params] + [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 3)
+    assert crowd[3].token_ids == alone
+    other = llm.generate([[7, 8, 9]], params.with_updates(seed=99))[0].token_ids
+    assert other != alone
+
+
+def test_stop_token_ids_and_eos(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    base = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0].token_ids
+    stop_at = base[5]
+    first = base.index(stop_at)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
+    # the same id declared as EOS stops too, unless ignore_eos
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30, eos_token_ids=[stop_at]))[0]
+    assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30, eos_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.token_ids == base and out.finish_reason == "length"
+
+
+def test_stop_strings_end_generation_and_are_not_returned(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=128)
+    full = llm.generate(["Hello the cat"], SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
+    text = full.text
+    assert len(text) > 10
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    out = llm.generate(["Hello the cat"], SamplingParams(max_new_tokens=60, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+
+
+def test_bad_requests_are_refused_and_change_nothing(llama_dir):
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2, max_seq_len=32))
+    with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
+        engine.add_request(list(range(1, 30)), SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 512\)"):
+        engine.add_request([1, 512], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=3), "x")
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add_request([1, 2], SamplingParams(), "x")
+    assert list(engine.requests) == ["x"] and len(engine.scheduler.waiting) == 1
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=32)
+    with pytest.raises(ValueError, match="prompt 1: .*exceeds max_seq_len"):
+        llm.generate([[1], list(range(1, 40))])
+    assert not llm.engine.requests
+
+
+def test_cancel_waiting_and_running_requests(llama_dir):
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=1, max_seq_len=64))
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=50, ignore_eos=True), "run")
+    engine.add_request([3, 4], SamplingParams(max_new_tokens=50, ignore_eos=True), "wait")
+    engine.step()
+    assert engine.abort("wait") and engine.abort("run")
+    assert not engine.abort("run")  # already finished
+    outs = engine.step()
+    assert {(o.request_id, o.finish_reason) for o in outs} == {("run", "cancelled"), ("wait", "cancelled")}
+    assert engine.scheduler.num_live == 0 and not engine.has_unfinished()
+
+
+def test_logprobs_and_timings(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=True))[0]
+    assert len(out.logprobs) == 5 and all(lp <= 0 for lp in out.logprobs)
+    t = out.timings
+    assert 0 <= t["queue_time"] <= t["ttft"] <= t["e2e"] and t["tpot"] > 0
+    assert out.usage == {"prompt_tokens": 3, "completion_tokens": 5}
+
+
+def test_threads_flag_and_kv_refusal(llama_dir):
+    Engine(EngineConfig(llama_dir, num_threads=1, max_seq_len=32))
+    assert torch.get_num_threads() == 1
+    with pytest.raises(MemoryError, match="MiB"):
+        Engine(EngineConfig(llama_dir, max_slots=10**6, max_batch_tokens=10**6, max_seq_len=512))
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Engine(EngineConfig(llama_dir, max_slots=8, max_batch_tokens=4))

@@ -1,0 +1,73 @@
+"""The two-step shuffle: the planner alone, then the batched copy on real tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flover.kv_buffer import Move, SlotBuffer, kv_cache_bytes, plan_compaction
+
+
+def random_occupancy(rng: random.Random, size: int) -> list[bool]:
+    density = rng.random()
+    return [rng.random() < density for _ in range(size)]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_plan_is_minimal_disjoint_and_compacts(seed):
+    rng = random.Random(seed)
+    occupied = random_occupancy(rng, rng.randint(0, 40))
+    live = sum(occupied)
+    moves = plan_compaction(occupied)
+
+    # fewest moves: exactly the live slots that lie beyond the target range must move
+    assert len(moves) == sum(occupied[live:])
+    srcs, dsts = [m.src for m in moves], [m.dst for m in moves]
+    assert all(occupied[s] and s >= live for s in srcs)
+    assert all(not occupied[d] and d < live for d in dsts)
+    assert len(set(srcs)) == len(srcs) and len(set(dsts)) == len(dsts)
+    assert not set(srcs) & set(dsts)  # no copy reads a slot another writes
+
+    after = list(occupied)
+    for m in moves:
+        after[m.dst], after[m.src] = True, False
+    assert after == [True] * live + [False] * (len(occupied) - live)
+
+
+def test_plan_keeps_admission_order():
+    # holes at 1 and 3; live slots 5 and 6 fill them in order
+    occupied = [True, False, True, False, True, True, True]
+    assert plan_compaction(occupied) == [Move(5, 1), Move(6, 3)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_apply_moves_preserves_every_live_request(seed):
+    """After the batched copy every live request finds exactly its own KV rows and state."""
+    rng = random.Random(seed)
+    layers, slots, heads, seq, dim = 3, 12, 2, 8, 4
+    buf = SlotBuffer(layers, slots, heads, seq, dim, torch.float64, torch.device("cpu"))
+    length = buf.add_state("length", torch.int64)
+    buf.kv.copy_(torch.randn_like(buf.kv))
+    length.copy_(torch.randint(0, seq, (slots,)))
+    occupied = random_occupancy(rng, slots)
+    before = {s: (buf.kv[:, :, s].clone(), int(length[s])) for s in range(slots) if occupied[s]}
+
+    moves = plan_compaction(occupied)
+    buf.apply_moves(moves)
+
+    new_slot = {s: s for s in before}
+    for m in moves:
+        new_slot[m.src] = m.dst
+    assert sorted(new_slot.values()) == list(range(len(before)))
+    for old, (rows, n) in before.items():
+        assert torch.equal(buf.kv[:, :, new_slot[old]], rows)
+        assert int(length[new_slot[old]]) == n
+
+
+def test_refuses_when_memory_does_not_fit():
+    need = kv_cache_bytes(1000, 1000, 64, 100000, 128, torch.float32)
+    with pytest.raises(MemoryError, match=r"KV cache needs .* MiB"):
+        SlotBuffer(1000, 1000, 64, 100000, 128, torch.float32, torch.device("cpu"))
+    assert need > 2**40

@@ -1,0 +1,107 @@
+"""Correctness is defined against transformers on the same weights."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from flover import LLM, SamplingParams
+from flover.models.config import load_model_config
+from tests.conftest import PROMPTS, VARIANTS, rewrite_config
+
+
+def reference(model_dir: str, dtype: torch.dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def max_logit_diff(llm: LLM, ref, prompt: str) -> tuple[float, float]:
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]  # [T, vocab]
+    ours = llm.engine.score(ids)
+    assert ours.shape == expected.shape
+    return (ours.double() - expected.double()).abs().max().item(), expected.abs().max().item()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_float64_logits_match(make_model, variant):
+    model_dir = make_model(variant)
+    llm = LLM(model_dir, dtype="float64", max_slots=2, max_seq_len=256)
+    ref = reference(model_dir, torch.float64)
+    for prompt in PROMPTS:
+        diff, _ = max_logit_diff(llm, ref, prompt)
+        assert diff <= 1e-9, (variant, prompt, diff)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_float32_logits_match(make_model, variant):
+    model_dir = make_model(variant)
+    llm = LLM(model_dir, dtype="float32", max_slots=2, max_seq_len=256)
+    ref = reference(model_dir, torch.float32)
+    for prompt in PROMPTS:
+        diff, scale = max_logit_diff(llm, ref, prompt)
+        assert diff <= 1e-4 * scale, (variant, prompt, diff, scale)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logits_close(make_model, dtype):
+    model_dir = make_model("llama")
+    llm = LLM(model_dir, dtype=dtype, max_slots=2, max_seq_len=256)
+    ref = reference(model_dir, getattr(torch, dtype))
+    for prompt in PROMPTS:
+        diff, scale = max_logit_diff(llm, ref, prompt)
+        assert diff <= 0.03 * scale, (dtype, prompt, diff, scale)  # a few ulps of bfloat16
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_float64_greedy_generation_matches_transformers(make_model, variant):
+    """All prompts run fused in one engine; each must give transformers' own greedy tokens."""
+    model_dir = make_model(variant)
+    llm = LLM(model_dir, dtype="float64", max_slots=4, max_seq_len=256)
+    ref = reference(model_dir, torch.float64)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=True)
+    outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = llm.tokenizer.encode(prompt)
+        expected = ref.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        assert out.token_ids == expected[0, len(ids):].tolist(), (variant, prompt)
+        assert out.finish_reason == "length"
+        # The decode path's log-probabilities equal the reference's for every generated token.
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(expected).logits[0], dim=-1)
+        want = logp[len(ids) - 1: -1].gather(1, expected[0, len(ids):, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-8), variant
+
+
+def test_sliding_window_is_applied(make_model, tmp_path):
+    """The window must change the result once prompts are longer than it (so the match above
+    is not a coincidence of both sides ignoring it)."""
+    windowed = make_model("mistral-window8")
+    full = tmp_path / "full"
+    shutil.copytree(windowed, full)
+    rewrite_config(full, sliding_window=None)
+    assert load_model_config(full).sliding_windows == (None, None)
+    ids = LLM(windowed, dtype="float64", max_seq_len=256).tokenizer.encode(PROMPTS[2])
+    a = LLM(windowed, dtype="float64", max_seq_len=256).engine.score(ids)
+    b = LLM(str(full), dtype="float64", max_seq_len=256).engine.score(ids)
+    assert torch.equal(a[:8], b[:8])  # inside the window: identical
+    assert (a[8:] - b[8:]).abs().max() > 1e-6  # beyond it: different
+
+
+def test_transformers_v4_config_layout(make_model, tmp_path):
+    """v4 keeps rope_theta/rope_scaling at the top level instead of rope_parameters."""
+    v5 = make_model("llama-mqa-bias-tied-llama3")
+    v4 = tmp_path / "v4"
+    shutil.copytree(v5, v4)
+    params = load_model_config(v5)
+    rewrite_config(v4, rope_parameters=None, rope_theta=params.rope_theta,
+                   rope_scaling={k: v for k, v in params.rope_scaling.items()}, torch_dtype="float32")
+    cfg = load_model_config(v4)
+    assert cfg == params.__class__(**{**params.__dict__, "checkpoint_dtype": "float32"})
+    ids = [5, 6, 7, 8, 9]
+    a = LLM(v5, dtype="float64").engine.score(ids)
+    b = LLM(str(v4), dtype="float64").engine.score(ids)
+    assert torch.equal(a, b)
