@@ -50,7 +50,8 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        self.model = load_model(config.model, self.dtype, self.device, self.max_seq_len, cfg)
+        self.model = load_model(config.model, self.dtype, self.device, self.max_seq_len, cfg,
+                                pack_hint=config.max_slots)
         self.tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
         self.buffer = SlotBuffer(cfg.num_layers, config.max_slots, cfg.num_kv_heads, self.max_seq_len,
                                  cfg.head_dim, self.dtype, self.device)

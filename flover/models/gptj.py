@@ -9,7 +9,7 @@ from torch import nn
 
 from flover.models.attention import AttentionOptions, ForwardBatch, attention, write_kv
 from flover.models.config import ModelConfig
-from flover.models.layers import Rotary, activation, new_param
+from flover.models.layers import Linear, Rotary, activation, new_param
 from flover.models.loader import Source, WeightSpec
 
 
@@ -19,10 +19,10 @@ class GPTJLayer(nn.Module):
         h, i = cfg.hidden_size, cfg.intermediate_size
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         self.ln_weight, self.ln_bias = p(h), p(h)
-        self.qkv = p(3 * h, h)  # q, k, v fused: one GEMM
-        self.out = p(h, h)
-        self.fc_in, self.fc_in_bias = p(i, h), p(i)
-        self.fc_out, self.fc_out_bias = p(h, i), p(h)
+        self.qkv = Linear(3 * h, h, False, dtype, device)  # q, k, v fused: one GEMM
+        self.out = Linear(h, h, False, dtype, device)
+        self.fc_in = Linear(i, h, True, dtype, device)
+        self.fc_out = Linear(h, i, True, dtype, device)
 
     def weight_specs(self, cfg: ModelConfig, prefix: str) -> list[WeightSpec]:
         h, i = cfg.hidden_size, cfg.intermediate_size
@@ -30,12 +30,13 @@ class GPTJLayer(nn.Module):
         return [
             one(self.ln_weight, "ln_1.weight", (h,)),
             one(self.ln_bias, "ln_1.bias", (h,)),
-            WeightSpec(self.qkv, tuple(Source(f"{prefix}.attn.{n}_proj.weight", (h, h)) for n in "qkv"), shard_dim=0),
-            one(self.out, "attn.out_proj.weight", (h, h), 1),
-            one(self.fc_in, "mlp.fc_in.weight", (i, h), 0),
-            one(self.fc_in_bias, "mlp.fc_in.bias", (i,), 0),
-            one(self.fc_out, "mlp.fc_out.weight", (h, i), 1),
-            one(self.fc_out_bias, "mlp.fc_out.bias", (h,)),
+            WeightSpec(self.qkv.weight, tuple(Source(f"{prefix}.attn.{n}_proj.weight", (h, h)) for n in "qkv"),
+                       shard_dim=0),
+            one(self.out.weight, "attn.out_proj.weight", (h, h), 1),
+            one(self.fc_in.weight, "mlp.fc_in.weight", (i, h), 0),
+            one(self.fc_in.bias, "mlp.fc_in.bias", (i,), 0),
+            one(self.fc_out.weight, "mlp.fc_out.weight", (h, i), 1),
+            one(self.fc_out.bias, "mlp.fc_out.bias", (h,)),
         ]
 
 
@@ -48,8 +49,7 @@ class GPTJForCausalLM(nn.Module):
         self.embed = p(v, h)
         self.layers = nn.ModuleList(GPTJLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.ln_f_weight, self.ln_f_bias = p(h), p(h)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else p(v, h)
-        self.lm_head_bias = p(v)
+        self.lm_head = Linear(v, h, True, dtype, device)
         self.rotary = Rotary(cfg, max_len, dtype, device)
         self.act = activation(cfg.hidden_act)
         self.attn_opts = AttentionOptions(scores_dtype=torch.float32)
@@ -60,12 +60,12 @@ class GPTJForCausalLM(nn.Module):
             WeightSpec(self.embed, (Source("transformer.wte.weight", (v, h)),), shard_dim=0),
             WeightSpec(self.ln_f_weight, (Source("transformer.ln_f.weight", (h,)),)),
             WeightSpec(self.ln_f_bias, (Source("transformer.ln_f.bias", (h,)),)),
-            WeightSpec(self.lm_head_bias, (Source("lm_head.bias", (v,)),), shard_dim=0),
+            WeightSpec(self.lm_head.bias, (Source("lm_head.bias", (v,)),), shard_dim=0),
         ]
         for n, layer in enumerate(self.layers):
             specs += layer.weight_specs(cfg, f"transformer.h.{n}")
-        if not cfg.tie_word_embeddings:
-            specs.append(WeightSpec(self.lm_head, (Source("lm_head.weight", (v, h)),), shard_dim=0))
+        head = "transformer.wte.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        specs.append(WeightSpec(self.lm_head.weight, (Source(head, (v, h)),), shard_dim=0))
         return specs
 
     def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
@@ -75,11 +75,11 @@ class GPTJForCausalLM(nn.Module):
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         for n, layer in enumerate(self.layers):
             x = F.layer_norm(hidden, (h,), layer.ln_weight, layer.ln_bias, cfg.norm_eps)
-            q, k, v = F.linear(x, layer.qkv).view(tokens, 3, cfg.num_heads, cfg.head_dim).unbind(1)
+            q, k, v = layer.qkv(x).view(tokens, 3, cfg.num_heads, cfg.head_dim).unbind(1)
             q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
             write_kv(kv[n, 0], kv[n, 1], k, v, batch)
-            attn = F.linear(attention(q, kv[n, 0], kv[n, 1], batch, self.attn_opts), layer.out)
-            mlp = F.linear(self.act(F.linear(x, layer.fc_in, layer.fc_in_bias)), layer.fc_out, layer.fc_out_bias)
+            attn = layer.out(attention(q, kv[n, 0], kv[n, 1], batch, self.attn_opts))
+            mlp = layer.fc_out(self.act(layer.fc_in(x)))
             hidden = attn + mlp + hidden  # parallel block, summed in transformers' order
         last = F.layer_norm(hidden[batch.sample_rows], (h,), self.ln_f_weight, self.ln_f_bias, cfg.norm_eps)
-        return F.linear(last, self.lm_head, self.lm_head_bias)  # [B, vocab]
+        return self.lm_head(last)  # [B, vocab]
