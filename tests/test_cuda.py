@@ -1,0 +1,36 @@
+"""The CUDA path: the same engine on a GPU. Skipped, with the reason, where no GPU is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from flover import LLM, SamplingParams
+from tests.conftest import PROMPTS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device on this machine (the CUDA path runs on GPU hosts)")
+
+
+@pytest.mark.parametrize("variant", ["llama", "gptj"])
+def test_cuda_logits_and_greedy_tokens_match_transformers(make_model, variant):
+    model_dir = make_model(variant)
+    llm = LLM(model_dir, dtype="float64", device="cuda", max_slots=4, max_seq_len=256)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected_logits = ref(torch.tensor([ids])).logits[0]
+            expected = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert (llm.engine.score(ids).cpu() - expected_logits).abs().max() <= 1e-9
+        assert out.token_ids == expected[0, len(ids):].tolist()
+
+
+def test_cuda_float32_matches_cpu(make_model):
+    model_dir = make_model("llama")
+    ids = [3, 5, 7, 11, 13]
+    gpu = LLM(model_dir, dtype="float32", device="cuda").engine.score(ids).cpu()
+    cpu = LLM(model_dir, dtype="float32").engine.score(ids)
+    assert (gpu - cpu).abs().max() <= 1e-4 * cpu.abs().max()
