@@ -73,6 +73,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from flover.batch import BatchRunner, Progress, arrival_offsets
+    from flover.engine import Engine
+    from flover.prompt_file import check_unique_ids, detect_format, iter_records
+    from flover.results_file import ResultsFile, recover
+
+    if args.arrival == "poisson" and not args.rate:
+        raise ValueError("--arrival poisson needs --rate (requests per second)")
+    if args.arrival == "interval" and args.interval is None:
+        raise ValueError("--arrival interval needs --interval MS")
+    if args.prompts == "-":
+        lines = sys.stdin.readlines()
+        fmt = args.format if args.format != "auto" else detect_format("-", next((x for x in lines if x.strip()), ""))
+        read = lambda: iter_records(lines, fmt)  # noqa: E731
+    else:
+        fmt = args.format if args.format != "auto" else detect_format(args.prompts)
+
+        def read():
+            with open(args.prompts, encoding="utf-8") as f:
+                yield from iter_records(f, fmt)
+    ids = check_unique_ids(read())  # before any work: duplicate ids are an error
+    done = recover(args.out) & ids
+    params = sampling_params(args)
+    engine = Engine(engine_config(args))
+    out = ResultsFile(args.out)
+    todo = (record for record in read() if record.id not in done)
+    progress = Progress(len(ids) - len(done), enabled=not args.quiet, interval=args.log_interval)
+    runner = BatchRunner(engine, out, params, ordered=args.ordered, token_ids=args.token_ids,
+                         progress=progress)
+    try:
+        summary = runner.run(todo, arrival_offsets(args.arrival, args.rate, args.interval, args.seed))
+    finally:
+        out.close()
+    summary.prompts, summary.skipped = len(ids), len(done)
+    print(f"flover run: {summary.line()}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flover.demo import run_demo
+
+    run_demo(args.model, args.preset, args.models_dir, args.rate, args.max_new_tokens, args.max_slots,
+             args.dtype, args.threads)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flover", description="temporal-fusion LLM inference")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -83,6 +129,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
+
+    run = sub.add_parser("run", help="run every prompt of a file; resumable JSONL output",
+                         description="Run a prompt file through the engine. Re-running the same command "
+                                     "resumes: ids already in --out are skipped.")
+    add_engine_args(run)
+    add_sampling_args(run)
+    run.add_argument("--prompts", required=True, help=".txt (one prompt a line), .jsonl, or - for stdin")
+    run.add_argument("--format", choices=("auto", "txt", "jsonl"), default="auto")
+    run.add_argument("--out", required=True, help="JSONL results file (appended; - for stdout)")
+    run.add_argument("--ordered", action="store_true", help="write results in input order")
+    run.add_argument("--token-ids", action="store_true", help="include token ids in each record")
+    run.add_argument("--arrival", choices=("none", "poisson", "interval"), default="none",
+                     help="make prompts arrive over time (experiments)")
+    run.add_argument("--rate", type=float, help="poisson arrivals per second")
+    run.add_argument("--interval", type=float, help="ms between arrivals")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines (no TTY)")
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="see temporal fusion at work (makes a small random model if needed)")
+    demo.add_argument("--model", default=None, help="a real checkpoint directory instead of the random demo model")
+    demo.add_argument("--preset", default="bench-124m", help="demo model preset: bench-124m or tiny (quicker)")
+    demo.add_argument("--models-dir", default="models", help="where the demo model is made")
+    demo.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--max-slots", type=int, default=32)
+    demo.add_argument("--dtype", choices=DTYPES, default="float32")
+    demo.add_argument("--threads", type=int, default=None)
+    demo.set_defaults(func=cmd_demo)
     return ap
 
 

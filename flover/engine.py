@@ -25,7 +25,7 @@ from flover.config import EngineConfig, SamplingParams, default_num_threads
 from flover.kv_buffer import SlotBuffer
 from flover.models import load_model, load_model_config
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.request import FinishReason, Request, RequestOutput, RequestState
+from flover.request import FinishReason, Request, RequestOutput, RequestState, Timings
 from flover.sampler import SamplingTensors, sample
 from flover.scheduler import Scheduler, StepPlan
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float64": torch.float64}
+
+
+class PromptTooLong(ValueError):
+    """prompt + max_new_tokens does not fit in max_seq_len (refused, never truncated)."""
 
 
 class Engine:
@@ -82,8 +86,10 @@ class Engine:
         return self.enqueue(self.make_request(prompt, params, request_id))
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing."""
+                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
+        `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
+        latencies count from it."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -91,7 +97,7 @@ class Engine:
         token_ids, text = self._prompt_ids(prompt)
         limit = self.max_seq_len
         if len(token_ids) + params.max_new_tokens > limit:
-            raise ValueError(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
+            raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
                              f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer.json")
@@ -100,6 +106,7 @@ class Engine:
             request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
             stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
+            timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
         )
         return request
 

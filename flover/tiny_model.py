@@ -11,9 +11,14 @@ import json
 import random
 from pathlib import Path
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "models" / "presets"
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # a link to models/presets
 ARCHS = ("llama", "mistral", "qwen2", "gptj")
 EOS = "<|endoftext|>"
+# ChatML, so that `messages` prompts can be exercised on random models too.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 _WORDS = (
     "the a an of to in and or but if then when while fuse batch request token model layer "
@@ -106,5 +111,6 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     model.generation_config.bos_token_id = eos_id
     model.save_pretrained(out)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return out

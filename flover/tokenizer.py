@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -19,10 +20,23 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_tokens, self.chat_template = _tokenizer_config(Path(model_dir))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """With the tokenizer's own special tokens (e.g. BOS), as transformers' tokenizer(text) does."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render `messages` with the checkpoint's chat template (plus the assistant prompt) and
+        tokenize without adding special tokens again, as transformers' apply_chat_template does."""
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("messages must be a list of {\"role\": str, \"content\": str}")
+        text = self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
@@ -54,3 +68,35 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
+
+
+def _tokenizer_config(model_dir: Path):
+    """Special-token strings and the compiled chat template (tokenizer_config.json or, as
+    transformers v5 writes it, chat_template.jinja)."""
+    path = model_dir / "tokenizer_config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    special = {}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = raw.get(name)
+        if isinstance(value, dict):  # AddedToken serialised
+            value = value.get("content")
+        special[name] = value
+    source = raw.get("chat_template")
+    jinja_file = model_dir / "chat_template.jinja"
+    if source is None and jinja_file.is_file():
+        source = jinja_file.read_text()
+    if isinstance(source, list):  # named templates: take the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    return special, (_compile_template(source) if source else None)
+
+
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)

@@ -1,0 +1,198 @@
+"""Prompt-file processing: every prompt of a file through the temporal-fusion engine.
+
+The engine is kept full: a prompt joins as soon as a slot frees (or, with an arrival schedule,
+as soon as it "arrives"), and each result is appended to the output the moment it finishes.
+Re-running the same command resumes: ids already in the output are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from flover.config import SamplingParams
+from flover.engine import Engine, PromptTooLong
+from flover.prompt_file import PromptRecord
+from flover.request import RequestOutput
+from flover.results_file import OrderedWriter, ResultsFile, UnorderedWriter
+
+log = logging.getLogger(__name__)
+
+
+def arrival_offsets(arrival: str | None, rate: float | None = None, interval_ms: float | None = None,
+                    seed: int = 0) -> Iterator[float] | None:
+    """Seconds after the start at which each successive prompt arrives; None: no schedule (a
+    prompt arrives when the engine has room for it)."""
+    if arrival in (None, "none"):
+        return None
+    if arrival == "interval":
+        return (i * interval_ms / 1000 for i in itertools.count())
+    if arrival == "poisson":
+        return _poisson(rate, seed)
+    raise ValueError(f"unknown arrival schedule {arrival!r} (none, interval, poisson)")
+
+
+def _poisson(rate: float, seed: int) -> Iterator[float]:
+    rng, t = random.Random(seed), 0.0
+    while True:
+        yield t
+        t += rng.expovariate(rate)
+
+
+@dataclass
+class BatchSummary:
+    prompts: int = 0  # records in the input
+    skipped: int = 0  # already in the output (resumed)
+    completed: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    iterations: int = 0
+    finish_reasons: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+
+    def line(self) -> str:
+        return (f"{self.prompts} prompts: {self.completed} completed, {self.errors} errors, {self.skipped} already "
+                f"done; {self.prompt_tokens} tokens in, {self.completion_tokens} out in {self.wall_s:.1f} s "
+                f"({self.tokens_per_s:.1f} tok/s, {self.iterations} iterations)")
+
+
+class Progress:
+    """tqdm bar on a terminal; a plain log line every `interval` seconds otherwise."""
+
+    def __init__(self, total: int, enabled: bool = True, interval: float = 10.0):
+        self.total, self.done, self.interval = total, 0, interval
+        self.bar = None
+        self._last = time.perf_counter()
+        self._start = self._last
+        self.enabled = enabled
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="prompt", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, finished: int, tokens: int, in_flight: int) -> None:
+        if not self.enabled:
+            return
+        self.done += finished
+        elapsed = time.perf_counter() - self._start
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        if self.bar is not None:
+            if finished:
+                self.bar.update(finished)
+            self.bar.set_postfix({"tok/s": f"{rate:.0f}", "in flight": in_flight}, refresh=False)
+        elif time.perf_counter() - self._last >= self.interval:
+            self._last = time.perf_counter()
+            log.info("%d/%d prompts done, %.0f tok/s, %d in flight", self.done, self.total, rate, in_flight)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
+    t = out.timings
+    record = {"id": out.request_id, "text": out.text, "finish_reason": out.finish_reason, "usage": out.usage,
+              "latency": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]}}
+    if with_token_ids:
+        record["token_ids"] = out.token_ids
+    if out.logprobs is not None:
+        record["logprobs"] = out.logprobs
+    return record
+
+
+def error_record(record: PromptRecord, code: str, message: str) -> dict:
+    return {"id": record.id, "finish_reason": "error", "line": record.line,
+            "error": {"code": code, "message": message}}
+
+
+class BatchRunner:
+    """Feeds records into an engine as they arrive and slots free, writes results as they finish."""
+
+    def __init__(self, engine: Engine, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
+                 token_ids: bool = False, max_waiting: int | None = None, progress: Progress | None = None,
+                 on_step=None):
+        self.engine = engine
+        self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
+        self.defaults = defaults
+        self.token_ids = token_ids
+        # A few requests queue in the engine so a freed slot is refilled at the very next iteration.
+        self.max_waiting = max_waiting if max_waiting is not None else engine.config.max_slots
+        self.progress = progress or Progress(0, enabled=False)
+        self.on_step = on_step  # called after every iteration with (runner, outputs); for live views
+        self.summary = BatchSummary()
+        self.arrived = 0
+        self._index_of: dict[str, int] = {}
+
+    def run(self, records: Iterable[PromptRecord], offsets: Iterator[float] | None = None) -> BatchSummary:
+        """Latencies count from each prompt's scheduled arrival when `offsets` is given, else from
+        the moment the engine had room for it."""
+        engine, start = self.engine, time.perf_counter()
+        todo = iter(records)
+        scheduled = offsets is not None
+        offsets = offsets if scheduled else itertools.repeat(0.0)
+        nxt, due = next(todo, None), next(offsets)
+        while nxt is not None or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while nxt is not None and due <= now and len(engine.scheduler.waiting) < self.max_waiting:
+                self._submit(nxt, arrival_time=start + due if scheduled else None)
+                nxt, due = next(todo, None), next(offsets)
+            if not engine.has_unfinished():
+                if nxt is not None and due > now:
+                    time.sleep(due - now)  # idle until the next arrival
+                continue
+            outputs = engine.step()
+            self.summary.iterations += 1
+            finished = 0
+            for out in outputs:
+                if out.finished:
+                    self._finish(out)
+                    finished += 1
+            self.progress.update(finished, self.summary.completion_tokens, len(engine.requests))
+            if self.on_step is not None:
+                self.on_step(self, outputs)
+        self.summary.wall_s = time.perf_counter() - start
+        self.progress.close()
+        return self.summary
+
+    def _submit(self, record: PromptRecord, arrival_time: float | None) -> None:
+        self.arrived += 1
+        self.writer.expect(record.index)
+        if record.error is not None:
+            return self._fail(record, record.code or "malformed_line", record.error)
+        try:
+            params = self.defaults.with_updates(**record.sampling) if record.sampling else self.defaults
+            prompt = record.prompt
+            if record.messages is not None:
+                if self.engine.tokenizer is None:
+                    raise ValueError("messages need the checkpoint's tokenizer.json")
+                prompt = self.engine.tokenizer.encode_chat(record.messages)
+            request = self.engine.make_request(prompt, params, request_id=record.id, arrival_time=arrival_time)
+        except PromptTooLong as e:
+            return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")
+        except (ValueError, TypeError) as e:
+            return self._fail(record, "invalid_request", f"line {record.line}: {e}")
+        self._index_of[record.id] = record.index
+        self.engine.enqueue(request)
+        self.summary.prompt_tokens += len(request.prompt_token_ids)
+
+    def _fail(self, record: PromptRecord, code: str, message: str) -> None:
+        log.warning("%s", message)
+        self.summary.errors += 1
+        self.writer.write(record.index, error_record(record, code, message))
+        self.progress.update(1, self.summary.completion_tokens, len(self.engine.requests))
+
+    def _finish(self, out: RequestOutput) -> None:
+        s = self.summary
+        s.completed += 1
+        s.completion_tokens += len(out.token_ids)
+        s.finish_reasons[out.finish_reason] = s.finish_reasons.get(out.finish_reason, 0) + 1
+        self.writer.write(self._index_of.pop(out.request_id), result_record(out, self.token_ids))
