@@ -23,10 +23,27 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_slots=args.max_slots,
-                        max_seq_len=args.max_seq_len, max_batch_tokens=args.max_batch_tokens,
-                        num_threads=args.threads, seed=args.seed)
+def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
+    from flover.parallel.launch import rank_device
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, ranks),
+                        max_slots=args.max_slots, max_seq_len=args.max_seq_len,
+                        max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed)
+
+
+def start_engine(args: argparse.Namespace):
+    """This process's engine. Under `mpirun -np N` every rank builds its shard; the followers
+    (ranks 1..N-1) then run the leader's iterations until it shuts down and return None."""
+    from flover.engine import Engine
+    from flover.parallel.launch import make_communicator
+
+    comm = make_communicator(args.device)
+    args.comm = comm
+    engine = Engine(engine_config(args, comm.size if comm else 1), comm)
+    if not engine.is_leader:
+        engine.follow()
+        return None
+    return engine
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -56,9 +73,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from flover.engine import LLM
 
     params = sampling_params(args)
-    llm = LLM(**vars(engine_config(args)))
+    engine = start_engine(args)
+    if engine is None:
+        return 0
+    llm = LLM.from_engine(engine)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompts, params)
+    try:
+        outputs = llm.generate(args.prompts, params)
+    finally:
+        engine.shutdown()
     wall = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs):
         if args.json:
@@ -69,13 +92,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{prompt!r} -> {out.text!r} [{out.finish_reason}, {len(out.token_ids)} tokens]")
     tokens = sum(len(o.token_ids) for o in outputs)
     print(f"{len(outputs)} prompts, {tokens} tokens in {wall:.2f} s ({tokens / wall:.1f} tok/s, "
-          f"{llm.engine.iterations} iterations)", file=sys.stderr)
+          f"{engine.iterations} iterations)", file=sys.stderr)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flover.batch import BatchRunner, Progress, arrival_offsets
-    from flover.engine import Engine
     from flover.prompt_file import check_unique_ids, detect_format, iter_records
     from flover.results_file import ResultsFile, recover
 
@@ -96,7 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = check_unique_ids(read())  # before any work: duplicate ids are an error
     done = recover(args.out) & ids
     params = sampling_params(args)
-    engine = Engine(engine_config(args))
+    engine = start_engine(args)
+    if engine is None:  # a follower rank: the leader reads and writes the files
+        return 0
     out = ResultsFile(args.out)
     todo = (record for record in read() if record.id not in done)
     progress = Progress(len(ids) - len(done), enabled=not args.quiet, interval=args.log_interval)
@@ -106,6 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = runner.run(todo, arrival_offsets(args.arrival, args.rate, args.interval, args.seed))
     finally:
         out.close()
+        engine.shutdown()
     summary.prompts, summary.skipped = len(ids), len(done)
     print(f"flover run: {summary.line()}", file=sys.stderr)
     return 0
@@ -162,14 +187,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flover.parallel.launch import launched_rank, launched_ranks
+
     args = build_parser().parse_args(argv)
+    args.comm = None
+    ranks = launched_ranks()
+    if ranks > 1 and args.command == "demo":
+        print("flover: error: flover demo runs in one process; use flover run/generate under mpirun", file=sys.stderr)
+        return 2
+    prefix = f"flover[rank {launched_rank()}]" if ranks > 1 else "flover"
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="flover: %(message)s", stream=sys.stderr)
+                        format=f"{prefix}: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
-    except (ValueError, MemoryError, OSError) as e:  # CheckpointError is a ValueError
-        print(f"flover: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, MemoryError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError
+        print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except BaseException as e:  # anything else: say which rank failed and why
+        if ranks <= 1:
+            raise
+        import traceback
+        print(f"{prefix}: failed: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    if ranks > 1:
+        _abort_job(args.comm, code)  # one failing rank ends the whole job, never a hang
+    return code
+
+
+def _abort_job(comm, code: int) -> None:
+    if comm is None:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(code)
+    comm.abort(code)
 
 
 if __name__ == "__main__":

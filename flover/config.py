@@ -94,6 +94,14 @@ def default_num_threads() -> int:
         return os.cpu_count() or 1
 
 
+def threads_per_rank(ranks: int) -> int:
+    """Default torch threads for one of `ranks` processes on this machine: the cores it is bound to
+    when mpirun bound it, else an equal share of the cores available."""
+    cores = default_num_threads()
+    bound = cores < (os.cpu_count() or cores)
+    return cores if bound or ranks == 1 else max(1, cores // ranks)
+
+
 @dataclass
 class EngineConfig:
     """How one engine instance is sized. Everything is fixed at start-up."""

@@ -21,10 +21,13 @@ from typing import Iterable, Sequence
 
 import torch
 
-from flover.config import EngineConfig, SamplingParams, default_num_threads
+from flover.config import EngineConfig, SamplingParams, threads_per_rank
 from flover.kv_buffer import SlotBuffer
 from flover.models import load_model, load_model_config
 from flover.models.attention import ForwardBatch, PrefillSpan
+from flover.parallel.comm import Communicator
+from flover.parallel.layout import TPLayout
+from flover.parallel.plan import AddEvent, StepPlanMessage
 from flover.request import FinishReason, Request, RequestOutput, RequestState, Timings
 from flover.sampler import SamplingTensors, sample
 from flover.scheduler import Scheduler, StepPlan
@@ -43,24 +46,32 @@ class PromptTooLong(ValueError):
 class Engine:
     """One persistent inference instance: model weights, the slot buffer and the scheduler."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, comm: Communicator | None = None):
+        """`comm`: the tensor-parallel communicator when this is one rank of several (rank 0
+        leads: it alone takes requests and samples; the others follow its step plans)."""
         config.validate()
         self.config = config
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        self.comm = comm if comm is not None and comm.size > 1 else None
+        self.is_leader = self.comm is None or self.comm.rank == 0
+        ranks = self.comm.size if self.comm else 1
+        torch.set_num_threads(config.num_threads or threads_per_rank(ranks))
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model_config = cfg = load_model_config(config.model)
+        self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
         self.max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, 2048)
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        self.model = load_model(config.model, self.dtype, self.device, self.max_seq_len, cfg,
-                                pack_hint=config.max_slots)
+        self.model = load_model(config.model, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
+                                comm=self.comm, pack_hint=config.max_slots)
         self.tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
-        self.buffer = SlotBuffer(cfg.num_layers, config.max_slots, cfg.num_kv_heads, self.max_seq_len,
+        self.buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
                                  cfg.head_dim, self.dtype, self.device)
-        log.info("KV cache: %.1f MiB allocated (%d slots x %d positions, %s)",
-                 self.buffer.nbytes / 2**20, config.max_slots, self.max_seq_len, config.dtype)
+        if self.is_leader:
+            log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s)", self.buffer.nbytes / 2**20,
+                     f" per rank x {ranks} ranks" if ranks > 1 else "", config.max_slots, self.max_seq_len,
+                     config.dtype)
         state = self.buffer.add_state
         self._seq_len = state("seq_len", torch.int64)  # tokens of the slot already in the cache
         self._last_token = state("last_token", torch.int64)  # next decode input
@@ -76,6 +87,8 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
+        self._plan = StepPlanMessage()  # intake since the last iteration, for the other ranks
+        self.stopped = False  # a follower saw the leader's shutdown
         self.iterations = 0
 
     # -- intake ---------------------------------------------------------------------------
@@ -115,6 +128,8 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        if self.comm is not None and self.is_leader:
+            self._plan.add(AddEvent(request.request_id, request.prompt_token_ids, request.params))
         return request.request_id
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
@@ -140,6 +155,8 @@ class Engine:
             return False
         was_waiting = request.state is RequestState.WAITING
         self.scheduler.cancel(request, time.perf_counter())
+        if self.comm is not None and self.is_leader:
+            self._plan.cancel(request_id)
         self._pending.append(self._output(request, []))
         if was_waiting:  # never got a slot, so no retire step will forget it
             del self.requests[request_id]
@@ -166,8 +183,43 @@ class Engine:
         return self.model(batch, self.buffer.kv)
 
     # -- one iteration --------------------------------------------------------------------
+    # -- tensor parallelism: the leader's plan, the followers' loop --------------------------
+    def _exchange_plan(self) -> None:
+        """Leader: broadcast the intake since the last iteration. Follower: wait (without
+        spinning) for it and apply it, so that its scheduler makes the leader's decisions."""
+        if self.is_leader:
+            self.comm.broadcast_bytes(self._plan.encode())
+            self._plan = StepPlanMessage()
+            return
+        message = StepPlanMessage.decode(self.comm.broadcast_bytes(None))
+        for kind, event in message.events():
+            if kind == "a":
+                self.enqueue(self.make_request(event.token_ids, event.params, event.request_id))
+            else:
+                self.abort(event)
+        self._pending.clear()
+        self.stopped = message.shutdown
+
+    def follow(self) -> None:
+        """A follower rank's whole life: run the leader's iterations until it shuts down."""
+        assert not self.is_leader
+        while not self.stopped:
+            self.step()
+
+    def shutdown(self) -> None:
+        """Leader: release the followers (their follow() returns). Requests in flight are dropped."""
+        if self.comm is not None and self.is_leader and not self.stopped:
+            self._plan.shutdown = True
+            self.comm.broadcast_bytes(self._plan.encode())
+            self.stopped = True
+
+    # -- one iteration --------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self.comm is not None:
+            self._exchange_plan()
+            if self.stopped:
+                return []
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         for request in plan.retired:
@@ -181,6 +233,8 @@ class Engine:
         logits = self.model(batch, self.buffer.kv)  # [B, vocab]: the one fused forward
         self.scheduler.commit(plan)
         self._advance_lengths(plan, batch)
+        if self.comm is not None:
+            logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
         token_ids, logprobs = self._sample(logits, sampled, batch)
         self.iterations += 1
         outputs += self._record(sampled, token_ids, logprobs, time.perf_counter())
@@ -253,8 +307,22 @@ class Engine:
         for chunk in plan.prefill:
             self._seq_len[chunk.request.slot] = chunk.start + chunk.length
 
-    def _sample(self, logits: torch.Tensor, sampled: list[Request], batch: ForwardBatch):
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[B, vocab block] on each rank -> [B, vocab] on the leader (blocks are padded equally)."""
+        blocks = self.comm.gather_to_root(logits)  # [ranks, B, block] on the leader
+        if blocks is None:
+            return None
+        full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        return full[:, : self.model_config.vocab_size]
+
+    def _sample(self, logits: torch.Tensor | None, sampled: list[Request], batch: ForwardBatch):
+        """The leader samples every row at once; with TP it then broadcasts the ids (a few bytes)."""
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
+        if not self.is_leader:
+            ids = self.comm.broadcast_ids(None, len(sampled))
+            self._last_token[slots] = torch.tensor(ids, device=self.device)
+            self._generated[slots] += 1
+            return ids, None
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
@@ -267,7 +335,10 @@ class Engine:
         token_ids, logprobs = sample(logits, st)
         self._last_token[slots] = token_ids
         self._generated[slots] += 1
-        return token_ids.tolist(), (logprobs.tolist() if logprobs is not None else None)
+        ids = token_ids.tolist()
+        if self.comm is not None:
+            self.comm.broadcast_ids(ids, len(ids))
+        return ids, (logprobs.tolist() if logprobs is not None else None)
 
     def _record(self, sampled: list[Request], token_ids: list[int], logprobs: list[float] | None,
                 now: float) -> list[RequestOutput]:
@@ -322,6 +393,12 @@ class LLM:
 
     def __init__(self, model: str, **engine_options):
         self.engine = Engine(EngineConfig(model=model, **engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
 
     @property
     def tokenizer(self) -> Tokenizer | None:

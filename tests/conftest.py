@@ -12,7 +12,8 @@ from flover.tiny_model import make_tiny_model
 TEST_PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                    vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
 
-# name -> (arch, config overrides): every supported architecture and the features that vary.
+# name -> (arch, config overrides[, preset overrides]): every supported architecture and the
+# features that vary.
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-mqa-bias-tied-llama3": ("llama", dict(
@@ -22,6 +23,8 @@ VARIANTS = {
     "mistral-window8": ("mistral", dict(sliding_window=8)),
     "qwen2": ("qwen2", {}),
     "gptj": ("gptj", {}),
+    # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
+    "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
 }
 
 PROMPTS = ["Hello the cat runs fast", "A", "数据 模型 over the river and far away 12345 " * 3,
@@ -35,9 +38,9 @@ def make_model(tmp_path_factory):
 
     def make(variant: str) -> str:
         if variant not in made:
-            arch, overrides = VARIANTS[variant]
+            arch, overrides, *preset = VARIANTS[variant]
             out = tmp_path_factory.mktemp(variant)
-            make_tiny_model(arch, TEST_PRESET, out, **overrides)
+            make_tiny_model(arch, {**TEST_PRESET, **(preset[0] if preset else {})}, out, **overrides)
             made[variant] = str(out)
         return made[variant]
 

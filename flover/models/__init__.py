@@ -8,7 +8,8 @@ from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig, loa
 from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
-from flover.models.loader import CheckpointReader, Shard, load_weights
+from flover.models.loader import CheckpointReader, load_weights
+from flover.parallel.layout import TPLayout
 
 __all__ = ["CheckpointError", "ModelConfig", "load_model", "load_model_config"]
 
@@ -18,14 +19,17 @@ def model_class(cfg: ModelConfig):
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_len: int,
-               cfg: ModelConfig | None = None, shard: Shard = Shard(), pack_hint: int = 32) -> torch.nn.Module:
-    """Build the model for `model_dir`, fill it from its safetensors files, and repack the
-    projection weights for the device's fastest GEMM (`pack_hint`: typical rows per GEMM)."""
+               cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
+               pack_hint: int = 32) -> torch.nn.Module:
+    """Build the model (this rank's shard of it) for `model_dir`, fill it from the safetensors
+    files, and repack the projection weights for the device's fastest GEMM (`pack_hint`: typical
+    rows per GEMM)."""
     cfg = cfg or load_model_config(model_dir)
+    tp = tp or TPLayout.build(cfg)
     reader = CheckpointReader(model_dir)
-    model = model_class(cfg)(cfg, max_len, dtype, device)
+    model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     with torch.no_grad():
-        load_weights(reader, model.weight_specs(), shard)
+        load_weights(reader, model.weight_specs())
         for module in model.modules():
             if isinstance(module, Linear):
                 module.pack(pack_hint)

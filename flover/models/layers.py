@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flover.models.config import CheckpointError, ModelConfig
+from flover.models.loader import Source
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -131,3 +132,37 @@ class Linear(nn.Module):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def all_reduce(x: torch.Tensor, comm) -> torch.Tensor:
+    """Sum the partial results of a row-parallel projection over the ranks (no-op at TP=1)."""
+    if comm is not None:
+        comm.all_reduce(x)
+    return x
+
+
+def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, layout, comm) -> torch.Tensor:
+    """ids: [T] -> [T, hidden]. With TP each rank owns a block of the vocabulary: it looks up the
+    ids in its block, zeros the others, and the all-reduce assembles the full rows."""
+    if comm is None:
+        return F.embedding(ids, weight)
+    local = ids - layout.vocab_start
+    outside = (local < 0) | (local >= layout.vocab)
+    out = F.embedding(local.clamp(0, layout.vocab - 1), weight)
+    out.masked_fill_(outside[:, None], 0)
+    comm.all_reduce(out)
+    return out
+
+
+def rows(name: str, shape: tuple[int, ...], start: int, count: int) -> Source:
+    """This rank's rows [start, start + count) of a checkpoint tensor (column parallelism)."""
+    return Source(name, shape, 0, start, start + count)
+
+
+def cols(name: str, shape: tuple[int, int], start: int, count: int) -> Source:
+    """This rank's input columns (row parallelism)."""
+    return Source(name, shape, 1, start, start + count)
+
+
+def whole(name: str, shape: tuple[int, ...]) -> Source:
+    return Source(name, shape)

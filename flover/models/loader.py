@@ -1,8 +1,8 @@
 """Reads safetensors checkpoints into a model's parameters.
 
 A model lists `WeightSpec`s: which parameter is filled from which checkpoint tensors (several
-for fused projections such as QKV), and along which dimension tensor parallelism splits them.
-Each rank reads only its own slice (`safe_open(...).get_slice`), so no rank holds the whole model.
+for fused projections such as QKV), each with the slice this tensor-parallel rank holds. Each
+rank reads only its own slices (`safe_open(...).get_slice`), so no rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -21,23 +21,16 @@ from flover.models.config import CheckpointError
 class Source:
     name: str  # tensor name in the checkpoint
     shape: tuple[int, ...]  # its full (unsharded) shape, checked before reading
+    dim: int | None = None  # the dimension this rank takes a slice of; None = the whole tensor
+    start: int = 0
+    stop: int | None = None
 
 
 @dataclass(frozen=True)
 class WeightSpec:
     param: torch.Tensor  # filled in place; sources are concatenated along dim 0
     sources: tuple[Source, ...]
-    shard_dim: int | None = None  # tensor-parallel split of each source; None = replicated
-
-
-@dataclass(frozen=True)
-class Shard:
-    rank: int = 0
-    size: int = 1
-
-    def bounds(self, length: int) -> tuple[int, int]:
-        part = length // self.size
-        return self.rank * part, (self.rank + 1) * part
+    pad: bool = False  # fewer rows than the parameter: zero the rest (last vocabulary block)
 
 
 class CheckpointReader:
@@ -77,7 +70,7 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def read(self, source: Source, shard_dim: int | None, shard: Shard) -> torch.Tensor:
+    def read(self, source: Source) -> torch.Tensor:
         file = self.files.get(source.name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor {source.name!r} is missing from the checkpoint")
@@ -88,22 +81,27 @@ class CheckpointReader:
                 raise CheckpointError(
                     f"{file}: tensor {source.name!r} has shape {list(shape)}, expected {list(source.shape)}"
                 )
-            if shard_dim is None or shard.size == 1:
+            if source.dim is None:
                 return view[:]
-            lo, hi = shard.bounds(shape[shard_dim])
-            index = tuple(slice(lo, hi) if d == shard_dim else slice(None) for d in range(len(shape)))
+            index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None)
+                          for d in range(len(shape)))
             return view[index]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {source.name!r} ({e})") from None
 
 
-def load_weights(reader: CheckpointReader, specs: list[WeightSpec], shard: Shard = Shard()) -> None:
+def load_weights(reader: CheckpointReader, specs: list[WeightSpec]) -> None:
     for spec in specs:
-        parts = [reader.read(src, spec.shard_dim, shard) for src in spec.sources]
+        parts = [reader.read(src) for src in spec.sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if tuple(tensor.shape) != tuple(spec.param.shape):
+        if spec.pad and tensor.shape[0] < spec.param.shape[0]:
+            spec.param[tensor.shape[0]:].zero_()
+            target = spec.param[: tensor.shape[0]]
+        else:
+            target = spec.param
+        if tuple(tensor.shape) != tuple(target.shape):
             names = ", ".join(s.name for s in spec.sources)
             raise CheckpointError(
                 f"{reader.dir}: {names} give shape {list(tensor.shape)}, the model expects {list(spec.param.shape)}"
             )
-        spec.param.copy_(tensor)
+        target.copy_(tensor)

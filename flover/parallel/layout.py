@@ -1,0 +1,58 @@
+"""Which slice of every weight a tensor-parallel rank holds (Megatron-style).
+
+Attention heads and MLP columns are split evenly; kv heads are split when there are at least as
+many as ranks, and replicated (each rank keeps the one its query heads use) when there are fewer.
+The vocabulary is split in equal padded blocks: rank r owns ids [r * V_r, (r + 1) * V_r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flover.models.config import ModelConfig
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    rank: int
+    size: int
+    heads: int  # query heads on this rank
+    head_start: int
+    kv_heads: int  # kv heads on this rank
+    kv_head_start: int
+    intermediate: int
+    intermediate_start: int
+    vocab: int  # padded rows per rank
+    vocab_start: int
+    vocab_total: int
+
+    @property
+    def vocab_real(self) -> int:
+        """Rows of this rank's block that exist in the checkpoint (the last block may be short)."""
+        return max(0, min(self.vocab, self.vocab_total - self.vocab_start))
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> "TPLayout":
+        h, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if h % size:
+            raise ValueError(f"tensor parallelism over {size} ranks: num_attention_heads={h} is not divisible "
+                             f"by {size}; use -np in {{{_divisors(h)}}}")
+        if kv >= size and kv % size:
+            raise ValueError(f"tensor parallelism over {size} ranks: num_key_value_heads={kv} is not divisible "
+                             f"by {size}")
+        if kv < size and size % kv:
+            raise ValueError(f"tensor parallelism over {size} ranks: {kv} kv heads cannot be shared evenly "
+                             f"(the rank count must be a multiple of {kv})")
+        if inter % size:
+            raise ValueError(f"tensor parallelism over {size} ranks: intermediate_size={inter} is not divisible "
+                             f"by {size}")
+        kv_local = max(1, kv // size)
+        vocab = -(-cfg.vocab_size // size)
+        return cls(rank=rank, size=size, heads=h // size, head_start=rank * (h // size), kv_heads=kv_local,
+                   kv_head_start=rank * kv // size if kv < size else rank * kv_local,
+                   intermediate=inter // size, intermediate_start=rank * (inter // size),
+                   vocab=vocab, vocab_start=rank * vocab, vocab_total=cfg.vocab_size)

