@@ -34,3 +34,33 @@ def test_cuda_float32_matches_cpu(make_model):
     gpu = LLM(model_dir, dtype="float32", device="cuda").engine.score(ids).cpu()
     cpu = LLM(model_dir, dtype="float32").engine.score(ids)
     assert (gpu - cpu).abs().max() <= 1e-4 * cpu.abs().max()
+
+
+def _nccl_ready() -> str | None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return "needs 2 CUDA devices"
+    try:
+        import cupy.cuda.nccl  # noqa: F401
+    except ImportError:
+        return "needs the gpu extra (cupy-cuda12x, nvidia-nccl-cu12)"
+    return None
+
+
+@pytest.mark.skipif(_nccl_ready() is not None, reason=f"NCCL tensor parallelism: {_nccl_ready()}")
+def test_nccl_tp2_gives_the_tp1_tokens(make_model, tmp_path):
+    import json
+    import subprocess
+
+    from tests.test_tensor_parallel import MPI_ENV, REQUESTS, flover_run_cmd, tokens_by_id
+
+    model_dir = make_model("llama")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    results = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"tp{ranks}.jsonl"
+        run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, "--device", "cuda"),
+                             capture_output=True, text=True, timeout=300, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[ranks] = tokens_by_id(out)
+    assert results[2] == results[1] and len(results[1]) == len(REQUESTS)
