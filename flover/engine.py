@@ -99,10 +99,11 @@ class Engine:
         return self.enqueue(self.make_request(prompt, params, request_id))
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
+                     request_id: str | None = None, arrival_time: float | None = None,
+                     stream: bool = False) -> Request:
         """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
         `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
-        latencies count from it."""
+        latencies count from it. `stream`: report text deltas with every new token."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -112,13 +113,13 @@ class Engine:
         if len(token_ids) + params.max_new_tokens > limit:
             raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
                              f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the checkpoint's tokenizer.json")
+        if (params.stop or stream) and self.tokenizer is None:
+            raise ValueError("stop strings and streamed text need the checkpoint's tokenizer.json")
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
             stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
-            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
             timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
         )
         return request
@@ -350,9 +351,10 @@ class Engine:
                 r.output_logprobs.append(logprobs[i])
             if r.timings.first_token is None:
                 r.timings.first_token = now
+            delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
             if token in r.stop_token_set:
                 r.finish(FinishReason.STOP, now)
-            elif r.detokenizer is not None and self._hit_stop_string(r, token):
+            elif delta and r.params.stop and self._hit_stop_string(r, delta):
                 r.finish(FinishReason.STOP, now)
             elif len(r.output_token_ids) >= r.params.max_new_tokens:
                 r.finish(FinishReason.LENGTH, now)
@@ -360,10 +362,7 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _hit_stop_string(r: Request, token: int) -> bool:
-        delta = r.detokenizer.add(token)
-        if not delta:
-            return False
+    def _hit_stop_string(r: Request, delta: str) -> bool:
         text = r.detokenizer.text
         longest = max(len(s) for s in r.params.stop)
         window_start = max(0, len(text) - len(delta) - longest + 1)
@@ -376,16 +375,32 @@ class Engine:
     def _output(self, r: Request, new_tokens: list[int]) -> RequestOutput:
         text = None
         if r.finished and self.tokenizer is not None:
-            stopped_by_string = r.detokenizer is not None and r.finish_reason is FinishReason.STOP \
+            stopped_by_string = r.params.stop and r.finish_reason is FinishReason.STOP \
                 and r.output_token_ids and r.output_token_ids[-1] not in r.stop_token_set
             text = r.output_text if stopped_by_string else self.tokenizer.decode(r.output_token_ids)
         return RequestOutput(
+            text_delta=self._text_delta(r, text) if r.stream else None,
             request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=new_tokens,
             token_ids=list(r.output_token_ids), text=text, finished=r.finished,
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             logprobs=r.output_logprobs if r.params.logprobs else None,
             timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error,
         )
+
+
+    @staticmethod
+    def _text_delta(r: Request, final_text: str | None) -> str:
+        """Text not yet reported. While running, the last (longest stop string - 1) characters
+        are held back: they might be the start of a stop string, which is never emitted."""
+        if r.finished:
+            end = len(final_text or "")
+            delta = (final_text or "")[r.emitted:]
+        else:
+            holdback = max((len(s) for s in r.params.stop), default=1) - 1
+            end = max(r.emitted, len(r.detokenizer.text) - holdback)
+            delta = r.detokenizer.text[r.emitted:end]
+        r.emitted = end
+        return delta
 
 
 class LLM:

@@ -69,12 +69,14 @@ class Request:
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    output_text: str = ""  # kept up to date only when stop strings need it
+    output_text: str = ""  # the text cut before a stop string, when one ended the request
     finish_reason: FinishReason | None = None
     error: str | None = None
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.perf_counter()))
     stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignored) and stop_token_ids
-    detokenizer: object | None = None  # IncrementalDetokenizer, only for stop strings
+    detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings and streaming
+    stream: bool = False  # report text deltas as tokens arrive
+    emitted: int = 0  # characters of text already reported as deltas
 
     @property
     def prompt_len(self) -> int:
@@ -109,6 +111,7 @@ class RequestOutput:
     logprobs: list[float] | None
     timings: dict
     error: str | None = None
+    text_delta: str | None = None  # streaming requests: new text (never part of a stop string)
 
     @property
     def usage(self) -> dict:
