@@ -196,3 +196,86 @@ class BatchRunner:
         s.completion_tokens += len(out.token_ids)
         s.finish_reasons[out.finish_reason] = s.finish_reasons.get(out.finish_reason, 0) + 1
         self.writer.write(self._index_of.pop(out.request_id), result_record(out, self.token_ids))
+
+
+def remote_result_record(event: dict, with_token_ids: bool) -> dict:
+    record = {"id": event["id"], "text": event.get("text"), "finish_reason": event["finish_reason"],
+              "usage": event["usage"], "latency": event["timings"]}
+    if with_token_ids:
+        record["token_ids"] = event.get("token_ids")
+    if "logprobs" in event:
+        record["logprobs"] = event["logprobs"]
+    return record
+
+
+class RemoteBatchRunner:
+    """`flover run --connect`: the same file handling, with a running `flover serve` as the engine.
+    Up to `max_in_flight` requests are outstanding; `overloaded` replies are retried."""
+
+    def __init__(self, client, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
+                 token_ids: bool = False, max_in_flight: int = 64, progress: Progress | None = None):
+        self.client, self.defaults, self.token_ids = client, defaults, token_ids
+        self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
+        self.max_in_flight = max_in_flight
+        self.progress = progress or Progress(0, enabled=False)
+        self.summary = BatchSummary()
+
+    def run(self, records: Iterable[PromptRecord], offsets: Iterator[float] | None = None) -> BatchSummary:
+        from dataclasses import asdict
+
+        start = time.perf_counter()
+        todo = iter(records)
+        offsets = offsets if offsets is not None else itertools.repeat(0.0)
+        nxt, due = next(todo, None), next(offsets)
+        in_flight: dict[str, PromptRecord] = {}
+        retry: list[tuple[float, PromptRecord]] = []
+        base = asdict(self.defaults)
+        while nxt is not None or in_flight or retry:
+            now = time.perf_counter() - start
+            while retry and retry[0][0] <= now and len(in_flight) < self.max_in_flight:
+                self._send(retry.pop(0)[1], base, in_flight)
+            while nxt is not None and due <= now and len(in_flight) < self.max_in_flight:
+                self.writer.expect(nxt.index)
+                if nxt.error is not None:
+                    self._fail(nxt, nxt.code or "malformed_line", nxt.error)
+                else:
+                    self._send(nxt, base, in_flight)
+                nxt, due = next(todo, None), next(offsets)
+            if not in_flight:
+                waits = [t for t, _ in retry[:1]] + ([due] if nxt is not None else [])
+                if waits:
+                    time.sleep(max(0.0, min(waits) - (time.perf_counter() - start)))
+                continue
+            event = self.client.next_any(timeout=0.05)
+            if event is None or event.get("id") not in in_flight:
+                continue
+            record = in_flight.pop(event["id"])
+            if event["event"] == "final":
+                self.summary.completed += 1
+                self.summary.prompt_tokens += event["usage"]["prompt_tokens"]
+                self.summary.completion_tokens += event["usage"]["completion_tokens"]
+                self.writer.write(record.index, remote_result_record(event, self.token_ids))
+                self.progress.update(1, self.summary.completion_tokens, len(in_flight))
+            elif event["event"] == "error" and event["code"] == "overloaded":
+                retry.append((time.perf_counter() - start + 0.2, record))
+            elif event["event"] == "error":
+                self._fail(record, event["code"], f"line {record.line}: {event['message']}")
+        self.summary.wall_s = time.perf_counter() - start
+        self.progress.close()
+        return self.summary
+
+    def _send(self, record: PromptRecord, base: dict, in_flight: dict) -> None:
+        message = {"op": "generate", "id": record.id, "stream": False, "params": {**base, **record.sampling}}
+        if record.messages is not None:
+            message["messages"] = record.messages
+        elif isinstance(record.prompt, str):
+            message["prompt"] = record.prompt
+        else:
+            message["input_ids"] = record.prompt
+        in_flight[record.id] = record
+        self.client.send(message)
+
+    def _fail(self, record: PromptRecord, code: str, message: str) -> None:
+        log.warning("%s", message)
+        self.summary.errors += 1
+        self.writer.write(record.index, error_record(record, code, message))

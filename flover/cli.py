@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
+from pathlib import Path
 
 from flover.config import DTYPES, EngineConfig, SamplingParams
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
+def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = ap.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
@@ -41,6 +43,10 @@ def start_engine(args: argparse.Namespace):
     args.comm = comm
     engine = Engine(engine_config(args, comm.size if comm else 1), comm)
     if not engine.is_leader:
+        # mpirun forwards SIGTERM/SIGINT to every rank; only the leader decides when to stop
+        # (it drains, then releases the followers), so the followers ignore them.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
         engine.follow()
         return None
     return engine
@@ -69,9 +75,59 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
+def add_connect_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("daemon client")
+    g.add_argument("--connect", metavar="ADDR", help="use a running `flover serve` (e.g. tcp://127.0.0.1:5555)")
+    g.add_argument("--curve-server-key", help="the server's public certificate (CURVE)")
+    g.add_argument("--curve-client-cert", help="this client's secret certificate (CURVE)")
+    g.add_argument("--timeout", type=float, default=None, help="seconds to wait for the server")
+
+
+def connect(args: argparse.Namespace):
+    from flover.client import Client
+
+    server_key = None
+    if args.curve_server_key:
+        import zmq.auth
+        server_key, _ = zmq.auth.load_certificate(args.curve_server_key)
+    return Client(args.connect, timeout=args.timeout, curve_server_key=server_key,
+                  curve_client_cert=args.curve_client_cert)
+
+
+def require_model(args: argparse.Namespace) -> None:
+    if not args.connect and not args.model:
+        raise ValueError("give --model DIR (in-process engine) or --connect ADDR (a running daemon)")
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    params = asdict(sampling_params(args))
+    with connect(args) as client:
+        for prompt in args.prompts:
+            if args.stream:
+                for event in client.stream(prompt, **params):
+                    if event["event"] == "token":
+                        print(event["text"] or "", end="", flush=True)
+                    else:
+                        print(f"\n[{event['finish_reason']}, {event['usage']['completion_tokens']} tokens, "
+                              f"ttft {1000 * event['timings']['ttft_s']:.0f} ms]", file=sys.stderr)
+            else:
+                event = client.generate(prompt, **params)
+                if args.json:
+                    print(json.dumps({"prompt": prompt, **event}))
+                else:
+                    print(f"{prompt!r} -> {event['text']!r} [{event['finish_reason']}, "
+                          f"{len(event['token_ids'])} tokens]")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from flover.engine import LLM
 
+    require_model(args)
+    if args.connect:
+        return cmd_generate_remote(args)
     params = sampling_params(args)
     engine = start_engine(args)
     if engine is None:
@@ -97,10 +153,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flover.batch import BatchRunner, Progress, arrival_offsets
+    from flover.batch import BatchRunner, Progress, RemoteBatchRunner, arrival_offsets
     from flover.prompt_file import check_unique_ids, detect_format, iter_records
     from flover.results_file import ResultsFile, recover
 
+    require_model(args)
     if args.arrival == "poisson" and not args.rate:
         raise ValueError("--arrival poisson needs --rate (requests per second)")
     if args.arrival == "interval" and args.interval is None:
@@ -118,21 +175,58 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = check_unique_ids(read())  # before any work: duplicate ids are an error
     done = recover(args.out) & ids
     params = sampling_params(args)
-    engine = start_engine(args)
-    if engine is None:  # a follower rank: the leader reads and writes the files
-        return 0
-    out = ResultsFile(args.out)
     todo = (record for record in read() if record.id not in done)
     progress = Progress(len(ids) - len(done), enabled=not args.quiet, interval=args.log_interval)
-    runner = BatchRunner(engine, out, params, ordered=args.ordered, token_ids=args.token_ids,
-                         progress=progress)
-    try:
-        summary = runner.run(todo, arrival_offsets(args.arrival, args.rate, args.interval, args.seed))
-    finally:
-        out.close()
-        engine.shutdown()
+    offsets = arrival_offsets(args.arrival, args.rate, args.interval, args.seed)
+    if args.connect:
+        with connect(args) as client:
+            out = ResultsFile(args.out)
+            try:
+                summary = RemoteBatchRunner(client, out, params, ordered=args.ordered, token_ids=args.token_ids,
+                                            max_in_flight=args.max_in_flight, progress=progress).run(todo, offsets)
+            finally:
+                out.close()
+    else:
+        engine = start_engine(args)
+        if engine is None:  # a follower rank: the leader reads and writes the files
+            return 0
+        out = ResultsFile(args.out)
+        runner = BatchRunner(engine, out, params, ordered=args.ordered, token_ids=args.token_ids,
+                             progress=progress)
+        try:
+            summary = runner.run(todo, offsets)
+        finally:
+            out.close()
+            engine.shutdown()
     summary.prompts, summary.skipped = len(ids), len(done)
     print(f"flover run: {summary.line()}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flover.server.daemon import Daemon, ServeConfig
+
+    engine = start_engine(args)
+    if engine is None:  # a follower rank: it ran the leader's iterations until shutdown
+        return 0
+    config = ServeConfig(bind=args.bind, max_waiting=args.max_waiting, max_message_bytes=args.max_message_bytes,
+                         drain_timeout=args.drain_timeout, stats_interval=args.stats_interval,
+                         keepalive_interval=args.keepalive_interval,
+                         curve_secret_key=args.curve_secret_key, curve_allowed_clients=args.curve_allowed_clients)
+    try:
+        daemon = Daemon(engine, config, model_name=args.model)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return daemon.serve_forever()
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(args.dir, args.name)
+    print(f"wrote {public} (give to the other side) and {secret} (keep private)")
     return 0
 
 
@@ -149,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from prompts given on the command line")
-    add_engine_args(gen)
+    add_engine_args(gen, model_required=False)
     add_sampling_args(gen)
+    add_connect_args(gen)
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come (with --connect)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
@@ -158,8 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run every prompt of a file; resumable JSONL output",
                          description="Run a prompt file through the engine. Re-running the same command "
                                      "resumes: ids already in --out are skipped.")
-    add_engine_args(run)
+    add_engine_args(run, model_required=False)
     add_sampling_args(run)
+    add_connect_args(run)
+    run.add_argument("--max-in-flight", type=int, default=64, help="with --connect: outstanding requests")
     run.add_argument("--prompts", required=True, help=".txt (one prompt a line), .jsonl, or - for stdin")
     run.add_argument("--format", choices=("auto", "txt", "jsonl"), default="auto")
     run.add_argument("--out", required=True, help="JSONL results file (appended; - for stdout)")
@@ -172,6 +270,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines (no TTY)")
     run.set_defaults(func=cmd_run)
+
+    serve = sub.add_parser("serve", help="the daemon: a ZeroMQ socket in front of the engine")
+    add_engine_args(serve)
+    d = serve.add_argument_group("daemon")
+    d.add_argument("--bind", default="tcp://127.0.0.1:5555", help="tcp://HOST:PORT or ipc://PATH (loopback default)")
+    d.add_argument("--max-waiting", type=int, default=256, help="queued requests before `overloaded`")
+    d.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages are dropped")
+    d.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
+    d.add_argument("--stats-interval", type=float, default=60.0, help="seconds between summary log lines")
+    d.add_argument("--keepalive-interval", type=float, default=1.0,
+                   help="seconds between keepalive events to clients waiting for a non-streamed reply "
+                        "(how fast a vanished client's work is cancelled)")
+    d.add_argument("--curve-secret-key", help="server secret certificate: enables CURVE encryption + auth")
+    d.add_argument("--curve-allowed-clients", help="directory of allowed client public certificates")
+    serve.set_defaults(func=cmd_serve)
+
+    keygen = sub.add_parser("keygen", help="make a CURVE key pair (zmq.auth certificate files)")
+    keygen.add_argument("dir")
+    keygen.add_argument("--name", default="server", help="file name stem: NAME.key and NAME.key_secret")
+    keygen.set_defaults(func=cmd_keygen)
 
     demo = sub.add_parser("demo", help="see temporal fusion at work (makes a small random model if needed)")
     demo.add_argument("--model", default=None, help="a real checkpoint directory instead of the random demo model")
