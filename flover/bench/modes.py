@@ -1,0 +1,251 @@
+"""The serving modes a workload runs through, all with the same model, threads and workload.
+
+fused      flover's temporal fusion: a request joins the running batch at the next iteration.
+serial     request-level scheduling: one request at a time in arrival order (FasterTransformer-style).
+window     dynamic batching: wait up to W ms or until B requests, run that batch to completion.
+instances  K model instances (processes), each serving one request at a time.
+hf         transformers: batched `generate` per dynamic-batching window (its continuous-batching
+           manager is not used: see docs/benchmarks.md).
+
+Every mode returns a RunTrace: per request its arrival, start and the time of every token, all in
+seconds since the start of the run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from flover.bench.workload import BenchRequest
+from flover.config import EngineConfig, SamplingParams, default_num_threads
+from flover.engine import Engine
+
+MODES = ("fused", "serial", "window", "instances", "hf")
+
+
+@dataclass
+class RequestTrace:
+    id: str
+    arrival: float
+    prompt_len: int
+    new_tokens: int
+    start: float | None = None  # processing began (first iteration that computed it)
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RunTrace:
+    mode: str
+    requests: list[RequestTrace]
+    iterations: int = 0
+    iteration_log: list[tuple[float, int, float]] = field(default_factory=list)  # (end time, live, duration)
+    shuffle_moves: int = 0
+    shuffle_s: float = 0.0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ModeSettings:
+    model: str
+    dtype: str = "float32"
+    threads: int | None = None
+    max_slots: int = 32
+    max_seq_len: int = 1024
+    window_ms: float = 500.0
+    window_batch: int = 32
+    instances: int = 2
+
+
+def _traces(reqs: list[BenchRequest]) -> dict[str, RequestTrace]:
+    return {r.id: RequestTrace(r.id, r.arrival_s, len(r.prompt_ids), r.new_tokens) for r in reqs}
+
+
+def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
+    """fused, serial (the same engine with one slot) and window, on flover's engine."""
+    slots = 1 if mode == "serial" else s.max_slots
+    engine = Engine(EngineConfig(s.model, dtype=s.dtype, max_slots=slots, max_seq_len=s.max_seq_len,
+                                 num_threads=s.threads, max_batch_tokens=max(512, slots)))
+    _warm_up(engine)
+    trace = RunTrace(mode, list(_traces(reqs).values()))
+    by_id = {t.id: t for t in trace.requests}
+    _time_shuffles(engine, trace)
+    pending = deque(sorted(reqs, key=lambda r: r.arrival_s))
+    held: list[BenchRequest] = []  # window mode: arrived, waiting for the window to close
+    running_batch: set[str] = set()
+    t0 = time.perf_counter()
+
+    def submit(r: BenchRequest) -> None:  # latencies count from the scheduled arrival
+        params = SamplingParams(max_new_tokens=r.new_tokens, ignore_eos=True)
+        engine.enqueue(engine.make_request(r.prompt_ids, params, r.id, arrival_time=t0 + r.arrival_s))
+
+    while pending or held or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival_s <= now:
+            r = pending.popleft()
+            if mode == "window":
+                held.append(r)
+            else:
+                submit(r)
+        if mode == "window" and held and not running_batch:
+            if len(held) >= s.window_batch or now - held[0].arrival_s >= s.window_ms / 1000:
+                batch, held[:] = held[: s.window_batch], held[s.window_batch:]
+                for r in batch:
+                    submit(r)
+                    running_batch.add(r.id)
+        if not engine.has_unfinished():
+            wake = [pending[0].arrival_s] if pending else []
+            if held and not running_batch:
+                wake.append(held[0].arrival_s + s.window_ms / 1000)
+            if wake:
+                time.sleep(max(0.0, min(wake) - (time.perf_counter() - t0)))
+            continue
+        started = time.perf_counter()
+        outputs = engine.step()
+        end = time.perf_counter() - t0
+        trace.iteration_log.append((end, len(engine.scheduler.running) + sum(o.finished for o in outputs),
+                                    time.perf_counter() - started))
+        for out in outputs:
+            t = by_id[out.request_id]
+            if t.start is None and out.timings["queue_time"] is not None:
+                t.start = t.arrival + out.timings["queue_time"]
+            t.token_times += [end] * len(out.new_token_ids)
+            if out.finished:
+                running_batch.discard(out.request_id)
+    trace.iterations = engine.iterations
+    return trace
+
+
+def _warm_up(engine: Engine) -> None:
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True), "warm-up")
+    while engine.has_unfinished():
+        engine.step()
+    engine.iterations = 0
+
+
+def _time_shuffles(engine: Engine, trace: RunTrace) -> None:
+    """Count the slot moves of the two-step shuffle and the time the copies take."""
+    apply = engine.buffer.apply_moves
+
+    def timed(moves):
+        start = time.perf_counter()
+        apply(moves)
+        trace.shuffle_s += time.perf_counter() - start
+        trace.shuffle_moves += len(moves)
+
+    engine.buffer.apply_moves = timed
+
+
+# -- instances: K processes, one request at a time each ---------------------------------------
+def _instance_worker(settings: ModeSettings, threads: int, inbox, outbox) -> None:
+    engine = Engine(EngineConfig(settings.model, dtype=settings.dtype, max_slots=1, num_threads=threads,
+                                 max_seq_len=settings.max_seq_len))
+    _warm_up(engine)
+    outbox.put(("ready", None))
+    while (item := inbox.get()) is not None:
+        rid, prompt, new_tokens, t0 = item
+        start = time.perf_counter() - t0
+        engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), rid)
+        times = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                times += [time.perf_counter() - t0] * len(out.new_token_ids)
+        outbox.put(("done", (rid, start, times, engine.iterations)))
+        engine.iterations = 0
+
+
+def run_instances(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    threads = max(1, (s.threads or default_num_threads()) // s.instances)
+    workers = [ctx.Process(target=_instance_worker, args=(s, threads, inbox, outbox), daemon=True)
+               for _ in range(s.instances)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in workers:
+            kind, _ = outbox.get(timeout=300)
+            assert kind == "ready"
+        trace = RunTrace("instances", list(_traces(reqs).values()),
+                         note=f"{s.instances} processes x {threads} thread(s)")
+        by_id = {t.id: t for t in trace.requests}
+        t0 = time.perf_counter()  # CLOCK_MONOTONIC: the workers' perf_counter shares it
+        for r in sorted(reqs, key=lambda r: r.arrival_s):
+            time.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+            inbox.put((r.id, r.prompt_ids, r.new_tokens, t0))
+        for _ in reqs:
+            _, (rid, start, times, iterations) = outbox.get(timeout=3600)
+            by_id[rid].start, by_id[rid].token_times = start, times
+            trace.iterations += iterations
+    finally:
+        for _ in workers:
+            inbox.put(None)
+        for w in workers:
+            w.join(timeout=30)
+    return trace
+
+
+# -- transformers: batched generate per window --------------------------------------------------
+def run_hf(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
+    import torch
+    import transformers
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(s.model, dtype=getattr(torch, s.dtype)).eval()
+    trace = RunTrace("hf", list(_traces(reqs).values()),
+                     note="transformers batched generate per dynamic-batching window "
+                          f"({s.window_ms:g} ms / {s.window_batch} requests)")
+    by_id = {t.id: t for t in trace.requests}
+    step_times: list[float] = []
+
+    class StepClock(transformers.LogitsProcessor):  # called once per generated position
+        def __call__(self, input_ids, scores):
+            step_times.append(time.perf_counter() - t0)
+            return scores
+
+    with torch.inference_mode():
+        ids = torch.tensor([[1, 2, 3]])
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    pending = deque(sorted(reqs, key=lambda r: r.arrival_s))
+    t0 = time.perf_counter()
+    while pending:
+        first = pending[0].arrival_s
+        close = first + s.window_ms / 1000
+        batch = []
+        while pending and len(batch) < s.window_batch:
+            now = time.perf_counter() - t0
+            if pending[0].arrival_s <= now:
+                batch.append(pending.popleft())
+            elif pending[0].arrival_s <= close:
+                time.sleep(min(pending[0].arrival_s, close) - now if pending[0].arrival_s > now else 0)
+            else:
+                time.sleep(max(0.0, close - now))
+                break
+        if len(batch) < s.window_batch:
+            time.sleep(max(0.0, close - (time.perf_counter() - t0)))
+        width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])  # left pad
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        new = max(r.new_tokens for r in batch)
+        step_times.clear()
+        start = time.perf_counter() - t0
+        with torch.inference_mode():
+            model.generate(input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0, logits_processor=[StepClock()])
+        trace.iterations += len(step_times)
+        for r in batch:
+            by_id[r.id].start = start
+            by_id[r.id].token_times = step_times[: r.new_tokens]
+    return trace
+
+
+def run_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
+    if mode in ("fused", "serial", "window"):
+        return run_engine_mode(mode, reqs, s)
+    if mode == "instances":
+        return run_instances(reqs, s)
+    if mode == "hf":
+        return run_hf(reqs, s)
+    raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")

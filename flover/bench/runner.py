@@ -1,0 +1,59 @@
+"""`flover bench`: one seeded workload through several serving modes, side by side."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from flover.bench import roofline
+from flover.bench.metrics import add_speedups, run_summary
+from flover.bench.modes import ModeSettings, RunTrace, run_mode
+from flover.bench.report import write_results
+from flover.bench.workload import Workload
+from flover.config import default_num_threads
+from flover.models.config import load_model_config
+
+
+def iteration_ms_by_batch(trace: RunTrace, keep: int = 3) -> dict[str, float]:
+    """Median iteration time per number of requests in flight, for the most frequent counts."""
+    by_live = defaultdict(list)
+    for _, live, seconds in trace.iteration_log:
+        by_live[live].append(seconds)
+    common = sorted(by_live, key=lambda n: len(by_live[n]), reverse=True)[:keep]
+    return {str(n): 1000 * statistics.median(by_live[n]) for n in sorted(common)}
+
+
+def machine_text(threads: int) -> str:
+    return (f"{platform.machine()} {platform.processor() or ''}, {default_num_threads()} cores available, "
+            f"{threads} threads, torch {torch.__version__}, Python {platform.python_version()}").replace("  ", " ")
+
+
+def run_benchmark(model: str, workload: Workload, modes: list[str], settings: ModeSettings, out_dir: str | Path,
+                  name: str = "bench", roof: roofline.Roofline | None = None, log=print) -> dict:
+    vocab = load_model_config(model).vocab_size
+    requests = workload.build(vocab)
+    threads = settings.threads or default_num_threads()
+    if roof is None:
+        roof = roofline.measure(*roofline.model_size(model), threads=threads)
+    results, traces = {}, {}
+    for mode in modes:
+        log(f"[{name}] {mode} ...")
+        trace = run_mode(mode, requests, settings)
+        traces[mode] = trace
+        results[mode] = run_summary(trace)
+        if mode == "fused":
+            results[mode]["summary"]["iteration_ms_by_batch"] = iteration_ms_by_batch(trace)
+        s = results[mode]["summary"]
+        log(f"[{name}] {mode}: makespan {s['makespan_s']:.2f} s, {s['output_tok_s']:.0f} tok/s, "
+            f"e2e p50 {s['e2e_p50_s']:.2f} s, {s['iterations']} iterations")
+    add_speedups(results)
+    meta = {"model": model, "workload": workload.as_dict(), "workload_text": workload.describe(),
+            "modes": modes, "settings": settings.__dict__, "roofline": roof.as_dict(),
+            "machine": machine_text(threads), "date": datetime.date.today().isoformat()}
+    files = write_results(Path(out_dir), name, meta, results, traces)
+    return {"meta": meta, "results": results, "files": files, "traces": traces}
