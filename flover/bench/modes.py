@@ -52,7 +52,7 @@ class ModeSettings:
     dtype: str = "float32"
     threads: int | None = None
     max_slots: int = 32
-    max_seq_len: int = 1024
+    max_seq_len: int | None = None  # None: the engine default (model limit, <= 2048)
     window_ms: float = 500.0
     window_batch: int = 32
     instances: int = 2

@@ -1,0 +1,1 @@
+"""`flover bench`: seeded workloads through fused / serial / window / instances / hf serving modes."""
