@@ -80,11 +80,12 @@ def test_quick_paper_suite_writes_its_section(llama_dir, tmp_path):
     doc.write_text("# Benchmarks\n\nearlier sections stay\n")
     settings = ModeSettings(model=llama_dir, window_ms=50, window_batch=8)
     for _ in range(2):  # the second run replaces the section instead of appending another
-        run_suite(llama_dir, tmp_path / "bench", doc, settings, quick=True, modes=["fused", "serial", "window"],
+        run_suite(llama_dir, tmp_path / "raw", doc, settings, quick=True, modes=["fused", "serial", "window"],
                   log=lambda _: None)
     text = doc.read_text()
     assert text.count(START) == 1 and text.count(END) == 1 and "earlier sections stay" in text
     for heading in ("### 1.", "### 2.", "### 3.", "### 4.", "### 6."):
         assert heading in text
     assert "| 20 |" in text and "| 200 |" in text  # the lambda sweep rows
-    assert (tmp_path / "bench" / "exp2-concurrency.png").exists()
+    assert (tmp_path / "bench" / "exp2-concurrency.png").exists()  # figures copied beside the page
+    assert "](bench/exp2-concurrency.png)" in text and (tmp_path / "raw" / "exp3-lambda20.json").exists()

@@ -120,7 +120,8 @@ def _rel(path: Path, docs: str | Path | None) -> str:
         return str(path)
     target = Path(docs).parent / "bench" / Path(path).name
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(path, target)
+    if Path(path).resolve() != target.resolve():
+        shutil.copyfile(path, target)
     return f"bench/{target.name}"
 
 
