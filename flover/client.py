@@ -194,12 +194,12 @@ class AsyncClient:
         self._queues[rid] = asyncio.Queue()
         return self._queues[rid]
 
-    async def stream(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
-                     **params) -> AsyncIterator[dict]:
-        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+    async def _events(self, message: dict) -> AsyncIterator[dict]:
+        """Send a generate message; yield its events up to the final one (an error raises)."""
+        rid = message["id"]
         queue = self._open(rid)
         try:
-            await self.sock.send(pack(_generate_message(rid, prompt, input_ids, messages, True, params)))
+            await self.sock.send(pack(message))
             while True:
                 event = await queue.get()
                 if event["event"] == "error":
@@ -210,20 +210,19 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
 
+    async def stream(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
+                     **params) -> AsyncIterator[dict]:
+        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+        async for event in self._events(_generate_message(rid, prompt, input_ids, messages, True, params)):
+            yield event
+
     async def generate(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
                        **params) -> dict:
         rid = request_id or f"{self._prefix}-{next(self._ids)}"
-        queue = self._open(rid)
-        try:
-            await self.sock.send(pack(_generate_message(rid, prompt, input_ids, messages, False, params)))
-            while True:
-                event = await queue.get()
-                if event["event"] == "error":
-                    raise FloverError(event["code"], event["message"], rid)
-                if event["event"] == "final":
-                    return event
-        finally:
-            self._queues.pop(rid, None)
+        async for event in self._events(_generate_message(rid, prompt, input_ids, messages, False, params)):
+            if event["event"] == "final":
+                return event
+        raise FloverError("internal_error", "the event stream ended without a final event", rid)
 
     async def cancel(self, request_id: str) -> None:
         await self.sock.send(pack({"op": "cancel", "id": request_id}))

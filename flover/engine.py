@@ -225,7 +225,9 @@ class Engine:
         plan = self.scheduler.schedule()
         for request in plan.retired:
             self.requests.pop(request.request_id, None)
-        self.buffer.apply_moves(plan.moves)
+        if plan.moves:
+            used = max(int(self._seq_len[m.src]) for m in plan.moves)  # cached positions of the moved slots
+            self.buffer.apply_moves(plan.moves, positions=max(1, used))
         if plan.empty:
             return outputs
         now = time.perf_counter()

@@ -86,13 +86,16 @@ class SlotBuffer:
         self.state[name] = tensor
         return tensor
 
-    def apply_moves(self, moves: Sequence[Move]) -> None:
+    def apply_moves(self, moves: Sequence[Move], positions: int | None = None) -> None:
         """Step 2 of the shuffle: one batched copy for the KV (all layers, K and V) and one per
-        state tensor. Safe because sources and destinations are disjoint (see plan_compaction)."""
+        state tensor. Safe because sources and destinations are disjoint (see plan_compaction).
+        `positions`: only the first `positions` sequence positions hold data in the moved slots;
+        copying just those (a view) saves copying the whole max_seq_len."""
         if not moves:
             return
         src = torch.tensor([m.src for m in moves], device=self.device)
         dst = torch.tensor([m.dst for m in moves], device=self.device)
-        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+        kv = self.kv if positions is None else self.kv[..., :positions, :]  # [layers, 2, slots, heads, pos, dim]
+        kv.index_copy_(2, dst, kv.index_select(2, src))
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))

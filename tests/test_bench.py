@@ -67,7 +67,7 @@ def test_quick_bench_runs_every_mode(llama_dir, tmp_path):
     assert "iteration_ms_by_batch" in results["fused"]["summary"]
     assert data["meta"]["roofline"]["bandwidth_gb_s"] > 0 and data["meta"]["roofline"]["matmul_gflop_s"] > 0
     md = (tmp_path / "bench.md").read_text()
-    assert "| fused |" in md and "Roofline: memory bandwidth" in md
+    assert "| fused |" in md and "Roofline: memory read bandwidth" in md
     for plot in ("bench-tokens.png", "bench-latency-cdf.png", "bench-inflight.png"):
         assert (tmp_path / plot).stat().st_size > 1000
 

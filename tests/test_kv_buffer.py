@@ -66,6 +66,17 @@ def test_apply_moves_preserves_every_live_request(seed):
         assert int(length[new_slot[old]]) == n
 
 
+def test_moves_can_copy_only_the_used_positions():
+    buf = SlotBuffer(2, 6, 1, 16, 2, torch.float64, torch.device("cpu"))
+    buf.kv.copy_(torch.randn_like(buf.kv))
+    before = buf.kv.clone()
+    buf.apply_moves(plan_compaction([False, True, False, False, True, True]), positions=5)
+    assert torch.equal(buf.kv[:, :, 0, :, :5], before[:, :, 4, :, :5])  # slot 4 -> hole 0
+    assert torch.equal(buf.kv[:, :, 2, :, :5], before[:, :, 5, :, :5])  # slot 5 -> hole 2
+    assert torch.equal(buf.kv[:, :, 1], before[:, :, 1])  # stayed
+    assert torch.equal(buf.kv[:, :, 0, :, 5:], before[:, :, 0, :, 5:])  # positions past 5 not copied
+
+
 def test_refuses_when_memory_does_not_fit():
     need = kv_cache_bytes(1000, 1000, 64, 100000, 128, torch.float32)
     with pytest.raises(MemoryError, match=r"KV cache needs .* MiB"):

@@ -128,9 +128,9 @@ def _time_shuffles(engine: Engine, trace: RunTrace) -> None:
     """Count the slot moves of the two-step shuffle and the time the copies take."""
     apply = engine.buffer.apply_moves
 
-    def timed(moves):
+    def timed(moves, positions=None):
         start = time.perf_counter()
-        apply(moves)
+        apply(moves, positions)
         trace.shuffle_s += time.perf_counter() - start
         trace.shuffle_moves += len(moves)
 

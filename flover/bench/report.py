@@ -27,8 +27,9 @@ def roofline_line(roof: dict, fused: dict | None) -> str:
     from flover.bench.roofline import Roofline
 
     r = Roofline(**roof)
-    text = (f"Roofline: memory bandwidth {r.bandwidth_gb_s:.1f} GB/s, float32 matmul {r.matmul_gflop_s:.0f} GFLOP/s "
-            f"(measured in this run); model {r.params / 1e6:.0f}M parameters read per decode iteration")
+    text = (f"Roofline: memory read bandwidth {r.bandwidth_gb_s:.1f} GB/s (copy {r.copy_gb_s:.1f} GB/s read+write), "
+            f"float32 matmul {r.matmul_gflop_s:.0f} GFLOP/s (measured in this run); "
+            f"{r.params / 1e6:.0f}M parameters ({r.weight_bytes / 1e6:.0f} MB) read per decode iteration")
     if fused and fused.get("iteration_ms_by_batch"):
         parts = []
         for batch, ms in sorted(fused["iteration_ms_by_batch"].items(), key=lambda kv: int(kv[0])):

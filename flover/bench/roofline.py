@@ -11,10 +11,11 @@ import torch
 
 @dataclass
 class Roofline:
-    bandwidth_gb_s: float  # read + write bytes per second of a large copy
+    bandwidth_gb_s: float  # bytes read per second streaming a 256 MiB tensor (what decode does to weights)
     matmul_gflop_s: float  # dense float32 2048^3 matmul
     weight_bytes: int
     params: int
+    copy_gb_s: float = 0.0  # read + write bytes per second of a 256 MiB copy, for reference
 
     def floor_ms(self, batch: int) -> float:
         """One decode iteration can be no faster than reading every weight once, nor than doing
@@ -39,14 +40,16 @@ def _best_of(fn, repeats: int = 5) -> float:
 def measure(weight_bytes: int, params: int, threads: int | None = None) -> Roofline:
     if threads:
         torch.set_num_threads(threads)
-    src = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB
+    src = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB, far beyond any cache
     src.fill_(1.0)
     dst = torch.empty_like(src)
+    read = _best_of(lambda: src.sum())
     copy = _best_of(lambda: dst.copy_(src))
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     mm = _best_of(lambda: torch.mm(a, b))
-    return Roofline(bandwidth_gb_s=2 * src.numel() * 4 / copy / 1e9, matmul_gflop_s=2 * 2048**3 / mm / 1e9,
-                    weight_bytes=weight_bytes, params=params)
+    nbytes = src.numel() * 4
+    return Roofline(bandwidth_gb_s=nbytes / read / 1e9, matmul_gflop_s=2 * 2048**3 / mm / 1e9,
+                    weight_bytes=weight_bytes, params=params, copy_gb_s=2 * nbytes / copy / 1e9)
 
 
 def model_size(model_dir: str) -> tuple[int, int]:

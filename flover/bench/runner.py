@@ -28,9 +28,17 @@ def iteration_ms_by_batch(trace: RunTrace, keep: int = 3) -> dict[str, float]:
     return {str(n): 1000 * statistics.median(by_live[n]) for n in sorted(common)}
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine_text(threads: int) -> str:
-    return (f"{platform.machine()} {platform.processor() or ''}, {default_num_threads()} cores available, "
-            f"{threads} threads, torch {torch.__version__}, Python {platform.python_version()}").replace("  ", " ")
+    return (f"{cpu_name()} ({platform.machine()}), {default_num_threads()} cores available, {threads} threads, "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
 def run_benchmark(model: str, workload: Workload, modes: list[str], settings: ModeSettings, out_dir: str | Path,
