@@ -388,3 +388,34 @@ def test_daemon_under_mpirun_two_ranks(llama_dir):
         code, err = srv.stop(signal.SIGUSR1)
     assert code == 0, err[-2000:]
     assert "SIGUSR1: draining" in err and "stopped:" in err
+
+
+def test_a_failing_iteration_fails_its_requests_and_the_daemon_goes_on(llama_dir):
+    """In-process daemon (no signal handlers, so it can run in a thread); the engine's next
+    iteration raises once."""
+    from flover import Engine, EngineConfig
+    from flover.server.daemon import Daemon, ServeConfig
+
+    engine = Engine(EngineConfig(llama_dir, max_seq_len=64, max_slots=4))
+    daemon = Daemon(engine, ServeConfig(bind=f"tcp://127.0.0.1:{free_port()}", handle_signals=False))
+    real_step, failures = engine.step, []
+
+    def failing_step():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    engine.step = failing_step
+    thread = threading.Thread(target=daemon.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Client(daemon.config.bind, timeout=30) as c:
+            with pytest.raises(FloverError, match="internal_error.*injected failure"):
+                c.generate(input_ids=[1, 2, 3], max_new_tokens=5)
+            out = c.generate(input_ids=[1, 2, 3], max_new_tokens=5, ignore_eos=True)
+            assert out["usage"]["completion_tokens"] == 5 and c.stats()["slots_used"] == 0
+    finally:
+        daemon.draining = True
+        thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -104,7 +104,8 @@ def plot_concurrency(out_dir: Path, name: str, rows: list[dict]) -> Path:
     ax2 = ax1.twinx()
     ax2.plot(n, [1000 * r["tpot_p50_s"] for r in rows], "s--", color="tab:red", label="TPOT p50 (ms)")
     ax2.set_ylabel("time per output token, p50 (ms)")
-    fig.legend(loc="upper left")
+    handles = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax1.legend(handles, [h.get_label() for h in handles], loc="upper left")
     ax1.set_title(f"{name}: throughput and per-token latency against concurrency")
     return _save(fig, out_dir / f"{name}.png")
 

@@ -39,6 +39,7 @@ class ServeConfig:
     max_messages_per_turn: int = 1000  # a flood cannot starve the running requests
     curve_secret_key: str | None = None  # server certificate (zmq.auth format), enables CURVE
     curve_allowed_clients: str | None = None  # directory of allowed client public certificates
+    handle_signals: bool = True  # SIGTERM/SIGINT/SIGUSR1 start the drain (main thread only)
 
 
 @dataclass
@@ -117,8 +118,9 @@ class Daemon:
     def serve_forever(self) -> int:
         # SIGUSR1 too: under mpirun, SIGTERM to mpirun kills every rank at once, while SIGUSR1 is
         # forwarded to the ranks; the followers ignore it and the leader drains.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, self._begin_drain)
+        if self.config.handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+                signal.signal(sig, self._begin_drain)
         print(f"flover serve: ready on {self.config.bind} ({self.model_name}, "
               f"{self.engine.comm.size if self.engine.comm else 1} rank(s), {self.engine.config.max_slots} slots)",
               flush=True)
@@ -131,7 +133,7 @@ class Daemon:
                     self._cancel_all()
                     break
                 if self.engine.has_unfinished():
-                    self._reply(self.engine.step())
+                    self._reply(self._step())
                 self._periodic()
         finally:
             self.engine.shutdown()  # releases follower ranks
@@ -141,6 +143,23 @@ class Daemon:
             self.ctx.term()
         log.info("stopped: %s", self.counters)
         return 0
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine iteration. Should it fail (a bug), the requests in flight get an
+        `internal_error` and the daemon carries on. With several ranks the job must end instead:
+        the followers are inside the same iteration and cannot be brought back in step."""
+        try:
+            return self.engine.step()
+        except Exception as e:
+            if self.engine.comm is not None:
+                raise
+            log.exception("engine iteration failed; failing the %d request(s) in flight", len(self.inflight))
+            for rid, flight in list(self.inflight.items()):
+                del self.inflight[rid]
+                self.engine.abort(rid)
+                self.counters["errors"] += 1
+                self._send(flight.identity, p.error_event(p.INTERNAL, f"internal error: {e!r}", flight.client_id))
+            return []
 
     def _begin_drain(self, signum, _frame) -> None:
         if not self.draining:
