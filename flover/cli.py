@@ -33,6 +33,12 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed)
 
 
+def _is_follower_rank() -> bool:
+    from flover.parallel.launch import launched_rank, launched_ranks
+
+    return launched_ranks() > 1 and launched_rank() != 0
+
+
 def start_engine(args: argparse.Namespace):
     """This process's engine. Under `mpirun -np N` every rank builds its shard; the followers
     (ranks 1..N-1) then run the leader's iterations until it shuts down and return None."""
@@ -158,6 +164,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flover.results_file import ResultsFile, recover
 
     require_model(args)
+    if _is_follower_rank():  # only the leader touches the files; the others serve its iterations
+        start_engine(args)
+        return 0
     if args.arrival == "poisson" and not args.rate:
         raise ValueError("--arrival poisson needs --rate (requests per second)")
     if args.arrival == "interval" and args.interval is None:
