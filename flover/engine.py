@@ -90,6 +90,7 @@ class Engine:
         self._plan = StepPlanMessage()  # intake since the last iteration, for the other ranks
         self.stopped = False  # a follower saw the leader's shutdown
         self.iterations = 0
+        self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
 
     # -- intake ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -233,6 +234,7 @@ class Engine:
         now = time.perf_counter()
         self._admit(plan, now)
         batch, sampled = self._build_batch(plan)
+        self.last_step_tokens = batch.input_ids.shape[0]
         logits = self.model(batch, self.buffer.kv)  # [B, vocab]: the one fused forward
         self.scheduler.commit(plan)
         self._advance_lengths(plan, batch)

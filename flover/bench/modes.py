@@ -4,8 +4,9 @@ fused      flover's temporal fusion: a request joins the running batch at the ne
 serial     request-level scheduling: one request at a time in arrival order (FasterTransformer-style).
 window     dynamic batching: wait up to W ms or until B requests, run that batch to completion.
 instances  K model instances (processes), each serving one request at a time.
-hf         transformers: batched `generate` per dynamic-batching window (its continuous-batching
-           manager is not used: see docs/benchmarks.md).
+hf         transformers' own serving path: its continuous-batching manager, requests added as they
+           arrive; where that cannot start, batched `generate` per dynamic-batching window (the
+           run's note says which).
 
 Every mode returns a RunTrace: per request its arrival, start and the time of every token, all in
 seconds since the start of the run.
@@ -40,7 +41,8 @@ class RunTrace:
     mode: str
     requests: list[RequestTrace]
     iterations: int = 0
-    iteration_log: list[tuple[float, int, float]] = field(default_factory=list)  # (end time, live, duration)
+    # (end time, requests in flight, duration, tokens in the token matrix) per engine iteration
+    iteration_log: list[tuple[float, int, float, int]] = field(default_factory=list)
     shuffle_moves: int = 0
     shuffle_s: float = 0.0
     note: str = ""
@@ -105,7 +107,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
         outputs = engine.step()
         end = time.perf_counter() - t0
         trace.iteration_log.append((end, len(engine.scheduler.running) + sum(o.finished for o in outputs),
-                                    time.perf_counter() - started))
+                                    time.perf_counter() - started, engine.last_step_tokens))
         for out in outputs:
             t = by_id[out.request_id]
             if t.start is None and out.timings["queue_time"] is not None:
@@ -186,17 +188,78 @@ def run_instances(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
     return trace
 
 
-# -- transformers: batched generate per window --------------------------------------------------
-def run_hf(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
+# -- transformers -------------------------------------------------------------------------------
+def _hf_model(s: ModeSettings):
     import torch
     import transformers
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(s.model, dtype=getattr(torch, s.dtype)).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(s.model, dtype=getattr(torch, s.dtype)).eval()
+
+
+def run_hf(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
+    """transformers' continuous batching if it starts here, else batched generate per window."""
+    model = _hf_model(s)
+    try:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError as e:
+        return run_hf_window(reqs, s, model, reason=f"no continuous batching in this transformers ({e})")
+    try:
+        return run_hf_continuous(reqs, s, model, GenerationConfig, ContinuousBatchingConfig)
+    except Exception as e:  # its manager needs psutil, a cache that fits, ...: fall back, and say so
+        return run_hf_window(reqs, s, model, reason=f"continuous batching failed: {e!r}")
+
+
+def run_hf_continuous(reqs: list[BenchRequest], s: ModeSettings, model, GenerationConfig,
+                      ContinuousBatchingConfig) -> RunTrace:
+    page = 64
+    longest = max(len(r.prompt_ids) + r.new_tokens for r in reqs)
+    blocks = (s.max_slots + 1) * -(-longest // page)  # room for every slot at the longest length
+    config = ContinuousBatchingConfig(num_blocks=blocks, page_size=page, max_batch_tokens=512,
+                                      max_requests_per_batch=s.max_slots, auto_switch_to_flash=False)
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=8),
+        continuous_batching_config=config)
+    manager.start()
+    trace = RunTrace("hf", list(_traces(reqs).values()),
+                     note="transformers continuous-batching manager (requests added as they arrive)")
+    by_id = {t.id: t for t in trace.requests}
+    try:
+        manager.add_request([1, 2, 3], request_id="warm-up", max_new_tokens=2, eos_token_id=-1)
+        while (r := manager.get_result(timeout=300)) is not None and not r.is_finished():
+            pass
+        if r is None:
+            raise RuntimeError("the manager produced no result")
+        pending = deque(sorted(reqs, key=lambda r: r.arrival_s))
+        finished = 0
+        t0 = time.perf_counter()
+        while finished < len(reqs):
+            now = time.perf_counter() - t0
+            while pending and pending[0].arrival_s <= now:
+                q = pending.popleft()
+                manager.add_request(q.prompt_ids, request_id=q.id, max_new_tokens=q.new_tokens,
+                                    record_timestamps=True, eos_token_id=-1)
+            wait = pending[0].arrival_s - now if pending else 60.0
+            result = manager.get_result(timeout=max(0.001, wait))
+            if result is not None and result.is_finished() and result.request_id in by_id:
+                by_id[result.request_id].token_times = [t - t0 for t in result.timestamps]
+                finished += 1
+            elif result is None and not pending:
+                raise RuntimeError("the continuous-batching manager stopped producing results")
+    finally:
+        manager.stop(block=True)
+    return trace
+
+
+def run_hf_window(reqs: list[BenchRequest], s: ModeSettings, model, reason: str = "") -> RunTrace:
+    import torch
+    import transformers
+
     trace = RunTrace("hf", list(_traces(reqs).values()),
                      note="transformers batched generate per dynamic-batching window "
-                          f"({s.window_ms:g} ms / {s.window_batch} requests)")
+                          f"({s.window_ms:g} ms / {s.window_batch} requests){'; ' + reason if reason else ''}")
     by_id = {t.id: t for t in trace.requests}
     step_times: list[float] = []
 

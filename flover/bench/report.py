@@ -81,7 +81,7 @@ def plot_run(out_dir: Path, name: str, results: dict[str, dict], traces: dict) -
     if "fused" in traces and traces["fused"].iteration_log:
         fig, ax = plt.subplots(figsize=(7, 3))
         log = traces["fused"].iteration_log
-        ax.step(range(len(log)), [live for _, live, _ in log], where="post")
+        ax.step(range(len(log)), [entry[1] for entry in log], where="post")
         ax.set_xlabel("iteration")
         ax.set_ylabel("requests in flight")
         ax.set_title(f"{name}: temporal fusion, requests in flight per iteration")

@@ -20,10 +20,12 @@ from flover.models.config import load_model_config
 
 
 def iteration_ms_by_batch(trace: RunTrace, keep: int = 3) -> dict[str, float]:
-    """Median iteration time per number of requests in flight, for the most frequent counts."""
+    """Median time of pure decode iterations (one token per request in flight, no prompt) per
+    batch size, for the most frequent batch sizes: what the roofline floor is compared with."""
     by_live = defaultdict(list)
-    for _, live, seconds in trace.iteration_log:
-        by_live[live].append(seconds)
+    for _, live, seconds, tokens in trace.iteration_log:
+        if tokens == live:
+            by_live[live].append(seconds)
     common = sorted(by_live, key=lambda n: len(by_live[n]), reverse=True)[:keep]
     return {str(n): 1000 * statistics.median(by_live[n]) for n in sorted(common)}
 
