@@ -279,3 +279,4 @@ class RemoteBatchRunner:
         log.warning("%s", message)
         self.summary.errors += 1
         self.writer.write(record.index, error_record(record, code, message))
+        self.progress.update(1, self.summary.completion_tokens, 0)
