@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,6 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 
@@ -82,6 +78,8 @@ def _is_int(value) -> bool:
 def _is_finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may set per request
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -114,7 +112,6 @@ class EngineConfig:
     max_batch_tokens: int = 512  # token budget of one iteration (prompts are chunked to fit)
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     seed: int = 0  # seeds requests that bring no seed of their own
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

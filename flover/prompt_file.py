@@ -13,10 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from flover.config import SamplingParams
+from flover.config import SAMPLING_KEYS
 
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
-SAMPLING_KEYS = frozenset(SamplingParams.field_names())
 
 
 class PromptFileError(ValueError):

@@ -11,16 +11,15 @@ Events to clients: "token", "final", "error", "health", "stats" (see the event h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 
-from flover.config import SamplingParams
+from flover.config import SAMPLING_KEYS, SamplingParams
 
 OPS = ("generate", "cancel", "health", "stats")
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 GENERATE_KEYS = frozenset({"op", "id", "params", "stream", *PROMPT_KEYS})
-SAMPLING_KEYS = frozenset(SamplingParams.field_names())
 MAX_ID_LENGTH = 256
 
 # Error codes a client can act on.
@@ -32,7 +31,6 @@ DUPLICATE_ID = "duplicate_id"  # this client already has a request with this id 
 UNKNOWN_ID = "unknown_id"  # cancel of an id this client has not in flight
 OVERLOADED = "overloaded"  # the waiting queue is full: retry later
 SHUTTING_DOWN = "shutting_down"
-CLIENT_GONE = "client_gone"  # (server side only) the client stopped reading
 INTERNAL = "internal_error"
 
 
@@ -71,7 +69,6 @@ class GenerateRequest:
     messages: list | None
     params: SamplingParams
     stream: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def parse_generate(message: dict) -> GenerateRequest:
