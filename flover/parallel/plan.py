@@ -1,8 +1,8 @@
 """The step plan rank 0 broadcasts at the start of every iteration (msgpack, never pickle).
 
-It carries only intake since the previous iteration: requests admitted to the queue (token ids
-and sampling parameters), requests cancelled, and shutdown. Every rank feeds the same events to
-its own deterministic scheduler, so all ranks agree on the batch by construction.
+It carries only intake since the previous iteration, in the order it happened: requests queued
+(token ids and sampling parameters), requests cancelled, and shutdown. Every rank feeds the same
+events to its own deterministic scheduler, so all ranks agree on the batch by construction.
 """
 
 from __future__ import annotations
@@ -23,33 +23,22 @@ class AddEvent:
 
 @dataclass
 class StepPlanMessage:
-    added: list[AddEvent] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-    order: list[str] = field(default_factory=list)  # "a" / "c": the order events happened in
+    events: list[AddEvent | str] = field(default_factory=list)  # an AddEvent, or the id of a cancelled request
     shutdown: bool = False
 
     def add(self, event: AddEvent) -> None:
-        self.added.append(event)
-        self.order.append("a")
+        self.events.append(event)
 
     def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-        self.order.append("c")
-
-    def events(self):
-        """(kind, payload) in the order they happened on rank 0."""
-        added, cancelled = iter(self.added), iter(self.cancelled)
-        for kind in self.order:
-            yield (kind, next(added) if kind == "a" else next(cancelled))
+        self.events.append(request_id)
 
     def encode(self) -> bytes:
-        return msgpack.packb({
-            "add": [[e.request_id, e.token_ids, asdict(e.params)] for e in self.added],
-            "cancel": self.cancelled, "order": "".join(self.order), "shutdown": self.shutdown,
-        })
+        wire = [["a", e.request_id, e.token_ids, asdict(e.params)] if isinstance(e, AddEvent) else ["c", e]
+                for e in self.events]
+        return msgpack.packb({"events": wire, "shutdown": self.shutdown})
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlanMessage":
         raw = msgpack.unpackb(data)
-        added = [AddEvent(rid, ids, SamplingParams(**params)) for rid, ids, params in raw["add"]]
-        return cls(added=added, cancelled=list(raw["cancel"]), order=list(raw["order"]), shutdown=raw["shutdown"])
+        events = [AddEvent(e[1], e[2], SamplingParams(**e[3])) if e[0] == "a" else e[1] for e in raw["events"]]
+        return cls(events=events, shutdown=raw["shutdown"])
