@@ -26,34 +26,25 @@ def max_logit_diff(llm: LLM, ref, prompt: str) -> tuple[float, float]:
     return (ours.double() - expected.double()).abs().max().item(), expected.abs().max().item()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_float64_logits_match(make_model, variant):
+# Allowed max |ours - transformers| over a prompt's logits, given the logits' largest magnitude.
+LOGIT_BOUNDS = {
+    "float64": lambda scale: 1e-9,
+    "float32": lambda scale: 1e-4 * scale,
+    "bfloat16": lambda scale: 0.03 * scale,  # a few ulps of bfloat16
+    "float16": lambda scale: 0.03 * scale,
+}
+LOGIT_CASES = ([(v, "float64") for v in VARIANTS] + [(v, "float32") for v in VARIANTS]
+               + [("llama", "bfloat16"), ("llama", "float16")])
+
+
+@pytest.mark.parametrize("variant,dtype", LOGIT_CASES)
+def test_logits_match_transformers(make_model, variant, dtype):
     model_dir = make_model(variant)
-    llm = LLM(model_dir, dtype="float64", max_slots=2, max_seq_len=256)
-    ref = reference(model_dir, torch.float64)
-    for prompt in PROMPTS:
-        diff, _ = max_logit_diff(llm, ref, prompt)
-        assert diff <= 1e-9, (variant, prompt, diff)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_float32_logits_match(make_model, variant):
-    model_dir = make_model(variant)
-    llm = LLM(model_dir, dtype="float32", max_slots=2, max_seq_len=256)
-    ref = reference(model_dir, torch.float32)
-    for prompt in PROMPTS:
-        diff, scale = max_logit_diff(llm, ref, prompt)
-        assert diff <= 1e-4 * scale, (variant, prompt, diff, scale)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_logits_close(make_model, dtype):
-    model_dir = make_model("llama")
     llm = LLM(model_dir, dtype=dtype, max_slots=2, max_seq_len=256)
     ref = reference(model_dir, getattr(torch, dtype))
     for prompt in PROMPTS:
         diff, scale = max_logit_diff(llm, ref, prompt)
-        assert diff <= 0.03 * scale, (dtype, prompt, diff, scale)  # a few ulps of bfloat16
+        assert diff <= LOGIT_BOUNDS[dtype](scale), (variant, dtype, prompt, diff, scale)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
