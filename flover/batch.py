@@ -170,12 +170,8 @@ class BatchRunner:
             return self._fail(record, record.code or "malformed_line", record.error)
         try:
             params = self.defaults.with_updates(**record.sampling) if record.sampling else self.defaults
-            prompt = record.prompt
-            if record.messages is not None:
-                if self.engine.tokenizer is None:
-                    raise ValueError("messages need the checkpoint's tokenizer.json")
-                prompt = self.engine.tokenizer.encode_chat(record.messages)
-            request = self.engine.make_request(prompt, params, request_id=record.id, arrival_time=arrival_time)
+            request = self.engine.make_request(record.prompt, params, request_id=record.id,
+                                               arrival_time=arrival_time, messages=record.messages)
         except PromptTooLong as e:
             return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")
         except (ValueError, TypeError) as e:

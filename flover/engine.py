@@ -99,17 +99,18 @@ class Engine:
         ValueError (and changes nothing) when the request cannot be served."""
         return self.enqueue(self.make_request(prompt, params, request_id))
 
-    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def make_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
                      request_id: str | None = None, arrival_time: float | None = None,
-                     stream: bool = False) -> Request:
+                     stream: bool = False, messages: list | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
+        `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
         `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
         latencies count from it. `stream`: report text deltas with every new token."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        token_ids, text = self._prompt_ids(prompt)
+        token_ids, text = self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages), None)
         limit = self.max_seq_len
         if len(token_ids) + params.max_new_tokens > limit:
             raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
@@ -130,7 +131,7 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
         self.scheduler.add(request)
-        if self.comm is not None and self.is_leader:
+        if self._tells_followers:
             self._plan.add(AddEvent(request.request_id, request.prompt_token_ids, request.params))
         return request.request_id
 
@@ -150,6 +151,14 @@ class Engine:
             raise ValueError("the prompt is empty")
         return ids, text
 
+    def _chat_ids(self, messages: list) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("messages need the checkpoint's tokenizer.json")
+        ids = self.tokenizer.encode_chat(messages)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its final output comes with the next step(). False if unknown/done."""
         request = self.requests.get(request_id)
@@ -157,7 +166,7 @@ class Engine:
             return False
         was_waiting = request.state is RequestState.WAITING
         self.scheduler.cancel(request, time.perf_counter())
-        if self.comm is not None and self.is_leader:
+        if self._tells_followers:
             self._plan.cancel(request_id)
         self._pending.append(self._output(request, []))
         if was_waiting:  # never got a slot, so no retire step will forget it
@@ -184,8 +193,12 @@ class Engine:
             sample_rows=torch.arange(n, device=dev))
         return self.model(batch, self.buffer.kv)
 
-    # -- one iteration --------------------------------------------------------------------
     # -- tensor parallelism: the leader's plan, the followers' loop --------------------------
+    @property
+    def _tells_followers(self) -> bool:
+        """The leader of several ranks: its intake goes into the next step plan."""
+        return self.comm is not None and self.is_leader
+
     def _exchange_plan(self) -> None:
         """Leader: broadcast the intake since the last iteration. Follower: wait (without
         spinning) for it and apply it, so that its scheduler makes the leader's decisions."""
@@ -194,8 +207,8 @@ class Engine:
             self._plan = StepPlanMessage()
             return
         message = StepPlanMessage.decode(self.comm.broadcast_bytes(None))
-        for kind, event in message.events():
-            if kind == "a":
+        for event in message.events:
+            if isinstance(event, AddEvent):
                 self.enqueue(self.make_request(event.token_ids, event.params, event.request_id))
             else:
                 self.abort(event)
@@ -210,7 +223,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Leader: release the followers (their follow() returns). Requests in flight are dropped."""
-        if self.comm is not None and self.is_leader and not self.stopped:
+        if self._tells_followers and not self.stopped:
             self._plan.shutdown = True
             self.comm.broadcast_bytes(self._plan.encode())
             self.stopped = True
@@ -390,7 +403,6 @@ class Engine:
             logprobs=r.output_logprobs if r.params.logprobs else None,
             timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error,
         )
-
 
     @staticmethod
     def _text_delta(r: Request, final_text: str | None) -> str:

@@ -244,12 +244,7 @@ class Daemon:
                                                 "retry later", req.id)
         engine = self.engine
         try:
-            prompt = req.prompt
-            if req.messages is not None:
-                if engine.tokenizer is None:
-                    raise ValueError("messages need the checkpoint's tokenizer.json")
-                prompt = engine.tokenizer.encode_chat(req.messages)
-            request = engine.make_request(prompt, req.params, key, stream=req.stream)
+            request = engine.make_request(req.prompt, req.params, key, stream=req.stream, messages=req.messages)
         except PromptTooLong as e:
             raise p.ProtocolError(p.PROMPT_TOO_LONG, str(e), req.id) from None
         except (ValueError, TypeError) as e:
