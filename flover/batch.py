@@ -12,14 +12,16 @@ import logging
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
+from flover.client import FloverError
 from flover.config import SamplingParams
 from flover.engine import Engine, PromptTooLong
 from flover.prompt_file import PromptRecord
 from flover.request import RequestOutput
 from flover.results_file import OrderedWriter, ResultsFile, UnorderedWriter
+from flover.server.protocol import PERMANENT
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,12 @@ class BatchSummary:
     wall_s: float = 0.0
     iterations: int = 0
     finish_reasons: dict = field(default_factory=dict)
+    incomplete: dict = field(default_factory=dict)  # why -> prompts that ended without a record (retried on resume)
+    stopped: str | None = None  # why the run stopped before every prompt was sent
+
+    @property
+    def not_done(self) -> int:
+        return self.prompts - self.skipped - self.completed - self.errors
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,6 +72,18 @@ class BatchSummary:
         return (f"{self.prompts} prompts: {self.completed} completed, {self.errors} errors, {self.skipped} already "
                 f"done; {self.prompt_tokens} tokens in, {self.completion_tokens} out in {self.wall_s:.1f} s "
                 f"({self.tokens_per_s:.1f} tok/s, {self.iterations} iterations)")
+
+    def count_incomplete(self, why: str) -> None:
+        self.incomplete[why] = self.incomplete.get(why, 0) + 1
+
+    def incomplete_line(self) -> str | None:
+        """None when every prompt has its record."""
+        if self.not_done <= 0:
+            return None
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.incomplete.items()))
+        stopped = f"; stopped: {self.stopped}" if self.stopped else ""
+        return (f"incomplete: {self.not_done} prompt(s) have no record ({reasons or 'not sent'}{stopped}); "
+                f"re-run the same command to retry them")
 
 
 class Progress:
@@ -130,7 +150,7 @@ class BatchRunner:
         self.on_step = on_step  # called after every iteration with (runner, outputs); for live views
         self.summary = BatchSummary()
         self.arrived = 0
-        self._index_of: dict[str, int] = {}
+        self._records: dict[str, PromptRecord] = {}  # request id -> its record, while in flight
 
     def run(self, records: Iterable[PromptRecord], offsets: Iterator[float] | None = None) -> BatchSummary:
         """Latencies count from each prompt's scheduled arrival when `offsets` is given, else from
@@ -176,7 +196,7 @@ class BatchRunner:
             return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")
         except (ValueError, TypeError) as e:
             return self._fail(record, "invalid_request", f"line {record.line}: {e}")
-        self._index_of[record.id] = record.index
+        self._records[record.id] = record
         self.engine.enqueue(request)
         self.summary.prompt_tokens += len(request.prompt_token_ids)
 
@@ -188,10 +208,16 @@ class BatchRunner:
 
     def _finish(self, out: RequestOutput) -> None:
         s = self.summary
+        record = self._records.pop(out.request_id)
+        if out.finish_reason == "error":  # a failure inside the engine: retried on resume, not recorded
+            log.warning("line %d (id %s): %s; no record written", record.line, record.id, out.error)
+            s.count_incomplete("internal_error")
+            self.writer.write(record.index, None)
+            return
         s.completed += 1
         s.completion_tokens += len(out.token_ids)
         s.finish_reasons[out.finish_reason] = s.finish_reasons.get(out.finish_reason, 0) + 1
-        self.writer.write(self._index_of.pop(out.request_id), result_record(out, self.token_ids))
+        self.writer.write(record.index, result_record(out, self.token_ids))
 
 
 def remote_result_record(event: dict, with_token_ids: bool) -> dict:
@@ -206,70 +232,100 @@ def remote_result_record(event: dict, with_token_ids: bool) -> dict:
 
 class RemoteBatchRunner:
     """`flover run --connect`: the same file handling, with a running `flover serve` as the engine.
-    Up to `max_in_flight` requests are outstanding; `overloaded` replies are retried."""
+    Up to `max_in_flight` requests are outstanding; `overloaded` replies are retried. Every prompt
+    ends with a record, or the run stops (the server shuts down, the connection is lost, nothing
+    is heard for `timeout` seconds) and the prompts without a record are left for a resume."""
 
     def __init__(self, client, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
-                 token_ids: bool = False, max_in_flight: int = 64, progress: Progress | None = None):
+                 token_ids: bool = False, max_in_flight: int = 64, progress: Progress | None = None,
+                 timeout: float | None = None):
         self.client, self.defaults, self.token_ids = client, defaults, token_ids
         self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
         self.max_in_flight = max_in_flight
         self.progress = progress or Progress(0, enabled=False)
+        self.timeout = timeout
         self.summary = BatchSummary()
+        self._base = asdict(defaults)
 
     def run(self, records: Iterable[PromptRecord], offsets: Iterator[float] | None = None) -> BatchSummary:
-        from dataclasses import asdict
-
         start = time.perf_counter()
         todo = iter(records)
         offsets = offsets if offsets is not None else itertools.repeat(0.0)
         nxt, due = next(todo, None), next(offsets)
         in_flight: dict[str, PromptRecord] = {}
         retry: list[tuple[float, PromptRecord]] = []
-        base = asdict(self.defaults)
-        while nxt is not None or in_flight or retry:
+        s = self.summary
+        while (nxt is not None or retry) and s.stopped is None or in_flight:
             now = time.perf_counter() - start
-            while retry and retry[0][0] <= now and len(in_flight) < self.max_in_flight:
-                self._send(retry.pop(0)[1], base, in_flight)
-            while nxt is not None and due <= now and len(in_flight) < self.max_in_flight:
+            while s.stopped is None and retry and retry[0][0] <= now and len(in_flight) < self.max_in_flight:
+                self._send(retry.pop(0)[1], in_flight)
+            while s.stopped is None and nxt is not None and due <= now and len(in_flight) < self.max_in_flight:
                 self.writer.expect(nxt.index)
                 if nxt.error is not None:
                     self._fail(nxt, nxt.code or "malformed_line", nxt.error)
                 else:
-                    self._send(nxt, base, in_flight)
+                    self._send(nxt, in_flight)
                 nxt, due = next(todo, None), next(offsets)
             if not in_flight:
                 waits = [t for t, _ in retry[:1]] + ([due] if nxt is not None else [])
-                if waits:
+                if waits and s.stopped is None:
                     time.sleep(max(0.0, min(waits) - (time.perf_counter() - start)))
                 continue
             event = self.client.next_any(timeout=0.05)
-            if event is None or event.get("id") not in in_flight:
+            if event is None:
+                self._check_alive(in_flight)
                 continue
-            record = in_flight.pop(event["id"])
-            if event["event"] == "final":
-                self.summary.completed += 1
-                self.summary.prompt_tokens += event["usage"]["prompt_tokens"]
-                self.summary.completion_tokens += event["usage"]["completion_tokens"]
-                self.writer.write(record.index, remote_result_record(event, self.token_ids))
-                self.progress.update(1, self.summary.completion_tokens, len(in_flight))
-            elif event["event"] == "error" and event["code"] == "overloaded":
-                retry.append((time.perf_counter() - start + 0.2, record))
-            elif event["event"] == "error":
-                self._fail(record, event["code"], f"line {record.line}: {event['message']}")
-        self.summary.wall_s = time.perf_counter() - start
+            record = in_flight.pop(event.get("id"), None)
+            if record is not None:
+                self._handle(event, record, in_flight, retry, time.perf_counter() - start)
+        s.wall_s = time.perf_counter() - start
         self.progress.close()
-        return self.summary
+        return s
 
-    def _send(self, record: PromptRecord, base: dict, in_flight: dict) -> None:
-        message = {"op": "generate", "id": record.id, "stream": False, "params": {**base, **record.sampling}}
+    def _handle(self, event: dict, record: PromptRecord, in_flight: dict, retry: list, now: float) -> None:
+        s = self.summary
+        if event["event"] == "final" and event["finish_reason"] in ("stop", "length"):
+            s.completed += 1
+            s.prompt_tokens += event["usage"]["prompt_tokens"]
+            s.completion_tokens += event["usage"]["completion_tokens"]
+            self.writer.write(record.index, remote_result_record(event, self.token_ids))
+            self.progress.update(1, s.completion_tokens, len(in_flight))
+        elif event["event"] == "error" and event["code"] == "overloaded":
+            retry.append((now + 0.2, record))
+        elif event["event"] == "error" and event["code"] in PERMANENT:
+            self._fail(record, event["code"], f"line {record.line}: {event['message']}")
+        else:  # cancelled, shutting_down, internal_error, slow_client, connection_lost, ...: no record
+            why = event.get("code") or event.get("finish_reason")
+            log.warning("line %d (id %s): %s; no record written", record.line, record.id,
+                        event.get("message") or why)
+            s.count_incomplete(why)
+            self.writer.write(record.index, None)
+            if why in ("shutting_down", "connection_lost", "handshake_failed") and s.stopped is None:
+                s.stopped = event.get("message") or why
+
+    def _check_alive(self, in_flight: dict) -> None:
+        """Nothing heard (not even a keepalive) for `timeout` seconds: give up on what is in flight."""
+        if self.timeout is None or time.monotonic() - self.client.last_heard < self.timeout:
+            return
+        for record in list(in_flight.values()):
+            self.summary.count_incomplete("timeout")
+            self.writer.write(record.index, None)
+        in_flight.clear()
+        self.summary.stopped = f"no reply from the server for {self.timeout:g} s"
+
+    def _send(self, record: PromptRecord, in_flight: dict) -> None:
+        message = {"op": "generate", "id": record.id, "stream": False, "params": {**self._base, **record.sampling}}
         if record.messages is not None:
             message["messages"] = record.messages
         elif isinstance(record.prompt, str):
             message["prompt"] = record.prompt
         else:
             message["input_ids"] = record.prompt
+        try:
+            self.client.send(message)
+        except FloverError as e:  # too large to send: a property of the prompt
+            return self._fail(record, e.code, f"line {record.line}: {e.message}")
         in_flight[record.id] = record
-        self.client.send(message)
 
     def _fail(self, record: PromptRecord, code: str, message: str) -> None:
         log.warning("%s", message)

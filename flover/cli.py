@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import signal
@@ -159,9 +160,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flover.batch import BatchRunner, Progress, RemoteBatchRunner, arrival_offsets
+    from dataclasses import asdict
+
+    from flover.batch import BatchRunner, RemoteBatchRunner, arrival_offsets
+    from flover.client import FloverError
     from flover.prompt_file import check_unique_ids, detect_format, iter_records
-    from flover.results_file import ResultsFile, recover
+    from flover.results_file import file_sha256, open_results
 
     require_model(args)
     if _is_follower_rank():  # only the leader touches the files; the others serve its iterations
@@ -172,44 +176,65 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.arrival == "interval" and args.interval is None:
         raise ValueError("--arrival interval needs --interval MS")
     if args.prompts == "-":
-        lines = sys.stdin.readlines()
-        fmt = args.format if args.format != "auto" else detect_format("-", next((x for x in lines if x.strip()), ""))
-        read = lambda: iter_records(lines, fmt)  # noqa: E731
+        data = sys.stdin.buffer.read()
+        first = next((x for x in data.split(b"\n") if x.strip()), b"").decode("utf-8", "replace")
+        fmt = args.format if args.format != "auto" else detect_format("-", first)
+        read = lambda: iter_records(io.BytesIO(data), fmt)  # noqa: E731
+        digest = file_sha256(None, data)
     else:
         fmt = args.format if args.format != "auto" else detect_format(args.prompts)
 
         def read():
-            with open(args.prompts, encoding="utf-8") as f:
+            with open(args.prompts, "rb") as f:  # split on b"\n" only, decoded line by line
                 yield from iter_records(f, fmt)
+        digest = file_sha256(args.prompts)
     ids = check_unique_ids(read())  # before any work: duplicate ids are an error
-    done = recover(args.out) & ids
     params = sampling_params(args)
-    todo = (record for record in read() if record.id not in done)
-    progress = Progress(len(ids) - len(done), enabled=not args.quiet, interval=args.log_interval)
+    parts = {"prompts_sha256": digest, "params": asdict(params), "token_ids": args.token_ids}
     offsets = arrival_offsets(args.arrival, args.rate, args.interval, args.seed)
     if args.connect:
         with connect(args) as client:
-            out = ResultsFile(args.out)
             try:
-                summary = RemoteBatchRunner(client, out, params, ordered=args.ordered, token_ids=args.token_ids,
-                                            max_in_flight=args.max_in_flight, progress=progress).run(todo, offsets)
+                health = client.health(timeout=args.timeout or 10.0)
+            except (TimeoutError, FloverError) as e:
+                raise OSError(f"no flover server answers at {args.connect} ({e})") from None
+            client.max_message_bytes = health.get("max_message_bytes", client.max_message_bytes)
+            out, done = open_results(args.out, {**parts, "model": health.get("model")})
+            try:
+                summary = _run_records(args, read, ids, done, offsets, lambda progress: RemoteBatchRunner(
+                    client, out, params, ordered=args.ordered, token_ids=args.token_ids,
+                    max_in_flight=args.max_in_flight, progress=progress, timeout=args.timeout))
             finally:
                 out.close()
     else:
-        engine = start_engine(args)
-        if engine is None:  # a follower rank: the leader reads and writes the files
-            return 0
-        out = ResultsFile(args.out)
-        runner = BatchRunner(engine, out, params, ordered=args.ordered, token_ids=args.token_ids,
-                             progress=progress)
+        out, done = open_results(args.out, {**parts, "model": str(Path(args.model).resolve()),
+                                            "dtype": args.dtype})
+        engine = None
         try:
-            summary = runner.run(todo, offsets)
+            engine = start_engine(args)
+            summary = _run_records(args, read, ids, done, offsets, lambda progress: BatchRunner(
+                engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress))
         finally:
             out.close()
-            engine.shutdown()
-    summary.prompts, summary.skipped = len(ids), len(done)
+            if engine is not None:
+                engine.shutdown()
     print(f"flover run: {summary.line()}", file=sys.stderr)
+    incomplete = summary.incomplete_line()
+    if incomplete:
+        print(f"flover run: {incomplete}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _run_records(args, read, ids: set[str], done: set[str], offsets, make_runner):
+    from flover.batch import Progress
+
+    done = done & ids
+    todo = (record for record in read() if record.id not in done)
+    progress = Progress(len(ids) - len(done), enabled=not args.quiet, interval=args.log_interval)
+    summary = make_runner(progress).run(todo, offsets)
+    summary.prompts, summary.skipped = len(ids), len(done)
+    return summary
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -6,8 +6,16 @@
         for event in c.stream("Hello", max_new_tokens=32):
             print(event.get("text") or "", end="")
 
-One DEALER socket carries any number of concurrent requests; events are routed by request id.
-A Client is not thread-safe: use one per thread (or the AsyncClient).
+One DEALER socket carries any number of concurrent requests; events are routed by request id
+(returned exactly as sent: a string or an integer). A Client is not thread-safe: use one per
+thread (or the AsyncClient).
+
+A dead server is noticed: ZeroMQ heartbeats close a connection whose peer stopped answering
+(~3 s), and a socket monitor reports every lost connection. Requests sent before a lost
+connection can never be answered (a new connection is a new client to the server): each gets a
+`connection_lost` error event at once instead of waiting forever. Messages larger than the
+server's limit are refused here, before sending (`message_too_large`), instead of making ZeroMQ
+drop the connection.
 """
 
 from __future__ import annotations
@@ -21,19 +29,25 @@ from typing import AsyncIterator, Iterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from flover.server.protocol import pack, unpack
+from flover.server.protocol import MESSAGE_TOO_LARGE, pack, unpack
 
 TERMINAL = ("final", "error")
+CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
+HANDSHAKE_FAILED = "handshake_failed"  # client-side code: the server refused this client (CURVE)
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # the server's default --max-message-bytes
+_LOST_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class FloverError(RuntimeError):
-    def __init__(self, code: str, message: str, request_id: str | None = None):
+    def __init__(self, code: str, message: str, request_id: str | int | None = None):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.request_id = code, message, request_id
 
 
-def _generate_message(request_id: str, prompt, input_ids, messages, stream: bool, params: dict) -> dict:
+def _generate_message(request_id, prompt, input_ids, messages, stream: bool, params: dict) -> dict:
     message = {"op": "generate", "id": request_id, "stream": stream, "params": params}
     given = [(k, v) for k, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
     if len(given) != 1:
@@ -42,27 +56,56 @@ def _generate_message(request_id: str, prompt, input_ids, messages, stream: bool
     return message
 
 
-def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_client_cert: str | None) -> None:
+def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_client_cert: str | None):
+    """Configure and connect; returns the monitor socket that reports lost connections."""
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a server that stops answering is dropped in ~3 s
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
     if curve_server_key is not None:
         from zmq.auth import load_certificate
 
         public, secret = load_certificate(curve_client_cert)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, curve_server_key
+    monitor = sock.get_monitor_socket(_LOST_EVENTS)
     sock.connect(addr)
+    return monitor
+
+
+def _encode(message: dict, limit: int) -> bytes:
+    data = pack(message)
+    if len(data) > limit:
+        raise FloverError(MESSAGE_TOO_LARGE, f"the message is {len(data)} bytes; the server takes at most {limit}",
+                          message.get("id"))
+    return data
+
+
+def _lost_event(request_id, monitor_event: dict, addr: str) -> dict:
+    if monitor_event["event"] == zmq.EVENT_DISCONNECTED:
+        code, why = CONNECTION_LOST, f"the connection to {addr} was lost; this request's result cannot arrive"
+    else:
+        code, why = HANDSHAKE_FAILED, f"{addr} refused this client ({zmq.Event(monitor_event['event']).name})"
+    return {"event": "error", "id": request_id, "code": code, "message": why, "local": True}
 
 
 class Client:
     def __init__(self, addr: str, timeout: float | None = None, curve_server_key: bytes | None = None,
-                 curve_client_cert: str | None = None):
-        """`timeout`: seconds to wait for any event before raising TimeoutError (None: forever)."""
+                 curve_client_cert: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        """`timeout`: seconds to wait for any event before raising TimeoutError (None: forever;
+        a dead server is still noticed within seconds)."""
+        self.addr = addr
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        _setup(self.sock, addr, curve_server_key, curve_client_cert)
+        self.monitor = _setup(self.sock, addr, curve_server_key, curve_client_cert)
         self.timeout = timeout
-        self._events: dict[str, deque] = defaultdict(deque)
+        self.max_message_bytes = max_message_bytes
+        self._events: dict[str | int | None, deque] = defaultdict(deque)
+        self._pending: set = set()  # ids sent that have not had their final/error event yet
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
+        self.last_heard = time.monotonic()  # any message, keepalives included: the server is alive
 
     def __enter__(self):
         return self
@@ -71,6 +114,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
         self.ctx.term()
 
@@ -78,20 +123,41 @@ class Client:
         return f"{self._prefix}-{next(self._ids)}"
 
     def send(self, message: dict) -> None:
-        self.sock.send(pack(message))
+        """Raises FloverError(message_too_large) without sending what the server would refuse."""
+        self.sock.send(_encode(message, self.max_message_bytes))
+        if message.get("op") == "generate":
+            self._pending.add(message.get("id"))
 
-    def next_event(self, request_id: str | None, timeout: float | None = None) -> dict:
+    def _receive(self, timeout: float | None) -> bool:
+        """Wait for the socket or the monitor; file what arrives. False on timeout."""
+        ready = dict(self._poller.poll(None if timeout is None else int(timeout * 1000)))
+        if not ready:
+            return False
+        while self.sock.poll(0):  # everything that arrived before a lost connection counts
+            event = unpack(self.sock.recv())
+            self.last_heard = time.monotonic()
+            if event.get("event") == "keepalive":
+                continue
+            if event.get("event") in TERMINAL:
+                self._pending.discard(event.get("id"))
+            self._events[event.get("id")].append(event)
+        if self.monitor in ready:
+            while self.monitor.poll(0):
+                lost = parse_monitor_message(self.monitor.recv_multipart())
+                for rid in self._pending:
+                    self._events[rid].append(_lost_event(rid, lost, self.addr))
+                self._pending.clear()
+        return True
+
+    def next_event(self, request_id, timeout: float | None = None) -> dict:
         """The next event for `request_id` (events of other requests are kept for later)."""
-        queue = self._events[request_id]
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not queue:
-            wait = None if deadline is None else max(0, deadline - time.monotonic())
-            if not self.sock.poll(None if wait is None else int(wait * 1000)):
+        while not self._events.get(request_id):
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._receive(wait) and deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"no reply from the server for request {request_id!r} within {timeout} s")
-            event = unpack(self.sock.recv())
-            if event.get("event") != "keepalive":
-                self._events[event.get("id")].append(event)
+        queue = self._events[request_id]
         event = queue.popleft()
         if not queue:
             del self._events[request_id]
@@ -99,23 +165,20 @@ class Client:
 
     def next_any(self, timeout: float | None = None) -> dict | None:
         """The next event of any request (None after `timeout` seconds without one)."""
-        for rid, queue in list(self._events.items()):
-            if queue:
-                return self.next_event(rid)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            wait = None if deadline is None else max(0, deadline - time.monotonic())
-            if not self.sock.poll(None if wait is None else int(wait * 1000)):
+            for rid, queue in list(self._events.items()):
+                if queue:
+                    return self.next_event(rid)
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._receive(wait) and deadline is not None and time.monotonic() >= deadline:
                 return None
-            event = unpack(self.sock.recv())
-            if event.get("event") != "keepalive":
-                return event
 
     def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
-               messages: list | None = None, request_id: str | None = None, **params) -> Iterator[dict]:
+               messages: list | None = None, request_id=None, **params) -> Iterator[dict]:
         """Token events ({"event": "token", "token_ids", "text"}) and then the final event.
         An error event raises FloverError."""
-        rid = request_id or self.new_id()
+        rid = self.new_id() if request_id is None else request_id
         self.send(_generate_message(rid, prompt, input_ids, messages, True, params))
         while True:
             event = self.next_event(rid)
@@ -126,13 +189,13 @@ class Client:
                 return
 
     def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
-                 messages: list | None = None, request_id: str | None = None, **params) -> dict:
+                 messages: list | None = None, request_id=None, **params) -> dict:
         """The final event: text, token_ids, finish_reason, usage, timings."""
-        rid = request_id or self.new_id()
+        rid = self.new_id() if request_id is None else request_id
         self.send(_generate_message(rid, prompt, input_ids, messages, False, params))
         return self.wait(rid)
 
-    def wait(self, request_id: str) -> dict:
+    def wait(self, request_id) -> dict:
         """The final event of a request sent earlier (raises FloverError on an error event)."""
         while True:
             event = self.next_event(request_id)
@@ -141,14 +204,19 @@ class Client:
             if event["event"] == "final":
                 return event
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id) -> None:
         """The request's own stream/generate call then ends with finish_reason "cancelled"."""
         self.send({"op": "cancel", "id": request_id})
 
     def _ask(self, op: str, timeout: float) -> dict:
         rid = self.new_id()
         self.send({"op": op, "id": rid})
-        return self.next_event(rid, timeout)
+        self._pending.add(rid)  # a lost connection answers it too
+        event = self.next_event(rid, timeout)
+        self._pending.discard(rid)
+        if event["event"] == "error":
+            raise FloverError(event["code"], event["message"], rid)
+        return event
 
     def health(self, timeout: float = 5.0) -> dict:
         return self._ask("health", timeout)
@@ -160,12 +228,15 @@ class Client:
 class AsyncClient:
     """The same operations for asyncio; many requests may run concurrently on one client."""
 
-    def __init__(self, addr: str, curve_server_key: bytes | None = None, curve_client_cert: str | None = None):
+    def __init__(self, addr: str, curve_server_key: bytes | None = None, curve_client_cert: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.addr = addr
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        _setup(self.sock, addr, curve_server_key, curve_client_cert)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._reader: asyncio.Task | None = None
+        self.monitor = _setup(self.sock, addr, curve_server_key, curve_client_cert)
+        self.max_message_bytes = max_message_bytes
+        self._queues: dict[str | int, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -176,30 +247,46 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
         self.ctx.term()
 
+    def _dispatch(self, event: dict) -> None:
+        queue = self._queues.get(event.get("id"))
+        if queue is not None:
+            queue.put_nowait(event)
+
     async def _read(self) -> None:
         while True:
-            event = unpack(await self.sock.recv())
-            queue = self._queues.get(event.get("id"))
-            if queue is not None:
-                queue.put_nowait(event)
+            self._dispatch(unpack(await self.sock.recv()))
 
-    def _open(self, rid: str) -> asyncio.Queue:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+    async def _watch(self) -> None:
+        """A lost connection: every open request gets its `connection_lost` error (after any event
+        that arrived before the loss)."""
+        while True:
+            lost = parse_monitor_message(await self.monitor.recv_multipart())
+            while await self.sock.poll(0):
+                self._dispatch(unpack(await self.sock.recv()))
+            for rid in list(self._queues):
+                self._dispatch(_lost_event(rid, lost, self.addr))
+
+    def _open(self, rid) -> asyncio.Queue:
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
         self._queues[rid] = asyncio.Queue()
         return self._queues[rid]
 
     async def _events(self, message: dict) -> AsyncIterator[dict]:
         """Send a generate message; yield its events up to the final one (an error raises)."""
         rid = message["id"]
+        data = _encode(message, self.max_message_bytes)
         queue = self._open(rid)
         try:
-            await self.sock.send(pack(message))
+            await self.sock.send(data)
             while True:
                 event = await queue.get()
                 if event["event"] == "error":
@@ -210,31 +297,37 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
 
+    def _new_id(self, request_id):
+        return f"{self._prefix}-{next(self._ids)}" if request_id is None else request_id
+
     async def stream(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
                      **params) -> AsyncIterator[dict]:
-        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+        rid = self._new_id(request_id)
         async for event in self._events(_generate_message(rid, prompt, input_ids, messages, True, params)):
             yield event
 
     async def generate(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
                        **params) -> dict:
-        rid = request_id or f"{self._prefix}-{next(self._ids)}"
+        rid = self._new_id(request_id)
         async for event in self._events(_generate_message(rid, prompt, input_ids, messages, False, params)):
             if event["event"] == "final":
                 return event
         raise FloverError("internal_error", "the event stream ended without a final event", rid)
 
-    async def cancel(self, request_id: str) -> None:
+    async def cancel(self, request_id) -> None:
         await self.sock.send(pack({"op": "cancel", "id": request_id}))
 
     async def _ask(self, op: str, timeout: float) -> dict:
-        rid = f"{self._prefix}-{next(self._ids)}"
+        rid = self._new_id(None)
         queue = self._open(rid)
         try:
             await self.sock.send(pack({"op": op, "id": rid}))
-            return await asyncio.wait_for(queue.get(), timeout)
+            event = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._queues.pop(rid, None)
+        if event["event"] == "error":
+            raise FloverError(event["code"], event["message"], rid)
+        return event
 
     async def health(self, timeout: float = 5.0) -> dict:
         return await self._ask("health", timeout)

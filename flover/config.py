@@ -7,12 +7,26 @@ import os
 from dataclasses import dataclass, fields, replace
 
 
+# What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
+# float32) and keep the sampler's arithmetic finite; the per-token stop check must stay cheap.
+# docs/protocol.md lists these limits.
+MAX_INT32 = 2**31 - 1
+MAX_TEMPERATURE = 1e4
+GREEDY_BELOW = 1e-5  # smaller positive temperatures are greedy (as in vLLM): 1/T would overflow
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # seen logits are scaled by at most 100x either way
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_TOKEN_ID_LIST = 1024  # entries of stop_token_ids / eos_token_ids
+MAX_REQUEST_ID_LENGTH = 256  # characters of a client-chosen request id (protocol, prompt files)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings (names follow vLLM's SamplingParams).
 
     temperature == 0 means greedy; the default is greedy so that a plain call gives the same
-    tokens as transformers' `generate` on the same weights.
+    tokens as transformers' `generate` on the same weights. Every field is checked strictly
+    (types are never coerced) and against the limits above, here and nowhere else.
     """
 
     max_new_tokens: int = 16
@@ -29,39 +43,59 @@ class SamplingParams:
     logprobs: bool = False  # return the log-probability of every sampled token
 
     def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen into tuples.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        if self.eos_token_ids is not None:
-            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        # Lists are accepted for convenience and frozen into tuples; nothing else is converted.
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if isinstance(self.stop, str):
+            set_("stop", (self.stop,))
+        for name in ("stop", "stop_token_ids", "eos_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                set_(name, tuple(value))
         self.validate()
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            set_(name, float(getattr(self, name)))  # validated: an int within float32's range
+        if self.temperature < GREEDY_BELOW:
+            set_("temperature", 0.0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise ValueError(f"SamplingParams.{name}={shown}: {why}")
 
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be an integer >= 1")
-        if not _is_finite(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be a finite number > 0")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            bad("seed", "must be an integer in [0, 2**63) or None")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
-        if self.eos_token_ids is not None and not all(_is_int(t) and t >= 0 for t in self.eos_token_ids):
-            bad("eos_token_ids", "must be non-negative integers")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be non-empty strings")
+        if not _int_in(self.max_new_tokens, 1, MAX_INT32):
+            bad("max_new_tokens", f"must be an integer in [1, {MAX_INT32}]")
+        if not _number_in(self.temperature, 0, MAX_TEMPERATURE):
+            bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy; below "
+                               f"{GREEDY_BELOW:g}: greedy too)")
+        if not _int_in(self.top_k, 0, MAX_INT32):
+            bad("top_k", f"must be an integer in [0, {MAX_INT32}] (0 disables it)")
+        if not _number_in(self.top_p, 0, 1) or self.top_p == 0:
+            bad("top_p", "must be a number in (0, 1]")
+        if not _number_in(self.min_p, 0, 1):
+            bad("min_p", "must be a number in [0, 1]")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _number_in(self.repetition_penalty, low, high):
+            bad("repetition_penalty", f"must be a number in [{low:g}, {high:g}] (1 disables it)")
+        if self.seed is not None and not _int_in(self.seed, 0, 2**63 - 1):
+            bad("seed", "must be an integer in [0, 2**63) or null")
+        for name in ("stop_token_ids", "eos_token_ids"):
+            value = getattr(self, name)
+            if value is None and name == "eos_token_ids":
+                continue
+            if not isinstance(value, tuple) or not all(_int_in(t, 0, MAX_INT32) for t in value):
+                bad(name, f"must be a list of integers in [0, {MAX_INT32}]")
+            if len(value) > MAX_TOKEN_ID_LIST:
+                bad(name, f"at most {MAX_TOKEN_ID_LIST} token ids")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
 
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
@@ -75,8 +109,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _int_in(value, low: int, high: int) -> bool:
+    return _is_int(value) and low <= value <= high
+
+
+def _number_in(value, low: float, high: float) -> bool:
+    """An int or float (never a bool or a string), finite, in [low, high]. Ints are compared
+    exactly, so 2**64 never reaches a float conversion."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (_is_int(value) or math.isfinite(value)) and low <= value <= high
 
 
 SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may set per request

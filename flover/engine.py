@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import re
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -107,6 +108,8 @@ class Engine:
         `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
         latencies count from it. `stream`: report text deltas with every new token."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -124,6 +127,9 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
             timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
         )
+        if params.stop:
+            request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
+            request.stop_holdback = max(map(len, params.stop)) - 1
         return request
 
     def enqueue(self, request: Request) -> str:
@@ -139,22 +145,37 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need the checkpoint's tokenizer.json; pass token ids")
+            self._check_text_size(prompt)
             ids = self.tokenizer.encode(prompt)
             text = prompt
-        else:
+        elif isinstance(prompt, (list, tuple)):
+            if len(prompt) > self.max_seq_len:  # before looking at a million ids one by one
+                raise PromptTooLong(f"prompt of {len(prompt)} tokens exceeds max_seq_len={self.max_seq_len}")
             ids, text = list(prompt), None
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
         return ids, text
 
+    def _check_text_size(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text that cannot fit: it needs at least
+        bytes / (longest token in bytes) tokens. Bounds the tokenizer work one request can cost."""
+        size, longest = len(text.encode("utf-8", "surrogatepass")), self.tokenizer.max_token_bytes
+        if size > self.max_seq_len * longest:
+            raise PromptTooLong(f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
+                                f"(no token is longer than {longest} bytes); refused before tokenizing")
+
     def _chat_ids(self, messages: list) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("messages need the checkpoint's tokenizer.json")
-        ids = self.tokenizer.encode_chat(messages)
+        text = self.tokenizer.render_chat(messages)
+        self._check_text_size(text)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
@@ -253,9 +274,9 @@ class Engine:
         self._advance_lengths(plan, batch)
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
-        token_ids, logprobs = self._sample(logits, sampled, batch)
+        token_ids, logprobs, failed = self._sample(logits, sampled, batch)
         self.iterations += 1
-        outputs += self._record(sampled, token_ids, logprobs, time.perf_counter())
+        outputs += self._record(sampled, token_ids, logprobs, failed, time.perf_counter())
         return outputs
 
     def _admit(self, plan: StepPlan, now: float) -> None:
@@ -334,13 +355,14 @@ class Engine:
         return full[:, : self.model_config.vocab_size]
 
     def _sample(self, logits: torch.Tensor | None, sampled: list[Request], batch: ForwardBatch):
-        """The leader samples every row at once; with TP it then broadcasts the ids (a few bytes)."""
+        """The leader samples every row at once; with TP it then broadcasts the ids (a few bytes).
+        Returns (ids, logprobs or None, {row: why} for rows whose sampling failed)."""
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
         if not self.is_leader:
             ids = self.comm.broadcast_ids(None, len(sampled))
             self._last_token[slots] = torch.tensor(ids, device=self.device)
             self._generated[slots] += 1
-            return ids, None
+            return ids, None, {}
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
@@ -350,42 +372,82 @@ class Engine:
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
             want_logprobs=any(r.params.logprobs for r in sampled),
         )
-        token_ids, logprobs = sample(logits, st)
+        failed: dict[int, str] = {}
+        try:
+            token_ids, logprobs = sample(logits, st)
+        except Exception:  # a request-specific failure: find the rows responsible, sample the rest
+            log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
+            token_ids, logprobs, failed = self._sample_rows(logits, st)
         self._last_token[slots] = token_ids
         self._generated[slots] += 1
         ids = token_ids.tolist()
         if self.comm is not None:
             self.comm.broadcast_ids(ids, len(ids))
-        return ids, (logprobs.tolist() if logprobs is not None else None)
+        return ids, (logprobs.tolist() if logprobs is not None else None), failed
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, st: SamplingTensors):
+        ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        logprobs = torch.full((logits.shape[0],), float("nan"), device=logits.device) if st.want_logprobs else None
+        failed = {}
+        for row in range(logits.shape[0]):
+            try:
+                row_ids, row_logprobs = sample(logits[row: row + 1], st.row(row))
+            except Exception as e:
+                failed[row] = f"sampling failed: {e!r}"
+                continue
+            ids[row] = row_ids[0]
+            if logprobs is not None and row_logprobs is not None:
+                logprobs[row] = row_logprobs[0]
+        return ids, logprobs, failed
 
     def _record(self, sampled: list[Request], token_ids: list[int], logprobs: list[float] | None,
-                now: float) -> list[RequestOutput]:
-        """Append each request's new token, decide whether it is finished, and report it."""
+                failed: dict[int, str], now: float) -> list[RequestOutput]:
+        """Append each request's new token, decide whether it is finished, and report it. A
+        failure that belongs to one request (its sampling, its text) ends that request alone."""
         outputs = []
         for i, (r, token) in enumerate(zip(sampled, token_ids)):
-            r.output_token_ids.append(token)
-            if logprobs is not None and r.params.logprobs:
-                r.output_logprobs.append(logprobs[i])
-            if r.timings.first_token is None:
-                r.timings.first_token = now
-            delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
-            if token in r.stop_token_set:
-                r.finish(FinishReason.STOP, now)
-            elif delta and r.params.stop and self._hit_stop_string(r, delta):
-                r.finish(FinishReason.STOP, now)
-            elif len(r.output_token_ids) >= r.params.max_new_tokens:
-                r.finish(FinishReason.LENGTH, now)
-            outputs.append(self._output(r, [token]))
+            if i in failed:
+                outputs.append(self._fail(r, failed[i], now))
+                continue
+            try:
+                outputs.append(self._record_one(r, token, logprobs[i] if logprobs is not None else None, now))
+            except Exception as e:
+                log.exception("request %s failed", r.request_id)
+                outputs.append(self._fail(r, f"internal error: {e!r}", now))
         return outputs
+
+    def _record_one(self, r: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+        r.output_token_ids.append(token)
+        if logprob is not None and r.params.logprobs:
+            r.output_logprobs.append(logprob)
+        if r.timings.first_token is None:
+            r.timings.first_token = now
+        delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
+        if token in r.stop_token_set:
+            r.finish(FinishReason.STOP, now)
+        elif delta and r.stop_pattern is not None and self._hit_stop_string(r, delta):
+            r.finish(FinishReason.STOP, now)
+        elif len(r.output_token_ids) >= r.params.max_new_tokens:
+            r.finish(FinishReason.LENGTH, now)
+        return self._output(r, [token])
+
+    def _fail(self, r: Request, why: str, now: float) -> RequestOutput:
+        """End one request with finish reason `error`; the other ranks retire it with the leader."""
+        r.finish(FinishReason.ERROR, now, error=why)
+        if self._tells_followers:
+            self._plan.cancel(r.request_id)
+        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
+                             token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
+                             logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why)
 
     @staticmethod
     def _hit_stop_string(r: Request, delta: str) -> bool:
+        """One regex search over the new text and the `stop_holdback` characters before it."""
         text = r.detokenizer.text
-        longest = max(len(s) for s in r.params.stop)
-        window_start = max(0, len(text) - len(delta) - longest + 1)
-        hits = [i for s in r.params.stop if (i := text.find(s, window_start)) != -1]
-        if hits:
-            r.output_text = text[: min(hits)]  # the stop string itself is never returned
+        match = r.stop_pattern.search(text, max(0, len(text) - len(delta) - r.stop_holdback))
+        if match:
+            r.output_text = text[: match.start()]  # the stop string itself is never returned
             return True
         return False
 
@@ -412,8 +474,7 @@ class Engine:
             end = len(final_text or "")
             delta = (final_text or "")[r.emitted:]
         else:
-            holdback = max((len(s) for s in r.params.stop), default=1) - 1
-            end = max(r.emitted, len(r.detokenizer.text) - holdback)
+            end = max(r.emitted, len(r.detokenizer.text) - r.stop_holdback)
             delta = r.detokenizer.text[r.emitted:end]
         r.emitted = end
         return delta

@@ -1,6 +1,11 @@
 """Reading prompt files: `.txt` (one prompt a line) or `.jsonl` (one request object a line).
 
-JSONL fields: `id` (string or integer; default: the line number), exactly one of `prompt`
+Lines are split on "\n" alone (a "\r\n" ending is dropped; a lone "\r" is part of the line), the
+same from a file and from standard input, so ids never depend on how the input was read. Each
+line is decoded as UTF-8 on its own: a line that is not gets an error record, the rest runs.
+
+JSONL fields: `id` (a non-empty string of at most 256 characters, or an integer; default: the
+line number), exactly one of `prompt`
 (text), `input_ids` (token ids) or `messages` (chat, rendered with the checkpoint's template),
 and any SamplingParams field (`max_new_tokens`, `temperature`, `stop`, ...). Blank lines are
 skipped. A line that cannot be a request still yields a record carrying its error, so that the
@@ -13,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from flover.config import SAMPLING_KEYS
+from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS
 
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 
@@ -44,10 +49,22 @@ def detect_format(name: str, first_line: str | None = None) -> str:
     return "txt"
 
 
-def iter_records(lines: Iterable[str], fmt: str) -> Iterator[PromptRecord]:
+def iter_records(lines: Iterable[bytes | str], fmt: str) -> Iterator[PromptRecord]:
+    """`lines`: a binary file (iterating one splits on b"\n" only) or already split lines."""
     index = 0
     for number, raw in enumerate(lines, 1):
-        text = raw.rstrip("\r\n")
+        if isinstance(raw, bytes):
+            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield PromptRecord(index, number, str(number), code="malformed_line",
+                                   error=f"line {number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                         f"{e.start + 1})")
+                index += 1
+                continue
+        else:
+            text = raw.removesuffix("\n").removesuffix("\r")
         if not text.strip():
             continue
         record = PromptRecord(index, number, str(number), prompt=text) if fmt == "txt" else _parse_json_line(
@@ -70,6 +87,9 @@ def _parse_json_line(index: int, number: int, text: str) -> PromptRecord:
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         return bad("`id` must be a string or an integer")
     rid = str(rid)
+    if not 0 < len(rid) <= MAX_REQUEST_ID_LENGTH:
+        return bad(f"`id` must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters or an integer",
+                   code="invalid_request")
     present = [k for k in PROMPT_KEYS if k in obj]
     if len(present) != 1:
         return bad(f"exactly one of {', '.join(PROMPT_KEYS)} is required (found {present or 'none'})", rid,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -75,6 +76,8 @@ class Request:
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.perf_counter()))
     stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignored) and stop_token_ids
     detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings and streaming
+    stop_pattern: re.Pattern | None = None  # all stop strings in one regex: one search per token
+    stop_holdback: int = 0  # longest stop string - 1: streamed text held back while it may start one
     stream: bool = False  # report text deltas as tokens arrive
     emitted: int = 0  # characters of text already reported as deltas
 

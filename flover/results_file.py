@@ -3,12 +3,23 @@
 A process killed at any moment (SIGKILL included) leaves whole lines plus at most one torn last
 line; `recover` drops that torn line and returns the ids already done, so that re-running the
 same command writes every missing record exactly once.
+
+Only a completed request or a permanent per-prompt error (a malformed line, an invalid request,
+a prompt too long) is a record; transient failures (the server shut down, a lost connection, an
+internal error) write nothing, so that a resume retries them.
+
+`open_results` guards a resume: an exclusive lock on the file (two runs never write one file),
+and a fingerprint of what produced it (prompt file, sampling parameters, model) kept beside it
+in PATH.fingerprint.json, so that results of different inputs are never mixed in one file.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import stat
 import sys
 from collections import deque
 
@@ -17,9 +28,17 @@ class ResultsFileError(ValueError):
     pass
 
 
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def recover(path: str) -> set[str]:
-    """Ids of the complete records in `path`; truncates a torn last line. Missing file: empty."""
-    if path == "-" or not os.path.exists(path):
+    """Ids of the complete records in `path`; truncates a torn last line. Missing file, or not a
+    regular file (a pipe, /dev/null, /dev/full): nothing to resume."""
+    if path == "-" or not _is_regular(path):
         return set()
     done: set[str] = set()
     good_end = 0
@@ -50,21 +69,92 @@ def recover(path: str) -> set[str]:
 class ResultsFile:
     """Appends records; each is written with one os.write of a whole line (O_APPEND)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, lock: bool = False):
+        """`lock`: hold an exclusive lock on the file while it is open (regular files)."""
         self.path = path
-        self._fd = sys.stdout.fileno() if path == "-" else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.written = 0
+        if path == "-":
+            self._fd = sys.stdout.fileno()
+            return
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OSError(f"{path}: cannot open the results file ({e.strerror})") from None
+        if lock and _is_regular(path):
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._fd)
+                raise ResultsFileError(f"{path}: another flover run is writing to it; wait for it to end or "
+                                       f"choose another --out") from None
 
     def write(self, record: dict) -> None:
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            raise OSError(f"{self.path}: cannot write results ({e.strerror})") from None
         self.written += 1
 
     def close(self) -> None:
         if self.path != "-":
             os.close(self._fd)
+
+
+def fingerprint(parts: dict) -> dict:
+    """What produced a results file: `parts` as given (for the message) and their hash."""
+    canonical = json.dumps(parts, sort_keys=True, default=str)
+    return {"sha256": hashlib.sha256(canonical.encode()).hexdigest(), "parts": json.loads(canonical)}
+
+
+def file_sha256(path: str | None, data: bytes | None = None) -> str:
+    h = hashlib.sha256()
+    if data is not None:
+        h.update(data)
+    else:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def open_results(path: str, parts: dict) -> tuple[ResultsFile, set[str]]:
+    """Lock `path`, check that its records come from the same inputs (`parts`), drop a torn last
+    line; returns the open file and the ids already done. Raises ResultsFileError otherwise."""
+    out = ResultsFile(path, lock=True)
+    try:
+        if path == "-" or not _is_regular(path):
+            return out, set()
+        done = recover(path)
+        mine = fingerprint(parts)
+        sidecar = path + ".fingerprint.json"
+        if os.path.getsize(path) == 0:
+            _write_atomically(sidecar, mine)
+            return out, done
+        try:
+            with open(sidecar) as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            raise ResultsFileError(f"{path}: holds results but not what produced them ({sidecar} is missing or "
+                                   f"unreadable); choose another --out") from None
+        if theirs.get("sha256") != mine["sha256"]:
+            old = theirs.get("parts", {})
+            changed = sorted(k for k in set(old) | set(mine["parts"]) if old.get(k) != mine["parts"].get(k))
+            raise ResultsFileError(f"{path}: its results come from different inputs (changed: {', '.join(changed)}); "
+                                   f"resuming would mix them: choose another --out")
+        return out, done
+    except BaseException:
+        out.close()
+        raise
+
+
+def _write_atomically(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 class OrderedWriter:
@@ -79,10 +169,13 @@ class OrderedWriter:
     def expect(self, index: int) -> None:
         self._order.append(index)
 
-    def write(self, index: int, record: dict) -> None:
+    def write(self, index: int, record: dict | None) -> None:
+        """`record` None: the prompt ended without a record (a transient failure)."""
         self._ready[index] = record
         while self._order and self._order[0] in self._ready:
-            self.out.write(self._ready.pop(self._order.popleft()))
+            ready = self._ready.pop(self._order.popleft())
+            if ready is not None:
+                self.out.write(ready)
 
     @property
     def held(self) -> int:
@@ -97,5 +190,6 @@ class UnorderedWriter:
     def expect(self, index: int) -> None:
         pass
 
-    def write(self, index: int, record: dict) -> None:
-        self.out.write(record)
+    def write(self, index: int, record: dict | None) -> None:
+        if record is not None:
+            self.out.write(record)

@@ -53,6 +53,15 @@ class SamplingTensors:
     history: list[list[int]] | None = None  # per row, tokens the repetition penalty looks at
     want_logprobs: bool = False
 
+    def row(self, i: int) -> "SamplingTensors":
+        """Row i alone (each tensor [1]): the engine resamples row by row to isolate a failure."""
+        pick = lambda t: t[i: i + 1]  # noqa: E731
+        return SamplingTensors(
+            temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
+            min_p=pick(self.min_p), repetition_penalty=pick(self.repetition_penalty), seed=pick(self.seed),
+            counter=pick(self.counter), all_greedy=bool(self.temperature[i] == 0),
+            history=None if self.history is None else [self.history[i]], want_logprobs=self.want_logprobs)
+
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, history: list[list[int]]) -> None:
     """transformers' definition: seen tokens' logits are divided (if > 0) or multiplied by it."""

@@ -20,23 +20,34 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The most text one token can stand for (UTF-8 bytes of its vocabulary string, an upper
+        # bound for byte-level and sentencepiece vocabularies): a text of B bytes needs at least
+        # B / max_token_bytes tokens, which lets a prompt that cannot fit be refused untokenized.
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)),
+                                   default=1)
         self.special_tokens, self.chat_template = _tokenizer_config(Path(model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """With the tokenizer's own special tokens (e.g. BOS), as transformers' tokenizer(text) does."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Render `messages` with the checkpoint's chat template (plus the assistant prompt) and
-        tokenize without adding special tokens again, as transformers' apply_chat_template does."""
+    def render_chat(self, messages: list[dict]) -> str:
+        """`messages` in the checkpoint's chat template, with the assistant prompt added."""
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise ValueError("messages must be a list of {\"role\": str, \"content\": str}")
-        text = self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
-        return self.encode(text, add_special_tokens=False)
+        try:
+            return self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        except Exception as e:  # the template's own raise_exception, or a template bug
+            raise ValueError(f"the chat template refused these messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render and tokenize without adding special tokens again, as transformers'
+        apply_chat_template does."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)

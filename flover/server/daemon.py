@@ -1,21 +1,33 @@
 """`flover serve`: rank 0's ZeroMQ loop around the engine.
 
-One thread owns the socket and the engine. Each turn of the loop reads every waiting message,
-answers the cheap ones (health, stats, errors) at once, queues generate requests, and runs one
-engine iteration if anything is in flight: a request that arrives while others generate joins the
-running batch at the next iteration. Idle, the loop blocks in a socket poll (~0% CPU).
+One thread owns the socket and the engine. Each turn of the loop reads the waiting messages (for
+at most `max_intake_seconds` while requests are running), answers the cheap ones (health, stats,
+errors) at once, queues generate requests, and runs one engine iteration if anything is in
+flight: a request that arrives while others generate joins the running batch at the next
+iteration. Idle, the loop blocks in a socket poll (~0% CPU).
 
-Every generate request gets exactly one `final` or one `error` event. A client that disappears
-(its socket closes or its process dies) becomes unroutable; the first send to it fails
-(ROUTER_MANDATORY) and its requests are cancelled. Clients with only non-streaming requests in
-flight get a `keepalive` event every second so that this is noticed within a second.
+Who owns a request: the connection it came on. Connection identities are the ones ZeroMQ
+generates (a zero byte and a counter, unique for the socket's life); a peer cannot claim one
+(libzmq refuses peer routing ids that start with a zero byte) and a socket that sets its own
+ZMQ_ROUTING_ID is refused, so no connection ever receives another connection's events, whatever
+its key or routing id. With CURVE the authenticated public key is logged with each request.
+
+Every generate request gets exactly one `final` or one `error` event. Events a client does not
+read yet wait in its backlog (ZeroMQ's queue, then ours) and are delivered in order; a backlog
+over `max_client_backlog_bytes` cancels that client's requests, each with a `slow_client` error
+at the end of its backlog. A client that disappears becomes unroutable; the first send to it
+fails (ROUTER_MANDATORY) and its requests are cancelled. Clients with only non-streaming requests
+in flight get a `keepalive` event every second so that this is noticed within a second.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +44,13 @@ log = logging.getLogger("flover.serve")
 class ServeConfig:
     bind: str = "tcp://127.0.0.1:5555"
     max_waiting: int = 256  # queued requests beyond the slots; more get `overloaded`
-    max_message_bytes: int = 1 << 20  # larger frames make ZeroMQ drop the sender's connection
+    max_message_bytes: int = 1 << 20  # one message, all its frames; a larger frame drops the connection
+    max_client_backlog_bytes: int = 64 << 20  # unread events kept for one client before `slow_client`
     drain_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM/SIGINT
     stats_interval: float = 60.0  # seconds between summary log lines
     keepalive_interval: float = 1.0
     max_messages_per_turn: int = 1000  # a flood cannot starve the running requests
+    max_intake_seconds: float = 0.02  # ... nor can expensive messages (tokenizing) while requests run
     curve_secret_key: str | None = None  # server certificate (zmq.auth format), enables CURVE
     curve_allowed_clients: str | None = None  # directory of allowed client public certificates
     handle_signals: bool = True  # SIGTERM/SIGINT/SIGUSR1 start the drain (main thread only)
@@ -44,9 +58,19 @@ class ServeConfig:
 
 @dataclass
 class InFlight:
-    identity: bytes
-    client_id: str
+    identity: bytes  # the connection it came on
+    client_id: str | int  # the id the client chose, sent back exactly as it came
     stream: bool
+    envelope: bool  # came from a REQ socket: exactly one reply, no keepalives
+    user: str | None = None  # the CURVE public key (z85) that sent it
+    overflowed: bool = False  # cancelled because its client stopped reading
+
+
+@dataclass
+class Backlog:
+    """Events for one client that its connection could not take yet, in order."""
+    frames: deque
+    bytes: int = 0
 
 
 class Daemon:
@@ -56,11 +80,14 @@ class Daemon:
         self.auth = None  # ZAP authenticator thread when CURVE is on
         self.sock = self._socket()
         self.inflight: dict[str, InFlight] = {}  # engine request id -> who asked
+        self.by_client: dict[tuple[bytes, str | int], str] = {}  # (connection, client's id) -> engine id
+        self.backlogs: dict[bytes, Backlog] = {}
+        self._engine_ids = itertools.count()
         self.draining = False
         self.drain_deadline = float("inf")
         self.started = time.time()
         self.counters = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "tokens_out": 0,
-                         "rejected": 0, "clients_gone": 0}
+                         "rejected": 0, "clients_gone": 0, "slow_clients": 0}
         self._last_keepalive = self._last_stats = time.monotonic()
 
     # -- socket ----------------------------------------------------------------------------
@@ -70,7 +97,7 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable peer -> error, not a silent drop
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, 10000)
-        sock.setsockopt(zmq.RCVHWM, 10000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # detect dead TCP peers in ~3 s
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -78,7 +105,14 @@ class Daemon:
             self._enable_curve(sock)
         elif not _is_local(c.bind):
             log.warning("binding %s without CURVE: anyone who can reach it can use the model", c.bind)
-        sock.bind(c.bind)
+        try:
+            sock.bind(c.bind)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            if self.auth is not None:
+                self.auth.stop()
+            self.ctx.term()
+            raise OSError(f"cannot listen on {c.bind}: {e.strerror}") from None
         return sock
 
     def _enable_curve(self, sock: zmq.Socket) -> None:
@@ -96,23 +130,64 @@ class Daemon:
         self.auth.configure_curve(domain="*", location=allowed)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
 
-    def _send(self, identity: bytes, event: dict) -> bool:
-        """False (and the client's requests are cancelled) if the client is gone or not reading."""
-        try:
-            self.sock.send_multipart([identity, p.pack(event)], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:  # EHOSTUNREACH: disconnected; EAGAIN: not reading for 10000 events
-            self._client_gone(identity, e.strerror)
-            return False
+    def _send(self, identity: bytes, event: dict, envelope: bool = False) -> bool:
+        """Send now, or queue behind what the client has not read yet. False if the client is gone."""
+        frames = [identity, b"", p.pack(event)] if envelope else [identity, p.pack(event)]
+        backlog = self.backlogs.get(identity)
+        if backlog is None:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK)
+                return True
+            except zmq.Again:  # its queue in ZeroMQ is full: the client is not reading
+                backlog = self.backlogs[identity] = Backlog(deque())
+            except zmq.ZMQError as e:  # EHOSTUNREACH: disconnected
+                self._client_gone(identity, e.strerror)
+                return False
+        backlog.frames.append(frames)
+        backlog.bytes += len(frames[-1])
+        if backlog.bytes > self.config.max_client_backlog_bytes:
+            self._overflow(identity, backlog)
+        return True
+
+    def _flush_backlogs(self) -> None:
+        for identity, backlog in list(self.backlogs.items()):
+            try:
+                while backlog.frames:
+                    self.sock.send_multipart(backlog.frames[0], zmq.NOBLOCK)
+                    backlog.bytes -= len(backlog.frames.popleft()[-1])
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:
+                self._client_gone(identity, e.strerror)
+                continue
+            del self.backlogs[identity]
+
+    def _overflow(self, identity: bytes, backlog: Backlog) -> None:
+        """A client that lets too much pile up: its requests are cancelled; each one's error event
+        comes after everything already queued for it, so the client learns why once it reads."""
+        flights = [(rid, f) for rid, f in self.inflight.items() if f.identity == identity and not f.overflowed]
+        if flights:
+            self.counters["slow_clients"] += 1
+            log.warning("client %s left %.1f MiB of events unread: cancelling its %d request(s)",
+                        identity.hex(), backlog.bytes / 2**20, len(flights))
+        for rid, flight in flights:
+            flight.overflowed = True
+            self.engine.abort(rid)
 
     def _client_gone(self, identity: bytes, why: str) -> None:
+        self.backlogs.pop(identity, None)
         gone = [rid for rid, f in self.inflight.items() if f.identity == identity]
         if gone:
             self.counters["clients_gone"] += 1
             log.info("client %s gone (%s): cancelling %d request(s)", identity.hex(), why, len(gone))
         for rid in gone:
-            del self.inflight[rid]
+            self._forget(rid)
             self.engine.abort(rid)
+
+    def _forget(self, engine_id: str) -> InFlight:
+        flight = self.inflight.pop(engine_id)
+        del self.by_client[(flight.identity, flight.client_id)]
+        return flight
 
     # -- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> int:
@@ -134,6 +209,8 @@ class Daemon:
                     break
                 if self.engine.has_unfinished():
                     self._reply(self._step())
+                if self.backlogs:
+                    self._flush_backlogs()
                 self._periodic()
         finally:
             self.engine.shutdown()  # releases follower ranks
@@ -145,7 +222,8 @@ class Daemon:
         return 0
 
     def _step(self) -> list[RequestOutput]:
-        """One engine iteration. Should it fail (a bug), the requests in flight get an
+        """One engine iteration. Failures that belong to one request end that request inside the
+        engine. Should the iteration itself fail (a bug), the requests in flight get an
         `internal_error` and the daemon carries on. With several ranks the job must end instead:
         the followers are inside the same iteration and cannot be brought back in step."""
         try:
@@ -154,19 +232,24 @@ class Daemon:
             if self.engine.comm is not None:
                 raise
             log.exception("engine iteration failed; failing the %d request(s) in flight", len(self.inflight))
-            for rid, flight in list(self.inflight.items()):
-                del self.inflight[rid]
+            for rid in list(self.inflight):
+                flight = self._forget(rid)
                 self.engine.abort(rid)
                 self.counters["errors"] += 1
-                self._send(flight.identity, p.error_event(p.INTERNAL, f"internal error: {e!r}", flight.client_id))
+                self._send(flight.identity, p.error_event(p.INTERNAL, f"internal error: {e!r}", flight.client_id),
+                           flight.envelope)
             return []
 
     def _begin_drain(self, signum, _frame) -> None:
         if not self.draining:
-            log.info("%s: draining (up to %.0f s), no new requests", signal.Signals(signum).name,
-                     self.config.drain_timeout)
+            log.info("%s: draining (up to %.0f s), no new requests; again to stop at once",
+                     signal.Signals(signum).name, self.config.drain_timeout)
             self.draining = True
             self.drain_deadline = time.monotonic() + self.config.drain_timeout
+        else:  # a second signal: cancel what is left and stop
+            log.info("%s again: cancelling the %d request(s) in flight", signal.Signals(signum).name,
+                     len(self.inflight))
+            self.drain_deadline = 0.0
 
     def _cancel_all(self) -> None:
         """Drain timeout: everyone still in flight gets a `cancelled` final."""
@@ -174,12 +257,17 @@ class Daemon:
             self.engine.abort(rid)
         while self.inflight and self.engine.has_unfinished():
             self._reply(self.engine.step())
+        deadline = time.monotonic() + 1.0  # give slow readers a moment for what is queued for them
+        while self.backlogs and time.monotonic() < deadline:
+            self._flush_backlogs()
+            time.sleep(0.01)
 
     def _periodic(self) -> None:
         now = time.monotonic()
         if now - self._last_keepalive >= self.config.keepalive_interval:
             self._last_keepalive = now
-            for identity in {f.identity for f in self.inflight.values() if not f.stream}:
+            waiting = {f.identity for f in self.inflight.values() if not f.stream and not f.envelope}
+            for identity in waiting - set(self.backlogs):
                 self._send(identity, {"event": "keepalive"})
         if now - self._last_stats >= self.config.stats_interval:
             self._last_stats = now
@@ -187,70 +275,90 @@ class Daemon:
 
     # -- intake ------------------------------------------------------------------------------
     def _intake(self) -> None:
+        started = time.monotonic()
+        budget = self.config.max_intake_seconds if self.engine.has_unfinished() else float("inf")
         for _ in range(self.config.max_messages_per_turn):
+            if time.monotonic() - started > budget:
+                return  # the rest waits in the socket until after the next iteration
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, payload = frames[0], frames[-1]
-            if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1]):
-                self._reject(identity, p.ProtocolError(p.BAD_MESSAGE, "expected one message frame"))
-                continue
-            try:
-                self._handle(identity, payload)
-            except p.ProtocolError as e:
-                self._reject(identity, e)
-            except Exception as e:  # never fall over on a request
-                log.exception("internal error on a request")
-                self._reject(identity, p.ProtocolError(p.INTERNAL, f"internal error: {e!r}"))
+            identity = frames[0].bytes
+            envelope = len(frames) == 3 and len(frames[1]) == 0  # a REQ socket's empty delimiter
+            size = sum(len(f) for f in frames[1:])
+            if identity[:1] != b"\x00":
+                self._reject(identity, p.ProtocolError(
+                    p.ROUTING_ID_NOT_ALLOWED, "connection identities are assigned by the server: do not set "
+                                              "ZMQ_ROUTING_ID on your socket", _peek_id(frames[-1])), envelope)
+            elif size > self.config.max_message_bytes:
+                self._reject(identity, p.ProtocolError(
+                    p.MESSAGE_TOO_LARGE, f"a message of {size} bytes exceeds the server's limit of "
+                                         f"{self.config.max_message_bytes} bytes"), envelope)
+            elif len(frames) != 2 and not envelope:
+                self._reject(identity, p.ProtocolError(p.BAD_MESSAGE, f"expected one message frame, got "
+                                                                      f"{len(frames) - 1}"), envelope)
+            else:
+                self._handle_safely(identity, frames[-1], envelope)
 
-    def _reject(self, identity: bytes, error: p.ProtocolError) -> None:
+    def _handle_safely(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
+        try:
+            self._handle(identity, payload, envelope)
+        except p.ProtocolError as e:
+            self._reject(identity, e, envelope)
+        except Exception as e:  # never fall over on a request
+            log.exception("internal error on a request")
+            self._reject(identity, p.ProtocolError(p.INTERNAL, f"internal error: {e!r}"), envelope)
+
+    def _reject(self, identity: bytes, error: p.ProtocolError, envelope: bool = False) -> None:
         self.counters["rejected"] += 1
         log.debug("rejected (%s): %s", error.code, error)
-        self._send(identity, p.error_event(error.code, str(error), error.request_id))
+        self._send(identity, p.error_event(error.code, str(error), error.request_id), envelope)
 
-    def _handle(self, identity: bytes, payload: bytes) -> None:
-        message = p.unpack(payload)
+    def _handle(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
+        message = p.unpack(payload.bytes)
         op = message.get("op")
         if op == "generate":
-            return self._generate(identity, message)
-        rid = p.request_id_of(message)
+            return self._generate(identity, message, envelope, _user_id(payload))
+        rid = p.echo_id(message)
         if op == "cancel":
-            key = self._engine_id(identity, rid) if rid is not None else None
-            if key not in self.inflight:
-                raise p.ProtocolError(p.UNKNOWN_ID, f"no request {rid!r} of yours is in flight", rid)
-            self.engine.abort(key)  # its `cancelled` final comes with the next iteration
+            engine_id = self.by_client.get((identity, rid))
+            if engine_id is None:
+                raise p.ProtocolError(p.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight", rid)
+            self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
-            status = "draining" if self.draining else "ok"
-            self._send(identity, {"event": "health", "id": rid, "status": status, "model": self.model_name})
+            c, e = self.config, self.engine
+            self._send(identity, {"event": "health", "id": rid, "status": "draining" if self.draining else "ok",
+                                  "model": self.model_name, "max_message_bytes": c.max_message_bytes,
+                                  "max_seq_len": e.max_seq_len, "max_slots": e.config.max_slots}, envelope)
         elif op == "stats":
-            self._send(identity, {"event": "stats", "id": rid, **self.stats()})
+            self._send(identity, {"event": "stats", "id": rid, **self.stats()}, envelope)
         else:
             raise p.ProtocolError(p.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(p.OPS)}", rid)
 
-    @staticmethod
-    def _engine_id(identity: bytes, rid: str) -> str:
-        return f"{identity.hex()}/{rid}"  # unique across clients
-
-    def _generate(self, identity: bytes, message: dict) -> None:
+    def _generate(self, identity: bytes, message: dict, envelope: bool, user: str | None) -> None:
         req = p.parse_generate(message)
+        if req.stream and envelope:
+            raise p.ProtocolError(p.INVALID_REQUEST, "a REQ socket takes one reply per request: send "
+                                                     "`stream: false`, or use a DEALER socket to stream", req.id)
         if self.draining:
             raise p.ProtocolError(p.SHUTTING_DOWN, "the server is shutting down", req.id)
-        key = self._engine_id(identity, req.id)
-        if key in self.inflight:
+        if (identity, req.id) in self.by_client:
             raise p.ProtocolError(p.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
         if len(self.engine.scheduler.waiting) >= self.config.max_waiting:
             raise p.ProtocolError(p.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; "
                                                 "retry later", req.id)
-        engine = self.engine
+        engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         try:
-            request = engine.make_request(req.prompt, req.params, key, stream=req.stream, messages=req.messages)
+            request = self.engine.make_request(req.prompt, req.params, engine_id, stream=req.stream,
+                                               messages=req.messages)
         except PromptTooLong as e:
             raise p.ProtocolError(p.PROMPT_TOO_LONG, str(e), req.id) from None
         except (ValueError, TypeError) as e:
             raise p.ProtocolError(p.INVALID_REQUEST, str(e), req.id) from None
-        engine.enqueue(request)
-        self.inflight[key] = InFlight(identity, req.id, req.stream)
+        self.engine.enqueue(request)
+        self.inflight[engine_id] = InFlight(identity, req.id, req.stream, envelope, user)
+        self.by_client[(identity, req.id)] = engine_id
         self.counters["requests"] += 1
 
     # -- replies -----------------------------------------------------------------------------
@@ -259,12 +367,25 @@ class Daemon:
             flight = self.inflight.get(out.request_id)
             if flight is None:
                 continue  # its client is gone
-            if flight.stream and (out.new_token_ids or out.text_delta):
-                if not self._send(flight.identity, p.token_event(flight.client_id, out.new_token_ids, out.text_delta)):
+            if flight.stream and not flight.overflowed and (out.new_token_ids or out.text_delta):
+                if not self._send(flight.identity, p.token_event(flight.client_id, out.new_token_ids,
+                                                                 out.text_delta)):
                     continue
-            if out.finished:
-                del self.inflight[out.request_id]
-                self._send(flight.identity, p.final_event(flight.client_id, out, flight.stream))
+            if not out.finished:
+                continue
+            self._forget(out.request_id)
+            if flight.overflowed:
+                self.counters["cancelled"] += 1
+                self._send(flight.identity, p.error_event(
+                    p.SLOW_CLIENT, f"cancelled after {len(out.token_ids)} tokens: more than "
+                                   f"{self.config.max_client_backlog_bytes} bytes of events were waiting to be read",
+                    flight.client_id), flight.envelope)
+            elif out.finish_reason == "error":
+                self.counters["errors"] += 1
+                self._send(flight.identity, p.error_event(p.INTERNAL, out.error or "internal error",
+                                                          flight.client_id), flight.envelope)
+            else:
+                self._send(flight.identity, p.final_event(flight.client_id, out, flight.stream), flight.envelope)
                 self._account(flight, out)
 
     def _account(self, flight: InFlight, out: RequestOutput) -> None:
@@ -273,8 +394,9 @@ class Daemon:
         c["tokens_out"] += len(out.token_ids)
         t = out.timings
         ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"  # noqa: E731
-        log.info("request id=%s client=%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
-                 flight.client_id, flight.identity.hex()[:8], len(out.prompt_token_ids), len(out.token_ids),
+        log.info("request id=%r client=%s%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
+                 flight.client_id, flight.identity.hex(), f" key={flight.user}" if flight.user else "",
+                 len(out.prompt_token_ids), len(out.token_ids),
                  ms(t["queue_time"]), ms(t["ttft"]), ms(t["tpot"]), out.finish_reason)
 
     def stats(self) -> dict:
@@ -286,6 +408,21 @@ class Daemon:
                 "kv_tokens": kv_tokens, "kv_use": kv_tokens / (e.config.max_slots * e.max_seq_len),
                 "iterations": e.iterations, "uptime_s": time.time() - self.started, "draining": self.draining,
                 **self.counters}
+
+
+def _peek_id(payload: zmq.Frame):
+    try:
+        return p.echo_id(p.unpack(payload.bytes))
+    except p.ProtocolError:
+        return None
+
+
+def _user_id(payload: zmq.Frame) -> str | None:
+    """The authenticated CURVE key (ZAP User-Id) of the connection a frame came on, if any."""
+    try:
+        return payload.get("User-Id") or None
+    except zmq.ZMQError:  # no ZAP handler: no user id
+        return None
 
 
 def _is_local(bind: str) -> bool:

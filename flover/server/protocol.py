@@ -10,32 +10,37 @@ Events to clients: "token", "final", "error", "health", "stats" (see the event h
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import msgpack
 
-from flover.config import SAMPLING_KEYS, SamplingParams
+from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams
 
 OPS = ("generate", "cancel", "health", "stats")
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 GENERATE_KEYS = frozenset({"op", "id", "params", "stream", *PROMPT_KEYS})
-MAX_ID_LENGTH = 256
+MAX_ID_LENGTH = MAX_REQUEST_ID_LENGTH  # characters of a string id
 
 # Error codes a client can act on.
-BAD_MESSAGE = "bad_message"  # not msgpack, or not a map
+BAD_MESSAGE = "bad_message"  # not msgpack, not a map, or not one frame
+MESSAGE_TOO_LARGE = "message_too_large"  # the frames of one message add up to more than the cap
 UNKNOWN_OP = "unknown_op"
 INVALID_REQUEST = "invalid_request"  # a field is missing, unknown, of the wrong type or out of range
 PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_new_tokens > max_seq_len
-DUPLICATE_ID = "duplicate_id"  # this client already has a request with this id in flight
-UNKNOWN_ID = "unknown_id"  # cancel of an id this client has not in flight
+DUPLICATE_ID = "duplicate_id"  # this connection already has a request with this id in flight
+UNKNOWN_ID = "unknown_id"  # cancel of an id this connection has not in flight
 OVERLOADED = "overloaded"  # the waiting queue is full: retry later
 SHUTTING_DOWN = "shutting_down"
-INTERNAL = "internal_error"
+ROUTING_ID_NOT_ALLOWED = "routing_id_not_allowed"  # the socket set ZMQ_ROUTING_ID: identities are the server's
+SLOW_CLIENT = "slow_client"  # the client left too many events unread: its requests were cancelled
+INTERNAL = "internal_error"  # a bug; only the request concerned failed
+# Codes that are a property of the request itself: sending it again fails again. Anything else
+# (overloaded, shutting_down, slow_client, internal_error, a lost connection) is worth a retry.
+PERMANENT = frozenset({BAD_MESSAGE, MESSAGE_TOO_LARGE, UNKNOWN_OP, INVALID_REQUEST, PROMPT_TOO_LONG})
 
 
 class ProtocolError(ValueError):
-    def __init__(self, code: str, message: str, request_id: str | None = None):
+    def __init__(self, code: str, message: str, request_id: str | int | None = None):
         super().__init__(message)
         self.code, self.request_id = code, request_id
 
@@ -54,17 +59,24 @@ def unpack(frame: bytes) -> dict:
     return message
 
 
-def request_id_of(message: dict) -> str | None:
+def echo_id(message: dict):
+    """The `id` to put on an error about this message: exactly as sent if it is a string or an
+    integer (even an invalid one, so that the client can match the error), else None."""
     rid = message.get("id")
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+    return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def request_id_of(message: dict):
+    """The message's id (a string or an integer, returned as sent), or None if it is not a valid one."""
+    rid = echo_id(message)
+    if isinstance(rid, str) and not 0 < len(rid) <= MAX_ID_LENGTH:
         return None
-    rid = str(rid)
-    return rid if 0 < len(rid) <= MAX_ID_LENGTH else None
+    return rid
 
 
 @dataclass
 class GenerateRequest:
-    id: str
+    id: str | int
     prompt: str | list[int] | None
     messages: list | None
     params: SamplingParams
@@ -72,11 +84,12 @@ class GenerateRequest:
 
 
 def parse_generate(message: dict) -> GenerateRequest:
-    """Validate a generate message; raises ProtocolError naming the first problem."""
+    """Check a generate message's shape; the sampling fields are checked by SamplingParams (the
+    one place that knows their limits). Raises ProtocolError naming the first problem."""
     rid = request_id_of(message)
     if rid is None:
-        raise ProtocolError(INVALID_REQUEST, f"`id` must be a non-empty string or integer "
-                                             f"(at most {MAX_ID_LENGTH} characters)")
+        raise ProtocolError(INVALID_REQUEST, f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} "
+                                             f"characters or an integer", echo_id(message))
     bad = lambda why: ProtocolError(INVALID_REQUEST, why, rid)  # noqa: E731
     unknown = sorted(str(k) for k in set(message) - GENERATE_KEYS)
     if unknown:
@@ -105,9 +118,6 @@ def parse_generate(message: dict) -> GenerateRequest:
     unknown = sorted(str(k) for k in set(raw) - SAMPLING_KEYS)
     if unknown:
         raise bad(f"unknown sampling parameter(s) {unknown}")
-    for key, v in raw.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            raise bad(f"params.{key} must be finite")
     try:
         params = SamplingParams(**raw)
     except (ValueError, TypeError) as e:
@@ -116,15 +126,15 @@ def parse_generate(message: dict) -> GenerateRequest:
 
 
 # -- events -------------------------------------------------------------------------------
-def error_event(code: str, message: str, request_id: str | None = None) -> dict:
+def error_event(code: str, message: str, request_id: str | int | None = None) -> dict:
     return {"event": "error", "id": request_id, "code": code, "message": message}
 
 
-def token_event(request_id: str, token_ids: list[int], text: str | None) -> dict:
+def token_event(request_id: str | int, token_ids: list[int], text: str | None) -> dict:
     return {"event": "token", "id": request_id, "token_ids": token_ids, "text": text}
 
 
-def final_event(request_id: str, out, streamed: bool) -> dict:
+def final_event(request_id: str | int, out, streamed: bool) -> dict:
     t = out.timings
     event = {"event": "final", "id": request_id, "finish_reason": out.finish_reason, "usage": out.usage,
              "timings": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]}}
