@@ -244,6 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if engine is None:  # a follower rank: it ran the leader's iterations until shutdown
         return 0
     config = ServeConfig(bind=args.bind, max_waiting=args.max_waiting, max_message_bytes=args.max_message_bytes,
+                         max_client_backlog_bytes=args.max_client_backlog,
                          drain_timeout=args.drain_timeout, stats_interval=args.stats_interval,
                          keepalive_interval=args.keepalive_interval,
                          curve_secret_key=args.curve_secret_key, curve_allowed_clients=args.curve_allowed_clients)
@@ -339,7 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = serve.add_argument_group("daemon")
     d.add_argument("--bind", default="tcp://127.0.0.1:5555", help="tcp://HOST:PORT or ipc://PATH (loopback default)")
     d.add_argument("--max-waiting", type=int, default=256, help="queued requests before `overloaded`")
-    d.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages are dropped")
+    d.add_argument("--max-message-bytes", type=int, default=1 << 20,
+                   help="largest message, all frames together (a larger single frame drops the connection)")
+    d.add_argument("--max-client-backlog", type=int, default=64 << 20, metavar="BYTES",
+                   help="unread events kept for one client; beyond, its requests are cancelled (slow_client)")
     d.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     d.add_argument("--stats-interval", type=float, default=60.0, help="seconds between summary log lines")
     d.add_argument("--keepalive-interval", type=float, default=1.0,

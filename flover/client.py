@@ -10,8 +10,8 @@ One DEALER socket carries any number of concurrent requests; events are routed b
 (returned exactly as sent: a string or an integer). A Client is not thread-safe: use one per
 thread (or the AsyncClient).
 
-A dead server is noticed: ZeroMQ heartbeats close a connection whose peer stopped answering
-(~3 s), and a socket monitor reports every lost connection. Requests sent before a lost
+A dead server is noticed: a socket monitor reports every lost connection (a server process that
+ends closes it at once; TCP keepalives find a vanished host in ~8 s). Requests sent before a lost
 connection can never be answered (a new connection is a new client to the server): each gets a
 `connection_lost` error event at once instead of waiting forever. Messages larger than the
 server's limit are refused here, before sending (`message_too_large`), instead of making ZeroMQ
@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.server.protocol import MESSAGE_TOO_LARGE, pack, unpack
+from flover.server.protocol import MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
@@ -59,8 +59,7 @@ def _generate_message(request_id, prompt, input_ids, messages, stream: bool, par
 def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_client_cert: str | None):
     """Configure and connect; returns the monitor socket that reports lost connections."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a server that stops answering is dropped in ~3 s
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    tcp_keepalive(sock)
     if curve_server_key is not None:
         from zmq.auth import load_certificate
 

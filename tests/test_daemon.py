@@ -28,9 +28,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: str, *extra: str, ranks: int = 1):
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        args = ["-m", "flover.cli", "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
+    def __init__(self, model_dir: str, *extra: str, ranks: int = 1, script: str | None = None,
+                 addr: str | None = None):
+        """`script`: a file that runs flover's command line (e.g. with a fault injected)."""
+        self.addr = addr or f"tcp://127.0.0.1:{free_port()}"
+        args = [*([script] if script else ["-m", "flover.cli"]), "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
                 "--max-seq-len", "256", *extra]
         if ranks > 1:
             from tests.test_tensor_parallel import MPI_ENV, mpirun_cmd

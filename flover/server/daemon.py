@@ -6,11 +6,12 @@ errors) at once, queues generate requests, and runs one engine iteration if anyt
 flight: a request that arrives while others generate joins the running batch at the next
 iteration. Idle, the loop blocks in a socket poll (~0% CPU).
 
-Who owns a request: the connection it came on. Connection identities are the ones ZeroMQ
-generates (a zero byte and a counter, unique for the socket's life); a peer cannot claim one
-(libzmq refuses peer routing ids that start with a zero byte) and a socket that sets its own
-ZMQ_ROUTING_ID is refused, so no connection ever receives another connection's events, whatever
-its key or routing id. With CURVE the authenticated public key is logged with each request.
+Who owns a request: the connection it came on, never a name a client picks. A socket that sets
+its own ZMQ_ROUTING_ID is refused (`routing_id_not_allowed`), so every owner is an identity that
+ZeroMQ generated for one connection (a zero byte and a counter from a random start, never told to
+anyone). A socket monitor reports every closed connection; its requests are cancelled before the
+next event is sent, so an identity that falls free carries no request another connection could
+receive. With CURVE the authenticated public key is logged with each request.
 
 Every generate request gets exactly one `final` or one `error` event. Events a client does not
 read yet wait in its backlog (ZeroMQ's queue, then ours) and are delivered in order; a backlog
@@ -22,8 +23,8 @@ in flight get a `keepalive` event every second so that this is noticed within a 
 
 from __future__ import annotations
 
-import errno
 import itertools
+import os
 import logging
 import signal
 import time
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from flover.engine import Engine, PromptTooLong
 from flover.request import RequestOutput
@@ -62,8 +64,10 @@ class InFlight:
     client_id: str | int  # the id the client chose, sent back exactly as it came
     stream: bool
     envelope: bool  # came from a REQ socket: exactly one reply, no keepalives
+    fd: int  # the connection's socket (SRCFD): the monitor reports its closing by this number
     user: str | None = None  # the CURVE public key (z85) that sent it
     overflowed: bool = False  # cancelled because its client stopped reading
+    tokens_sent: int = 0  # streamed so far (queued in order for the client)
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Daemon:
         self.ctx = zmq.Context()
         self.auth = None  # ZAP authenticator thread when CURVE is on
         self.sock = self._socket()
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.inflight: dict[str, InFlight] = {}  # engine request id -> who asked
         self.by_client: dict[tuple[bytes, str | int], str] = {}  # (connection, client's id) -> engine id
         self.backlogs: dict[bytes, Backlog] = {}
@@ -96,11 +101,10 @@ class Daemon:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable peer -> error, not a silent drop
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes)
-        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.SNDHWM, 1000)  # more waits in our backlog (Backlog), where it is counted
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # detect dead TCP peers in ~3 s
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        p.tcp_keepalive(sock)
         if c.curve_secret_key:
             self._enable_curve(sock)
         elif not _is_local(c.bind):
@@ -112,7 +116,7 @@ class Daemon:
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
-            raise OSError(f"cannot listen on {c.bind}: {e.strerror}") from None
+            raise OSError(f"cannot listen on {c.bind}: {os.strerror(e.errno)}") from None
         return sock
 
     def _enable_curve(self, sock: zmq.Socket) -> None:
@@ -174,6 +178,17 @@ class Daemon:
             flight.overflowed = True
             self.engine.abort(rid)
 
+    def _watch_connections(self) -> None:
+        """Cancel the requests of connections that closed. A connection's fd is only reused by a
+        later one after its DISCONNECTED (or the new one's ACCEPTED) event is queued, and before
+        any message of the new one: reading these events before handling messages and before
+        sending keeps the two apart."""
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            fd = event["value"]
+            for identity in {f.identity for f in self.inflight.values() if f.fd == fd and fd >= 0}:
+                self._client_gone(identity, "connection closed")
+
     def _client_gone(self, identity: bytes, why: str) -> None:
         self.backlogs.pop(identity, None)
         gone = [rid for rid, f in self.inflight.items() if f.identity == identity]
@@ -208,12 +223,16 @@ class Daemon:
                     self._cancel_all()
                     break
                 if self.engine.has_unfinished():
-                    self._reply(self._step())
+                    outputs = self._step()
+                    self._watch_connections()
+                    self._reply(outputs)
                 if self.backlogs:
                     self._flush_backlogs()
                 self._periodic()
         finally:
             self.engine.shutdown()  # releases follower ranks
+            self.sock.disable_monitor()
+            self.monitor.close(0)
             self.sock.close(0)
             if self.auth is not None:
                 self.auth.stop()
@@ -284,13 +303,14 @@ class Daemon:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = frames[0].bytes
+            identity, payload = frames[0].bytes, frames[-1]
+            self._watch_connections()
             envelope = len(frames) == 3 and len(frames[1]) == 0  # a REQ socket's empty delimiter
             size = sum(len(f) for f in frames[1:])
-            if identity[:1] != b"\x00":
+            if _chosen_routing_id(payload):
                 self._reject(identity, p.ProtocolError(
                     p.ROUTING_ID_NOT_ALLOWED, "connection identities are assigned by the server: do not set "
-                                              "ZMQ_ROUTING_ID on your socket", _peek_id(frames[-1])), envelope)
+                                              "ZMQ_ROUTING_ID on your socket", _peek_id(payload)), envelope)
             elif size > self.config.max_message_bytes:
                 self._reject(identity, p.ProtocolError(
                     p.MESSAGE_TOO_LARGE, f"a message of {size} bytes exceeds the server's limit of "
@@ -299,7 +319,7 @@ class Daemon:
                 self._reject(identity, p.ProtocolError(p.BAD_MESSAGE, f"expected one message frame, got "
                                                                       f"{len(frames) - 1}"), envelope)
             else:
-                self._handle_safely(identity, frames[-1], envelope)
+                self._handle_safely(identity, payload, envelope)
 
     def _handle_safely(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
         try:
@@ -319,7 +339,7 @@ class Daemon:
         message = p.unpack(payload.bytes)
         op = message.get("op")
         if op == "generate":
-            return self._generate(identity, message, envelope, _user_id(payload))
+            return self._generate(identity, message, envelope, _source_fd(payload), _user_id(payload))
         rid = p.echo_id(message)
         if op == "cancel":
             engine_id = self.by_client.get((identity, rid))
@@ -336,7 +356,7 @@ class Daemon:
         else:
             raise p.ProtocolError(p.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(p.OPS)}", rid)
 
-    def _generate(self, identity: bytes, message: dict, envelope: bool, user: str | None) -> None:
+    def _generate(self, identity: bytes, message: dict, envelope: bool, fd: int, user: str | None) -> None:
         req = p.parse_generate(message)
         if req.stream and envelope:
             raise p.ProtocolError(p.INVALID_REQUEST, "a REQ socket takes one reply per request: send "
@@ -357,7 +377,7 @@ class Daemon:
         except (ValueError, TypeError) as e:
             raise p.ProtocolError(p.INVALID_REQUEST, str(e), req.id) from None
         self.engine.enqueue(request)
-        self.inflight[engine_id] = InFlight(identity, req.id, req.stream, envelope, user)
+        self.inflight[engine_id] = InFlight(identity, req.id, req.stream, envelope, fd, user)
         self.by_client[(identity, req.id)] = engine_id
         self.counters["requests"] += 1
 
@@ -371,13 +391,14 @@ class Daemon:
                 if not self._send(flight.identity, p.token_event(flight.client_id, out.new_token_ids,
                                                                  out.text_delta)):
                     continue
+                flight.tokens_sent += len(out.new_token_ids)
             if not out.finished:
                 continue
             self._forget(out.request_id)
             if flight.overflowed:
                 self.counters["cancelled"] += 1
                 self._send(flight.identity, p.error_event(
-                    p.SLOW_CLIENT, f"cancelled after {len(out.token_ids)} tokens: more than "
+                    p.SLOW_CLIENT, f"cancelled after {flight.tokens_sent} tokens: more than "
                                    f"{self.config.max_client_backlog_bytes} bytes of events were waiting to be read",
                     flight.client_id), flight.envelope)
             elif out.finish_reason == "error":
@@ -415,6 +436,22 @@ def _peek_id(payload: zmq.Frame):
         return p.echo_id(p.unpack(payload.bytes))
     except p.ProtocolError:
         return None
+
+
+def _chosen_routing_id(payload: zmq.Frame) -> bool:
+    """The peer announced a routing id of its own (ZMTP metadata). (libzmq reads the property
+    as a C string: an id starting with a zero byte reads as empty, and looks generated.)"""
+    try:
+        return bool(payload.get("Identity"))
+    except zmq.ZMQError:  # inproc: no metadata
+        return False
+
+
+def _source_fd(payload: zmq.Frame) -> int:
+    try:
+        return payload.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return -1
 
 
 def _user_id(payload: zmq.Frame) -> str | None:

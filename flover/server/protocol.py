@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgpack
+import zmq
 
 from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams
 
@@ -123,6 +124,19 @@ def parse_generate(message: dict) -> GenerateRequest:
     except (ValueError, TypeError) as e:
         raise bad(str(e)) from None
     return GenerateRequest(rid, prompt, messages, params, stream)
+
+
+# -- both ends ----------------------------------------------------------------------------
+def tcp_keepalive(sock: zmq.Socket) -> None:
+    """Find peers whose host vanished (no FIN/RST) in ~8 s. The kernel answers keepalive probes
+    even when the program does not read, so a slow reader is never taken for a dead one.
+    (ZeroMQ heartbeats are not used: a peer that stops reading cannot answer them, its healthy
+    connection is dropped, and libzmq 4.3 can then abort on `_input_stopped`, libzmq#3937.)"""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 5)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+
 
 
 # -- events -------------------------------------------------------------------------------
