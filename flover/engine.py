@@ -17,14 +17,13 @@ import logging
 import random
 import re
 import time
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
 from flover.kv_buffer import SlotBuffer
-from flover.models import load_model, load_model_config
+from flover.models import load_model, open_checkpoint
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
@@ -32,7 +31,7 @@ from flover.parallel.plan import AddEvent, StepPlanMessage
 from flover.request import FinishReason, Request, RequestOutput, RequestState, Timings
 from flover.sampler import SamplingTensors, sample
 from flover.scheduler import Scheduler, StepPlan
-from flover.tokenizer import IncrementalDetokenizer, Tokenizer
+from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +57,16 @@ class Engine:
         torch.set_num_threads(config.num_threads or threads_per_rank(ranks))
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.model_config = cfg = load_model_config(config.model)
+        checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
+        self.model_config = cfg = checkpoint.model_config()
         self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
         self.max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, 2048)
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        self.model = load_model(config.model, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
+        self.model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                                 comm=self.comm, pack_hint=config.max_slots)
-        self.tokenizer = Tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
+        self.tokenizer = load_tokenizer(checkpoint)
         self.buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
                                  cfg.head_dim, self.dtype, self.device)
         if self.is_leader:
@@ -119,7 +119,7 @@ class Engine:
             raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
                              f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
         if (params.stop or stream) and self.tokenizer is None:
-            raise ValueError("stop strings and streamed text need the checkpoint's tokenizer.json")
+            raise ValueError("stop strings and streamed text need the checkpoint's tokenizer")
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
@@ -144,7 +144,7 @@ class Engine:
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need the checkpoint's tokenizer.json; pass token ids")
+                raise ValueError("text prompts need the checkpoint's tokenizer; pass token ids")
             self._check_text_size(prompt)
             ids = self.tokenizer.encode(prompt)
             text = prompt
@@ -172,7 +172,7 @@ class Engine:
 
     def _chat_ids(self, messages: list) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("messages need the checkpoint's tokenizer.json")
+            raise ValueError("messages need the checkpoint's tokenizer")
         text = self.tokenizer.render_chat(messages)
         self._check_text_size(text)
         ids = self.tokenizer.encode(text, add_special_tokens=False)

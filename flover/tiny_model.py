@@ -114,3 +114,106 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return out
+
+
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> Path:
+    """Write a Hugging Face directory (Llama family) as one GGUF file the way llama.cpp's
+    convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation for llama, 1-D
+    tensors kept in F32), with 2-D tensors stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    ... whatever the `gguf` package's quantizer implements). For tests: real GGUF files of
+    random models, in the types users download."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH.get((config.get("architectures") or [""])[0])
+    if arch is None:
+        raise ValueError(f"{model_dir}: only the Llama family can be written as GGUF here")
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    layers, theta = config["num_hidden_layers"], (config.get("rope_parameters") or {}).get(
+        "rope_theta", config.get("rope_theta", 10000.0))
+
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(model_dir.name)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(config["vocab_size"])
+    w.add_rope_dimension_count(config["hidden_size"] // heads)
+    _write_gguf_tokenizer(w, model_dir)
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                 "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(layers):
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in per_layer.items()})
+    for hf_name, data in tensors.items():
+        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue
+        name = names[hf_name]
+        data = data.astype(np.float32)
+        if arch == "llama" and name.endswith("attn_q.weight"):
+            data = permute(data, heads)
+        elif arch == "llama" and name.endswith("attn_k.weight"):
+            data = permute(data, kv_heads)
+        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+        elif qt == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_gguf_tokenizer(w, model_dir: Path) -> None:
+    """tokenizer.ggml.* from tokenizer.json (byte-level BPE, llama.cpp's 'gpt2' tokenizer model)."""
+    raw = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(raw["model"]["vocab"])
+    kinds = {}
+    for added in raw.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        kinds[added["id"]] = 3 if added.get("special") else 4
+    tokens = [None] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        tokens[i] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw["model"]["merges"]]
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([kinds.get(i, 1) for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab[eos])
+    w.add_eos_token_id(vocab[eos])
+    w.add_add_bos_token(False)
+    template = config.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template:
+        w.add_chat_template(template)

@@ -1,31 +1,66 @@
-"""Text <-> token ids with the checkpoint's `tokenizer.json` (Hugging Face `tokenizers`)."""
+"""Text <-> token ids (Hugging Face `tokenizers`): from a checkpoint directory's `tokenizer.json`,
+or built from a GGUF file's vocabulary and merges (`tokenizer.ggml.*`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from flover.models.config import CheckpointError
+from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
+
+# tokenizer.ggml.pre -> the split regex the merges were learned with (as transformers' GGUF
+# conversion and llama.cpp use them); absent: GPT-2's own (ByteLevel's built-in regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+          "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+DIGITS_ALONE = ("smollm",)  # llama.cpp splits every digit first (as SmolLM's own tokenizer.json does)
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, backend: HFTokenizer, special_tokens: dict, chat_template: str | None):
+        self._tok = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # The most text one token can stand for (UTF-8 bytes of its vocabulary string, an upper
+        # bound for byte-level and sentencepiece vocabularies): a text of B bytes needs at least
+        # B / max_token_bytes tokens, which lets a prompt that cannot fit be refused untokenized.
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)),
+                                   default=1)
+        self.special_tokens = special_tokens
+        self.chat_template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_directory(cls, model_dir: str | Path) -> "Tokenizer":
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{path}: not found; pass token ids instead of text, or add the tokenizer")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            backend = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        # The most text one token can stand for (UTF-8 bytes of its vocabulary string, an upper
-        # bound for byte-level and sentencepiece vocabularies): a text of B bytes needs at least
-        # B / max_token_bytes tokens, which lets a prompt that cannot fit be refused untokenized.
-        self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)),
-                                   default=1)
-        self.special_tokens, self.chat_template = _tokenizer_config(Path(model_dir))
+        special, template = _tokenizer_config(Path(model_dir))
+        return cls(backend, special, template)
+
+    @classmethod
+    def from_gguf(cls, spec: GGUFTokenizerSpec, where: str = "GGUF") -> "Tokenizer":
+        if spec.model != "gpt2":
+            raise CheckpointError(f"{where}: tokenizer model {spec.model!r} is not supported yet (flover builds "
+                                  f"byte-level BPE tokenizers, tokenizer.ggml.model 'gpt2')")
+        backend = _byte_level_bpe(spec)
+        name = lambda i: spec.tokens[i] if i is not None and 0 <= i < len(spec.tokens) else None  # noqa: E731
+        special = {"bos_token": name(spec.bos_token_id), "eos_token": name(spec.eos_token_id),
+                   "unk_token": None, "pad_token": None}
+        if spec.add_bos and special["bos_token"]:
+            bos = special["bos_token"]
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_token_id)])
+        return cls(backend, special, spec.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """With the tokenizer's own special tokens (e.g. BOS), as transformers' tokenizer(text) does."""
@@ -79,6 +114,59 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
+
+
+def load_tokenizer(checkpoint) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it has none (token ids only)."""
+    if isinstance(checkpoint, GGUFFile):
+        spec = checkpoint.tokenizer_spec()
+        return None if spec is None else Tokenizer.from_gguf(spec, str(checkpoint.path))
+    return Tokenizer.from_directory(checkpoint.path) if (checkpoint.path / "tokenizer.json").is_file() else None
+
+
+def _byte_level_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
+    """GPT-2 style byte-level BPE from the vocabulary and merges, with the file's control tokens
+    (type 3) as special tokens and its user-defined ones (type 4) as added tokens, as transformers'
+    GGUF conversion builds it."""
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    spelling = _bytes_to_unicode()
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(spec.tokens)}
+    merges = [tuple(m.split(" ")) for m in spec.merges]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                     end_of_word_suffix="", fuse_unk=False))
+    split = SPLITS.get(spec.pre)
+    if split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+    elif spec.pre in DIGITS_ALONE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(spec.tokens, spec.token_types)
+               if kind == 3 and set(t) <= alphabet]
+    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(spec.tokens, spec.token_types)
+            if kind == 4 and t in vocab]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+    return backend
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level vocabularies are spelled in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def _tokenizer_config(model_dir: Path):

@@ -54,7 +54,7 @@ def measure(weight_bytes: int, params: int, threads: int | None = None) -> Roofl
 
 def model_size(model_dir: str) -> tuple[int, int]:
     """(bytes of the float32 weights a decode iteration reads, parameter count) from the checkpoint."""
-    from flover.models.config import load_model_config
+    from flover.models import load_model_config
 
     cfg = load_model_config(model_dir)
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim

@@ -16,7 +16,7 @@ from flover.bench.modes import ModeSettings, RunTrace, run_mode
 from flover.bench.report import write_results
 from flover.bench.workload import Workload
 from flover.config import default_num_threads
-from flover.models.config import load_model_config
+from flover.models import load_model_config
 
 
 def iteration_ms_by_batch(trace: RunTrace, keep: int = 3) -> dict[str, float]:

@@ -1,35 +1,62 @@
-"""Architectures and the checkpoint loader: `load_model(dir, ...)` returns a ready model."""
+"""Architectures and checkpoints: `open_checkpoint(path)` reads a Hugging Face directory or a
+GGUF file; `load_model(checkpoint, ...)` returns a ready model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig, load_model_config
+from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.config import load_model_config as _load_directory_config
+from flover.models.gguf_file import GGUFFile, is_gguf
 from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
 from flover.models.loader import CheckpointReader, load_weights
 from flover.parallel.layout import TPLayout
 
-__all__ = ["CheckpointError", "ModelConfig", "load_model", "load_model_config"]
+__all__ = ["CheckpointError", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "load_model",
+           "load_model_config"]
+
+
+class HFDirectory:
+    """A Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def model_config(self) -> ModelConfig:
+        return _load_directory_config(self.path)
+
+    def reader(self, cfg: ModelConfig) -> CheckpointReader:
+        return CheckpointReader(self.path)
+
+
+def open_checkpoint(path: str | Path) -> HFDirectory | GGUFFile:
+    return GGUFFile(path) if is_gguf(path) else HFDirectory(path)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    return open_checkpoint(path).model_config()
 
 
 def model_class(cfg: ModelConfig):
     return LlamaForCausalLM if cfg.architecture in LLAMA_FAMILY else GPTJForCausalLM
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_len: int,
+def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
                cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
                pack_hint: int = 32) -> torch.nn.Module:
-    """Build the model (this rank's shard of it) for `model_dir`, fill it from the safetensors
-    files, and repack the projection weights for the device's fastest GEMM (`pack_hint`: typical
-    rows per GEMM)."""
-    cfg = cfg or load_model_config(model_dir)
+    """Build the model (this rank's shard of it), fill it from the checkpoint, and repack the
+    projection weights for the device's fastest GEMM (`pack_hint`: typical rows per GEMM)."""
+    if isinstance(checkpoint, (str, Path)):
+        checkpoint = open_checkpoint(checkpoint)
+    cfg = cfg or checkpoint.model_config()
     tp = tp or TPLayout.build(cfg)
-    reader = CheckpointReader(model_dir)
     model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     with torch.no_grad():
-        load_weights(reader, model.weight_specs())
+        load_weights(checkpoint.reader(cfg), model.weight_specs())
         for module in model.modules():
             if isinstance(module, Linear):
                 module.pack(pack_hint)

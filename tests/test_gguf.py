@@ -1,0 +1,201 @@
+"""GGUF checkpoints: files the tests write themselves (llama.cpp's layout, the `gguf` package's
+writer and quantizers) from small random checkpoints, loaded by flover and by transformers
+(`from_pretrained(dir, gguf_file=...)`, which dequantizes the same way) and compared."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flover import LLM, SamplingParams
+from flover.models import CheckpointError, load_model_config, open_checkpoint
+from flover.tiny_model import make_tiny_model, write_gguf
+from tests.conftest import PROMPTS, TEST_PRESET
+from tests.test_tensor_parallel import MPI_ENV, MPIRUN, mpirun_cmd
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello the cat runs fast"}]
+
+
+@pytest.fixture(scope="session")
+def gguf_file(make_model, tmp_path_factory):
+    """gguf_file(variant, qtype) -> path of a GGUF written from that test checkpoint."""
+    made = {}
+
+    def make(variant: str, qtype: str) -> str:
+        if (variant, qtype) not in made:
+            out = tmp_path_factory.mktemp(f"gguf-{variant}") / f"{variant}-{qtype}.gguf"
+            made[variant, qtype] = str(write_gguf(make_model(variant), out, qtype))
+        return made[variant, qtype]
+
+    return make
+
+
+def reference(path: str, dtype: torch.dtype):
+    from pathlib import Path
+
+    p = Path(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return model.eval(), tokenizer
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("variant,qtype,dtype", [
+    ("llama", "F32", "float64"), ("llama", "Q8_0", "float64"), ("llama", "Q4_0", "float64"),
+    ("llama", "Q8_0", "float32"), ("llama", "Q4_1", "float32"), ("llama", "F16", "float32"),
+    ("qwen2", "Q8_0", "float64"), ("llama-vocab509-kv4", "Q4_0", "float32"),
+])
+def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(gguf_file, variant, qtype, dtype):
+    path = gguf_file(variant, qtype)
+    torch_dtype = getattr(torch, dtype)
+    ref, tok = reference(path, torch_dtype)
+    llm = LLM(path, dtype=dtype, max_slots=8, max_seq_len=128)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    for prompt in prompts:
+        assert llm.engine.tokenizer.encode(PROMPTS[prompts.index(prompt)]) == prompt  # same tokenizer
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [greedy_reference(ref, p, 10) for p in prompts]
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompts[2]])).logits[0]
+    got = llm.engine.score(prompts[2])
+    bound = 1e-9 if dtype == "float64" else 2e-3
+    assert (got.to(expected.dtype) - expected).abs().max().item() < bound
+
+
+def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_file):
+    path = gguf_file("llama", "Q8_0")
+    _, tok = reference(path, torch.float32)
+    ours = open_checkpoint(path)
+    from flover.tokenizer import load_tokenizer
+
+    mine = load_tokenizer(ours)
+    texts = PROMPTS + ["  two  spaces\n\nand\ttabs", "<|endoftext|> inside", "über café 東京 ✓ 12345", ""]
+    for text in texts:
+        assert mine.encode(text) == tok(text)["input_ids"], text
+    rendered = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert mine.encode_chat(CHAT) == rendered["input_ids"]
+    ids = mine.encode(PROMPTS[2])
+    assert mine.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_tensors_dequantize_as_transformers_does(tmp_path, qtype):
+    """The gguf package cannot quantize to K-quants, so the tensors hold random blocks with sane
+    scales; flover and transformers must read the same weights out of them."""
+    import gguf
+
+    model_dir = make_tiny_model("llama", {**TEST_PRESET, "hidden_size": 256, "intermediate_size": 512,
+                                          "num_heads": 4, "num_kv_heads": 2}, tmp_path / "m")
+    plain = tmp_path / "plain.gguf"
+    write_gguf(model_dir, plain, "F32")
+    path = tmp_path / f"k-{qtype}.gguf"
+    _rewrite_with_random_kquants(plain, path, gguf.GGMLQuantizationType[qtype])
+    ref, _ = reference(str(path), torch.float32)
+    llm = LLM(str(path), dtype="float32", max_slots=2, max_seq_len=64)
+    ckpt = open_checkpoint(path)
+    reader = ckpt.reader(ckpt.model_config())
+    from flover.models.loader import Source
+
+    state = ref.state_dict()
+    compared = 0
+    for name, expected in state.items():
+        if reader.has(name) and expected.dim() == 2:
+            got = reader.read(Source(name, tuple(expected.shape)))
+            assert torch.equal(got, expected.float()), name
+            compared += 1
+    assert compared >= 9
+    prompt = [5, 6, 7, 8]
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    assert out == greedy_reference(ref, prompt, 6)
+
+
+def _rewrite_with_random_kquants(src, dst, qtype) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    rng = np.random.default_rng(0)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if data.ndim == 2 and data.shape[1] % 256 == 0:
+            rows, blocks = data.shape[0], data.shape[1] // 256
+            raw = rng.integers(0, 256, size=(rows, blocks, block_bytes), dtype=np.uint8)
+            scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+            if qtype == gguf.GGMLQuantizationType.Q6_K:
+                raw[..., -2:] = scale  # d at the end
+            else:
+                raw[..., 0:2] = scale  # d, dmin first
+                raw[..., 2:4] = scale
+            w.add_tensor(t.name, raw.reshape(rows, blocks * block_bytes), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
+def test_tp2_on_a_gguf_file_gives_the_tp1_tokens(gguf_file, tmp_path):
+    path = gguf_file("llama", "Q4_0")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    results = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"tp{ranks}.jsonl"
+        args = ["-m", "flover.cli", "run", "--model", path, "--prompts", str(prompts), "--out", str(out),
+                "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet",
+                "--max-new-tokens", "8"]
+        cmd = mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[ranks] = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert len(results[1]) == len(PROMPTS) and results[2] == results[1]
+
+
+def test_unsupported_files_say_what_and_where(make_model, tmp_path):
+    import gguf
+
+    bad_arch = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(bad_arch), "phi3")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=f"{bad_arch}: architecture 'phi3' is not supported"):
+        load_model_config(bad_arch)
+
+    mxfp4 = tmp_path / "mxfp4.gguf"
+    write_gguf(make_model("llama"), mxfp4, "MXFP4")
+    with pytest.raises(CheckpointError, match=r"mxfp4.gguf: tensor .* has type MXFP4, which flover does not read"):
+        LLM(str(mxfp4), max_seq_len=64)
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(range(200)))
+    run = subprocess.run([sys.executable, "-m", "flover.cli", "generate", "--model", str(garbage), "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr
