@@ -16,7 +16,9 @@ from flover.config import DTYPES, EngineConfig, SamplingParams
 
 def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = ap.add_argument_group("engine")
-    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
+    g.add_argument("--model", required=model_required,
+                   help="a GGUF file, a Hugging Face checkpoint directory, or a hub id ORG/NAME (from the local "
+                        "hub cache, downloaded where a hub is reachable)")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
@@ -294,6 +296,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from flover.chat import LocalReplies, RemoteReplies, chat_loop
+
+    require_model(args)
+    params = sampling_params(args)
+    if args.connect:
+        with connect(args) as client:
+            return chat_loop(RemoteReplies(client, params), args.system)
+    engine = start_engine(args)
+    if engine is None:  # a follower rank
+        return 0
+    try:
+        return chat_loop(LocalReplies(engine, params), args.system)
+    finally:
+        engine.shutdown()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from flover.demo import run_demo
 
@@ -353,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--curve-allowed-clients", help="directory of allowed client public certificates")
     serve.set_defaults(func=cmd_serve)
 
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")
+    add_engine_args(chat, model_required=False)
+    add_sampling_args(chat)
+    add_connect_args(chat)
+    chat.add_argument("--system", default=None, help="a system message that starts every conversation")
+    chat.set_defaults(func=cmd_chat, max_new_tokens=512)
+
     keygen = sub.add_parser("keygen", help="make a CURVE key pair (zmq.auth certificate files)")
     keygen.add_argument("dir")
     keygen.add_argument("--name", default="server", help="file name stem: NAME.key and NAME.key_secret")
@@ -380,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="see temporal fusion at work (makes a small random model if needed)")
-    demo.add_argument("--model", default=None, help="a real checkpoint directory instead of the random demo model")
-    demo.add_argument("--preset", default="bench-124m", help="demo model preset: bench-124m or tiny (quicker)")
+    demo.add_argument("--model", default=None, help="a GGUF file, checkpoint directory or hub id (default: "
+                                                    "SmolLM2-135M-Instruct, fetched once into --models-dir)")
+    demo.add_argument("--preset", default=None, help="a random demo model instead: bench-124m or tiny (quicker)")
     demo.add_argument("--models-dir", default="models", help="where the demo model is made")
     demo.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
     demo.add_argument("--max-new-tokens", type=int, default=64)
@@ -405,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"{prefix}: %(message)s", stream=sys.stderr)
     try:
+        _resolve_hub_id(args)
         return args.func(args)
-    except (ValueError, MemoryError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError
+    except (ValueError, MemoryError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError, FetchError a RuntimeError
         print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
         code = 2
     except BaseException as e:  # anything else: say which rank failed and why
@@ -418,6 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     if ranks > 1:
         _abort_job(args.comm, code)  # one failing rank ends the whole job, never a hang
     return code
+
+
+def _resolve_hub_id(args: argparse.Namespace) -> None:
+    from flover.fetch import is_hub_id, resolve_hub_id
+
+    model = getattr(args, "model", None)
+    if model and is_hub_id(model):
+        args.model = resolve_hub_id(model)
 
 
 def _abort_job(comm, code: int) -> None:

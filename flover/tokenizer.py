@@ -186,7 +186,7 @@ def _tokenizer_config(model_dir: Path):
         source = jinja_file.read_text()
     if isinstance(source, list):  # named templates: take the default one
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    return special, (_compile_template(source) if source else None)
+    return special, source
 
 
 def _compile_template(source: str):

