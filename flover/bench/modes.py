@@ -18,6 +18,7 @@ import multiprocessing as mp
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flover.bench.workload import BenchRequest
 from flover.config import EngineConfig, SamplingParams, default_num_threads
@@ -195,7 +196,11 @@ def _hf_model(s: ModeSettings):
 
     if s.threads:
         torch.set_num_threads(s.threads)
-    return transformers.AutoModelForCausalLM.from_pretrained(s.model, dtype=getattr(torch, s.dtype)).eval()
+    dtype = getattr(torch, s.dtype)
+    if str(s.model).endswith(".gguf"):  # transformers dequantizes a GGUF file the way flover does
+        path = Path(s.model)
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype).eval()
 
 
 def run_hf(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
