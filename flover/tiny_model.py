@@ -129,6 +129,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     import numpy as np
     from safetensors.numpy import load_file
 
+    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH.get((config.get("architectures") or [""])[0])
@@ -157,16 +159,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
 
     qt = gguf.GGMLQuantizationType[qtype]
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-                 "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-                 "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    names = dict(GGUF_GLOBAL_NAMES)
     for i in range(layers):
-        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in per_layer.items()})
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in GGUF_LAYER_NAMES.items()})
     for hf_name, data in tensors.items():
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue

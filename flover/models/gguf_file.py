@@ -29,9 +29,9 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalL
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 # Hugging Face name -> GGUF name (per layer: {i})
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
-_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -141,10 +141,10 @@ class GGUFReader:
         self.file, self.dir = gguf_file, gguf_file.path
         self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, heads to un-permute)
         permuted = ARCHITECTURES[gguf_file.arch][1]
-        for hf, name in _GLOBAL_NAMES.items():
+        for hf, name in GGUF_GLOBAL_NAMES.items():
             self.names[hf] = (name, None)
         for i in range(cfg.num_layers):
-            for hf, name in _LAYER_NAMES.items():
+            for hf, name in GGUF_LAYER_NAMES.items():
                 heads = None
                 if permuted and hf == "self_attn.q_proj.weight":
                     heads = cfg.num_heads
