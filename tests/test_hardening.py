@@ -398,3 +398,23 @@ def test_a_second_sigint_stops_at_once_with_cancelled_finals(llama_dir):
     assert all(f["finish_reason"] in ("cancelled", "length") for f in finals)
     assert any(f["finish_reason"] == "cancelled" for f in finals)
     assert server.proc.wait(timeout=30) == 0
+
+
+def test_the_async_client_notices_a_dead_server_too(llama_dir):
+    import asyncio
+
+    from flover.client import AsyncClient
+
+    server = Server(llama_dir, "--max-seq-len", "512")
+
+    async def main():
+        async with AsyncClient(server.addr) as c:
+            task = asyncio.ensure_future(c.generate(input_ids=[1], max_new_tokens=480, ignore_eos=True))
+            while (await c.stats())["in_flight"] != 1:
+                await asyncio.sleep(0.01)
+            server.proc.kill()
+            with pytest.raises(FloverError, match="connection_lost"):
+                await task
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    server.proc.wait()
