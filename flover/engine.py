@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import re
 import time
 from typing import Iterable, Sequence
@@ -24,13 +23,13 @@ import torch
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
 from flover.kv_buffer import SlotBuffer
 from flover.models import load_model, open_checkpoint
-from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
 from flover.parallel.plan import AddEvent, StepPlanMessage
-from flover.request import FinishReason, Request, RequestOutput, RequestState, Timings
-from flover.sampler import SamplingTensors, sample
-from flover.scheduler import Scheduler, StepPlan
+from flover.output import OutputProcessor
+from flover.request import Request, RequestOutput, RequestState, Timings
+from flover.runner import ModelRunner
+from flover.scheduler import Scheduler
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,28 +63,19 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        self.model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
+        model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                                 comm=self.comm, pack_hint=config.max_slots)
         self.tokenizer = load_tokenizer(checkpoint)
-        self.buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
+        buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
                                  cfg.head_dim, self.dtype, self.device)
         if self.is_leader:
-            log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s)", self.buffer.nbytes / 2**20,
+            log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s)", buffer.nbytes / 2**20,
                      f" per rank x {ranks} ranks" if ranks > 1 else "", config.max_slots, self.max_seq_len,
                      config.dtype)
-        state = self.buffer.add_state
-        self._seq_len = state("seq_len", torch.int64)  # tokens of the slot already in the cache
-        self._last_token = state("last_token", torch.int64)  # next decode input
-        self._generated = state("generated", torch.int64)  # tokens sampled so far
-        self._temperature = state("temperature", torch.float32)
-        self._top_k = state("top_k", torch.int64)
-        self._top_p = state("top_p", torch.float32, 1.0)
-        self._min_p = state("min_p", torch.float32)
-        self._rep_penalty = state("repetition_penalty", torch.float32, 1.0)
-        self._seed = state("seed", torch.int64)
+        self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed)
+        self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens)
         self.requests: dict[str, Request] = {}
-        self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
         self._plan = StepPlanMessage()  # intake since the last iteration, for the other ranks
@@ -189,7 +179,7 @@ class Engine:
         self.scheduler.cancel(request, time.perf_counter())
         if self._tells_followers:
             self._plan.cancel(request_id)
-        self._pending.append(self._output(request, []))
+        self._pending.append(self.outputs.output(request, []))
         if was_waiting:  # never got a slot, so no retire step will forget it
             del self.requests[request_id]
         return True
@@ -206,13 +196,15 @@ class Engine:
         slot = self.scheduler.num_live
         if slot >= self.config.max_slots or len(ids) > self.max_seq_len:
             raise ValueError("no free slot, or the sequence is longer than max_seq_len")
-        dev, n = self.device, len(ids)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, device=dev), positions=torch.arange(n, device=dev),
-            write_slots=torch.full((n,), slot, device=dev), num_decode=0, decode_span=0,
-            decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, n, slot, 0)],
-            sample_rows=torch.arange(n, device=dev))
-        return self.model(batch, self.buffer.kv)
+        return self.runner.score(ids, slot)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def buffer(self) -> SlotBuffer:
+        return self.runner.buffer
 
     # -- tensor parallelism: the leader's plan, the followers' loop --------------------------
     @property
@@ -249,9 +241,15 @@ class Engine:
             self.comm.broadcast_bytes(self._plan.encode())
             self.stopped = True
 
+    def _tell_followers_failed(self, request_id: str) -> None:
+        """A request failed on the leader alone: the followers retire it at the next boundary."""
+        if self._tells_followers:
+            self._plan.cancel(request_id)
+
     # -- one iteration --------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """schedule -> shuffle -> run (one fused forward, sampling) -> record."""
         if self.comm is not None:
             self._exchange_plan()
             if self.stopped:
@@ -261,223 +259,23 @@ class Engine:
         for request in plan.retired:
             self.requests.pop(request.request_id, None)
         if plan.moves:
-            used = max(int(self._seq_len[m.src]) for m in plan.moves)  # cached positions of the moved slots
-            self.buffer.apply_moves(plan.moves, positions=max(1, used))
+            self.runner.apply_moves(plan.moves)
         if plan.empty:
             return outputs
         now = time.perf_counter()
-        self._admit(plan, now)
-        batch, sampled = self._build_batch(plan)
+        for chunk in plan.prefill:
+            if chunk.start == 0:
+                chunk.request.timings.scheduled = now
+        runner = self.runner
+        runner.admit(plan)
+        batch, sampled = runner.build_batch(plan)
         self.last_step_tokens = batch.input_ids.shape[0]
-        logits = self.model(batch, self.buffer.kv)  # [B, vocab]: the one fused forward
+        logits = runner.forward(batch)  # [B, vocab]: the one fused forward
         self.scheduler.commit(plan)
-        self._advance_lengths(plan, batch)
-        if self.comm is not None:
-            logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
-        token_ids, logprobs, failed = self._sample(logits, sampled, batch)
+        runner.advance(plan, batch)
+        token_ids, logprobs, failed = runner.sample(logits, sampled, batch)
         self.iterations += 1
-        outputs += self._record(sampled, token_ids, logprobs, failed, time.perf_counter())
-        return outputs
-
-    def _admit(self, plan: StepPlan, now: float) -> None:
-        """Write the per-slot state of requests that got a slot in this plan."""
-        for chunk in plan.prefill:
-            if chunk.start != 0:
-                continue
-            r, slot, p = chunk.request, chunk.request.slot, chunk.request.params
-            r.timings.scheduled = now
-            self._seq_len[slot] = 0
-            self._generated[slot] = 0
-            self._temperature[slot] = p.temperature
-            self._top_k[slot] = p.top_k
-            self._top_p[slot] = p.top_p
-            self._min_p[slot] = p.min_p
-            self._rep_penalty[slot] = p.repetition_penalty
-            self._seed[slot] = p.seed if p.seed is not None else self._rng.getrandbits(63)
-
-    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[Request]]:
-        """The iteration's token matrix: decode tokens in slot order, then the prefill chunks."""
-        dev = self.device
-        num_decode = len(plan.decode)
-        decode_slots = [r.slot for r in plan.decode]
-        contiguous = num_decode == 0 or decode_slots[-1] == num_decode - 1
-        span = decode_slots[-1] + 1 if num_decode else 0
-        if contiguous:
-            rows, slot_index = None, slice(0, num_decode)
-            span_lens = self._seq_len[:span] + 1
-        else:
-            rows = torch.tensor(decode_slots, device=dev)
-            slot_index = rows
-            span_lens = torch.ones(span, dtype=torch.int64, device=dev)
-            span_lens[rows] = self._seq_len[rows] + 1
-        ids = [self._last_token[slot_index]]
-        positions = [self._seq_len[slot_index]]
-        slots = [torch.arange(num_decode, device=dev) if contiguous else rows]
-
-        prefills, prefill_ids, sample_rows = [], [], list(range(num_decode))
-        sampled = list(plan.decode)
-        row = num_decode
-        for chunk in plan.prefill:
-            r = chunk.request
-            prefills.append(PrefillSpan(row, chunk.length, r.slot, chunk.start))
-            prefill_ids += r.prompt_token_ids[chunk.start: chunk.start + chunk.length]
-            positions.append(torch.arange(chunk.start, chunk.start + chunk.length, device=dev))
-            slots.append(torch.full((chunk.length,), r.slot, dtype=torch.int64, device=dev))
-            row += chunk.length
-            if chunk.completes_prompt:
-                sample_rows.append(row - 1)
-                sampled.append(r)
-        if prefill_ids:
-            ids.append(torch.tensor(prefill_ids, dtype=torch.int64, device=dev))
-        max_len = max((r.prompt_len + len(r.output_token_ids) for r in plan.decode), default=0)
-        batch = ForwardBatch(
-            input_ids=torch.cat(ids), positions=torch.cat(positions), write_slots=torch.cat(slots),
-            num_decode=num_decode, decode_span=span, decode_rows=rows, span_lens=span_lens,
-            max_decode_len=max_len, prefills=prefills,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-        )
-        return batch, sampled
-
-    def _advance_lengths(self, plan: StepPlan, batch: ForwardBatch) -> None:
-        d = batch.num_decode
-        if d:
-            index = slice(0, d) if batch.decode_rows is None else batch.decode_rows
-            self._seq_len[index] += 1
-        for chunk in plan.prefill:
-            self._seq_len[chunk.request.slot] = chunk.start + chunk.length
-
-    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """[B, vocab block] on each rank -> [B, vocab] on the leader (blocks are padded equally)."""
-        blocks = self.comm.gather_to_root(logits)  # [ranks, B, block] on the leader
-        if blocks is None:
-            return None
-        full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
-        return full[:, : self.model_config.vocab_size]
-
-    def _sample(self, logits: torch.Tensor | None, sampled: list[Request], batch: ForwardBatch):
-        """The leader samples every row at once; with TP it then broadcasts the ids (a few bytes).
-        Returns (ids, logprobs or None, {row: why} for rows whose sampling failed)."""
-        slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
-        if not self.is_leader:
-            ids = self.comm.broadcast_ids(None, len(sampled))
-            self._last_token[slots] = torch.tensor(ids, device=self.device)
-            self._generated[slots] += 1
-            return ids, None, {}
-        penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
-        st = SamplingTensors(
-            temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
-            min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
-            counter=self._generated[slots],
-            all_greedy=all(r.params.temperature == 0 for r in sampled),
-            history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
-            want_logprobs=any(r.params.logprobs for r in sampled),
-        )
-        failed: dict[int, str] = {}
-        try:
-            token_ids, logprobs = sample(logits, st)
-        except Exception:  # a request-specific failure: find the rows responsible, sample the rest
-            log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
-            token_ids, logprobs, failed = self._sample_rows(logits, st)
-        self._last_token[slots] = token_ids
-        self._generated[slots] += 1
-        ids = token_ids.tolist()
-        if self.comm is not None:
-            self.comm.broadcast_ids(ids, len(ids))
-        return ids, (logprobs.tolist() if logprobs is not None else None), failed
-
-    @staticmethod
-    def _sample_rows(logits: torch.Tensor, st: SamplingTensors):
-        ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        logprobs = torch.full((logits.shape[0],), float("nan"), device=logits.device) if st.want_logprobs else None
-        failed = {}
-        for row in range(logits.shape[0]):
-            try:
-                row_ids, row_logprobs = sample(logits[row: row + 1], st.row(row))
-            except Exception as e:
-                failed[row] = f"sampling failed: {e!r}"
-                continue
-            ids[row] = row_ids[0]
-            if logprobs is not None and row_logprobs is not None:
-                logprobs[row] = row_logprobs[0]
-        return ids, logprobs, failed
-
-    def _record(self, sampled: list[Request], token_ids: list[int], logprobs: list[float] | None,
-                failed: dict[int, str], now: float) -> list[RequestOutput]:
-        """Append each request's new token, decide whether it is finished, and report it. A
-        failure that belongs to one request (its sampling, its text) ends that request alone."""
-        outputs = []
-        for i, (r, token) in enumerate(zip(sampled, token_ids)):
-            if i in failed:
-                outputs.append(self._fail(r, failed[i], now))
-                continue
-            try:
-                outputs.append(self._record_one(r, token, logprobs[i] if logprobs is not None else None, now))
-            except Exception as e:
-                log.exception("request %s failed", r.request_id)
-                outputs.append(self._fail(r, f"internal error: {e!r}", now))
-        return outputs
-
-    def _record_one(self, r: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
-        r.output_token_ids.append(token)
-        if logprob is not None and r.params.logprobs:
-            r.output_logprobs.append(logprob)
-        if r.timings.first_token is None:
-            r.timings.first_token = now
-        delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
-        if token in r.stop_token_set:
-            r.finish(FinishReason.STOP, now)
-        elif delta and r.stop_pattern is not None and self._hit_stop_string(r, delta):
-            r.finish(FinishReason.STOP, now)
-        elif len(r.output_token_ids) >= r.params.max_new_tokens:
-            r.finish(FinishReason.LENGTH, now)
-        return self._output(r, [token])
-
-    def _fail(self, r: Request, why: str, now: float) -> RequestOutput:
-        """End one request with finish reason `error`; the other ranks retire it with the leader."""
-        r.finish(FinishReason.ERROR, now, error=why)
-        if self._tells_followers:
-            self._plan.cancel(r.request_id)
-        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
-                             token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
-                             logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why)
-
-    @staticmethod
-    def _hit_stop_string(r: Request, delta: str) -> bool:
-        """One regex search over the new text and the `stop_holdback` characters before it."""
-        text = r.detokenizer.text
-        match = r.stop_pattern.search(text, max(0, len(text) - len(delta) - r.stop_holdback))
-        if match:
-            r.output_text = text[: match.start()]  # the stop string itself is never returned
-            return True
-        return False
-
-    def _output(self, r: Request, new_tokens: list[int]) -> RequestOutput:
-        text = None
-        if r.finished and self.tokenizer is not None:
-            stopped_by_string = r.params.stop and r.finish_reason is FinishReason.STOP \
-                and r.output_token_ids and r.output_token_ids[-1] not in r.stop_token_set
-            text = r.output_text if stopped_by_string else self.tokenizer.decode(r.output_token_ids)
-        return RequestOutput(
-            text_delta=self._text_delta(r, text) if r.stream else None,
-            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=new_tokens,
-            token_ids=list(r.output_token_ids), text=text, finished=r.finished,
-            finish_reason=r.finish_reason.value if r.finish_reason else None,
-            logprobs=r.output_logprobs if r.params.logprobs else None,
-            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error,
-        )
-
-    @staticmethod
-    def _text_delta(r: Request, final_text: str | None) -> str:
-        """Text not yet reported. While running, the last (longest stop string - 1) characters
-        are held back: they might be the start of a stop string, which is never emitted."""
-        if r.finished:
-            end = len(final_text or "")
-            delta = (final_text or "")[r.emitted:]
-        else:
-            end = max(r.emitted, len(r.detokenizer.text) - r.stop_holdback)
-            delta = r.detokenizer.text[r.emitted:end]
-        r.emitted = end
-        return delta
+        return outputs + self.outputs.record(sampled, token_ids, logprobs, failed, time.perf_counter())
 
 
 class LLM:

@@ -43,10 +43,10 @@ def main() -> None:
 
     engine.scheduler.schedule = timed("scheduling", engine.scheduler.schedule)
     engine.buffer.apply_moves = timed("memory shuffle", engine.buffer.apply_moves)
-    engine._build_batch = timed("token-matrix build", engine._build_batch)
+    engine.runner.build_batch = timed("token-matrix build", engine.runner.build_batch)
     engine.model.forward = timed("forward", engine.model.forward)
-    engine._sample = timed("sampling", engine._sample)
-    engine._record = timed("bookkeeping (finish checks, outputs)", engine._record)
+    engine.runner.sample = timed("sampling", engine.runner.sample)
+    engine.outputs.record = timed("bookkeeping (finish checks, outputs)", engine.outputs.record)
     llama.attention = gptj.attention = timed("forward: attention", llama.attention)
     layers.Linear.forward = timed("forward: projection GEMMs", layers.Linear.forward)
 

@@ -61,3 +61,15 @@ def rewrite_config(model_dir, **changes) -> None:
         raw.pop(key)
     with open(path, "w") as f:
         json.dump(raw, f)
+
+
+@pytest.fixture
+def server(llama_dir):
+    """A real `flover serve` on the llama test model (8 slots), killed after the test."""
+    import signal
+
+    from tests.test_daemon import Server
+
+    srv = Server(llama_dir, "--max-slots", "8")
+    yield srv
+    srv.stop(signal.SIGKILL)

@@ -57,13 +57,6 @@ class Server:
         return self.proc.returncode, err
 
 
-@pytest.fixture
-def server(llama_dir):
-    srv = Server(llama_dir, "--max-slots", "8")
-    yield srv
-    srv.stop(signal.SIGKILL)
-
-
 PROMPTS = [[(5 * i + 3 * j) % 500 + 1 for j in range(1 + 3 * i)] for i in range(12)]
 
 

@@ -17,7 +17,7 @@ import zmq
 from flover import LLM, SamplingParams
 from flover.client import Client, FloverError
 from tests.poisoned_serve import POISON_SEED
-from tests.test_daemon import PROMPTS, Server, expected_outputs, server  # noqa: F401 (fixture)
+from tests.test_daemon import PROMPTS, Server, expected_outputs
 from tests.test_tensor_parallel import MPIRUN
 
 # Each of these was accepted once and then failed inside the iteration, or was silently coerced.
@@ -54,16 +54,16 @@ def test_limits_accept_their_edges_and_tiny_temperatures_are_greedy(llama_dir):
 
 def test_a_failure_of_one_request_inside_the_iteration_ends_that_request_alone(llama_dir, monkeypatch):
     import tests.poisoned_serve as poison
-    import flover.engine
+    import flover.runner
 
-    monkeypatch.setattr(flover.engine, "sample", poison.poisoned_sample)
+    monkeypatch.setattr(flover.runner, "sample", poison.poisoned_sample)
     llm = LLM(llama_dir, dtype="float64", max_seq_len=64, max_slots=4)
     params = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=s)
               for s in (1, POISON_SEED, 2)] + [SamplingParams(max_new_tokens=6, ignore_eos=True)]
     outs = llm.generate(PROMPTS[:4], params)
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
     assert "injected failure" in outs[1].error
-    monkeypatch.setattr(flover.engine, "sample", poison._real_sample)
+    monkeypatch.setattr(flover.runner, "sample", poison._real_sample)
     alone = [LLM.from_engine(llm.engine).generate(PROMPTS[i], params[i])[0].token_ids for i in (0, 2, 3)]
     assert [outs[i].token_ids for i in (0, 2, 3)] == alone  # the others are untouched
 

@@ -4,7 +4,6 @@ run` processes, real daemons, real SIGKILL/SIGTERM."""
 from __future__ import annotations
 
 import fcntl
-import json
 import signal
 import subprocess
 import sys

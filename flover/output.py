@@ -1,0 +1,98 @@
+"""The text half of the engine: each sampled token appended to its request, the finish checks
+(stop ids, stop strings, length), incremental text for streams, and the outputs callers see.
+
+A failure that belongs to one request (its text, its sampling) ends that request alone with
+finish reason `error`; `on_fail` tells the other tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from flover.request import FinishReason, Request, RequestOutput
+from flover.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, on_fail: Callable[[str], None] = lambda request_id: None):
+        self.tokenizer, self.on_fail = tokenizer, on_fail
+
+    def record(self, sampled: list[Request], token_ids: list[int], logprobs: list[float] | None,
+                failed: dict[int, str], now: float) -> list[RequestOutput]:
+        """Append each request's new token, decide whether it is finished, and report it. A
+        failure that belongs to one request (its sampling, its text) ends that request alone."""
+        outputs = []
+        for i, (r, token) in enumerate(zip(sampled, token_ids)):
+            if i in failed:
+                outputs.append(self.fail(r, failed[i], now))
+                continue
+            try:
+                outputs.append(self._record_one(r, token, logprobs[i] if logprobs is not None else None, now))
+            except Exception as e:
+                log.exception("request %s failed", r.request_id)
+                outputs.append(self.fail(r, f"internal error: {e!r}", now))
+        return outputs
+
+    def _record_one(self, r: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+        r.output_token_ids.append(token)
+        if logprob is not None and r.params.logprobs:
+            r.output_logprobs.append(logprob)
+        if r.timings.first_token is None:
+            r.timings.first_token = now
+        delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
+        if token in r.stop_token_set:
+            r.finish(FinishReason.STOP, now)
+        elif delta and r.stop_pattern is not None and self._hit_stop_string(r, delta):
+            r.finish(FinishReason.STOP, now)
+        elif len(r.output_token_ids) >= r.params.max_new_tokens:
+            r.finish(FinishReason.LENGTH, now)
+        return self.output(r, [token])
+
+    def fail(self, r: Request, why: str, now: float) -> RequestOutput:
+        """End one request with finish reason `error`; the other ranks retire it with the leader."""
+        r.finish(FinishReason.ERROR, now, error=why)
+        self.on_fail(r.request_id)
+        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
+                             token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
+                             logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why)
+
+    @staticmethod
+    def _hit_stop_string(r: Request, delta: str) -> bool:
+        """One regex search over the new text and the `stop_holdback` characters before it."""
+        text = r.detokenizer.text
+        match = r.stop_pattern.search(text, max(0, len(text) - len(delta) - r.stop_holdback))
+        if match:
+            r.output_text = text[: match.start()]  # the stop string itself is never returned
+            return True
+        return False
+
+    def output(self, r: Request, new_tokens: list[int]) -> RequestOutput:
+        text = None
+        if r.finished and self.tokenizer is not None:
+            stopped_by_string = r.params.stop and r.finish_reason is FinishReason.STOP \
+                and r.output_token_ids and r.output_token_ids[-1] not in r.stop_token_set
+            text = r.output_text if stopped_by_string else self.tokenizer.decode(r.output_token_ids)
+        return RequestOutput(
+            text_delta=self._text_delta(r, text) if r.stream else None,
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=new_tokens,
+            token_ids=list(r.output_token_ids), text=text, finished=r.finished,
+            finish_reason=r.finish_reason.value if r.finish_reason else None,
+            logprobs=r.output_logprobs if r.params.logprobs else None,
+            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error,
+        )
+
+    @staticmethod
+    def _text_delta(r: Request, final_text: str | None) -> str:
+        """Text not yet reported. While running, the last (longest stop string - 1) characters
+        are held back: they might be the start of a stop string, which is never emitted."""
+        if r.finished:
+            end = len(final_text or "")
+            delta = (final_text or "")[r.emitted:]
+        else:
+            end = max(r.emitted, len(r.detokenizer.text) - r.stop_holdback)
+            delta = r.detokenizer.text[r.emitted:end]
+        r.emitted = end
+        return delta

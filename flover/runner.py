@@ -1,0 +1,183 @@
+"""The tensor half of the engine: per-slot state next to the KV buffer, the iteration's token
+matrix, the one fused forward, and sampling (with its tensor-parallel gather and broadcast).
+
+Pure tensor work on the scheduler's decisions; it never looks at text. `Engine.step` calls it as
+admit -> build_batch -> forward -> advance -> sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+
+from flover.kv_buffer import Move, SlotBuffer
+from flover.models.attention import ForwardBatch, PrefillSpan
+from flover.parallel.comm import Communicator
+from flover.request import Request
+from flover.sampler import SamplingTensors, sample
+from flover.scheduler import StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
+                 comm: Communicator | None, seed: int):
+        """`comm`: the tensor-parallel communicator of several ranks (rank 0 samples), or None."""
+        self.model, self.buffer, self.vocab_size, self.device, self.comm = model, buffer, vocab_size, device, comm
+        self.is_leader = comm is None or comm.rank == 0
+        self._rng = random.Random(seed)  # seeds requests that bring none
+        state = buffer.add_state
+        self._seq_len = state("seq_len", torch.int64)  # tokens of the slot already in the cache
+        self._last_token = state("last_token", torch.int64)  # next decode input
+        self._generated = state("generated", torch.int64)  # tokens sampled so far
+        self._temperature = state("temperature", torch.float32)
+        self._top_k = state("top_k", torch.int64)
+        self._top_p = state("top_p", torch.float32, 1.0)
+        self._min_p = state("min_p", torch.float32)
+        self._rep_penalty = state("repetition_penalty", torch.float32, 1.0)
+        self._seed = state("seed", torch.int64)
+
+    def apply_moves(self, moves: list[Move]) -> None:
+        """The shuffle's copies, limited to the cached positions of the moved slots."""
+        used = max(int(self._seq_len[m.src]) for m in moves)
+        self.buffer.apply_moves(moves, positions=max(1, used))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP)."""
+        return self.model(batch, self.buffer.kv)
+
+    def admit(self, plan: StepPlan) -> None:
+        """Write the per-slot state of requests that got a slot in this plan."""
+        for chunk in plan.prefill:
+            if chunk.start != 0:
+                continue
+            slot, p = chunk.request.slot, chunk.request.params
+            self._seq_len[slot] = 0
+            self._generated[slot] = 0
+            self._temperature[slot] = p.temperature
+            self._top_k[slot] = p.top_k
+            self._top_p[slot] = p.top_p
+            self._min_p[slot] = p.min_p
+            self._rep_penalty[slot] = p.repetition_penalty
+            self._seed[slot] = p.seed if p.seed is not None else self._rng.getrandbits(63)
+
+    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[Request]]:
+        """The iteration's token matrix: decode tokens in slot order, then the prefill chunks."""
+        dev = self.device
+        num_decode = len(plan.decode)
+        decode_slots = [r.slot for r in plan.decode]
+        contiguous = num_decode == 0 or decode_slots[-1] == num_decode - 1
+        span = decode_slots[-1] + 1 if num_decode else 0
+        if contiguous:
+            rows, slot_index = None, slice(0, num_decode)
+            span_lens = self._seq_len[:span] + 1
+        else:
+            rows = torch.tensor(decode_slots, device=dev)
+            slot_index = rows
+            span_lens = torch.ones(span, dtype=torch.int64, device=dev)
+            span_lens[rows] = self._seq_len[rows] + 1
+        ids = [self._last_token[slot_index]]
+        positions = [self._seq_len[slot_index]]
+        slots = [torch.arange(num_decode, device=dev) if contiguous else rows]
+
+        prefills, prefill_ids, sample_rows = [], [], list(range(num_decode))
+        sampled = list(plan.decode)
+        row = num_decode
+        for chunk in plan.prefill:
+            r = chunk.request
+            prefills.append(PrefillSpan(row, chunk.length, r.slot, chunk.start))
+            prefill_ids += r.prompt_token_ids[chunk.start: chunk.start + chunk.length]
+            positions.append(torch.arange(chunk.start, chunk.start + chunk.length, device=dev))
+            slots.append(torch.full((chunk.length,), r.slot, dtype=torch.int64, device=dev))
+            row += chunk.length
+            if chunk.completes_prompt:
+                sample_rows.append(row - 1)
+                sampled.append(r)
+        if prefill_ids:
+            ids.append(torch.tensor(prefill_ids, dtype=torch.int64, device=dev))
+        max_len = max((r.prompt_len + len(r.output_token_ids) for r in plan.decode), default=0)
+        batch = ForwardBatch(
+            input_ids=torch.cat(ids), positions=torch.cat(positions), write_slots=torch.cat(slots),
+            num_decode=num_decode, decode_span=span, decode_rows=rows, span_lens=span_lens,
+            max_decode_len=max_len, prefills=prefills,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+        )
+        return batch, sampled
+
+    def advance(self, plan: StepPlan, batch: ForwardBatch) -> None:
+        d = batch.num_decode
+        if d:
+            index = slice(0, d) if batch.decode_rows is None else batch.decode_rows
+            self._seq_len[index] += 1
+        for chunk in plan.prefill:
+            self._seq_len[chunk.request.slot] = chunk.start + chunk.length
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[B, vocab block] on each rank -> [B, vocab] on the leader (blocks are padded equally)."""
+        blocks = self.comm.gather_to_root(logits)  # [ranks, B, block] on the leader
+        if blocks is None:
+            return None
+        full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        return full[:, : self.vocab_size]
+
+    def sample(self, logits: torch.Tensor | None, sampled: list[Request], batch: ForwardBatch):
+        """The leader samples every row at once; with TP it then broadcasts the ids (a few bytes).
+        Returns (ids, logprobs or None, {row: why} for rows whose sampling failed)."""
+        if self.comm is not None:
+            logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
+        slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
+        if not self.is_leader:
+            ids = self.comm.broadcast_ids(None, len(sampled))
+            self._last_token[slots] = torch.tensor(ids, device=self.device)
+            self._generated[slots] += 1
+            return ids, None, {}
+        penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
+        st = SamplingTensors(
+            temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
+            min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
+            counter=self._generated[slots],
+            all_greedy=all(r.params.temperature == 0 for r in sampled),
+            history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
+            want_logprobs=any(r.params.logprobs for r in sampled),
+        )
+        failed: dict[int, str] = {}
+        try:
+            token_ids, logprobs = sample(logits, st)
+        except Exception:  # a request-specific failure: find the rows responsible, sample the rest
+            log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
+            token_ids, logprobs, failed = self._sample_rows(logits, st)
+        self._last_token[slots] = token_ids
+        self._generated[slots] += 1
+        ids = token_ids.tolist()
+        if self.comm is not None:
+            self.comm.broadcast_ids(ids, len(ids))
+        return ids, (logprobs.tolist() if logprobs is not None else None), failed
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, st: SamplingTensors):
+        ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        logprobs = torch.full((logits.shape[0],), float("nan"), device=logits.device) if st.want_logprobs else None
+        failed = {}
+        for row in range(logits.shape[0]):
+            try:
+                row_ids, row_logprobs = sample(logits[row: row + 1], st.row(row))
+            except Exception as e:
+                failed[row] = f"sampling failed: {e!r}"
+                continue
+            ids[row] = row_ids[0]
+            if logprobs is not None and row_logprobs is not None:
+                logprobs[row] = row_logprobs[0]
+        return ids, logprobs, failed
+
+    def score(self, ids: list[int], slot: int) -> torch.Tensor:
+        """Logits [len, vocab] for every position of `ids` (teacher forcing), in `slot`."""
+        dev, n = self.device, len(ids)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, device=dev), positions=torch.arange(n, device=dev),
+            write_slots=torch.full((n,), slot, device=dev), num_decode=0, decode_span=0,
+            decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, n, slot, 0)],
+            sample_rows=torch.arange(n, device=dev))
+        return self.forward(batch)
