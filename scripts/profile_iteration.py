@@ -25,8 +25,10 @@ def main() -> None:
     ap.add_argument("--live", type=int, default=32)
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    engine = Engine(EngineConfig(args.model, max_slots=args.live, num_threads=args.threads, max_seq_len=512))
+    engine = Engine(EngineConfig(args.model, dtype=args.dtype, max_slots=args.live, num_threads=args.threads,
+                                 max_seq_len=512))
     spent = defaultdict(float)
     active = {"on": False}
 

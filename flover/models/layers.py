@@ -19,11 +19,12 @@ def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Param
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, hidden]. Computed in float32 and cast back, as LlamaRMSNorm does."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """x: [T, hidden]. Normalised in float32 (also for float64 and 16-bit inputs), cast back, then
+    scaled by the weight, as LlamaRMSNorm does; PyTorch's fused kernel does the normalisation in one
+    operation instead of six (bit for bit the same values, tested against transformers)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def activation(name: str):
@@ -81,10 +82,14 @@ class Rotary(nn.Module):
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the iteration's positions: [T, 1, rot] each (looked up once per forward)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T] -> rotated copy of x."""
-        cos = self.cos[positions][:, None, :]  # [T, 1, rot]
-        sin = self.sin[positions][:, None, :]
+        cos, sin = tables if tables is not None else self.tables(positions)
         if not self.interleaved:
             x1, x2 = x.chunk(2, dim=-1)
             return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -103,12 +103,16 @@ class LlamaForCausalLM(nn.Module):
         cfg, tp, comm = self.cfg, self.tp, self.comm
         tokens = batch.input_ids.shape[0]
         hidden = vocab_embedding(batch.input_ids, self.embed, tp, comm)  # [T, hidden]
+        tables = self.rotary.tables(batch.positions)  # the same positions in every layer
+        qk_heads = tp.heads + tp.kv_heads
         for n, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, cfg.norm_eps)
             qkv = layer.qkv(x)  # [T, q + 2 kv]
-            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = self.rotary(q.view(tokens, tp.heads, cfg.head_dim), batch.positions)
-            k = self.rotary(k.view(tokens, tp.kv_heads, cfg.head_dim), batch.positions)
+            # q and k rotated together: [T, heads + kv_heads, head_dim]
+            qk = self.rotary(qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim),
+                             batch.positions, tables)
+            q, k = qk[:, : tp.heads], qk[:, tp.heads:]
+            v = qkv[:, layer.q_size + layer.kv_size:]
             write_kv(kv[n, 0], kv[n, 1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), batch)
             attn = attention(q, kv[n, 0], kv[n, 1], batch, layer.attn_opts)  # [T, heads * head_dim]
             out = all_reduce(layer.o(attn), comm)  # [T, hidden]

