@@ -53,6 +53,10 @@ class ForwardBatch:
 class AttentionOptions:
     scores_dtype: torch.dtype | None = None  # None = the model dtype; GPT-J forces float32
     window: int | None = None  # sliding-window size, None = full causal attention
+    # Decode attention entirely in float32 for 16-bit models: on CPU a bfloat16 batched matmul of
+    # decode shapes costs ~2x its float32 twin (the K/V slices are small to widen), and the
+    # result is the more exact one. Prefill keeps the model dtype.
+    decode_in_float32: bool = False
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -94,13 +98,15 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
         q_span = q.new_zeros(span, heads, head_dim)
         q_span[batch.decode_rows] = q
         q = q_span
-    dtype = opts.scores_dtype or q.dtype
+    dtype = torch.float32 if opts.decode_in_float32 else opts.scores_dtype or q.dtype
     qg = q.view(span, kv_heads, heads // kv_heads, head_dim).to(dtype)  # [n, kvh, group, d]
     k = k_cache[:span, :, :length].to(dtype)  # [n, kvh, len, d] view of the live slots
     v = v_cache[:span, :, :length]
+    if opts.decode_in_float32:
+        v = v.to(dtype)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, kvh, group, len]
     weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype)
-    out = torch.matmul(weights, v).reshape(span, heads * head_dim)  # [n, heads * d]
+    out = torch.matmul(weights, v).reshape(span, heads * head_dim).to(q.dtype)  # [n, heads * d]
     return out if batch.decode_rows is None else out[batch.decode_rows]
 
 
