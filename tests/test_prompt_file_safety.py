@@ -161,7 +161,10 @@ def test_a_frozen_daemon_ends_the_run_within_its_timeout(llama_dir, tmp_path):
     try:
         proc = subprocess.Popen([*CLI, "run", "--connect", server.addr, "--prompts", str(prompts), "--out", str(out),
                                  "--ignore-eos", "--quiet", "--timeout", "3"], stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
+        with server.client() as c:  # stop it once the run's requests are in flight
+            deadline = time.time() + 60
+            while c.stats()["in_flight"] == 0 and time.time() < deadline:
+                time.sleep(0.05)
         server.proc.send_signal(signal.SIGSTOP)
         stopped = time.time()
         _, err = proc.communicate(timeout=60)
