@@ -239,7 +239,7 @@ class RemoteBatchRunner:
     def __init__(self, client, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
                  token_ids: bool = False, max_in_flight: int = 64, progress: Progress | None = None,
                  timeout: float | None = None):
-        self.client, self.defaults, self.token_ids = client, defaults, token_ids
+        self.client, self.token_ids = client, token_ids
         self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
         self.max_in_flight = max_in_flight
         self.progress = progress or Progress(0, enabled=False)
@@ -278,6 +278,9 @@ class RemoteBatchRunner:
             record = in_flight.pop(event.get("id"), None)
             if record is not None:
                 self._handle(event, record, in_flight, retry, time.perf_counter() - start)
+        for _, record in retry:  # stopped while they waited to be sent again: no record, released in order
+            s.count_incomplete("overloaded")
+            self.writer.write(record.index, None)
         s.wall_s = time.perf_counter() - start
         self.progress.close()
         return s
