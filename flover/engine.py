@@ -64,10 +64,10 @@ class Engine:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
-                                comm=self.comm, pack_hint=config.max_slots)
+                           comm=self.comm, pack_hint=config.max_slots)
         self.tokenizer = load_tokenizer(checkpoint)
         buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
-                                 cfg.head_dim, self.dtype, self.device)
+                            cfg.head_dim, self.dtype, self.device)
         if self.is_leader:
             log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s)", buffer.nbytes / 2**20,
                      f" per rank x {ranks} ranks" if ranks > 1 else "", config.max_slots, self.max_seq_len,

@@ -55,6 +55,7 @@ class OutputProcessor:
         """End one request with finish reason `error`; the other ranks retire it with the leader."""
         r.finish(FinishReason.ERROR, now, error=why)
         self.on_fail(r.request_id)
+        # Built here rather than by output(): the failure may lie in the text path output() uses.
         return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
                              token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
                              logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why)

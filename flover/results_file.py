@@ -109,14 +109,11 @@ def fingerprint(parts: dict) -> dict:
     return {"sha256": hashlib.sha256(canonical.encode()).hexdigest(), "parts": json.loads(canonical)}
 
 
-def file_sha256(path: str | None, data: bytes | None = None) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
-    if data is not None:
-        h.update(data)
-    else:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
     return h.hexdigest()
 
 

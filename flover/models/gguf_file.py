@@ -308,9 +308,10 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
         infos.append((name, dims, qtype, offset))
     alignment = metadata.get("general.alignment", 32)
     start = (pos + alignment - 1) // alignment * alignment
+    sizes = {t.value: block_and_bytes for t, block_and_bytes in gguf.GGML_QUANT_SIZES.items()}
     tensors = {}
     for name, dims, qtype, offset in infos:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)] if qtype in _known_types() else (1, 0)
+        block, size = sizes.get(qtype, (1, 0))  # an unknown type reads as empty; read() names it
         count = int(np.prod(dims))
         nbytes = count // block * size
         begin = start + offset
@@ -318,9 +319,3 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
             raise ValueError(f"tensor {name} runs past the end of the file")
         tensors[name] = GGUFTensor(name, tuple(int(d) for d in reversed(dims)), qtype, raw[begin: begin + nbytes])
     return metadata, tensors
-
-
-def _known_types() -> set[int]:
-    import gguf
-
-    return {t.value for t in gguf.GGML_QUANT_SIZES}
