@@ -39,6 +39,9 @@ HANDSHAKE_FAILED = "handshake_failed"  # client-side code: the server refused th
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # the server's default --max-message-bytes
 _LOST_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+# The monitor also reports each (re)connection: requests sent while the connection is down get
+# their `connection_lost` at once instead of waiting for a reply that cannot come.
+_MONITORED = _LOST_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 class FloverError(RuntimeError):
@@ -65,7 +68,7 @@ def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_cl
 
         public, secret = load_certificate(curve_client_cert)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, curve_server_key
-    monitor = sock.get_monitor_socket(_LOST_EVENTS)
+    monitor = sock.get_monitor_socket(_MONITORED)
     sock.connect(addr)
     return monitor
 
@@ -99,6 +102,7 @@ class Client:
         self.max_message_bytes = max_message_bytes
         self._events: dict[str | int | None, deque] = defaultdict(deque)
         self._pending: set = set()  # ids sent that have not had their final/error event yet
+        self._down: dict | None = None  # the monitor event that lost the connection, until it is back
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
@@ -122,8 +126,14 @@ class Client:
         return f"{self._prefix}-{next(self._ids)}"
 
     def send(self, message: dict) -> None:
-        """Raises FloverError(message_too_large) without sending what the server would refuse."""
-        self.sock.send(_encode(message, self.max_message_bytes))
+        """Raises FloverError(message_too_large) without sending what the server would refuse.
+        While the connection is lost a request is not sent: its `connection_lost` comes at once."""
+        data = _encode(message, self.max_message_bytes)
+        self._watch_connection()
+        if message.get("op") == "generate" and self._down is not None:
+            self._events[message.get("id")].append(_lost_event(message.get("id"), self._down, self.addr))
+            return
+        self.sock.send(data)
         if message.get("op") == "generate":
             self._pending.add(message.get("id"))
 
@@ -141,12 +151,20 @@ class Client:
                 self._pending.discard(event.get("id"))
             self._events[event.get("id")].append(event)
         if self.monitor in ready:
-            while self.monitor.poll(0):
-                lost = parse_monitor_message(self.monitor.recv_multipart())
-                for rid in self._pending:
-                    self._events[rid].append(_lost_event(rid, lost, self.addr))
-                self._pending.clear()
+            self._watch_connection()
         return True
+
+    def _watch_connection(self) -> None:
+        """File what the monitor reported: a loss ends every request waiting for a reply."""
+        while self.monitor.poll(0):
+            lost = parse_monitor_message(self.monitor.recv_multipart())
+            if lost["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down = None
+                continue
+            self._down = lost
+            for rid in self._pending:
+                self._events[rid].append(_lost_event(rid, lost, self.addr))
+            self._pending.clear()
 
     def next_event(self, request_id, timeout: float | None = None) -> dict:
         """The next event for `request_id` (events of other requests are kept for later)."""
@@ -236,6 +254,7 @@ class AsyncClient:
         self.max_message_bytes = max_message_bytes
         self._queues: dict[str | int, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
+        self._down: dict | None = None  # as in Client
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -267,6 +286,10 @@ class AsyncClient:
         that arrived before the loss)."""
         while True:
             lost = parse_monitor_message(await self.monitor.recv_multipart())
+            if lost["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down = None
+                continue
+            self._down = lost
             while await self.sock.poll(0):
                 self._dispatch(unpack(await self.sock.recv()))
             for rid in list(self._queues):
@@ -285,7 +308,10 @@ class AsyncClient:
         data = _encode(message, self.max_message_bytes)
         queue = self._open(rid)
         try:
-            await self.sock.send(data)
+            if self._down is not None:  # not sent: the connection is lost until the monitor sees it back
+                queue.put_nowait(_lost_event(rid, self._down, self.addr))
+            else:
+                await self.sock.send(data)
             while True:
                 event = await queue.get()
                 if event["event"] == "error":

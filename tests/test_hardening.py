@@ -350,6 +350,25 @@ def test_the_client_notices_a_dead_server_within_seconds(llama_dir):
         with pytest.raises(FloverError, match="connection_lost"):
             c.wait("a")
         assert time.time() - start < 10
+        # Sent while the connection is down (what `flover run --connect` did after a cancelled
+        # final during shutdown, and then waited forever): its connection_lost comes at once.
+        start = time.time()
+        with pytest.raises(FloverError, match="connection_lost"):
+            c.generate(input_ids=[1], max_new_tokens=2)
+        assert time.time() - start < 1
+        # A server back on the same address: the client reconnects and is served again.
+        server = Server(llama_dir, "--max-seq-len", "512", addr=server.addr)
+        try:
+            deadline = time.time() + 30
+            while True:
+                try:
+                    assert c.generate(input_ids=[1], max_new_tokens=2, ignore_eos=True)["finish_reason"] == "length"
+                    break
+                except FloverError as e:  # until the reconnection's handshake has been seen
+                    assert e.code == "connection_lost" and time.time() < deadline
+                    time.sleep(0.1)
+        finally:
+            assert server.stop()[0] == 0
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
@@ -415,6 +434,8 @@ def test_the_async_client_notices_a_dead_server_too(llama_dir):
             server.proc.kill()
             with pytest.raises(FloverError, match="connection_lost"):
                 await task
+            with pytest.raises(FloverError, match="connection_lost"):  # sent after the loss: told at once
+                await asyncio.wait_for(c.generate(input_ids=[1], max_new_tokens=2), 2)
 
     asyncio.run(asyncio.wait_for(main(), 30))
     server.proc.wait()
