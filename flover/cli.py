@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from flover.config import DTYPES, EngineConfig, SamplingParams
+from flover.config import DTYPES, QUANTIZATIONS, EngineConfig, SamplingParams
 
 
 def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -20,8 +20,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--model", required=model_required,
                    help="a GGUF file, a Hugging Face checkpoint directory, or a hub id ORG/NAME (from the local "
                         "hub cache, downloaded where a hub is reachable)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16; more memory)")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")
@@ -33,6 +36,7 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
     from flover.parallel.launch import rank_device
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, ranks),
+                        quantization=args.quantization,
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed)
 
@@ -414,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--max-slots", type=int, default=32)
-    demo.add_argument("--dtype", choices=DTYPES, default="float32")
+    demo.add_argument("--dtype", choices=DTYPES, default="auto")
     demo.add_argument("--threads", type=int, default=None)
     demo.set_defaults(func=cmd_demo)
     return ap
@@ -432,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"flover[rank {launched_rank()}]" if ranks > 1 else "flover"
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"{prefix}: %(message)s", stream=sys.stderr)
+    if getattr(args, "dtype", None) == "auto":  # concrete from here on: logs, results files, bench tables
+        from flover.hardware import resolve_dtype
+
+        args.dtype = resolve_dtype(args.dtype, getattr(args, "device", "cpu"))
     try:
         _resolve_hub_id(args)
         return args.func(args)

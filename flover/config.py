@@ -123,7 +123,8 @@ def _number_in(value, low: float, high: float) -> bool:
 
 SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may set per request
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # auto: flover/hardware.py
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, flover/models/quant.py
 
 
 def default_num_threads() -> int:
@@ -147,8 +148,9 @@ class EngineConfig:
     """How one engine instance is sized. Everything is fixed at start-up."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
+    quantization: str = "none"  # weight-only int8/int4 projections (CPU, bfloat16)
     max_slots: int = 32  # requests in flight at once
     max_seq_len: int | None = None  # prompt + generated tokens; None = min(model limit, 2048)
     max_batch_tokens: int = 512  # token budget of one iteration (prompts are chunked to fit)
@@ -158,6 +160,11 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization != "none" and (self.dtype not in ("auto", "bfloat16") or self.device != "cpu"):
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU with dtype bfloat16 "
+                             f"(got dtype={self.dtype!r}, device={self.device!r})")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots}: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
+from flover.hardware import resolve_dtype
 from flover.kv_buffer import SlotBuffer
 from flover.models import load_model, open_checkpoint
 from flover.parallel.comm import Communicator
@@ -49,6 +50,10 @@ class Engine:
         """`comm`: the tensor-parallel communicator when this is one rank of several (rank 0
         leads: it alone takes requests and samples; the others follow its step plans)."""
         config.validate()
+        config.dtype = resolve_dtype(config.dtype, config.device)
+        if config.quantization != "none" and config.dtype != "bfloat16":
+            raise ValueError(f"quantization={config.quantization!r} needs dtype bfloat16; this CPU does not compute "
+                             f"bfloat16 natively, so dtype auto chose {config.dtype}")
         self.config = config
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.is_leader = self.comm is None or self.comm.rank == 0
@@ -64,14 +69,14 @@ class Engine:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
-                           comm=self.comm, pack_hint=config.max_slots)
+                           comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization)
         self.tokenizer = load_tokenizer(checkpoint)
         buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
                             cfg.head_dim, self.dtype, self.device)
         if self.is_leader:
-            log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s)", buffer.nbytes / 2**20,
+            log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20,
                      f" per rank x {ranks} ranks" if ranks > 1 else "", config.max_slots, self.max_seq_len,
-                     config.dtype)
+                     config.dtype, f", weights {config.quantization}" if config.quantization != "none" else "")
         self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens)

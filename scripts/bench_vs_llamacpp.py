@@ -39,7 +39,11 @@ import time
 from pathlib import Path
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
-LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16"}
+# flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
+# flover's --quantization int4 (bfloat16 activations) with the original 4-bit GGUF file itself.
+LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native"}
+FLOVER_ARGS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
+               "float16": ["--dtype", "float16"], "int4": ["--dtype", "bfloat16", "--quantization", "int4"]}
 
 
 def log(text: str) -> None:
@@ -163,7 +167,7 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int]
     return first, tokens
 
 
-def start_flover(model: Path, dtype: str, slots: int, threads: int) -> tuple[Running, callable]:
+def start_flover(model: Path, config: str, slots: int, threads: int) -> tuple[Running, callable]:
     from flover.client import Client
 
     addr = f"tcp://127.0.0.1:{free_port()}"
@@ -175,7 +179,7 @@ def start_flover(model: Path, dtype: str, slots: int, threads: int) -> tuple[Run
         except (TimeoutError, RuntimeError):
             return False
 
-    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), "--dtype", dtype,
+    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), *FLOVER_ARGS[config],
                       "--bind", addr, "--max-slots", str(slots), "--max-seq-len", "384", "--threads", str(threads)],
                      ready)
 
@@ -225,7 +229,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "llama.cpp"))
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int4", help=f"of {', '.join(LLAMA_TYPES)}")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--interval-ms", type=float, default=50.0)
@@ -250,8 +254,10 @@ def main() -> int:
     table: dict = {}
     for run in range(args.runs):
         for dtype in args.dtypes.split(","):
-            llama_model = converted(hf_dir, LLAMA_TYPES[dtype], cache)
-            engines = [("llama.cpp " + LLAMA_TYPES[dtype], lambda: start_llama(binary, llama_model, args.requests,
+            llama_type = LLAMA_TYPES[dtype]
+            llama_model = gguf if llama_type == "native" else converted(hf_dir, llama_type, cache)
+            llama_name = "llama.cpp " + (gguf.name.rsplit(".", 2)[-2] if llama_type == "native" else llama_type)
+            engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests,
                                                                              args.threads)),
                        ("flover " + dtype, lambda: start_flover(hf_dir, dtype, args.requests, args.threads))]
             if run % 2:

@@ -4,7 +4,8 @@
     python scripts/fused_vs_solo.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
 
 In float64 the answer is "never" (tests/test_engine.py asserts it). In float32 and bfloat16 the
-batch changes the GEMM shapes, hence the rounding, and a near-tie between two tokens can flip;
+batch changes the GEMM shapes, hence the rounding, and a near-tie between two tokens can flip
+(with --quantization, alone means the quantized kernel and fused the 16-bit one: more flips);
 after the first different token the rest of a greedy continuation differs too. This measures
 the share of requests that differ at all and where they first diverge.
 """
@@ -22,6 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none", help="none, int8, int4 (with --dtype bfloat16)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=64)
@@ -33,7 +35,8 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)
     max_len = args.prompt_len + args.gen_len + 8
 
-    fused = Engine(EngineConfig(args.model, dtype=args.dtype, max_slots=args.requests, max_seq_len=max_len))
+    options = dict(dtype=args.dtype, quantization=args.quantization, max_seq_len=max_len)
+    fused = Engine(EngineConfig(args.model, max_slots=args.requests, **options))
     finals, it, pending = {}, 0, list(enumerate(zip(arrivals, prompts)))
     while pending or fused.has_unfinished():
         while pending and pending[0][1][0] <= it:
@@ -43,7 +46,7 @@ def main() -> None:
             if out.finished:
                 finals[int(out.request_id)] = out.token_ids
         it += 1
-    solo_engine = Engine(EngineConfig(args.model, dtype=args.dtype, max_slots=1, max_seq_len=max_len))
+    solo_engine = Engine(EngineConfig(args.model, max_slots=1, **options))
     first_diff = []
     for i, prompt in enumerate(prompts):
         solo_engine.add_request(prompt, params)
@@ -57,7 +60,8 @@ def main() -> None:
             first_diff.append(diff)
     n = len(prompts)
     where = f", first difference at token {statistics.median(first_diff):.0f} (median)" if first_diff else ""
-    print(f"{args.dtype}: {len(first_diff)} of {n} requests ({100 * len(first_diff) / n:.0f}%) differ between "
+    weights = f" ({args.quantization} weights)" if args.quantization != "none" else ""
+    print(f"{args.dtype}{weights}: {len(first_diff)} of {n} requests ({100 * len(first_diff) / n:.0f}%) differ between "
           f"fused and solo{where}")
 
 

@@ -14,6 +14,7 @@ from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
 from flover.models.loader import CheckpointReader, load_weights
+from flover.models.quant import can_quantize
 from flover.parallel.layout import TPLayout
 
 __all__ = ["CheckpointError", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "load_model",
@@ -57,9 +58,10 @@ def model_class(cfg: ModelConfig):
 
 def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
                cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
-               pack_hint: int = 32) -> torch.nn.Module:
-    """Build the model (this rank's shard of it), fill it from the checkpoint, and repack the
-    projection weights for the device's fastest GEMM (`pack_hint`: typical rows per GEMM)."""
+               pack_hint: int = 32, quantization: str = "none") -> torch.nn.Module:
+    """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
+    projections a weight-only quantized copy (models/quant.py), and repack the projection weights
+    for the device's fastest GEMM (`pack_hint`: typical rows per GEMM)."""
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)
     cfg = cfg or checkpoint.model_config()
@@ -67,7 +69,22 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     with torch.no_grad():
         load_weights(checkpoint.reader(cfg), model.weight_specs())
+        if quantization != "none":
+            quantize_projections(model, quantization)
         for module in model.modules():
             if isinstance(module, Linear):
                 module.pack(pack_hint)
     return model.eval()
+
+
+def quantize_projections(model: torch.nn.Module, mode: str) -> None:
+    """Every projection in `mode`; the LM head in int8 whatever the mode (the logits are the most
+    sensitive product, and llama.cpp's 4-bit files keep it in 8 bits too)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        head_or_layer = "int8" if name == "lm_head" else mode
+        why = can_quantize(module.weight, head_or_layer)
+        if why is not None:
+            raise CheckpointError(f"--quantization {mode}: {name}: {why}")
+        module.quantize(head_or_layer)

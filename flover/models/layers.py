@@ -12,6 +12,7 @@ from torch import nn
 
 from flover.models.config import CheckpointError, ModelConfig
 from flover.models.loader import Source
+from flover.models.quant import QuantizedWeight, quantize
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -114,10 +115,17 @@ class Linear(nn.Module):
         self.weight = new_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None  # used for iterations of few rows
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape) if self.packed is None else self._shape
+
+    def quantize(self, mode: str) -> None:
+        """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
+        dequantized values, so both kernels compute the same model (models/quant.py)."""
+        self.quantized, dequantized = quantize(self.weight, mode)
+        self.weight.data = dequantized
 
     def pack(self, batch_hint: int) -> bool:
         w = self.weight
@@ -134,6 +142,9 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
+            y = self.quantized.matmul(x)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
