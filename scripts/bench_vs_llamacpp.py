@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """flover serve against llama.cpp's llama-server: one model, one seeded workload, side by side.
 
-    python scripts/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32 + bfloat16
+    python scripts/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4
     python scripts/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
 
 What it does, every step cached under --cache (outside the repository; nothing is committed):
@@ -19,7 +19,8 @@ What it does, every step cached under --cache (outside the repository; nothing i
 Needs the `compare` extra (pip install -e '.[compare]': transformers, sentencepiece for llama.cpp's
 converter), cmake and a C++ compiler.
 flover's dtype pairs with llama.cpp's: float32 <-> f32, bfloat16 <-> f16 (llama.cpp's fast
-16-bit CPU path). Run it on a quiet machine: both servers use every core you give them.
+16-bit CPU path), int4 (flover --dtype bfloat16 --quantization int4) <-> the GGUF file as given
+(for SmolLM2: its own Q4_1). Run it on a quiet machine: both servers use every core you give them.
 """
 
 from __future__ import annotations

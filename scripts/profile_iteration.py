@@ -26,9 +26,10 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none", help="none, int8, int4 (with --dtype bfloat16)")
     args = ap.parse_args()
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, max_slots=args.live, num_threads=args.threads,
-                                 max_seq_len=512))
+                                 max_seq_len=512, quantization=args.quantization))
     spent = defaultdict(float)
     active = {"on": False}
 
