@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import re
@@ -50,7 +51,7 @@ class Engine:
         """`comm`: the tensor-parallel communicator when this is one rank of several (rank 0
         leads: it alone takes requests and samples; the others follow its step plans)."""
         config.validate()
-        config.dtype = resolve_dtype(config.dtype, config.device)
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))  # no "auto" past here
         if config.quantization != "none" and config.dtype != "bfloat16":
             raise ValueError(f"quantization={config.quantization!r} needs dtype bfloat16; this CPU does not compute "
                              f"bfloat16 natively, so dtype auto chose {config.dtype}")
