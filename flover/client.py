@@ -130,12 +130,13 @@ class Client:
         While the connection is lost a request is not sent: its `connection_lost` comes at once."""
         data = _encode(message, self.max_message_bytes)
         self._watch_connection()
-        if message.get("op") == "generate" and self._down is not None:
-            self._events[message.get("id")].append(_lost_event(message.get("id"), self._down, self.addr))
+        rid, is_request = message.get("id"), message.get("op") == "generate"
+        if is_request and self._down is not None:
+            self._events[rid].append(_lost_event(rid, self._down, self.addr))
             return
         self.sock.send(data)
-        if message.get("op") == "generate":
-            self._pending.add(message.get("id"))
+        if is_request:
+            self._pending.add(rid)
 
     def _receive(self, timeout: float | None) -> bool:
         """Wait for the socket or the monitor; file what arrives. False on timeout."""

@@ -162,9 +162,6 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization != "none" and (self.dtype not in ("auto", "bfloat16") or self.device != "cpu"):
-            raise ValueError(f"quantization={self.quantization!r} runs on CPU with dtype bfloat16 "
-                             f"(got dtype={self.dtype!r}, device={self.device!r})")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots}: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

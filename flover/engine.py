@@ -51,10 +51,12 @@ class Engine:
         """`comm`: the tensor-parallel communicator when this is one rank of several (rank 0
         leads: it alone takes requests and samples; the others follow its step plans)."""
         config.validate()
+        asked = config.dtype
         config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))  # no "auto" past here
-        if config.quantization != "none" and config.dtype != "bfloat16":
-            raise ValueError(f"quantization={config.quantization!r} needs dtype bfloat16; this CPU does not compute "
-                             f"bfloat16 natively, so dtype auto chose {config.dtype}")
+        if config.quantization != "none" and (config.dtype != "bfloat16" or config.device != "cpu"):
+            chose = " (dtype auto: this CPU does not compute bfloat16 natively)" if asked == "auto" else ""
+            raise ValueError(f"quantization={config.quantization!r} runs on CPU with dtype bfloat16 "
+                             f"(got dtype={config.dtype!r}{chose}, device={config.device!r})")
         self.config = config
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.is_leader = self.comm is None or self.comm.rank == 0

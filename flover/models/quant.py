@@ -71,11 +71,7 @@ def quantize(weight: torch.Tensor, mode: str) -> tuple[QuantizedWeight, torch.Te
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:
-    """Why `weight` cannot be quantized in `mode` here, or None."""
-    if weight.device.type != "cpu":
-        return "weight-only quantization runs on CPU only"
-    if weight.dtype != torch.bfloat16:
-        return "weight-only quantization needs dtype bfloat16 (its kernels compute in bfloat16)"
+    """Why `weight`'s shape does not fit `mode`, or None (the Engine has checked CPU + bfloat16)."""
     if mode == "int4" and weight.shape[1] % INT4_GROUP:
         return f"int4 needs input sizes divisible by {INT4_GROUP}, this weight has {weight.shape[1]}"
     return None
