@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -255,12 +256,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          drain_timeout=args.drain_timeout, stats_interval=args.stats_interval,
                          keepalive_interval=args.keepalive_interval,
                          curve_secret_key=args.curve_secret_key, curve_allowed_clients=args.curve_allowed_clients)
+    if args.http and args.curve_secret_key:
+        engine.shutdown()
+        raise ValueError("--http with CURVE is not supported yet: the HTTP front is a plain local client")
+    http = None
     try:
         daemon = Daemon(engine, config, model_name=args.model)
+        if args.http:
+            from flover.server.http_front import start_http_front
+
+            http = start_http_front(args.bind, args.http, args.model, args.api_key or os.environ.get("FLOVER_API_KEY"))
     except BaseException:
         engine.shutdown()
         raise
-    return daemon.serve_forever()
+    try:
+        return daemon.serve_forever()
+    finally:
+        if http is not None:
+            from flover.server.http_front import stop_http_front
+
+            stop_http_front(http)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -375,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(how fast a vanished client's work is cancelled)")
     d.add_argument("--curve-secret-key", help="server secret certificate: enables CURVE encryption + auth")
     d.add_argument("--curve-allowed-clients", help="directory of allowed client public certificates")
+    h = serve.add_argument_group("OpenAI-compatible HTTP API (its own process, a client of the socket)")
+    h.add_argument("--http", metavar="HOST:PORT", default=None,
+                   help="also serve the OpenAI HTTP API, e.g. 127.0.0.1:8000 (loopback unless you say otherwise)")
+    h.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every HTTP endpoint but /health "
+                        "(or set FLOVER_API_KEY)")
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")

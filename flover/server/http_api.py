@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP front (`flover serve --http HOST:PORT`).
+
+It runs in its own process and is one more client of the daemon's ZeroMQ socket (`AsyncClient`),
+the way vLLM's API server talks to its engine core: JSON, server-sent events and HTTP never take
+time from the engine loop. A request goes: HTTP body -> `openai_api.plan` (one daemon request
+per choice) -> the socket -> the engine -> token/final events -> chunks or one JSON answer.
+
+    python -m flover.server.http_api --engine tcp://127.0.0.1:5555 --listen 127.0.0.1:8000 --model M
+
+(`flover serve --http` starts it and stops it with the daemon; the API key comes in the
+environment variable FLOVER_API_KEY so that it never shows in a process list.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from flover.client import AsyncClient, FloverError
+from flover.server import openai_api as oa
+from flover.server.http_front import parse_listen
+
+log = logging.getLogger("flover.http")
+
+
+def error_response(e: oa.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def from_daemon(e: FloverError) -> oa.ApiError:
+    return oa.ApiError(oa.STATUS.get(e.code, 500), e.message, e.code)
+
+
+class Front:
+    """The app's state: one AsyncClient to the daemon, the tokenizer, the served name."""
+
+    def __init__(self, engine_addr: str, model_name: str, tokenizer, api_key: str | None,
+                 parent_pid: int | None = None):
+        """`parent_pid`: the daemon that started this front; the front stops when it is gone
+        (also when it was killed and could not stop the front itself)."""
+        self.engine_addr, self.model_name, self.tokenizer, self.api_key = engine_addr, model_name, tokenizer, api_key
+        self.parent_pid = parent_pid
+        self.client: AsyncClient | None = None
+        self.max_model_len: int | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def cancel(self, rids) -> None:
+        """Fire-and-forget cancels (also from a generator being torn down by a disconnect)."""
+        for rid in rids:
+            task = asyncio.get_running_loop().create_task(self.client.cancel(rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def health(self) -> dict:
+        health = await self.client.health(timeout=2.0)
+        self.max_model_len = health.get("max_seq_len", self.max_model_len)
+        return health
+
+
+class RequireKey:
+    """'Authorization: Bearer KEY' on every path but /health. Plain ASGI on purpose: Starlette's
+    BaseHTTPMiddleware wraps `receive` so that handlers no longer see a client disconnect."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                refused = oa.ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_api_key")
+                await error_response(refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(front: Front) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        front.client = AsyncClient(front.engine_addr)
+        watch = asyncio.ensure_future(_stop_when_orphaned(front.parent_pid)) if front.parent_pid else None
+        try:
+            yield
+        finally:
+            if watch is not None:
+                watch.cancel()
+            await front.client.close()
+
+    app = FastAPI(title="flover", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    if front.api_key:
+        app.add_middleware(RequireKey, key=front.api_key)
+
+    @app.get("/health")
+    async def health():
+        try:
+            status = (await front.health())["status"]
+        except (FloverError, asyncio.TimeoutError):
+            status = "unreachable"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        if front.max_model_len is None:
+            with contextlib.suppress(FloverError, asyncio.TimeoutError):
+                await front.health()
+        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": 0,
+                                            "owned_by": "flover", "max_model_len": front.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await _json(request)
+            if "messages" in body:
+                ids = front.tokenizer.encode_chat(oa._chat_messages(body["messages"]))
+            elif isinstance(body.get("prompt"), str):
+                ids = front.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+            else:
+                raise oa.ApiError(400, "expected prompt (a string) or messages", param="prompt")
+        except oa.ApiError as e:
+            return error_response(e)
+        except ValueError as e:  # e.g. no chat template
+            return error_response(oa.ApiError(400, str(e)))
+        return {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await _json(request)
+            ids = body.get("tokens")
+            vocab = front.tokenizer.vocab_size
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                    for t in ids):
+                raise oa.ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", param="tokens")
+        except oa.ApiError as e:
+            return error_response(e)
+        return {"prompt": front.tokenizer.decode(ids)}
+
+    async def tokenize_chat(p: oa.Plan) -> None:
+        """Chat prompts are rendered and tokenized here, so that a chat without max_tokens may
+        answer up to the context's end (OpenAI's default) rather than the socket's default 16."""
+        if front.max_model_len is None:
+            with contextlib.suppress(FloverError, asyncio.TimeoutError):
+                await front.health()
+        rendered: dict[int, list[int]] = {}  # the n choices of one conversation share its source
+        for choice in p.choices:
+            key = id(choice.source)
+            if key not in rendered:
+                try:
+                    rendered[key] = front.tokenizer.encode_chat(choice.source["messages"])
+                except ValueError as e:  # no chat template, a template error
+                    raise oa.ApiError(400, str(e), param="messages") from None
+            ids = rendered[key]
+            choice.source = {"input_ids": ids}
+            if "max_new_tokens" not in choice.params and front.max_model_len is not None:
+                choice.params["max_new_tokens"] = max(1, front.max_model_len - len(ids))
+
+    async def generate(request: Request, kind: str):
+        try:
+            p = oa.plan(await _json(request), kind, front.model_name, log.warning)
+            if p.kind == "chat":
+                await tokenize_chat(p)
+        except oa.ApiError as e:
+            return error_response(e)
+        rids = [f"http-{uuid.uuid4().hex[:12]}-{c.index}" for c in p.choices]
+        if p.stream:
+            return await stream(request, p, rids)
+        tasks = [asyncio.ensure_future(front.client.generate(**c.source, request_id=rid, **c.params))
+                 for c, rid in zip(p.choices, rids)]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [t for t in done if t.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
+                if not pending:
+                    return oa.response(p, front.model_name, [t.result() for t in tasks])
+                if await request.is_disconnected():  # the client left: free its slots within an iteration
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+        except FloverError as e:
+            return error_response(from_daemon(e))
+        finally:
+            unfinished = [rid for t, rid in zip(tasks, rids) if not t.done() or t.cancelled() or t.exception()]
+            for t in tasks:
+                t.cancel()
+            front.cancel(unfinished)
+
+    async def stream(request: Request, p: oa.Plan, rids: list[str]):
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, rid: str, choice: oa.Choice) -> None:
+            try:
+                async for event in front.client.stream(**choice.source, request_id=rid, **choice.params):
+                    events.put_nowait((index, event))
+            except FloverError as e:
+                events.put_nowait((index, e))
+
+        pumps = [asyncio.ensure_future(pump(c.index, rid, c)) for c, rid in zip(p.choices, rids)]
+        finished: set[int] = set()
+
+        def stop() -> None:
+            for task in pumps:
+                task.cancel()
+            front.cancel([rid for i, rid in enumerate(rids) if i not in finished])
+
+        first = await events.get()  # an error before any token is still an HTTP status
+        if isinstance(first[1], FloverError):
+            finished.add(first[0])
+            stop()
+            return error_response(from_daemon(first[1]))
+
+        async def body():
+            started: set[int] = set()
+            finals: list[dict | None] = [None] * len(rids)
+            item = first
+            try:
+                while True:
+                    index, event = item
+                    if isinstance(event, FloverError):
+                        finished.add(index)
+                        yield _sse(from_daemon(event).body())
+                        break
+                    text = event.get("text") if event["event"] == "token" else None
+                    reason = event["finish_reason"] if event["event"] == "final" else None
+                    if p.kind == "chat" and index not in started and reason is not None:
+                        yield _sse(oa.chunk(p, front.model_name, index, None, None, first=True))
+                        started.add(index)
+                    if text or reason is not None or index not in started:
+                        yield _sse(oa.chunk(p, front.model_name, index, text, reason, first=index not in started))
+                        started.add(index)
+                    if reason is not None:
+                        finished.add(index)
+                        finals[index] = event
+                        if len(finished) == len(rids):
+                            if p.include_usage:
+                                yield _sse(oa.usage_chunk(p, front.model_name, finals))
+                            break
+                    item = await events.get()
+                yield "data: [DONE]\n\n"
+            finally:  # also when the client disconnects: its requests are cancelled
+                stop()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+async def _stop_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(0.5)
+    log.info("the daemon that started this front is gone; stopping")
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise oa.ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from flover.models import open_checkpoint
+    from flover.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser(description="flover's OpenAI-compatible HTTP front")
+    ap.add_argument("--engine", required=True, help="the daemon's ZeroMQ address")
+    ap.add_argument("--listen", default="127.0.0.1:8000")
+    ap.add_argument("--fd", type=int, default=None, help="a socket already bound to --listen (from flover serve)")
+    ap.add_argument("--model", required=True, help="the checkpoint (for its tokenizer)")
+    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    ap.add_argument("--parent", type=int, default=None, help="stop when this process (the daemon) is gone")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
+    host, port = parse_listen(args.listen)
+    tokenizer = load_tokenizer(open_checkpoint(args.model))
+    front = Front(args.engine, args.served_model_name or args.model, tokenizer, os.environ.get("FLOVER_API_KEY"),
+                  args.parent)
+    started = time.perf_counter()
+    where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
+    config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                            **where)
+    server = uvicorn.Server(config)
+    log.info("listening on http://%s:%d (model %r, %s, started in %.1f s)", host, port, front.model_name,
+             "API key required" if front.api_key else "no API key", time.perf_counter() - started)
+    server.run()
+    return 0 if server.started else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

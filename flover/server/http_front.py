@@ -1,0 +1,72 @@
+"""Starting and stopping the HTTP front's process beside the daemon (`flover serve --http`).
+
+The daemon's process binds the HTTP socket itself and hands it to the front (uvicorn's `fd`):
+a port in use is one clear error before anything starts, and nothing else can answer in the
+front's place while it starts.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def engine_address(bind: str) -> str:
+    """Where a local client reaches a daemon bound to `bind` (a wildcard bind is reached on loopback)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
+        if bind.startswith(wildcard):
+            return "tcp://127.0.0.1:" + bind[len(wildcard):]
+    return bind
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--http {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
+                     timeout: float = 120.0) -> subprocess.Popen:
+    """The front's process, once it answers HTTP; OSError naming the address if it cannot."""
+    host, port = parse_listen(listen)
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise OSError(f"cannot serve HTTP on {listen}: {e.strerror or e}") from None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("FLOVER_API_KEY", None)
+    if api_key:
+        env["FLOVER_API_KEY"] = api_key
+    with sock:
+        proc = subprocess.Popen([sys.executable, "-m", "flover.server.http_api", "--engine", engine_address(bind),
+                                 "--fd", str(sock.fileno()), "--listen", listen, "--model", model,
+                                 "--parent", str(os.getpid())],
+                                env=env, pass_fds=[sock.fileno()])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise OSError(f"cannot serve HTTP on {listen}: the HTTP front exited ({proc.returncode}); see above")
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=10)  # /health waits up to 2 s for the daemon
+            conn.request("GET", "/health")
+            conn.getresponse()  # any status: the front answers (the daemon itself starts serving next)
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    stop_http_front(proc)
+    raise OSError(f"cannot serve HTTP on {listen}: no answer after {timeout:g} s")
+
+
+def stop_http_front(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,237 @@
+"""OpenAI's request and response shapes <-> flover's wire protocol (pure functions, no I/O).
+
+A completion or chat request becomes one daemon request per choice (each prompt × `n`); the
+engine fuses them into the same iterations like any other concurrent requests. What the
+engine cannot honour yet is refused with a clear 400 (`Unsupported`), never ignored silently;
+fields that do not change the result (`user`, ...) and unknown fields are accepted, the
+unknown ones with a logged warning (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+# Daemon error code -> HTTP status. Client input is never a 500.
+STATUS = {"invalid_request": 400, "prompt_too_long": 400, "bad_message": 400, "unknown_id": 400,
+          "message_too_large": 413, "overloaded": 429, "shutting_down": 503, "connection_lost": 503,
+          "handshake_failed": 503}
+
+# Fields of OpenAI's completion / chat APIs that need no action here.
+NEUTRAL = {"model", "prompt", "messages", "stream", "stream_options", "user", "n", "max_tokens",
+           "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+           "ignore_eos", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "echo", "tools",
+           "tool_choice", "response_format", "best_of", "suffix", "logit_bias", "stop_token_ids", "parallel_tool_calls",
+           "metadata", "store", "service_tier"}
+MAX_CHOICES = 64  # prompts × n of one HTTP request
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def unsupported(param: str, why: str) -> ApiError:
+    return ApiError(400, f"{param}: {why}", "unsupported", param)
+
+
+@dataclass
+class Choice:
+    """One daemon request of an HTTP request: its wire fields and where it goes in the answer."""
+
+    index: int
+    source: dict  # exactly one of prompt / input_ids / messages
+    params: dict
+    counts_prompt: bool  # the first sample of its prompt: usage counts each prompt once, as OpenAI does
+
+
+@dataclass
+class Plan:
+    kind: str  # "completion" or "chat"
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _number(body: dict, key: str, low: float | None = None, high: float | None = None):
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"{key}: expected a number, got {type(value).__name__}", param=key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(400, f"{key}: {value} is outside [{low}, {high}]", param=key)
+    return value
+
+
+def _integer(body: dict, key: str, low: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ApiError(400, f"{key}: expected an integer >= {low}, got {value!r}", param=key)
+    return value
+
+
+def sampling_params(body: dict, chat: bool) -> dict:
+    """The daemon's `params` from OpenAI's fields (the daemon validates values further)."""
+    for param in ("tools", "functions"):
+        if body.get(param):
+            raise unsupported(param, "tool calling is not supported yet")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise unsupported("response_format", "only {\"type\": \"text\"} is supported yet")
+    for param in ("frequency_penalty", "presence_penalty"):
+        if _number(body, param, -2.0, 2.0):
+            raise unsupported(param, "not supported yet (repetition_penalty is)")
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
+        param = "echo" if body.get("echo") else "logprobs"
+        raise unsupported(param, "not supported by the HTTP API yet")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "not supported yet")
+    if _integer(body, "best_of", 1) not in (None, 1):
+        raise unsupported("best_of", "only 1 is supported")
+    if body.get("suffix") is not None:
+        raise unsupported("suffix", "not supported")
+    params: dict = {}
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, limit, 1)
+    params["max_new_tokens"] = max_tokens if max_tokens is not None else (16 if not chat else None)
+    if params["max_new_tokens"] is None:
+        del params["max_new_tokens"]  # chat: the daemon's limit (up to the context)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    params["temperature"] = 1.0 if temperature is None else float(temperature)  # OpenAI's default is 1
+    for key in ("top_p", "min_p", "repetition_penalty"):
+        value = _number(body, key)
+        if value is not None:
+            params[key] = float(value)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise ApiError(400, f"top_k: expected an integer, got {top_k!r}", param="top_k")
+        params["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean off
+    for key in ("seed", "stop", "ignore_eos", "stop_token_ids"):
+        if body.get(key) is not None:
+            params[key] = body[key]
+    return params
+
+
+def _chat_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: expected a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}]: expected an object with a role", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise unsupported("messages", f"messages[{i}]: only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content: expected a string or text parts", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompts(prompt) -> list[dict]:
+    """OpenAI's four prompt forms -> one source each."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [{"prompt": p} for p in prompt]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [{"input_ids": prompt}]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return [{"input_ids": p} for p in prompt]
+    raise ApiError(400, "prompt: expected a string, a list of strings, a list of token ids or a list of such lists",
+                   param="prompt")
+
+
+def plan(body, kind: str, model_name: str, warn) -> Plan:
+    """Check an OpenAI request body and split it into daemon requests. `warn(text)` is told of
+    fields this server does not know."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}",
+                       "model_not_found", "model")
+    unknown = sorted(set(body) - NEUTRAL)
+    if unknown:
+        warn(f"ignoring unknown field(s) {', '.join(unknown)}")
+    chat = kind == "chat"
+    sources = [{"messages": _chat_messages(body.get("messages"))}] if chat else _prompts(body.get("prompt"))
+    params = sampling_params(body, chat)
+    n = _integer(body, "n", 1) or 1
+    if len(sources) * n > MAX_CHOICES:
+        raise ApiError(400, f"n × prompts = {len(sources) * n}: at most {MAX_CHOICES} per request", param="n")
+    choices = []
+    for source in sources:
+        for sample in range(n):
+            p = dict(params)
+            if n > 1 and p.get("seed") is not None and isinstance(p["seed"], int):
+                p["seed"] = p["seed"] + sample  # n different samples, each reproducible
+            choices.append(Choice(len(choices), source, p, counts_prompt=sample == 0))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream: expected a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options: expected an object", param="stream_options")
+    return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream)
+
+
+# -- answers ---------------------------------------------------------------------------------------
+def usage(p: Plan, finals: list[dict]) -> dict:
+    prompt = sum(f["usage"]["prompt_tokens"] for c, f in zip(p.choices, finals) if c.counts_prompt)
+    completion = sum(f["usage"]["completion_tokens"] for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def response(p: Plan, model: str, finals: list[dict]) -> dict:
+    """The non-streamed answer; finals[i] is choice i's final event."""
+    if p.kind == "chat":
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": f["text"]},
+                    "finish_reason": f["finish_reason"], "logprobs": None} for c, f in zip(p.choices, finals)]
+        return {"id": f"chatcmpl-{p.id}", "object": "chat.completion", "created": p.created, "model": model,
+                "choices": choices, "usage": usage(p, finals)}
+    choices = [{"index": c.index, "text": f["text"], "finish_reason": f["finish_reason"], "logprobs": None}
+               for c, f in zip(p.choices, finals)]
+    return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
+            "choices": choices, "usage": usage(p, finals)}
+
+
+def chunk(p: Plan, model: str, index: int, text: str | None, finish_reason: str | None,
+          first: bool = False) -> dict:
+    """One streamed chunk of choice `index` (`finish_reason` only in its last chunk)."""
+    if p.kind == "chat":
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"id": f"chatcmpl-{p.id}", "object": "chat.completion.chunk", "created": p.created, "model": model,
+                "choices": [choice]}
+    choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+    return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(p: Plan, model: str, finals: list[dict]) -> dict:
+    obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+    prefix = "chatcmpl" if p.kind == "chat" else "cmpl"
+    return {"id": f"{prefix}-{p.id}", "object": obj, "created": p.created, "model": model, "choices": [],
+            "usage": usage(p, finals)}

@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP API: a real `flover serve --http` process, the official `openai`
+client (sync and async), and raw HTTP where the client hides what is checked."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.test_daemon import Server, free_port
+from tests.test_tensor_parallel import MPIRUN
+
+
+@pytest.fixture(scope="module")
+def api(make_model):
+    port = free_port()
+    server = Server(make_model("llama"), "--max-slots", "8", "--max-seq-len", "512", "--http", f"127.0.0.1:{port}")
+    yield server, f"http://127.0.0.1:{port}"
+    server.stop(signal.SIGKILL)
+
+
+def model_id(url: str) -> str:
+    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+
+def test_models_and_health(api):
+    server, url = api
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["object"] == "list" and len(models["data"]) == 1
+    assert models["data"][0]["max_model_len"] == 512
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=7, top_p=0.9)])
+def test_streamed_text_equals_the_answer_and_finish_reason_comes_last(api, sampling):
+    _, url = api
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    model = model_id(url)
+    whole = client.completions.create(model=model, prompt="Hello the cat", max_tokens=12, **sampling)
+    chunks = list(client.completions.create(model=model, prompt="Hello the cat", max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **sampling))
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    reasons = [c.choices[0].finish_reason for c in text_chunks]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi there"}],
+                                          max_tokens=8, **sampling)
+    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi there"}],
+                                                   max_tokens=8, stream=True, **sampling))
+    assert chat.choices[0].message.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in streamed][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in streamed[:-1])
+    assert not any(c.usage for c in streamed)  # no usage chunk unless asked
+    # Without max_tokens a chat answers up to the context's end (OpenAI's default), not 16 tokens.
+    long = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"ignore_eos": True}, **sampling)
+    assert long.usage.prompt_tokens + long.usage.completion_tokens == 512
+
+
+def test_n_samples_and_every_prompt_form(api):
+    _, url = api
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    model = model_id(url)
+    three = client.completions.create(model=model, prompt="one two", max_tokens=6, n=3, temperature=1.0, seed=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.text for c in three.choices}) > 1  # different samples (seeds 3, 4, 5)
+    again = client.completions.create(model=model, prompt="one two", max_tokens=6, n=3, temperature=1.0, seed=3)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]  # each reproducible
+    assert three.usage.prompt_tokens == client.completions.create(model=model, prompt="one two",
+                                                                  max_tokens=1).usage.prompt_tokens
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": "one two"}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt="one two", max_tokens=5, temperature=0)
+    for prompt in (ids, [ids, ids], ["one two", "one two"]):
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+        assert [c.text for c in answer.choices] == [by_text.choices[0].text] * (1 if prompt is ids else 2)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"].strip() == "one two"
+
+
+def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
+    _, url = api
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    model = model_id(url)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=model, prompt="x", max_tokens=2, top_p=7.0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=model, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="prompt_too_long|max_seq_len|too long"):
+        client.completions.create(model=model, prompt=[1] * 600, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    raw = httpx.post(f"{url}/v1/completions", content=b"{not json")
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):  # a streamed request's error is still a status
+        list(client.completions.create(model=model, prompt="x", max_tokens=2, stream=True, temperature=-1))
+    ok = client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"no_such_field": 1})
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_the_async_client_streams_many_at_once(api):
+    _, url = api
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
+        model = model_id(url)
+
+        async def one(i: int) -> tuple[str, str]:
+            stream = await client.completions.create(model=model, prompt=f"number {i}", max_tokens=10,
+                                                     temperature=0, stream=True)
+            streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+            whole = await client.completions.create(model=model, prompt=f"number {i}", max_tokens=10, temperature=0)
+            return streamed, whole.choices[0].text
+
+        for streamed, whole in await asyncio.gather(*(one(i) for i in range(6))):
+            assert streamed == whole
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def stats(server) -> dict:
+    with server.client() as c:
+        return c.stats()
+
+
+def wait_idle(server) -> dict:
+    deadline = time.time() + 10
+    while (now := stats(server))["in_flight"] and time.time() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slots(api, stream):
+    """8 choices of 500 tokens take the tiny model ~1 s at least; the client leaves after the
+    first chunk (streamed) or 0.2 s (not streamed): all 8 end cancelled, none completes."""
+    server, url = api
+    body = {"model": model_id(url), "prompt": "x", "max_tokens": 500, "ignore_eos": True, "n": 8, "stream": stream}
+    before = wait_idle(server)
+    if stream:
+        with httpx.Client(timeout=30) as h, h.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first chunk: the requests run
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.2)
+    after = wait_idle(server)
+    assert after["in_flight"] == 0
+    assert after["cancelled"] - before["cancelled"] == 8
+    assert after["completed"] == before["completed"]
+
+
+def test_the_api_key_guards_everything_but_health(make_model):
+    port = free_port()
+    server = Server(make_model("llama"), "--http", f"127.0.0.1:{port}", "--api-key", "s3cret")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        for path in ("/v1/models", "/tokenize"):
+            refused = httpx.request("GET" if path == "/v1/models" else "POST", f"{url}{path}", json={"prompt": "x"})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data
+    finally:
+        assert server.stop()[0] == 0
+
+
+def test_http_port_in_use_is_one_line(make_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        import subprocess
+        import sys
+
+        run = subprocess.run([sys.executable, "-m", "flover.cli", "serve", "--model", make_model("llama"), "--bind",
+                              f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith(f"flover: error: cannot serve HTTP on 127.0.0.1:{port}")
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
+def test_under_mpirun_rank_0_serves_http_with_the_tp1_answer(api, make_model):
+    _, url = api
+    port = free_port()
+    server = Server(make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", ranks=2)
+    try:
+        body = {"prompt": "Hello the cat", "max_tokens": 10, "temperature": 0}
+        tp2 = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        tp1 = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert tp2["choices"][0]["text"] == tp1["choices"][0]["text"]  # float64: exact
+    finally:  # SIGUSR1: mpirun forwards it and the leader drains, then stops its HTTP front
+        assert server.stop(signal.SIGUSR1)[0] == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")
