@@ -35,6 +35,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off (transformers' definition)
+    frequency_penalty: float = 0.0  # OpenAI's: logit -= this x times the token was generated
+    presence_penalty: float = 0.0  # OpenAI's: logit -= this if the token was generated at all
     seed: int | None = None  # same seed => same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; never part of the returned text
@@ -52,7 +54,7 @@ class SamplingParams:
             if isinstance(value, list):
                 set_(name, tuple(value))
         self.validate()
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             set_(name, float(getattr(self, name)))  # validated: an int within float32's range
         if self.temperature < GREEDY_BELOW:
             set_("temperature", 0.0)
@@ -79,6 +81,9 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         if not _number_in(self.repetition_penalty, low, high):
             bad("repetition_penalty", f"must be a number in [{low:g}, {high:g}] (1 disables it)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _number_in(getattr(self, name), -2, 2):
+                bad(name, "must be a number in [-2, 2] (OpenAI's range; 0 disables it)")
         if self.seed is not None and not _int_in(self.seed, 0, 2**63 - 1):
             bad("seed", "must be an integer in [0, 2**63) or null")
         for name in ("stop_token_ids", "eos_token_ids"):

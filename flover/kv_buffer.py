@@ -80,6 +80,8 @@ class SlotBuffer:
         self.max_seq_len = max_seq_len
         self.device = device
         self.state: dict[str, torch.Tensor] = {}
+        self.moves_done = 0  # slots moved by the shuffle so far (metrics)
+        self.bytes_moved = 0  # KV bytes those moves copied
 
     def add_state(self, name: str, dtype: torch.dtype, fill=0) -> torch.Tensor:
         tensor = torch.full((self.max_slots,), fill, dtype=dtype, device=self.device)
@@ -97,5 +99,7 @@ class SlotBuffer:
         dst = torch.tensor([m.dst for m in moves], device=self.device)
         kv = self.kv if positions is None else self.kv[..., :positions, :]  # [layers, 2, slots, heads, pos, dim]
         kv.index_copy_(2, dst, kv.index_select(2, src))
+        self.moves_done += len(moves)
+        self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))

@@ -38,6 +38,8 @@ class ModelRunner:
         self._top_p = state("top_p", torch.float32, 1.0)
         self._min_p = state("min_p", torch.float32)
         self._rep_penalty = state("repetition_penalty", torch.float32, 1.0)
+        self._frequency_penalty = state("frequency_penalty", torch.float32)
+        self._presence_penalty = state("presence_penalty", torch.float32)
         self._seed = state("seed", torch.int64)
 
     def apply_moves(self, moves: list[Move]) -> None:
@@ -62,6 +64,8 @@ class ModelRunner:
             self._top_p[slot] = p.top_p
             self._min_p[slot] = p.min_p
             self._rep_penalty[slot] = p.repetition_penalty
+            self._frequency_penalty[slot] = p.frequency_penalty
+            self._presence_penalty[slot] = p.presence_penalty
             self._seed[slot] = p.seed if p.seed is not None else self._rng.getrandbits(63)
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[Request]]:
@@ -135,6 +139,7 @@ class ModelRunner:
             self._generated[slots] += 1
             return ids, None, {}
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
+        counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
             min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
@@ -142,6 +147,9 @@ class ModelRunner:
             all_greedy=all(r.params.temperature == 0 for r in sampled),
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
             want_logprobs=any(r.params.logprobs for r in sampled),
+            frequency_penalty=self._frequency_penalty[slots] if counted else None,
+            presence_penalty=self._presence_penalty[slots] if counted else None,
+            outputs=[r.output_token_ids for r in sampled] if counted else None,
         )
         failed: dict[int, str] = {}
         try:

@@ -52,6 +52,9 @@ class SamplingTensors:
     all_greedy: bool
     history: list[list[int]] | None = None  # per row, tokens the repetition penalty looks at
     want_logprobs: bool = False
+    frequency_penalty: torch.Tensor | None = None  # float [B]; with presence_penalty and outputs,
+    presence_penalty: torch.Tensor | None = None  # set only when some row uses either
+    outputs: list[list[int]] | None = None  # per row, the tokens generated so far
 
     def row(self, i: int) -> "SamplingTensors":
         """Row i alone (each tensor [1]): the engine resamples row by row to isolate a failure."""
@@ -60,7 +63,10 @@ class SamplingTensors:
             temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
             min_p=pick(self.min_p), repetition_penalty=pick(self.repetition_penalty), seed=pick(self.seed),
             counter=pick(self.counter), all_greedy=bool(self.temperature[i] == 0),
-            history=None if self.history is None else [self.history[i]], want_logprobs=self.want_logprobs)
+            history=None if self.history is None else [self.history[i]], want_logprobs=self.want_logprobs,
+            frequency_penalty=None if self.outputs is None else pick(self.frequency_penalty),
+            presence_penalty=None if self.outputs is None else pick(self.presence_penalty),
+            outputs=None if self.outputs is None else [self.outputs[i]])
 
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, history: list[list[int]]) -> None:
@@ -73,13 +79,27 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, histor
         logits[row, ids] = torch.where(seen < 0, seen * penalty[row], seen / penalty[row])
 
 
+def apply_frequency_presence(logits: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                             outputs: list[list[int]]) -> None:
+    """OpenAI's definition: logit[j] -= frequency x count[j] + presence x (count[j] > 0), counts
+    over the tokens generated so far (not the prompt)."""
+    counts = torch.zeros_like(logits)  # [B, vocab]
+    for row, tokens in enumerate(outputs):
+        if tokens:
+            ids = torch.tensor(tokens, device=logits.device)
+            counts[row].scatter_add_(0, ids, torch.ones(len(tokens), dtype=logits.dtype, device=logits.device))
+    logits -= frequency.to(logits.dtype)[:, None] * counts + presence.to(logits.dtype)[:, None] * (counts > 0)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [B, vocab] -> (token ids [B] int64, log-probabilities of those ids [B] or None)."""
     work = torch.promote_types(logits.dtype, torch.float32)
     raw = logits.to(work)
-    logits = raw.clone() if st.history is not None else raw
+    logits = raw.clone() if st.history is not None or st.outputs is not None else raw
     if st.history is not None:
         apply_repetition_penalty(logits, st.repetition_penalty, st.history)
+    if st.outputs is not None:
+        apply_frequency_presence(logits, st.frequency_penalty, st.presence_penalty, st.outputs)
     ids = logits.argmax(dim=-1)
     if not st.all_greedy:
         ids = torch.where(st.temperature == 0, ids, _sample_random(logits, st))

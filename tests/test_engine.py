@@ -21,7 +21,8 @@ def random_params(rng: random.Random) -> SamplingParams:
         return SamplingParams(max_new_tokens=n, ignore_eos=True)
     return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=rng.choice([0.7, 1.0, 1.5]),
                           top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9]),
-                          min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**40))
+                          min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**40),
+                          frequency_penalty=rng.choice([0.0, 0.5]), presence_penalty=rng.choice([0.0, -0.5, 1.0]))
 
 
 @pytest.mark.parametrize("variant,seed", [("llama", 0), ("llama", 1), ("mistral-window8", 2), ("gptj", 3)])

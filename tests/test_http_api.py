@@ -106,6 +106,12 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):  # a streamed request's error is still a status
         list(client.completions.create(model=model, prompt="x", max_tokens=2, stream=True, temperature=-1))
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=model, prompt="x", max_tokens=2, presence_penalty=3.0)
+    plain = client.completions.create(model=model, prompt="x", max_tokens=40, temperature=0)
+    penalised = client.completions.create(model=model, prompt="x", max_tokens=40, temperature=0, presence_penalty=2.0,
+                                          frequency_penalty=1.0)
+    assert penalised.choices[0].text != plain.choices[0].text  # honoured, not ignored
     ok = client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"no_such_field": 1})
     assert ok.choices[0].finish_reason == "length"
 
@@ -207,3 +213,66 @@ def test_under_mpirun_rank_0_serves_http_with_the_tp1_answer(api, make_model):
         assert server.stop(signal.SIGUSR1)[0] == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def scrape(url: str) -> dict:
+    """{(sample name, labels without model_name): value} of /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def test_metrics_parse_and_count_what_was_sent(api):
+    server, url = api
+    wait_idle(server)
+    before = scrape(url)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    answers = [client.completions.create(model=model_id(url), prompt=f"count {i}", max_tokens=5 + i, temperature=0,
+                                         extra_body={"ignore_eos": True}) for i in range(4)]
+    after = scrape(url)
+    delta = lambda name, labels=(): after[(name, labels)] - before.get((name, labels), 0)  # noqa: E731
+    assert delta("flover:prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert delta("flover:generation_tokens_total") == sum(a.usage.completion_tokens for a in answers) == 5 + 6 + 7 + 8
+    assert delta("flover:request_success_total", (("finished_reason", "length"),)) == 4
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "time_per_output_token_seconds"):
+        assert delta(f"flover:{name}_count") == 4
+        assert after[(f"flover:{name}_bucket", (("le", "+Inf"),))] == after[(f"flover:{name}_count", ())]
+    # one decode token per iteration after the first: 4 + 5 + 6 + 7 gaps between successive tokens
+    assert delta("flover:inter_token_latency_seconds_count") == 4 + 5 + 6 + 7
+    assert delta("flover:iteration_time_seconds_count") == delta("flover:iterations_total") > 0
+    assert delta("flover:iteration_tokens_sum") == sum(a.usage.prompt_tokens + a.usage.completion_tokens - 1
+                                                       for a in answers)
+    assert after[("flover:num_requests_running", ())] == 0 and after[("flover:kv_slots_total", ())] == 8
+    with server.client() as c:  # the same numbers over the socket
+        stats = c.stats()
+    assert stats["metrics"]["generation_tokens"] == after[("flover:generation_tokens_total", ())]
+
+
+def test_flover_bench_measures_any_openai_endpoint(api, tmp_path):
+    """`flover bench --endpoint` against flover's own HTTP front (the same code path a
+    llama-server or vLLM URL takes): every request streamed, every token counted."""
+    import json
+    import subprocess
+    import sys
+
+    server, url = api
+    before = stats(server)["completed"]
+    run = subprocess.run([sys.executable, "-m", "flover.cli", "bench", "--endpoint", f"{url}/v1", "--requests", "4",
+                          "--prompt-len", "8", "--gen-len", "6", "--arrival", "interval", "--interval-ms", "20",
+                          "--vocab-size", "500", "--out", str(tmp_path), "--name", "ep"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((tmp_path / "ep.json").read_text())
+    summary = result["results"]["endpoint"]["summary"]
+    assert summary["requests"] == 4 and summary["output_tokens"] == 24
+    assert all(r["output_tokens"] == 6 and r["prompt_tokens"] == 8 for r in result["results"]["endpoint"]["requests"])
+    assert result["meta"]["model"] == model_id(url) and summary["ttft_p50_s"] > 0
+    assert stats(server)["completed"] == before + 4
+    assert "| endpoint |" in run.stdout

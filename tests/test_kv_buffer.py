@@ -75,6 +75,8 @@ def test_moves_can_copy_only_the_used_positions():
     assert torch.equal(buf.kv[:, :, 2, :, :5], before[:, :, 5, :, :5])  # slot 5 -> hole 2
     assert torch.equal(buf.kv[:, :, 1], before[:, :, 1])  # stayed
     assert torch.equal(buf.kv[:, :, 0, :, 5:], before[:, :, 0, :, 5:])  # positions past 5 not copied
+    # what the metrics report: 2 moves of 2 layers x K,V x 1 head x 5 positions x 2 dims of float64
+    assert (buf.moves_done, buf.bytes_moved) == (2, 2 * 2 * 2 * 1 * 5 * 2 * 8)
 
 
 def test_refuses_when_memory_does_not_fit():

@@ -83,3 +83,27 @@ def test_repetition_penalty_matches_transformers():
     assert torch.equal(ids, expected.argmax(-1))
     # log-probabilities are reported for the model's own distribution
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1))
+
+
+def test_frequency_and_presence_penalties_follow_openais_definition():
+    """logit[j] -= frequency x count[j] + presence x (count[j] > 0), over generated tokens only.
+    Row 0: token 4 (generated 3x) loses 3 x 0.5 + 1 = 2.5, token 2 (once) 1.5, and the unpenalised
+    token 6 wins; row 1 has the same history with the penalties off; row 2: a negative presence
+    penalty favours a repeat."""
+    from flover.sampler import apply_frequency_presence
+
+    logits = torch.zeros(3, 8)
+    logits[:, 4], logits[:, 6], logits[:, 2] = 3.0, 1.0, 2.0
+    outputs = [[4, 4, 4, 2], [4, 4, 4, 2], [6]]
+    frequency, presence = torch.tensor([0.5, 0.0, 0.0]), torch.tensor([1.0, 0.0, -2.5])
+    expected = logits.clone()
+    for row, tokens in enumerate(outputs):
+        for j in set(tokens):
+            expected[row, j] -= frequency[row] * tokens.count(j) + presence[row]
+    penalised = logits.clone()
+    apply_frequency_presence(penalised, frequency, presence, outputs)
+    assert torch.equal(penalised, expected)
+    st = tensors(3, temperature=0.0)
+    st.frequency_penalty, st.presence_penalty, st.outputs = frequency, presence, outputs
+    ids, _ = sample(logits, st)
+    assert ids.tolist() == [6, 4, 6]  # row 0: 4 -> 0.5, 2 -> 0.5, 6 stays 1; row 2: 6 -> 3.5 > 3

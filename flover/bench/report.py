@@ -44,8 +44,9 @@ def write_results(out_dir: Path, name: str, meta: dict, results: dict[str, dict]
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plots = plot_run(out_dir, name, results, traces)
-    md = [f"### {name}", "", meta["workload_text"], "", summary_table(results), "",
-          roofline_line(meta["roofline"], results.get("fused", {}).get("summary")), ""]
+    md = [f"### {name}", "", meta["workload_text"], "", summary_table(results), ""]
+    if meta.get("roofline"):  # measured for local runs; an --endpoint run has no model here
+        md += [roofline_line(meta["roofline"], results.get("fused", {}).get("summary")), ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
     return {"json": str(path), "plots": [str(p) for p in plots]}

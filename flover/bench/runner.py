@@ -67,3 +67,23 @@ def run_benchmark(model: str, workload: Workload, modes: list[str], settings: Mo
             "machine": machine_text(threads), "date": datetime.date.today().isoformat()}
     files = write_results(Path(out_dir), name, meta, results, traces)
     return {"meta": meta, "results": results, "files": files, "traces": traces}
+
+
+def run_endpoint_benchmark(url: str, model: str | None, workload: Workload, vocab: int, out_dir: str | Path,
+                           name: str = "bench", api_key: str | None = None, log=print) -> dict:
+    """The workload against an OpenAI-compatible server: the same summary, files and plots."""
+    from flover.bench.endpoint import Endpoint, run_endpoint
+
+    endpoint = Endpoint(url, api_key)
+    model = model or endpoint.model()
+    log(f"[{name}] endpoint {url} (model {model}) ...")
+    trace = run_endpoint(workload.build(vocab), endpoint, model)
+    results = {"endpoint": run_summary(trace)}
+    s = results["endpoint"]["summary"]
+    log(f"[{name}] endpoint: makespan {s['makespan_s']:.2f} s, {s['output_tok_s']:.0f} tok/s, "
+        f"TTFT p50 {s['ttft_p50_s'] * 1000:.0f} ms, e2e p50 {s['e2e_p50_s']:.2f} s")
+    meta = {"model": model, "endpoint": url, "workload": workload.as_dict(), "workload_text": workload.describe(),
+            "modes": ["endpoint"], "roofline": None, "machine": machine_text(default_num_threads()),
+            "date": datetime.date.today().isoformat()}
+    files = write_results(Path(out_dir), name, meta, results, {"endpoint": trace})
+    return {"meta": meta, "results": results, "files": files, "traces": {"endpoint": trace}}

@@ -38,6 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 from flover.engine import Engine, PromptTooLong
 from flover.request import RequestOutput
 from flover.server import protocol as p
+from flover.server.metrics import ServingMetrics
 
 log = logging.getLogger("flover.serve")
 
@@ -68,6 +69,7 @@ class InFlight:
     user: str | None = None  # the CURVE public key (z85) that sent it
     overflowed: bool = False  # cancelled because its client stopped reading
     tokens_sent: int = 0  # streamed so far (queued in order for the client)
+    last_token_at: float | None = None  # when its previous tokens came (inter-token latency)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Daemon:
         self.draining = False
         self.drain_deadline = float("inf")
         self.started = time.time()
+        self.metrics = ServingMetrics()
         self.counters = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "tokens_out": 0,
                          "rejected": 0, "clients_gone": 0, "slow_clients": 0}
         self._last_keepalive = self._last_stats = time.monotonic()
@@ -246,7 +249,11 @@ class Daemon:
         `internal_error` and the daemon carries on. With several ranks the job must end instead:
         the followers are inside the same iteration and cannot be brought back in step."""
         try:
-            return self.engine.step()
+            iterations, started = self.engine.iterations, time.perf_counter()
+            outputs = self.engine.step()
+            if self.engine.iterations > iterations:  # a forward ran (not just a shuffle or nothing)
+                self.metrics.iteration(time.perf_counter() - started, self.engine.last_step_tokens)
+            return outputs
         except Exception as e:
             if self.engine.comm is not None:
                 raise
@@ -290,7 +297,7 @@ class Daemon:
                 self._send(identity, {"event": "keepalive"})
         if now - self._last_stats >= self.config.stats_interval:
             self._last_stats = now
-            log.info("summary: %s", self.stats())
+            log.info("summary: %s", {k: v for k, v in self.stats().items() if k != "metrics"})
 
     # -- intake ------------------------------------------------------------------------------
     def _intake(self) -> None:
@@ -383,10 +390,15 @@ class Daemon:
 
     # -- replies -----------------------------------------------------------------------------
     def _reply(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
         for out in outputs:
             flight = self.inflight.get(out.request_id)
             if flight is None:
                 continue  # its client is gone
+            if out.new_token_ids:
+                if flight.last_token_at is not None:
+                    self.metrics.token_gap(now - flight.last_token_at)
+                flight.last_token_at = now
             if flight.stream and not flight.overflowed and (out.new_token_ids or out.text_delta):
                 if not self._send(flight.identity, p.token_event(flight.client_id, out.new_token_ids,
                                                                  out.text_delta)):
@@ -414,6 +426,7 @@ class Daemon:
         c["completed" if out.finish_reason != "cancelled" else "cancelled"] += 1
         c["tokens_out"] += len(out.token_ids)
         t = out.timings
+        self.metrics.request_finished(out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), t)
         ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"  # noqa: E731
         log.info("request id=%r client=%s%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
                  flight.client_id, flight.identity.hex(), f" key={flight.user}" if flight.user else "",
@@ -428,7 +441,8 @@ class Daemon:
                 "slots_used": len(running), "slots_total": e.config.max_slots, "kv_bytes": e.buffer.nbytes,
                 "kv_tokens": kv_tokens, "kv_use": kv_tokens / (e.config.max_slots * e.max_seq_len),
                 "iterations": e.iterations, "uptime_s": time.time() - self.started, "draining": self.draining,
-                **self.counters}
+                "shuffle_moves": e.buffer.moves_done, "shuffle_bytes": e.buffer.bytes_moved,
+                **self.counters, "metrics": self.metrics.snapshot()}
 
 
 def _peek_id(payload: zmq.Frame):

@@ -26,11 +26,13 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import AsyncClient, FloverError
 from flover.server import openai_api as oa
 from flover.server.http_front import parse_listen
+from flover.server.prometheus import render
 
 log = logging.getLogger("flover.http")
 
@@ -110,6 +112,14 @@ def build_app(front: Front) -> FastAPI:
         except (FloverError, asyncio.TimeoutError):
             status = "unreachable"
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            stats = await front.client.stats(timeout=5.0)
+        except (FloverError, asyncio.TimeoutError) as e:
+            return error_response(oa.ApiError(503, f"the engine did not answer ({e})", "unavailable"))
+        return Response(render(stats, front.model_name), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -89,9 +89,6 @@ def sampling_params(body: dict, chat: bool) -> dict:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise unsupported("response_format", "only {\"type\": \"text\"} is supported yet")
-    for param in ("frequency_penalty", "presence_penalty"):
-        if _number(body, param, -2.0, 2.0):
-            raise unsupported(param, "not supported yet (repetition_penalty is)")
     if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
         param = "echo" if body.get("echo") else "logprobs"
         raise unsupported(param, "not supported by the HTTP API yet")
@@ -109,7 +106,7 @@ def sampling_params(body: dict, chat: bool) -> dict:
         del params["max_new_tokens"]  # chat: the daemon's limit (up to the context)
     temperature = _number(body, "temperature", 0.0, 2.0)
     params["temperature"] = 1.0 if temperature is None else float(temperature)  # OpenAI's default is 1
-    for key in ("top_p", "min_p", "repetition_penalty"):
+    for key in ("top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         value = _number(body, key)
         if value is not None:
             params[key] = float(value)

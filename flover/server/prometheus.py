@@ -1,0 +1,62 @@
+"""The daemon's `stats` (flover/server/metrics.py) in Prometheus' text format, for the HTTP
+front's `/metrics` (names modelled on vLLM's `vllm:*`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from flover.server.metrics import HISTOGRAMS
+
+PREFIX = "flover:"
+
+
+class _Snapshot:
+    """A collector over one `stats` answer (collected once, right away)."""
+
+    def __init__(self, stats: dict, model: str):
+        self.stats, self.model = stats, model
+
+    def collect(self):
+        s, labels = self.stats, {"model_name": self.model}
+        m = s["metrics"]
+        names = list(labels)
+        for name, help_text, value in (
+                ("num_requests_running", "Requests in a slot", s["running"]),
+                ("num_requests_waiting", "Requests waiting for a slot", s["waiting"]),
+                ("kv_cache_usage_perc", "Share of the KV buffer's positions in use (0-1)", s["kv_use"]),
+                ("kv_slots_used", "Slots of the contiguous KV buffer in use", s["slots_used"]),
+                ("kv_slots_total", "Slots of the contiguous KV buffer", s["slots_total"])):
+            g = GaugeMetricFamily(PREFIX + name, help_text, labels=names)
+            g.add_metric([self.model], value)
+            yield g
+        for name, help_text, value in (
+                ("prompt_tokens", "Prompt tokens of finished requests", m["prompt_tokens"]),
+                ("generation_tokens", "Generated tokens of finished requests", m["generation_tokens"]),
+                ("iterations", "Engine iterations", s["iterations"]),
+                ("shuffle_moves", "Slots moved by the memory shuffle", s["shuffle_moves"]),
+                ("shuffle_bytes", "KV bytes copied by the memory shuffle", s["shuffle_bytes"]),
+                ("request_errors", "Requests that ended with an error", s["errors"]),
+                ("requests_rejected", "Requests refused before running (invalid, overloaded, ...)", s["rejected"])):
+            c = CounterMetricFamily(PREFIX + name, help_text, labels=names)
+            c.add_metric([self.model], value)
+            yield c
+        finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason",
+                                       labels=[*names, "finished_reason"])
+        for reason, count in sorted(m["finished"].items()):
+            finished.add_metric([self.model, reason], count)
+        yield finished
+        for name, h in m["histograms"].items():
+            cumulative, buckets = 0, []
+            for bound, count in zip([*h["buckets"], float("inf")], h["counts"]):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+            family = HistogramMetricFamily(PREFIX + name, HISTOGRAMS[name][1], labels=names)
+            family.add_metric([self.model], buckets, h["sum"])
+            yield family
+
+
+def render(stats: dict, model: str) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(stats, model))
+    return generate_latest(registry)
