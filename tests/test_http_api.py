@@ -102,8 +102,10 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
         client.completions.create(model=model, prompt=[1] * 600, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
-    raw = httpx.post(f"{url}/v1/completions", content=b"{not json")
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for body in (b"{not json", b"[1, 2]", b'"text"'):
+            raw = httpx.post(f"{url}{path}", content=body)
+            assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error", (path, body)
     with pytest.raises(openai.BadRequestError):  # a streamed request's error is still a status
         list(client.completions.create(model=model, prompt="x", max_tokens=2, stream=True, temperature=-1))
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):

@@ -142,7 +142,7 @@ def build_app(front: Front) -> FastAPI:
         try:
             body = await _json(request)
             if "messages" in body:
-                ids = front.tokenizer.encode_chat(oa._chat_messages(body["messages"]))
+                ids = front.tokenizer.encode_chat(oa.chat_messages(body["messages"]))
             elif isinstance(body.get("prompt"), str):
                 ids = front.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
             else:
@@ -286,11 +286,14 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _json(request: Request):
+async def _json(request: Request) -> dict:
     try:
-        return json.loads(await request.body())
+        body = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:
         raise oa.ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise oa.ApiError(400, "the request body must be a JSON object")
+    return body
 
 
 def main(argv: list[str] | None = None) -> int:

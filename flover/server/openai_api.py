@@ -101,9 +101,10 @@ def sampling_params(body: dict, chat: bool) -> dict:
     params: dict = {}
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, limit, 1)
-    params["max_new_tokens"] = max_tokens if max_tokens is not None else (16 if not chat else None)
-    if params["max_new_tokens"] is None:
-        del params["max_new_tokens"]  # chat: the daemon's limit (up to the context)
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    elif not chat:
+        params["max_new_tokens"] = 16  # OpenAI's completions default; a chat answers up to the context (http_api)
     temperature = _number(body, "temperature", 0.0, 2.0)
     params["temperature"] = 1.0 if temperature is None else float(temperature)  # OpenAI's default is 1
     for key in ("top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
@@ -121,7 +122,7 @@ def sampling_params(body: dict, chat: bool) -> dict:
     return params
 
 
-def _chat_messages(messages) -> list[dict]:
+def chat_messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: expected a non-empty list", param="messages")
     out = []
@@ -160,11 +161,9 @@ def _prompts(prompt) -> list[dict]:
                    param="prompt")
 
 
-def plan(body, kind: str, model_name: str, warn) -> Plan:
-    """Check an OpenAI request body and split it into daemon requests. `warn(text)` is told of
-    fields this server does not know."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
+    """Check an OpenAI request body (a JSON object) and split it into daemon requests.
+    `warn(text)` is told of fields this server does not know."""
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}",
@@ -173,7 +172,7 @@ def plan(body, kind: str, model_name: str, warn) -> Plan:
     if unknown:
         warn(f"ignoring unknown field(s) {', '.join(unknown)}")
     chat = kind == "chat"
-    sources = [{"messages": _chat_messages(body.get("messages"))}] if chat else _prompts(body.get("prompt"))
+    sources = [{"messages": chat_messages(body.get("messages"))}] if chat else _prompts(body.get("prompt"))
     params = sampling_params(body, chat)
     n = _integer(body, "n", 1) or 1
     if len(sources) * n > MAX_CHOICES:
