@@ -118,14 +118,18 @@ class Progress:
             self.bar.close()
 
 
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")  # when asked
+
+
 def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
     t = out.timings
     record = {"id": out.request_id, "text": out.text, "finish_reason": out.finish_reason, "usage": out.usage,
               "latency": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]}}
     if with_token_ids:
         record["token_ids"] = out.token_ids
-    if out.logprobs is not None:
-        record["logprobs"] = out.logprobs
+    for key in LOGPROB_FIELDS:
+        if getattr(out, key) is not None:
+            record[key] = getattr(out, key)
     return record
 
 
@@ -225,8 +229,7 @@ def remote_result_record(event: dict, with_token_ids: bool) -> dict:
               "usage": event["usage"], "latency": event["timings"]}
     if with_token_ids:
         record["token_ids"] = event.get("token_ids")
-    if "logprobs" in event:
-        record["logprobs"] = event["logprobs"]
+    record.update({key: event[key] for key in LOGPROB_FIELDS if key in event})
     return record
 
 

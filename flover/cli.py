@@ -251,21 +251,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = start_engine(args)
     if engine is None:  # a follower rank: it ran the leader's iterations until shutdown
         return 0
+    front_curve = None  # with CURVE, the HTTP front gets a key pair of its own, made here and allowed
+    if args.http and args.curve_secret_key:
+        import zmq
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(args.curve_secret_key)
+        front_curve = (server_public, *zmq.curve_keypair())
     config = ServeConfig(bind=args.bind, max_waiting=args.max_waiting, max_message_bytes=args.max_message_bytes,
                          max_client_backlog_bytes=args.max_client_backlog,
                          drain_timeout=args.drain_timeout, stats_interval=args.stats_interval,
                          keepalive_interval=args.keepalive_interval,
-                         curve_secret_key=args.curve_secret_key, curve_allowed_clients=args.curve_allowed_clients)
-    if args.http and args.curve_secret_key:
-        engine.shutdown()
-        raise ValueError("--http with CURVE is not supported yet: the HTTP front is a plain local client")
+                         curve_secret_key=args.curve_secret_key, curve_allowed_clients=args.curve_allowed_clients,
+                         curve_extra_clients=(front_curve[1],) if front_curve else ())
     http = None
     try:
         daemon = Daemon(engine, config, model_name=args.model)
         if args.http:
             from flover.server.http_front import start_http_front
 
-            http = start_http_front(args.bind, args.http, args.model, args.api_key or os.environ.get("FLOVER_API_KEY"))
+            http = start_http_front(args.bind, args.http, args.model, args.api_key or os.environ.get("FLOVER_API_KEY"),
+                                    curve=front_curve)
     except BaseException:
         engine.shutdown()
         raise

@@ -59,14 +59,16 @@ def _generate_message(request_id, prompt, input_ids, messages, stream: bool, par
     return message
 
 
-def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_client_cert: str | None):
-    """Configure and connect; returns the monitor socket that reports lost connections."""
+def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_client_cert: str | tuple | None):
+    """Configure and connect; returns the monitor socket that reports lost connections.
+    `curve_client_cert`: a secret certificate file, or the (public, secret) z85 key pair itself."""
     sock.setsockopt(zmq.LINGER, 0)
     tcp_keepalive(sock)
     if curve_server_key is not None:
         from zmq.auth import load_certificate
 
-        public, secret = load_certificate(curve_client_cert)
+        public, secret = curve_client_cert if isinstance(curve_client_cert, tuple) else \
+            load_certificate(curve_client_cert)
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, curve_server_key
     monitor = sock.get_monitor_socket(_MONITORED)
     sock.connect(addr)
@@ -246,7 +248,7 @@ class Client:
 class AsyncClient:
     """The same operations for asyncio; many requests may run concurrently on one client."""
 
-    def __init__(self, addr: str, curve_server_key: bytes | None = None, curve_client_cert: str | None = None,
+    def __init__(self, addr: str, curve_server_key: bytes | None = None, curve_client_cert: str | tuple | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.addr = addr
         self.ctx = zmq.asyncio.Context()

@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_TOKEN_ID_LIST = 1024  # entries of stop_token_ids / eos_token_ids
 MAX_REQUEST_ID_LENGTH = 256  # characters of a client-chosen request id (protocol, prompt files)
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] | None = None  # None = the checkpoint's EOS ids
     logprobs: bool = False  # return the log-probability of every sampled token
+    prompt_logprobs: bool = False  # and of every prompt token after the first (teacher forcing)
+    top_logprobs: int = 0  # with either: the k most likely tokens at each of those positions
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples; nothing else is converted.
@@ -98,9 +101,13 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             bad("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} characters")
-        for name in ("ignore_eos", "logprobs"):
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
+        if not _int_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS):
+            bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
+            bad("top_logprobs", "needs logprobs or prompt_logprobs set to true")
 
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

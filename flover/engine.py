@@ -276,14 +276,15 @@ class Engine:
                 chunk.request.timings.scheduled = now
         runner = self.runner
         runner.admit(plan)
-        batch, sampled = runner.build_batch(plan)
+        batch, rows = runner.build_batch(plan)
         self.last_step_tokens = batch.input_ids.shape[0]
         logits = runner.forward(batch)  # [B, vocab]: the one fused forward
         self.scheduler.commit(plan)
         runner.advance(plan, batch)
-        token_ids, logprobs, failed = runner.sample(logits, sampled, batch)
+        result = runner.sample(logits, rows)
         self.iterations += 1
-        return outputs + self.outputs.record(sampled, token_ids, logprobs, failed, time.perf_counter())
+        self.outputs.record_prompt_logprobs(rows.scoring, result.prompt_logprobs)
+        return outputs + self.outputs.record(rows.sampled, result, time.perf_counter())
 
 
 class LLM:

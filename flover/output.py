@@ -11,6 +11,7 @@ import logging
 from typing import Callable
 
 from flover.request import FinishReason, Request, RequestOutput
+from flover.runner import Logprob, PromptRows, SampleResult
 from flover.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -20,14 +21,13 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, on_fail: Callable[[str], None] = lambda request_id: None):
         self.tokenizer, self.on_fail = tokenizer, on_fail
 
-    def record(self, sampled: list[Request], token_ids: list[int], logprobs: list[float] | None,
-                failed: dict[int, str], now: float) -> list[RequestOutput]:
+    def record(self, sampled: list[Request], result: SampleResult, now: float) -> list[RequestOutput]:
         """Append each request's new token, decide whether it is finished, and report it. A
         failure that belongs to one request (its sampling, its text) ends that request alone."""
-        outputs = []
-        for i, (r, token) in enumerate(zip(sampled, token_ids)):
-            if i in failed:
-                outputs.append(self.fail(r, failed[i], now))
+        outputs, logprobs = [], result.logprobs
+        for i, (r, token) in enumerate(zip(sampled, result.token_ids)):
+            if i in result.failed:
+                outputs.append(self.fail(r, result.failed[i], now))
                 continue
             try:
                 outputs.append(self._record_one(r, token, logprobs[i] if logprobs is not None else None, now))
@@ -36,10 +36,25 @@ class OutputProcessor:
                 outputs.append(self.fail(r, f"internal error: {e!r}", now))
         return outputs
 
-    def _record_one(self, r: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+    @staticmethod
+    def record_prompt_logprobs(scoring: list[PromptRows], found: list[list[Logprob]]) -> None:
+        """Each scored prefill chunk's prompt logprobs, appended in prompt order (chunks of one
+        prompt come in order, one per iteration)."""
+        for rows, entries in zip(scoring, found):
+            r, k = rows.request, rows.request.params.top_logprobs
+            if not r.prompt_logprobs:
+                r.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+                r.prompt_top_logprobs.append(None)
+            for logprob, alternatives in entries:
+                r.prompt_logprobs.append(logprob)
+                r.prompt_top_logprobs.append(alternatives[:k])
+
+    def _record_one(self, r: Request, token: int, logprob: Logprob | None, now: float) -> RequestOutput:
         r.output_token_ids.append(token)
         if logprob is not None and r.params.logprobs:
-            r.output_logprobs.append(logprob)
+            r.output_logprobs.append(logprob[0])
+            if r.params.top_logprobs:
+                r.output_top_logprobs.append(logprob[1][: r.params.top_logprobs])
         if r.timings.first_token is None:
             r.timings.first_token = now
         delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
@@ -83,7 +98,18 @@ class OutputProcessor:
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             logprobs=r.output_logprobs if r.params.logprobs else None,
             timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error,
+            top_logprobs=r.output_top_logprobs if r.params.logprobs and r.params.top_logprobs else None,
+            **self._prompt_logprobs(r),
         )
+
+    @staticmethod
+    def _prompt_logprobs(r: Request) -> dict:
+        if not r.params.prompt_logprobs:
+            return {}
+        if not r.prompt_logprobs:  # a one-token prompt: nothing was scored
+            return {"prompt_logprobs": [None], "prompt_top_logprobs": [None]}
+        return {"prompt_logprobs": r.prompt_logprobs,
+                "prompt_top_logprobs": r.prompt_top_logprobs if r.params.top_logprobs else None}
 
     @staticmethod
     def _text_delta(r: Request, final_text: str | None) -> str:

@@ -69,7 +69,10 @@ class Request:
     slot: int | None = None
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # and top_logprobs > 0
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # when params.prompt_logprobs;
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # None first
     output_text: str = ""  # the text cut before a stop string, when one ended the request
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -111,10 +114,13 @@ class RequestOutput:
     text: str | None  # filled on the final output
     finished: bool
     finish_reason: str | None
-    logprobs: list[float] | None
+    logprobs: list[float] | None  # of every generated token, when asked
     timings: dict
     error: str | None = None
     text_delta: str | None = None  # streaming requests: new text (never part of a stop string)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: [(id, logprob)] of the top k
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (None for the first), when asked
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def usage(self) -> dict:

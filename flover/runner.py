@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,10 +17,39 @@ from flover.kv_buffer import Move, SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.parallel.comm import Communicator
 from flover.request import Request
-from flover.sampler import SamplingTensors, sample
+from flover.sampler import SamplingTensors, sample, token_logprobs
 from flover.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
+
+Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, [(id, logprob)] of the top k
+
+
+@dataclass
+class PromptRows:
+    """Rows of a prefill chunk that score its own prompt (`prompt_logprobs`): the row at prompt
+    position p gives the log-probability of prompt token p + 1."""
+
+    request: Request
+    first_target: int  # prompt index of the token the first of these rows predicts
+    count: int
+
+
+@dataclass
+class IterationRows:
+    """Which rows of the forward's logits are for what: first one row per sampled request, then
+    the prompt-scoring rows."""
+
+    sampled: list[Request]
+    scoring: list[PromptRows] = field(default_factory=list)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]  # one per sampled request
+    logprobs: list[Logprob | None] | None  # the same rows, when any of them asked
+    failed: dict[int, str]  # row -> why its sampling failed
+    prompt_logprobs: list[list[Logprob]]  # per PromptRows, one per row (leader only)
 
 
 class ModelRunner:
@@ -68,7 +98,7 @@ class ModelRunner:
             self._presence_penalty[slot] = p.presence_penalty
             self._seed[slot] = p.seed if p.seed is not None else self._rng.getrandbits(63)
 
-    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[Request]]:
+    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, IterationRows]:
         """The iteration's token matrix: decode tokens in slot order, then the prefill chunks."""
         dev = self.device
         num_decode = len(plan.decode)
@@ -87,8 +117,8 @@ class ModelRunner:
         positions = [self._seq_len[slot_index]]
         slots = [torch.arange(num_decode, device=dev) if contiguous else rows]
 
-        prefills, prefill_ids, sample_rows = [], [], list(range(num_decode))
-        sampled = list(plan.decode)
+        prefills, prefill_ids, sample_rows, score_rows = [], [], list(range(num_decode)), []
+        rows_of = IterationRows(list(plan.decode))
         row = num_decode
         for chunk in plan.prefill:
             r = chunk.request
@@ -96,10 +126,14 @@ class ModelRunner:
             prefill_ids += r.prompt_token_ids[chunk.start: chunk.start + chunk.length]
             positions.append(torch.arange(chunk.start, chunk.start + chunk.length, device=dev))
             slots.append(torch.full((chunk.length,), r.slot, dtype=torch.int64, device=dev))
+            scored = min(chunk.length, r.prompt_len - 1 - chunk.start)  # rows that predict a prompt token
+            if r.params.prompt_logprobs and scored > 0:
+                rows_of.scoring.append(PromptRows(r, chunk.start + 1, scored))
+                score_rows += range(row, row + scored)
             row += chunk.length
             if chunk.completes_prompt:
                 sample_rows.append(row - 1)
-                sampled.append(r)
+                rows_of.sampled.append(r)
         if prefill_ids:
             ids.append(torch.tensor(prefill_ids, dtype=torch.int64, device=dev))
         max_len = max((r.prompt_len + len(r.output_token_ids) for r in plan.decode), default=0)
@@ -107,9 +141,9 @@ class ModelRunner:
             input_ids=torch.cat(ids), positions=torch.cat(positions), write_slots=torch.cat(slots),
             num_decode=num_decode, decode_span=span, decode_rows=rows, span_lens=span_lens,
             max_decode_len=max_len, prefills=prefills,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sample_rows=torch.tensor(sample_rows + score_rows, dtype=torch.int64, device=dev),
         )
-        return batch, sampled
+        return batch, rows_of
 
     def advance(self, plan: StepPlan, batch: ForwardBatch) -> None:
         d = batch.num_decode
@@ -127,17 +161,20 @@ class ModelRunner:
         full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
         return full[:, : self.vocab_size]
 
-    def sample(self, logits: torch.Tensor | None, sampled: list[Request], batch: ForwardBatch):
-        """The leader samples every row at once; with TP it then broadcasts the ids (a few bytes).
-        Returns (ids, logprobs or None, {row: why} for rows whose sampling failed)."""
+    def sample(self, logits: torch.Tensor | None, rows: IterationRows) -> SampleResult:
+        """The leader samples every row at once (and scores prompts that asked); with TP it then
+        broadcasts the ids (a few bytes)."""
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
+        sampled = rows.sampled
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
         if not self.is_leader:
             ids = self.comm.broadcast_ids(None, len(sampled))
             self._last_token[slots] = torch.tensor(ids, device=self.device)
             self._generated[slots] += 1
-            return ids, None, {}
+            return SampleResult(ids, None, {}, [])
+        prompt_logprobs = self._score_prompts(logits[len(sampled):], rows.scoring) if rows.scoring else []
+        logits = logits[: len(sampled)]  # [sampled, vocab]
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
         st = SamplingTensors(
@@ -147,13 +184,15 @@ class ModelRunner:
             all_greedy=all(r.params.temperature == 0 for r in sampled),
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
             want_logprobs=any(r.params.logprobs for r in sampled),
+            top_logprobs=max((r.params.top_logprobs for r in sampled if r.params.logprobs), default=0),
             frequency_penalty=self._frequency_penalty[slots] if counted else None,
             presence_penalty=self._presence_penalty[slots] if counted else None,
             outputs=[r.output_token_ids for r in sampled] if counted else None,
         )
         failed: dict[int, str] = {}
         try:
-            token_ids, logprobs = sample(logits, st)
+            token_ids, found = sample(logits, st)
+            logprobs = found.rows() if found is not None else None
         except Exception:  # a request-specific failure: find the rows responsible, sample the rest
             log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
             token_ids, logprobs, failed = self._sample_rows(logits, st)
@@ -162,12 +201,24 @@ class ModelRunner:
         ids = token_ids.tolist()
         if self.comm is not None:
             self.comm.broadcast_ids(ids, len(ids))
-        return ids, (logprobs.tolist() if logprobs is not None else None), failed
+        return SampleResult(ids, logprobs, failed, prompt_logprobs)
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, scoring: list[PromptRows]) -> list[list[Logprob]]:
+        """logits [scoring rows, vocab] -> per PromptRows, each row's (logprob, top k)."""
+        targets = [t for s in scoring for t in s.request.prompt_token_ids[s.first_target: s.first_target + s.count]]
+        k = max(s.request.params.top_logprobs for s in scoring)
+        found = token_logprobs(logits, torch.tensor(targets, device=logits.device), k).rows()
+        out, start = [], 0
+        for s in scoring:
+            out.append(found[start: start + s.count])
+            start += s.count
+        return out
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, st: SamplingTensors):
         ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        logprobs = torch.full((logits.shape[0],), float("nan"), device=logits.device) if st.want_logprobs else None
+        logprobs: list[Logprob | None] | None = [None] * logits.shape[0] if st.want_logprobs else None
         failed = {}
         for row in range(logits.shape[0]):
             try:
@@ -177,7 +228,7 @@ class ModelRunner:
                 continue
             ids[row] = row_ids[0]
             if logprobs is not None and row_logprobs is not None:
-                logprobs[row] = row_logprobs[0]
+                logprobs[row] = row_logprobs.rows()[0]
         return ids, logprobs, failed
 
     def score(self, ids: list[int], slot: int) -> torch.Tensor:

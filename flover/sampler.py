@@ -52,6 +52,7 @@ class SamplingTensors:
     all_greedy: bool
     history: list[list[int]] | None = None  # per row, tokens the repetition penalty looks at
     want_logprobs: bool = False
+    top_logprobs: int = 0  # alternatives to report: the largest k any row asked for
     frequency_penalty: torch.Tensor | None = None  # float [B]; with presence_penalty and outputs,
     presence_penalty: torch.Tensor | None = None  # set only when some row uses either
     outputs: list[list[int]] | None = None  # per row, the tokens generated so far
@@ -64,6 +65,7 @@ class SamplingTensors:
             min_p=pick(self.min_p), repetition_penalty=pick(self.repetition_penalty), seed=pick(self.seed),
             counter=pick(self.counter), all_greedy=bool(self.temperature[i] == 0),
             history=None if self.history is None else [self.history[i]], want_logprobs=self.want_logprobs,
+            top_logprobs=self.top_logprobs,
             frequency_penalty=None if self.outputs is None else pick(self.frequency_penalty),
             presence_penalty=None if self.outputs is None else pick(self.presence_penalty),
             outputs=None if self.outputs is None else [self.outputs[i]])
@@ -91,8 +93,33 @@ def apply_frequency_presence(logits: torch.Tensor, frequency: torch.Tensor, pres
     logits -= frequency.to(logits.dtype)[:, None] * counts + presence.to(logits.dtype)[:, None] * (counts > 0)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits: [B, vocab] -> (token ids [B] int64, log-probabilities of those ids [B] or None)."""
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities under the model's own distribution (before any penalty or filter) of
+    chosen tokens, and the k most likely tokens of each row."""
+
+    chosen: torch.Tensor  # [R] float
+    top_ids: torch.Tensor  # [R, k] int64, most likely first (k may be 0)
+    top_values: torch.Tensor  # [R, k] float
+
+    def rows(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Per row: (the chosen token's logprob, [(id, logprob)] of the k most likely)."""
+        ids, values = self.top_ids.tolist(), self.top_values.tolist()
+        return [(c, list(zip(i, v))) for c, i, v in zip(self.chosen.tolist(), ids, values)]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TokenLogprobs:
+    """logits [R, vocab] (any float dtype), tokens [R] -> their log-probabilities and the top k."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [R, vocab]
+    top = logp.topk(k, dim=-1) if k else None
+    empty = torch.empty(logp.shape[0], 0, device=logp.device)
+    return TokenLogprobs(chosen=logp.gather(1, tokens[:, None]).squeeze(1),
+                         top_ids=top.indices if top else empty.long(), top_values=top.values if top else empty)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, TokenLogprobs | None]:
+    """logits: [B, vocab] -> (token ids [B] int64, their log-probabilities (and the top
+    `st.top_logprobs`) when any row asked for them, else None)."""
     work = torch.promote_types(logits.dtype, torch.float32)
     raw = logits.to(work)
     logits = raw.clone() if st.history is not None or st.outputs is not None else raw
@@ -103,10 +130,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
     ids = logits.argmax(dim=-1)
     if not st.all_greedy:
         ids = torch.where(st.temperature == 0, ids, _sample_random(logits, st))
-    logprobs = None
-    if st.want_logprobs:
-        logprobs = torch.log_softmax(raw, dim=-1).gather(1, ids[:, None]).squeeze(1)
-    return ids, logprobs
+    return ids, token_logprobs(raw, ids, st.top_logprobs) if st.want_logprobs else None
 
 
 def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -34,6 +34,9 @@ class Tokenizer:
                                    default=1)
         self.special_tokens = special_tokens
         self.chat_template = _compile_template(chat_template) if chat_template else None
+        # Byte-level vocabularies spell each byte as one printable character (GPT-2's table).
+        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} \
+            if isinstance(backend.decoder, decoders.ByteLevel) else None
 
     @classmethod
     def from_directory(cls, model_dir: str | Path) -> "Tokenizer":
@@ -86,6 +89,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for — possibly part of a multi-byte character — as the
+        OpenAI API reports them next to a token's logprob; special tokens as spelled."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_of is not None and all(c in self._byte_of for c in piece):
+            return bytes(self._byte_of[c] for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
 class IncrementalDetokenizer:

@@ -219,3 +219,25 @@ def test_demo_makes_its_model_and_compares_fused_with_one_at_a_time(tmp_path):
     assert serial_iters == 32 * 12  # one request at a time: one token per iteration
     assert fused_iters < serial_iters  # requests shared iterations
     assert "sooner" in out
+
+
+def test_records_carry_the_logprobs_a_line_asks_for(llama_dir, tmp_path):
+    import torch
+
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = [5, 17, 250, 3, 99]
+    write_jsonl(prompts, [{"id": "scored", "input_ids": ids, "prompt_logprobs": True, "logprobs": True,
+                           "top_logprobs": 2}, {"id": "plain", "input_ids": ids}])
+    run = flover_run(llama_dir, prompts, out, "--dtype", "float64", "--max-new-tokens", "3", "--ignore-eos",
+                     "--token-ids")
+    assert run.returncode == 0, run.stderr
+    by_id = {r["id"]: r for r in read_records(out)}
+    assert not {"logprobs", "prompt_logprobs", "top_logprobs"} & set(by_id["plain"])
+    scored = by_id["scored"]
+    engine = LLM(llama_dir, dtype="float64", max_seq_len=128).engine
+    logp = torch.log_softmax(engine.score(ids + scored["token_ids"]), dim=-1)
+    assert scored["prompt_logprobs"][0] is None
+    assert scored["prompt_logprobs"][1:] == pytest.approx([float(logp[p - 1, ids[p]]) for p in range(1, 5)], abs=1e-9)
+    assert [[t for t, _ in top] for top in scored["prompt_top_logprobs"][1:]] == \
+        [logp[p - 1].topk(2).indices.tolist() for p in range(1, 5)]
+    assert len(scored["logprobs"]) == len(scored["top_logprobs"]) == 3

@@ -346,9 +346,16 @@ def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
     cli = [sys.executable, "-m", "flover.cli"]
     for name, where in (("server", "server"), ("client", "clients"), ("stranger", "other")):
         subprocess.run([*cli, "keygen", str(tmp_path / where), "--name", name], check=True, capture_output=True)
+    http_port = free_port()
     srv = Server(llama_dir, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                 "--curve-allowed-clients", str(tmp_path / "clients"))
+                 "--curve-allowed-clients", str(tmp_path / "clients"), "--http", f"127.0.0.1:{http_port}")
     try:
+        import httpx
+
+        # the HTTP front reaches the CURVE socket with a key pair of its own, allowed by the daemon
+        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions",
+                            json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.text
         from zmq.auth import load_certificate
         server_key, _ = load_certificate(str(tmp_path / "server" / "server.key"))
         with Client(srv.addr, timeout=10, curve_server_key=server_key,

@@ -180,3 +180,60 @@ def test_threads_flag_and_kv_refusal(llama_dir):
         Engine(EngineConfig(llama_dir, max_slots=10**6, max_batch_tokens=10**6, max_seq_len=512))
     with pytest.raises(ValueError, match="max_batch_tokens"):
         Engine(EngineConfig(llama_dir, max_slots=8, max_batch_tokens=4))
+
+
+def test_prompt_and_output_logprobs_equal_engine_score_whatever_the_batch(llama_dir):
+    """`prompt_logprobs` (chunked prefills, fused with other requests arriving at random
+    iterations) and the generated tokens' logprobs and top-k alternatives equal those of
+    teacher-forced `Engine.score` of the whole sequence, in float64."""
+    rng = random.Random(5)
+    engine = Engine(EngineConfig(llama_dir, dtype="float64", max_slots=4, max_batch_tokens=16, max_seq_len=128))
+    pending = []
+    for n in range(10):
+        prompt = [rng.randrange(512) for _ in range(rng.choice([1, 2, 7, 23, 40]))]
+        asks = n % 3 != 2
+        k = rng.choice([0, 1, 5]) if asks else 0
+        params = SamplingParams(max_new_tokens=rng.randint(1, 6), ignore_eos=True, prompt_logprobs=asks,
+                                logprobs=asks and n % 2 == 0, top_logprobs=k, temperature=rng.choice([0.0, 0.8]),
+                                seed=n)
+        pending.append((rng.randrange(8), prompt, params))
+    finals, iteration = {}, 0
+    while len(finals) < len(pending):
+        for i, (arrives, prompt, params) in enumerate(pending):
+            if arrives == iteration:
+                engine.add_request(prompt, params, request_id=str(i))
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        iteration += 1
+    for i, (_, prompt, params) in enumerate(pending):
+        out = finals[str(i)]
+        logp = torch.log_softmax(engine.score(prompt + out.token_ids), dim=-1)  # [len, vocab]
+        if not params.prompt_logprobs:
+            assert out.prompt_logprobs is None and out.prompt_top_logprobs is None
+        else:
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            want = [float(logp[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+            assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-9), i
+            if params.top_logprobs:
+                for p in range(1, len(prompt)):
+                    top = logp[p - 1].topk(params.top_logprobs)
+                    assert [t for t, _ in out.prompt_top_logprobs[p]] == top.indices.tolist()
+                    assert [v for _, v in out.prompt_top_logprobs[p]] == pytest.approx(top.values.tolist(), abs=1e-9)
+            else:
+                assert out.prompt_top_logprobs is None
+        if params.logprobs:
+            rows = range(len(prompt) - 1, len(prompt) - 1 + len(out.token_ids))
+            want = [float(logp[r, t]) for r, t in zip(rows, out.token_ids)]
+            assert out.logprobs == pytest.approx(want, abs=1e-9), i
+            if params.top_logprobs:
+                assert [[t for t, _ in top] for top in out.top_logprobs] == \
+                    [logp[r].topk(params.top_logprobs).indices.tolist() for r in rows]
+        else:
+            assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_top_logprobs_need_a_logprobs_flag():
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=2)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(logprobs=True, top_logprobs=21)
+    SamplingParams(prompt_logprobs=True, top_logprobs=20)

@@ -207,10 +207,15 @@ def test_under_mpirun_rank_0_serves_http_with_the_tp1_answer(api, make_model):
     port = free_port()
     server = Server(make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", ranks=2)
     try:
-        body = {"prompt": "Hello the cat", "max_tokens": 10, "temperature": 0}
+        body = {"prompt": "Hello the cat", "max_tokens": 10, "temperature": 0, "echo": True, "logprobs": 3}
         tp2 = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         tp1 = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert tp2["choices"][0]["text"] == tp1["choices"][0]["text"]  # float64: exact
+        # the prompt's logprobs are gathered over the vocabulary blocks of both ranks
+        two, one = tp2["choices"][0]["logprobs"], tp1["choices"][0]["logprobs"]
+        assert two["tokens"] == one["tokens"] and two["token_logprobs"][0] is None
+        assert two["token_logprobs"][1:] == pytest.approx(one["token_logprobs"][1:], abs=1e-9)
+        assert [sorted(d) for d in two["top_logprobs"][1:]] == [sorted(d) for d in one["top_logprobs"][1:]]
     finally:  # SIGUSR1: mpirun forwards it and the leader drains, then stops its HTTP front
         assert server.stop(signal.SIGUSR1)[0] == 0
     with pytest.raises(httpx.ConnectError):
@@ -278,3 +283,82 @@ def test_flover_bench_measures_any_openai_endpoint(api, tmp_path):
     assert result["meta"]["model"] == model_id(url) and summary["ttft_p50_s"] > 0
     assert stats(server)["completed"] == before + 4
     assert "| endpoint |" in run.stdout
+
+
+def test_echo_and_logprobs_equal_engine_score(api, make_model):
+    """What lm-evaluation-harness asks for likelihoods (`echo` + `logprobs: k`, max_tokens 1 or
+    0): the prompt's token logprobs and top-k equal teacher-forced `Engine.score` (float64, the
+    server's dtype); generated tokens' too; streamed logprobs equal the answer's."""
+    import torch
+
+    from flover import LLM, SamplingParams
+
+    _, url = api
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    model = model_id(url)
+    llm = LLM(make_model("llama"), dtype="float64", max_seq_len=512)
+    prompt = "Hello the cat runs fast over the river"
+    ids = llm.tokenizer.encode(prompt)
+    generated = llm.generate([ids], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids
+    logp = torch.log_softmax(llm.engine.score(ids + generated), dim=-1)  # [len, vocab]
+    piece = lambda t: llm.tokenizer.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
+
+    scored = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=3, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == [piece(t) for t in ids] and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [float(logp[p - 1, ids[p]]) for p in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-9)
+    for p in range(1, len(ids)):
+        top = logp[p - 1].topk(3)
+        expected = {piece(t): v for t, v in zip(top.indices.tolist(), top.values.tolist())}
+        expected.setdefault(piece(ids[p]), want[p - 1])  # the prompt's own token is always listed
+        assert lp.top_logprobs[p] == pytest.approx(expected, abs=1e-9)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+
+    both = client.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    lp = both.choices[0].logprobs
+    assert both.choices[0].text == llm.tokenizer.decode(ids) + llm.tokenizer.decode(generated)
+    rows = range(len(ids) - 1, len(ids) - 1 + len(generated))
+    assert lp.tokens == [piece(t) for t in ids + generated]
+    assert lp.token_logprobs[1:] == pytest.approx(want + [float(logp[r, t]) for r, t in zip(rows, generated)],
+                                                  abs=1e-9)
+    # lm-evaluation-harness: max_tokens 1, the continuation's logprobs are [ctxlen:-1]
+    context = llm.tokenizer.encode("Hello the cat")
+    harness = client.completions.create(model=model, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    continuation = harness.choices[0].logprobs.token_logprobs[len(context):-1]
+    assert sum(continuation) == pytest.approx(float(sum(logp[p - 1, ids[p]] for p in range(len(context), len(ids)))),
+                                              abs=1e-9)
+
+    streamed = list(client.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=5,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert [t for piece_ in pieces for t in piece_.tokens] == lp.tokens
+    assert [v for piece_ in pieces for v in piece_.token_logprobs] == lp.token_logprobs
+    assert [o for piece_ in pieces for o in piece_.text_offset] == lp.text_offset
+    assert "".join(c.choices[0].text for c in streamed) == both.choices[0].text
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-12 for entry in content)  # greedy: the best
+    chat_ids = llm.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    answer = llm.generate([chat_ids], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert [bytes(entry.bytes) for entry in content] == [llm.tokenizer.token_bytes(t) for t in answer]
+    chat_logp = torch.log_softmax(llm.engine.score(chat_ids + answer), dim=-1)
+    assert [e.logprob for e in content] == pytest.approx(
+        [float(chat_logp[len(chat_ids) - 1 + i, t]) for i, t in enumerate(answer)], abs=1e-9)
+    stream = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=0, logprobs=True, stream=True))
+    assert [e.logprob for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == \
+        pytest.approx([e.logprob for e in content], abs=1e-12)
+
+    for bad in (dict(logprobs=21), dict(logprobs=True), dict(max_tokens=0), dict(extra_body={"top_logprobs": 2})):
+        with pytest.raises(openai.BadRequestError, match="logprobs|max_tokens"):
+            client.completions.create(model=model, prompt=prompt, **{"max_tokens": 2, **bad})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       top_logprobs=2)

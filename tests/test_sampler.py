@@ -79,10 +79,17 @@ def test_repetition_penalty_matches_transformers():
         expected[row] = proc(torch.tensor([history[row]]), logits[row: row + 1].clone())[0]
     st = tensors(2, temperature=0.0, history=history, logprobs=True)
     st.repetition_penalty.copy_(torch.tensor([1.3, 0.7]))
+    st.top_logprobs = 3
     ids, logprobs = sample(logits, st)
     assert torch.equal(ids, expected.argmax(-1))
-    # log-probabilities are reported for the model's own distribution
-    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1))
+    # log-probabilities are reported for the model's own distribution (before the penalty)
+    reference = torch.log_softmax(logits, -1)
+    assert torch.allclose(logprobs.chosen, reference.gather(1, ids[:, None]).squeeze(1))
+    top = reference.topk(3, dim=-1)
+    assert torch.equal(logprobs.top_ids, top.indices) and torch.allclose(logprobs.top_values, top.values)
+    rows = logprobs.rows()
+    assert [len(alternatives) for _, alternatives in rows] == [3, 3]
+    assert rows[1][1][0] == (int(top.indices[1, 0]), float(top.values[1, 0]))
 
 
 def test_frequency_and_presence_penalties_follow_openais_definition():

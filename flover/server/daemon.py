@@ -56,7 +56,21 @@ class ServeConfig:
     max_intake_seconds: float = 0.02  # ... nor can expensive messages (tokenizing) while requests run
     curve_secret_key: str | None = None  # server certificate (zmq.auth format), enables CURVE
     curve_allowed_clients: str | None = None  # directory of allowed client public certificates
+    curve_extra_clients: tuple[bytes, ...] = ()  # public keys (z85) allowed besides: the HTTP front's own
     handle_signals: bool = True  # SIGTERM/SIGINT/SIGUSR1 start the drain (main thread only)
+
+
+class AllowedKeys:
+    """ZAP's CURVE check: the public certificates of a directory (read once, at start-up) and
+    the keys given besides."""
+
+    def __init__(self, directory: str, extra: tuple[bytes, ...]):
+        import zmq.auth
+
+        self.keys = set(zmq.auth.load_certificates(directory)) | set(extra)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
 
 
 @dataclass
@@ -134,7 +148,7 @@ class Daemon:
         allowed = self.config.curve_allowed_clients
         if not allowed or not Path(allowed).is_dir():
             raise ValueError("CURVE needs --curve-allowed-clients DIR (the clients' public certificates)")
-        self.auth.configure_curve(domain="*", location=allowed)
+        self.auth.configure_curve_callback("*", AllowedKeys(allowed, self.config.curve_extra_clients))
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
 
     def _send(self, identity: bytes, event: dict, envelope: bool = False) -> bool:
@@ -400,8 +414,7 @@ class Daemon:
                     self.metrics.token_gap(now - flight.last_token_at)
                 flight.last_token_at = now
             if flight.stream and not flight.overflowed and (out.new_token_ids or out.text_delta):
-                if not self._send(flight.identity, p.token_event(flight.client_id, out.new_token_ids,
-                                                                 out.text_delta)):
+                if not self._send(flight.identity, p.token_event(flight.client_id, out)):
                     continue
                 flight.tokens_sent += len(out.new_token_ids)
             if not out.finished:

@@ -8,7 +8,8 @@ per choice) -> the socket -> the engine -> token/final events -> chunks or one J
     python -m flover.server.http_api --engine tcp://127.0.0.1:5555 --listen 127.0.0.1:8000 --model M
 
 (`flover serve --http` starts it and stops it with the daemon; the API key comes in the
-environment variable FLOVER_API_KEY so that it never shows in a process list.)
+environment variable FLOVER_API_KEY so that it never shows in a process list; so do the CURVE
+keys when the socket uses CURVE: FLOVER_CURVE_SERVER_KEY, _PUBLIC_KEY, _SECRET_KEY, z85.)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import AsyncClient, FloverError
 from flover.server import openai_api as oa
-from flover.server.http_front import parse_listen
+from flover.server.http_front import CURVE_ENV, parse_listen
 from flover.server.prometheus import render
 
 log = logging.getLogger("flover.http")
@@ -49,11 +50,12 @@ class Front:
     """The app's state: one AsyncClient to the daemon, the tokenizer, the served name."""
 
     def __init__(self, engine_addr: str, model_name: str, tokenizer, api_key: str | None,
-                 parent_pid: int | None = None):
+                 parent_pid: int | None = None, curve: tuple[bytes, bytes, bytes] | None = None):
         """`parent_pid`: the daemon that started this front; the front stops when it is gone
-        (also when it was killed and could not stop the front itself)."""
+        (also when it was killed and could not stop the front itself). `curve`: (the daemon's
+        public key, this front's public and secret keys) when the socket uses CURVE."""
         self.engine_addr, self.model_name, self.tokenizer, self.api_key = engine_addr, model_name, tokenizer, api_key
-        self.parent_pid = parent_pid
+        self.parent_pid, self.curve = parent_pid, curve
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self._background: set[asyncio.Task] = set()
@@ -91,7 +93,9 @@ class RequireKey:
 def build_app(front: Front) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        front.client = AsyncClient(front.engine_addr)
+        curve = front.curve
+        front.client = AsyncClient(front.engine_addr, curve_server_key=curve[0] if curve else None,
+                                   curve_client_cert=curve[1:] if curve else None)
         watch = asyncio.ensure_future(_stop_when_orphaned(front.parent_pid)) if front.parent_pid else None
         try:
             yield
@@ -166,30 +170,62 @@ def build_app(front: Front) -> FastAPI:
             return error_response(e)
         return {"prompt": front.tokenizer.decode(ids)}
 
-    async def tokenize_chat(p: oa.Plan) -> None:
-        """Chat prompts are rendered and tokenized here, so that a chat without max_tokens may
-        answer up to the context's end (OpenAI's default) rather than the socket's default 16."""
+    async def context_length() -> int | None:
         if front.max_model_len is None:
             with contextlib.suppress(FloverError, asyncio.TimeoutError):
                 await front.health()
+        return front.max_model_len
+
+    def encode(text: str, limit: int | None, param: str, special: bool = True) -> list[int]:
+        """Tokenize here, refusing first (like the daemon) a text too long to fit any context."""
+        if front.tokenizer is None:
+            raise oa.ApiError(400, f"{param}: this checkpoint has no tokenizer; send token ids", param=param)
+        if limit is not None and len(text.encode("utf-8", "surrogatepass")) > limit * front.tokenizer.max_token_bytes:
+            raise oa.ApiError(400, f"{param}: too long for the context of {limit} tokens", "prompt_too_long", param)
+        return front.tokenizer.encode(text, add_special_tokens=special)
+
+    async def tokenize_chat(p: oa.Plan) -> None:
+        """Chat prompts are rendered and tokenized here, so that a chat without max_tokens may
+        answer up to the context's end (OpenAI's default) rather than the socket's default 16."""
+        limit = await context_length()
         rendered: dict[int, list[int]] = {}  # the n choices of one conversation share its source
         for choice in p.choices:
             key = id(choice.source)
             if key not in rendered:
+                if front.tokenizer is None:
+                    raise oa.ApiError(400, "messages: this checkpoint has no tokenizer", param="messages")
                 try:
-                    rendered[key] = front.tokenizer.encode_chat(choice.source["messages"])
+                    text = front.tokenizer.render_chat(choice.source["messages"])
                 except ValueError as e:  # no chat template, a template error
                     raise oa.ApiError(400, str(e), param="messages") from None
+                rendered[key] = encode(text, limit, "messages", special=False)
             ids = rendered[key]
             choice.source = {"input_ids": ids}
-            if "max_new_tokens" not in choice.params and front.max_model_len is not None:
-                choice.params["max_new_tokens"] = max(1, front.max_model_len - len(ids))
+            if "max_new_tokens" not in choice.params and limit is not None:
+                choice.params["max_new_tokens"] = max(1, limit - len(ids))
+
+    async def tokenize_echoed(p: oa.Plan) -> None:
+        """`echo`: the answer lists the prompt's tokens, so the prompt is tokenized here (the ids
+        the daemon then runs are the ones listed) and an id prompt's text is decoded."""
+        limit = await context_length()
+        for choice in p.choices:
+            if "prompt" in choice.source:
+                choice.source = {"input_ids": encode(choice.source["prompt"], limit, "prompt")}
+            elif front.tokenizer is not None:
+                choice.echo = front.tokenizer.decode(choice.source["input_ids"])
+            else:
+                choice.echo = ""
+
+    def token_bytes(token_id: int) -> bytes:
+        return front.tokenizer.token_bytes(token_id) if front.tokenizer is not None else f"token_id:{token_id}".encode()
 
     async def generate(request: Request, kind: str):
         try:
             p = oa.plan(await _json(request), kind, front.model_name, log.warning)
             if p.kind == "chat":
                 await tokenize_chat(p)
+            elif p.echo:
+                await tokenize_echoed(p)
         except oa.ApiError as e:
             return error_response(e)
         rids = [f"http-{uuid.uuid4().hex[:12]}-{c.index}" for c in p.choices]
@@ -204,7 +240,7 @@ def build_app(front: Front) -> FastAPI:
                 if failed:
                     raise failed[0].exception()
                 if not pending:
-                    return oa.response(p, front.model_name, [t.result() for t in tasks])
+                    return oa.response(p, front.model_name, [t.result() for t in tasks], token_bytes)
                 if await request.is_disconnected():  # the client left: free its slots within an iteration
                     return JSONResponse({}, status_code=499)  # nobody reads it
         except FloverError as e:
@@ -241,6 +277,7 @@ def build_app(front: Front) -> FastAPI:
 
         async def body():
             started: set[int] = set()
+            offsets = [0] * len(rids)  # characters of token text streamed per choice (completions' text_offset)
             finals: list[dict | None] = [None] * len(rids)
             item = first
             try:
@@ -250,15 +287,21 @@ def build_app(front: Front) -> FastAPI:
                         finished.add(index)
                         yield _sse(from_daemon(event).body())
                         break
-                    text = event.get("text") if event["event"] == "token" else None
-                    reason = event["finish_reason"] if event["event"] == "final" else None
-                    if p.kind == "chat" and index not in started and reason is not None:
-                        yield _sse(oa.chunk(p, front.model_name, index, None, None, first=True))
+                    is_first = index not in started
+                    if event["event"] == "token":
+                        text, logprobs = oa.stream_piece(p, p.choices[index], event, is_first, offsets[index],
+                                                         token_bytes)
+                        if text or logprobs or is_first:
+                            yield _sse(oa.chunk(p, front.model_name, index, text, None, is_first, logprobs))
+                            started.add(index)
+                            if logprobs and "tokens" in logprobs:  # offsets count token texts, as the answer's
+                                offsets[index] += sum(map(len, logprobs["tokens"]))
+                    else:  # the final: finish_reason in a chunk of its own, after every token
+                        if p.kind == "chat" and is_first:
+                            yield _sse(oa.chunk(p, front.model_name, index, None, None, first=True))
+                        yield _sse(oa.chunk(p, front.model_name, index, None, event["finish_reason"],
+                                            first=is_first and p.kind != "chat"))
                         started.add(index)
-                    if text or reason is not None or index not in started:
-                        yield _sse(oa.chunk(p, front.model_name, index, text, reason, first=index not in started))
-                        started.add(index)
-                    if reason is not None:
                         finished.add(index)
                         finals[index] = event
                         if len(finished) == len(rids):
@@ -313,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
     host, port = parse_listen(args.listen)
     tokenizer = load_tokenizer(open_checkpoint(args.model))
+    keys = [os.environ.get(name, "").encode() for name in CURVE_ENV]
     front = Front(args.engine, args.served_model_name or args.model, tokenizer, os.environ.get("FLOVER_API_KEY"),
-                  args.parent)
+                  args.parent, curve=tuple(keys) if all(keys) else None)
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
     config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, timeout_graceful_shutdown=2,

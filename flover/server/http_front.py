@@ -30,18 +30,25 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE_SECRET_KEY")
+
+
 def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
-                     timeout: float = 120.0) -> subprocess.Popen:
-    """The front's process, once it answers HTTP; OSError naming the address if it cannot."""
+                     curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0) -> subprocess.Popen:
+    """The front's process, once it answers HTTP; OSError naming the address if it cannot.
+    `curve`: (the daemon's public key, the front's public and secret keys), z85."""
     host, port = parse_listen(listen)
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise OSError(f"cannot serve HTTP on {listen}: {e.strerror or e}") from None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("FLOVER_API_KEY", None)
+    for name in ("FLOVER_API_KEY", *CURVE_ENV):
+        env.pop(name, None)
     if api_key:
         env["FLOVER_API_KEY"] = api_key
+    if curve:
+        env.update({name: key.decode() for name, key in zip(CURVE_ENV, curve)})
     with sock:
         proc = subprocess.Popen([sys.executable, "-m", "flover.server.http_api", "--engine", engine_address(bind),
                                  "--fd", str(sock.fileno()), "--listen", listen, "--model", model,

@@ -25,6 +25,7 @@ NEUTRAL = {"model", "prompt", "messages", "stream", "stream_options", "user", "n
            "tool_choice", "response_format", "best_of", "suffix", "logit_bias", "stop_token_ids", "parallel_tool_calls",
            "metadata", "store", "service_tier"}
 MAX_CHOICES = 64  # prompts × n of one HTTP request
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; the legacy API allowed 5)
 
 
 class ApiError(Exception):
@@ -49,6 +50,7 @@ class Choice:
     source: dict  # exactly one of prompt / input_ids / messages
     params: dict
     counts_prompt: bool  # the first sample of its prompt: usage counts each prompt once, as OpenAI does
+    echo: str | None = None  # `echo`: the prompt's text, put before the completion
 
 
 @dataclass
@@ -57,6 +59,9 @@ class Plan:
     choices: list[Choice]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # asked for logprobs, with this many alternatives per token
+    echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) before the completion
+    score_only: bool = False  # completions with echo and max_tokens 0: the prompt's logprobs, no completion
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,9 +94,6 @@ def sampling_params(body: dict, chat: bool) -> dict:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise unsupported("response_format", "only {\"type\": \"text\"} is supported yet")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        param = "echo" if body.get("echo") else "logprobs"
-        raise unsupported(param, "not supported by the HTTP API yet")
     if body.get("logit_bias"):
         raise unsupported("logit_bias", "not supported yet")
     if _integer(body, "best_of", 1) not in (None, 1):
@@ -99,9 +101,18 @@ def sampling_params(body: dict, chat: bool) -> dict:
     if body.get("suffix") is not None:
         raise unsupported("suffix", "not supported")
     params: dict = {}
+    k = logprobs_asked(body, chat)
+    if k is not None:
+        params.update(logprobs=True, top_logprobs=k)
+        if body.get("echo"):
+            params["prompt_logprobs"] = True
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, limit, 1)
-    if max_tokens is not None:
+    max_tokens = _integer(body, limit, 0)
+    if max_tokens == 0:
+        if chat or not body.get("echo"):
+            raise ApiError(400, f"{limit}: 0 is only meaningful with echo (scoring a prompt)", param=limit)
+        params["max_new_tokens"] = 1  # the one generated token is left out of the answer
+    elif max_tokens is not None:
         params["max_new_tokens"] = max_tokens
     elif not chat:
         params["max_new_tokens"] = 16  # OpenAI's completions default; a chat answers up to the context (http_api)
@@ -120,6 +131,32 @@ def sampling_params(body: dict, chat: bool) -> dict:
         if body.get(key) is not None:
             params[key] = body[key]
     return params
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """None when no logprobs are asked, else the number of alternatives per token. Chat:
+    `logprobs: true` + `top_logprobs: k`; completions: `logprobs: k` (and `echo` for the prompt's)."""
+    if chat:
+        if body.get("echo") is not None:
+            raise ApiError(400, "echo: a field of /v1/completions, not of chat", param="echo")
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ApiError(400, f"logprobs: expected true or false, got {wanted!r}", param="logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+            raise ApiError(400, f"top_logprobs: expected an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if top and not wanted:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "top_logprobs: a chat field; /v1/completions takes logprobs: k", param="top_logprobs")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ApiError(400, f"echo: expected true or false, got {echo!r}", param="echo")
+    k = body.get("logprobs")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+        raise ApiError(400, f"logprobs: expected an integer in [0, {MAX_LOGPROBS}] or null", param="logprobs")
+    return k
 
 
 def chat_messages(messages) -> list[dict]:
@@ -177,53 +214,103 @@ def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
     n = _integer(body, "n", 1) or 1
     if len(sources) * n > MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {len(sources) * n}: at most {MAX_CHOICES} per request", param="n")
+    echo = bool(body.get("echo")) and not chat
     choices = []
     for source in sources:
         for sample in range(n):
             p = dict(params)
             if n > 1 and p.get("seed") is not None and isinstance(p["seed"], int):
                 p["seed"] = p["seed"] + sample  # n different samples, each reproducible
-            choices.append(Choice(len(choices), source, p, counts_prompt=sample == 0))
+            choices.append(Choice(len(choices), source, p, counts_prompt=sample == 0,
+                                  echo=source.get("prompt") if echo else None))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream: expected a boolean", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options: expected an object", param="stream_options")
-    return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream)
+    return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream,
+                logprobs=logprobs_asked(body, chat), echo=echo, score_only=echo and body.get("max_tokens") == 0)
 
 
 # -- answers ---------------------------------------------------------------------------------------
 def usage(p: Plan, finals: list[dict]) -> dict:
     prompt = sum(f["usage"]["prompt_tokens"] for c, f in zip(p.choices, finals) if c.counts_prompt)
-    completion = sum(f["usage"]["completion_tokens"] for f in finals)
+    completion = 0 if p.score_only else sum(f["usage"]["completion_tokens"] for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def response(p: Plan, model: str, finals: list[dict]) -> dict:
-    """The non-streamed answer; finals[i] is choice i's final event."""
+def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:
+    """The non-streamed answer; finals[i] is choice i's final event. `token_bytes(id)`: what a
+    token stands for (the tokenizer's), for logprobs."""
     if p.kind == "chat":
         choices = [{"index": c.index, "message": {"role": "assistant", "content": f["text"]},
-                    "finish_reason": f["finish_reason"], "logprobs": None} for c, f in zip(p.choices, finals)]
+                    "finish_reason": f["finish_reason"], "logprobs": _logprobs(p, c, f, token_bytes)}
+                   for c, f in zip(p.choices, finals)]
         return {"id": f"chatcmpl-{p.id}", "object": "chat.completion", "created": p.created, "model": model,
                 "choices": choices, "usage": usage(p, finals)}
-    choices = [{"index": c.index, "text": f["text"], "finish_reason": f["finish_reason"], "logprobs": None}
+    choices = [{"index": c.index, "text": (c.echo or "") + ("" if p.score_only else f["text"]),
+                "finish_reason": f["finish_reason"], "logprobs": _logprobs(p, c, f, token_bytes)}
                for c, f in zip(p.choices, finals)]
     return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
             "choices": choices, "usage": usage(p, finals)}
 
 
 def chunk(p: Plan, model: str, index: int, text: str | None, finish_reason: str | None,
-          first: bool = False) -> dict:
+          first: bool = False, logprobs: dict | None = None) -> dict:
     """One streamed chunk of choice `index` (`finish_reason` only in its last chunk)."""
     if p.kind == "chat":
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return {"id": f"chatcmpl-{p.id}", "object": "chat.completion.chunk", "created": p.created, "model": model,
                 "choices": [choice]}
-    choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+    choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
     return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
             "choices": [choice]}
+
+
+def stream_piece(p: Plan, c: Choice, event: dict, first: bool, offset: int, token_bytes) -> tuple[str, dict | None]:
+    """A token event of choice `c` -> (the chunk's text, its logprobs object or None). The first
+    event of an echoed completion also carries the prompt (and its logprobs); `offset`: the
+    characters of token text of this choice streamed before (for `text_offset`)."""
+    text = "" if p.score_only else (event.get("text") or "")
+    if first and c.echo is not None:
+        text = c.echo + text
+    return text, _logprobs(p, c, event, token_bytes, offset, prompt=first)
+
+
+def _logprobs(p: Plan, c: Choice, f: dict, token_bytes, offset: int = 0, prompt: bool = True) -> dict | None:
+    """The logprobs object of one choice from a final (or token) event's fields, in OpenAI's
+    chat or legacy completions shape; with echo, the prompt's tokens come first."""
+    if p.logprobs is None:
+        return None
+    ids, values, tops = [], [], []
+    if p.echo and prompt:
+        ids += c.source["input_ids"]
+        values += f.get("prompt_logprobs", [None] * len(c.source["input_ids"]))
+        tops += f.get("prompt_top_logprobs") or [None] * len(values)
+    if not p.score_only:
+        new = f.get("token_ids", [])
+        ids += new
+        values += f.get("logprobs", [])
+        tops += f.get("top_logprobs") or [[]] * len(new)
+    pieces = {t: token_bytes(t) for t in {*ids, *(t for top in tops if top for t, _ in top)}}
+    text = lambda t: pieces[t].decode("utf-8", errors="replace")  # noqa: E731
+    if p.kind == "chat":
+        entry = lambda t, v: {"token": text(t), "logprob": v, "bytes": list(pieces[t])}  # noqa: E731
+        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, w) for a, w in top or []]}
+                            for t, v, top in zip(ids, values, tops)], "refusal": None}
+    offsets, dicts = [], []
+    for t, v, top in zip(ids, values, tops):
+        offsets.append(offset)
+        offset += len(text(t))
+        if v is None:  # the first prompt token: nothing predicts it
+            dicts.append(None)
+            continue
+        alternatives = {text(a): w for a, w in top or []}
+        alternatives.setdefault(text(t), v)  # OpenAI: the chosen token is always among them
+        dicts.append(alternatives)
+    return {"tokens": [text(t) for t in ids], "token_logprobs": values, "top_logprobs": dicts, "text_offset": offsets}
 
 
 def usage_chunk(p: Plan, model: str, finals: list[dict]) -> dict:

@@ -144,16 +144,43 @@ def error_event(code: str, message: str, request_id: str | int | None = None) ->
     return {"event": "error", "id": request_id, "code": code, "message": message}
 
 
-def token_event(request_id: str | int, token_ids: list[int], text: str | None) -> dict:
-    return {"event": "token", "id": request_id, "token_ids": token_ids, "text": text}
+def token_event(request_id: str | int, out) -> dict:
+    """The tokens `out` (a RequestOutput) adds, their text, and their logprobs when asked; the
+    first token event also carries the prompt's logprobs when asked."""
+    event = {"event": "token", "id": request_id, "token_ids": out.new_token_ids, "text": out.text_delta}
+    new = len(out.new_token_ids)
+    if out.logprobs is not None:
+        event["logprobs"] = out.logprobs[len(out.logprobs) - new:]
+    if out.top_logprobs is not None:
+        event["top_logprobs"] = _pairs(out.top_logprobs[len(out.top_logprobs) - new:])
+    if new and len(out.token_ids) == new:
+        event.update(_prompt_logprobs(out))
+    return event
 
 
 def final_event(request_id: str | int, out, streamed: bool) -> dict:
     t = out.timings
     event = {"event": "final", "id": request_id, "finish_reason": out.finish_reason, "usage": out.usage,
              "timings": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]}}
-    if not streamed:  # a stream already carried every token and all the text
+    if not streamed:  # a stream already carried every token, all the text and the logprobs
         event["text"], event["token_ids"] = out.text, out.token_ids
-    if out.logprobs is not None:
-        event["logprobs"] = out.logprobs
+        if out.logprobs is not None:
+            event["logprobs"] = out.logprobs
+        if out.top_logprobs is not None:
+            event["top_logprobs"] = _pairs(out.top_logprobs)
+        event.update(_prompt_logprobs(out))
     return event
+
+
+def _pairs(tops: list) -> list:
+    """[(id, logprob)] per position -> [[id, logprob]] (None stays None): msgpack has no tuples."""
+    return [None if top is None else [[t, v] for t, v in top] for top in tops]
+
+
+def _prompt_logprobs(out) -> dict:
+    if out.prompt_logprobs is None:
+        return {}
+    fields = {"prompt_logprobs": out.prompt_logprobs}
+    if out.prompt_top_logprobs is not None:
+        fields["prompt_top_logprobs"] = _pairs(out.prompt_top_logprobs)
+    return fields
