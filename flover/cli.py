@@ -31,6 +31,9 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: cores available)")
     g.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
+                   help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
+                        "the same way (LRU; default 256; 0 turns it off)")
 
 
 def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
@@ -39,7 +42,8 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, ranks),
                         quantization=args.quantization,
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
-                        max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed)
+                        max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed,
+                        prefix_cache_mib=args.prefix_cache)
 
 
 def _is_follower_rank() -> bool:

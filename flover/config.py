@@ -168,6 +168,7 @@ class EngineConfig:
     max_batch_tokens: int = 512  # token budget of one iteration (prompts are chunked to fit)
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     seed: int = 0  # seeds requests that bring no seed of their own
+    prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -183,5 +184,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_batch_tokens={self.max_batch_tokens} must be >= max_slots={self.max_slots}"
             )
+        if not 0 <= self.prefix_cache_mib < 2**30:
+            raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}: must be >= 1")

@@ -23,11 +23,12 @@ import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
 from flover.hardware import resolve_dtype
-from flover.kv_buffer import SlotBuffer
+from flover.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.models import load_model, open_checkpoint
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
 from flover.parallel.plan import AddEvent, StepPlanMessage
+from flover.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.output import OutputProcessor
 from flover.request import Request, RequestOutput, RequestState, Timings
 from flover.runner import ModelRunner
@@ -74,15 +75,24 @@ class Engine:
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                            comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization)
         self.tokenizer = load_tokenizer(checkpoint)
+        # Per rank; the same block count on every rank (kv heads split evenly), which keeps their
+        # prefix indexes making the same decisions (docs/prefix_cache.md).
+        block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
+        prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
         buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
-                            cfg.head_dim, self.dtype, self.device)
+                            cfg.head_dim, self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS)
+        per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
         if self.is_leader:
             log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20,
-                     f" per rank x {ranks} ranks" if ranks > 1 else "", config.max_slots, self.max_seq_len,
+                     per_rank, config.max_slots, self.max_seq_len,
                      config.dtype, f", weights {config.quantization}" if config.quantization != "none" else "")
+            log.info("prefix cache: %s", f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {prefix_blocks} blocks of "
+                     f"{BLOCK_TOKENS} tokens ({prefix_blocks * BLOCK_TOKENS} tokens), LRU"
+                     if prefix_blocks else "off")
         self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
-        self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens)
+        self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
+        self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
@@ -266,14 +276,15 @@ class Engine:
         plan = self.scheduler.schedule()
         for request in plan.retired:
             self.requests.pop(request.request_id, None)
+        if plan.saves:
+            self.runner.save_prefixes(plan)
         if plan.moves:
             self.runner.apply_moves(plan.moves)
         if plan.empty:
             return outputs
         now = time.perf_counter()
-        for chunk in plan.prefill:
-            if chunk.start == 0:
-                chunk.request.timings.scheduled = now
+        for request in plan.admitted:
+            request.timings.scheduled = now
         runner = self.runner
         runner.admit(plan)
         batch, rows = runner.build_batch(plan)

@@ -1,5 +1,6 @@
 """The contiguous slot buffer: one KV tensor for the whole model plus per-slot state, and the
-two-step memory shuffle that keeps live requests in slots [0, n).
+two-step memory shuffle that keeps live requests in slots [0, n); beside it, the prefix pool
+that keeps recent sequences' KV blocks (flover/prefix_cache.py plans what goes where).
 
 Step 1 (`plan_compaction`, pure Python): the fewest slot moves that make the live slots
 contiguous again. Step 2 (`SlotBuffer.apply_moves`): one batched copy per buffer.
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from flover.prefix_cache import BlockCopy
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +66,29 @@ class SlotBuffer:
     """
 
     def __init__(self, num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, prefix_blocks: int = 0,
+                 block_tokens: int = 16):
+        """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none)."""
+        if prefix_blocks:  # whole blocks per slot, so that a slot's blocks are one view away
+            max_seq_len = -(-max_seq_len // block_tokens) * block_tokens
         need = kv_cache_bytes(num_layers, max_slots, kv_heads, max_seq_len, head_dim, dtype)
+        pool = kv_cache_bytes(num_layers, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
         have = available_memory_bytes(device)
-        if need > have:
+        if need + pool > have:
             raise MemoryError(
                 f"KV cache needs {need / 2**20:.1f} MiB ({num_layers} layers x 2 x {max_slots} slots x "
-                f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}) but only "
-                f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots or --max-seq-len"
+                f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype})"
+                f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''} but only "
+                f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
             )
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
         self.kv = torch.zeros(num_layers, 2, max_slots, kv_heads, max_seq_len, head_dim,
                               dtype=dtype, device=device)
-        self.nbytes = need
+        # Pool rows are only read after a store wrote them: empty is safe (and costs no page faults).
+        self.pool = torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim,
+                                dtype=dtype, device=device) if prefix_blocks else None
+        self.block_tokens = block_tokens
+        self.nbytes, self.pool_nbytes = need, pool
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.device = device
@@ -103,3 +116,29 @@ class SlotBuffer:
         self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+    # -- the prefix pool: one batched copy each way ------------------------------------------
+    def _slot_blocks(self) -> torch.Tensor:
+        """The KV viewed as [layers, 2, slots, heads, blocks per slot, block_tokens, dim]."""
+        L, two, S, H, P, D = self.kv.shape
+        return self.kv.view(L, two, S, H, P // self.block_tokens, self.block_tokens, D)
+
+    def save_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Slot positions -> pool rows (before the shuffle moves the slots)."""
+        if not copies:
+            return
+        slots, blocks, rows = self._index(copies)
+        picked = self._slot_blocks()[:, :, slots, :, blocks]  # [n, layers, 2, heads, block_tokens, dim]
+        self.pool.index_copy_(2, rows, picked.permute(1, 2, 0, 3, 4, 5))
+
+    def load_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Pool rows -> slot positions (into newly admitted slots, after the shuffle)."""
+        if not copies:
+            return
+        slots, blocks, rows = self._index(copies)
+        self._slot_blocks()[:, :, slots, :, blocks] = self.pool.index_select(2, rows).permute(2, 0, 1, 3, 4, 5)
+
+    def _index(self, copies: Sequence[BlockCopy]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        return (as_tensor([c.slot for c in copies]), as_tensor([c.position // self.block_tokens for c in copies]),
+                as_tensor([c.block for c in copies]))

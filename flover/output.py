@@ -73,7 +73,8 @@ class OutputProcessor:
         # Built here rather than by output(): the failure may lie in the text path output() uses.
         return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
                              token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
-                             logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why)
+                             logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why,
+                             cached_tokens=r.cached_tokens)
 
     @staticmethod
     def _hit_stop_string(r: Request, delta: str) -> bool:
@@ -97,7 +98,7 @@ class OutputProcessor:
             token_ids=list(r.output_token_ids), text=text, finished=r.finished,
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             logprobs=r.output_logprobs if r.params.logprobs else None,
-            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error,
+            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error, cached_tokens=r.cached_tokens,
             top_logprobs=r.output_top_logprobs if r.params.logprobs and r.params.top_logprobs else None,
             **self._prompt_logprobs(r),
         )

@@ -68,6 +68,8 @@ class Request:
     state: RequestState = RequestState.WAITING
     slot: int | None = None
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
+    cached_tokens: int = 0  # of those, copied from the prefix cache instead of computed
+    prompt_saved: bool = False  # the prompt's blocks went to the prefix cache
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # and top_logprobs > 0
@@ -91,6 +93,12 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prompt_len
+
+    @property
+    def kv_len(self) -> int:
+        """Positions of the sequence (prompt + output) whose K/V are in the slot: every token fed
+        to the model, i.e. all but the last one sampled."""
+        return self.num_computed if self.prefilling else self.prompt_len + max(0, len(self.output_token_ids) - 1)
 
     @property
     def finished(self) -> bool:
@@ -118,10 +126,12 @@ class RequestOutput:
     timings: dict
     error: str | None = None
     text_delta: str | None = None  # streaming requests: new text (never part of a stop string)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: [(id, logprob)] of the top k
     prompt_logprobs: list[float | None] | None = None  # per prompt token (None for the first), when asked
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids)}
+        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids),
+                "cached_tokens": self.cached_tokens}

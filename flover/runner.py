@@ -72,6 +72,10 @@ class ModelRunner:
         self._presence_penalty = state("presence_penalty", torch.float32)
         self._seed = state("seed", torch.int64)
 
+    def save_prefixes(self, plan: StepPlan) -> None:
+        """Blocks of finished sequences and completed prompts -> the prefix pool (before the moves)."""
+        self.buffer.save_blocks(plan.saves)
+
     def apply_moves(self, moves: list[Move]) -> None:
         """The shuffle's copies, limited to the cached positions of the moved slots."""
         used = max(int(self._seq_len[m.src]) for m in moves)
@@ -82,12 +86,12 @@ class ModelRunner:
         return self.model(batch, self.buffer.kv)
 
     def admit(self, plan: StepPlan) -> None:
-        """Write the per-slot state of requests that got a slot in this plan."""
-        for chunk in plan.prefill:
-            if chunk.start != 0:
-                continue
-            slot, p = chunk.request.slot, chunk.request.params
-            self._seq_len[slot] = 0
+        """Write the per-slot state of requests that got a slot in this plan, and copy their
+        cached prefixes into their slots."""
+        self.buffer.load_blocks(plan.loads)
+        for request in plan.admitted:
+            slot, p = request.slot, request.params
+            self._seq_len[slot] = request.num_computed  # the cached prefix, if any
             self._generated[slot] = 0
             self._temperature[slot] = p.temperature
             self._top_k[slot] = p.top_k

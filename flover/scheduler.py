@@ -2,11 +2,14 @@
 computes. Pure Python bookkeeping (no tensors), so it is unit-tested alone.
 
 Order inside one `schedule()` call:
-  1. retire finished/cancelled requests (their slots become holes);
+  1. retire finished/cancelled requests (their slots become holes); with a prefix cache, the
+     KV blocks of their sequences, and of prompts completed since the last call, are saved;
   2. plan the compaction that closes the holes (kv_buffer.plan_compaction);
   3. every running request that finished its prompt decodes one token;
   4. prompts still being prefilled continue (FCFS), then waiting requests are admitted (FCFS)
-     into the slots after the live range, while a slot is free and the token budget allows.
+     into the slots after the live range, while a slot is free and the token budget allows;
+     an admitted prompt starts after its longest cached prefix (copied into its slot).
+The plan's copies run in this order: saves, the shuffle's moves, loads.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from flover.kv_buffer import Move, plan_compaction
+from flover.prefix_cache import BlockCopy, PrefixCache
 from flover.request import FinishReason, Request, RequestState
 
 
@@ -35,6 +39,9 @@ class StepPlan:
     moves: list[Move] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)  # in slot order
     prefill: list[PrefillChunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # got a slot in this plan
+    saves: list[BlockCopy] = field(default_factory=list)  # slot -> prefix pool, before the moves
+    loads: list[BlockCopy] = field(default_factory=list)  # prefix pool -> admitted slots, after them
     num_live: int = 0  # live slots are [0, num_live) after this plan
 
     @property
@@ -47,11 +54,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_batch_tokens: int):
+    def __init__(self, max_slots: int, max_batch_tokens: int, prefix: PrefixCache | None = None):
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
         self.max_batch_tokens = max_batch_tokens
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.num_live = 0  # slots [0, num_live) may hold requests; all above are free
@@ -82,6 +90,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._retire(plan)
+        if self.prefix is not None:
+            self._save_prefixes(plan)
         self._compact(plan)
 
         # 3. decode: one token for every live request whose prompt is complete.
@@ -101,6 +111,11 @@ class Scheduler:
             request.slot = self.num_live
             self.slots[self.num_live] = request
             self.num_live += 1
+            plan.admitted.append(request)
+            if self.prefix is not None and not request.params.prompt_logprobs:  # scoring needs every prompt row
+                loads = self.prefix.lookup(request.prompt_token_ids, request.prompt_len - 1, request.slot)
+                request.num_computed = request.cached_tokens = len(loads) * self.prefix.block_tokens
+                plan.loads += loads
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
 
@@ -111,12 +126,23 @@ class Scheduler:
         for slot in range(self.num_live):
             request = self.slots[slot]
             if request is not None and request.finished:
+                if self.prefix is not None:  # the whole sequence whose KV the slot holds
+                    tokens = request.prompt_token_ids + request.output_token_ids
+                    plan.saves += self.prefix.store(tokens, request.kv_len, slot)
                 self.slots[slot] = None
                 request.slot = None
                 plan.retired.append(request)
         if plan.retired:
             gone = {id(r) for r in plan.retired}
             self._prefilling = [r for r in self._prefilling if id(r) not in gone]
+
+    def _save_prefixes(self, plan: StepPlan) -> None:
+        """Prompts completed since the last plan are saved now rather than when their requests
+        leave: concurrent requests that share a system prompt reuse it at once."""
+        for request in self.slots[: self.num_live]:
+            if request is not None and not request.prefilling and not request.prompt_saved:
+                request.prompt_saved = True
+                plan.saves += self.prefix.store(request.prompt_token_ids, request.prompt_len, request.slot)
 
     def _compact(self, plan: StepPlan) -> None:
         occupied = [r is not None for r in self.slots[: self.num_live]]

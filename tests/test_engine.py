@@ -170,7 +170,7 @@ def test_logprobs_and_timings(llama_dir):
     assert len(out.logprobs) == 5 and all(lp <= 0 for lp in out.logprobs)
     t = out.timings
     assert 0 <= t["queue_time"] <= t["ttft"] <= t["e2e"] and t["tpot"] > 0
-    assert out.usage == {"prompt_tokens": 3, "completion_tokens": 5}
+    assert out.usage == {"prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 0}
 
 
 def test_threads_flag_and_kv_refusal(llama_dir):
@@ -237,3 +237,45 @@ def test_top_logprobs_need_a_logprobs_flag():
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(logprobs=True, top_logprobs=21)
     SamplingParams(prompt_logprobs=True, top_logprobs=20)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefix_cache_gives_exactly_the_tokens_without_it(llama_dir, seed):
+    """Requests sharing random prefixes (and resending whole earlier sequences, as chat turns
+    do) arrive at random iterations into a pool small enough to evict: greedy and seeded
+    sampled tokens equal those of the same run without a prefix cache (float64)."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(512) for _ in range(rng.randint(16, 70))] for _ in range(3)]
+    jobs = []
+    for n in range(16):
+        prompt = rng.choice(stems) + [rng.randrange(512) for _ in range(rng.randint(0, 30))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 8), ignore_eos=True,
+                                temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000))
+        jobs.append((rng.randrange(12), prompt, params))
+
+    def run(prefix_cache_mib: float):
+        engine = Engine(EngineConfig(llama_dir, dtype="float64", max_slots=4, max_batch_tokens=32, max_seq_len=192,
+                                     prefix_cache_mib=prefix_cache_mib))
+        finals, iteration, turns = {}, 0, []
+        while len(finals) < len(jobs) + len(turns) or iteration < 12:
+            for i, (arrives, prompt, params) in enumerate(jobs):
+                if arrives == iteration:
+                    engine.add_request(prompt, params, request_id=str(i))
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    if out.request_id.isdigit() and int(out.request_id) % 3 == 0:  # a next turn: the sequence + more
+                        turn = out.prompt_token_ids + out.token_ids + [7, 8, 9]
+                        turns.append(turn)
+                        engine.add_request(turn, SamplingParams(max_new_tokens=3), request_id=f"turn{out.request_id}")
+            iteration += 1
+        return finals, engine
+
+    cached, engine = run(12 / 64)  # 12 blocks of this model's 16 KiB (float64)
+    plain, _ = run(0)
+    assert {k: v.token_ids for k, v in cached.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert all(o.cached_tokens == 0 for o in plain.values())
+    stats = engine.prefix_cache.stats
+    assert sum(o.cached_tokens for o in cached.values()) == stats.cached_tokens > 0
+    assert stats.evicted_blocks > 0 and stats.hits < stats.lookups
+    assert all(o.cached_tokens % 16 == 0 and o.cached_tokens < len(o.prompt_token_ids) for o in cached.values())

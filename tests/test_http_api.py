@@ -362,3 +362,22 @@ def test_echo_and_logprobs_equal_engine_score(api, make_model):
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        top_logprobs=2)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_metrics_count_them(api):
+    server, url = api
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    model = model_id(url)
+    wait_idle(server)
+    before = scrape(url)
+    prompt = [(11 * i) % 500 + 1 for i in range(70)]  # 4 whole blocks of 16 within the first 69 tokens
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+    assert second.choices[0].text == first.choices[0].text  # float64: the cache changes nothing
+    after = scrape(url)
+    key = lambda name: (f"flover:{name}_total", ())  # noqa: E731
+    assert after[key("prefix_cache_hits")] - before[key("prefix_cache_hits")] == 64
+    assert after[key("prefix_cache_lookups")] - before[key("prefix_cache_lookups")] == 2
+    assert after[key("prefix_cache_lookup_hits")] - before[key("prefix_cache_lookup_hits")] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import os
 import shutil
 import signal
@@ -172,3 +173,27 @@ def test_tp2_with_int4_weights_serves_every_request(make_model, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     tokens = tokens_by_id(out)
     assert {rid: len(ids) for rid, ids in tokens.items()} == {r["id"]: r["max_new_tokens"] for r in REQUESTS}
+
+
+def test_prefix_cache_under_tp2_gives_the_tp1_tokens_without_it(llama_dir, tmp_path):
+    """Every rank keeps its own index of its own KV shard and, from the same step plans, makes
+    the same reuse decisions: TP=2 with a small (evicting) prefix cache gives exactly the tokens
+    of TP=1 without one (float64), and the records say what was reused."""
+    rng = random.Random(4)
+    stems = [[rng.randrange(1, 500) for _ in range(rng.randint(20, 60))] for _ in range(3)]
+    lines = [{"id": f"r{i}", "input_ids": rng.choice(stems) + [rng.randrange(1, 500) for _ in range(rng.randint(0, 20))],
+              "max_new_tokens": rng.randint(2, 10)} for i in range(14)]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = {}
+    for ranks, cache in ((1, "0"), (2, "0.2")):
+        out = tmp_path / f"tp{ranks}.jsonl"
+        run = subprocess.run(flover_run_cmd(ranks, llama_dir, prompts, out, "--arrival", "interval", "--interval", "30",
+                                            "--max-slots", "3", "--prefix-cache", cache),
+                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        with open(out) as f:
+            records[ranks] = {r["id"]: r for r in map(json.loads, f)}
+    assert {k: r["token_ids"] for k, r in records[2].items()} == {k: r["token_ids"] for k, r in records[1].items()}
+    assert all(r["usage"]["cached_tokens"] == 0 for r in records[1].values())
+    assert sum(r["usage"]["cached_tokens"] for r in records[2].values()) >= 16 * 5

@@ -23,6 +23,7 @@ in flight get a `keepalive` event every second so that this is noticed within a 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import logging
@@ -449,13 +450,20 @@ class Daemon:
     def stats(self) -> dict:
         e = self.engine
         running = e.scheduler.running  # finished requests still in a slot until the next step do not count
-        kv_tokens = sum(r.num_computed + max(0, len(r.output_token_ids) - 1) for r in running)
+        kv_tokens = sum(r.kv_len for r in running)
         return {"in_flight": len(self.inflight), "running": len(running), "waiting": len(e.scheduler.waiting),
                 "slots_used": len(running), "slots_total": e.config.max_slots, "kv_bytes": e.buffer.nbytes,
                 "kv_tokens": kv_tokens, "kv_use": kv_tokens / (e.config.max_slots * e.max_seq_len),
                 "iterations": e.iterations, "uptime_s": time.time() - self.started, "draining": self.draining,
                 "shuffle_moves": e.buffer.moves_done, "shuffle_bytes": e.buffer.bytes_moved,
-                **self.counters, "metrics": self.metrics.snapshot()}
+                "prefix_cache": self._prefix_stats(), **self.counters, "metrics": self.metrics.snapshot()}
+
+    def _prefix_stats(self) -> dict | None:
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return None
+        return {**dataclasses.asdict(cache.stats), "blocks_used": cache.used_blocks, "blocks_total": cache.num_blocks,
+                "block_tokens": cache.block_tokens}
 
 
 def _peek_id(payload: zmq.Frame):

@@ -235,9 +235,11 @@ def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
 
 # -- answers ---------------------------------------------------------------------------------------
 def usage(p: Plan, finals: list[dict]) -> dict:
-    prompt = sum(f["usage"]["prompt_tokens"] for c, f in zip(p.choices, finals) if c.counts_prompt)
+    counted = [f["usage"] for c, f in zip(p.choices, finals) if c.counts_prompt]
+    prompt = sum(u["prompt_tokens"] for u in counted)
     completion = 0 if p.score_only else sum(f["usage"]["completion_tokens"] for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.get("cached_tokens", 0) for u in counted)}}
 
 
 def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:

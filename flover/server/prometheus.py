@@ -41,6 +41,7 @@ class _Snapshot:
             c = CounterMetricFamily(PREFIX + name, help_text, labels=names)
             c.add_metric([self.model], value)
             yield c
+        yield from self._prefix_cache(s.get("prefix_cache"), names)
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason",
                                        labels=[*names, "finished_reason"])
         for reason, count in sorted(m["finished"].items()):
@@ -54,6 +55,26 @@ class _Snapshot:
             family = HistogramMetricFamily(PREFIX + name, HISTOGRAMS[name][1], labels=names)
             family.add_metric([self.model], buckets, h["sum"])
             yield family
+
+
+    def _prefix_cache(self, p: dict | None, names: list[str]):
+        """vLLM's names: queries and hits count prompt tokens; lookups and lookup hits, requests."""
+        if p is None:  # --prefix-cache 0
+            return
+        for name, help_text, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks)",
+                 p["queried_tokens"]),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)", p["cached_tokens"]),
+                ("prefix_cache_lookups", "Admitted requests that looked up their prompt", p["lookups"]),
+                ("prefix_cache_lookup_hits", "... and found at least one block", p["hits"]),
+                ("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache (LRU)", p["evicted_blocks"])):
+            c = CounterMetricFamily(PREFIX + name, help_text, labels=names)
+            c.add_metric([self.model], value)
+            yield c
+        g = GaugeMetricFamily(PREFIX + "prefix_cache_usage_perc", "Share of the prefix cache's blocks in use (0-1)",
+                              labels=names)
+        g.add_metric([self.model], p["blocks_used"] / max(1, p["blocks_total"]))
+        yield g
 
 
 def render(stats: dict, model: str) -> bytes:

@@ -1,0 +1,120 @@
+"""Prompt-prefix reuse: the KV rows of recent sequences stay in a bounded pool of blocks after
+their requests leave, indexed by token prefix (docs/prefix_cache.md).
+
+A block is BLOCK_TOKENS consecutive positions of one sequence (every layer, K and V). It is
+keyed by (its parent block's id, its own tokens): a chain from the sequence's start, as in vLLM's
+block hashing, except that the tokens themselves are compared, so no hash collision can ever
+serve another prompt's KV. A lookup walks a prompt's full blocks from the start until one is
+missing; the request's slot receives the matched blocks (one batched copy) and only the rest of
+the prompt is prefilled.
+
+Pure bookkeeping, no tensors: the scheduler plans the copies, the slot buffer makes them. Every
+rank of a tensor-parallel job keeps its own index over its own shard of the pool and, seeing the
+same requests in the same order, makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+BLOCK_TOKENS = 16  # positions per block: the granularity (and the shortest prefix) reused
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    slot: int
+    position: int  # the block's first sequence position in the slot
+    block: int  # its row in the pool
+
+
+@dataclass(frozen=True)
+class _Block:
+    uid: int  # never reused: a child keyed by an evicted parent can never match again
+    index: int  # row in the pool
+    key: tuple[int, tuple[int, ...]]  # (parent uid or 0, the block's tokens)
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0  # admitted requests that looked for their prompt
+    hits: int = 0  # ... and found at least one block
+    queried_tokens: int = 0  # prompt tokens those lookups could have reused
+    cached_tokens: int = 0  # prompt tokens they did reuse
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+
+
+class PrefixCache:
+    def __init__(self, num_blocks: int, block_tokens: int = BLOCK_TOKENS):
+        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self._by_key: dict[tuple, _Block] = {}
+        self._lru: OrderedDict[int, _Block] = OrderedDict()  # pool row -> block, least recently used first
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._uids = itertools.count(1)
+        self.stats = PrefixStats()
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, tokens: Sequence[int], limit: int, slot: int) -> list[BlockCopy]:
+        """The copies that put the longest cached prefix of tokens[:limit] into `slot`, from
+        position 0 (full blocks only: len(copies) x block_tokens tokens)."""
+        blocks = self._chain(tokens, limit)
+        s = self.stats
+        s.lookups += 1
+        s.queried_tokens += limit - limit % self.block_tokens
+        if blocks:
+            s.hits += 1
+            s.cached_tokens += len(blocks) * self.block_tokens
+            self._touch(blocks)
+        return [BlockCopy(slot, i * self.block_tokens, b.index) for i, b in enumerate(blocks)]
+
+    def store(self, tokens: Sequence[int], length: int, slot: int) -> list[BlockCopy]:
+        """The copies that save the full blocks of tokens[:length] (their KV in `slot`) the pool
+        lacks, evicting the least recently used blocks for room (never the sequence's own)."""
+        t = self.block_tokens
+        chain = self._chain(tokens, length)
+        keep = {b.index for b in chain}
+        copies = []
+        for start in range(len(chain) * t, length - t + 1, t):
+            index = self._take_row(keep)
+            if index is None:
+                break
+            block = _Block(next(self._uids), index, (chain[-1].uid if chain else 0, tuple(tokens[start: start + t])))
+            self._by_key[block.key] = block
+            self._lru[index] = block
+            keep.add(index)
+            chain.append(block)
+            copies.append(BlockCopy(slot, start, index))
+        self._touch(chain)
+        self.stats.stored_blocks += len(copies)
+        return copies
+
+    def _chain(self, tokens: Sequence[int], length: int) -> list[_Block]:
+        """The cached blocks spelling tokens[:length] from the start, up to the first missing."""
+        t, parent, found = self.block_tokens, 0, []
+        for start in range(0, length - t + 1, t):
+            block = self._by_key.get((parent, tuple(tokens[start: start + t])))
+            if block is None:
+                break
+            found.append(block)
+            parent = block.uid
+        return found
+
+    def _touch(self, blocks: list[_Block]) -> None:
+        for block in reversed(blocks):  # deepest first: a prefix stays fresher than its extensions
+            self._lru.move_to_end(block.index)
+
+    def _take_row(self, keep: set[int]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for index, block in self._lru.items():  # least recently used first
+            if index not in keep:
+                del self._lru[index], self._by_key[block.key]
+                self.stats.evicted_blocks += 1
+                return index
+        return None
