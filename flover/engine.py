@@ -110,11 +110,12 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
                      request_id: str | None = None, arrival_time: float | None = None,
-                     stream: bool = False, messages: list | None = None) -> Request:
+                     stream: bool = False, messages: list | None = None, cache_salt: str | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
         `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
         `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
-        latencies count from it. `stream`: report text deltas with every new token."""
+        latencies count from it. `stream`: report text deltas with every new token. `cache_salt`:
+        the request shares cached prompt prefixes only with requests of the same salt."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -134,6 +135,7 @@ class Engine:
             stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
             timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
+            cache_salt=cache_salt,
         )
         if params.stop:
             request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
@@ -146,7 +148,7 @@ class Engine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         if self._tells_followers:
-            self._plan.add(AddEvent(request.request_id, request.prompt_token_ids, request.params))
+            self._plan.add(AddEvent(request.request_id, request.prompt_token_ids, request.params, request.cache_salt))
         return request.request_id
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
@@ -240,7 +242,8 @@ class Engine:
         message = StepPlanMessage.decode(self.comm.broadcast_bytes(None))
         for event in message.events:
             if isinstance(event, AddEvent):
-                self.enqueue(self.make_request(event.token_ids, event.params, event.request_id))
+                self.enqueue(self.make_request(event.token_ids, event.params, event.request_id,
+                                               cache_salt=event.cache_salt))
             else:
                 self.abort(event)
         self._pending.clear()

@@ -8,6 +8,11 @@ serve another prompt's KV. A lookup walks a prompt's full blocks from the start 
 missing; the request's slot receives the matched blocks (one batched copy) and only the rest of
 the prompt is prefilled.
 
+Partitions: a request may carry a `cache_salt`; its blocks then hang from a root of their own, so
+that requests share cached prefixes (and the time to first token that reveals a hit) only with
+requests of the same salt. The daemon uses the CURVE client key: authenticated clients never
+learn from timing what another client's prompts began with.
+
 Pure bookkeeping, no tensors: the scheduler plans the copies, the slot buffer makes them. Every
 rank of a tensor-parallel job keeps its own index over its own shard of the pool and, seeing the
 same requests in the same order, makes the same decisions.
@@ -34,7 +39,7 @@ class BlockCopy:
 class _Block:
     uid: int  # never reused: a child keyed by an evicted parent can never match again
     index: int  # row in the pool
-    key: tuple[int, tuple[int, ...]]  # (parent uid or 0, the block's tokens)
+    key: tuple  # (parent uid, or the root of its partition; the block's tokens)
 
 
 @dataclass
@@ -60,10 +65,11 @@ class PrefixCache:
     def used_blocks(self) -> int:
         return len(self._lru)
 
-    def lookup(self, tokens: Sequence[int], limit: int, slot: int) -> list[BlockCopy]:
+    def lookup(self, tokens: Sequence[int], limit: int, slot: int, salt: str | None = None) -> list[BlockCopy]:
         """The copies that put the longest cached prefix of tokens[:limit] into `slot`, from
-        position 0 (full blocks only: len(copies) x block_tokens tokens)."""
-        blocks = self._chain(tokens, limit)
+        position 0 (full blocks only: len(copies) x block_tokens tokens). `salt`: the partition
+        (requests share cached blocks only within one; None is the common one)."""
+        blocks = self._chain(tokens, limit, salt)
         s = self.stats
         s.lookups += 1
         s.queried_tokens += limit - limit % self.block_tokens
@@ -73,18 +79,19 @@ class PrefixCache:
             self._touch(blocks)
         return [BlockCopy(slot, i * self.block_tokens, b.index) for i, b in enumerate(blocks)]
 
-    def store(self, tokens: Sequence[int], length: int, slot: int) -> list[BlockCopy]:
+    def store(self, tokens: Sequence[int], length: int, slot: int, salt: str | None = None) -> list[BlockCopy]:
         """The copies that save the full blocks of tokens[:length] (their KV in `slot`) the pool
         lacks, evicting the least recently used blocks for room (never the sequence's own)."""
         t = self.block_tokens
-        chain = self._chain(tokens, length)
+        chain = self._chain(tokens, length, salt)
         keep = {b.index for b in chain}
         copies = []
         for start in range(len(chain) * t, length - t + 1, t):
             index = self._take_row(keep)
             if index is None:
                 break
-            block = _Block(next(self._uids), index, (chain[-1].uid if chain else 0, tuple(tokens[start: start + t])))
+            parent = chain[-1].uid if chain else _root(salt)
+            block = _Block(next(self._uids), index, (parent, tuple(tokens[start: start + t])))
             self._by_key[block.key] = block
             self._lru[index] = block
             keep.add(index)
@@ -94,9 +101,9 @@ class PrefixCache:
         self.stats.stored_blocks += len(copies)
         return copies
 
-    def _chain(self, tokens: Sequence[int], length: int) -> list[_Block]:
+    def _chain(self, tokens: Sequence[int], length: int, salt: str | None) -> list[_Block]:
         """The cached blocks spelling tokens[:length] from the start, up to the first missing."""
-        t, parent, found = self.block_tokens, 0, []
+        t, parent, found = self.block_tokens, _root(salt), []
         for start in range(0, length - t + 1, t):
             block = self._by_key.get((parent, tuple(tokens[start: start + t])))
             if block is None:
@@ -118,3 +125,8 @@ class PrefixCache:
                 self.stats.evicted_blocks += 1
                 return index
         return None
+
+
+def _root(salt: str | None):
+    """What a sequence's first block hangs from: 0, or its partition's own root."""
+    return 0 if salt is None else ("salt", salt)

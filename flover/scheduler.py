@@ -113,7 +113,8 @@ class Scheduler:
             self.num_live += 1
             plan.admitted.append(request)
             if self.prefix is not None and not request.params.prompt_logprobs:  # scoring needs every prompt row
-                loads = self.prefix.lookup(request.prompt_token_ids, request.prompt_len - 1, request.slot)
+                loads = self.prefix.lookup(request.prompt_token_ids, request.prompt_len - 1, request.slot,
+                                           request.cache_salt)
                 request.num_computed = request.cached_tokens = len(loads) * self.prefix.block_tokens
                 plan.loads += loads
             self._prefilling.append(request)
@@ -128,7 +129,7 @@ class Scheduler:
             if request is not None and request.finished:
                 if self.prefix is not None:  # the whole sequence whose KV the slot holds
                     tokens = request.prompt_token_ids + request.output_token_ids
-                    plan.saves += self.prefix.store(tokens, request.kv_len, slot)
+                    plan.saves += self.prefix.store(tokens, request.kv_len, slot, request.cache_salt)
                 self.slots[slot] = None
                 request.slot = None
                 plan.retired.append(request)
@@ -142,7 +143,8 @@ class Scheduler:
         for request in self.slots[: self.num_live]:
             if request is not None and not request.prefilling and not request.prompt_saved:
                 request.prompt_saved = True
-                plan.saves += self.prefix.store(request.prompt_token_ids, request.prompt_len, request.slot)
+                plan.saves += self.prefix.store(request.prompt_token_ids, request.prompt_len, request.slot,
+                                                request.cache_salt)
 
     def _compact(self, plan: StepPlan) -> None:
         occupied = [r is not None for r in self.slots[: self.num_live]]

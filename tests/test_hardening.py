@@ -260,6 +260,17 @@ def test_a_chosen_routing_id_is_refused_and_cannot_take_over_requests(llama_dir,
             ctx.term()
         final = alice.wait("secret")
         assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 400
+        # Nor can mallory learn what alice's prompts began with from a faster first token: each
+        # client key is a prefix-cache partition of its own.
+        prompt = [(13 * i) % 500 + 1 for i in range(40)]
+        params = {"max_new_tokens": 2}
+        assert alice.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 0
+        assert alice.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 32
+        mallory_client = Client(srv.addr, timeout=30, curve_server_key=server_key,
+                                curve_client_cert=str(tmp_path / "clients" / "mallory.key_secret"))
+        assert mallory_client.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 0
+        assert mallory_client.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 32
+        mallory_client.close()
         alice.close()
     finally:
         assert srv.stop()[0] == 0

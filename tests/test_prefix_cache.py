@@ -41,3 +41,13 @@ def test_a_parent_stored_again_is_a_new_block_its_old_children_never_match():
     cache._free.append(root.block)
     cache.store([1, 2], 2, slot=0)  # the root again, under a new id
     assert len(cache.lookup([1, 2, 3, 4], 4, 0)) == 1
+
+
+def test_salted_requests_share_cached_prefixes_only_with_their_own_salt():
+    cache = PrefixCache(num_blocks=8, block_tokens=2)
+    tokens = [1, 2, 3, 4, 5]
+    assert len(cache.store(tokens, 5, slot=0, salt="alice")) == 2
+    assert cache.lookup(tokens, 4, slot=1, salt="mallory") == []
+    assert cache.lookup(tokens, 4, slot=1) == []  # nor the common partition
+    assert len(cache.lookup(tokens, 4, slot=1, salt="alice")) == 2
+    assert len(cache.store(tokens, 5, slot=0)) == 2  # the same tokens, unsalted: blocks of their own

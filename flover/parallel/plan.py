@@ -19,6 +19,7 @@ class AddEvent:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # the request's prefix-cache partition
 
 
 @dataclass
@@ -33,12 +34,12 @@ class StepPlanMessage:
         self.events.append(request_id)
 
     def encode(self) -> bytes:
-        wire = [["a", e.request_id, e.token_ids, asdict(e.params)] if isinstance(e, AddEvent) else ["c", e]
+        wire = [["a", e.request_id, e.token_ids, asdict(e.params), e.cache_salt] if isinstance(e, AddEvent) else ["c", e]
                 for e in self.events]
         return msgpack.packb({"events": wire, "shutdown": self.shutdown})
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlanMessage":
         raw = msgpack.unpackb(data)
-        events = [AddEvent(e[1], e[2], SamplingParams(**e[3])) if e[0] == "a" else e[1] for e in raw["events"]]
+        events = [AddEvent(e[1], e[2], SamplingParams(**e[3]), e[4]) if e[0] == "a" else e[1] for e in raw["events"]]
         return cls(events=events, shutdown=raw["shutdown"])

@@ -392,8 +392,9 @@ class Daemon:
                                                 "retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         try:
+            # With CURVE, each client key is a prefix-cache partition of its own (prefix_cache.py).
             request = self.engine.make_request(req.prompt, req.params, engine_id, stream=req.stream,
-                                               messages=req.messages)
+                                               messages=req.messages, cache_salt=user)
         except PromptTooLong as e:
             raise p.ProtocolError(p.PROMPT_TOO_LONG, str(e), req.id) from None
         except (ValueError, TypeError) as e:
