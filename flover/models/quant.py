@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-QUANTIZATIONS = ("none", "int8", "int4")
+from flover.config import QUANTIZATIONS
+
 INT4_GROUP = 32
 # Iterations with at most this many rows use the quantized kernel (crossovers measured above).
 MAX_ROWS = {"int8": 2, "int4": 8}
