@@ -79,8 +79,8 @@ class Engine:
         # prefix indexes making the same decisions (docs/prefix_cache.md).
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
-        buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len,
-                            cfg.head_dim, self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS)
+        buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len, cfg.head_dim,
+                            self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS)
         per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
         if self.is_leader:
             log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20,
@@ -173,10 +173,11 @@ class Engine:
         return ids, text
 
     def _check_text_size(self, text: str) -> None:
-        """Refuse, without tokenizing it, a text that cannot fit: it needs at least
-        bytes / (longest token in bytes) tokens. Bounds the tokenizer work one request can cost."""
-        size, longest = len(text.encode("utf-8", "surrogatepass")), self.tokenizer.max_token_bytes
-        if size > self.max_seq_len * longest:
+        """Refuse, without tokenizing it, a text that cannot fit (Tokenizer.cannot_fit): bounds the
+        tokenizer work one request can cost."""
+        if self.tokenizer.cannot_fit(text, self.max_seq_len):
+            size = len(text.encode("utf-8", "surrogatepass"))
+            longest = self.tokenizer.max_token_bytes
             raise PromptTooLong(f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
                                 f"(no token is longer than {longest} bytes); refused before tokenizing")
 

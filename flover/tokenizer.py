@@ -65,6 +65,11 @@ class Tokenizer:
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_token_id)])
         return cls(backend, special, spec.chat_template)
 
+    def cannot_fit(self, text: str, max_tokens: int) -> bool:
+        """True when `text` surely needs more than `max_tokens` tokens: at least bytes / (longest
+        token in bytes). Found without tokenizing, so a text far too long costs no tokenizer work."""
+        return len(text.encode("utf-8", "surrogatepass")) > max_tokens * self.max_token_bytes
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """With the tokenizer's own special tokens (e.g. BOS), as transformers' tokenizer(text) does."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -180,7 +180,7 @@ def build_app(front: Front) -> FastAPI:
         """Tokenize here, refusing first (like the daemon) a text too long to fit any context."""
         if front.tokenizer is None:
             raise oa.ApiError(400, f"{param}: this checkpoint has no tokenizer; send token ids", param=param)
-        if limit is not None and len(text.encode("utf-8", "surrogatepass")) > limit * front.tokenizer.max_token_bytes:
+        if limit is not None and front.tokenizer.cannot_fit(text, limit):
             raise oa.ApiError(400, f"{param}: too long for the context of {limit} tokens", "prompt_too_long", param)
         return front.tokenizer.encode(text, add_special_tokens=special)
 
