@@ -127,9 +127,7 @@ def build_app(front: Front) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        if front.max_model_len is None:
-            with contextlib.suppress(FloverError, asyncio.TimeoutError):
-                await front.health()
+        await context_length()
         return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": 0,
                                             "owned_by": "flover", "max_model_len": front.max_model_len}]}
 

@@ -77,12 +77,20 @@ def _number(body: dict, key: str, low: float | None = None, high: float | None =
     return value
 
 
-def _integer(body: dict, key: str, low: int) -> int | None:
+def _integer(body: dict, key: str, low: int, high: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ApiError(400, f"{key}: expected an integer >= {low}, got {value!r}", param=key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise ApiError(400, f"{key}: expected {expected}, got {value!r}", param=key)
+    return value
+
+
+def _boolean(body: dict, key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{key}: expected true or false, got {value!r}", param=key)
     return value
 
 
@@ -139,24 +147,14 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
     if chat:
         if body.get("echo") is not None:
             raise ApiError(400, "echo: a field of /v1/completions, not of chat", param="echo")
-        wanted = body.get("logprobs")
-        if wanted is not None and not isinstance(wanted, bool):
-            raise ApiError(400, f"logprobs: expected true or false, got {wanted!r}", param="logprobs")
-        top = body.get("top_logprobs")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
-            raise ApiError(400, f"top_logprobs: expected an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        wanted, top = _boolean(body, "logprobs"), _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
         if top and not wanted:
             raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         return (top or 0) if wanted else None
     if body.get("top_logprobs") is not None:
         raise ApiError(400, "top_logprobs: a chat field; /v1/completions takes logprobs: k", param="top_logprobs")
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise ApiError(400, f"echo: expected true or false, got {echo!r}", param="echo")
-    k = body.get("logprobs")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-        raise ApiError(400, f"logprobs: expected an integer in [0, {MAX_LOGPROBS}] or null", param="logprobs")
-    return k
+    _boolean(body, "echo")
+    return _integer(body, "logprobs", 0, MAX_LOGPROBS)
 
 
 def chat_messages(messages) -> list[dict]:
@@ -230,7 +228,7 @@ def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options: expected an object", param="stream_options")
     return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream,
-                logprobs=logprobs_asked(body, chat), echo=echo, score_only=echo and body.get("max_tokens") == 0)
+                logprobs=params["top_logprobs"] if params.get("logprobs") else None, echo=echo, score_only=echo and body.get("max_tokens") == 0)
 
 
 # -- answers ---------------------------------------------------------------------------------------
