@@ -228,7 +228,8 @@ def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options: expected an object", param="stream_options")
     return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream,
-                logprobs=params["top_logprobs"] if params.get("logprobs") else None, echo=echo, score_only=echo and body.get("max_tokens") == 0)
+                logprobs=params["top_logprobs"] if params.get("logprobs") else None, echo=echo,
+                score_only=echo and body.get("max_tokens") == 0)
 
 
 # -- answers ---------------------------------------------------------------------------------------

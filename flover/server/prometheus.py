@@ -18,30 +18,33 @@ class _Snapshot:
         self.stats, self.model = stats, model
 
     def collect(self):
-        s, labels = self.stats, {"model_name": self.model}
-        m = s["metrics"]
-        names = list(labels)
-        for name, help_text, value in (
-                ("num_requests_running", "Requests in a slot", s["running"]),
-                ("num_requests_waiting", "Requests waiting for a slot", s["waiting"]),
-                ("kv_cache_usage_perc", "Share of the KV buffer's positions in use (0-1)", s["kv_use"]),
-                ("kv_slots_used", "Slots of the contiguous KV buffer in use", s["slots_used"]),
-                ("kv_slots_total", "Slots of the contiguous KV buffer", s["slots_total"])):
-            g = GaugeMetricFamily(PREFIX + name, help_text, labels=names)
-            g.add_metric([self.model], value)
-            yield g
-        for name, help_text, value in (
-                ("prompt_tokens", "Prompt tokens of finished requests", m["prompt_tokens"]),
-                ("generation_tokens", "Generated tokens of finished requests", m["generation_tokens"]),
-                ("iterations", "Engine iterations", s["iterations"]),
-                ("shuffle_moves", "Slots moved by the memory shuffle", s["shuffle_moves"]),
-                ("shuffle_bytes", "KV bytes copied by the memory shuffle", s["shuffle_bytes"]),
-                ("request_errors", "Requests that ended with an error", s["errors"]),
-                ("requests_rejected", "Requests refused before running (invalid, overloaded, ...)", s["rejected"])):
-            c = CounterMetricFamily(PREFIX + name, help_text, labels=names)
-            c.add_metric([self.model], value)
-            yield c
-        yield from self._prefix_cache(s.get("prefix_cache"), names)
+        s, m, names = self.stats, self.stats["metrics"], ["model_name"]
+        yield from self._one_each(GaugeMetricFamily, (
+            ("num_requests_running", "Requests in a slot", s["running"]),
+            ("num_requests_waiting", "Requests waiting for a slot", s["waiting"]),
+            ("kv_cache_usage_perc", "Share of the KV buffer's positions in use (0-1)", s["kv_use"]),
+            ("kv_slots_used", "Slots of the contiguous KV buffer in use", s["slots_used"]),
+            ("kv_slots_total", "Slots of the contiguous KV buffer", s["slots_total"])))
+        yield from self._one_each(CounterMetricFamily, (
+            ("prompt_tokens", "Prompt tokens of finished requests", m["prompt_tokens"]),
+            ("generation_tokens", "Generated tokens of finished requests", m["generation_tokens"]),
+            ("iterations", "Engine iterations", s["iterations"]),
+            ("shuffle_moves", "Slots moved by the memory shuffle", s["shuffle_moves"]),
+            ("shuffle_bytes", "KV bytes copied by the memory shuffle", s["shuffle_bytes"]),
+            ("request_errors", "Requests that ended with an error", s["errors"]),
+            ("requests_rejected", "Requests refused before running (invalid, overloaded, ...)", s["rejected"])))
+        p = s.get("prefix_cache")
+        if p is not None:  # None: --prefix-cache 0. vLLM's names: queries and hits count prompt tokens
+            yield from self._one_each(CounterMetricFamily, (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks)",
+                 p["queried_tokens"]),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)", p["cached_tokens"]),
+                ("prefix_cache_lookups", "Admitted requests that looked up their prompt", p["lookups"]),
+                ("prefix_cache_lookup_hits", "... and found at least one block", p["hits"]),
+                ("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache (LRU)", p["evicted_blocks"])))
+            yield from self._one_each(GaugeMetricFamily, (
+                ("prefix_cache_usage_perc", "Share of the prefix cache's blocks in use (0-1)",
+                 p["blocks_used"] / max(1, p["blocks_total"])),))
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason",
                                        labels=[*names, "finished_reason"])
         for reason, count in sorted(m["finished"].items()):
@@ -56,25 +59,12 @@ class _Snapshot:
             family.add_metric([self.model], buckets, h["sum"])
             yield family
 
-
-    def _prefix_cache(self, p: dict | None, names: list[str]):
-        """vLLM's names: queries and hits count prompt tokens; lookups and lookup hits, requests."""
-        if p is None:  # --prefix-cache 0
-            return
-        for name, help_text, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks)",
-                 p["queried_tokens"]),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)", p["cached_tokens"]),
-                ("prefix_cache_lookups", "Admitted requests that looked up their prompt", p["lookups"]),
-                ("prefix_cache_lookup_hits", "... and found at least one block", p["hits"]),
-                ("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache (LRU)", p["evicted_blocks"])):
-            c = CounterMetricFamily(PREFIX + name, help_text, labels=names)
-            c.add_metric([self.model], value)
-            yield c
-        g = GaugeMetricFamily(PREFIX + "prefix_cache_usage_perc", "Share of the prefix cache's blocks in use (0-1)",
-                              labels=names)
-        g.add_metric([self.model], p["blocks_used"] / max(1, p["blocks_total"]))
-        yield g
+    def _one_each(self, kind, rows):
+        """A family of `kind` with this model's one sample, per (name, help, value) row."""
+        for name, help_text, value in rows:
+            family = kind(PREFIX + name, help_text, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
 
 
 def render(stats: dict, model: str) -> bytes:
