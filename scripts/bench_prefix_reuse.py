@@ -31,24 +31,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_llamacpp import Running, converted, free_port, hf_directory, llama_server, log  # noqa: E402
+from bench_vs_llamacpp import converted, hf_directory, launch_flover, launch_llama, llama_server, log  # noqa: E402
 
 
 def start_flover(model: Path, slots: int, seq_len: int, threads: int, prefix_mib: float):
     from flover.client import Client
 
-    addr = f"tcp://127.0.0.1:{free_port()}"
-
-    def ready() -> bool:
-        try:
-            with Client(addr, timeout=1) as c:
-                return c.health(timeout=1)["status"] == "ok"
-        except (TimeoutError, RuntimeError):
-            return False
-
-    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), "--dtype", "bfloat16",
-                      "--bind", addr, "--max-slots", str(slots), "--max-seq-len", str(seq_len),
-                      "--threads", str(threads), "--prefix-cache", str(prefix_mib)], ready)
+    server, addr = launch_flover(model, ["--dtype", "bfloat16", "--prefix-cache", str(prefix_mib)], slots, threads,
+                                 seq_len)
 
     def send(ids: list[int], n: int) -> tuple[float, list[int], int]:
         start, first, out, cached = time.perf_counter(), None, [], 0
@@ -65,18 +55,7 @@ def start_flover(model: Path, slots: int, seq_len: int, threads: int, prefix_mib
 
 
 def start_llama(binary: Path, model: Path, slots: int, seq_len: int, threads: int):
-    port = free_port()
-
-    def ready() -> bool:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            conn.request("GET", "/health")
-            return conn.getresponse().status == 200
-        except OSError:
-            return False
-
-    server = Running([str(binary), "-m", str(model), "-np", str(slots), "-c", str(slots * seq_len), "-cb",
-                      "-t", str(threads), "--port", str(port), "--host", "127.0.0.1"], ready)
+    server, port = launch_llama(binary, model, slots, threads, seq_len)
 
     def send(ids: list[int], n: int) -> tuple[float, list[int], int]:
         start = time.perf_counter()

@@ -131,7 +131,8 @@ class Running:
             self.proc.kill()
 
 
-def start_llama(binary: Path, model: Path, slots: int, threads: int) -> tuple[Running, callable]:
+def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: int = 384) -> tuple[Running, int]:
+    """llama-server with `slots` slots of `seq_len` positions, once it answers; (server, port)."""
     port = free_port()
 
     def ready() -> bool:
@@ -142,8 +143,13 @@ def start_llama(binary: Path, model: Path, slots: int, threads: int) -> tuple[Ru
         except OSError:
             return False
 
-    server = Running([str(binary), "-m", str(model), "-np", str(slots), "-c", str(slots * 384), "-cb",
+    server = Running([str(binary), "-m", str(model), "-np", str(slots), "-c", str(slots * seq_len), "-cb",
                       "-t", str(threads), "--port", str(port), "--host", "127.0.0.1"], ready)
+    return server, port
+
+
+def start_llama(binary: Path, model: Path, slots: int, threads: int) -> tuple[Running, callable]:
+    server, port = launch_llama(binary, model, slots, threads)
     return server, lambda ids, n: llama_request(port, ids, n)
 
 
@@ -168,7 +174,9 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int]
     return first, tokens
 
 
-def start_flover(model: Path, config: str, slots: int, threads: int) -> tuple[Running, callable]:
+def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
+                  seq_len: int = 384) -> tuple[Running, str]:
+    """flover serve with `slots` slots of `seq_len` positions, once it answers; (server, address)."""
     from flover.client import Client
 
     addr = f"tcp://127.0.0.1:{free_port()}"
@@ -180,9 +188,15 @@ def start_flover(model: Path, config: str, slots: int, threads: int) -> tuple[Ru
         except (TimeoutError, RuntimeError):
             return False
 
-    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), *FLOVER_ARGS[config],
-                      "--bind", addr, "--max-slots", str(slots), "--max-seq-len", "384", "--threads", str(threads)],
-                     ready)
+    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), *serve_args, "--bind", addr,
+                      "--max-slots", str(slots), "--max-seq-len", str(seq_len), "--threads", str(threads)], ready)
+    return server, addr
+
+
+def start_flover(model: Path, config: str, slots: int, threads: int) -> tuple[Running, callable]:
+    from flover.client import Client
+
+    server, addr = launch_flover(model, FLOVER_ARGS[config], slots, threads)
 
     def request(ids: list[int], n: int) -> tuple[float | None, int]:
         start, first, tokens = time.perf_counter(), None, 0
