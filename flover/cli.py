@@ -34,6 +34,8 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
                    help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
                         "the same way (LRU; default 256; 0 turns it off)")
+    g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
+                   help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
 
 
 def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
@@ -43,7 +45,7 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         quantization=args.quantization,
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed,
-                        prefix_cache_mib=args.prefix_cache)
+                        prefix_cache_mib=args.prefix_cache, cuda_graphs=args.cuda_graphs)
 
 
 def _is_follower_rank() -> bool:

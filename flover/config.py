@@ -137,6 +137,9 @@ SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may se
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # auto: flover/hardware.py
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, flover/models/quant.py
+# Decode-only iterations from captured CUDA graphs (flover/cuda_graphs.py). auto: on CUDA at
+# TP=1; eager: the same padded static batches without capture, on any device (tests).
+CUDA_GRAPHS = ("auto", "off", "eager")
 
 
 def default_num_threads() -> int:
@@ -169,12 +172,15 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
+    cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots}: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

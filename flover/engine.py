@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
+from flover.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
 from flover.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.models import load_model, open_checkpoint
@@ -32,7 +33,7 @@ from flover.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.output import OutputProcessor
 from flover.request import Request, RequestOutput, RequestState, Timings
 from flover.runner import ModelRunner
-from flover.scheduler import Scheduler
+from flover.scheduler import Scheduler, StepPlan
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,12 @@ class Engine:
         # prefix indexes making the same decisions (docs/prefix_cache.md).
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
+        # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
+        static_decode = self.comm is None and (config.cuda_graphs == "eager" or
+                                               (config.cuda_graphs == "auto" and self.device.type == "cuda"))
         buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len, cfg.head_dim,
-                            self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS)
+                            self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS,
+                            scratch_slots=1 if static_decode else 0)
         per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
         if self.is_leader:
             log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20,
@@ -89,7 +94,14 @@ class Engine:
             log.info("prefix cache: %s", f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {prefix_blocks} blocks of "
                      f"{BLOCK_TOKENS} tokens ({prefix_blocks * BLOCK_TOKENS} tokens), LRU"
                      if prefix_blocks else "off")
-        self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed)
+        graphs = None
+        if static_decode:
+            graphs = DecodeGraphs(model, buffer.kv, config.max_slots, buffer.max_seq_len, buffer.scratch_slot,
+                                  self.device, capture=config.cuda_graphs == "auto")
+            log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
+                     config.max_slots, buffer.max_seq_len,
+                     "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
+        self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed, graphs)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache)
@@ -214,6 +226,8 @@ class Engine:
         same forward pass as step(), in a slot above the live range: running requests are not
         disturbed. For evaluation and reference checks."""
         ids, _ = self._prompt_ids(token_ids)
+        if self.scheduler.num_live >= self.config.max_slots and self.comm is None:
+            self._free_slots(self.scheduler.release())  # requests that finished still hold their slots
         slot = self.scheduler.num_live
         if slot >= self.config.max_slots or len(ids) > self.max_seq_len:
             raise ValueError("no free slot, or the sequence is longer than max_seq_len")
@@ -263,6 +277,15 @@ class Engine:
             self.comm.broadcast_bytes(self._plan.encode())
             self.stopped = True
 
+    def _free_slots(self, plan: StepPlan) -> None:
+        """The plan's retirements and copies: prefix saves, then the shuffle's moves."""
+        for request in plan.retired:
+            self.requests.pop(request.request_id, None)
+        if plan.saves:
+            self.runner.save_prefixes(plan)
+        if plan.moves:
+            self.runner.apply_moves(plan.moves)
+
     def _tell_followers_failed(self, request_id: str) -> None:
         """A request failed on the leader alone: the followers retire it at the next boundary."""
         if self._tells_followers:
@@ -278,12 +301,7 @@ class Engine:
                 return []
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        for request in plan.retired:
-            self.requests.pop(request.request_id, None)
-        if plan.saves:
-            self.runner.save_prefixes(plan)
-        if plan.moves:
-            self.runner.apply_moves(plan.moves)
+        self._free_slots(plan)
         if plan.empty:
             return outputs
         now = time.perf_counter()

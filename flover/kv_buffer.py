@@ -67,11 +67,12 @@ class SlotBuffer:
 
     def __init__(self, num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, prefix_blocks: int = 0,
-                 block_tokens: int = 16):
-        """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none)."""
+                 block_tokens: int = 16, scratch_slots: int = 0):
+        """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none).
+        `scratch_slots`: KV slots past the last real one that padding rows may write (CUDA graphs)."""
         if prefix_blocks:  # whole blocks per slot, so that a slot's blocks are one view away
             max_seq_len = -(-max_seq_len // block_tokens) * block_tokens
-        need = kv_cache_bytes(num_layers, max_slots, kv_heads, max_seq_len, head_dim, dtype)
+        need = kv_cache_bytes(num_layers, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim, dtype)
         pool = kv_cache_bytes(num_layers, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
         have = available_memory_bytes(device)
         if need + pool > have:
@@ -82,7 +83,7 @@ class SlotBuffer:
                 f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
             )
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
-        self.kv = torch.zeros(num_layers, 2, max_slots, kv_heads, max_seq_len, head_dim,
+        self.kv = torch.zeros(num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim,
                               dtype=dtype, device=device)
         # Pool rows are only read after a store wrote them: empty is safe (and costs no page faults).
         self.pool = torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim,
@@ -90,6 +91,7 @@ class SlotBuffer:
         self.block_tokens = block_tokens
         self.nbytes, self.pool_nbytes = need, pool
         self.max_slots = max_slots
+        self.scratch_slot = max_slots if scratch_slots else None
         self.max_seq_len = max_seq_len
         self.device = device
         self.state: dict[str, torch.Tensor] = {}

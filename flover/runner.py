@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flover.cuda_graphs import DecodeGraphs
 from flover.kv_buffer import Move, SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.parallel.comm import Communicator
@@ -54,9 +55,11 @@ class SampleResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
-                 comm: Communicator | None, seed: int):
-        """`comm`: the tensor-parallel communicator of several ranks (rank 0 samples), or None."""
+                 comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None):
+        """`comm`: the tensor-parallel communicator of several ranks (rank 0 samples), or None.
+        `graphs`: decode-only iterations replayed from CUDA graphs (others run eagerly)."""
         self.model, self.buffer, self.vocab_size, self.device, self.comm = model, buffer, vocab_size, device, comm
+        self.graphs = graphs
         self.is_leader = comm is None or comm.rank == 0
         self._rng = random.Random(seed)  # seeds requests that bring none
         state = buffer.add_state
@@ -83,6 +86,10 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
         return self.model(batch, self.buffer.kv)
 
     def admit(self, plan: StepPlan) -> None:

@@ -88,11 +88,7 @@ class Scheduler:
 
     # -- one iteration --------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
-        self._retire(plan)
-        if self.prefix is not None:
-            self._save_prefixes(plan)
-        self._compact(plan)
+        plan = self.release()
 
         # 3. decode: one token for every live request whose prompt is complete.
         plan.decode = [r for r in self.slots[: self.num_live] if not r.prefilling]
@@ -120,6 +116,17 @@ class Scheduler:
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
 
+        plan.num_live = self.num_live
+        return plan
+
+    def release(self) -> StepPlan:
+        """Steps 1-2 alone: retire finished requests and compact, scheduling no tokens (frees
+        the slots of requests that finished in the last iteration before the next one runs)."""
+        plan = StepPlan()
+        self._retire(plan)
+        if self.prefix is not None:
+            self._save_prefixes(plan)
+        self._compact(plan)
         plan.num_live = self.num_live
         return plan
 

@@ -279,3 +279,41 @@ def test_prefix_cache_gives_exactly_the_tokens_without_it(llama_dir, seed):
     assert sum(o.cached_tokens for o in cached.values()) == stats.cached_tokens > 0
     assert stats.evicted_blocks > 0 and stats.hits < stats.lookups
     assert all(o.cached_tokens % 16 == 0 and o.cached_tokens < len(o.prompt_token_ids) for o in cached.values())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_padded_static_decode_batches_give_the_eager_tokens(llama_dir, seed):
+    """The CUDA-graph path's static batches (rows and keys rounded up to buckets, padding rows
+    writing a scratch slot), run without capture on CPU: the same tokens as plain iterations,
+    with requests of every length arriving at random iterations (float64)."""
+    rng = random.Random(seed)
+    jobs = [(rng.randrange(40), [rng.randrange(512) for _ in range(rng.randint(1, 60))],
+             SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
+                            temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000)))
+            for _ in range(14)]
+
+    def run(cuda_graphs: str):
+        engine = Engine(EngineConfig(llama_dir, dtype="float64", max_slots=6, max_batch_tokens=24, max_seq_len=110,
+                                     cuda_graphs=cuda_graphs))
+        finals, iteration = {}, 0
+        while len(finals) < len(jobs):
+            for i, (arrives, prompt, params) in enumerate(jobs):
+                if arrives == iteration:
+                    engine.add_request(prompt, params, request_id=str(i))
+            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            iteration += 1
+        return finals, engine
+
+    static, engine = run("eager")
+    plain, plain_engine = run("off")
+    assert static == plain
+    graphs = engine.runner.graphs
+    assert plain_engine.runner.graphs is None and graphs.row_buckets == [1, 2, 4, 6]
+    assert graphs.key_buckets == [64, 112]  # 110 rounded up to whole prefix-cache blocks
+    assert graphs.replays > 0 and graphs.padding_rows > 0
+
+
+def test_score_frees_the_slots_of_requests_that_just_finished(llama_dir):
+    llm = LLM(llama_dir, dtype="float64", max_slots=2)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3))
+    assert llm.engine.score([5, 6, 7]).shape[0] == 3

@@ -55,7 +55,8 @@ class AttentionOptions:
     window: int | None = None  # sliding-window size, None = full causal attention
     # Decode attention entirely in float32 for 16-bit models: on CPU a bfloat16 batched matmul of
     # decode shapes costs ~2x its float32 twin (the K/V slices are small to widen), and the
-    # result is the more exact one. Prefill keeps the model dtype.
+    # result is the more exact one. Prefill keeps the model dtype. (Not on CUDA: there the
+    # widening would double the KV bytes read.)
     decode_in_float32: bool = False
 
 

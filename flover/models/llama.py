@@ -34,8 +34,8 @@ class LlamaLayer(nn.Module):
         self.gate_up = lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
         self.down = lin(h, tp.intermediate, False)
         self.down_bias = p(h) if cfg.mlp_bias else None
-        self.attn_opts = AttentionOptions(window=window,
-                                          decode_in_float32=dtype in (torch.bfloat16, torch.float16))
+        self.attn_opts = AttentionOptions(window=window, decode_in_float32=dtype in (torch.bfloat16, torch.float16)
+                                          and torch.device(device).type == "cpu")
 
     def weight_specs(self, cfg: ModelConfig, tp: TPLayout, prefix: str) -> list[WeightSpec]:
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
