@@ -100,3 +100,18 @@ def test_nccl_tp2_gives_the_tp1_tokens(make_model, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         results[ranks] = tokens_by_id(out)
     assert results[2] == results[1] and len(results[1]) == len(REQUESTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_rms_norm_gives_llamarmsnorms_bits(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from flover.models.layers import rms_norm
+
+    torch.manual_seed(0)
+    x = (torch.randn(9, 576, device="cuda") * 4).to(dtype)
+    ref = LlamaRMSNorm(576, eps=1e-5).to(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(576))
+        expected = ref(x)
+    assert torch.equal(rms_norm(x, ref.weight.detach(), 1e-5), expected)

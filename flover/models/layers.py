@@ -22,9 +22,13 @@ def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Param
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, hidden]. Normalised in float32 (also for float64 and 16-bit inputs), cast back, then
     scaled by the weight, as LlamaRMSNorm does; PyTorch's fused kernel does the normalisation in one
-    operation instead of six (bit for bit the same values, tested against transformers)."""
+    operation instead of six (bit for bit the same values, tested against transformers). A 16-bit
+    input goes into the kernel as it is: the kernel widens it to float32 itself, so the explicit
+    casts (two more operations; on a GPU two more kernel launches) give the same bits."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -82,6 +86,11 @@ class Rotary(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot]: f0 f1 ... f0 f1 ...
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
+        if not self.interleaved:
+            # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table, so
+            # that a rotation is three operations (mul, roll, addcmul) instead of six.
+            half = self.rotary_dim // 2
+            self.sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the iteration's positions: [T, 1, rot] each (looked up once per forward)."""
@@ -91,9 +100,8 @@ class Rotary(nn.Module):
                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T] -> rotated copy of x."""
         cos, sin = tables if tables is not None else self.tables(positions)
-        if not self.interleaved:
-            x1, x2 = x.chunk(2, dim=-1)
-            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        if not self.interleaved:  # x * cos + rotate_half(x) * sin, the sign folded into `sin`
+            return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         pairs = rot.unflatten(-1, (-1, 2))  # [..., rot / 2, 2]
         turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
