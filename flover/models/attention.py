@@ -89,13 +89,13 @@ def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, head_dim: int, q_
     return torch.softmax(scores, dim=-1).to(v_dtype)
 
 
-def _fused_cpu_kernel(q: torch.Tensor, opts: AttentionOptions) -> bool:
-    """PyTorch's fused CPU attention (scaled_dot_product_attention's flash kernel) in place of
-    the matmul / softmax / matmul sequence: 2-5x faster for one decode row and for prompt chunks
-    on the 2-core dev machine (computing in float32 inside, as the sequence does). Not for GPT-J,
-    whose scores are float32 on 16-bit inputs, and not on CUDA, where eager iterations of
-    changing shapes ran slower with it."""
-    return q.device.type == "cpu" and opts.scores_dtype is None
+def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool) -> bool:
+    """PyTorch's fused attention (scaled_dot_product_attention) in place of the matmul / softmax /
+    matmul sequence. On CPU (its flash kernel, float32 inside as the sequence) 2-5x faster for one
+    decode row and for prompt chunks on the 2-core dev machine. On CUDA for prompt chunks only:
+    eager decode iterations, whose key length changes every time, ran slower with it there. Not
+    for GPT-J, whose scores are float32 on 16-bit inputs."""
+    return opts.scores_dtype is None and (q.device.type == "cpu" or not decode)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
@@ -103,7 +103,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     num_decode, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     span, length = batch.decode_span, batch.max_decode_len
-    if (span == 1 and _fused_cpu_kernel(q, opts) and (opts.window is None or length <= opts.window)
+    if (span == 1 and _fused_kernel(q, opts, decode=True) and (opts.window is None or length <= opts.window)
             and int(batch.span_lens[0]) == length):
         # One sequence that sees all `length` keys (a single stream): no mask needed.
         qg = q.view(1, kv_heads, heads // kv_heads, head_dim)  # its query heads as rows of their kv head
@@ -127,22 +127,29 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     return out if batch.decode_rows is None else out[batch.decode_rows]
 
 
+def _prefill_mask(start_pos: int, end: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[end - start_pos, end] True where a key must be ignored: queries at positions start_pos..,
+    keys at 0..; causal, and within the window if any."""
+    query_pos = torch.arange(start_pos, end, device=device)[:, None]
+    key_pos = torch.arange(end, device=device)[None, :]
+    mask = key_pos > query_pos  # causal
+    if window is not None:
+        mask |= key_pos <= query_pos - window
+    return mask
+
+
 def _prefill(q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, span: PrefillSpan,
              opts: AttentionOptions) -> torch.Tensor:
     length, heads, head_dim = q.shape
     kv_heads = k_slot.shape[0]
     end = span.start_pos + length
-    if _fused_cpu_kernel(q, opts):
+    if _fused_kernel(q, opts, decode=False):
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, c, d]
         k, v = k_slot[None, :, :end], v_slot[None, :, :end]  # [1, kvh, end, d]
         if span.start_pos == 0 and (opts.window is None or end <= opts.window):
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=heads != kv_heads)
         else:  # a later chunk (or a window): queries sit at start_pos.., keys at 0..
-            query_pos = torch.arange(span.start_pos, end, device=q.device)[:, None]
-            key_pos = torch.arange(end, device=q.device)[None, :]
-            visible = key_pos <= query_pos
-            if opts.window is not None:
-                visible &= key_pos > query_pos - opts.window
+            visible = ~_prefill_mask(span.start_pos, end, opts.window, q.device)
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, enable_gqa=heads != kv_heads)
         return out[0].transpose(0, 1).reshape(length, heads * head_dim)  # [c, heads * d]
     dtype = opts.scores_dtype or q.dtype
@@ -150,11 +157,7 @@ def _prefill(q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, span: 
     k = k_slot[:, :end].unsqueeze(1).to(dtype)  # [kvh, 1, end, d]
     v = v_slot[:, :end].unsqueeze(1)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g, c, end]
-    query_pos = torch.arange(span.start_pos, end, device=q.device)[:, None]
-    key_pos = torch.arange(end, device=q.device)[None, :]
-    mask = key_pos > query_pos  # causal
-    if opts.window is not None:
-        mask |= key_pos <= query_pos - opts.window
-    weights = _softmax_weights(scores, mask, head_dim, q.dtype, v.dtype)
+    weights = _softmax_weights(scores, _prefill_mask(span.start_pos, end, opts.window, q.device), head_dim,
+                               q.dtype, v.dtype)
     out = torch.matmul(weights, v)  # [kvh, g, c, d]
     return out.permute(2, 0, 1, 3).reshape(length, heads * head_dim)
