@@ -277,7 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from flover.server.http_front import start_http_front
 
             http = start_http_front(args.bind, args.http, args.model, args.api_key or os.environ.get("FLOVER_API_KEY"),
-                                    curve=front_curve)
+                                    curve=front_curve, max_body_bytes=args.max_message_bytes)
     except BaseException:
         engine.shutdown()
         raise

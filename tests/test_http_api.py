@@ -118,6 +118,40 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
     assert ok.choices[0].finish_reason == "length"
 
 
+def test_a_body_over_the_message_bound_is_a_413_before_it_is_read(api):
+    """The front reads at most --max-message-bytes (1 MiB here) of a body, whether the length is
+    declared or the body is streamed in chunks; the server keeps serving."""
+    import socket
+
+    _, url = api
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # declares 5 MB, sends none of it
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000000\r\n\r\n")
+        answer = b""
+        while b"}}" not in answer:  # the status line and headers, then the JSON error
+            got = sock.recv(65536)
+            if not got:
+                break
+            answer += got
+    answer = answer.decode("latin-1")
+    assert answer.startswith("HTTP/1.1 413") and "message_too_large" in answer, answer[:400]
+
+    def chunks():  # no Content-Length: chunked transfer, 64 KiB at a time, just over the bound
+        piece = b"x" * 65536
+        yield b'{"prompt": "'
+        for _ in range(16):
+            yield piece
+        yield b'"}'
+
+    refused = httpx.post(f"{url}/tokenize", content=chunks(), timeout=30)
+    assert refused.status_code == 413 and "larger than 1048576 bytes" in refused.json()["error"]["message"]
+    fits = httpx.post(f"{url}/tokenize", json={"prompt": "one two " * 20000}, timeout=60)  # 160 kB
+    assert fits.status_code == 200 and fits.json()["count"] > 0
+    ok = httpx.post(f"{url}/v1/completions", json={"model": model_id(url), "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_the_async_client_streams_many_at_once(api):
     _, url = api
 

@@ -50,12 +50,14 @@ class Front:
     """The app's state: one AsyncClient to the daemon, the tokenizer, the served name."""
 
     def __init__(self, engine_addr: str, model_name: str, tokenizer, api_key: str | None,
-                 parent_pid: int | None = None, curve: tuple[bytes, bytes, bytes] | None = None):
+                 parent_pid: int | None = None, curve: tuple[bytes, bytes, bytes] | None = None,
+                 max_body_bytes: int = 1 << 20):
         """`parent_pid`: the daemon that started this front; the front stops when it is gone
         (also when it was killed and could not stop the front itself). `curve`: (the daemon's
-        public key, this front's public and secret keys) when the socket uses CURVE."""
+        public key, this front's public and secret keys) when the socket uses CURVE.
+        `max_body_bytes`: larger request bodies are refused (the daemon's message bound)."""
         self.engine_addr, self.model_name, self.tokenizer, self.api_key = engine_addr, model_name, tokenizer, api_key
-        self.parent_pid, self.curve = parent_pid, curve
+        self.parent_pid, self.curve, self.max_body_bytes = parent_pid, curve, max_body_bytes
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self._background: set[asyncio.Task] = set()
@@ -142,7 +144,7 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            body = await _json(request)
+            body = await _json(request, front.max_body_bytes)
             if "messages" in body:
                 ids = front.tokenizer.encode_chat(oa.chat_messages(body["messages"]))
             elif isinstance(body.get("prompt"), str):
@@ -158,7 +160,7 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = await _json(request)
+            body = await _json(request, front.max_body_bytes)
             ids = body.get("tokens")
             vocab = front.tokenizer.vocab_size
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
@@ -219,7 +221,7 @@ def build_app(front: Front) -> FastAPI:
 
     async def generate(request: Request, kind: str):
         try:
-            p = oa.plan(await _json(request), kind, front.model_name, log.warning)
+            p = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning)
             if p.kind == "chat":
                 await tokenize_chat(p)
             elif p.echo:
@@ -327,9 +329,22 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _json(request: Request) -> dict:
+async def _json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read up to `limit` bytes: a larger one is refused (413) before it
+    is buffered, whether it declares its length or streams chunks."""
+    too_large = oa.ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-message-bytes)",
+                            "message_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    raw, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        raw.append(chunk)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(b"".join(raw))
     except (ValueError, UnicodeDecodeError) as e:
         raise oa.ApiError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
@@ -350,13 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="the checkpoint (for its tokenizer)")
     ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     ap.add_argument("--parent", type=int, default=None, help="stop when this process (the daemon) is gone")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
     host, port = parse_listen(args.listen)
     tokenizer = load_tokenizer(open_checkpoint(args.model))
     keys = [os.environ.get(name, "").encode() for name in CURVE_ENV]
     front = Front(args.engine, args.served_model_name or args.model, tokenizer, os.environ.get("FLOVER_API_KEY"),
-                  args.parent, curve=tuple(keys) if all(keys) else None)
+                  args.parent, curve=tuple(keys) if all(keys) else None, max_body_bytes=args.max_body_bytes)
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
     config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, timeout_graceful_shutdown=2,

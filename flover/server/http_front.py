@@ -34,9 +34,11 @@ CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE
 
 
 def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
-                     curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0) -> subprocess.Popen:
+                     curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0,
+                     max_body_bytes: int = 1 << 20) -> subprocess.Popen:
     """The front's process, once it answers HTTP; OSError naming the address if it cannot.
-    `curve`: (the daemon's public key, the front's public and secret keys), z85."""
+    `curve`: (the daemon's public key, the front's public and secret keys), z85.
+    `max_body_bytes`: the largest request body it reads (the daemon's --max-message-bytes)."""
     host, port = parse_listen(listen)
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -52,7 +54,7 @@ def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
     with sock:
         proc = subprocess.Popen([sys.executable, "-m", "flover.server.http_api", "--engine", engine_address(bind),
                                  "--fd", str(sock.fileno()), "--listen", listen, "--model", model,
-                                 "--parent", str(os.getpid())],
+                                 "--parent", str(os.getpid()), "--max-body-bytes", str(max_body_bytes)],
                                 env=env, pass_fds=[sock.fileno()])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
