@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flover.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 
 MIN_KEYS_BUCKET = 64
@@ -44,19 +45,19 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, max_rows: int, max_keys: int,
-                 scratch_slot: int, device: torch.device, capture: bool = True):
-        """`kv`: the slot buffer's KV (its slot `scratch_slot` is never a real one); `max_keys`:
-        the positions allocated per slot."""
-        self.model, self.kv, self.scratch_slot = model, kv, scratch_slot
-        self.row_buckets = buckets(max_rows)
-        self.key_buckets = buckets(max_keys, min(MIN_KEYS_BUCKET, max_keys))
+    def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, capture: bool = True):
+        """`buffer`: the slot buffer, made with a scratch slot. Rows go up to its slots, keys up to
+        the positions it allocates per slot."""
+        assert buffer.scratch_slot is not None, "padding rows need the buffer's scratch slot"
+        self.model, self.kv, self.scratch_slot = model, buffer.kv, buffer.scratch_slot
+        self.row_buckets = buckets(buffer.max_slots)
+        self.key_buckets = buckets(buffer.max_seq_len, min(MIN_KEYS_BUCKET, buffer.max_seq_len))
         rows = self.row_buckets[-1]
         with torch.inference_mode():  # the engine steps in inference mode: its buffers must be inference tensors
-            long = dict(dtype=torch.int64, device=device)
+            long = dict(dtype=torch.int64, device=buffer.device)
             self.input_ids = torch.zeros(rows, **long)
             self.positions = torch.zeros(rows, **long)
-            self.write_slots = torch.full((rows,), scratch_slot, **long)
+            self.write_slots = torch.full((rows,), self.scratch_slot, **long)
             self.span_lens = torch.ones(rows, **long)
             self.sample_rows = torch.arange(rows, **long)
             start = time.perf_counter()

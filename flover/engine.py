@@ -96,8 +96,7 @@ class Engine:
                      if prefix_blocks else "off")
         graphs = None
         if static_decode:
-            graphs = DecodeGraphs(model, buffer.kv, config.max_slots, buffer.max_seq_len, buffer.scratch_slot,
-                                  self.device, capture=config.cuda_graphs == "auto")
+            graphs = DecodeGraphs(model, buffer, capture=config.cuda_graphs == "auto")
             log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
                      config.max_slots, buffer.max_seq_len,
                      "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
