@@ -37,30 +37,13 @@ def test_cuda_logits_and_greedy_tokens_match_transformers(make_model, variant):
 def test_cuda_graph_replays_give_the_eager_tokens(make_model, seed):
     """Requests of every length arriving at random iterations: the tokens with captured decode
     graphs (padded rows and key buckets) equal those of eager iterations (float64)."""
-    import random
+    from tests.test_engine import run_random_arrivals
 
     model_dir = make_model("llama")
-    rng = random.Random(seed)
-    jobs = [(rng.randrange(40), [rng.randrange(512) for _ in range(rng.randint(1, 60))],
-             SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
-                            temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000)))
-            for _ in range(14)]
-
-    def run(cuda_graphs: str):
-        llm = LLM(model_dir, dtype="float64", device="cuda", max_slots=6, max_batch_tokens=24, max_seq_len=110,
-                  cuda_graphs=cuda_graphs)
-        finals, iteration = {}, 0
-        while len(finals) < len(jobs):
-            for i, (arrives, prompt, params) in enumerate(jobs):
-                if arrives == iteration:
-                    llm.engine.add_request(prompt, params, request_id=str(i))
-            finals.update({o.request_id: o.token_ids for o in llm.engine.step() if o.finished})
-            iteration += 1
-        return finals, llm.engine.runner.graphs
-
-    captured, graphs = run("auto")
-    eager, _ = run("off")
+    captured, engine = run_random_arrivals(model_dir, seed, "auto", device="cuda")
+    eager, _ = run_random_arrivals(model_dir, seed, "off", device="cuda")
     assert captured == eager
+    graphs = engine.runner.graphs
     assert graphs.count == 4 * 2 and graphs.replays > 0 and graphs.padding_rows > 0
 
 

@@ -281,31 +281,34 @@ def test_prefix_cache_gives_exactly_the_tokens_without_it(llama_dir, seed):
     assert all(o.cached_tokens % 16 == 0 and o.cached_tokens < len(o.prompt_token_ids) for o in cached.values())
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_padded_static_decode_batches_give_the_eager_tokens(llama_dir, seed):
-    """The CUDA-graph path's static batches (rows and keys rounded up to buckets, padding rows
-    writing a scratch slot), run without capture on CPU: the same tokens as plain iterations,
-    with requests of every length arriving at random iterations (float64)."""
+def run_random_arrivals(model_dir: str, seed: int, cuda_graphs: str, device: str = "cpu") -> tuple[dict, Engine]:
+    """14 requests of every length (greedy and seeded sampled) arriving at random iterations into
+    6 slots of 110 positions, float64: (request id -> tokens, the engine). The workload of the
+    static-decode tests here and of the CUDA-graph test in test_cuda.py."""
     rng = random.Random(seed)
     jobs = [(rng.randrange(40), [rng.randrange(512) for _ in range(rng.randint(1, 60))],
              SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
                             temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000)))
             for _ in range(14)]
+    engine = Engine(EngineConfig(model_dir, dtype="float64", device=device, max_slots=6, max_batch_tokens=24,
+                                 max_seq_len=110, cuda_graphs=cuda_graphs))
+    finals, iteration = {}, 0
+    while len(finals) < len(jobs):
+        for i, (arrives, prompt, params) in enumerate(jobs):
+            if arrives == iteration:
+                engine.add_request(prompt, params, request_id=str(i))
+        finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        iteration += 1
+    return finals, engine
 
-    def run(cuda_graphs: str):
-        engine = Engine(EngineConfig(llama_dir, dtype="float64", max_slots=6, max_batch_tokens=24, max_seq_len=110,
-                                     cuda_graphs=cuda_graphs))
-        finals, iteration = {}, 0
-        while len(finals) < len(jobs):
-            for i, (arrives, prompt, params) in enumerate(jobs):
-                if arrives == iteration:
-                    engine.add_request(prompt, params, request_id=str(i))
-            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-            iteration += 1
-        return finals, engine
 
-    static, engine = run("eager")
-    plain, plain_engine = run("off")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_padded_static_decode_batches_give_the_eager_tokens(llama_dir, seed):
+    """The CUDA-graph path's static batches (rows and keys rounded up to buckets, padding rows
+    writing a scratch slot), run without capture on CPU: the same tokens as plain iterations,
+    with requests of every length arriving at random iterations (float64)."""
+    static, engine = run_random_arrivals(llama_dir, seed, "eager")
+    plain, plain_engine = run_random_arrivals(llama_dir, seed, "off")
     assert static == plain
     graphs = engine.runner.graphs
     assert plain_engine.runner.graphs is None and graphs.row_buckets == [1, 2, 4, 6]
