@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from flover.client import DEFAULT_MAX_MESSAGE_BYTES
+
 
 def engine_address(bind: str) -> str:
     """Where a local client reaches a daemon bound to `bind` (a wildcard bind is reached on loopback)."""
@@ -35,7 +37,7 @@ CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE
 
 def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
                      curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0,
-                     max_body_bytes: int = 1 << 20) -> subprocess.Popen:
+                     max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> subprocess.Popen:
     """The front's process, once it answers HTTP; OSError naming the address if it cannot.
     `curve`: (the daemon's public key, the front's public and secret keys), z85.
     `max_body_bytes`: the largest request body it reads (the daemon's --max-message-bytes)."""
