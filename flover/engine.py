@@ -25,7 +25,8 @@ from flover.config import EngineConfig, SamplingParams, threads_per_rank
 from flover.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
 from flover.kv_buffer import SlotBuffer, kv_cache_bytes
-from flover.models import load_model, open_checkpoint
+from flover.models import drop_dense_weights, load_model, open_checkpoint
+from flover.native_decode import NativeDecode, NativeUnavailable
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
 from flover.parallel.plan import AddEvent, StepPlanMessage
@@ -73,8 +74,11 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        native_wanted = (config.native_decode == "auto" and self.device.type == "cpu" and self.comm is None
+                         and self.dtype in (torch.float32, torch.bfloat16) and config.quantization == "none")
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
-                           comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization)
+                           comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
+                           keep_dense=native_wanted)
         self.tokenizer = load_tokenizer(checkpoint)
         # Per rank; the same block count on every rank (kv heads split evenly), which keeps their
         # prefix indexes making the same decisions (docs/prefix_cache.md).
@@ -100,7 +104,8 @@ class Engine:
             log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
                      config.max_slots, buffer.max_seq_len,
                      "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
-        self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed, graphs)
+        native = self._native_decode(model, buffer) if native_wanted else None
+        self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed, graphs, native)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache)
@@ -111,6 +116,18 @@ class Engine:
         self.stopped = False  # a follower saw the leader's shutdown
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
+
+    def _native_decode(self, model: torch.nn.Module, buffer: SlotBuffer) -> NativeDecode | None:
+        started = time.perf_counter()
+        try:
+            native = NativeDecode(model, buffer, self.dtype, torch.get_num_threads())
+        except NativeUnavailable as e:
+            log.warning("native decode step off, decoding with PyTorch only: %s", e)
+            drop_dense_weights(model)
+            return None
+        log.info("native decode step: iterations of up to %d decode rows (ready in %.2f s)", native.max_rows,
+                 time.perf_counter() - started)
+        return native
 
     # -- intake ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -16,6 +16,7 @@ import torch
 from flover.cuda_graphs import DecodeGraphs
 from flover.kv_buffer import Move, SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
+from flover.native_decode import NativeDecode
 from flover.parallel.comm import Communicator
 from flover.request import Request
 from flover.sampler import SamplingTensors, sample, token_logprobs
@@ -55,11 +56,13 @@ class SampleResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
-                 comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None):
+                 comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None,
+                 native: NativeDecode | None = None):
         """`comm`: the tensor-parallel communicator of several ranks (rank 0 samples), or None.
-        `graphs`: decode-only iterations replayed from CUDA graphs (others run eagerly)."""
+        `graphs`: decode-only iterations replayed from CUDA graphs (others run eagerly).
+        `native`: decode-only iterations of a few rows in one native call (CPU)."""
         self.model, self.buffer, self.vocab_size, self.device, self.comm = model, buffer, vocab_size, device, comm
-        self.graphs = graphs
+        self.graphs, self.native = graphs, native
         self.is_leader = comm is None or comm.rank == 0
         self._rng = random.Random(seed)  # seeds requests that bring none
         state = buffer.add_state
@@ -88,6 +91,10 @@ class ModelRunner:
         """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP)."""
         if self.graphs is not None:
             logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
+        if self.native is not None:
+            logits = self.native.run(batch)
             if logits is not None:
                 return logits
         return self.model(batch, self.buffer.kv)

@@ -58,10 +58,11 @@ def model_class(cfg: ModelConfig):
 
 def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
                cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
-               pack_hint: int = 32, quantization: str = "none") -> torch.nn.Module:
+               pack_hint: int = 32, quantization: str = "none", keep_dense: bool = False) -> torch.nn.Module:
     """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
     projections a weight-only quantized copy (models/quant.py), and repack the projection weights
-    for the device's fastest GEMM (`pack_hint`: typical rows per GEMM)."""
+    for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `keep_dense`: keep the
+    row-major weights too, for the native decode step (a tied LM head reads the embedding)."""
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)
     cfg = cfg or checkpoint.model_config()
@@ -71,10 +72,18 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
         load_weights(checkpoint.reader(cfg), model.weight_specs())
         if quantization != "none":
             quantize_projections(model, quantization)
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, Linear):
-                module.pack(pack_hint)
+                tied_head = name == "lm_head" and cfg.tie_word_embeddings
+                module.pack(pack_hint, keep_dense=keep_dense and not tied_head)
     return model.eval()
+
+
+def drop_dense_weights(model: torch.nn.Module) -> None:
+    """Release the row-major copies that load_model(keep_dense=True) kept beside packed weights."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.packed is not None:
+            module.weight = None
 
 
 def quantize_projections(model: torch.nn.Module, mode: str) -> None:

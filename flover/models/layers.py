@@ -135,7 +135,9 @@ class Linear(nn.Module):
         self.quantized, dequantized = quantize(self.weight, mode)
         self.weight.data = dequantized
 
-    def pack(self, batch_hint: int) -> bool:
+    def pack(self, batch_hint: int, keep_dense: bool = False) -> bool:
+        """`keep_dense`: keep the row-major weight beside the packed one (the native decode step
+        reads it: flover/native_decode.py)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -146,7 +148,8 @@ class Linear(nn.Module):
         except (RuntimeError, AttributeError):  # a build without these ops: keep F.linear
             return False
         self._shape = tuple(w.shape)
-        self.weight = None
+        if not keep_dense:
+            self.weight = None
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

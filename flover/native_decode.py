@@ -1,0 +1,171 @@
+"""Decode iterations of a few rows in one native call (CPU, TP=1, Llama family, float32/bfloat16).
+
+One request decoding alone reads every weight once per token and computes little: the token's
+time is the weights' bytes over the memory bandwidth, plus whatever the framework adds. In eager
+PyTorch that addition dominates on a small model (SmolLM2-135M, 2 cores: ~1,000 operations of a
+few µs each, and oneDNN's packed GEMM streaming weights at ~15 GB/s where the machine reads at
+~28-39). `native/decode_step.c` runs the whole forward of such an iteration as plain loops that
+read each weight row once, at the read bandwidth; iterations with more rows (compute-bound, where
+oneDNN's blocked GEMM wins) and every iteration with a prompt chunk stay on the PyTorch path.
+
+The C file is compiled on first use with the system compiler for this CPU (`-march=native`, so
+AVX-512 BF16's dot-product instruction where the CPU has it) into `~/.cache/flover/native/`,
+keyed by the source, the flags, the compiler and the CPU's flags, and loaded with ctypes. No
+compiler, a failed build, or a model it does not cover: the engine says why and runs PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from flover.hardware import cpu_flags
+from flover.kv_buffer import SlotBuffer
+from flover.models.attention import ForwardBatch
+from flover.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "decode_step.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# Rows up to which one native call beats oneDNN's packed GEMMs (measured on the 2-core dev
+# machine, SmolLM2-135M bfloat16: see docs/benchmarks.md); larger iterations are compute-bound.
+MAX_ROWS = 4
+# The C structs (decode_step.c: Model, Layer), every field an int64.
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
+                "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
+                "embed", "final_norm", "head", "cos", "sin")
+LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
+                "down", "down_bias", "window")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class NativeUnavailable(RuntimeError):
+    """Why the native decode step cannot run here (the engine logs it and runs PyTorch)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flover" / "native"
+
+
+def build_library() -> Path:
+    """Compile decode_step.c for this CPU unless a build of the same inputs is cached."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC, or install gcc)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"{compiler} --version failed: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version,
+                                    " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"decode_step-{key}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent builds never meet
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise NativeUnavailable(f"compiling {SOURCE.name} failed ({compiler} exit {done.returncode}): "
+                                f"{done.stderr.strip()[-2000:]}")
+    os.replace(partial, path)
+    log.info("native decode step compiled in %.1f s: %s", time.perf_counter() - started, path)
+    return path
+
+
+def load_library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library()))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.flover_work_floats.argtypes = [p, ctypes.c_int]
+    lib.flover_work_floats.restype = i64
+    lib.flover_decode.argtypes = [p, p, ctypes.c_int, p, p, p, p, p, ctypes.c_double, ctypes.c_int]
+    lib.flover_decode.restype = ctypes.c_int
+    return lib
+
+
+def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """Why `model` cannot take the native step, or None. (CPU, TP=1 and no quantization are the
+    engine's to check: it decides before loading whether to keep the dense weights.)"""
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not of the Llama family"
+    cfg = model.cfg
+    if dtype not in DTYPE_CODES:
+        return f"dtype {dtype} (float32 and bfloat16 only)"
+    if cfg.hidden_act != "silu":
+        return f"activation {cfg.hidden_act!r} (silu only)"
+    if model.rotary.interleaved or model.rotary.rotary_dim != cfg.head_dim or cfg.head_dim > 512:
+        return "rotary embedding other than rotate-half over whole heads of at most 512 dims"
+    sizes = {"hidden size": cfg.hidden_size, "attention width": model.tp.heads * cfg.head_dim,
+             "intermediate size": model.tp.intermediate}
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % 32]
+    if odd:
+        return f"{', '.join(odd)} not a multiple of 32"
+    missing = [name for name, m in model.named_modules() if hasattr(m, "packed") and m.weight is None
+               and not (name == "lm_head" and cfg.tie_word_embeddings)]
+    if missing:
+        return f"dense weights were not kept ({missing[0]}, ...)"
+    return None
+
+
+class NativeDecode:
+    def __init__(self, model: LlamaForCausalLM, buffer: SlotBuffer, dtype: torch.dtype, threads: int,
+                 max_rows: int = MAX_ROWS):
+        why = unsupported(model, dtype)
+        if why is not None:
+            raise NativeUnavailable(why)
+        self.lib = load_library()
+        self.model, self.dtype, self.threads, self.max_rows = model, dtype, threads, max_rows
+        cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]
+        assert kv.is_contiguous() and kv.dtype == dtype
+        head = model.embed if cfg.tie_word_embeddings else model.lm_head.weight  # [vocab block, hidden]
+        self.vocab = head.shape[0]
+        fields = dict(
+            layers=cfg.num_layers, hidden=cfg.hidden_size, heads=model.tp.heads, kv_heads=model.tp.kv_heads,
+            head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[dtype],
+            max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
+            kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
+            final_norm=model.norm.data_ptr(), head=head.data_ptr(), cos=model.rotary.cos.data_ptr(),
+            sin=model.rotary.sin.data_ptr())
+        self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
+        rows = []
+        for layer, window in zip(model.layers, cfg.sliding_windows):
+            address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+            weights = dict(input_norm=layer.input_norm, qkv=layer.qkv.weight, qkv_bias=layer.qkv.bias, o=layer.o.weight,
+                           o_bias=layer.o_bias, post_norm=layer.post_norm, gate_up=layer.gate_up.weight,
+                           gate_up_bias=layer.gate_up.bias, down=layer.down.weight, down_bias=layer.down_bias)
+            assert all(t is None or t.is_contiguous() for t in weights.values())
+            rows.append([address(weights[f]) for f in LAYER_FIELDS[:-1]] + [window or 0])
+        self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
+        floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows)
+        self._work = torch.empty(floats, dtype=torch.float32)
+        self.eps = float(cfg.norm_eps)
+        self.iterations = 0  # iterations run natively (stats, tests)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """[rows, vocab block] logits of a decode-only iteration of at most max_rows rows, else
+        None (the caller runs PyTorch)."""
+        rows = batch.num_decode
+        if batch.prefills or not 0 < rows <= self.max_rows:
+            return None
+        tokens, positions = batch.input_ids[:rows].contiguous(), batch.positions[:rows].contiguous()
+        slots = batch.write_slots[:rows].contiguous()
+        logits = torch.empty(rows, self.vocab, dtype=self.dtype)
+        self.lib.flover_decode(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows,
+                               tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), logits.data_ptr(),
+                               self._work.data_ptr(), self.eps, self.threads)
+        self.iterations += 1
+        return logits

@@ -1,0 +1,102 @@
+"""The native decode step (flover/native_decode.py, native/decode_step.c) against the PyTorch
+forward on the same iteration state, for every Llama-family variant, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from flover.config import EngineConfig, SamplingParams
+from flover.engine import Engine
+from flover.native_decode import MAX_ROWS, NativeUnavailable, build_library
+
+
+def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0) -> tuple[list[tuple[int, float, float, bool]], Engine]:
+    """14 requests arriving at random iterations into 6 slots. Every iteration the native step
+    takes is also run through the PyTorch model first, on the same KV state (the native step
+    then rewrites this iteration's K/V itself, so that later iterations read its own cache):
+    per native iteration (rows, max |logit difference|, max |logit|, same argmax per row)."""
+    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110))
+    runner, native = engine.runner, engine.runner.native
+    assert native is not None, "the native step should be available on this machine (a C compiler, x86-64 Linux)"
+    with torch.no_grad():  # random checkpoints have zero biases: make them count (both paths read these tensors)
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in runner.model.named_parameters():
+            if "bias" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    compared = []
+
+    def forward(batch):
+        if batch.prefills or batch.num_decode > native.max_rows:
+            return runner.model(batch, runner.buffer.kv)
+        reference = runner.model(batch, runner.buffer.kv).float()
+        logits = native.run(batch)
+        diff = (logits.float() - reference).abs().max().item()
+        same = bool((logits.float().argmax(-1) == reference.argmax(-1)).all())
+        compared.append((batch.num_decode, diff, reference.abs().max().item(), same))
+        return logits
+
+    runner.forward = forward
+    rng = random.Random(seed)
+    jobs = [(rng.randrange(30), [rng.randrange(500) for _ in range(rng.randint(1, 50))],
+             SamplingParams(max_new_tokens=rng.randint(1, 50), ignore_eos=True,
+                            temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000)))
+            for _ in range(14)]
+    finished, iteration = 0, 0
+    while finished < len(jobs):
+        for i, (arrives, prompt, params) in enumerate(jobs):
+            if arrives == iteration:
+                engine.add_request(prompt, params, request_id=str(i))
+        finished += sum(o.finished for o in engine.step())
+        iteration += 1
+    return compared, engine
+
+
+VARIANTS = ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "qwen2", "llama-vocab509-kv4"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
+    """Biases (qkv, o, mlp), a tied head, MQA, llama3 RoPE, a sliding window shorter than the
+    sequences, an odd vocabulary: equal up to float32 summation order, for 1..MAX_ROWS rows."""
+    compared, _ = compare_on_random_arrivals(make_model(variant), "float32")
+    assert {rows for rows, *_ in compared} == set(range(1, MAX_ROWS + 1))
+    for rows, diff, scale, _ in compared:
+        assert diff <= 2e-6 * max(1.0, scale), (rows, diff, scale)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8"])
+def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
+    """bfloat16 rounds every intermediate at the points PyTorch does: the logits stay within a
+    few bfloat16 steps of the PyTorch forward's, and the greedy choice almost always agrees."""
+    compared, _ = compare_on_random_arrivals(make_model(variant), "bfloat16")
+    assert len(compared) > 20
+    for rows, diff, scale, _ in compared:
+        assert diff <= 0.02 * max(1.0, scale), (rows, diff, scale)
+    agree = sum(same for *_, same in compared) / len(compared)
+    assert agree >= 0.9, agree
+
+
+def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, caplog):
+    """No compiler: a clear reason in the log, the dense weight copies released, PyTorch decodes."""
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(NativeUnavailable, match="no-such-compiler"):
+        build_library()
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2))
+    assert engine.runner.native is None
+    assert "native decode step off" in caplog.text and "no-such-compiler" in caplog.text
+    assert engine.runner.model.layers[0].qkv.weight is None  # only the packed copy remains
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True), request_id="a")
+    finals = []
+    while engine.has_unfinished():
+        finals += [o for o in engine.step() if o.finished]
+    assert len(finals[0].token_ids) == 5
+
+
+def test_models_the_step_does_not_cover_run_pytorch(make_model):
+    assert Engine(EngineConfig(make_model("gptj"), dtype="float32", max_slots=2)).runner.native is None
+    assert Engine(EngineConfig(make_model("llama"), dtype="float64", max_slots=2)).runner.native is None
+    off = Engine(EngineConfig(make_model("llama"), dtype="float32", max_slots=2, native_decode="off"))
+    assert off.runner.native is None
+    assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off
