@@ -123,8 +123,9 @@ class Engine:
             native = NativeDecode(model, buffer, self.dtype, torch.get_num_threads())
         except NativeUnavailable as e:
             log.warning("native decode step off, decoding with PyTorch only: %s", e)
-            drop_dense_weights(model)
             return None
+        finally:
+            drop_dense_weights(model)  # the native step made blocked copies of its own
         log.info("native decode step: iterations of up to %d decode rows (ready in %.2f s)", native.max_rows,
                  time.perf_counter() - started)
         return native

@@ -36,9 +36,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "native" / "decode_step.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-# Rows up to which one native call beats oneDNN's packed GEMMs (measured on the 2-core dev
-# machine, SmolLM2-135M bfloat16: see docs/benchmarks.md); larger iterations are compute-bound.
-MAX_ROWS = 4
 # The C structs (decode_step.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
@@ -111,9 +108,9 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return "rotary embedding other than rotate-half over whole heads of at most 512 dims"
     sizes = {"hidden size": cfg.hidden_size, "attention width": model.tp.heads * cfg.head_dim,
              "intermediate size": model.tp.intermediate}
-    odd = [f"{name} {size}" for name, size in sizes.items() if size % 32]
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % 2]
     if odd:
-        return f"{', '.join(odd)} not a multiple of 32"
+        return f"{', '.join(odd)} odd (input pairs feed the bfloat16 kernel)"
     missing = [name for name, m in model.named_modules() if hasattr(m, "packed") and m.weight is None
                and not (name == "lm_head" and cfg.tie_word_embeddings)]
     if missing:
@@ -121,16 +118,43 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     return None
 
 
+def block_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] row-major -> the kernels' blocked layout (decode_step.c, "projections"): output rows
+    in blocks of 16 (zero rows pad the last), interleaved so one 64-byte load holds the 16 rows'
+    weights for the next input (float32: [n / 16, k, 16]) or input pair (bfloat16: [n / 16, k / 2, 16, 2])."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    if weight.dtype == torch.bfloat16:
+        return padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(-1, 16, k).permute(0, 2, 1).contiguous()
+
+
 class NativeDecode:
     def __init__(self, model: LlamaForCausalLM, buffer: SlotBuffer, dtype: torch.dtype, threads: int,
-                 max_rows: int = MAX_ROWS):
+                 max_rows: int | None = None):
+        """Reads the model's dense (row-major) weights once, into blocked copies of its own: the
+        caller may drop the dense ones afterwards. `max_rows`: the most decode rows an iteration
+        may have to run here (default: every slot)."""
         why = unsupported(model, dtype)
         if why is not None:
             raise NativeUnavailable(why)
         self.lib = load_library()
-        self.model, self.dtype, self.threads, self.max_rows = model, dtype, threads, max_rows
+        self.model, self.dtype, self.threads = model, dtype, threads
+        self.max_rows = max_rows or buffer.max_slots
         cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]
         assert kv.is_contiguous() and kv.dtype == dtype
+        blocked = []  # the kernels' copies, kept alive here
+
+        def address(weight: torch.Tensor | None, block: bool = False) -> int:
+            if weight is None:
+                return 0
+            if block:
+                weight = block_weight(weight)
+                blocked.append(weight)
+            assert weight.is_contiguous() and weight.dtype == dtype
+            return weight.data_ptr()
+
         head = model.embed if cfg.tie_word_embeddings else model.lm_head.weight  # [vocab block, hidden]
         self.vocab = head.shape[0]
         fields = dict(
@@ -138,25 +162,24 @@ class NativeDecode:
             head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[dtype],
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
-            final_norm=model.norm.data_ptr(), head=head.data_ptr(), cos=model.rotary.cos.data_ptr(),
+            final_norm=model.norm.data_ptr(), head=address(head, block=True), cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr())
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         rows = []
         for layer, window in zip(model.layers, cfg.sliding_windows):
-            address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-            weights = dict(input_norm=layer.input_norm, qkv=layer.qkv.weight, qkv_bias=layer.qkv.bias, o=layer.o.weight,
-                           o_bias=layer.o_bias, post_norm=layer.post_norm, gate_up=layer.gate_up.weight,
-                           gate_up_bias=layer.gate_up.bias, down=layer.down.weight, down_bias=layer.down_bias)
-            assert all(t is None or t.is_contiguous() for t in weights.values())
-            rows.append([address(weights[f]) for f in LAYER_FIELDS[:-1]] + [window or 0])
+            rows.append([address(layer.input_norm), address(layer.qkv.weight, block=True), address(layer.qkv.bias),
+                         address(layer.o.weight, block=True), address(layer.o_bias), address(layer.post_norm),
+                         address(layer.gate_up.weight, block=True), address(layer.gate_up.bias),
+                         address(layer.down.weight, block=True), address(layer.down_bias), window or 0])
+        self._blocked = blocked
         self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
-        floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows)
+        floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), self.max_rows)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """[rows, vocab block] logits of a decode-only iteration of at most max_rows rows, else
+        """[rows, vocab block] logits of a decode-only iteration (at most max_rows rows), else
         None (the caller runs PyTorch)."""
         rows = batch.num_decode
         if batch.prefills or not 0 < rows <= self.max_rows:

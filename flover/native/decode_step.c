@@ -66,62 +66,246 @@ static inline void store(void *p, int64_t i, float f, int bf) {
     else ((float *)p)[i] = f;
 }
 
-/* ---- dot products: weights row-major [n, k], k a multiple of 32 (checked in Python) ------ */
-static inline float dot_bf16(const uint16_t *w, const uint16_t *x, int64_t k) {
-#if defined(__AVX512BF16__)
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 64 <= k; j += 64) {
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
-        b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(w + j + 32), (__m512bh)_mm512_loadu_si512(x + j + 32));
-    }
-    for (; j < k; j += 32)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
-    return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-#else
-    float s = 0.f;
-    for (int64_t j = 0; j < k; j++) s += bf2f(w[j]) * bf2f(x[j]);
-    return s;
-#endif
-}
-
-static inline float dot_f32(const float *w, const float *x, int64_t k) {
+/* ---- 16 lanes at a time (AVX-512) ------------------------------------------------------------ */
 #if defined(__AVX512F__)
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 32 <= k; j += 32) {
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), a);
-        b = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(x + j + 16), b);
+static inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+
+static inline __m512 vload(const void *p, int64_t i, int bf, __mmask16 m) {
+    if (bf)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
+/* rnd() on 16 lanes, by the same integer rounding (NaN stays NaN). */
+static inline __m512 vrnd(__m512 v, int bf) {
+    if (!bf) return v;
+    const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), high);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high));
+    return _mm512_castsi512_ps(r);
+}
+
+/* Store lanes holding model-dtype values (bf16: already rounded, so truncation is exact). */
+static inline void vstore(void *p, int64_t i, __m512 v, int bf, __mmask16 m) {
+    if (bf)
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    else _mm512_mask_storeu_ps((float *)p + i, m, v);
+}
+
+/* exp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7 (below float's rounding),
+ * times 2^n by scalef (which also gives 0 and inf beyond float's range). */
+static inline __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.f), x); /* e^-104 is 0 in float; -inf gives 0, NaN stays */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* ---- projections: y[m, n] = W[n, :] . x[m, :] ----------------------------------------------
+ * Weights come blocked by flover/native_decode.py (`block_weight`): 16 output rows at a time,
+ * interleaved so that one 64-byte load holds all 16 rows' weights for the next input step.
+ * bfloat16: [n / 16][k / 2][16][2] (pairs of inputs: the operand of AVX-512 BF16's dot-product
+ * instruction); float32: [n / 16][k][16]. n is padded to whole blocks with zero rows. A tile
+ * multiplies MT input rows by NT blocks with MT x NT accumulators of 16 outputs each, so each
+ * weight load serves MT rows and no horizontal sums are needed. One row (a single stream) takes
+ * a kernel that walks one block as one sequential stream with four independent accumulators:
+ * bound by the memory read bandwidth. */
+#if defined(__AVX512BF16__)
+#define BLOCK_BF16(w, k, kp) ((__m512bh)_mm512_loadu_si512((w) + (kp) * 32))
+#define PAIR(x, kp) ((__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[kp]))
+#define TILE_BF16(MT, NT)                                                                                  \
+    static void tile_bf16_##MT##_##NT(const uint16_t *w, int64_t k, const uint16_t *x, float *out) {     \
+        __m512 acc[MT][NT];                                                                                \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
+        for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
+            __m512bh wv[NT];                                                                               \
+            for (int j = 0; j < NT; j++) wv[j] = BLOCK_BF16(w + j * 16 * k, k, kp);                        \
+            for (int i = 0; i < MT; i++) {                                                                 \
+                const __m512bh xv = PAIR(x + i * k, kp);                                                   \
+                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);           \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
     }
-    for (; j < k; j += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), a);
-    return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+TILE_BF16(8, 2)
+TILE_BF16(4, 2)
+TILE_BF16(2, 2)
+TILE_BF16(1, 2)
+TILE_BF16(8, 1)
+TILE_BF16(4, 1)
+TILE_BF16(2, 1)
+
+static void stream_bf16(const uint16_t *w, int64_t k, const uint16_t *x, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t kp = 0;
+    for (; kp + 4 <= k / 2; kp += 4) {
+        a0 = _mm512_dpbf16_ps(a0, BLOCK_BF16(w, k, kp), PAIR(x, kp));
+        a1 = _mm512_dpbf16_ps(a1, BLOCK_BF16(w, k, kp + 1), PAIR(x, kp + 1));
+        a2 = _mm512_dpbf16_ps(a2, BLOCK_BF16(w, k, kp + 2), PAIR(x, kp + 2));
+        a3 = _mm512_dpbf16_ps(a3, BLOCK_BF16(w, k, kp + 3), PAIR(x, kp + 3));
+    }
+    for (; kp < k / 2; kp++) a0 = _mm512_dpbf16_ps(a0, BLOCK_BF16(w, k, kp), PAIR(x, kp));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#endif
+
+#if defined(__AVX512F__)
+#define TILE_F32(MT, NT)                                                                                   \
+    static void tile_f32_##MT##_##NT(const float *w, int64_t k, const float *x, float *out) {            \
+        __m512 acc[MT][NT];                                                                                \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
+        for (int64_t kk = 0; kk < k; kk++) {                                                               \
+            __m512 wv[NT];                                                                                 \
+            for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_ps(w + j * 16 * k + kk * 16);               \
+            for (int i = 0; i < MT; i++) {                                                                 \
+                const __m512 xv = _mm512_set1_ps(x[i * k + kk]);                                           \
+                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);            \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
+    }
+TILE_F32(8, 2)
+TILE_F32(4, 2)
+TILE_F32(2, 2)
+TILE_F32(1, 2)
+TILE_F32(8, 1)
+TILE_F32(4, 1)
+TILE_F32(2, 1)
+
+static void stream_f32(const float *w, int64_t k, const float *x, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t kk = 0;
+    for (; kk + 4 <= k; kk += 4) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16), _mm512_set1_ps(x[kk]), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16 + 16), _mm512_set1_ps(x[kk + 1]), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16 + 32), _mm512_set1_ps(x[kk + 2]), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16 + 48), _mm512_set1_ps(x[kk + 3]), a3);
+    }
+    for (; kk < k; kk++) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16), _mm512_set1_ps(x[kk]), a0);
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#endif
+
+/* Portable fallback (no AVX-512): MT rows times NT blocks, plain loops. */
+static void tile_any(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int bf, float *out) {
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt_blocks; j++)
+            for (int lane = 0; lane < 16; lane++) {
+                float s = 0.f;
+                for (int64_t kk = 0; kk < k; kk++) {
+                    const int64_t at = bf ? j * 16 * k + (kk / 2) * 32 + lane * 2 + kk % 2 : j * 16 * k + kk * 16 + lane;
+                    s += load(w, at, bf) * load(x, i * k + kk, bf);
+                }
+                out[(i * nt_blocks + j) * 16 + lane] = s;
+            }
+}
+
+/* MT rows x NT blocks starting at block nb, row m0; out: [MT][NT][16] floats. */
+static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int bf,
+                 float *out) {
+    const int64_t es = bf ? 2 : 4;
+    const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * es;
+#define CALL(KIND, TYPE, MT, NT)                                                                           \
+    if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const TYPE *)xr, out);
+#if defined(__AVX512BF16__)
+    if (bf) {
+        CALL(bf16, uint16_t, 8, 2) CALL(bf16, uint16_t, 4, 2) CALL(bf16, uint16_t, 2, 2) CALL(bf16, uint16_t, 1, 2)
+        CALL(bf16, uint16_t, 8, 1) CALL(bf16, uint16_t, 4, 1) CALL(bf16, uint16_t, 2, 1)
+        if (mt == 1 && nt_blocks == 1) return stream_bf16((const uint16_t *)wb, k, (const uint16_t *)xr, out);
+    }
+#endif
+#if defined(__AVX512F__)
+    if (!bf) {
+        CALL(f32, float, 8, 2) CALL(f32, float, 4, 2) CALL(f32, float, 2, 2) CALL(f32, float, 1, 2)
+        CALL(f32, float, 8, 1) CALL(f32, float, 4, 1) CALL(f32, float, 2, 1)
+        if (mt == 1 && nt_blocks == 1) return stream_f32((const float *)wb, k, (const float *)xr, out);
+    }
+#endif
+#undef CALL
+    tile_any(wb, k, xr, mt, nt_blocks, bf, out);
+}
+
+/* x (float values of the model dtype) -> the model dtype: the kernels' operand. Exact. */
+static void to_model_dtype(const float *x, void *dst, int64_t n, int bf) {
+    if (!bf) {
+        memcpy(dst, x, n * sizeof(float));
+        return;
+    }
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i += 16) vstore(dst, i, _mm512_maskz_loadu_ps(lanes(n - i), x + i), 1, lanes(n - i));
 #else
-    float s = 0.f;
-    for (int64_t j = 0; j < k; j++) s += w[j] * x[j];
-    return s;
+    for (int64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = f2bf(x[i]);
 #endif
 }
 
-/* y[m, n] = rnd(W[n, :] . x[m, :] + bias[n]) for m < rows; W [n_out, k] in the model dtype.
- * x: float rows [rows, k] already holding model-dtype values; xb: scratch for their bf16 copy.
- * Each thread takes a contiguous block of weight rows and reads each row once for all m. */
-static void project(const Model *md, int64_t w_addr, int64_t b_addr, const float *x, uint16_t *xb, int rows,
-                    int64_t n_out, int64_t k, float *y, int nt) {
+/* 16 outputs of a tile (lanes of outputs n0..n0+15, those below n_out) -> rnd(acc + bias), as
+ * floats or in the model dtype, at y[at + n]. */
+static inline void store_outputs(const float *acc, const void *bias, int64_t n0, int64_t n_out, void *y, int64_t at,
+                                 int in_model_dtype, int bf) {
+#if defined(__AVX512F__)
+    const __mmask16 m = lanes(n_out - n0);
+    __m512 v = _mm512_loadu_ps(acc);
+    if (bias) v = _mm512_add_ps(v, vload(bias, n0, bf, m));
+    v = vrnd(v, bf);
+    if (in_model_dtype) vstore(y, at + n0, v, bf, m);
+    else _mm512_mask_storeu_ps((float *)y + at + n0, m, v);
+#else
+    for (int64_t lane = 0; lane < 16 && n0 + lane < n_out; lane++) {
+        const float v = rnd(acc[lane] + (bias ? load(bias, n0 + lane, bf) : 0.f), bf);
+        if (in_model_dtype) store(y, at + n0 + lane, v, bf);
+        else ((float *)y)[at + n0 + lane] = v;
+    }
+#endif
+}
+
+/* y[m, n] = rnd(W[n, :] . x[m, :] + bias[n]) for m < rows, n < n_out. x: float rows [rows, k]
+ * holding model-dtype values; xb: scratch for their model-dtype copy (the kernels' operand).
+ * Threads split the weight blocks: each reads its share of the weight once (from memory) and
+ * the rows' tiles again from its cache. */
+static void project(const Model *md, int64_t w_addr, int64_t b_addr, const float *x, void *xb, int rows,
+                    int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
     const int bf = md->dtype == DT_BF16;
-    if (bf)
-        for (int64_t i = 0; i < rows * k; i++) xb[i] = f2bf(x[i]); /* exact: x holds bf16 values */
+    to_model_dtype(x, xb, rows * k, bf);
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
+    const int64_t blocks = (n_out + 15) / 16;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t n0 = n_out * t / T, n1 = n_out * (t + 1) / T;
-        for (int64_t n = n0; n < n1; n++) {
-            const float b = bias ? load(bias, n, bf) : 0.f;
-            for (int m = 0; m < rows; m++) {
-                const float acc = bf ? dot_bf16((const uint16_t *)w + n * k, xb + m * k, k)
-                                     : dot_f32((const float *)w + n * k, x + m * k, k);
-                y[m * n_out + n] = rnd(acc + b, bf);
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        float out[8 * 2 * 16];
+        for (int64_t nb = b0; nb < b1;) {
+            const int nt_blocks = (rows == 1 || nb + 2 > b1) ? 1 : 2;
+            for (int m0 = 0; m0 < rows;) {
+                const int left = rows - m0, mt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                tile(w, nb, k, xb, m0, mt, nt_blocks, bf, out);
+                for (int j = 0; j < nt_blocks; j++) {
+                    const int64_t n0 = (nb + j) * 16;
+                    for (int i = 0; i < mt; i++)
+                        store_outputs(out + (i * nt_blocks + j) * 16, bias, n0, n_out, y, (m0 + i) * n_out,
+                                      y_in_model_dtype, bf);
+                }
+                m0 += mt;
             }
+            nb += nt_blocks;
         }
     }
 }
@@ -130,6 +314,21 @@ static void project(const Model *md, int64_t w_addr, int64_t b_addr, const float
 /* RMSNorm as flover's rms_norm: float32 inside; in bfloat16 normalised, rounded, then scaled
  * and rounded again (weight * F.rms_norm(x)); in float32 x * rstd * weight. */
 static void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(lanes(h - i), x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float rstd = 1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)h + eps);
+    const __m512 r = _mm512_set1_ps(rstd);
+    for (int64_t i = 0; i < h; i += 16) {
+        const __mmask16 m = lanes(h - i);
+        const __m512 w = vload(weight, i, bf, m), v = _mm512_maskz_loadu_ps(m, x + i);
+        _mm512_mask_storeu_ps(out + i, m, bf ? vrnd(_mm512_mul_ps(w, vrnd(_mm512_mul_ps(v, r), 1)), 1)
+                                             : _mm512_mul_ps(_mm512_mul_ps(v, r), w));
+    }
+#else
     float ss = 0.f;
     for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
     const float rstd = 1.f / sqrtf(ss / (float)h + eps);
@@ -137,19 +336,65 @@ static void rms_norm(const float *x, const void *weight, float eps, int64_t h, i
         const float w = load(weight, i, bf);
         out[i] = bf ? rnd(w * rnd(x[i] * rstd, 1), 1) : x[i] * rstd * w;
     }
+#endif
 }
 
 /* Rotate one head in place: x * cos + roll(x, d / 2) * sin_signed (the sign folded into the
  * table, as flover's Rotary), rounded as PyTorch's mul then addcmul. */
 static void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf) {
-    float rolled[512];
     const int64_t half = d / 2;
+#if defined(__AVX512F__)
+    if (half % 16 == 0) {
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + half + i);
+            const __m512 new_lo = vrnd(_mm512_fmadd_ps(hi, vload(sin_row, i, bf, 0xffff),
+                                                       vrnd(_mm512_mul_ps(lo, vload(cos_row, i, bf, 0xffff)), bf)), bf);
+            const __m512 new_hi = vrnd(_mm512_fmadd_ps(lo, vload(sin_row, half + i, bf, 0xffff),
+                                                       vrnd(_mm512_mul_ps(hi, vload(cos_row, half + i, bf, 0xffff)), bf)), bf);
+            _mm512_storeu_ps(x + i, new_lo);
+            _mm512_storeu_ps(x + half + i, new_hi);
+        }
+        return;
+    }
+#endif
+    float rolled[512];
     for (int64_t i = 0; i < d; i++) rolled[i] = x[i < half ? i + half : i - half];
     for (int64_t i = 0; i < d; i++)
         x[i] = rnd(rnd(x[i] * load(cos_row, i, bf), bf) + rolled[i] * load(sin_row, i, bf), bf);
 }
 
-static inline float silu(float g) { return g / (1.f + expf(-g)); }
+/* hidden += rnd(out + bias): a residual add after a row-parallel projection. */
+static void add_residual(float *hidden, const float *out, const void *bias, int64_t h, int bf) {
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < h; i += 16) {
+        const __mmask16 m = lanes(h - i);
+        __m512 o = _mm512_maskz_loadu_ps(m, out + i);
+        if (bias) o = vrnd(_mm512_add_ps(o, vload(bias, i, bf, m)), bf);
+        _mm512_mask_storeu_ps(hidden + i, m, vrnd(_mm512_add_ps(_mm512_maskz_loadu_ps(m, hidden + i), o), bf));
+    }
+#else
+    for (int64_t i = 0; i < h; i++) {
+        float o = out[i];
+        if (bias) o = rnd(o + load(bias, i, bf), bf);
+        hidden[i] = rnd(hidden[i] + o, bf);
+    }
+#endif
+}
+
+/* out = rnd(rnd(silu(gate)) * up) over gate_up = [gate | up], as F.silu then the product. */
+static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
+    const float *up = gate_up + inter;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 m = lanes(inter - i);
+        const __m512 g = _mm512_maskz_loadu_ps(m, gate_up + i);
+        const __m512 act = vrnd(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), g)))), bf);
+        _mm512_mask_storeu_ps(out + i, m, vrnd(_mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, up + i)), bf));
+    }
+#else
+    for (int64_t i = 0; i < inter; i++) out[i] = rnd(rnd(gate_up[i] / (1.f + expf(-gate_up[i])), bf) * up[i], bf);
+#endif
+}
 
 /* ---- attention of one query head over its slot's cached keys -------------------------------- */
 static void attend(const Model *md, const float *q, const void *k_base, const void *v_base, int64_t first,
@@ -157,48 +402,49 @@ static void attend(const Model *md, const float *q, const void *k_base, const vo
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos;
     const float scale = 1.f / sqrtf((float)d);
-    float best = -INFINITY;
+    float best = -INFINITY, total = 0.f;
+#if defined(__AVX512F__)
+    for (int64_t t = first; t < len; t++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = lanes(d - i);
+            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), vload(k_base, t * pos + i, bf, m), a);
+        }
+        scores[t] = _mm512_reduce_add_ps(a) * scale;
+        if (scores[t] > best) best = scores[t];
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = first; t < len; t += 16) {
+        const __mmask16 m = lanes(len - t);
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), _mm512_set1_ps(best)));
+        _mm512_mask_storeu_ps(scores + t, m, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+    }
+    total = _mm512_reduce_add_ps(sum);
+    for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = lanes(d - i);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t t = first; t < len; t++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[t]), vload(v_base, t * pos + i, bf, m), acc);
+        _mm512_mask_storeu_ps(out + i, m, vrnd(_mm512_div_ps(acc, _mm512_set1_ps(total)), bf));
+    }
+#else
     for (int64_t t = first; t < len; t++) {
         float s = 0.f;
-#if defined(__AVX512F__)
-        if (d % 16 == 0) {
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t i = 0; i < d; i += 16) {
-                __m512 kv = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                     _mm256_loadu_si256((const __m256i *)((const uint16_t *)k_base + t * pos + i))), 16))
-                               : _mm512_loadu_ps((const float *)k_base + t * pos + i);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv, a);
-            }
-            s = _mm512_reduce_add_ps(a);
-        } else
-#endif
-            for (int64_t i = 0; i < d; i++) s += q[i] * load(k_base, t * pos + i, bf);
+        for (int64_t i = 0; i < d; i++) s += q[i] * load(k_base, t * pos + i, bf);
         scores[t] = s * scale;
         if (scores[t] > best) best = scores[t];
     }
-    float total = 0.f;
     for (int64_t t = first; t < len; t++) {
         scores[t] = expf(scores[t] - best);
         total += scores[t];
     }
-    for (int64_t i = 0; i < d; i++) out[i] = 0.f;
-    for (int64_t t = first; t < len; t++) {
-        const float p = scores[t] / total;
-#if defined(__AVX512F__)
-        if (d % 16 == 0) {
-            const __m512 pv = _mm512_set1_ps(p);
-            for (int64_t i = 0; i < d; i += 16) {
-                __m512 vv = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                     _mm256_loadu_si256((const __m256i *)((const uint16_t *)v_base + t * pos + i))), 16))
-                               : _mm512_loadu_ps((const float *)v_base + t * pos + i);
-                _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, vv, _mm512_loadu_ps(out + i)));
-            }
-            continue;
-        }
-#endif
-        for (int64_t i = 0; i < d; i++) out[i] += p * load(v_base, t * pos + i, bf);
+    for (int64_t i = 0; i < d; i++) {
+        float acc = 0.f;
+        for (int64_t t = first; t < len; t++) acc += scores[t] * load(v_base, t * pos + i, bf);
+        out[i] = rnd(acc / total, bf);
     }
-    for (int64_t i = 0; i < d; i++) out[i] = rnd(out[i], bf);
+#endif
 }
 
 /* Sizes of the float scratch `work` the caller provides (flover/native_decode.py allocates it). */
@@ -223,7 +469,7 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
     const int64_t inner = inter > h ? inter : h;
     float *hidden = work, *normed = hidden + rows * h, *wide = normed + rows * h, *mid = wide + rows * widest;
     float *xb_f = mid + rows * inner;
-    uint16_t *xb = (uint16_t *)xb_f; /* bf16 copies of projection inputs (fits in rows * widest floats) */
+    void *xb = xb_f; /* model-dtype copies of projection inputs (fits in rows * widest floats) */
     float *scores = xb_f + rows * widest;
     const int64_t es = bf ? 2 : 4; /* bytes per element of the model dtype */
 
@@ -233,9 +479,10 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->input_norm, eps, h, bf, normed + r * h);
-        project(md, ly->qkv, ly->qkv_bias, normed, xb, rows, qkv_n, h, wide, nt);
+        project(md, ly->qkv, ly->qkv_bias, normed, xb, rows, qkv_n, h, wide, 0, nt);
 
         char *kv_layer = (char *)md->kv + l * md->kv_layer * es;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) {
             float *row = wide + r * qkv_n;
             const int64_t p = positions[r];
@@ -244,10 +491,8 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
             for (int64_t g = 0; g < kvh; g++) {
                 void *k_dst = kv_layer + (slots[r] * md->kv_slot + g * md->kv_head + p * md->kv_pos) * es;
                 void *v_dst = kv_layer + (md->kv_kind + slots[r] * md->kv_slot + g * md->kv_head + p * md->kv_pos) * es;
-                for (int64_t i = 0; i < d; i++) {
-                    store(k_dst, i, row[q_size + g * d + i], bf);
-                    store(v_dst, i, row[q_size + kv_size + g * d + i], bf);
-                }
+                to_model_dtype(row + q_size + g * d, k_dst, d, bf);
+                to_model_dtype(row + q_size + kv_size + g * d, v_dst, d, bf);
             }
         }
         /* attention: one task per (row, query head) */
@@ -262,43 +507,18 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
             attend(md, wide + r * qkv_n + head * d, k_base, v_base, first, len, scores + task * md->max_seq,
                    mid + r * q_size + head * d);
         }
-        project(md, ly->o, 0, mid, xb, rows, h, q_size, normed, nt);
-        for (int r = 0; r < rows; r++)
-            for (int64_t i = 0; i < h; i++) {
-                float o = normed[r * h + i];
-                if (ly->o_bias) o = rnd(o + load((const void *)ly->o_bias, i, bf), bf);
-                hidden[r * h + i] = rnd(hidden[r * h + i] + o, bf);
-            }
+        project(md, ly->o, 0, mid, xb, rows, h, q_size, normed, 0, nt);
+        for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->o_bias, h, bf);
 
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->post_norm, eps, h, bf, normed + r * h);
-        project(md, ly->gate_up, ly->gate_up_bias, normed, xb, rows, 2 * inter, h, wide, nt);
-        for (int r = 0; r < rows; r++)
-            for (int64_t i = 0; i < inter; i++)
-                mid[r * inter + i] = rnd(rnd(silu(wide[r * 2 * inter + i]), bf) * wide[r * 2 * inter + inter + i], bf);
-        project(md, ly->down, 0, mid, xb, rows, h, inter, normed, nt);
-        for (int r = 0; r < rows; r++)
-            for (int64_t i = 0; i < h; i++) {
-                float o = normed[r * h + i];
-                if (ly->down_bias) o = rnd(o + load((const void *)ly->down_bias, i, bf), bf);
-                hidden[r * h + i] = rnd(hidden[r * h + i] + o, bf);
-            }
+        project(md, ly->gate_up, ly->gate_up_bias, normed, xb, rows, 2 * inter, h, wide, 0, nt);
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+        for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+        project(md, ly->down, 0, mid, xb, rows, h, inter, normed, 0, nt);
+        for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->down_bias, h, bf);
     }
     for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)md->final_norm, eps, h, bf, normed + r * h);
     /* the LM head writes the model dtype straight into `logits` */
-    const int64_t v = md->vocab;
-    if (bf) {
-        for (int64_t i = 0; i < rows * h; i++) xb[i] = f2bf(normed[i]);
-    }
-#pragma omp parallel num_threads(nt)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t n0 = v * t / T, n1 = v * (t + 1) / T;
-        for (int64_t n = n0; n < n1; n++)
-            for (int r = 0; r < rows; r++) {
-                const float acc = bf ? dot_bf16((const uint16_t *)md->head + n * h, xb + r * h, h)
-                                     : dot_f32((const float *)md->head + n * h, normed + r * h, h);
-                store(logits, r * v + n, acc, bf);
-            }
-    }
+    project(md, md->head, 0, normed, xb, rows, md->vocab, h, logits, 1, nt);
     return 0;
 }
