@@ -36,9 +36,9 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                         "the same way (LRU; default 256; 0 turns it off)")
     g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
                    help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
-    g.add_argument("--native-decode", choices=("auto", "off"), default="auto",
-                   help="auto (default): on CPU at TP=1 (float32/bfloat16, no quantization), decode iterations of a "
-                        "few rows run as one native call compiled for this CPU on first use (needs a C compiler)")
+    g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
+                   help="auto (default): on CPU at TP=1 (float32/bfloat16, no quantization), iterations run as one "
+                        "native call compiled for this CPU on first use (needs a C compiler)")
 
 
 def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
@@ -49,7 +49,7 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed,
                         prefix_cache_mib=args.prefix_cache, cuda_graphs=args.cuda_graphs,
-                        native_decode=args.native_decode)
+                        native_forward=args.native_forward)
 
 
 def _is_follower_rank() -> bool:

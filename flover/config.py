@@ -140,9 +140,9 @@ QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, flover/models/quant.py
 # Decode-only iterations from captured CUDA graphs (flover/cuda_graphs.py). auto: on CUDA at
 # TP=1; eager: the same padded static batches without capture, on any device (tests).
 CUDA_GRAPHS = ("auto", "off", "eager")
-# Decode iterations of a few rows in one native call (flover/native_decode.py). auto: on CPU at
+# Iterations as one native call (flover/native_forward.py). auto: on CPU at
 # TP=1 in float32/bfloat16 without quantization, when a C compiler is there.
-NATIVE_DECODE = ("auto", "off")
+NATIVE_FORWARD = ("auto", "off")
 
 
 def default_num_threads() -> int:
@@ -176,7 +176,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
     cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
-    native_decode: str = "auto"  # one of NATIVE_DECODE
+    native_forward: str = "auto"  # one of NATIVE_FORWARD
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -185,8 +185,8 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
-        if self.native_decode not in NATIVE_DECODE:
-            raise ValueError(f"native_decode={self.native_decode!r}: choose one of {', '.join(NATIVE_DECODE)}")
+        if self.native_forward not in NATIVE_FORWARD:
+            raise ValueError(f"native_forward={self.native_forward!r}: choose one of {', '.join(NATIVE_FORWARD)}")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots}: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

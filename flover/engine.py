@@ -26,7 +26,7 @@ from flover.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
 from flover.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.models import drop_dense_weights, load_model, open_checkpoint
-from flover.native_decode import NativeDecode, NativeUnavailable
+from flover.native_forward import NativeForward, NativeUnavailable
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
 from flover.parallel.plan import AddEvent, StepPlanMessage
@@ -74,7 +74,7 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        native_wanted = (config.native_decode == "auto" and self.device.type == "cpu" and self.comm is None
+        native_wanted = (config.native_forward == "auto" and self.device.type == "cpu" and self.comm is None
                          and self.dtype in (torch.float32, torch.bfloat16) and config.quantization == "none")
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                            comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
@@ -104,7 +104,7 @@ class Engine:
             log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
                      config.max_slots, buffer.max_seq_len,
                      "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
-        native = self._native_decode(model, buffer) if native_wanted else None
+        native = self._native_forward(model, buffer) if native_wanted else None
         self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed, graphs, native)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
@@ -117,17 +117,16 @@ class Engine:
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
 
-    def _native_decode(self, model: torch.nn.Module, buffer: SlotBuffer) -> NativeDecode | None:
+    def _native_forward(self, model: torch.nn.Module, buffer: SlotBuffer) -> NativeForward | None:
         started = time.perf_counter()
         try:
-            native = NativeDecode(model, buffer, self.dtype, torch.get_num_threads())
+            native = NativeForward(model, buffer, self.dtype, torch.get_num_threads(), self.config.max_batch_tokens)
         except NativeUnavailable as e:
-            log.warning("native decode step off, decoding with PyTorch only: %s", e)
+            log.warning("native step off, iterations run on PyTorch only: %s", e)
             return None
         finally:
             drop_dense_weights(model)  # the native step made blocked copies of its own
-        log.info("native decode step: iterations of up to %d decode rows (ready in %.2f s)", native.max_rows,
-                 time.perf_counter() - started)
+        log.info("native step: iterations run as one native call (ready in %.2f s)", time.perf_counter() - started)
         return native
 
     # -- intake ---------------------------------------------------------------------------

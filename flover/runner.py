@@ -16,7 +16,7 @@ import torch
 from flover.cuda_graphs import DecodeGraphs
 from flover.kv_buffer import Move, SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native_decode import NativeDecode
+from flover.native_forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.request import Request
 from flover.sampler import SamplingTensors, sample, token_logprobs
@@ -57,10 +57,10 @@ class SampleResult:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
                  comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None,
-                 native: NativeDecode | None = None):
+                 native: NativeForward | None = None):
         """`comm`: the tensor-parallel communicator of several ranks (rank 0 samples), or None.
         `graphs`: decode-only iterations replayed from CUDA graphs (others run eagerly).
-        `native`: decode-only iterations of a few rows in one native call (CPU)."""
+        `native`: iterations as one native call (CPU; it declines some, which run on PyTorch)."""
         self.model, self.buffer, self.vocab_size, self.device, self.comm = model, buffer, vocab_size, device, comm
         self.graphs, self.native = graphs, native
         self.is_leader = comm is None or comm.rank == 0

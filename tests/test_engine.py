@@ -60,13 +60,18 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
         assert len(finals[rid].token_ids) == params.max_new_tokens
 
 
-def test_one_fused_forward_per_iteration(llama_dir):
+@pytest.mark.parametrize("native", ["off", "auto"])
+def test_one_fused_forward_per_iteration(llama_dir, native):
     """Decode tokens of running requests and the prompt of a newly arrived request go through
-    the model in ONE call over one token matrix."""
-    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64))
+    the model (PyTorch's forward, or the native step) in ONE call over one token matrix."""
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64, native_forward=native))
     calls = []
-    forward = engine.model.forward
-    engine.model.forward = lambda batch, kv: calls.append(batch.input_ids.shape[0]) or forward(batch, kv)
+    if native == "off":
+        forward = engine.model.forward
+        engine.model.forward = lambda batch, kv: calls.append(batch.input_ids.shape[0]) or forward(batch, kv)
+    else:
+        run = engine.runner.native.run
+        engine.runner.native.run = lambda batch: calls.append(batch.input_ids.shape[0]) or run(batch)
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True))
     engine.add_request([4, 5], SamplingParams(max_new_tokens=5, ignore_eos=True))
     engine.step()

@@ -62,7 +62,7 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
     projections a weight-only quantized copy (models/quant.py), and repack the projection weights
     for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `keep_dense`: keep the
-    row-major weights too, for the native decode step (a tied LM head reads the embedding)."""
+    row-major weights too, for the native step (flover/native_forward.py)."""
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)
     cfg = cfg or checkpoint.model_config()

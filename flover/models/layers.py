@@ -136,8 +136,8 @@ class Linear(nn.Module):
         self.weight.data = dequantized
 
     def pack(self, batch_hint: int, keep_dense: bool = False) -> bool:
-        """`keep_dense`: keep the row-major weight beside the packed one (the native decode step
-        reads it: flover/native_decode.py)."""
+        """`keep_dense`: keep the row-major weight beside the packed one (the native step
+        reads it: flover/native_forward.py)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return False

@@ -1,4 +1,4 @@
-"""The native decode step (flover/native_decode.py, native/decode_step.c) against the PyTorch
+"""The native step (flover/native_forward.py, native/llama_forward.c) against the PyTorch
 forward on the same iteration state, for every Llama-family variant, in float32 and bfloat16."""
 
 from __future__ import annotations
@@ -9,14 +9,17 @@ import pytest
 import torch
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
-from flover.native_decode import NativeUnavailable, build_library
+from flover.native_forward import NativeUnavailable, build_library
 
 
-def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0) -> tuple[list[tuple[int, float, float, bool]], Engine]:
-    """14 requests arriving at random iterations into 6 slots. Every iteration the native step
-    takes is also run through the PyTorch model first, on the same KV state (the native step
-    then rewrites this iteration's K/V itself, so that later iterations read its own cache):
-    per native iteration (rows, max |logit difference|, max |logit|, same argmax per row)."""
+Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max |difference|, max |logit|, same argmax
+
+
+def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0) -> tuple[list[Compared], Engine]:
+    """14 requests (some scoring their prompts) arriving at random iterations into 6 slots, in
+    iterations of up to 24 tokens. Every iteration the native step takes is also run through the
+    PyTorch model first, on the same KV state (the native step then rewrites the iteration's K/V
+    itself, so that later iterations read its own cache)."""
     engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110))
     runner, native = engine.runner, engine.runner.native
     assert native is not None, "the native step should be available on this machine (a C compiler, x86-64 Linux)"
@@ -28,20 +31,21 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0) -> tup
     compared = []
 
     def forward(batch):
-        if batch.prefills or batch.num_decode > native.max_rows:
-            return runner.model(batch, runner.buffer.kv)
-        reference = runner.model(batch, runner.buffer.kv).float()
+        reference = runner.model(batch, runner.buffer.kv)
         logits = native.run(batch)
-        diff = (logits.float() - reference).abs().max().item()
-        same = bool((logits.float().argmax(-1) == reference.argmax(-1)).all())
-        compared.append((batch.num_decode, diff, reference.abs().max().item(), same))
+        assert logits is not None and logits.shape == reference.shape
+        prompt_rows = batch.input_ids.shape[0] - batch.num_decode
+        if reference.numel():  # else a chunk that neither completes its prompt nor scores it
+            diff = (logits.float() - reference.float()).abs().max().item()
+            same = bool((logits.float().argmax(-1) == reference.float().argmax(-1)).all())
+            compared.append((batch.num_decode, prompt_rows, diff, reference.float().abs().max().item(), same))
         return logits
 
     runner.forward = forward
     rng = random.Random(seed)
     jobs = [(rng.randrange(30), [rng.randrange(500) for _ in range(rng.randint(1, 50))],
-             SamplingParams(max_new_tokens=rng.randint(1, 50), ignore_eos=True,
-                            temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000)))
+             SamplingParams(max_new_tokens=rng.randint(1, 50), ignore_eos=True, temperature=rng.choice([0.0, 0.9]),
+                            seed=rng.randrange(1000), prompt_logprobs=rng.random() < 0.3))
             for _ in range(14)]
     finished, iteration = 0, 0
     while finished < len(jobs):
@@ -59,12 +63,14 @@ VARIANTS = ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "qwen2", "
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
     """Biases (qkv, o, mlp), a tied head, MQA, llama3 RoPE, a sliding window shorter than the
-    sequences, an odd vocabulary: equal up to float32 summation order, for 1 to 6 rows (every
-    kernel tile: rows in tiles of 8, 4, 2 and 1)."""
+    sequences, an odd vocabulary: equal up to float32 summation order, in decode-only iterations
+    of 1 to 6 rows, prompt chunks, and iterations mixing both."""
     compared, _ = compare_on_random_arrivals(make_model(variant), "float32")
-    assert {rows for rows, *_ in compared} == set(range(1, 7))
-    for rows, diff, scale, _ in compared:
-        assert diff <= 2e-6 * max(1.0, scale), (rows, diff, scale)
+    decode_only = {decode for decode, prompt, *_ in compared if not prompt}
+    assert decode_only == set(range(1, 7))  # every tile of the kernels: rows in 8s, 4s, 2s, 1s
+    assert sum(1 for decode, prompt, *_ in compared if decode and prompt) > 5  # mixed iterations
+    for decode, prompt, diff, scale, _ in compared:
+        assert diff <= 2e-6 * max(1.0, scale), (decode, prompt, diff, scale)
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8"])
@@ -73,8 +79,8 @@ def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     few bfloat16 steps of the PyTorch forward's, and the greedy choice almost always agrees."""
     compared, _ = compare_on_random_arrivals(make_model(variant), "bfloat16")
     assert len(compared) > 20
-    for rows, diff, scale, _ in compared:
-        assert diff <= 0.02 * max(1.0, scale), (rows, diff, scale)
+    for decode, prompt, diff, scale, _ in compared:
+        assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
     agree = sum(same for *_, same in compared) / len(compared)
     assert agree >= 0.9, agree
 
@@ -86,7 +92,7 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
         build_library()
     engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2))
     assert engine.runner.native is None
-    assert "native decode step off" in caplog.text and "no-such-compiler" in caplog.text
+    assert "native step off" in caplog.text and "no-such-compiler" in caplog.text
     assert engine.runner.model.layers[0].qkv.weight is None  # only the packed copy remains
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True), request_id="a")
     finals = []
@@ -98,6 +104,6 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
 def test_models_the_step_does_not_cover_run_pytorch(make_model):
     assert Engine(EngineConfig(make_model("gptj"), dtype="float32", max_slots=2)).runner.native is None
     assert Engine(EngineConfig(make_model("llama"), dtype="float64", max_slots=2)).runner.native is None
-    off = Engine(EngineConfig(make_model("llama"), dtype="float32", max_slots=2, native_decode="off"))
+    off = Engine(EngineConfig(make_model("llama"), dtype="float32", max_slots=2, native_forward="off"))
     assert off.runner.native is None
     assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off

@@ -1,19 +1,21 @@
-/* One decode iteration of a Llama-family model for a few rows, in one native call (CPU, TP=1).
+/* One fused iteration of a Llama-family model in one native call (CPU, TP=1): decode tokens and
+ * prompt chunks alike, each token a row with its own slot and position.
  *
- * A decode iteration of one request reads every weight once and does little else, so it is
- * bound by memory bandwidth, and in eager PyTorch by ~1,000 small operations on top (norms,
- * RoPE, KV writes, residuals, attention: ~8 ms a token for SmolLM2-135M on 2 cores). Here the
- * whole forward of up to `max_rows` decode tokens runs as plain loops: each projection reads its
- * weight rows once (one row at a time, contiguous per thread: the pattern that streams at the
- * machine's read bandwidth; blocks of 2-8 rows read half as fast on the dev machine), and every
- * other step is a loop over a few hundred floats.
+ * In eager PyTorch an iteration is ~1,000 operations (norms, RoPE, KV writes, residuals, the
+ * decode attention's casts and masks): ~8 ms a token for SmolLM2-135M on 2 cores, as much as
+ * reading its weights. Here each projection is one pass over a blocked weight layout (see
+ * "projections": one row streams the weights at the read bandwidth, many rows share each load),
+ * and everything else is a few AVX-512 loops per row; attention runs per (row, kv head) over the
+ * row's own slot and length, so no padding to the longest sequence.
  *
  * Rounding follows the PyTorch path (flover/models/llama.py) step by step: in bfloat16 every
  * intermediate that PyTorch rounds to bfloat16 is rounded here at the same point (RNE), and
- * accumulations are float32 as in oneDNN, so the two paths differ only by summation order.
+ * accumulations are float32 as in oneDNN, so the two paths differ only by summation order (and
+ * exp, here a polynomial within float32's rounding).
  *
- * Built by flover/native_decode.py with the system C compiler (-O3 -march=native -fopenmp) into
+ * Built by flover/native_forward.py with the system C compiler (-O3 -march=native -fopenmp) into
  * a cache directory and loaded with ctypes; it shares PyTorch's OpenMP runtime (same soname).
+ * Without AVX-512 it compiles to portable loops (correct, slow).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +27,7 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-/* Mirrors MODEL_FIELDS in flover/native_decode.py: int64 fields, pointers as addresses. */
+/* Mirrors MODEL_FIELDS in flover/native_forward.py: int64 fields, pointers as addresses. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
@@ -117,7 +119,7 @@ static inline __m512 vexp(__m512 x) {
 #endif
 
 /* ---- projections: y[m, n] = W[n, :] . x[m, :] ----------------------------------------------
- * Weights come blocked by flover/native_decode.py (`block_weight`): 16 output rows at a time,
+ * Weights come blocked by flover/native_forward.py (`block_weight`): 16 output rows at a time,
  * interleaved so that one 64-byte load holds all 16 rows' weights for the next input step.
  * bfloat16: [n / 16][k / 2][16][2] (pairs of inputs: the operand of AVX-512 BF16's dot-product
  * instruction); float32: [n / 16][k][16]. n is padded to whole blocks with zero rows. A tile
@@ -396,74 +398,99 @@ static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
 #endif
 }
 
-/* ---- attention of one query head over its slot's cached keys -------------------------------- */
-static void attend(const Model *md, const float *q, const void *k_base, const void *v_base, int64_t first,
-                   int64_t len, float *scores, float *out) {
+/* ---- attention of one kv head's query heads over their slot's cached keys -------------------- */
+/* q: the group's query heads, `group` rows of d floats, d apart (head after head); keys [first,
+ * len) of the slot; out: the group's outputs, likewise. Each key and value row is loaded once
+ * for all the heads that share it (GQA). scores: group * max_seq floats of scratch. Float32
+ * inside, as the PyTorch path's decode attention; the output rounded to the model dtype. */
+#define MAX_GROUP 16
+static void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base,
+                   int64_t first, int64_t len, float *scores, float *out) {
     const int bf = md->dtype == DT_BF16;
-    const int64_t d = md->head_dim, pos = md->kv_pos;
+    const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
     const float scale = 1.f / sqrtf((float)d);
-    float best = -INFINITY, total = 0.f;
 #if defined(__AVX512F__)
-    for (int64_t t = first; t < len; t++) {
-        __m512 a = _mm512_setzero_ps();
+    if (group <= MAX_GROUP) {
+        for (int64_t t = first; t < len; t++) {
+            __m512 acc[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i += 16) {
+                const __mmask16 m = lanes(d - i);
+                const __m512 k = vload(k_base, t * pos + i, bf, m);
+                for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * d + i), k, acc[g]);
+            }
+            for (int64_t g = 0; g < group; g++) scores[g * stride + t] = _mm512_reduce_add_ps(acc[g]) * scale;
+        }
+        float total[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            float *sc = scores + g * stride;
+            __m512 best = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+            for (int64_t t = first; t < len; t += 16)
+                best = _mm512_max_ps(best, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(len - t), sc + t));
+            const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+            for (int64_t t = first; t < len; t += 16) {
+                const __mmask16 m = lanes(len - t);
+                const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), top));
+                _mm512_mask_storeu_ps(sc + t, m, e);
+                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+            }
+            total[g] = _mm512_reduce_add_ps(sum);
+        }
         for (int64_t i = 0; i < d; i += 16) {
             const __mmask16 m = lanes(d - i);
-            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), vload(k_base, t * pos + i, bf, m), a);
+            __m512 acc[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
+            for (int64_t t = first; t < len; t++) {
+                const __m512 v = vload(v_base, t * pos + i, bf, m);
+                for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + t]), v, acc[g]);
+            }
+            for (int64_t g = 0; g < group; g++)
+                _mm512_mask_storeu_ps(out + g * d + i, m, vrnd(_mm512_div_ps(acc[g], _mm512_set1_ps(total[g])), bf));
         }
-        scores[t] = _mm512_reduce_add_ps(a) * scale;
-        if (scores[t] > best) best = scores[t];
-    }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = first; t < len; t += 16) {
-        const __mmask16 m = lanes(len - t);
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), _mm512_set1_ps(best)));
-        _mm512_mask_storeu_ps(scores + t, m, e);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-    }
-    total = _mm512_reduce_add_ps(sum);
-    for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 m = lanes(d - i);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t t = first; t < len; t++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[t]), vload(v_base, t * pos + i, bf, m), acc);
-        _mm512_mask_storeu_ps(out + i, m, vrnd(_mm512_div_ps(acc, _mm512_set1_ps(total)), bf));
-    }
-#else
-    for (int64_t t = first; t < len; t++) {
-        float s = 0.f;
-        for (int64_t i = 0; i < d; i++) s += q[i] * load(k_base, t * pos + i, bf);
-        scores[t] = s * scale;
-        if (scores[t] > best) best = scores[t];
-    }
-    for (int64_t t = first; t < len; t++) {
-        scores[t] = expf(scores[t] - best);
-        total += scores[t];
-    }
-    for (int64_t i = 0; i < d; i++) {
-        float acc = 0.f;
-        for (int64_t t = first; t < len; t++) acc += scores[t] * load(v_base, t * pos + i, bf);
-        out[i] = rnd(acc / total, bf);
+        return;
     }
 #endif
+    for (int64_t g = 0; g < group; g++) {
+        float *sc = scores + g * stride, best = -INFINITY, total = 0.f;
+        for (int64_t t = first; t < len; t++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < d; i++) s += q[g * d + i] * load(k_base, t * pos + i, bf);
+            sc[t] = s * scale;
+            if (sc[t] > best) best = sc[t];
+        }
+        for (int64_t t = first; t < len; t++) {
+            sc[t] = expf(sc[t] - best);
+            total += sc[t];
+        }
+        for (int64_t i = 0; i < d; i++) {
+            float acc = 0.f;
+            for (int64_t t = first; t < len; t++) acc += sc[t] * load(v_base, t * pos + i, bf);
+            out[g * d + i] = rnd(acc / total, bf);
+        }
+    }
 }
 
-/* Sizes of the float scratch `work` the caller provides (flover/native_decode.py allocates it). */
-int64_t flover_work_floats(const Model *md, int rows) {
+/* Sizes of the float scratch `work` the caller provides (flover/native_forward.py allocates it). */
+int64_t flover_work_floats(const Model *md, int rows, int nt) {
     const int64_t h = md->hidden, qkv = (md->heads + 2 * md->kv_heads) * md->head_dim;
     const int64_t widest = qkv > 2 * md->inter ? qkv : 2 * md->inter;
     const int64_t inner = md->inter > h ? md->inter : h;
-    /* hidden, normed, qkv / gate_up, attention out / activation, bf16 copies, attention scores */
-    return rows * (2 * h + widest + inner + widest) + (int64_t)rows * md->heads * md->max_seq;
+    /* hidden, normed, qkv / gate_up, attention out / activation, model-dtype copies; per thread
+     * the attention scores of one kv head's query heads */
+    return rows * (2 * h + widest + inner + widest) + (int64_t)nt * md->heads * md->max_seq;
 }
 
-/* One decode iteration: rows tokens, token r at position positions[r] of slot slots[r] (its
- * K/V are written there, it attends to keys [0, positions[r]]). logits: [rows, vocab] in the
- * model dtype. Returns 0. */
-int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t *tokens, const int64_t *positions,
-                  const int64_t *slots, void *logits, float *work, double eps_d, int nt) {
+/* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
+ * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
+ * its own position, which this iteration's earlier prompt tokens have written). Logits of the
+ * rows listed in out_rows: [n_out, vocab] in the model dtype. Returns 0. */
+int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t *tokens, const int64_t *positions,
+                   const int64_t *slots, int n_out, const int64_t *out_rows, void *logits, float *work, double eps_d,
+                   int nt) {
     const int bf = md->dtype == DT_BF16;
     const float eps = (float)eps_d;
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
+    const int64_t group = heads / kvh;
     const int64_t q_size = heads * d, kv_size = kvh * d, qkv_n = q_size + 2 * kv_size;
     const int64_t widest = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     const int64_t inner = inter > h ? inter : h;
@@ -478,6 +505,7 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
 
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->input_norm, eps, h, bf, normed + r * h);
         project(md, ly->qkv, ly->qkv_bias, normed, xb, rows, qkv_n, h, wide, 0, nt);
 
@@ -495,21 +523,21 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
                 to_model_dtype(row + q_size + kv_size + g * d, v_dst, d, bf);
             }
         }
-        /* attention: one task per (row, query head) */
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t task = 0; task < rows * heads; task++) {
-            const int r = (int)(task / heads);
-            const int64_t head = task % heads, g = head / (heads / kvh);
-            const int64_t len = positions[r] + 1;
+        /* attention: one task per (row, kv head) */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * kvh; task++) {
+            const int r = (int)(task / kvh);
+            const int64_t g = task % kvh, len = positions[r] + 1;
             const int64_t first = ly->window > 0 && len > ly->window ? len - ly->window : 0;
             const char *k_base = kv_layer + (slots[r] * md->kv_slot + g * md->kv_head) * es;
             const char *v_base = kv_layer + (md->kv_kind + slots[r] * md->kv_slot + g * md->kv_head) * es;
-            attend(md, wide + r * qkv_n + head * d, k_base, v_base, first, len, scores + task * md->max_seq,
-                   mid + r * q_size + head * d);
+            attend(md, wide + r * qkv_n + g * group * d, group, k_base, v_base, first, len,
+                   scores + (int64_t)omp_get_thread_num() * heads * md->max_seq, mid + r * q_size + g * group * d);
         }
         project(md, ly->o, 0, mid, xb, rows, h, q_size, normed, 0, nt);
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->o_bias, h, bf);
 
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->post_norm, eps, h, bf, normed + r * h);
         project(md, ly->gate_up, ly->gate_up_bias, normed, xb, rows, 2 * inter, h, wide, 0, nt);
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
@@ -517,8 +545,10 @@ int flover_decode(const Model *md, const Layer *layers, int rows, const int64_t 
         project(md, ly->down, 0, mid, xb, rows, h, inter, normed, 0, nt);
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->down_bias, h, bf);
     }
-    for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)md->final_norm, eps, h, bf, normed + r * h);
-    /* the LM head writes the model dtype straight into `logits` */
-    project(md, md->head, 0, normed, xb, rows, md->vocab, h, logits, 1, nt);
+    /* the final norm of the rows whose logits are wanted, then the LM head writes the model
+     * dtype straight into `logits` */
+    for (int o = 0; o < n_out; o++)
+        rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
+    if (n_out > 0) project(md, md->head, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
 }

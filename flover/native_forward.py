@@ -1,12 +1,14 @@
-"""Decode iterations of a few rows in one native call (CPU, TP=1, Llama family, float32/bfloat16).
+"""A whole fused iteration in one native call (CPU, TP=1, Llama family, float32/bfloat16).
 
 One request decoding alone reads every weight once per token and computes little: the token's
 time is the weights' bytes over the memory bandwidth, plus whatever the framework adds. In eager
 PyTorch that addition dominates on a small model (SmolLM2-135M, 2 cores: ~1,000 operations of a
 few µs each, and oneDNN's packed GEMM streaming weights at ~15 GB/s where the machine reads at
-~28-39). `native/decode_step.c` runs the whole forward of such an iteration as plain loops that
-read each weight row once, at the read bandwidth; iterations with more rows (compute-bound, where
-oneDNN's blocked GEMM wins) and every iteration with a prompt chunk stay on the PyTorch path.
+~28-39). `native/llama_forward.c` runs the forward of an iteration (decode tokens and prompt
+chunks alike) as loops over a blocked weight layout: one row streams the weights at the read
+bandwidth, many rows share each weight load (at 64-256 rows 340-400 GFLOP/s in bfloat16 on the
+dev machine, where oneDNN's packed GEMM reached 300-345), and norms, RoPE, KV writes, attention
+(each row over its own slot's keys) and residuals are a few vector loops per row.
 
 The C file is compiled on first use with the system compiler for this CPU (`-march=native`, so
 AVX-512 BF16's dot-product instruction where the CPU has it) into `~/.cache/flover/native/`,
@@ -34,9 +36,9 @@ from flover.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "decode_step.c"
+SOURCE = Path(__file__).parent / "native" / "llama_forward.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-# The C structs (decode_step.c: Model, Layer), every field an int64.
+# The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
                 "embed", "final_norm", "head", "cos", "sin")
@@ -45,8 +47,13 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "ga
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+# Prompt chunks attend row by row (no blocking over queries as a flash kernel does): iterations
+# whose prompt rows see more (query, key) pairs than this run on PyTorch's fused attention.
+MAX_PROMPT_PAIRS = 512 * 512
+
+
 class NativeUnavailable(RuntimeError):
-    """Why the native decode step cannot run here (the engine logs it and runs PyTorch)."""
+    """Why the native step cannot run here (the engine logs it and runs PyTorch)."""
 
 
 def cache_dir() -> Path:
@@ -54,7 +61,7 @@ def cache_dir() -> Path:
 
 
 def build_library() -> Path:
-    """Compile decode_step.c for this CPU unless a build of the same inputs is cached."""
+    """Compile llama_forward.c for this CPU unless a build of the same inputs is cached."""
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC, or install gcc)")
@@ -64,7 +71,7 @@ def build_library() -> Path:
         raise NativeUnavailable(f"{compiler} --version failed: {e}") from e
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"decode_step-{key}.so"
+    path = cache_dir() / f"llama_forward-{key}.so"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,17 +87,17 @@ def build_library() -> Path:
         raise NativeUnavailable(f"compiling {SOURCE.name} failed ({compiler} exit {done.returncode}): "
                                 f"{done.stderr.strip()[-2000:]}")
     os.replace(partial, path)
-    log.info("native decode step compiled in %.1f s: %s", time.perf_counter() - started, path)
+    log.info("native step compiled in %.1f s: %s", time.perf_counter() - started, path)
     return path
 
 
 def load_library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library()))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.flover_work_floats.argtypes = [p, ctypes.c_int]
+    lib.flover_work_floats.argtypes = [p, ctypes.c_int, ctypes.c_int]
     lib.flover_work_floats.restype = i64
-    lib.flover_decode.argtypes = [p, p, ctypes.c_int, p, p, p, p, p, ctypes.c_double, ctypes.c_int]
-    lib.flover_decode.restype = ctypes.c_int
+    lib.flover_forward.argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, ctypes.c_double, ctypes.c_int]
+    lib.flover_forward.restype = ctypes.c_int
     return lib
 
 
@@ -119,7 +126,7 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[n, k] row-major -> the kernels' blocked layout (decode_step.c, "projections"): output rows
+    """[n, k] row-major -> the kernels' blocked layout (llama_forward.c, "projections"): output rows
     in blocks of 16 (zero rows pad the last), interleaved so one 64-byte load holds the 16 rows'
     weights for the next input (float32: [n / 16, k, 16]) or input pair (bfloat16: [n / 16, k / 2, 16, 2])."""
     n, k = weight.shape
@@ -130,18 +137,17 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, k).permute(0, 2, 1).contiguous()
 
 
-class NativeDecode:
+class NativeForward:
     def __init__(self, model: LlamaForCausalLM, buffer: SlotBuffer, dtype: torch.dtype, threads: int,
-                 max_rows: int | None = None):
+                 max_rows: int):
         """Reads the model's dense (row-major) weights once, into blocked copies of its own: the
-        caller may drop the dense ones afterwards. `max_rows`: the most decode rows an iteration
-        may have to run here (default: every slot)."""
+        caller may drop the dense ones afterwards. `max_rows`: the most tokens an iteration has."""
         why = unsupported(model, dtype)
         if why is not None:
             raise NativeUnavailable(why)
         self.lib = load_library()
         self.model, self.dtype, self.threads = model, dtype, threads
-        self.max_rows = max_rows or buffer.max_slots
+        self.max_rows = max_rows
         cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]
         assert kv.is_contiguous() and kv.dtype == dtype
         blocked = []  # the kernels' copies, kept alive here
@@ -173,22 +179,23 @@ class NativeDecode:
                          address(layer.down.weight, block=True), address(layer.down_bias), window or 0])
         self._blocked = blocked
         self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
-        floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), self.max_rows)
+        floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """[rows, vocab block] logits of a decode-only iteration (at most max_rows rows), else
-        None (the caller runs PyTorch)."""
-        rows = batch.num_decode
-        if batch.prefills or not 0 < rows <= self.max_rows:
+        """[sampled rows, vocab block] logits of the iteration, or None when it is not one for
+        this step (the caller runs PyTorch): more tokens than max_rows, or long prompt chunks."""
+        rows = batch.input_ids.shape[0]
+        prompt_pairs = sum(span.length * (span.start_pos + span.length) for span in batch.prefills)
+        if not 0 < rows <= self.max_rows or prompt_pairs > MAX_PROMPT_PAIRS:
             return None
-        tokens, positions = batch.input_ids[:rows].contiguous(), batch.positions[:rows].contiguous()
-        slots = batch.write_slots[:rows].contiguous()
-        logits = torch.empty(rows, self.vocab, dtype=self.dtype)
-        self.lib.flover_decode(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows,
-                               tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), logits.data_ptr(),
-                               self._work.data_ptr(), self.eps, self.threads)
+        out_rows = batch.sample_rows.contiguous()
+        logits = torch.empty(out_rows.shape[0], self.vocab, dtype=self.dtype)
+        self.lib.flover_forward(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows,
+                                batch.input_ids.contiguous().data_ptr(), batch.positions.contiguous().data_ptr(),
+                                batch.write_slots.contiguous().data_ptr(), out_rows.shape[0], out_rows.data_ptr(),
+                                logits.data_ptr(), self._work.data_ptr(), self.eps, self.threads)
         self.iterations += 1
         return logits
