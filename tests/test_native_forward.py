@@ -9,6 +9,7 @@ import pytest
 import torch
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
+from flover.models.attention import ForwardBatch
 from flover.native_forward import NativeUnavailable, build_library
 
 
@@ -107,3 +108,36 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
     off = Engine(EngineConfig(make_model("llama"), dtype="float32", max_slots=2, native_forward="off"))
     assert off.runner.native is None
     assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype):
+    """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
+    prompt chunks), recomputed alone right after on the cache the iteration left, gives the same
+    logits. This is what makes fused and solo runs agree in float32 and bfloat16 (test_engine.py)."""
+    engine = Engine(EngineConfig(llama_dir, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128))
+    native = engine.runner.native
+    run, checked = native.run, {"decode": 0, "mixed": 0}
+
+    def run_and_check(batch):
+        logits = run(batch)
+        kind = "mixed" if batch.prefills else "decode"
+        if batch.sample_rows.numel() >= 3 and checked[kind] < 3:
+            checked[kind] += 1
+            for out, row in enumerate(batch.sample_rows.tolist()):
+                alone = ForwardBatch(input_ids=batch.input_ids[row: row + 1], positions=batch.positions[row: row + 1],
+                                     write_slots=batch.write_slots[row: row + 1], num_decode=1, decode_span=0,
+                                     decode_rows=None, span_lens=None, max_decode_len=0, prefills=[],
+                                     sample_rows=torch.zeros(1, dtype=torch.int64))
+                assert torch.equal(run(alone)[0], logits[out]), (kind, row)
+        return logits
+
+    native.run = run_and_check
+    rng = random.Random(0)
+    for i in range(8):
+        engine.add_request([rng.randrange(500) for _ in range(rng.randint(5, 30))],
+                           SamplingParams(max_new_tokens=rng.randint(8, 20), ignore_eos=True), request_id=str(i))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert checked == {"decode": 3, "mixed": 3}

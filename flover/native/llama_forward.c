@@ -124,9 +124,9 @@ static inline __m512 vexp(__m512 x) {
  * bfloat16: [n / 16][k / 2][16][2] (pairs of inputs: the operand of AVX-512 BF16's dot-product
  * instruction); float32: [n / 16][k][16]. n is padded to whole blocks with zero rows. A tile
  * multiplies MT input rows by NT blocks with MT x NT accumulators of 16 outputs each, so each
- * weight load serves MT rows and no horizontal sums are needed. One row (a single stream) takes
- * a kernel that walks one block as one sequential stream with four independent accumulators:
- * bound by the memory read bandwidth. */
+ * weight load serves MT rows and no horizontal sums are needed. Every output is summed in the
+ * same order (input by input, one accumulator) whatever the tile: a row's result does not depend
+ * on which other rows share its iteration, so fusing requests changes no bit of any of them. */
 #if defined(__AVX512BF16__)
 #define BLOCK_BF16(w, k, kp) ((__m512bh)_mm512_loadu_si512((w) + (kp) * 32))
 #define PAIR(x, kp) ((__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[kp]))
@@ -153,19 +153,8 @@ TILE_BF16(1, 2)
 TILE_BF16(8, 1)
 TILE_BF16(4, 1)
 TILE_BF16(2, 1)
+TILE_BF16(1, 1)
 
-static void stream_bf16(const uint16_t *w, int64_t k, const uint16_t *x, float *out) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t kp = 0;
-    for (; kp + 4 <= k / 2; kp += 4) {
-        a0 = _mm512_dpbf16_ps(a0, BLOCK_BF16(w, k, kp), PAIR(x, kp));
-        a1 = _mm512_dpbf16_ps(a1, BLOCK_BF16(w, k, kp + 1), PAIR(x, kp + 1));
-        a2 = _mm512_dpbf16_ps(a2, BLOCK_BF16(w, k, kp + 2), PAIR(x, kp + 2));
-        a3 = _mm512_dpbf16_ps(a3, BLOCK_BF16(w, k, kp + 3), PAIR(x, kp + 3));
-    }
-    for (; kp < k / 2; kp++) a0 = _mm512_dpbf16_ps(a0, BLOCK_BF16(w, k, kp), PAIR(x, kp));
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -192,19 +181,8 @@ TILE_F32(1, 2)
 TILE_F32(8, 1)
 TILE_F32(4, 1)
 TILE_F32(2, 1)
+TILE_F32(1, 1)
 
-static void stream_f32(const float *w, int64_t k, const float *x, float *out) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t kk = 0;
-    for (; kk + 4 <= k; kk += 4) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16), _mm512_set1_ps(x[kk]), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16 + 16), _mm512_set1_ps(x[kk + 1]), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16 + 32), _mm512_set1_ps(x[kk + 2]), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16 + 48), _mm512_set1_ps(x[kk + 3]), a3);
-    }
-    for (; kk < k; kk++) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + kk * 16), _mm512_set1_ps(x[kk]), a0);
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
 #endif
 
 /* Portable fallback (no AVX-512): MT rows times NT blocks, plain loops. */
@@ -231,15 +209,13 @@ static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0
 #if defined(__AVX512BF16__)
     if (bf) {
         CALL(bf16, uint16_t, 8, 2) CALL(bf16, uint16_t, 4, 2) CALL(bf16, uint16_t, 2, 2) CALL(bf16, uint16_t, 1, 2)
-        CALL(bf16, uint16_t, 8, 1) CALL(bf16, uint16_t, 4, 1) CALL(bf16, uint16_t, 2, 1)
-        if (mt == 1 && nt_blocks == 1) return stream_bf16((const uint16_t *)wb, k, (const uint16_t *)xr, out);
+        CALL(bf16, uint16_t, 8, 1) CALL(bf16, uint16_t, 4, 1) CALL(bf16, uint16_t, 2, 1) CALL(bf16, uint16_t, 1, 1)
     }
 #endif
 #if defined(__AVX512F__)
     if (!bf) {
         CALL(f32, float, 8, 2) CALL(f32, float, 4, 2) CALL(f32, float, 2, 2) CALL(f32, float, 1, 2)
-        CALL(f32, float, 8, 1) CALL(f32, float, 4, 1) CALL(f32, float, 2, 1)
-        if (mt == 1 && nt_blocks == 1) return stream_f32((const float *)wb, k, (const float *)xr, out);
+        CALL(f32, float, 8, 1) CALL(f32, float, 4, 1) CALL(f32, float, 2, 1) CALL(f32, float, 1, 1)
     }
 #endif
 #undef CALL
@@ -295,7 +271,7 @@ static void project(const Model *md, int64_t w_addr, int64_t b_addr, const float
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[8 * 2 * 16];
         for (int64_t nb = b0; nb < b1;) {
-            const int nt_blocks = (rows == 1 || nb + 2 > b1) ? 1 : 2;
+            const int nt_blocks = nb + 2 > b1 ? 1 : 2;
             for (int m0 = 0; m0 < rows;) {
                 const int left = rows - m0, mt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 tile(w, nb, k, xb, m0, mt, nt_blocks, bf, out);
