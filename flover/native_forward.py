@@ -76,7 +76,10 @@ def build_library() -> Path:
     path = cache_dir() / f"llama_forward-{key}.so"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot create the build cache {path.parent}: {e}") from e
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent builds never meet
     started = time.perf_counter()
     try:
@@ -88,13 +91,20 @@ def build_library() -> Path:
         partial.unlink(missing_ok=True)
         raise NativeUnavailable(f"compiling {SOURCE.name} failed ({compiler} exit {done.returncode}): "
                                 f"{done.stderr.strip()[-2000:]}")
-    os.replace(partial, path)
+    try:
+        os.replace(partial, path)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot store the build in {path.parent}: {e}") from e
     log.info("native step compiled in %.1f s: %s", time.perf_counter() - started, path)
     return path
 
 
 def load_library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library()))
+    path = build_library()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.flover_work_floats.argtypes = [p, ctypes.c_int, ctypes.c_int]
     lib.flover_work_floats.restype = i64
@@ -189,7 +199,11 @@ class NativeForward:
         head = model.embed if cfg.tie_word_embeddings else model.lm_head.weight  # [vocab block, hidden]
         projections = [head] + [w for layer in model.layers
                                 for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)]
-        self._arena = WeightArena(WeightArena.size([blocked_shape(w) for w in projections], dtype))
+        nbytes = WeightArena.size([blocked_shape(w) for w in projections], dtype)
+        try:
+            self._arena = WeightArena(nbytes)
+        except (OSError, MemoryError) as e:
+            raise NativeUnavailable(f"no memory for the blocked weights ({nbytes / 2**20:.0f} MiB): {e}") from e
 
         def address(weight: torch.Tensor | None, block: bool = False) -> int:
             if weight is None:
