@@ -35,6 +35,7 @@ from flover.hardware import cpu_flags
 from flover.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
+from flover.models.quant import MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,10 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "cos", "sin")
+                "embed", "final_norm", "head", "cos", "sin", "int4_max_rows")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
-                "down", "down_bias", "window")
+                "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -110,12 +112,13 @@ def load_library() -> ctypes.CDLL:
     lib.flover_work_floats.restype = i64
     lib.flover_forward.argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, ctypes.c_double, ctypes.c_int]
     lib.flover_forward.restype = ctypes.c_int
+    lib.flover_has_int4.restype = ctypes.c_int
     return lib
 
 
 def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
-    """Why `model` cannot take the native step, or None. (CPU, TP=1 and no quantization are the
-    engine's to check: it decides before loading whether to keep the dense weights.)"""
+    """Why `model` cannot take the native step, or None. (CPU, TP=1 and the quantization mode are
+    the engine's to check: it decides before loading whether to keep the dense weights.)"""
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
     cfg = model.cfg
@@ -131,7 +134,7 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if odd:
         return f"{', '.join(odd)} odd (input pairs feed the bfloat16 kernel)"
     missing = [name for name, m in model.named_modules() if hasattr(m, "packed") and m.weight is None
-               and not (name == "lm_head" and cfg.tie_word_embeddings)]
+               and not (name == "lm_head" and cfg.tie_word_embeddings and m.quantized is None)]
     if missing:
         return f"dense weights were not kept ({missing[0]}, ...)"
     return None
@@ -154,6 +157,26 @@ def block_weight(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.bfloat16:
         return out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
     return out.copy_(padded.view(-1, 16, k).permute(0, 2, 1))
+
+
+def int4_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The kernels' layout of an int4 projection (llama_forward.c, "4-bit projections"): codes
+    [n / 16, k / 32, 16 input pairs, 16 rows] bytes, scales [n / 16, k / 32, 2, 16] (scale, zero)."""
+    n, k = linear.shape
+    return (-(-n // 16), k // 32, 16, 16), (-(-n // 16), k // 32, 2, 16)
+
+
+def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    codes = quantized.codes  # [n, k] uint8, q in 0..15
+    n, k = codes.shape
+    padded = torch.full((codes_out.shape[0] * 16, k), 8, dtype=torch.uint8)  # q = 8: weight 0 (zero 0 too)
+    padded[:n] = codes
+    pairs = padded.view(-1, 16, k // 32, 16, 2)  # [blocks, rows, groups, pairs, (even, odd)]
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    codes_out.copy_(packed.permute(0, 2, 3, 1))
+    scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=quantized.scales.dtype)
+    scales[:n] = quantized.scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
+    scales_out.copy_(scales.view(-1, 16, k // 32, 2).permute(0, 2, 3, 1))
 
 
 class WeightArena:
@@ -179,8 +202,8 @@ class WeightArena:
         return chunk.view(dtype).view(shape)
 
     @staticmethod
-    def size(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-        return sum(-(-math.prod(shape) * dtype.itemsize // 4096) * 4096 for shape in shapes)
+    def size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        return sum(-(-math.prod(shape) * dtype.itemsize // 4096) * 4096 for shape, dtype in shapes)
 
 
 class NativeForward:
@@ -196,10 +219,16 @@ class NativeForward:
         self.max_rows = max_rows
         cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]
         assert kv.is_contiguous() and kv.dtype == dtype
-        head = model.embed if cfg.tie_word_embeddings else model.lm_head.weight  # [vocab block, hidden]
-        projections = [head] + [w for layer in model.layers
-                                for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)]
-        nbytes = WeightArena.size([blocked_shape(w) for w in projections], dtype)
+        # [vocab block, hidden]; a quantized head (int8 under int4) is its own dequantized weight
+        tied = cfg.tie_word_embeddings and model.lm_head.quantized is None
+        head = model.embed if tied else model.lm_head.weight
+        linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+        int4 = [lin for lin in linears if lin.quantized is not None and lin.quantized.codes is not None]
+        if int4 and not self.lib.flover_has_int4():
+            raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
+        shapes = [(blocked_shape(w), dtype) for w in [head] + [lin.weight for lin in linears]]
+        shapes += [(shape, kind) for lin in int4 for shape, kind in zip(int4_shapes(lin), (torch.uint8, torch.bfloat16))]
+        nbytes = WeightArena.size(shapes)
         try:
             self._arena = WeightArena(nbytes)
         except (OSError, MemoryError) as e:
@@ -217,17 +246,27 @@ class NativeForward:
         fields = dict(
             layers=cfg.num_layers, hidden=cfg.hidden_size, heads=model.tp.heads, kv_heads=model.tp.kv_heads,
             head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[dtype],
-            max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
+            int4_max_rows=MAX_ROWS["int4"] if int4 else 0, max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=address(head, block=True), cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr())
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         rows = []
         for layer, window in zip(model.layers, cfg.sliding_windows):
-            rows.append([address(layer.input_norm), address(layer.qkv.weight, block=True), address(layer.qkv.bias),
-                         address(layer.o.weight, block=True), address(layer.o_bias), address(layer.post_norm),
-                         address(layer.gate_up.weight, block=True), address(layer.gate_up.bias),
-                         address(layer.down.weight, block=True), address(layer.down_bias), window or 0])
+            row = [address(layer.input_norm), address(layer.qkv.weight, block=True), address(layer.qkv.bias),
+                   address(layer.o.weight, block=True), address(layer.o_bias), address(layer.post_norm),
+                   address(layer.gate_up.weight, block=True), address(layer.gate_up.bias),
+                   address(layer.down.weight, block=True), address(layer.down_bias), window or 0]
+            for name in PROJECTIONS:
+                lin = getattr(layer, name)
+                if lin in int4:
+                    codes, scales = (self._arena.take(shape, kind)
+                                     for shape, kind in zip(int4_shapes(lin), (torch.uint8, torch.bfloat16)))
+                    block_int4(lin.quantized, codes, scales)
+                    row += [codes.data_ptr(), scales.data_ptr()]
+                else:
+                    row += [0, 0]
+            rows.append(row)
         self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)

@@ -71,22 +71,25 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     with torch.no_grad():
         load_weights(checkpoint.reader(cfg), model.weight_specs())
         if quantization != "none":
-            quantize_projections(model, quantization)
+            quantize_projections(model, quantization, keep_codes=keep_dense)
         for name, module in model.named_modules():
             if isinstance(module, Linear):
-                tied_head = name == "lm_head" and cfg.tie_word_embeddings
+                # a tied head reads the embedding, unless quantization made it a model of its own
+                tied_head = name == "lm_head" and cfg.tie_word_embeddings and module.quantized is None
                 module.pack(pack_hint, keep_dense=keep_dense and not tied_head)
     return model.eval()
 
 
 def drop_dense_weights(model: torch.nn.Module) -> None:
-    """Release the row-major copies that load_model(keep_dense=True) kept beside packed weights."""
+    """Release the row-major copies (and int4 codes) that load_model(keep_dense=True) kept."""
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is not None:
             module.weight = None
+        if isinstance(module, Linear) and module.quantized is not None:
+            module.quantized.codes = None
 
 
-def quantize_projections(model: torch.nn.Module, mode: str) -> None:
+def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = False) -> None:
     """Every projection in `mode`; the LM head in int8 whatever the mode (the logits are the most
     sensitive product, and llama.cpp's 4-bit files keep it in 8 bits too)."""
     for name, module in model.named_modules():
@@ -96,4 +99,4 @@ def quantize_projections(model: torch.nn.Module, mode: str) -> None:
         why = can_quantize(module.weight, head_or_layer)
         if why is not None:
             raise CheckpointError(f"--quantization {mode}: {name}: {why}")
-        module.quantize(head_or_layer)
+        module.quantize(head_or_layer, keep_codes)

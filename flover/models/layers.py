@@ -129,10 +129,10 @@ class Linear(nn.Module):
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape) if self.packed is None else self._shape
 
-    def quantize(self, mode: str) -> None:
+    def quantize(self, mode: str, keep_codes: bool = False) -> None:
         """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
         dequantized values, so both kernels compute the same model (models/quant.py)."""
-        self.quantized, dequantized = quantize(self.weight, mode)
+        self.quantized, dequantized = quantize(self.weight, mode, keep_codes)
         self.weight.data = dequantized
 
     def pack(self, batch_hint: int, keep_dense: bool = False) -> bool:

@@ -17,6 +17,10 @@ already slower (23.7 ms) and int4 level (14.0 ms); at 16 both lose. So a quantiz
 keeps its 16-bit packed GEMM too, on the *dequantized* weights, for iterations with more rows:
 the model is the same (up to rounding) at every batch size, and a fused batch of 32 runs at the
 16-bit speed. The price is memory: the quantized copy comes on top (int4: +25%, int8: +50%).
+
+On CPU at TP=1 the native step (flover/native_forward.py) runs int4 with kernels of its own on
+the same codes and scales (`codes` keeps them unpacked until it has blocked them), with the same
+split: 4-bit for up to MAX_ROWS["int4"] rows, the dequantized 16-bit weights above.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class QuantizedWeight:
     data: torch.Tensor  # int8 [out, in], or int4 packed by PyTorch for its CPU kernel
     scales: torch.Tensor  # int8: [out]; int4: [in / 32, out, 2] (scale, zero point) in x's dtype
     max_rows: int
+    codes: torch.Tensor | None = None  # int4, when asked: uint8 [out, in] of q in 0..15 (the native step's copy)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (no bias)."""
@@ -46,8 +51,9 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
 
 
-def quantize(weight: torch.Tensor, mode: str) -> tuple[QuantizedWeight, torch.Tensor]:
-    """weight: [out, in] -> (the quantized weight, the dequantized weight in weight's dtype)."""
+def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
+    """weight: [out, in] -> (the quantized weight, the dequantized weight in weight's dtype).
+    `keep_codes`: also keep int4's codes unpacked (the native step blocks them its own way)."""
     w = weight.detach().to(torch.float32)
     if mode == "int8":
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
@@ -68,7 +74,8 @@ def quantize(weight: torch.Tensor, mode: str) -> tuple[QuantizedWeight, torch.Te
     scales = torch.stack((scale16.t(), zero16.t()), dim=-1).contiguous()  # [in / 32, out, 2]
     data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32), 1)
     dequantized = (q - 8) * scale16.to(torch.float32)[..., None] + zero16.to(torch.float32)[..., None]
-    return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(weight.dtype)
+    codes = q.view(out, inp).to(torch.uint8) if keep_codes else None
+    return QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes), dequantized.view(out, inp).to(weight.dtype)
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:

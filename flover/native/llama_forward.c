@@ -32,12 +32,15 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
     int64_t embed, final_norm, head, cos, sin;                /* rotary tables [max_seq, head_dim] */
+    int64_t int4_max_rows; /* iterations of at most this many rows use the 4-bit projections, if any */
 } Model;
 
 /* Mirrors LAYER_FIELDS: weight addresses of one layer, 0 where the model has no such bias; the
- * layer's sliding window (0: none). */
+ * layer's sliding window (0: none); with --quantization int4 the projections' 4-bit codes and
+ * group scales (see "4-bit projections"), else 0. */
 typedef struct {
     int64_t input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, window;
+    int64_t qkv_codes, qkv_scales, o_codes, o_scales, gate_up_codes, gate_up_scales, down_codes, down_scales;
 } Layer;
 
 /* ---- bfloat16 <-> float ------------------------------------------------------------------ */
@@ -270,6 +273,97 @@ static inline void store_outputs(const float *acc, const void *bias, int64_t n0,
 #endif
 }
 
+/* ---- 4-bit projections (--quantization int4) ------------------------------------------------
+ * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs (GGUF's
+ * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native_forward.py: per block of
+ * 16 output rows and group, 16 input pairs x 16 rows bytes (low nibble: the even input, high: the
+ * odd one), then the group's 16 scales and 16 zeros in bfloat16. A byte becomes a bfloat16 pair
+ * (q - 8 is exact) by one table lookup, and the group's sum is
+ * scale * sum((q - 8) x) + zero * sum(x). Used for iterations of few rows, where reading the
+ * weights is the cost (a quarter of bfloat16's bytes); larger iterations run the bfloat16 tiles on
+ * the dequantized weights. */
+#if defined(__AVX512BF16__)
+/* bfloat16 of q - 8 for q = 0..15 (twice: the lookup takes 5-bit indices) */
+static const uint16_t Q4_VALUES[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                       0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+#define TILE_Q4(MT)                                                                                        \
+    static void tile_q4_##MT(const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x,  \
+                             const float *xsum, float *out) {                                              \
+        const int64_t groups = k / 32;                                                                     \
+        const __m512i lut = _mm512_loadu_si512(Q4_VALUES);                                                 \
+        __m512 acc[MT];                                                                                    \
+        for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();                                         \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            __m512 part[MT];                                                                               \
+            for (int i = 0; i < MT; i++) part[i] = _mm512_setzero_ps();                                    \
+            const uint8_t *c = codes + g * 256;                                                            \
+            for (int kp = 0; kp < 16; kp++) {                                                              \
+                const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kp * 16)));  \
+                const __m512i pair = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0x0f)),        \
+                                     _mm512_and_si512(_mm512_slli_epi32(d, 12), _mm512_set1_epi32(0xf0000))); \
+                const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(pair, lut);                        \
+                for (int i = 0; i < MT; i++) part[i] = _mm512_dpbf16_ps(part[i], w, PAIR(x + i * k, g * 16 + kp)); \
+            }                                                                                              \
+            const __m512 scale = vload(scales + g * 32, 0, 1, 0xffff), zero = vload(scales + g * 32 + 16, 0, 1, 0xffff); \
+            for (int i = 0; i < MT; i++)                                                                   \
+                acc[i] = _mm512_fmadd_ps(scale, part[i],                                                  \
+                                         _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[i * groups + g]), acc[i])); \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) _mm512_storeu_ps(out + i * 16, acc[i]);                               \
+    }
+TILE_Q4(8)
+TILE_Q4(4)
+TILE_Q4(2)
+TILE_Q4(1)
+#endif
+
+/* y = x W^T (+ bias) through the 4-bit weights, for rows <= 8; x: bf16 rows [rows, k]. */
+static void project_int4(const Model *md, int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x,
+                         void *xb, float *xsum, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype,
+                         int nt) {
+#if defined(__AVX512BF16__)
+    (void)md;
+    to_model_dtype(x, xb, rows * k, 1);
+    const int64_t groups = k / 32;
+    for (int m = 0; m < rows; m++) /* each group's input sum, once per row */
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 a = _mm512_add_ps(_mm512_loadu_ps(x + m * k + g * 32), _mm512_loadu_ps(x + m * k + g * 32 + 16));
+            xsum[m * groups + g] = _mm512_reduce_add_ps(a);
+        }
+    const uint8_t *codes = (const uint8_t *)codes_addr;
+    const uint16_t *scales = (const uint16_t *)scales_addr;
+    const void *bias = (const void *)b_addr;
+    const int64_t blocks = (n_out + 15) / 16;
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        float out[8 * 16];
+        for (int64_t nb = b0; nb < b1; nb++) {
+            const uint8_t *c = codes + nb * 16 * k / 2;
+            const uint16_t *sc = scales + nb * groups * 32;
+            for (int m0 = 0; m0 < rows;) {
+                const int left = rows - m0, mt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const uint16_t *xr = (const uint16_t *)xb + m0 * k;
+                const float *xs = xsum + m0 * groups;
+                if (mt == 8) tile_q4_8(c, sc, k, xr, xs, out);
+                else if (mt == 4) tile_q4_4(c, sc, k, xr, xs, out);
+                else if (mt == 2) tile_q4_2(c, sc, k, xr, xs, out);
+                else tile_q4_1(c, sc, k, xr, xs, out);
+                for (int i = 0; i < mt; i++)
+                    store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * n_out, y_in_model_dtype, 1);
+                m0 += mt;
+            }
+        }
+    }
+#else
+    (void)md; (void)codes_addr; (void)scales_addr; (void)b_addr; (void)x; (void)xb; (void)xsum; (void)rows;
+    (void)n_out; (void)k; (void)y; (void)y_in_model_dtype; (void)nt;
+#endif
+}
+
 /* y[m, n] = rnd(W[n, :] . x[m, :] + bias[n]) for m < rows, n < n_out. x: float rows [rows, k]
  * holding model-dtype values; xb: scratch for their model-dtype copy (the kernels' operand).
  * Threads split the weight blocks: each reads its share of the weight once (from memory) and
@@ -468,6 +562,15 @@ static void attend(const Model *md, const float *q, int64_t group, const void *k
     }
 }
 
+/* Whether this build has the 4-bit kernels (they need AVX-512 BF16). */
+int flover_has_int4(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Sizes of the float scratch `work` the caller provides (flover/native_forward.py allocates it). */
 int64_t flover_work_floats(const Model *md, int rows, int nt) {
     const int64_t h = md->hidden, qkv = (md->heads + 2 * md->kv_heads) * md->head_dim;
@@ -475,7 +578,7 @@ int64_t flover_work_floats(const Model *md, int rows, int nt) {
     const int64_t inner = md->inter > h ? md->inter : h;
     /* hidden, normed, qkv / gate_up, attention out / activation, model-dtype copies; per thread
      * the attention scores of one kv head's query heads */
-    return rows * (2 * h + widest + inner + widest) + (int64_t)nt * md->heads * md->max_seq;
+    return rows * (2 * h + widest + inner + widest) + (int64_t)nt * md->heads * md->max_seq + rows * (widest / 32 + 1);
 }
 
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
@@ -496,7 +599,14 @@ int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t
     float *xb_f = mid + rows * inner;
     void *xb = xb_f; /* model-dtype copies of projection inputs (fits in rows * widest floats) */
     float *scores = xb_f + rows * widest;
+    float *xsum = scores + (int64_t)nt * heads * md->max_seq; /* per row and group of 32 inputs (int4) */
     const int64_t es = bf ? 2 : 4; /* bytes per element of the model dtype */
+    const int int4 = rows <= md->int4_max_rows;
+#define PROJECT(W, BIAS, X, N, K, Y)                                                                       \
+    if (int4 && ly->W##_codes)                                                                             \
+        project_int4(md, ly->W##_codes, ly->W##_scales, BIAS, X, xb, xsum, rows, N, K, Y, 0, nt);          \
+    else                                                                                                   \
+        project(md, ly->W, BIAS, X, xb, rows, N, K, Y, 0, nt);
 
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < h; i++) hidden[r * h + i] = load((const void *)md->embed, tokens[r] * h + i, bf);
@@ -505,7 +615,7 @@ int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t
         const Layer *ly = &layers[l];
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->input_norm, eps, h, bf, normed + r * h);
-        project(md, ly->qkv, ly->qkv_bias, normed, xb, rows, qkv_n, h, wide, 0, nt);
+        PROJECT(qkv, ly->qkv_bias, normed, qkv_n, h, wide)
 
         char *kv_layer = (char *)md->kv + l * md->kv_layer * es;
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
@@ -532,21 +642,22 @@ int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t
             attend(md, wide + r * qkv_n + g * group * d, group, k_base, v_base, first, len,
                    scores + (int64_t)omp_get_thread_num() * heads * md->max_seq, mid + r * q_size + g * group * d);
         }
-        project(md, ly->o, 0, mid, xb, rows, h, q_size, normed, 0, nt);
+        PROJECT(o, 0, mid, h, q_size, normed)
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->o_bias, h, bf);
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
         for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->post_norm, eps, h, bf, normed + r * h);
-        project(md, ly->gate_up, ly->gate_up_bias, normed, xb, rows, 2 * inter, h, wide, 0, nt);
+        PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
-        project(md, ly->down, 0, mid, xb, rows, h, inter, normed, 0, nt);
+        PROJECT(down, 0, mid, h, inter, normed)
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->down_bias, h, bf);
     }
     /* the final norm of the rows whose logits are wanted, then the LM head writes the model
      * dtype straight into `logits` */
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
+#undef PROJECT
     if (n_out > 0) project(md, md->head, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
 }
