@@ -35,7 +35,6 @@ from flover.hardware import cpu_flags
 from flover.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
-from flover.models.quant import MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "cos", "sin", "int4_max_rows")
+                "embed", "final_norm", "head", "cos", "sin")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
@@ -226,7 +225,8 @@ class NativeForward:
         int4 = [lin for lin in linears if lin.quantized is not None and lin.quantized.codes is not None]
         if int4 and not self.lib.flover_has_int4():
             raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
-        shapes = [(blocked_shape(w), dtype) for w in [head] + [lin.weight for lin in linears]]
+        # int4 projections run their 4-bit kernels at every row count (no bfloat16 copy here)
+        shapes = [(blocked_shape(w), dtype) for w in [head] + [lin.weight for lin in linears if lin not in int4]]
         shapes += [(shape, kind) for lin in int4 for shape, kind in zip(int4_shapes(lin), (torch.uint8, torch.bfloat16))]
         nbytes = WeightArena.size(shapes)
         try:
@@ -235,7 +235,7 @@ class NativeForward:
             raise NativeUnavailable(f"no memory for the blocked weights ({nbytes / 2**20:.0f} MiB): {e}") from e
 
         def address(weight: torch.Tensor | None, block: bool = False) -> int:
-            if weight is None:
+            if weight is None or (block and any(weight is lin.weight for lin in int4)):
                 return 0
             if block:
                 weight = block_weight(weight, self._arena.take(blocked_shape(weight), dtype))
@@ -246,7 +246,7 @@ class NativeForward:
         fields = dict(
             layers=cfg.num_layers, hidden=cfg.hidden_size, heads=model.tp.heads, kv_heads=model.tp.kv_heads,
             head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[dtype],
-            int4_max_rows=MAX_ROWS["int4"] if int4 else 0, max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
+            max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=address(head, block=True), cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr())
@@ -271,6 +271,7 @@ class NativeForward:
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
+        self.int4_projections = len(int4)
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -10,8 +10,9 @@ import torch
 from flover import LLM, Engine, EngineConfig, SamplingParams
 
 
-def solo_tokens(model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64") -> list[int]:
-    llm = LLM(model_dir, dtype=dtype, max_slots=1, max_seq_len=128)
+def solo_tokens(model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64",
+                quantization: str = "none") -> list[int]:
+    llm = LLM(model_dir, dtype=dtype, max_slots=1, max_seq_len=128, quantization=quantization)
     return llm.generate([prompt], params)[0].token_ids
 
 
@@ -25,12 +26,14 @@ def random_params(rng: random.Random) -> SamplingParams:
                           frequency_penalty=rng.choice([0.0, 0.5]), presence_penalty=rng.choice([0.0, -0.5, 1.0]))
 
 
-@pytest.mark.parametrize("variant,seed,dtype", [
-    ("llama", 0, "float64"), ("llama", 1, "float64"), ("mistral-window8", 2, "float64"), ("gptj", 3, "float64"),
+@pytest.mark.parametrize("variant,seed,dtype,quantization", [
+    ("llama", 0, "float64", "none"), ("llama", 1, "float64", "none"), ("mistral-window8", 2, "float64", "none"),
+    ("gptj", 3, "float64", "none"),
     # the native step (CPU): every output summed in the same order whatever rows share the
-    # iteration, so even float32 and bfloat16 results do not depend on the batch
-    ("llama", 4, "float32"), ("qwen2", 5, "float32"), ("llama", 6, "bfloat16"), ("mistral-window8", 7, "bfloat16")])
-def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed, dtype):
+    # iteration, so even float32, bfloat16 and int4 results do not depend on the batch
+    ("llama", 4, "float32", "none"), ("qwen2", 5, "float32", "none"), ("llama", 6, "bfloat16", "none"),
+    ("mistral-window8", 7, "bfloat16", "none"), ("llama", 8, "bfloat16", "int4")])
+def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed, dtype, quantization):
     """Many requests, random arrival iterations, random prompt and output lengths, fewer slots
     than requests and a small token budget (so prompts are chunked and holes appear in the
     middle of the buffer). Each request's tokens must equal its solo run, greedy or seeded."""
@@ -42,7 +45,8 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
         jobs.append((rng.randint(0, 30), str(i), prompt, random_params(rng)))
     jobs.sort(key=lambda j: j[0])
 
-    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=4, max_seq_len=128, max_batch_tokens=12))
+    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=4, max_seq_len=128, max_batch_tokens=12,
+                                 quantization=quantization))
     assert (engine.runner.native is not None) == (dtype != "float64")
     finals, it, moves_seen, live_seen = {}, 0, 0, set()
     pending = list(jobs)
@@ -61,7 +65,7 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
     assert len(finals) == len(jobs)
     assert max(live_seen) == 4  # the buffer was full at some point
     for _, rid, prompt, params in jobs:
-        assert finals[rid].token_ids == solo_tokens(model_dir, prompt, params, dtype), rid
+        assert finals[rid].token_ids == solo_tokens(model_dir, prompt, params, dtype, quantization), rid
         assert len(finals[rid].token_ids) == params.max_new_tokens
 
 

@@ -112,12 +112,13 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
     assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype):
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")])
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left, gives the same
     logits. This is what makes fused and solo runs agree in float32 and bfloat16 (test_engine.py)."""
-    engine = Engine(EngineConfig(llama_dir, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128))
+    engine = Engine(EngineConfig(llama_dir, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128,
+                                 quantization=quantization))
     native = engine.runner.native
     run, checked = native.run, {"decode": 0, "mixed": 0}
 
@@ -147,12 +148,11 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "qwen2"])
 def test_native_int4_gives_the_pytorch_int4_logits(make_model, variant):
-    """--quantization int4: iterations of up to 8 rows run the native 4-bit kernels (codes, group
-    scale and zero), larger ones the bfloat16 tiles on the dequantized weights; against PyTorch's
-    int4 kernel and dequantized GEMMs: within a few bfloat16 steps (an int8 head under a tied
-    embedding included)."""
+    """--quantization int4: the native 4-bit kernels (codes, group scale and zero) against PyTorch's
+    int4 kernel (up to 8 rows) and its GEMMs on the dequantized weights (more rows): within a few
+    bfloat16 steps (an int8 head under a tied embedding included)."""
     compared, engine = compare_on_random_arrivals(make_model(variant), "bfloat16", quantization="int4")
-    assert int(engine.runner.native._model_struct[-1]) == 8  # the 4-bit kernels are on
+    assert engine.runner.native.int4_projections == 4 * 2  # every projection of both layers
     assert sum(1 for decode, prompt, *_ in compared if decode + prompt <= 8) > 20
     for decode, prompt, diff, scale, _ in compared:
         assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)

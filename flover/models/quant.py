@@ -19,8 +19,8 @@ the model is the same (up to rounding) at every batch size, and a fused batch of
 16-bit speed. The price is memory: the quantized copy comes on top (int4: +25%, int8: +50%).
 
 On CPU at TP=1 the native step (flover/native_forward.py) runs int4 with kernels of its own on
-the same codes and scales (`codes` keeps them unpacked until it has blocked them), with the same
-split: 4-bit for up to MAX_ROWS["int4"] rows, the dequantized 16-bit weights above.
+the same codes and scales (`codes` keeps them unpacked until it has blocked them), at every row
+count: there the 4-bit kernel is as fast as the 16-bit one at 32 rows.
 """
 
 from __future__ import annotations
