@@ -1,4 +1,4 @@
-"""A whole fused iteration in one native call (CPU, TP=1, Llama family, float32/bfloat16).
+"""A whole fused iteration in one native call (CPU, TP=1, Llama family, float32/bfloat16/int4).
 
 One request decoding alone reads every weight once per token and computes little: the token's
 time is the weights' bytes over the memory bandwidth, plus whatever the framework adds. In eager
@@ -8,7 +8,9 @@ few µs each, and oneDNN's packed GEMM streaming weights at ~15 GB/s where the m
 chunks alike) as loops over a blocked weight layout: one row streams the weights at the read
 bandwidth, many rows share each weight load (at 64-256 rows 340-400 GFLOP/s in bfloat16 on the
 dev machine, where oneDNN's packed GEMM reached 300-345), and norms, RoPE, KV writes, attention
-(each row over its own slot's keys) and residuals are a few vector loops per row.
+(each row over its own slot's keys) and residuals are a few vector loops per row. Every output
+is summed in the same order whatever else shares the iteration, so fusion changes no bit. With
+`--quantization int4` the projections run 4-bit kernels on the quantizer's codes.
 
 The C file is compiled on first use with the system compiler for this CPU (`-march=native`, so
 AVX-512 BF16's dot-product instruction where the CPU has it) into `~/.cache/flover/native/`,
@@ -48,8 +50,6 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
 # Prompt chunks attend row by row (no blocking over queries as a flash kernel does): iterations
 # whose prompt rows see more (query, key) pairs than this run on PyTorch's fused attention.
 MAX_PROMPT_PAIRS = 512 * 512
