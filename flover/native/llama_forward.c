@@ -313,6 +313,7 @@ static const uint16_t Q4_VALUES[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0
         }                                                                                                  \
         for (int i = 0; i < MT; i++) _mm512_storeu_ps(out + i * 16, acc[i]);                               \
     }
+TILE_Q4(12)
 TILE_Q4(8)
 TILE_Q4(4)
 TILE_Q4(2)
@@ -340,15 +341,17 @@ static void project_int4(const Model *md, int64_t codes_addr, int64_t scales_add
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
-        float out[8 * 16];
+        float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
             const uint8_t *c = codes + nb * 16 * k / 2;
             const uint16_t *sc = scales + nb * groups * 32;
             for (int m0 = 0; m0 < rows;) {
-                const int left = rows - m0, mt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const int left = rows - m0;
+                const int mt = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 const uint16_t *xr = (const uint16_t *)xb + m0 * k;
                 const float *xs = xsum + m0 * groups;
-                if (mt == 8) tile_q4_8(c, sc, k, xr, xs, out);
+                if (mt == 12) tile_q4_12(c, sc, k, xr, xs, out);
+                else if (mt == 8) tile_q4_8(c, sc, k, xr, xs, out);
                 else if (mt == 4) tile_q4_4(c, sc, k, xr, xs, out);
                 else if (mt == 2) tile_q4_2(c, sc, k, xr, xs, out);
                 else tile_q4_1(c, sc, k, xr, xs, out);
