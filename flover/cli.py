@@ -37,8 +37,8 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
                    help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
-                   help="auto (default): on CPU at TP=1 (float32/bfloat16, no quantization), iterations run as one "
-                        "native call compiled for this CPU on first use (needs a C compiler)")
+                   help="auto (default): on CPU at TP=1 (float32/bfloat16; no quantization, or int4), iterations run as "
+                        "one native call compiled for this CPU on first use (needs a C compiler)")
 
 
 def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
