@@ -281,11 +281,12 @@ class NativeForward:
         prompt_pairs = sum(span.length * (span.start_pos + span.length) for span in batch.prefills)
         if not 0 < rows <= self.max_rows or prompt_pairs > MAX_PROMPT_PAIRS:
             return None
-        out_rows = batch.sample_rows.contiguous()
+        # named, so that a contiguous copy (if one is made) lives until the call returns
+        tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
+        slots, out_rows = batch.write_slots.contiguous(), batch.sample_rows.contiguous()
         logits = torch.empty(out_rows.shape[0], self.vocab, dtype=self.dtype)
         self.lib.flover_forward(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows,
-                                batch.input_ids.contiguous().data_ptr(), batch.positions.contiguous().data_ptr(),
-                                batch.write_slots.contiguous().data_ptr(), out_rows.shape[0], out_rows.data_ptr(),
-                                logits.data_ptr(), self._work.data_ptr(), self.eps, self.threads)
+                                tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), out_rows.shape[0],
+                                out_rows.data_ptr(), logits.data_ptr(), self._work.data_ptr(), self.eps, self.threads)
         self.iterations += 1
         return logits
