@@ -142,9 +142,11 @@ static inline __m512 sum_each(const __m512 v[16]) {
  * instruction); float32: [n / 16][k][16]. n is padded to whole blocks with zero rows. A tile
  * multiplies MT input rows by NT blocks with MT x NT accumulators of 16 outputs each (up to 6 x 4:
  * 24 of the 32 vector registers), so each weight load serves MT rows and no horizontal sums are
- * needed (6 x 4 beat 8 x 2, 8 x 3 and 12 x 2 by 4-7% on the dev machine, at 8 to 256 rows). Every output is summed in the
- * same order (input by input, one accumulator) whatever the tile: a row's result does not depend
- * on which other rows share its iteration, so fusing requests changes no bit of any of them. */
+ * needed (6 x 4 beat 8 x 2, 8 x 3 and 12 x 2 by 4-7% on the dev machine, at 8 to 256 rows).
+ * Every output is summed in the same order (input by input, one accumulator) whatever the tile:
+ * a row's result does not depend on which other rows share its iteration, so fusing requests
+ * changes no bit of any of them. */
+#define TILES_OF_ROWS(TILE, MT) TILE(MT, 4) TILE(MT, 3) TILE(MT, 2) TILE(MT, 1)
 #if defined(__AVX512BF16__)
 #define BLOCK_BF16(w, k, kp) ((__m512bh)_mm512_loadu_si512((w) + (kp) * 32))
 #define PAIR(x, kp) ((__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[kp]))
@@ -164,7 +166,6 @@ static inline __m512 sum_each(const __m512 v[16]) {
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
     }
-#define TILES_OF_ROWS(TILE, MT) TILE(MT, 4) TILE(MT, 3) TILE(MT, 2) TILE(MT, 1)
 TILES_OF_ROWS(TILE_BF16, 6)
 TILES_OF_ROWS(TILE_BF16, 4)
 TILES_OF_ROWS(TILE_BF16, 2)
@@ -189,9 +190,6 @@ TILES_OF_ROWS(TILE_BF16, 1)
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
     }
-#ifndef TILES_OF_ROWS
-#define TILES_OF_ROWS(TILE, MT) TILE(MT, 4) TILE(MT, 3) TILE(MT, 2) TILE(MT, 1)
-#endif
 TILES_OF_ROWS(TILE_F32, 6)
 TILES_OF_ROWS(TILE_F32, 4)
 TILES_OF_ROWS(TILE_F32, 2)
@@ -220,17 +218,14 @@ static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0
     const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * es;
 #define CALL(KIND, TYPE, MT, NT)                                                                           \
     if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const TYPE *)xr, out);
+#define CALLS(KIND, TYPE, MT) CALL(KIND, TYPE, MT, 4) CALL(KIND, TYPE, MT, 3) CALL(KIND, TYPE, MT, 2) CALL(KIND, TYPE, MT, 1)
 #if defined(__AVX512BF16__)
     if (bf) {
-#define CALLS(KIND, TYPE, MT) CALL(KIND, TYPE, MT, 4) CALL(KIND, TYPE, MT, 3) CALL(KIND, TYPE, MT, 2) CALL(KIND, TYPE, MT, 1)
         CALLS(bf16, uint16_t, 6) CALLS(bf16, uint16_t, 4) CALLS(bf16, uint16_t, 2) CALLS(bf16, uint16_t, 1)
     }
 #endif
 #if defined(__AVX512F__)
     if (!bf) {
-#ifndef CALLS
-#define CALLS(KIND, TYPE, MT) CALL(KIND, TYPE, MT, 4) CALL(KIND, TYPE, MT, 3) CALL(KIND, TYPE, MT, 2) CALL(KIND, TYPE, MT, 1)
-#endif
         CALLS(f32, float, 6) CALLS(f32, float, 4) CALLS(f32, float, 2) CALLS(f32, float, 1)
     }
 #endif
@@ -321,11 +316,10 @@ TILE_Q4(1)
 #endif
 
 /* y = x W^T (+ bias) through the 4-bit weights; x: float rows [rows, k] of bfloat16 values. */
-static void project_int4(const Model *md, int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x,
+static void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x,
                          void *xb, float *xsum, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype,
                          int nt) {
 #if defined(__AVX512BF16__)
-    (void)md;
     to_model_dtype(x, xb, rows * k, 1);
     const int64_t groups = k / 32;
     for (int m = 0; m < rows; m++) /* each group's input sum, once per row */
@@ -362,7 +356,7 @@ static void project_int4(const Model *md, int64_t codes_addr, int64_t scales_add
         }
     }
 #else
-    (void)md; (void)codes_addr; (void)scales_addr; (void)b_addr; (void)x; (void)xb; (void)xsum; (void)rows;
+    (void)codes_addr; (void)scales_addr; (void)b_addr; (void)x; (void)xb; (void)xsum; (void)rows;
     (void)n_out; (void)k; (void)y; (void)y_in_model_dtype; (void)nt;
 #endif
 }
@@ -574,15 +568,31 @@ int flover_has_int4(void) {
 #endif
 }
 
-/* Sizes of the float scratch `work` the caller provides (flover/native_forward.py allocates it). */
-int64_t flover_work_floats(const Model *md, int rows, int nt) {
+/* The float scratch of an iteration, as offsets into `work`: hidden and normed rows, qkv /
+ * gate_up outputs, attention out / activation, the model-dtype copies that feed the kernels, per
+ * thread the attention scores of one kv head's query heads, and per row and group of 32 inputs
+ * their sum (int4). `end`: the floats the caller allocates (flover_work_floats). */
+typedef struct {
+    int64_t hidden, normed, wide, mid, xb, scores, xsum, end;
+} Work;
+
+static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     const int64_t h = md->hidden, qkv = (md->heads + 2 * md->kv_heads) * md->head_dim;
     const int64_t widest = qkv > 2 * md->inter ? qkv : 2 * md->inter;
     const int64_t inner = md->inter > h ? md->inter : h;
-    /* hidden, normed, qkv / gate_up, attention out / activation, model-dtype copies; per thread
-     * the attention scores of one kv head's query heads */
-    return rows * (2 * h + widest + inner + widest) + (int64_t)nt * md->heads * md->max_seq + rows * (widest / 32 + 1);
+    Work w;
+    w.hidden = 0;
+    w.normed = w.hidden + rows * h;
+    w.wide = w.normed + rows * h;
+    w.mid = w.wide + rows * widest;
+    w.xb = w.mid + rows * inner;
+    w.scores = w.xb + rows * widest; /* the model-dtype copies fit in rows * widest floats */
+    w.xsum = w.scores + nt * md->heads * md->max_seq;
+    w.end = w.xsum + rows * (widest / 32 + 1);
+    return w;
 }
+
+int64_t flover_work_floats(const Model *md, int rows, int nt) { return work_layout(md, rows, nt).end; }
 
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
@@ -596,17 +606,14 @@ int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
     const int64_t group = heads / kvh;
     const int64_t q_size = heads * d, kv_size = kvh * d, qkv_n = q_size + 2 * kv_size;
-    const int64_t widest = qkv_n > 2 * inter ? qkv_n : 2 * inter;
-    const int64_t inner = inter > h ? inter : h;
-    float *hidden = work, *normed = hidden + rows * h, *wide = normed + rows * h, *mid = wide + rows * widest;
-    float *xb_f = mid + rows * inner;
-    void *xb = xb_f; /* model-dtype copies of projection inputs (fits in rows * widest floats) */
-    float *scores = xb_f + rows * widest;
-    float *xsum = scores + (int64_t)nt * heads * md->max_seq; /* per row and group of 32 inputs (int4) */
+    const Work at = work_layout(md, rows, nt);
+    float *hidden = work + at.hidden, *normed = work + at.normed, *wide = work + at.wide, *mid = work + at.mid;
+    float *scores = work + at.scores, *xsum = work + at.xsum;
+    void *xb = work + at.xb;
     const int64_t es = bf ? 2 : 4; /* bytes per element of the model dtype */
 #define PROJECT(W, BIAS, X, N, K, Y)                                                                       \
     if (ly->W##_codes)                                                                                     \
-        project_int4(md, ly->W##_codes, ly->W##_scales, BIAS, X, xb, xsum, rows, N, K, Y, 0, nt);          \
+        project_int4(ly->W##_codes, ly->W##_scales, BIAS, X, xb, xsum, rows, N, K, Y, 0, nt);          \
     else                                                                                                   \
         project(md, ly->W, BIAS, X, xb, rows, N, K, Y, 0, nt);
 
