@@ -11,6 +11,7 @@ from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
 from flover.models.attention import ForwardBatch
 from flover.native_forward import NativeUnavailable, build_library
+from tests.test_engine import random_arrival_jobs, run_arrivals
 
 
 Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max |difference|, max |logit|, same argmax
@@ -18,8 +19,8 @@ Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max 
 
 def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
                                quantization: str = "none") -> tuple[list[Compared], Engine]:
-    """14 requests (some scoring their prompts) arriving at random iterations into 6 slots, in
-    iterations of up to 24 tokens. Every iteration the native step takes is also run through the
+    """random_arrival_jobs (some scoring their prompts) into 6 slots, in iterations of up to 24
+    tokens. Every iteration the native step takes is also run through the
     PyTorch model first, on the same KV state (the native step then rewrites the iteration's K/V
     itself, so that later iterations read its own cache)."""
     engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
@@ -45,18 +46,8 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
         return logits
 
     runner.forward = forward
-    rng = random.Random(seed)
-    jobs = [(rng.randrange(30), [rng.randrange(500) for _ in range(rng.randint(1, 50))],
-             SamplingParams(max_new_tokens=rng.randint(1, 50), ignore_eos=True, temperature=rng.choice([0.0, 0.9]),
-                            seed=rng.randrange(1000), prompt_logprobs=rng.random() < 0.3))
-            for _ in range(14)]
-    finished, iteration = 0, 0
-    while finished < len(jobs):
-        for i, (arrives, prompt, params) in enumerate(jobs):
-            if arrives == iteration:
-                engine.add_request(prompt, params, request_id=str(i))
-        finished += sum(o.finished for o in engine.step())
-        iteration += 1
+    # longer outputs than the default: the last requests decode alone (single-row iterations)
+    run_arrivals(engine, random_arrival_jobs(seed, vocab=500, score_prompts=True, max_new_tokens=50))
     return compared, engine
 
 
