@@ -197,12 +197,17 @@ class WeightArena:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = math.prod(shape) * dtype.itemsize
         chunk = self._bytes[self._used: self._used + size]
-        self._used += -(-size // 4096) * 4096  # page-aligned starts
+        self._used += self._pages(shape, dtype)
         return chunk.view(dtype).view(shape)
 
     @staticmethod
-    def size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-        return sum(-(-math.prod(shape) * dtype.itemsize // 4096) * 4096 for shape, dtype in shapes)
+    def _pages(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Bytes a tensor takes here: every one starts on a 4 KiB page."""
+        return -(-math.prod(shape) * dtype.itemsize // 4096) * 4096
+
+    @classmethod
+    def size(cls, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        return sum(cls._pages(shape, dtype) for shape, dtype in shapes)
 
 
 class NativeForward:
