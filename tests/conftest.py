@@ -25,6 +25,8 @@ VARIANTS = {
     "gptj": ("gptj", {}),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
+    # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head
+    "llama-head80-group6": ("llama", dict(num_key_value_heads=1), dict(hidden_size=480, num_heads=6)),
 }
 
 PROMPTS = ["Hello the cat runs fast", "A", "数据 模型 over the river and far away 12345 " * 3,

@@ -51,7 +51,8 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
     return compared, engine
 
 
-VARIANTS = ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "qwen2", "llama-vocab509-kv4"]
+VARIANTS = ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "qwen2", "llama-vocab509-kv4",
+            "llama-head80-group6"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -67,7 +68,7 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
         assert diff <= 2e-6 * max(1.0, scale), (decode, prompt, diff, scale)
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8"])
+@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "llama-head80-group6"])
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     """bfloat16 rounds every intermediate at the points PyTorch does: the logits stay within a
     few bfloat16 steps of the PyTorch forward's, and the greedy choice almost always agrees."""

@@ -482,33 +482,96 @@ static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
 
 /* ---- attention of one kv head's query heads over their slot's cached keys -------------------- */
 /* q: the group's query heads, `group` rows of d floats, d apart (head after head); keys [first,
- * len) of the slot; out: the group's outputs, likewise. Each key and value row is loaded once
- * for all the heads that share it (GQA). scores: group * max_seq floats of scratch. Float32
- * inside, as the PyTorch path's decode attention; the output rounded to the model dtype. */
+ * len) of the slot; out: the group's outputs, likewise. scores: group * max_seq floats of
+ * scratch. Float32 softmax and weighted sum of values, as the PyTorch path's decode attention;
+ * the output rounded to the model dtype. A row's result depends only on its own slot. */
 #define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#if defined(__AVX512F__)
+/* The weighted sum of values for G query heads over 64 dimensions [i0, i0 + 64): each value
+ * row is loaded (and widened from bfloat16) once for the G heads, and the G x 4 accumulators
+ * stay in registers. Per output, keys are added in order first..len-1. */
+#define PV_BLOCK(G)                                                                                        \
+    static void pv_block_##G(const void *v_base, int64_t pos, int bf, int64_t i0, int64_t d, int64_t first, \
+                             int64_t len, const float *sc, int64_t stride, const float *total, float *out) { \
+        __mmask16 m[4];                                                                                    \
+        __m512 acc[G][4];                                                                                  \
+        for (int c = 0; c < 4; c++) m[c] = d - i0 - 16 * c > 0 ? lanes(d - i0 - 16 * c) : 0;              \
+        for (int g = 0; g < G; g++)                                                                        \
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();                                   \
+        for (int64_t t = first; t < len; t++) {                                                            \
+            __m512 v[4];                                                                                   \
+            for (int c = 0; c < 4; c++) v[c] = vload(v_base, t * pos + i0 + 16 * c, bf, m[c]);             \
+            for (int g = 0; g < G; g++) {                                                                  \
+                const __m512 p = _mm512_set1_ps(sc[g * stride + t]);                                       \
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);               \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int g = 0; g < G; g++)                                                                        \
+            for (int c = 0; c < 4; c++)                                                                    \
+                if (m[c])                                                                                  \
+                    _mm512_mask_storeu_ps(out + g * d + i0 + 16 * c, m[c],                                 \
+                                          vrnd(_mm512_div_ps(acc[g][c], _mm512_set1_ps(total[g])), bf));   \
+    }
+PV_BLOCK(1)
+PV_BLOCK(2)
+PV_BLOCK(3)
+PV_BLOCK(4)
+#undef PV_BLOCK
+
+/* Scores of keys [t0, t0 + keys) (keys <= 16) for one query head, scaled: 16 dot products at
+ * once, summed across lanes by one transpose-and-add tree. bfloat16 keys meet the query's
+ * bfloat16 copy qb (exact: it holds bfloat16 values) in the dot-product instruction, two
+ * dimensions per step; float32 keys in FMAs. */
+static inline void score_keys(const float *q, const uint16_t *qb, const void *k_base, int64_t pos, int64_t d,
+                              int bf, int64_t t0, int64_t keys, float scale, float *sc) {
+    __m512 acc[16];
+    for (int64_t j = 0; j < 16; j++) {
+        acc[j] = _mm512_setzero_ps();
+        if (j >= keys) continue;
+#if defined(__AVX512BF16__)
+        if (bf) {
+            const uint16_t *k = (const uint16_t *)k_base + (t0 + j) * pos;
+            for (int64_t i = 0; i < d; i += 32) {
+                const __mmask16 m = lanes((d - i) / 2);
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi32(m, qb + i),
+                                          (__m512bh)_mm512_maskz_loadu_epi32(m, k + i));
+            }
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = lanes(d - i);
+            acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), vload(k_base, (t0 + j) * pos + i, bf, m), acc[j]);
+        }
+    }
+    _mm512_mask_storeu_ps(sc + t0, lanes(keys), _mm512_mul_ps(sum_each(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
 static void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base,
                    int64_t first, int64_t len, float *scores, float *out) {
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
     const float scale = 1.f / sqrtf((float)d);
 #if defined(__AVX512F__)
-    if (group <= MAX_GROUP) {
+    if (group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0) {
+        uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
+        if (bf) to_model_dtype(q, qb, group * d, 1);
+        const int64_t es = bf ? 2 : 4;
         for (int64_t t0 = first; t0 < len; t0 += 16) { /* 16 keys at a time, one head after another */
-            const int64_t keys = len - t0 < 16 ? len - t0 : 16;
-            for (int64_t g = 0; g < group; g++) {
-                __m512 acc[16];
-                for (int64_t j = 0; j < 16; j++) {
-                    acc[j] = _mm512_setzero_ps();
-                    if (j >= keys) continue;
-                    for (int64_t i = 0; i < d; i += 16) {
-                        const __mmask16 m = lanes(d - i);
-                        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * d + i),
-                                                 vload(k_base, (t0 + j) * pos + i, bf, m), acc[j]);
-                    }
+            /* a task reads two short streams: ask for the keys two blocks ahead and for this
+             * block's values (needed after the softmax) before the prefetchers ramp up */
+            for (int64_t t = t0; t < t0 + 16 && t < len; t++) {
+                const char *kr = (const char *)k_base + (t + 32) * pos * es, *vr = (const char *)v_base + t * pos * es;
+                for (int64_t b = 0; b < d * es; b += 64) {
+                    if (t + 32 < len) _mm_prefetch(kr + b, _MM_HINT_T0);
+                    _mm_prefetch(vr + b, _MM_HINT_T1);
                 }
-                _mm512_mask_storeu_ps(scores + g * stride + t0, lanes(keys),
-                                      _mm512_mul_ps(sum_each(acc), _mm512_set1_ps(scale)));
             }
+            for (int64_t g = 0; g < group; g++)
+                score_keys(q + g * d, qb + g * d, k_base, pos, d, bf, t0, len - t0 < 16 ? len - t0 : 16, scale,
+                           scores + g * stride);
         }
         float total[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) {
@@ -525,16 +588,16 @@ static void attend(const Model *md, const float *q, int64_t group, const void *k
             }
             total[g] = _mm512_reduce_add_ps(sum);
         }
-        for (int64_t i = 0; i < d; i += 16) {
-            const __mmask16 m = lanes(d - i);
-            __m512 acc[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
-            for (int64_t t = first; t < len; t++) {
-                const __m512 v = vload(v_base, t * pos + i, bf, m);
-                for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + t]), v, acc[g]);
+        for (int64_t g0 = 0; g0 < group; g0 += 4) { /* up to 4 heads x 64 dimensions at a time */
+            const int64_t gs = group - g0 < 4 ? group - g0 : 4;
+            for (int64_t i0 = 0; i0 < d; i0 += 64) {
+                const float *sc = scores + g0 * stride;
+                float *o = out + g0 * d;
+                if (gs == 4) pv_block_4(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
+                else if (gs == 3) pv_block_3(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
+                else if (gs == 2) pv_block_2(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
+                else pv_block_1(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
             }
-            for (int64_t g = 0; g < group; g++)
-                _mm512_mask_storeu_ps(out + g * d + i, m, vrnd(_mm512_div_ps(acc[g], _mm512_set1_ps(total[g])), bf));
         }
         return;
     }
