@@ -127,10 +127,33 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, Tok
         apply_repetition_penalty(logits, st.repetition_penalty, st.history)
     if st.outputs is not None:
         apply_frequency_presence(logits, st.frequency_penalty, st.presence_penalty, st.outputs)
-    ids = logits.argmax(dim=-1)
+    ids = greedy_ids(logits)
     if not st.all_greedy:
         ids = torch.where(st.temperature == 0, ids, _sample_random(logits, st))
     return ids, token_logprobs(raw, ids, st.top_logprobs) if st.want_logprobs else None
+
+
+ARGMAX_CHUNK = 1024
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) ([B, vocab] -> [B]), the same ids (the first maximum; NaN counts as the
+    maximum). On CPU in two steps: PyTorch's argmax over a large vocabulary is a scalar loop
+    (~1.2 ms for 32 rows of 49152 on 2 cores, a few % of a decode iteration), while amax is
+    vectorised: the maximum of every chunk of 1024, the first chunk holding the row's maximum,
+    then argmax inside that chunk only (~0.2 ms)."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    full = vocab // ARGMAX_CHUNK
+    maxima = logits[:, : full * ARGMAX_CHUNK].reshape(rows, full, ARGMAX_CHUNK).amax(-1)  # [B, chunks]
+    if full * ARGMAX_CHUNK < vocab:
+        maxima = torch.cat([maxima, logits[:, full * ARGMAX_CHUNK:].amax(-1, keepdim=True)], 1)
+    chunk = maxima.argmax(-1)  # [B]: the first chunk whose maximum is the row's
+    # the last chunk may be short: its columns past the vocabulary repeat the last one, which
+    # comes first, so argmax never picks a repeat
+    cols = (chunk[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK)).clamp_(max=vocab - 1)  # [B, chunk]
+    return chunk * ARGMAX_CHUNK + logits.gather(1, cols).argmax(-1)
 
 
 def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

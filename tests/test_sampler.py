@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
-from flover.sampler import SamplingTensors, counter_uniform, sample
+from flover.sampler import SamplingTensors, counter_uniform, greedy_ids, sample
 
 
 def tensors(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0,
@@ -114,3 +115,21 @@ def test_frequency_and_presence_penalties_follow_openais_definition():
     st.frequency_penalty, st.presence_penalty, st.outputs = frequency, presence, outputs
     ids, _ = sample(logits, st)
     assert ids.tolist() == [6, 4, 6]  # row 0: 4 -> 0.5, 2 -> 0.5, 6 stays 1; row 2: 6 -> 3.5 > 3
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152, 50257, 4097])
+def test_greedy_ids_are_argmax_with_ties_nans_and_a_short_last_chunk(vocab):
+    """The two-step CPU argmax gives torch.argmax's ids: the first maximum, ties across and
+    inside chunks, NaN as the maximum, -inf rows, the maximum in the short last chunk."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=generator)
+    logits[1, 5000 % vocab] = logits[1, 3 * vocab // 4] = 100.0  # a tie across chunks
+    logits[2, 10] = logits[2, 11] = 100.0  # inside one chunk
+    logits[3, vocab // 2] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, vocab - 1] = 100.0  # last column (in the short chunk when vocab % 1024)
+    logits[6] = 0.0  # all equal: id 0
+    logits[7, vocab - 2] = logits[7, vocab - 1] = 100.0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        assert torch.equal(greedy_ids(x), x.argmax(-1)), dtype
