@@ -19,7 +19,7 @@ from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native_forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.request import Request
-from flover.sampler import SamplingTensors, sample, token_logprobs
+from flover.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
@@ -195,13 +195,18 @@ class ModelRunner:
         logits = logits[: len(sampled)]  # [sampled, vocab]
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
+        want_logprobs = any(r.params.logprobs for r in sampled)
+        if not (penalised or counted or want_logprobs) and all(r.params.temperature == 0 for r in sampled):
+            # plain greedy (the common serving case): no per-row parameter tensors to gather
+            token_ids = greedy(logits)
+            return self._record_sampled(slots, token_ids, None, {}, prompt_logprobs)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
             min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
             counter=self._generated[slots],
             all_greedy=all(r.params.temperature == 0 for r in sampled),
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
-            want_logprobs=any(r.params.logprobs for r in sampled),
+            want_logprobs=want_logprobs,
             top_logprobs=max((r.params.top_logprobs for r in sampled if r.params.logprobs), default=0),
             frequency_penalty=self._frequency_penalty[slots] if counted else None,
             presence_penalty=self._presence_penalty[slots] if counted else None,
@@ -214,6 +219,11 @@ class ModelRunner:
         except Exception:  # a request-specific failure: find the rows responsible, sample the rest
             log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
             token_ids, logprobs, failed = self._sample_rows(logits, st)
+        return self._record_sampled(slots, token_ids, logprobs, failed, prompt_logprobs)
+
+    def _record_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor, logprobs, failed: dict[int, str],
+                        prompt_logprobs: list) -> SampleResult:
+        """The leader's sampled ids become the slots' next input tokens (and go to the followers)."""
         self._last_token[slots] = token_ids
         self._generated[slots] += 1
         ids = token_ids.tolist()

@@ -117,6 +117,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TokenL
                          top_ids=top.indices if top else empty.long(), top_values=top.values if top else empty)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """What `sample` gives when every row is greedy, without penalties or log-probabilities:
+    token ids [B] (argmax in float32 at least, where PyTorch's argmax is fastest)."""
+    return greedy_ids(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, TokenLogprobs | None]:
     """logits: [B, vocab] -> (token ids [B] int64, their log-probabilities (and the top
     `st.top_logprobs`) when any row asked for them, else None)."""
@@ -143,7 +149,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     vectorised: the maximum of every chunk of 1024, the first chunk holding the row's maximum,
     then argmax inside that chunk only (~0.2 ms)."""
     rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK:
+    if logits.device.type != "cpu" or rows < 4 or vocab < 4 * ARGMAX_CHUNK:  # few rows: argmax is as fast
         return logits.argmax(dim=-1)
     full = vocab // ARGMAX_CHUNK
     maxima = logits[:, : full * ARGMAX_CHUNK].reshape(rows, full, ARGMAX_CHUNK).amax(-1)  # [B, chunks]
