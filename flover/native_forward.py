@@ -50,9 +50,6 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Prompt chunks attend row by row (no blocking over queries as a flash kernel does): iterations
-# whose prompt rows see more (query, key) pairs than this run on PyTorch's fused attention.
-MAX_PROMPT_PAIRS = 512 * 512
 
 
 class NativeUnavailable(RuntimeError):
@@ -109,7 +106,8 @@ def load_library() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.flover_work_floats.argtypes = [p, ctypes.c_int, ctypes.c_int]
     lib.flover_work_floats.restype = i64
-    lib.flover_forward.argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, ctypes.c_double, ctypes.c_int]
+    lib.flover_forward.argtypes = [p, p, ctypes.c_int, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, ctypes.c_double,
+                                   ctypes.c_int]
     lib.flover_forward.restype = ctypes.c_int
     lib.flover_has_int4.restype = ctypes.c_int
     return lib
@@ -280,17 +278,16 @@ class NativeForward:
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """[sampled rows, vocab block] logits of the iteration, or None when it is not one for
-        this step (the caller runs PyTorch): more tokens than max_rows, or long prompt chunks."""
+        """[sampled rows, vocab block] logits of the iteration, or None when it has more tokens
+        than max_rows (the caller runs PyTorch)."""
         rows = batch.input_ids.shape[0]
-        prompt_pairs = sum(span.length * (span.start_pos + span.length) for span in batch.prefills)
-        if not 0 < rows <= self.max_rows or prompt_pairs > MAX_PROMPT_PAIRS:
+        if not 0 < rows <= self.max_rows:
             return None
         # named, so that a contiguous copy (if one is made) lives until the call returns
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         slots, out_rows = batch.write_slots.contiguous(), batch.sample_rows.contiguous()
         logits = torch.empty(out_rows.shape[0], self.vocab, dtype=self.dtype)
-        self.lib.flover_forward(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows,
+        self.lib.flover_forward(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows, batch.num_decode,
                                 tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), out_rows.shape[0],
                                 out_rows.data_ptr(), logits.data_ptr(), self._work.data_ptr(), self.eps, self.threads)
         self.iterations += 1

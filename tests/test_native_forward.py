@@ -9,7 +9,7 @@ import pytest
 import torch
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
-from flover.models.attention import ForwardBatch
+from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native_forward import NativeUnavailable, build_library
 from tests.test_engine import random_arrival_jobs, run_arrivals
 
@@ -107,8 +107,10 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
 @pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")])
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
-    prompt chunks), recomputed alone right after on the cache the iteration left, gives the same
-    logits. This is what makes fused and solo runs agree in float32 and bfloat16 (test_engine.py)."""
+    prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
+    as a decode row, a prompt row as a one-token prompt chunk: the two kinds have kernels of
+    their own), gives the same logits. This is what makes fused and solo runs agree in float32
+    and bfloat16 (test_engine.py), however a prompt is chunked."""
     engine = Engine(EngineConfig(llama_dir, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128,
                                  quantization=quantization))
     native = engine.runner.native
@@ -120,10 +122,12 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
         if batch.sample_rows.numel() >= 3 and checked[kind] < 3:
             checked[kind] += 1
             for out, row in enumerate(batch.sample_rows.tolist()):
+                decode = row < batch.num_decode
+                prefills = [] if decode else [PrefillSpan(0, 1, int(batch.write_slots[row]), int(batch.positions[row]))]
                 alone = ForwardBatch(input_ids=batch.input_ids[row: row + 1], positions=batch.positions[row: row + 1],
-                                     write_slots=batch.write_slots[row: row + 1], num_decode=1, decode_span=0,
-                                     decode_rows=None, span_lens=None, max_decode_len=0, prefills=[],
-                                     sample_rows=torch.zeros(1, dtype=torch.int64))
+                                     write_slots=batch.write_slots[row: row + 1], num_decode=int(decode),
+                                     decode_span=0, decode_rows=None, span_lens=None, max_decode_len=0,
+                                     prefills=prefills, sample_rows=torch.zeros(1, dtype=torch.int64))
                 assert torch.equal(run(alone)[0], logits[out]), (kind, row)
         return logits
 

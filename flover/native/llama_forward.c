@@ -488,12 +488,15 @@ static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #if defined(__AVX512F__)
-/* The weighted sum of values for G query heads over 64 dimensions [i0, i0 + 64): each value
- * row is loaded (and widened from bfloat16) once for the G heads, and the G x 4 accumulators
- * stay in registers. Per output, keys are added in order first..len-1. */
+/* The weighted sum of values for G queries of one kv head over 64 dimensions [i0, i0 + 64):
+ * each value row is loaded (and widened from bfloat16) once for the G queries, and the G x 4
+ * accumulators stay in registers. Query g's weight of key t is sc[g * qs + t * ts], its output
+ * outs[g] (divided by total[g], rounded to the model dtype). Per output, keys are added in order
+ * first..len-1. */
 #define PV_BLOCK(G)                                                                                        \
     static void pv_block_##G(const void *v_base, int64_t pos, int bf, int64_t i0, int64_t d, int64_t first, \
-                             int64_t len, const float *sc, int64_t stride, const float *total, float *out) { \
+                             int64_t len, const float *sc, int64_t qs, int64_t ts, const float *total,  \
+                             float *const *outs) {                                                     \
         __mmask16 m[4];                                                                                    \
         __m512 acc[G][4];                                                                                  \
         for (int c = 0; c < 4; c++) m[c] = d - i0 - 16 * c > 0 ? lanes(d - i0 - 16 * c) : 0;              \
@@ -503,14 +506,14 @@ static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
             __m512 v[4];                                                                                   \
             for (int c = 0; c < 4; c++) v[c] = vload(v_base, t * pos + i0 + 16 * c, bf, m[c]);             \
             for (int g = 0; g < G; g++) {                                                                  \
-                const __m512 p = _mm512_set1_ps(sc[g * stride + t]);                                       \
+                const __m512 p = _mm512_set1_ps(sc[g * qs + t * ts]);                                      \
                 for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);               \
             }                                                                                              \
         }                                                                                                  \
         for (int g = 0; g < G; g++)                                                                        \
             for (int c = 0; c < 4; c++)                                                                    \
                 if (m[c])                                                                                  \
-                    _mm512_mask_storeu_ps(out + g * d + i0 + 16 * c, m[c],                                 \
+                    _mm512_mask_storeu_ps(outs[g] + i0 + 16 * c, m[c],                                     \
                                           vrnd(_mm512_div_ps(acc[g][c], _mm512_set1_ps(total[g])), bf));   \
     }
 PV_BLOCK(1)
@@ -518,6 +521,22 @@ PV_BLOCK(2)
 PV_BLOCK(3)
 PV_BLOCK(4)
 #undef PV_BLOCK
+
+/* pv_block over `queries` queries, 4 at a time, and every 64 dimensions. */
+static void weigh_values(const void *v_base, int64_t pos, int bf, int64_t d, int64_t first, int64_t len,
+                         const float *sc, int64_t qs, int64_t ts, int64_t queries, const float *total,
+                         float *const *outs) {
+    for (int64_t j0 = 0; j0 < queries; j0 += 4) {
+        const int64_t n = queries - j0 < 4 ? queries - j0 : 4;
+        const float *s = sc + j0 * qs;
+        for (int64_t i0 = 0; i0 < d; i0 += 64) {
+            if (n == 4) pv_block_4(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            else if (n == 3) pv_block_3(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            else if (n == 2) pv_block_2(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            else pv_block_1(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+        }
+    }
+}
 
 /* Scores of keys [t0, t0 + keys) (keys <= 16) for one query head, scaled: 16 dot products at
  * once, summed across lanes by one transpose-and-add tree. bfloat16 keys meet the query's
@@ -588,17 +607,9 @@ static void attend(const Model *md, const float *q, int64_t group, const void *k
             }
             total[g] = _mm512_reduce_add_ps(sum);
         }
-        for (int64_t g0 = 0; g0 < group; g0 += 4) { /* up to 4 heads x 64 dimensions at a time */
-            const int64_t gs = group - g0 < 4 ? group - g0 : 4;
-            for (int64_t i0 = 0; i0 < d; i0 += 64) {
-                const float *sc = scores + g0 * stride;
-                float *o = out + g0 * d;
-                if (gs == 4) pv_block_4(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
-                else if (gs == 3) pv_block_3(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
-                else if (gs == 2) pv_block_2(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
-                else pv_block_1(v_base, pos, bf, i0, d, first, len, sc, stride, total + g0, o);
-            }
-        }
+        float *outs[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) outs[g] = out + g * d;
+        weigh_values(v_base, pos, bf, d, first, len, scores, stride, 1, group, total, outs);
         return;
     }
 #endif
@@ -622,6 +633,79 @@ static void attend(const Model *md, const float *q, int64_t group, const void *k
     }
 }
 
+/* ---- attention of a block of prompt rows ------------------------------------------------------
+ * Consecutive prompt rows r0..r0+n-1 of one slot (consecutive positions) and kv head g: the
+ * n x group queries are blocked like a weight (see "projections": query j = row j / group, head
+ * j % group, 16 queries per block), so that query-key scores come from the projection tiles, the
+ * keys as their input rows: each key row is read once per block instead of once per query, and
+ * no horizontal sums. Scores S[key][query] (scaled), then per query the softmax over its own
+ * keys [first, len) (zero weight elsewhere), then the weighted values as in decode. Every
+ * query's numbers are computed in the same order whatever the block holds (the tile sums each
+ * score over dimensions in order; exact zeros for the other rows' keys add nothing), so a
+ * prompt row's result does not depend on how its prompt was chunked or with what it shares the
+ * iteration. Needs keys stored as rows of head_dim (kv_pos == head_dim). */
+#define MAX_BLOCK_QUERIES 64
+#if defined(__AVX512F__)
+static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0,
+                          int64_t n, int64_t g, const int64_t *positions, int64_t window, const void *k_base,
+                          const void *v_base, float *scratch, float *mid) {
+    const int bf = md->dtype == DT_BF16;
+    const int64_t d = md->head_dim, pos = md->kv_pos, group = md->heads / md->kv_heads, es = bf ? 2 : 4;
+    const int64_t nq = n * group, nb = (nq + 15) / 16, width = nb * 16;
+    const float scale = 1.f / sqrtf((float)d);
+    void *qt = scratch;                              /* blocked queries: nb x d x 16 values */
+    float *S = scratch + MAX_BLOCK_QUERIES * d;      /* [keys of the block][width] */
+    int32_t first[MAX_BLOCK_QUERIES], len[MAX_BLOCK_QUERIES];
+    float total[MAX_BLOCK_QUERIES], *outs[MAX_BLOCK_QUERIES];
+    for (int64_t j = 0; j < width; j++) {
+        const int64_t jb = j / 16, lane = j % 16;
+        const float *q = j < nq ? wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d : 0;
+        for (int64_t i = 0; i < d; i++) { /* the layout block_weight gives (bf16: pairs of inputs) */
+            const float v = q ? q[i] : 0.f;
+            if (bf) ((uint16_t *)qt)[(jb * (d / 2) + i / 2) * 32 + lane * 2 + i % 2] = f2bf(v);
+            else ((float *)qt)[(jb * d + i) * 16 + lane] = v;
+        }
+        if (j < nq) {
+            const int64_t at = positions[r0 + j / group] + 1;
+            len[j] = (int32_t)at;
+            first[j] = (int32_t)(window > 0 && at > window ? at - window : 0);
+            outs[j] = mid + (r0 + j / group) * q_size + (g * group + j % group) * d;
+        } else first[j] = len[j] = 0; /* padding: no keys */
+    }
+    const int64_t kmin = first[0], kmax = len[nq - 1]; /* positions rise along the block */
+    for (int64_t t = kmin; t < kmax;) {
+        const int64_t left = kmax - t;
+        const int mt = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        float out[6 * 4 * 16];
+        tile(qt, 0, d, (const char *)k_base + t * pos * es, 0, mt, (int)nb, bf, out);
+        for (int i = 0; i < mt; i++)
+            for (int64_t jb = 0; jb < nb; jb++)
+                _mm512_storeu_ps(S + (t - kmin + i) * width + jb * 16,
+                                 _mm512_mul_ps(_mm512_loadu_ps(out + (i * nb + jb) * 16), _mm512_set1_ps(scale)));
+        t += mt;
+    }
+    for (int64_t jb = 0; jb < nb; jb++) { /* softmax down the key axis, 16 queries per vector */
+        const __m512i fv = _mm512_loadu_si512(first + jb * 16), lv = _mm512_loadu_si512(len + jb * 16);
+        __m512 best = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t t = kmin; t < kmax; t++) {
+            const __m512i tv = _mm512_set1_epi32((int32_t)t);
+            const __mmask16 m = _mm512_cmpge_epi32_mask(tv, fv) & _mm512_cmplt_epi32_mask(tv, lv);
+            best = _mm512_mask_max_ps(best, m, best, _mm512_loadu_ps(S + (t - kmin) * width + jb * 16));
+        }
+        for (int64_t t = kmin; t < kmax; t++) {
+            const __m512i tv = _mm512_set1_epi32((int32_t)t);
+            const __mmask16 m = _mm512_cmpge_epi32_mask(tv, fv) & _mm512_cmplt_epi32_mask(tv, lv);
+            float *row = S + (t - kmin) * width + jb * 16;
+            const __m512 e = _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_loadu_ps(row), best)));
+            _mm512_storeu_ps(row, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(total + jb * 16, sum);
+    }
+    weigh_values(v_base, pos, bf, d, kmin, kmax, S - kmin * width, 1, width, nq, total, outs);
+}
+#endif
+
 /* Whether this build has the 4-bit kernels (they need AVX-512 BF16). */
 int flover_has_int4(void) {
 #if defined(__AVX512BF16__)
@@ -633,10 +717,12 @@ int flover_has_int4(void) {
 
 /* The float scratch of an iteration, as offsets into `work`: hidden and normed rows, qkv /
  * gate_up outputs, attention out / activation, the model-dtype copies that feed the kernels, per
- * thread the attention scores of one kv head's query heads, and per row and group of 32 inputs
- * their sum (int4). `end`: the floats the caller allocates (flover_work_floats). */
+ * thread the attention scratch (a decode row's scores of one kv head's query heads, or a prompt
+ * block's blocked queries and scores: `per_thread` floats), per row and group of 32 inputs their
+ * sum (int4), and the prompt blocks (first row and row count, int64). `end`: the floats the
+ * caller allocates (flover_work_floats). */
 typedef struct {
-    int64_t hidden, normed, wide, mid, xb, scores, xsum, end;
+    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, end;
 } Work;
 
 static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
@@ -650,8 +736,11 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.mid = w.wide + rows * widest;
     w.xb = w.mid + rows * inner;
     w.scores = w.xb + rows * widest; /* the model-dtype copies fit in rows * widest floats */
-    w.xsum = w.scores + nt * md->heads * md->max_seq;
-    w.end = w.xsum + rows * (widest / 32 + 1);
+    const int64_t decode = md->heads * md->max_seq, prompt = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq);
+    w.per_thread = decode > prompt ? decode : prompt;
+    w.xsum = w.scores + nt * w.per_thread;
+    w.blocks = w.xsum + rows * (widest / 32 + 1);
+    w.end = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
     return w;
 }
 
@@ -661,9 +750,9 @@ int64_t flover_work_floats(const Model *md, int rows, int nt) { return work_layo
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
  * its own position, which this iteration's earlier prompt tokens have written). Logits of the
  * rows listed in out_rows: [n_out, vocab] in the model dtype. Returns 0. */
-int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t *tokens, const int64_t *positions,
-                   const int64_t *slots, int n_out, const int64_t *out_rows, void *logits, float *work, double eps_d,
-                   int nt) {
+int flover_forward(const Model *md, const Layer *layers, int rows, int decode_rows, const int64_t *tokens,
+                   const int64_t *positions, const int64_t *slots, int n_out, const int64_t *out_rows, void *logits,
+                   float *work, double eps_d, int nt) {
     const int bf = md->dtype == DT_BF16;
     const float eps = (float)eps_d;
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
@@ -682,6 +771,25 @@ int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t
 
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < h; i++) hidden[r * h + i] = load((const void *)md->embed, tokens[r] * h + i, bf);
+
+    /* Attention tasks: prompt rows in blocks (consecutive positions of one slot, up to
+     * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies; decode rows (the
+     * first decode_rows), and prompt rows otherwise, one by one. */
+    int64_t *blocks = (int64_t *)(work + at.blocks), n_blocks = 0, single_from = decode_rows;
+#if defined(__AVX512F__)
+    if (group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0 && md->kv_pos == d) {
+        const int64_t per_block = MAX_BLOCK_QUERIES / group;
+        for (int64_t r = decode_rows; r < rows;) {
+            int64_t n = 1;
+            while (r + n < rows && n < per_block && slots[r + n] == slots[r] && positions[r + n] == positions[r + n - 1] + 1)
+                n++;
+            blocks[2 * n_blocks] = r, blocks[2 * n_blocks + 1] = n, n_blocks++;
+            r += n;
+        }
+        single_from = rows;
+    }
+#endif
+    const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
 
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
@@ -703,16 +811,27 @@ int flover_forward(const Model *md, const Layer *layers, int rows, const int64_t
                 to_model_dtype(row + q_size + kv_size + g * d, v_dst, d, bf);
             }
         }
-        /* attention: one task per (row, kv head) */
+        /* attention: one task per (prompt block, kv head) first (the larger tasks), then per (row, kv head) */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-        for (int64_t task = 0; task < rows * kvh; task++) {
-            const int r = (int)(task / kvh);
-            const int64_t g = task % kvh, len = positions[r] + 1;
-            const int64_t first = ly->window > 0 && len > ly->window ? len - ly->window : 0;
+        for (int64_t task = 0; task < n_blocks * kvh + single_tasks; task++) {
+            float *scratch = scores + (int64_t)omp_get_thread_num() * at.per_thread;
+            if (task < n_blocks * kvh) {
+#if defined(__AVX512F__)
+                const int64_t *b = blocks + 2 * (task / kvh), g = task % kvh;
+                const char *k_base = kv_layer + (slots[b[0]] * md->kv_slot + g * md->kv_head) * es;
+                const char *v_base = kv_layer + (md->kv_kind + slots[b[0]] * md->kv_slot + g * md->kv_head) * es;
+                attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, ly->window, k_base, v_base,
+                              scratch, mid);
+#endif
+                continue;
+            }
+            const int64_t single = task - n_blocks * kvh, nth = single / kvh, g = single % kvh;
+            const int r = (int)(nth < decode_rows ? nth : single_from + nth - decode_rows);
+            const int64_t len = positions[r] + 1, first = ly->window > 0 && len > ly->window ? len - ly->window : 0;
             const char *k_base = kv_layer + (slots[r] * md->kv_slot + g * md->kv_head) * es;
             const char *v_base = kv_layer + (md->kv_kind + slots[r] * md->kv_slot + g * md->kv_head) * es;
-            attend(md, wide + r * qkv_n + g * group * d, group, k_base, v_base, first, len,
-                   scores + (int64_t)omp_get_thread_num() * heads * md->max_seq, mid + r * q_size + g * group * d);
+            attend(md, wide + r * qkv_n + g * group * d, group, k_base, v_base, first, len, scratch,
+                   mid + r * q_size + g * group * d);
         }
         PROJECT(o, 0, mid, h, q_size, normed)
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->o_bias, h, bf);
