@@ -177,6 +177,9 @@ class EngineConfig:
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
     cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
     native_forward: str = "auto"  # one of NATIVE_FORWARD
+    # with the native step, keep PyTorch's copy of the projections too (twice the weight memory):
+    # for comparing the two forwards on one engine (tests)
+    keep_pytorch_weights: bool = False
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -25,7 +25,7 @@ from flover.config import EngineConfig, SamplingParams, threads_per_rank
 from flover.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
 from flover.kv_buffer import SlotBuffer, kv_cache_bytes
-from flover.models import drop_dense_weights, load_model, open_checkpoint
+from flover.models import load_model, open_checkpoint, pack_projections, release_projections
 from flover.native_forward import NativeForward, NativeUnavailable
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
@@ -78,7 +78,7 @@ class Engine:
                          and self.dtype in (torch.float32, torch.bfloat16) and config.quantization in ("none", "int4"))
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                            comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
-                           keep_dense=native_wanted)
+                           pack=not native_wanted)
         self.tokenizer = load_tokenizer(checkpoint)
         # Per rank; the same block count on every rank (kv heads split evenly), which keeps their
         # prefix indexes making the same decisions (docs/prefix_cache.md).
@@ -118,14 +118,21 @@ class Engine:
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
 
     def _native_forward(self, model: torch.nn.Module, buffer: SlotBuffer) -> NativeForward | None:
+        """The native step over the model's row-major weights (loaded unpacked for it). It runs
+        every iteration (at most max_batch_tokens rows; Engine.score chunks longer sequences), so
+        PyTorch's copies of the projections are released, unless the config keeps them; without
+        it the model packs them for PyTorch."""
         started = time.perf_counter()
         try:
             native = NativeForward(model, buffer, self.dtype, torch.get_num_threads(), self.config.max_batch_tokens)
         except NativeUnavailable as e:
             log.warning("native step off, iterations run on PyTorch only: %s", e)
+            pack_projections(model, self.config.max_slots)
             return None
-        finally:
-            drop_dense_weights(model)  # the native step made blocked copies of its own
+        if self.config.keep_pytorch_weights:
+            pack_projections(model, self.config.max_slots)
+        else:
+            release_projections(model)
         log.info("native step: iterations run as one native call (ready in %.2f s)", time.perf_counter() - started)
         return native
 

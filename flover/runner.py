@@ -260,11 +260,17 @@ class ModelRunner:
         return ids, logprobs, failed
 
     def score(self, ids: list[int], slot: int) -> torch.Tensor:
-        """Logits [len, vocab] for every position of `ids` (teacher forcing), in `slot`."""
+        """Logits [len, vocab] for every position of `ids` (teacher forcing), in `slot`: one
+        forward, or chunks of the native step's max_rows (it runs every iteration)."""
         dev, n = self.device, len(ids)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, device=dev), positions=torch.arange(n, device=dev),
-            write_slots=torch.full((n,), slot, device=dev), num_decode=0, decode_span=0,
-            decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, n, slot, 0)],
-            sample_rows=torch.arange(n, device=dev))
-        return self.forward(batch)
+        chunk = self.native.max_rows if self.native is not None else n
+        logits = []
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids[start:end], device=dev), positions=torch.arange(start, end, device=dev),
+                write_slots=torch.full((end - start,), slot, device=dev), num_decode=0, decode_span=0,
+                decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, end - start, slot, start)],
+                sample_rows=torch.arange(end - start, device=dev))
+            logits.append(self.forward(batch))
+        return torch.cat(logits)

@@ -24,7 +24,7 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
     PyTorch model first, on the same KV state (the native step then rewrites the iteration's K/V
     itself, so that later iterations read its own cache)."""
     engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
-                                 quantization=quantization))
+                                 quantization=quantization, keep_pytorch_weights=True))
     runner, native = engine.runner, engine.runner.native
     assert native is not None, "the native step should be available on this machine (a C compiler, x86-64 Linux)"
     with torch.no_grad():  # random checkpoints have zero biases: make them count (both paths read these tensors)
@@ -88,12 +88,33 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
     engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2))
     assert engine.runner.native is None
     assert "native step off" in caplog.text and "no-such-compiler" in caplog.text
-    assert engine.runner.model.layers[0].qkv.weight is None  # only the packed copy remains
+    qkv = engine.runner.model.layers[0].qkv
+    assert qkv.weight is None and qkv.packed is not None  # packed for PyTorch, the dense copy released
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True), request_id="a")
     finals = []
     while engine.has_unfinished():
         finals += [o for o in engine.step() if o.finished]
     assert len(finals[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4")])
+def test_the_native_step_alone_holds_the_projections_and_scores_long_sequences_in_chunks(
+        llama_dir, dtype, quantization):
+    """With the native step on, PyTorch keeps no copy of any projection (one copy of the weights
+    in memory), and Engine.score of a sequence longer than an iteration's token budget runs in
+    chunks: the logits of the PyTorch engine (float32: up to summation order)."""
+    config = dict(dtype=dtype, quantization=quantization, max_slots=2, max_seq_len=200, max_batch_tokens=48)
+    native = Engine(EngineConfig(llama_dir, **config))
+    linears = [m for m in native.runner.model.modules() if hasattr(m, "packed")]
+    assert linears and all(m.weight is None and m.packed is None and m.quantized is None for m in linears)
+    with pytest.raises(RuntimeError, match="released"):
+        linears[0](torch.zeros(1, linears[0].shape[1], dtype=native.dtype))
+    ids = [random.Random(1).randrange(500) for _ in range(150)]  # 4 chunks of 48
+    got = native.score(ids).float()
+    want = Engine(EngineConfig(llama_dir, native_forward="off", **config)).score(ids).float()
+    assert got.shape == want.shape == (150, native.model_config.vocab_size)
+    bound = 2e-6 if dtype == "float32" else 0.05
+    assert (got - want).abs().max() <= bound * max(1.0, want.abs().max().item())
 
 
 def test_models_the_step_does_not_cover_run_pytorch(make_model):

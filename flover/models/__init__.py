@@ -58,11 +58,12 @@ def model_class(cfg: ModelConfig):
 
 def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
                cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
-               pack_hint: int = 32, quantization: str = "none", keep_dense: bool = False) -> torch.nn.Module:
+               pack_hint: int = 32, quantization: str = "none", pack: bool = True) -> torch.nn.Module:
     """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
     projections a weight-only quantized copy (models/quant.py), and repack the projection weights
-    for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `keep_dense`: keep the
-    row-major weights too, for the native step (flover/native_forward.py)."""
+    for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `pack=False` leaves them
+    row-major (and int4's codes unpacked) for the native step (flover/native_forward.py), which
+    makes copies of its own; the caller then calls pack_projections or release_projections."""
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)
     cfg = cfg or checkpoint.model_config()
@@ -71,22 +72,29 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     with torch.no_grad():
         load_weights(checkpoint.reader(cfg), model.weight_specs())
         if quantization != "none":
-            quantize_projections(model, quantization, keep_codes=keep_dense)
-        for name, module in model.named_modules():
-            if isinstance(module, Linear):
-                # a tied head reads the embedding, unless quantization made it a model of its own
-                tied_head = name == "lm_head" and cfg.tie_word_embeddings and module.quantized is None
-                module.pack(pack_hint, keep_dense=keep_dense and not tied_head)
+            quantize_projections(model, quantization, keep_codes=not pack)
+    if pack:
+        pack_projections(model, pack_hint)
     return model.eval()
 
 
-def drop_dense_weights(model: torch.nn.Module) -> None:
-    """Release the row-major copies (and int4 codes) that load_model(keep_dense=True) kept."""
+def pack_projections(model: torch.nn.Module, pack_hint: int = 32) -> None:
+    """Repack every projection for the device's GEMM (the row-major weight is released) and drop
+    int4 codes kept for the native step."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear):
+                if module.quantized is not None:
+                    module.quantized.codes = None
+                module.pack(pack_hint)
+
+
+def release_projections(model: torch.nn.Module) -> None:
+    """Release every projection's weights (the native step holds copies of its own, and runs
+    every iteration): the PyTorch forward can no longer run (Linear.forward says so)."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed is not None:
-            module.weight = None
-        if isinstance(module, Linear) and module.quantized is not None:
-            module.quantized.codes = None
+        if isinstance(module, Linear):
+            module.release()
 
 
 def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = False) -> None:

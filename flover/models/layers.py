@@ -127,7 +127,7 @@ class Linear(nn.Module):
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape) if self.packed is None else self._shape
+        return tuple(self.weight.shape) if self.weight is not None else self._shape
 
     def quantize(self, mode: str, keep_codes: bool = False) -> None:
         """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
@@ -135,9 +135,8 @@ class Linear(nn.Module):
         self.quantized, dequantized = quantize(self.weight, mode, keep_codes)
         self.weight.data = dequantized
 
-    def pack(self, batch_hint: int, keep_dense: bool = False) -> bool:
-        """`keep_dense`: keep the row-major weight beside the packed one (the native step
-        reads it: flover/native_forward.py)."""
+    def pack(self, batch_hint: int) -> bool:
+        """Repack the weight for oneDNN's GEMM (the row-major one is released)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -148,11 +147,18 @@ class Linear(nn.Module):
         except (RuntimeError, AttributeError):  # a build without these ops: keep F.linear
             return False
         self._shape = tuple(w.shape)
-        if not keep_dense:
-            self.weight = None
+        self.weight = None
         return True
 
+    def release(self) -> None:
+        """Drop every copy of the weight (the native step keeps its own); forward then fails."""
+        if self.packed is None and self.weight is not None:
+            self._shape = tuple(self.weight.shape)
+        self.weight = self.packed = self.quantized = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None and self.packed is None and self.quantized is None:
+            raise RuntimeError("this projection's weights were released: the native step runs every iteration")
         if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias
