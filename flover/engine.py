@@ -124,7 +124,8 @@ class Engine:
         it the model packs them for PyTorch."""
         started = time.perf_counter()
         try:
-            native = NativeForward(model, buffer, self.dtype, torch.get_num_threads(), self.config.max_batch_tokens)
+            native = NativeForward(model, buffer, self.dtype, torch.get_num_threads(), self.config.max_batch_tokens,
+                                   release=not self.config.keep_pytorch_weights)
         except NativeUnavailable as e:
             log.warning("native step off, iterations run on PyTorch only: %s", e)
             pack_projections(model, self.config.max_slots)

@@ -210,9 +210,11 @@ class WeightArena:
 
 class NativeForward:
     def __init__(self, model: LlamaForCausalLM, buffer: SlotBuffer, dtype: torch.dtype, threads: int,
-                 max_rows: int):
-        """Reads the model's dense (row-major) weights once, into blocked copies of its own: the
-        caller may drop the dense ones afterwards. `max_rows`: the most tokens an iteration has."""
+                 max_rows: int, release: bool = False):
+        """Reads the model's dense (row-major) weights once, into blocked copies of its own.
+        `release`: release each projection (Linear.release) as soon as its copy is made, so that
+        memory never holds two copies of the model (every NativeUnavailable comes before the
+        first). `max_rows`: the most tokens an iteration has."""
         why = unsupported(model, dtype)
         if why is not None:
             raise NativeUnavailable(why)
@@ -253,6 +255,8 @@ class NativeForward:
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=address(head, block=True), cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr())
+        if release:
+            model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         rows = []
         for layer, window in zip(model.layers, cfg.sliding_windows):
@@ -269,6 +273,8 @@ class NativeForward:
                     row += [codes.data_ptr(), scales.data_ptr()]
                 else:
                     row += [0, 0]
+                if release:
+                    lin.release()
             rows.append(row)
         self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
