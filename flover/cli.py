@@ -25,7 +25,7 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                    help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16; more memory)")
+                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16)")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")
@@ -37,7 +37,7 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
                    help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
-                   help="auto (default): on CPU at TP=1 (float32/bfloat16; no quantization, or int4), iterations run as "
+                   help="auto (default): on CPU at TP=1 (float32/bfloat16, quantized or not), iterations run as "
                         "one native call compiled for this CPU on first use (needs a C compiler)")
 
 

@@ -75,7 +75,7 @@ class Engine:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         native_wanted = (config.native_forward == "auto" and self.device.type == "cpu" and self.comm is None
-                         and self.dtype in (torch.float32, torch.bfloat16) and config.quantization in ("none", "int4"))
+                         and self.dtype in (torch.float32, torch.bfloat16))
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                            comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
                            pack=not native_wanted)

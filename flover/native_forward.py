@@ -1,4 +1,4 @@
-"""A whole fused iteration in one native call (CPU, TP=1, Llama family, float32/bfloat16/int4).
+"""A whole fused iteration in one native call (CPU, TP=1, Llama family, float32/bfloat16/int4/int8).
 
 One request decoding alone reads every weight once per token and computes little: the token's
 time is the weights' bytes over the memory bandwidth, plus whatever the framework adds. In eager
@@ -10,7 +10,7 @@ bandwidth, many rows share each weight load (at 64-256 rows 340-400 GFLOP/s in b
 dev machine, where oneDNN's packed GEMM reached 300-345), and norms, RoPE, KV writes, attention
 (each row over its own slot's keys) and residuals are a few vector loops per row. Every output
 is summed in the same order whatever else shares the iteration, so fusion changes no bit. With
-`--quantization int4` the projections run 4-bit kernels on the quantizer's codes.
+`--quantization int4` or `int8` the projections run kernels of their own on the quantizer's codes.
 
 The C file is compiled on first use with the system compiler for this CPU (`-march=native`, so
 AVX-512 BF16's dot-product instruction where the CPU has it) into `~/.cache/flover/native/`,
@@ -45,7 +45,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "cos", "sin")
+                "embed", "final_norm", "head", "cos", "sin", "quant")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
@@ -163,6 +163,23 @@ def int4_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (-(-n // 16), k // 32, 16, 16), (-(-n // 16), k // 32, 2, 16)
 
 
+def int8_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The kernels' layout of an int8 projection (llama_forward.c, "int8 weights"): codes as
+    bfloat16's blocked pairs, a byte each [n / 16, k / 2, 16, 2]; row scales float32 [n / 16 * 16]."""
+    n, k = linear.shape
+    return (-(-n // 16), k // 2, 16, 2), (-(-n // 16) * 16,)
+
+
+def block_int8(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    codes = quantized.data  # int8 [n, k]
+    n, k = codes.shape
+    padded = torch.zeros(codes_out.shape[0] * 16, k, dtype=torch.int8)
+    padded[:n] = codes
+    codes_out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
+    scales_out.zero_()
+    scales_out[:n] = quantized.scales.to(torch.float32)
+
+
 def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
     codes = quantized.codes  # [n, k] uint8, q in 0..15
     n, k = codes.shape
@@ -227,12 +244,17 @@ class NativeForward:
         tied = cfg.tie_word_embeddings and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight
         linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+        # quantized projections run their int4/int8 kernels at every row count (no bfloat16 copy)
         int4 = [lin for lin in linears if lin.quantized is not None and lin.quantized.codes is not None]
+        int8 = [lin for lin in linears if lin.quantized is not None and lin.quantized.mode == "int8"]
         if int4 and not self.lib.flover_has_int4():
             raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
-        # int4 projections run their 4-bit kernels at every row count (no bfloat16 copy here)
-        shapes = [(blocked_shape(w), dtype) for w in [head] + [lin.weight for lin in linears if lin not in int4]]
-        shapes += [(shape, kind) for lin in int4 for shape, kind in zip(int4_shapes(lin), (torch.uint8, torch.bfloat16))]
+        quantized = {id(lin): (int4_shapes, (torch.uint8, torch.bfloat16), block_int4) for lin in int4}
+        quantized.update({id(lin): (int8_shapes, (torch.int8, torch.float32), block_int8) for lin in int8})
+        shapes = [(blocked_shape(w), dtype) for w in [head] + [lin.weight for lin in linears
+                                                               if id(lin) not in quantized]]
+        shapes += [(shape, kind) for lin in int4 + int8
+                   for shape, kind in zip(quantized[id(lin)][0](lin), quantized[id(lin)][1])]
         nbytes = WeightArena.size(shapes)
         try:
             self._arena = WeightArena(nbytes)
@@ -240,7 +262,7 @@ class NativeForward:
             raise NativeUnavailable(f"no memory for the blocked weights ({nbytes / 2**20:.0f} MiB): {e}") from e
 
         def address(weight: torch.Tensor | None, block: bool = False) -> int:
-            if weight is None or (block and any(weight is lin.weight for lin in int4)):
+            if weight is None or (block and any(weight is lin.weight for lin in int4 + int8)):
                 return 0
             if block:
                 weight = block_weight(weight, self._arena.take(blocked_shape(weight), dtype))
@@ -254,7 +276,7 @@ class NativeForward:
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=address(head, block=True), cos=model.rotary.cos.data_ptr(),
-            sin=model.rotary.sin.data_ptr())
+            sin=model.rotary.sin.data_ptr(), quant=4 if int4 else 8 if int8 else 0)
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
@@ -266,10 +288,10 @@ class NativeForward:
                    address(layer.down.weight, block=True), address(layer.down_bias), window or 0]
             for name in PROJECTIONS:
                 lin = getattr(layer, name)
-                if lin in int4:
-                    codes, scales = (self._arena.take(shape, kind)
-                                     for shape, kind in zip(int4_shapes(lin), (torch.uint8, torch.bfloat16)))
-                    block_int4(lin.quantized, codes, scales)
+                if id(lin) in quantized:
+                    layout, kinds, block = quantized[id(lin)]
+                    codes, scales = (self._arena.take(shape, kind) for shape, kind in zip(layout(lin), kinds))
+                    block(lin.quantized, codes, scales)
                     row += [codes.data_ptr(), scales.data_ptr()]
                 else:
                     row += [0, 0]
@@ -280,7 +302,7 @@ class NativeForward:
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
-        self.int4_projections = len(int4)
+        self.quantized_projections = len(int4) + len(int8)
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:

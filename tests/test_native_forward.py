@@ -97,7 +97,7 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
     assert len(finals[0].token_ids) == 5
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])
 def test_the_native_step_alone_holds_the_projections_and_scores_long_sequences_in_chunks(
         llama_dir, dtype, quantization):
     """With the native step on, PyTorch keeps no copy of any projection (one copy of the weights
@@ -125,7 +125,8 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
     assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"),
+                                                ("bfloat16", "int8")])
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
@@ -163,13 +164,15 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
     assert checked == {"decode": 3, "mixed": 3}
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "qwen2"])
-def test_native_int4_gives_the_pytorch_int4_logits(make_model, variant):
-    """--quantization int4: the native 4-bit kernels (codes, group scale and zero) against PyTorch's
-    int4 kernel (up to 8 rows) and its GEMMs on the dequantized weights (more rows): within a few
-    bfloat16 steps (an int8 head under a tied embedding included)."""
-    compared, engine = compare_on_random_arrivals(make_model(variant), "bfloat16", quantization="int4")
-    assert engine.runner.native.int4_projections == 4 * 2  # every projection of both layers
+def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, variant, quantization):
+    """--quantization int4 / int8: the native kernels (int4: codes, group scale and zero; int8:
+    codes, row scale) against PyTorch's quantized kernel (up to 8 / 2 rows) and its GEMMs on the
+    dequantized weights (more rows): within a few bfloat16 steps (an int8 head under a tied
+    embedding included)."""
+    compared, engine = compare_on_random_arrivals(make_model(variant), "bfloat16", quantization=quantization)
+    assert engine.runner.native.quantized_projections == 4 * 2  # every projection of both layers
     assert sum(1 for decode, prompt, *_ in compared if decode + prompt <= 8) > 20
     for decode, prompt, diff, scale, _ in compared:
         assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)

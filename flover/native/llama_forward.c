@@ -32,11 +32,13 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
     int64_t embed, final_norm, head, cos, sin;                /* rotary tables [max_seq, head_dim] */
+    int64_t quant; /* the layers' *_codes: 4 (int4 kernels), 8 (int8), 0 (none) */
 } Model;
 
 /* Mirrors LAYER_FIELDS: weight addresses of one layer, 0 where the model has no such bias; the
  * layer's sliding window (0: none); with --quantization int4 the projections' 4-bit codes and
- * group scales (see "4-bit projections"), else 0. */
+ * group scales (see "4-bit projections"), with int8 their blocked codes and row scales (see
+ * "int8 weights"), else 0. */
 typedef struct {
     int64_t input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, window;
     int64_t qkv_codes, qkv_scales, o_codes, o_scales, gate_up_codes, gate_up_scales, down_codes, down_scales;
@@ -171,6 +173,37 @@ TILES_OF_ROWS(TILE_BF16, 4)
 TILES_OF_ROWS(TILE_BF16, 2)
 TILES_OF_ROWS(TILE_BF16, 1)
 
+/* int8 weights (--quantization int8: w = scale[n] * q, q in -127..127, one scale per output
+ * row), blocked as bfloat16's pairs but a byte each: [n / 16][k / 2][16][2]. 32 codes widen to
+ * floats and narrow to bfloat16 (exact: 8 bits) for the same dot-product instruction; the
+ * scale multiplies the sum (project). */
+static inline __m512bh q8_pairs(const int8_t *codes) {
+    const __m256i c = _mm256_loadu_si256((const __m256i *)codes);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#define TILE_Q8(MT, NT)                                                                                    \
+    static void tile_q8_##MT##_##NT(const int8_t *w, int64_t k, const uint16_t *x, float *out) {          \
+        __m512 acc[MT][NT];                                                                                \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
+        for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
+            __m512bh wv[NT];                                                                               \
+            for (int j = 0; j < NT; j++) wv[j] = q8_pairs(w + j * 16 * k + kp * 32);                       \
+            for (int i = 0; i < MT; i++) {                                                                 \
+                const __m512bh xv = PAIR(x + i * k, kp);                                                   \
+                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);           \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
+    }
+TILES_OF_ROWS(TILE_Q8, 6)
+TILES_OF_ROWS(TILE_Q8, 4)
+TILES_OF_ROWS(TILE_Q8, 2)
+TILES_OF_ROWS(TILE_Q8, 1)
+
 #endif
 
 #if defined(__AVX512F__)
@@ -197,41 +230,50 @@ TILES_OF_ROWS(TILE_F32, 1)
 
 #endif
 
+/* What a projection's weights are: the model dtype's values, or int8 codes (inputs bfloat16). */
+enum { W_F32 = DT_F32, W_BF16 = DT_BF16, W_Q8 = 2 };
+
 /* Portable fallback (no AVX-512): MT rows times NT blocks, plain loops. */
-static void tile_any(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int bf, float *out) {
+static void tile_any(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int kind, float *out) {
+    const int bf = kind != W_F32; /* the inputs' dtype */
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < nt_blocks; j++)
             for (int lane = 0; lane < 16; lane++) {
                 float s = 0.f;
                 for (int64_t kk = 0; kk < k; kk++) {
                     const int64_t at = bf ? j * 16 * k + (kk / 2) * 32 + lane * 2 + kk % 2 : j * 16 * k + kk * 16 + lane;
-                    s += load(w, at, bf) * load(x, i * k + kk, bf);
+                    const float wv = kind == W_Q8 ? (float)((const int8_t *)w)[at] : load(w, at, bf);
+                    s += wv * load(x, i * k + kk, bf);
                 }
                 out[(i * nt_blocks + j) * 16 + lane] = s;
             }
 }
 
-/* MT rows x NT blocks starting at block nb, row m0; out: [MT][NT][16] floats. */
-static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int bf,
+/* MT rows x NT blocks starting at block nb, row m0; out: [MT][NT][16] floats. kind: W_*. */
+static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
                  float *out) {
-    const int64_t es = bf ? 2 : 4;
-    const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * es;
+    const int bf = kind != W_F32;
+    const int64_t es = kind == W_Q8 ? 1 : bf ? 2 : 4, xs = bf ? 2 : 4;
+    const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
 #define CALL(KIND, TYPE, MT, NT)                                                                           \
-    if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const TYPE *)xr, out);
+    if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const void *)xr, out);
 #define CALLS(KIND, TYPE, MT) CALL(KIND, TYPE, MT, 4) CALL(KIND, TYPE, MT, 3) CALL(KIND, TYPE, MT, 2) CALL(KIND, TYPE, MT, 1)
 #if defined(__AVX512BF16__)
-    if (bf) {
+    if (kind == W_BF16) {
         CALLS(bf16, uint16_t, 6) CALLS(bf16, uint16_t, 4) CALLS(bf16, uint16_t, 2) CALLS(bf16, uint16_t, 1)
+    }
+    if (kind == W_Q8) {
+        CALLS(q8, int8_t, 6) CALLS(q8, int8_t, 4) CALLS(q8, int8_t, 2) CALLS(q8, int8_t, 1)
     }
 #endif
 #if defined(__AVX512F__)
-    if (!bf) {
+    if (kind == W_F32) {
         CALLS(f32, float, 6) CALLS(f32, float, 4) CALLS(f32, float, 2) CALLS(f32, float, 1)
     }
 #endif
 #undef CALL
 #undef CALLS
-    tile_any(wb, k, xr, mt, nt_blocks, bf, out);
+    tile_any(wb, k, xr, mt, nt_blocks, kind, out);
 }
 
 /* x (float values of the model dtype) -> the model dtype: the kernels' operand. Exact. */
@@ -363,11 +405,13 @@ static void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr
 
 /* y[m, n] = rnd(W[n, :] . x[m, :] + bias[n]) for m < rows, n < n_out. x: float rows [rows, k]
  * holding model-dtype values; xb: scratch for their model-dtype copy (the kernels' operand).
- * Threads split the weight blocks: each reads its share of the weight once (from memory) and
- * the rows' tiles again from its cache. */
-static void project(const Model *md, int64_t w_addr, int64_t b_addr, const float *x, void *xb, int rows,
-                    int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
-    const int bf = md->dtype == DT_BF16;
+ * With `scales_addr` (int8: float32 [blocks * 16]) W holds int8 codes and W[n, :] is
+ * scales[n] * codes[n, :]. Threads split the weight blocks: each reads its share of the weight
+ * once (from memory) and the rows' tiles again from its cache. */
+static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
+                    int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
+    const int bf = md->dtype == DT_BF16, kind = scales_addr ? W_Q8 : bf;
+    const float *scales = (const float *)scales_addr;
     to_model_dtype(x, xb, rows * k, bf);
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
@@ -380,12 +424,15 @@ static void project(const Model *md, int64_t w_addr, int64_t b_addr, const float
             const int nt_blocks = b1 - nb >= 4 ? 4 : (int)(b1 - nb);
             for (int m0 = 0; m0 < rows;) {
                 const int left = rows - m0, mt = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                tile(w, nb, k, xb, m0, mt, nt_blocks, bf, out);
+                tile(w, nb, k, xb, m0, mt, nt_blocks, kind, out);
                 for (int j = 0; j < nt_blocks; j++) {
                     const int64_t n0 = (nb + j) * 16;
-                    for (int i = 0; i < mt; i++)
-                        store_outputs(out + (i * nt_blocks + j) * 16, bias, n0, n_out, y, (m0 + i) * n_out,
-                                      y_in_model_dtype, bf);
+                    for (int i = 0; i < mt; i++) {
+                        float *acc = out + (i * nt_blocks + j) * 16;
+                        if (scales)
+                            for (int lane = 0; lane < 16; lane++) acc[lane] *= scales[n0 + lane];
+                        store_outputs(acc, bias, n0, n_out, y, (m0 + i) * n_out, y_in_model_dtype, bf);
+                    }
                 }
                 m0 += mt;
             }
@@ -764,10 +811,12 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     void *xb = work + at.xb;
     const int64_t es = bf ? 2 : 4; /* bytes per element of the model dtype */
 #define PROJECT(W, BIAS, X, N, K, Y)                                                                       \
-    if (ly->W##_codes)                                                                                     \
+    if (ly->W##_codes && md->quant == 4)                                                                   \
         project_int4(ly->W##_codes, ly->W##_scales, BIAS, X, xb, xsum, rows, N, K, Y, 0, nt);          \
+    else if (ly->W##_codes)                                                                                \
+        project(md, ly->W##_codes, ly->W##_scales, BIAS, X, xb, rows, N, K, Y, 0, nt);                   \
     else                                                                                                   \
-        project(md, ly->W, BIAS, X, xb, rows, N, K, Y, 0, nt);
+        project(md, ly->W, 0, BIAS, X, xb, rows, N, K, Y, 0, nt);
 
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < h; i++) hidden[r * h + i] = load((const void *)md->embed, tokens[r] * h + i, bf);
@@ -849,6 +898,6 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
-    if (n_out > 0) project(md, md->head, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
+    if (n_out > 0) project(md, md->head, 0, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
 }
