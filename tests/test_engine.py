@@ -30,9 +30,9 @@ def random_params(rng: random.Random) -> SamplingParams:
     ("llama", 0, "float64", "none"), ("llama", 1, "float64", "none"), ("mistral-window8", 2, "float64", "none"),
     ("gptj", 3, "float64", "none"),
     # the native step (CPU): every output summed in the same order whatever rows share the
-    # iteration, so even float32, bfloat16 and int4 results do not depend on the batch
+    # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
     ("llama", 4, "float32", "none"), ("qwen2", 5, "float32", "none"), ("llama", 6, "bfloat16", "none"),
-    ("mistral-window8", 7, "bfloat16", "none"), ("llama", 8, "bfloat16", "int4")])
+    ("mistral-window8", 7, "bfloat16", "none"), ("llama", 8, "bfloat16", "int4"), ("qwen2", 9, "bfloat16", "int8")])
 def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed, dtype, quantization):
     """Many requests, random arrival iterations, random prompt and output lengths, fewer slots
     than requests and a small token budget (so prompts are chunked and holes appear in the
