@@ -45,7 +45,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "cos", "sin", "quant")
+                "embed", "final_norm", "head", "head_scales", "cos", "sin", "quant")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
@@ -240,7 +240,9 @@ class NativeForward:
         self.max_rows = max_rows
         cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]
         assert kv.is_contiguous() and kv.dtype == dtype
-        # [vocab block, hidden]; a quantized head (int8 under int4) is its own dequantized weight
+        # [vocab block, hidden]; quantized modes quantize the head to int8 (int4 too): its kernel
+        # reads half of bfloat16's bytes, a large share of a single stream's
+        head_int8 = model.lm_head.quantized if getattr(model.lm_head.quantized, "mode", None) == "int8" else None
         tied = cfg.tie_word_embeddings and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight
         linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
@@ -251,9 +253,11 @@ class NativeForward:
             raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
         quantized = {id(lin): (int4_shapes, (torch.uint8, torch.bfloat16), block_int4) for lin in int4}
         quantized.update({id(lin): (int8_shapes, (torch.int8, torch.float32), block_int8) for lin in int8})
-        shapes = [(blocked_shape(w), dtype) for w in [head] + [lin.weight for lin in linears
-                                                               if id(lin) not in quantized]]
-        shapes += [(shape, kind) for lin in int4 + int8
+        if head_int8 is not None:
+            quantized[id(model.lm_head)] = (int8_shapes, (torch.int8, torch.float32), block_int8)
+        dense = ([] if head_int8 is not None else [head]) + [lin.weight for lin in linears if id(lin) not in quantized]
+        shapes = [(blocked_shape(w), dtype) for w in dense]
+        shapes += [(shape, kind) for lin in int4 + int8 + ([model.lm_head] if head_int8 is not None else [])
                    for shape, kind in zip(quantized[id(lin)][0](lin), quantized[id(lin)][1])]
         nbytes = WeightArena.size(shapes)
         try:
@@ -270,12 +274,18 @@ class NativeForward:
             return weight.data_ptr()
 
         self.vocab = head.shape[0]
+        head_addr, head_scales = (0, 0) if head_int8 is not None else (address(head, block=True), 0)
+        if head_int8 is not None:
+            codes, scales = (self._arena.take(shape, kind)
+                             for shape, kind in zip(int8_shapes(model.lm_head), (torch.int8, torch.float32)))
+            block_int8(head_int8, codes, scales)
+            head_addr, head_scales = codes.data_ptr(), scales.data_ptr()
         fields = dict(
             layers=cfg.num_layers, hidden=cfg.hidden_size, heads=model.tp.heads, kv_heads=model.tp.kv_heads,
             head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[dtype],
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
-            final_norm=model.norm.data_ptr(), head=address(head, block=True), cos=model.rotary.cos.data_ptr(),
+            final_norm=model.norm.data_ptr(), head=head_addr, head_scales=head_scales, cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(), quant=4 if int4 else 8 if int8 else 0)
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
@@ -302,7 +312,7 @@ class NativeForward:
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
-        self.quantized_projections = len(int4) + len(int8)
+        self.quantized_projections = len(int4) + len(int8) + (head_int8 is not None)
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -168,12 +168,14 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "qwen2"])
 def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, variant, quantization):
     """--quantization int4 / int8: the native kernels (int4: codes, group scale and zero; int8:
-    codes, row scale) against PyTorch's quantized kernel (up to 8 / 2 rows) and its GEMMs on the
-    dequantized weights (more rows): within a few bfloat16 steps (an int8 head under a tied
-    embedding included)."""
+    codes, row scale; the head int8 in both modes) against PyTorch's quantized kernel (up to 8 / 2
+    rows) and its GEMMs on the dequantized weights (more rows): within a few bfloat16 steps (an
+    int8 head under a tied embedding included). The greedy choice mostly agrees: the int8 head
+    sums codes x scale exactly where PyTorch's many-row path reads the bfloat16-rounded
+    dequantized head, and this random model's top logits are often near-ties."""
     compared, engine = compare_on_random_arrivals(make_model(variant), "bfloat16", quantization=quantization)
-    assert engine.runner.native.quantized_projections == 4 * 2  # every projection of both layers
+    assert engine.runner.native.quantized_projections == 4 * 2 + 1  # every projection of both layers, the head
     assert sum(1 for decode, prompt, *_ in compared if decode + prompt <= 8) > 20
     for decode, prompt, diff, scale, _ in compared:
         assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
-    assert sum(same for *_, same in compared) / len(compared) >= 0.85
+    assert sum(same for *_, same in compared) / len(compared) >= 0.8

@@ -31,7 +31,8 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
-    int64_t embed, final_norm, head, cos, sin;                /* rotary tables [max_seq, head_dim] */
+    int64_t embed, final_norm, head, head_scales, cos, sin;   /* head_scales: int8 head (else 0);
+                                                                 rotary tables [max_seq, head_dim] */
     int64_t quant; /* the layers' *_codes: 4 (int4 kernels), 8 (int8), 0 (none) */
 } Model;
 
@@ -898,6 +899,6 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
-    if (n_out > 0) project(md, md->head, 0, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
+    if (n_out > 0) project(md, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
 }
