@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """flover serve against llama.cpp's llama-server: one model, one seeded workload, side by side.
 
-    python scripts/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4
+    python scripts/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4, int8
     python scripts/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
 
 What it does, every step cached under --cache (outside the repository; nothing is committed):
@@ -20,7 +20,8 @@ Needs the `compare` extra (pip install -e '.[compare]': transformers, sentencepi
 converter), cmake and a C++ compiler.
 flover's dtype pairs with llama.cpp's: float32 <-> f32, bfloat16 <-> f16 (llama.cpp's fast
 16-bit CPU path), int4 (flover --dtype bfloat16 --quantization int4) <-> the GGUF file as given
-(for SmolLM2: its own Q4_1). Run it on a quiet machine: both servers use every core you give them.
+(for SmolLM2: its own Q4_1), int8 (--quantization int8: one scale per row) <-> q8_0 made by
+llama.cpp's converter (one scale per 32 weights). Run it on a quiet machine: both servers use every core you give them.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from pathlib import Path
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
 # flover's --quantization int4 (bfloat16 activations) with the original 4-bit GGUF file itself.
-LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native"}
+LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native", "int8": "q8_0"}
 FLOVER_ARGS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
-               "float16": ["--dtype", "float16"], "int4": ["--dtype", "bfloat16", "--quantization", "int4"]}
+               "float16": ["--dtype", "float16"], "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
+               "int8": ["--dtype", "bfloat16", "--quantization", "int8"]}
 
 
 def log(text: str) -> None:
@@ -244,7 +246,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "llama.cpp"))
-    ap.add_argument("--dtypes", default="float32,bfloat16,int4", help=f"of {', '.join(LLAMA_TYPES)}")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int4,int8", help=f"of {', '.join(LLAMA_TYPES)}")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--interval-ms", type=float, default=50.0)
