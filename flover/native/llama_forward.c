@@ -151,16 +151,17 @@ static inline __m512 sum_each(const __m512 v[16]) {
  * changes no bit of any of them. */
 #define TILES_OF_ROWS(TILE, MT) TILE(MT, 4) TILE(MT, 3) TILE(MT, 2) TILE(MT, 1)
 #if defined(__AVX512BF16__)
-#define BLOCK_BF16(w, k, kp) ((__m512bh)_mm512_loadu_si512((w) + (kp) * 32))
 #define PAIR(x, kp) ((__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[kp]))
-#define TILE_BF16(MT, NT)                                                                                  \
-    static void tile_bf16_##MT##_##NT(const uint16_t *w, int64_t k, const uint16_t *x, float *out) {     \
+/* A tile over weights blocked in input pairs; LOAD(w, kp): block w's 16 rows at input pair kp
+ * as bfloat16 pairs (bfloat16 weights: one load; int8: widened, see "int8 weights"). */
+#define TILE_PAIRS(KIND, WTYPE, LOAD, MT, NT)                                                              \
+    static void tile_##KIND##_##MT##_##NT(const WTYPE *w, int64_t k, const uint16_t *x, float *out) {    \
         __m512 acc[MT][NT];                                                                                \
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
         for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
             __m512bh wv[NT];                                                                               \
-            for (int j = 0; j < NT; j++) wv[j] = BLOCK_BF16(w + j * 16 * k, k, kp);                        \
+            for (int j = 0; j < NT; j++) wv[j] = LOAD(w + j * 16 * k, kp);                                 \
             for (int i = 0; i < MT; i++) {                                                                 \
                 const __m512bh xv = PAIR(x + i * k, kp);                                                   \
                 for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);           \
@@ -169,6 +170,8 @@ static inline __m512 sum_each(const __m512 v[16]) {
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
     }
+#define LOAD_BF16(w, kp) ((__m512bh)_mm512_loadu_si512((w) + (kp) * 32))
+#define TILE_BF16(MT, NT) TILE_PAIRS(bf16, uint16_t, LOAD_BF16, MT, NT)
 TILES_OF_ROWS(TILE_BF16, 6)
 TILES_OF_ROWS(TILE_BF16, 4)
 TILES_OF_ROWS(TILE_BF16, 2)
@@ -184,22 +187,8 @@ static inline __m512bh q8_pairs(const int8_t *codes) {
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
-#define TILE_Q8(MT, NT)                                                                                    \
-    static void tile_q8_##MT##_##NT(const int8_t *w, int64_t k, const uint16_t *x, float *out) {          \
-        __m512 acc[MT][NT];                                                                                \
-        for (int i = 0; i < MT; i++)                                                                       \
-            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
-        for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
-            __m512bh wv[NT];                                                                               \
-            for (int j = 0; j < NT; j++) wv[j] = q8_pairs(w + j * 16 * k + kp * 32);                       \
-            for (int i = 0; i < MT; i++) {                                                                 \
-                const __m512bh xv = PAIR(x + i * k, kp);                                                   \
-                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);           \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int i = 0; i < MT; i++)                                                                       \
-            for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
-    }
+#define LOAD_Q8(w, kp) q8_pairs((w) + (kp) * 32)
+#define TILE_Q8(MT, NT) TILE_PAIRS(q8, int8_t, LOAD_Q8, MT, NT)
 TILES_OF_ROWS(TILE_Q8, 6)
 TILES_OF_ROWS(TILE_Q8, 4)
 TILES_OF_ROWS(TILE_Q8, 2)
