@@ -37,7 +37,7 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
                    help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
-                   help="auto (default): on CPU at TP=1 (float32/bfloat16, quantized or not), iterations run as "
+                   help="auto (default): on CPU (float32/bfloat16, quantized or not; each rank's shard under TP), iterations run as "
                         "one native call compiled for this CPU on first use (needs a C compiler)")
 
 

@@ -141,7 +141,7 @@ QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, flover/models/quant.py
 # TP=1; eager: the same padded static batches without capture, on any device (tests).
 CUDA_GRAPHS = ("auto", "off", "eager")
 # Iterations as one native call (flover/native_forward.py). auto: on CPU at
-# TP=1 in float32/bfloat16 (quantized or not), when a C compiler is there.
+# any TP in float32/bfloat16 (quantized or not), when a C compiler is there.
 NATIVE_FORWARD = ("auto", "off")
 
 

@@ -74,7 +74,7 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        native_wanted = (config.native_forward == "auto" and self.device.type == "cpu" and self.comm is None
+        native_wanted = (config.native_forward == "auto" and self.device.type == "cpu"
                          and self.dtype in (torch.float32, torch.bfloat16))
         model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
                            comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
@@ -125,7 +125,7 @@ class Engine:
         started = time.perf_counter()
         try:
             native = NativeForward(model, buffer, self.dtype, torch.get_num_threads(), self.config.max_batch_tokens,
-                                   release=not self.config.keep_pytorch_weights)
+                                   release=not self.config.keep_pytorch_weights, comm=self.comm)
         except NativeUnavailable as e:
             log.warning("native step off, iterations run on PyTorch only: %s", e)
             pack_projections(model, self.config.max_slots)

@@ -1,4 +1,5 @@
-"""A whole fused iteration in one native call (CPU, TP=1, Llama family, float32/bfloat16/int4/int8).
+"""A whole fused iteration in one native call (CPU, Llama family, float32/bfloat16/int4/int8; under
+tensor parallelism each rank's shard, all-reducing through the communicator).
 
 One request decoding alone reads every weight once per token and computes little: the token's
 time is the weights' bytes over the memory bandwidth, plus whatever the framework adds. In eager
@@ -45,11 +46,12 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "head_scales", "cos", "sin", "quant")
+                "embed", "final_norm", "head", "head_scales", "cos", "sin", "quant", "vocab_start", "all_reduce")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)  # llama_forward.c: AllReduce
 
 
 class NativeUnavailable(RuntimeError):
@@ -114,7 +116,7 @@ def load_library() -> ctypes.CDLL:
 
 
 def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
-    """Why `model` cannot take the native step, or None. (CPU, TP=1 and the quantization mode are
+    """Why `model` cannot take the native step, or None. (CPU and the quantization mode are
     the engine's to check: it decides before loading whether to keep the dense weights.)"""
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
@@ -227,11 +229,14 @@ class WeightArena:
 
 class NativeForward:
     def __init__(self, model: LlamaForCausalLM, buffer: SlotBuffer, dtype: torch.dtype, threads: int,
-                 max_rows: int, release: bool = False):
+                 max_rows: int, release: bool = False, comm=None):
         """Reads the model's dense (row-major) weights once, into blocked copies of its own.
         `release`: release each projection (Linear.release) as soon as its copy is made, so that
         memory never holds two copies of the model (every NativeUnavailable comes before the
-        first). `max_rows`: the most tokens an iteration has."""
+        first). `max_rows`: the most tokens an iteration has. `comm` (tensor parallelism): this
+        rank's shard runs natively, and the C code calls back into comm.all_reduce at the points
+        the PyTorch path all-reduces (the embedding, after the o and down projections), with the
+        same buffers in float32, so ranks stay in step whichever path each one takes."""
         why = unsupported(model, dtype)
         if why is not None:
             raise NativeUnavailable(why)
@@ -286,7 +291,8 @@ class NativeForward:
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=head_addr, head_scales=head_scales, cos=model.rotary.cos.data_ptr(),
-            sin=model.rotary.sin.data_ptr(), quant=4 if int4 else 8 if int8 else 0)
+            sin=model.rotary.sin.data_ptr(), quant=4 if int4 else 8 if int8 else 0,
+            vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm))
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
@@ -314,6 +320,17 @@ class NativeForward:
         self.eps = float(cfg.norm_eps)
         self.quantized_projections = len(int4) + len(int8) + (head_int8 is not None)
         self.iterations = 0  # iterations run natively (stats, tests)
+
+    def _all_reduce_hook(self, comm) -> int:
+        """The address of a C-callable in-place float32 sum over the ranks, or 0 without TP."""
+        if comm is None:
+            return 0
+
+        def all_reduce(address: int, n: int) -> None:
+            comm.all_reduce(torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32))
+
+        self._all_reduce = ALL_REDUCE(all_reduce)  # referenced for as long as the C code may call it
+        return ctypes.cast(self._all_reduce, ctypes.c_void_p).value
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """[sampled rows, vocab block] logits of the iteration, or None when it has more tokens

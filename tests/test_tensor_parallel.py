@@ -197,3 +197,25 @@ def test_prefix_cache_under_tp2_gives_the_tp1_tokens_without_it(llama_dir, tmp_p
     assert {k: r["token_ids"] for k, r in records[2].items()} == {k: r["token_ids"] for k, r in records[1].items()}
     assert all(r["usage"]["cached_tokens"] == 0 for r in records[1].values())
     assert sum(r["usage"]["cached_tokens"] for r in records[2].values()) >= 16 * 5
+
+
+@pytest.mark.parametrize("variant", ["llama-mqa-bias-tied-llama3", "llama-vocab509-kv4"])
+def test_tp2_on_the_native_step_gives_the_tp1_tokens_in_float32(make_model, variant, tmp_path):
+    """Each rank runs its shard as one native call; the C code calls back into the communicator
+    where the PyTorch path all-reduces (the vocabulary-split embedding, after the o and down
+    projections; biases added once after). float32 (only the sums' order differs from TP=1):
+    the same greedy tokens, with o/down biases, a tied head, and a vocabulary split unevenly."""
+    model_dir = make_model(variant)
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    results = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"tp{ranks}.jsonl"
+        run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, "--dtype", "float32", "--arrival",
+                                            "interval", "--interval", "40", "--max-slots", "4"),
+                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stderr.count("native step: iterations run as one native call") == ranks, run.stderr[-3000:]
+        results[ranks] = tokens_by_id(out)
+    assert len(results[1]) == len(REQUESTS)
+    assert results[2] == results[1]

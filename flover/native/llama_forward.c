@@ -1,5 +1,6 @@
-/* One fused iteration of a Llama-family model in one native call (CPU, TP=1): decode tokens and
- * prompt chunks alike, each token a row with its own slot and position.
+/* One fused iteration of a Llama-family model in one native call (CPU; under tensor parallelism
+ * one rank's shard): decode tokens and prompt chunks alike, each token a row with its own slot
+ * and position.
  *
  * In eager PyTorch an iteration is ~1,000 operations (norms, RoPE, KV writes, residuals, the
  * decode attention's casts and masks): ~8 ms a token for SmolLM2-135M on 2 cores, as much as
@@ -34,7 +35,12 @@ typedef struct {
     int64_t embed, final_norm, head, head_scales, cos, sin;   /* head_scales: int8 head (else 0);
                                                                  rotary tables [max_seq, head_dim] */
     int64_t quant; /* the layers' *_codes: 4 (int4 kernels), 8 (int8), 0 (none) */
+    /* Tensor parallelism: this rank's vocabulary block starts at vocab_start (embed and head hold
+     * `vocab` rows of it), and all_reduce (a void (*)(float *, int64_t) address; 0 at TP=1) sums
+     * a float buffer over the ranks in place, as the PyTorch path's all-reduces do. */
+    int64_t vocab_start, all_reduce;
 } Model;
+
 
 /* Mirrors LAYER_FIELDS: weight addresses of one layer, 0 where the model has no such bias; the
  * layer's sliding window (0: none); with --quantization int4 the projections' 4-bit codes and
@@ -743,6 +749,17 @@ static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int
 }
 #endif
 
+typedef void (*AllReduce)(float *buffer, int64_t n);
+
+/* Sum a [rows, h] partial result over the ranks (row-parallel projections, the vocabulary-split
+ * embedding); in bfloat16 the sum is rounded back, as PyTorch's bfloat16 all-reduce does. */
+static void reduce_rows(const Model *md, float *x, int64_t n) {
+    if (!md->all_reduce) return;
+    ((AllReduce)md->all_reduce)(x, n);
+    if (md->dtype == DT_BF16)
+        for (int64_t i = 0; i < n; i++) x[i] = rnd(x[i], 1);
+}
+
 /* Whether this build has the 4-bit kernels (they need AVX-512 BF16). */
 int flover_has_int4(void) {
 #if defined(__AVX512BF16__)
@@ -808,8 +825,12 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     else                                                                                                   \
         project(md, ly->W, 0, BIAS, X, xb, rows, N, K, Y, 0, nt);
 
-    for (int r = 0; r < rows; r++)
-        for (int64_t i = 0; i < h; i++) hidden[r * h + i] = load((const void *)md->embed, tokens[r] * h + i, bf);
+    for (int r = 0; r < rows; r++) { /* under TP: ids outside this rank's block are zero rows */
+        const int64_t t = tokens[r] - md->vocab_start;
+        for (int64_t i = 0; i < h; i++)
+            hidden[r * h + i] = t >= 0 && t < md->vocab ? load((const void *)md->embed, t * h + i, bf) : 0.f;
+    }
+    reduce_rows(md, hidden, rows * h);
 
     /* Attention tasks: prompt rows in blocks (consecutive positions of one slot, up to
      * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies; decode rows (the
@@ -873,6 +894,7 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
                    mid + r * q_size + g * group * d);
         }
         PROJECT(o, 0, mid, h, q_size, normed)
+        reduce_rows(md, normed, rows * h);
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->o_bias, h, bf);
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
@@ -881,6 +903,7 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
         PROJECT(down, 0, mid, h, inter, normed)
+        reduce_rows(md, normed, rows * h);
         for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->down_bias, h, bf);
     }
     /* the final norm of the rows whose logits are wanted, then the LM head writes the model
