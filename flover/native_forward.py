@@ -165,6 +165,10 @@ def int4_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (-(-n // 16), k // 32, 16, 16), (-(-n // 16), k // 32, 2, 16)
 
 
+INT4 = (torch.uint8, torch.bfloat16)  # dtypes of int4_shapes' codes and scales
+INT8 = (torch.int8, torch.float32)  # ... and int8_shapes'
+
+
 def int8_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The kernels' layout of an int8 projection (llama_forward.c, "int8 weights"): codes as
     bfloat16's blocked pairs, a byte each [n / 16, k / 2, 16, 2]; row scales float32 [n / 16 * 16]."""
@@ -256,10 +260,11 @@ class NativeForward:
         int8 = [lin for lin in linears if lin.quantized is not None and lin.quantized.mode == "int8"]
         if int4 and not self.lib.flover_has_int4():
             raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
-        quantized = {id(lin): (int4_shapes, (torch.uint8, torch.bfloat16), block_int4) for lin in int4}
-        quantized.update({id(lin): (int8_shapes, (torch.int8, torch.float32), block_int8) for lin in int8})
+        # id(linear) -> (its layout, the layout's dtypes, how to block it)
+        quantized = {id(lin): (int4_shapes, INT4, block_int4) for lin in int4}
+        quantized.update({id(lin): (int8_shapes, INT8, block_int8) for lin in int8})
         if head_int8 is not None:
-            quantized[id(model.lm_head)] = (int8_shapes, (torch.int8, torch.float32), block_int8)
+            quantized[id(model.lm_head)] = (int8_shapes, INT8, block_int8)
         dense = ([] if head_int8 is not None else [head]) + [lin.weight for lin in linears if id(lin) not in quantized]
         shapes = [(blocked_shape(w), dtype) for w in dense]
         shapes += [(shape, kind) for lin in int4 + int8 + ([model.lm_head] if head_int8 is not None else [])
@@ -279,12 +284,12 @@ class NativeForward:
             return weight.data_ptr()
 
         self.vocab = head.shape[0]
-        head_addr, head_scales = (0, 0) if head_int8 is not None else (address(head, block=True), 0)
         if head_int8 is not None:
-            codes, scales = (self._arena.take(shape, kind)
-                             for shape, kind in zip(int8_shapes(model.lm_head), (torch.int8, torch.float32)))
+            codes, scales = (self._arena.take(shape, kind) for shape, kind in zip(int8_shapes(model.lm_head), INT8))
             block_int8(head_int8, codes, scales)
             head_addr, head_scales = codes.data_ptr(), scales.data_ptr()
+        else:
+            head_addr, head_scales = address(head, block=True), 0
         fields = dict(
             layers=cfg.num_layers, hidden=cfg.hidden_size, heads=model.tp.heads, kv_heads=model.tp.kv_heads,
             head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[dtype],
