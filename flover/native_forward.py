@@ -116,8 +116,8 @@ def load_library() -> ctypes.CDLL:
 
 
 def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
-    """Why `model` cannot take the native step, or None. (CPU and the quantization mode are
-    the engine's to check: it decides before loading whether to keep the dense weights.)"""
+    """Why `model` cannot take the native step, or None. (The device is the engine's to check:
+    it decides before loading whether to keep the dense weights.)"""
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
     cfg = model.cfg
@@ -251,24 +251,26 @@ class NativeForward:
         assert kv.is_contiguous() and kv.dtype == dtype
         # [vocab block, hidden]; quantized modes quantize the head to int8 (int4 too): its kernel
         # reads half of bfloat16's bytes, a large share of a single stream's
-        head_int8 = model.lm_head.quantized if getattr(model.lm_head.quantized, "mode", None) == "int8" else None
         tied = cfg.tie_word_embeddings and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight
         linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
-        # quantized projections run their int4/int8 kernels at every row count (no bfloat16 copy)
-        int4 = [lin for lin in linears if lin.quantized is not None and lin.quantized.codes is not None]
-        int8 = [lin for lin in linears if lin.quantized is not None and lin.quantized.mode == "int8"]
-        if int4 and not self.lib.flover_has_int4():
-            raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
+        # Quantized projections run their int4/int8 kernels at every row count (no bfloat16 copy):
         # id(linear) -> (its layout, the layout's dtypes, how to block it)
-        quantized = {id(lin): (int4_shapes, INT4, block_int4) for lin in int4}
-        quantized.update({id(lin): (int8_shapes, INT8, block_int8) for lin in int8})
-        if head_int8 is not None:
-            quantized[id(model.lm_head)] = (int8_shapes, INT8, block_int8)
-        dense = ([] if head_int8 is not None else [head]) + [lin.weight for lin in linears if id(lin) not in quantized]
+        layouts = {}
+        for lin in linears + [model.lm_head]:
+            if lin.quantized is not None and lin.quantized.codes is not None:  # int4 (its codes kept for us)
+                layouts[id(lin)] = (int4_shapes, INT4, block_int4)
+            elif lin.quantized is not None and lin.quantized.mode == "int8":
+                layouts[id(lin)] = (int8_shapes, INT8, block_int8)
+        layer_modes = {lin.quantized.mode for lin in linears if id(lin) in layouts}
+        if "int4" in layer_modes and not self.lib.flover_has_int4():
+            raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
+        quantized = [lin for lin in linears + [model.lm_head] if id(lin) in layouts]
+        dense = ([] if id(model.lm_head) in layouts else [head]) + [lin.weight for lin in linears
+                                                                     if id(lin) not in layouts]
         shapes = [(blocked_shape(w), dtype) for w in dense]
-        shapes += [(shape, kind) for lin in int4 + int8 + ([model.lm_head] if head_int8 is not None else [])
-                   for shape, kind in zip(quantized[id(lin)][0](lin), quantized[id(lin)][1])]
+        shapes += [(shape, kind) for lin in quantized
+                   for shape, kind in zip(layouts[id(lin)][0](lin), layouts[id(lin)][1])]
         nbytes = WeightArena.size(shapes)
         try:
             self._arena = WeightArena(nbytes)
@@ -276,18 +278,25 @@ class NativeForward:
             raise NativeUnavailable(f"no memory for the blocked weights ({nbytes / 2**20:.0f} MiB): {e}") from e
 
         def address(weight: torch.Tensor | None, block: bool = False) -> int:
-            if weight is None or (block and any(weight is lin.weight for lin in int4 + int8)):
+            if weight is None:
                 return 0
             if block:
                 weight = block_weight(weight, self._arena.take(blocked_shape(weight), dtype))
             assert weight.is_contiguous() and weight.dtype == dtype
             return weight.data_ptr()
 
+        def projection(lin) -> tuple[int, int, int]:
+            """(blocked weight, codes, scales) addresses: a quantized projection has no weight here."""
+            if id(lin) not in layouts:
+                return address(lin.weight, block=True), 0, 0
+            layout, kinds, block = layouts[id(lin)]
+            codes, scales = (self._arena.take(shape, kind) for shape, kind in zip(layout(lin), kinds))
+            block(lin.quantized, codes, scales)
+            return 0, codes.data_ptr(), scales.data_ptr()
+
         self.vocab = head.shape[0]
-        if head_int8 is not None:
-            codes, scales = (self._arena.take(shape, kind) for shape, kind in zip(int8_shapes(model.lm_head), INT8))
-            block_int8(head_int8, codes, scales)
-            head_addr, head_scales = codes.data_ptr(), scales.data_ptr()
+        if id(model.lm_head) in layouts:
+            _, head_addr, head_scales = projection(model.lm_head)
         else:
             head_addr, head_scales = address(head, block=True), 0
         fields = dict(
@@ -296,34 +305,26 @@ class NativeForward:
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=head_addr, head_scales=head_scales, cos=model.rotary.cos.data_ptr(),
-            sin=model.rotary.sin.data_ptr(), quant=4 if int4 else 8 if int8 else 0,
+            sin=model.rotary.sin.data_ptr(), quant=4 if "int4" in layer_modes else 8 if layer_modes else 0,
             vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm))
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         rows = []
         for layer, window in zip(model.layers, cfg.sliding_windows):
-            row = [address(layer.input_norm), address(layer.qkv.weight, block=True), address(layer.qkv.bias),
-                   address(layer.o.weight, block=True), address(layer.o_bias), address(layer.post_norm),
-                   address(layer.gate_up.weight, block=True), address(layer.gate_up.bias),
-                   address(layer.down.weight, block=True), address(layer.down_bias), window or 0]
-            for name in PROJECTIONS:
-                lin = getattr(layer, name)
-                if id(lin) in quantized:
-                    layout, kinds, block = quantized[id(lin)]
-                    codes, scales = (self._arena.take(shape, kind) for shape, kind in zip(layout(lin), kinds))
-                    block(lin.quantized, codes, scales)
-                    row += [codes.data_ptr(), scales.data_ptr()]
-                else:
-                    row += [0, 0]
-                if release:
-                    lin.release()
-            rows.append(row)
+            blocked = {name: projection(getattr(layer, name)) for name in PROJECTIONS}
+            if release:
+                for name in PROJECTIONS:
+                    getattr(layer, name).release()
+            row = [address(layer.input_norm), blocked["qkv"][0], address(layer.qkv.bias), blocked["o"][0],
+                   address(layer.o_bias), address(layer.post_norm), blocked["gate_up"][0],
+                   address(layer.gate_up.bias), blocked["down"][0], address(layer.down_bias), window or 0]
+            rows.append(row + [a for name in PROJECTIONS for a in blocked[name][1:]])
         self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(cfg.norm_eps)
-        self.quantized_projections = len(int4) + len(int8) + (head_int8 is not None)
+        self.quantized_projections = len(quantized)
         self.iterations = 0  # iterations run natively (stats, tests)
 
     def _all_reduce_hook(self, comm) -> int:

@@ -196,7 +196,8 @@ class ModelRunner:
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
         want_logprobs = any(r.params.logprobs for r in sampled)
-        if not (penalised or counted or want_logprobs) and all(r.params.temperature == 0 for r in sampled):
+        all_greedy = all(r.params.temperature == 0 for r in sampled)
+        if all_greedy and not (penalised or counted or want_logprobs):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
             token_ids = greedy(logits)
             return self._record_sampled(slots, token_ids, None, {}, prompt_logprobs)
@@ -204,7 +205,7 @@ class ModelRunner:
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
             min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
             counter=self._generated[slots],
-            all_greedy=all(r.params.temperature == 0 for r in sampled),
+            all_greedy=all_greedy,
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
             want_logprobs=want_logprobs,
             top_logprobs=max((r.params.top_logprobs for r in sampled if r.params.logprobs), default=0),

@@ -530,6 +530,25 @@ static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
  * the output rounded to the model dtype. A row's result depends only on its own slot. */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+
+/* Whether the vector attention kernels take this model (else scalar loops, or row by row). */
+static inline int vector_attention(const Model *md) {
+#if defined(__AVX512F__)
+    const int64_t group = md->heads / md->kv_heads, d = md->head_dim;
+    return group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0;
+#else
+    (void)md;
+    return 0;
+#endif
+}
+
+/* The first key a query at position len - 1 sees: a sliding window hides the older ones. */
+static inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+/* Where kv head g of `slot` keeps its keys (v = 0) or values (v = 1) in one layer's cache. */
+static inline char *kv_head_base(const Model *md, char *kv_layer, int v, int64_t slot, int64_t g) {
+    return kv_layer + (v * md->kv_kind + slot * md->kv_slot + g * md->kv_head) * (md->dtype == DT_BF16 ? 2 : 4);
+}
 #if defined(__AVX512F__)
 /* The weighted sum of values for G queries of one kv head over 64 dimensions [i0, i0 + 64):
  * each value row is loaded (and widened from bfloat16) once for the G queries, and the G x 4
@@ -617,7 +636,7 @@ static void attend(const Model *md, const float *q, int64_t group, const void *k
     const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
     const float scale = 1.f / sqrtf((float)d);
 #if defined(__AVX512F__)
-    if (group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0) {
+    if (vector_attention(md)) {
         uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
         if (bf) to_model_dtype(q, qb, group * d, 1);
         const int64_t es = bf ? 2 : 4;
@@ -711,7 +730,7 @@ static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int
         if (j < nq) {
             const int64_t at = positions[r0 + j / group] + 1;
             len[j] = (int32_t)at;
-            first[j] = (int32_t)(window > 0 && at > window ? at - window : 0);
+            first[j] = (int32_t)first_key(at, window);
             outs[j] = mid + (r0 + j / group) * q_size + (g * group + j % group) * d;
         } else first[j] = len[j] = 0; /* padding: no keys */
     }
@@ -836,8 +855,7 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
      * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies; decode rows (the
      * first decode_rows), and prompt rows otherwise, one by one. */
     int64_t *blocks = (int64_t *)(work + at.blocks), n_blocks = 0, single_from = decode_rows;
-#if defined(__AVX512F__)
-    if (group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0 && md->kv_pos == d) {
+    if (vector_attention(md) && md->kv_pos == d) {
         const int64_t per_block = MAX_BLOCK_QUERIES / group;
         for (int64_t r = decode_rows; r < rows;) {
             int64_t n = 1;
@@ -848,7 +866,6 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
         }
         single_from = rows;
     }
-#endif
     const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
 
     for (int64_t l = 0; l < md->layers; l++) {
@@ -865,10 +882,10 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
             const void *cos_row = (const char *)md->cos + p * d * es, *sin_row = (const char *)md->sin + p * d * es;
             for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, d, bf);
             for (int64_t g = 0; g < kvh; g++) {
-                void *k_dst = kv_layer + (slots[r] * md->kv_slot + g * md->kv_head + p * md->kv_pos) * es;
-                void *v_dst = kv_layer + (md->kv_kind + slots[r] * md->kv_slot + g * md->kv_head + p * md->kv_pos) * es;
-                to_model_dtype(row + q_size + g * d, k_dst, d, bf);
-                to_model_dtype(row + q_size + kv_size + g * d, v_dst, d, bf);
+                to_model_dtype(row + q_size + g * d, kv_head_base(md, kv_layer, 0, slots[r], g) + p * md->kv_pos * es,
+                               d, bf);
+                to_model_dtype(row + q_size + kv_size + g * d,
+                               kv_head_base(md, kv_layer, 1, slots[r], g) + p * md->kv_pos * es, d, bf);
             }
         }
         /* attention: one task per (prompt block, kv head) first (the larger tasks), then per (row, kv head) */
@@ -878,19 +895,17 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
             if (task < n_blocks * kvh) {
 #if defined(__AVX512F__)
                 const int64_t *b = blocks + 2 * (task / kvh), g = task % kvh;
-                const char *k_base = kv_layer + (slots[b[0]] * md->kv_slot + g * md->kv_head) * es;
-                const char *v_base = kv_layer + (md->kv_kind + slots[b[0]] * md->kv_slot + g * md->kv_head) * es;
-                attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, ly->window, k_base, v_base,
+                attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, ly->window,
+                              kv_head_base(md, kv_layer, 0, slots[b[0]], g), kv_head_base(md, kv_layer, 1, slots[b[0]], g),
                               scratch, mid);
 #endif
                 continue;
             }
             const int64_t single = task - n_blocks * kvh, nth = single / kvh, g = single % kvh;
             const int r = (int)(nth < decode_rows ? nth : single_from + nth - decode_rows);
-            const int64_t len = positions[r] + 1, first = ly->window > 0 && len > ly->window ? len - ly->window : 0;
-            const char *k_base = kv_layer + (slots[r] * md->kv_slot + g * md->kv_head) * es;
-            const char *v_base = kv_layer + (md->kv_kind + slots[r] * md->kv_slot + g * md->kv_head) * es;
-            attend(md, wide + r * qkv_n + g * group * d, group, k_base, v_base, first, len, scratch,
+            const int64_t len = positions[r] + 1;
+            attend(md, wide + r * qkv_n + g * group * d, group, kv_head_base(md, kv_layer, 0, slots[r], g),
+                   kv_head_base(md, kv_layer, 1, slots[r], g), first_key(len, ly->window), len, scratch,
                    mid + r * q_size + g * group * d);
         }
         PROJECT(o, 0, mid, h, q_size, normed)
