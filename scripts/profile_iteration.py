@@ -6,7 +6,9 @@
 Wraps the engine's phases with wall-clock timers (CPU ops are synchronous, so wall time is the
 cost): scheduling, memory shuffle, token-matrix build, the forward pass split into projection
 GEMMs / attention / everything else in the model (norms, RoPE, KV writes, residuals), sampling,
-per-request bookkeeping, and the rest of step() (Python glue).
+per-request bookkeeping, and the rest of step() (Python glue). It profiles the PyTorch forward
+(`native_forward="off"`): the native step runs an iteration as one call, with nothing to wrap
+here (its profile is in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="none, int8, int4 (with --dtype bfloat16)")
     args = ap.parse_args()
     engine = Engine(EngineConfig(args.model, dtype=args.dtype, max_slots=args.live, num_threads=args.threads,
-                                 max_seq_len=512, quantization=args.quantization))
+                                 max_seq_len=512, quantization=args.quantization, native_forward="off"))
     spent = defaultdict(float)
     active = {"on": False}
 
