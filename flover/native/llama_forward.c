@@ -285,6 +285,13 @@ static void to_model_dtype(const float *x, void *dst, int64_t n, int bf) {
 #endif
 }
 
+/* Thread t of T converts its share of the rows of x [rows, k] to the kernels' operand xb (the
+ * caller waits for all threads before any tile reads xb). */
+static void operand_rows(const float *x, void *xb, int rows, int64_t k, int bf, int t, int T) {
+    const int64_t m0 = (int64_t)rows * t / T, m1 = (int64_t)rows * (t + 1) / T;
+    to_model_dtype(x + m0 * k, (char *)xb + m0 * k * (bf ? 2 : 4), (m1 - m0) * k, bf);
+}
+
 /* 16 outputs of a tile (lanes of outputs n0..n0+15, those below n_out) -> rnd(acc + bias), as
  * floats or in the model dtype, at y[at + n]. */
 static inline void store_outputs(const float *acc, const void *bias, int64_t n0, int64_t n_out, void *y, int64_t at,
@@ -358,13 +365,7 @@ static void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr
                          void *xb, float *xsum, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype,
                          int nt) {
 #if defined(__AVX512BF16__)
-    to_model_dtype(x, xb, rows * k, 1);
     const int64_t groups = k / 32;
-    for (int m = 0; m < rows; m++) /* each group's input sum, once per row */
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 a = _mm512_add_ps(_mm512_loadu_ps(x + m * k + g * 32), _mm512_loadu_ps(x + m * k + g * 32 + 16));
-            xsum[m * groups + g] = _mm512_reduce_add_ps(a);
-        }
     const uint8_t *codes = (const uint8_t *)codes_addr;
     const uint16_t *scales = (const uint16_t *)scales_addr;
     const void *bias = (const void *)b_addr;
@@ -372,6 +373,13 @@ static void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        operand_rows(x, xb, rows, k, 1, t, T);
+        for (int m = rows * t / T; m < rows * (t + 1) / T; m++) /* each group's input sum, once per row */
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 a = _mm512_add_ps(_mm512_loadu_ps(x + m * k + g * 32), _mm512_loadu_ps(x + m * k + g * 32 + 16));
+                xsum[m * groups + g] = _mm512_reduce_add_ps(a);
+            }
+#pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
@@ -408,12 +416,13 @@ static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_
                     int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
     const int bf = md->dtype == DT_BF16, kind = scales_addr ? W_Q8 : bf;
     const float *scales = (const float *)scales_addr;
-    to_model_dtype(x, xb, rows * k, bf);
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        operand_rows(x, xb, rows, k, bf, t, T);
+#pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[6 * 4 * 16];
         for (int64_t nb = b0; nb < b1;) {
@@ -509,6 +518,17 @@ static void add_residual(float *hidden, const float *out, const void *bias, int6
 }
 
 /* out = rnd(rnd(silu(gate)) * up) over gate_up = [gate | up], as F.silu then the product. */
+/* hidden += out (+ bias) for every row, then (unless norm is 0) normed = rms_norm(hidden): in one
+ * pass per row (out is read before normed overwrites it: they may be the same rows). */
+static void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h,
+                              int bf, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        add_residual(hidden + r * h, out + r * h, (const void *)bias, h, bf);
+        if (norm) rms_norm(hidden + r * h, (const void *)norm, eps, h, bf, out + r * h);
+    }
+}
+
 static void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
     const float *up = gate_up + inter;
 #if defined(__AVX512F__)
@@ -722,10 +742,13 @@ static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int
     for (int64_t j = 0; j < width; j++) {
         const int64_t jb = j / 16, lane = j % 16;
         const float *q = j < nq ? wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d : 0;
-        for (int64_t i = 0; i < d; i++) { /* the layout block_weight gives (bf16: pairs of inputs) */
-            const float v = q ? q[i] : 0.f;
-            if (bf) ((uint16_t *)qt)[(jb * (d / 2) + i / 2) * 32 + lane * 2 + i % 2] = f2bf(v);
-            else ((float *)qt)[(jb * d + i) * 16 + lane] = v;
+        if (bf) { /* the layout block_weight gives: pairs of inputs, 32 bits a pair */
+            uint32_t pairs[MAX_HEAD_DIM / 2], *to = (uint32_t *)qt + jb * (d / 2) * 16 + lane;
+            if (q) to_model_dtype(q, pairs, d, 1);
+            for (int64_t i = 0; i < d / 2; i++) to[i * 16] = q ? pairs[i] : 0;
+        } else {
+            float *to = (float *)qt + jb * d * 16 + lane;
+            for (int64_t i = 0; i < d; i++) to[i * 16] = q ? q[i] : 0.f;
         }
         if (j < nq) {
             const int64_t at = positions[r0 + j / group] + 1;
@@ -748,13 +771,16 @@ static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int
     }
     for (int64_t jb = 0; jb < nb; jb++) { /* softmax down the key axis, 16 queries per vector */
         const __m512i fv = _mm512_loadu_si512(first + jb * 16), lv = _mm512_loadu_si512(len + jb * 16);
+        /* the keys of the block's queries: the others are left as they are (weigh_values below
+         * reads each query's own keys only) */
+        const int64_t t0 = first[jb * 16], t1 = len[(jb + 1) * 16 <= nq ? (jb + 1) * 16 - 1 : nq - 1];
         __m512 best = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int64_t t = kmin; t < kmax; t++) {
+        for (int64_t t = t0; t < t1; t++) {
             const __m512i tv = _mm512_set1_epi32((int32_t)t);
             const __mmask16 m = _mm512_cmpge_epi32_mask(tv, fv) & _mm512_cmplt_epi32_mask(tv, lv);
             best = _mm512_mask_max_ps(best, m, best, _mm512_loadu_ps(S + (t - kmin) * width + jb * 16));
         }
-        for (int64_t t = kmin; t < kmax; t++) {
+        for (int64_t t = t0; t < t1; t++) {
             const __m512i tv = _mm512_set1_epi32((int32_t)t);
             const __mmask16 m = _mm512_cmpge_epi32_mask(tv, fv) & _mm512_cmplt_epi32_mask(tv, lv);
             float *row = S + (t - kmin) * width + jb * 16;
@@ -764,7 +790,11 @@ static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int
         }
         _mm512_storeu_ps(total + jb * 16, sum);
     }
-    weigh_values(v_base, pos, bf, d, kmin, kmax, S - kmin * width, 1, width, nq, total, outs);
+    for (int64_t j0 = 0; j0 < nq; j0 += 4) { /* 4 queries at a time over their keys only */
+        const int64_t n_j = nq - j0 < 4 ? nq - j0 : 4;
+        weigh_values(v_base, pos, bf, d, first[j0], len[j0 + n_j - 1], S - kmin * width + j0, 1, width, n_j,
+                     total + j0, outs + j0);
+    }
 }
 #endif
 
@@ -868,10 +898,12 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     }
     const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
 
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)layers[0].input_norm, eps, h, bf, normed + r * h);
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
-#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
-        for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->input_norm, eps, h, bf, normed + r * h);
+        /* normed: the input norm of the hidden rows (of the embedding, or by the last layer's
+         * residual pass) */
         PROJECT(qkv, ly->qkv_bias, normed, qkv_n, h, wide)
 
         char *kv_layer = (char *)md->kv + l * md->kv_layer * es;
@@ -910,16 +942,14 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
         }
         PROJECT(o, 0, mid, h, q_size, normed)
         reduce_rows(md, normed, rows * h);
-        for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->o_bias, h, bf);
-
-#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
-        for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)ly->post_norm, eps, h, bf, normed + r * h);
+        residual_and_norm(hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
         PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
         PROJECT(down, 0, mid, h, inter, normed)
         reduce_rows(md, normed, rows * h);
-        for (int r = 0; r < rows; r++) add_residual(hidden + r * h, normed + r * h, (const void *)ly->down_bias, h, bf);
+        residual_and_norm(hidden, normed, rows, ly->down_bias, l + 1 < md->layers ? layers[l + 1].input_norm : 0, eps, h,
+                          bf, nt);
     }
     /* the final norm of the rows whose logits are wanted, then the LM head writes the model
      * dtype straight into `logits` */
