@@ -160,19 +160,25 @@ static inline __m512 sum_each(const __m512 v[16]) {
 #define PAIR(x, kp) ((__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[kp]))
 /* A tile over weights blocked in input pairs; LOAD(w, kp): block w's 16 rows at input pair kp
  * as bfloat16 pairs (bfloat16 weights: one load; int8: widened, see "int8 weights"). */
+#define PAIRS_LOOP(LOAD, MT, NT, PREFETCH)                                                                 \
+    for (int64_t kp = 0; kp < k / 2; kp++) {                                                               \
+        PREFETCH;                                                                                          \
+        __m512bh wv[NT];                                                                                   \
+        for (int j = 0; j < NT; j++) wv[j] = LOAD(w + j * 16 * k, kp);                                     \
+        for (int i = 0; i < MT; i++) {                                                                     \
+            const __m512bh xv = PAIR(x + i * k, kp);                                                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);               \
+        }                                                                                                  \
+    }
+/* pf: 0, or a weight stream to ask the cache for meanwhile, 64 bytes per input pair */
 #define TILE_PAIRS(KIND, WTYPE, LOAD, MT, NT)                                                              \
-    static void tile_##KIND##_##MT##_##NT(const WTYPE *w, int64_t k, const uint16_t *x, float *out) {    \
+    static void tile_##KIND##_##MT##_##NT(const WTYPE *w, int64_t k, const uint16_t *x, float *out,       \
+                                          const char *pf) {                                                \
         __m512 acc[MT][NT];                                                                                \
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
-        for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
-            __m512bh wv[NT];                                                                               \
-            for (int j = 0; j < NT; j++) wv[j] = LOAD(w + j * 16 * k, kp);                                 \
-            for (int i = 0; i < MT; i++) {                                                                 \
-                const __m512bh xv = PAIR(x + i * k, kp);                                                   \
-                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);           \
-            }                                                                                              \
-        }                                                                                                  \
+        if (pf) PAIRS_LOOP(LOAD, MT, NT, _mm_prefetch(pf + kp * 64, _MM_HINT_T0))                         \
+        else PAIRS_LOOP(LOAD, MT, NT, (void)0)                                                             \
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
     }
@@ -203,19 +209,24 @@ TILES_OF_ROWS(TILE_Q8, 1)
 #endif
 
 #if defined(__AVX512F__)
+#define F32_LOOP(MT, NT, PREFETCH)                                                                         \
+    for (int64_t kk = 0; kk < k; kk++) {                                                                   \
+        PREFETCH;                                                                                          \
+        __m512 wv[NT];                                                                                     \
+        for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_ps(w + j * 16 * k + kk * 16);                   \
+        for (int i = 0; i < MT; i++) {                                                                     \
+            const __m512 xv = _mm512_set1_ps(x[i * k + kk]);                                               \
+            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);                \
+        }                                                                                                  \
+    }
+/* pf: as in TILE_PAIRS, 64 bytes per input */
 #define TILE_F32(MT, NT)                                                                                   \
-    static void tile_f32_##MT##_##NT(const float *w, int64_t k, const float *x, float *out) {            \
+    static void tile_f32_##MT##_##NT(const float *w, int64_t k, const float *x, float *out, const char *pf) { \
         __m512 acc[MT][NT];                                                                                \
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
-        for (int64_t kk = 0; kk < k; kk++) {                                                               \
-            __m512 wv[NT];                                                                                 \
-            for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_ps(w + j * 16 * k + kk * 16);               \
-            for (int i = 0; i < MT; i++) {                                                                 \
-                const __m512 xv = _mm512_set1_ps(x[i * k + kk]);                                           \
-                for (int j = 0; j < NT; j++) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);            \
-            }                                                                                              \
-        }                                                                                                  \
+        if (pf) F32_LOOP(MT, NT, _mm_prefetch(pf + kk * 64, _MM_HINT_T0))                                 \
+        else F32_LOOP(MT, NT, (void)0)                                                                     \
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) _mm512_storeu_ps(out + (i * NT + j) * 16, acc[i][j]);            \
     }
@@ -247,12 +258,12 @@ static void tile_any(const void *w, int64_t k, const void *x, int mt, int nt_blo
 
 /* MT rows x NT blocks starting at block nb, row m0; out: [MT][NT][16] floats. kind: W_*. */
 static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
-                 float *out) {
+                 float *out, const char *pf) {
     const int bf = kind != W_F32;
     const int64_t es = kind == W_Q8 ? 1 : bf ? 2 : 4, xs = bf ? 2 : 4;
     const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
 #define CALL(KIND, TYPE, MT, NT)                                                                           \
-    if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const void *)xr, out);
+    if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const void *)xr, out, pf);
 #define CALLS(KIND, TYPE, MT) CALL(KIND, TYPE, MT, 4) CALL(KIND, TYPE, MT, 3) CALL(KIND, TYPE, MT, 2) CALL(KIND, TYPE, MT, 1)
 #if defined(__AVX512BF16__)
     if (kind == W_BF16) {
@@ -425,11 +436,16 @@ static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[6 * 4 * 16];
+        const int64_t es = kind == W_Q8 ? 1 : bf ? 2 : 4;
         for (int64_t nb = b0; nb < b1;) {
             const int nt_blocks = b1 - nb >= 4 ? 4 : (int)(b1 - nb);
-            for (int m0 = 0; m0 < rows;) {
+            for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
                 const int left = rows - m0, mt = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                tile(w, nb, k, xb, m0, mt, nt_blocks, kind, out);
+                /* the first row tile of these blocks reads them from memory, the others from cache:
+                 * with a few row tiles (decode), those ask for the next blocks' weights, a block each */
+                const int64_t next = nb + nt_blocks + tiles - 1;
+                const char *pf = rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * k * es : 0;
+                tile(w, nb, k, xb, m0, mt, nt_blocks, kind, out, pf);
                 for (int j = 0; j < nt_blocks; j++) {
                     const int64_t n0 = (nb + j) * 16;
                     for (int i = 0; i < mt; i++) {
@@ -762,7 +778,7 @@ static void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int
         const int64_t left = kmax - t;
         const int mt = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         float out[6 * 4 * 16];
-        tile(qt, 0, d, (const char *)k_base + t * pos * es, 0, mt, (int)nb, bf, out);
+        tile(qt, 0, d, (const char *)k_base + t * pos * es, 0, mt, (int)nb, bf, out, 0);
         for (int i = 0; i < mt; i++)
             for (int64_t jb = 0; jb < nb; jb++)
                 _mm512_storeu_ps(S + (t - kmin + i) * width + jb * 16,
