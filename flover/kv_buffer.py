@@ -3,7 +3,8 @@ two-step memory shuffle that keeps live requests in slots [0, n); beside it, the
 that keeps recent sequences' KV blocks (flover/prefix_cache.py plans what goes where).
 
 Step 1 (`plan_compaction`, pure Python): the fewest slot moves that make the live slots
-contiguous again. Step 2 (`SlotBuffer.apply_moves`): one batched copy per buffer.
+contiguous again. Step 2 (`SlotBuffer.apply_moves`): the copies (one batched copy per buffer on
+CUDA; on CPU the KV copies slot by slot, which is faster there).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class SlotBuffer:
         return tensor
 
     def apply_moves(self, moves: Sequence[Move], positions: int | None = None) -> None:
-        """Step 2 of the shuffle: one batched copy for the KV (all layers, K and V) and one per
-        state tensor. Safe because sources and destinations are disjoint (see plan_compaction).
+        """Step 2 of the shuffle: one batched copy for the KV (all layers, K and V; on CPU a copy
+        per moved slot) and one per state tensor. Safe because sources and destinations are disjoint (see plan_compaction).
         `positions`: only the first `positions` sequence positions hold data in the moved slots;
         copying just those (a view) saves copying the whole max_seq_len."""
         if not moves:
@@ -113,13 +114,17 @@ class SlotBuffer:
         src = torch.tensor([m.src for m in moves], device=self.device)
         dst = torch.tensor([m.dst for m in moves], device=self.device)
         kv = self.kv if positions is None else self.kv[..., :positions, :]  # [layers, 2, slots, heads, pos, dim]
-        kv.index_copy_(2, dst, kv.index_select(2, src))
+        if kv.device.type == "cpu":  # a strided copy per slot: ~5x faster than gather then scatter
+            for m in moves:
+                kv[:, :, m.dst].copy_(kv[:, :, m.src])
+        else:
+            kv.index_copy_(2, dst, kv.index_select(2, src))
         self.moves_done += len(moves)
         self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
-    # -- the prefix pool: one batched copy each way ------------------------------------------
+    # -- the prefix pool: a copy per block on CPU, one batched copy each way on CUDA -----------
     def _slot_blocks(self) -> torch.Tensor:
         """The KV viewed as [layers, 2, slots, heads, blocks per slot, block_tokens, dim]."""
         L, two, S, H, P, D = self.kv.shape
@@ -129,6 +134,11 @@ class SlotBuffer:
         """Slot positions -> pool rows (before the shuffle moves the slots)."""
         if not copies:
             return
+        if self.kv.device.type == "cpu":  # a strided copy per block: ~10x faster than gathering them first
+            blocks = self._slot_blocks()
+            for c in copies:
+                self.pool[:, :, c.block].copy_(blocks[:, :, c.slot, :, c.position // self.block_tokens])
+            return
         slots, blocks, rows = self._index(copies)
         picked = self._slot_blocks()[:, :, slots, :, blocks]  # [n, layers, 2, heads, block_tokens, dim]
         self.pool.index_copy_(2, rows, picked.permute(1, 2, 0, 3, 4, 5))
@@ -136,6 +146,11 @@ class SlotBuffer:
     def load_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Pool rows -> slot positions (into newly admitted slots, after the shuffle)."""
         if not copies:
+            return
+        if self.kv.device.type == "cpu":
+            blocks = self._slot_blocks()
+            for c in copies:
+                blocks[:, :, c.slot, :, c.position // self.block_tokens].copy_(self.pool[:, :, c.block])
             return
         slots, blocks, rows = self._index(copies)
         self._slot_blocks()[:, :, slots, :, blocks] = self.pool.index_select(2, rows).permute(2, 0, 1, 3, 4, 5)
