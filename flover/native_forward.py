@@ -112,7 +112,19 @@ def load_library() -> ctypes.CDLL:
                                    ctypes.c_int]
     lib.flover_forward.restype = ctypes.c_int
     lib.flover_has_int4.restype = ctypes.c_int
+    lib.flover_argmax.argtypes = [p, ctypes.c_int, i64, i64, ctypes.c_int, p, ctypes.c_int]
+    lib.flover_argmax.restype = None
     return lib
+
+
+def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int) -> torch.Tensor:
+    """logits.argmax(-1) ([B, vocab] float32 or bfloat16 on CPU, rows contiguous -> [B] int64):
+    the same ids (the first maximum; NaN counts as the maximum), in vector loops."""
+    assert logits.dtype in DTYPE_CODES and logits.device.type == "cpu" and logits.stride(1) == 1
+    ids = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.flover_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                      DTYPE_CODES[logits.dtype], ids.data_ptr(), threads)
+    return ids
 
 
 def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
@@ -326,6 +338,10 @@ class NativeForward:
         self.eps = float(cfg.norm_eps)
         self.quantized_projections = len(quantized)
         self.iterations = 0  # iterations run natively (stats, tests)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy ids [B] of the iteration's logits [B, vocab] (the sampler's `greedy`)."""
+        return argmax(self.lib, logits, self.threads)
 
     def _all_reduce_hook(self, comm) -> int:
         """The address of a C-callable in-place float32 sum over the ranks, or 0 without TP."""

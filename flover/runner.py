@@ -199,7 +199,7 @@ class ModelRunner:
         all_greedy = all(r.params.temperature == 0 for r in sampled)
         if all_greedy and not (penalised or counted or want_logprobs):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
-            token_ids = greedy(logits)
+            token_ids = self.native.greedy(logits) if self.native is not None else greedy(logits)
             return self._record_sampled(slots, token_ids, None, {}, prompt_logprobs)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],

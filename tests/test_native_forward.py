@@ -10,7 +10,7 @@ import torch
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native_forward import NativeUnavailable, build_library
+from flover.native_forward import NativeUnavailable, argmax, build_library, load_library
 from tests.test_engine import random_arrival_jobs, run_arrivals
 
 
@@ -179,3 +179,24 @@ def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, 
     for decode, prompt, diff, scale, _ in compared:
         assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_argmax_gives_torch_argmax_ids(dtype):
+    """Greedy ids from the native loops equal torch.argmax's: the first of tied maxima (bfloat16
+    rounding makes many), NaN counting as the maximum, rows of -inf or all negative, a vocabulary that is not a
+    multiple of 16, rows that are a slice of wider ones, one row and many."""
+    lib = load_library()
+    generator = torch.Generator().manual_seed(1)
+    for vocab in (1, 7, 16, 1000, 4099):
+        wide = (torch.randn(40, vocab + 5, generator=generator) * 3).round().to(dtype)  # many ties
+        logits = wide[:, :vocab]  # rows vocab + 5 apart
+        logits[1, vocab // 2] = float("nan")
+        logits[2].fill_(float("-inf"))
+        logits[3, -1] = float("nan")
+        logits[4, -1] = float("inf")
+        logits[5, 0] = float("nan")
+        logits[5, -1] = float("inf")
+        logits[6] = -logits[6].abs() - 1  # below every padding value a vector loop might use
+        for rows in (logits, logits[:1], logits[1:2], logits[:3]):
+            assert torch.equal(argmax(lib, rows, 2), rows.argmax(-1)), (vocab, rows.shape)

@@ -825,6 +825,44 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
         for (int64_t i = 0; i < n; i++) x[i] = rnd(x[i], 1);
 }
 
+/* Greedy sampling: ids[r] = the index of the first maximum of logits row r (`vocab` values of
+ * the model dtype, rows `stride` elements apart), NaN counting as the maximum: torch.argmax's
+ * answer, without its scalar loop over a large vocabulary (~1 ms for 32 x 49152 on 2 cores). */
+void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, int bf, int64_t *ids, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 4)
+    for (int r = 0; r < rows; r++) {
+        const char *row = (const char *)logits + (int64_t)r * stride * (bf ? 2 : 4);
+        int64_t best = 0;
+#if defined(__AVX512F__)
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (int64_t i = 0; i < vocab && !nan; i += 16) {
+            const __mmask16 m = lanes(vocab - i);
+            const __m512 v = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), vload(row, i, bf, m));
+            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            top = _mm512_max_ps(v, top); /* a NaN lane keeps top's value: NaN is found above */
+        }
+        const float most = _mm512_reduce_max_ps(top);
+        for (int64_t i = 0; i < vocab; i += 16) {
+            const __m512 v = vload(row, i, bf, lanes(vocab - i));
+            const __mmask16 hit = lanes(vocab - i) & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                                          : _mm512_cmp_ps_mask(v, _mm512_set1_ps(most), _CMP_EQ_OQ));
+            if (hit) {
+                best = i + __builtin_ctz(hit);
+                break;
+            }
+        }
+#else
+        float most = load(row, 0, bf);
+        for (int64_t i = 1; i < vocab && most == most; i++) {
+            const float v = load(row, i, bf);
+            if (v > most || v != v) most = v, best = i;
+        }
+#endif
+        ids[r] = best;
+    }
+}
+
 /* Whether this build has the 4-bit kernels (they need AVX-512 BF16). */
 int flover_has_int4(void) {
 #if defined(__AVX512BF16__)
