@@ -44,6 +44,7 @@ class IterationRows:
 
     sampled: list[Request]
     scoring: list[PromptRows] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # [sampled] int64: their slots (made before the forward)
 
 
 @dataclass
@@ -68,7 +69,6 @@ class ModelRunner:
         state = buffer.add_state
         self._seq_len = state("seq_len", torch.int64)  # tokens of the slot already in the cache
         self._last_token = state("last_token", torch.int64)  # next decode input
-        self._generated = state("generated", torch.int64)  # tokens sampled so far
         self._temperature = state("temperature", torch.float32)
         self._top_k = state("top_k", torch.int64)
         self._top_p = state("top_p", torch.float32, 1.0)
@@ -106,7 +106,6 @@ class ModelRunner:
         for request in plan.admitted:
             slot, p = request.slot, request.params
             self._seq_len[slot] = request.num_computed  # the cached prefix, if any
-            self._generated[slot] = 0
             self._temperature[slot] = p.temperature
             self._top_k[slot] = p.top_k
             self._top_p[slot] = p.top_p
@@ -161,6 +160,7 @@ class ModelRunner:
             max_decode_len=max_len, prefills=prefills,
             sample_rows=torch.tensor(sample_rows + score_rows, dtype=torch.int64, device=dev),
         )
+        rows_of.slots = torch.tensor([r.slot for r in rows_of.sampled], dtype=torch.int64, device=dev)
         return batch, rows_of
 
     def advance(self, plan: StepPlan, batch: ForwardBatch) -> None:
@@ -184,27 +184,29 @@ class ModelRunner:
         broadcasts the ids (a few bytes)."""
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
-        sampled = rows.sampled
-        slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
+        sampled, slots = rows.sampled, rows.slots
         if not self.is_leader:
             ids = self.comm.broadcast_ids(None, len(sampled))
             self._last_token[slots] = torch.tensor(ids, device=self.device)
-            self._generated[slots] += 1
             return SampleResult(ids, None, {}, [])
-        prompt_logprobs = self._score_prompts(logits[len(sampled):], rows.scoring) if rows.scoring else []
-        logits = logits[: len(sampled)]  # [sampled, vocab]
+        prompt_logprobs = []
+        if rows.scoring:
+            prompt_logprobs = self._score_prompts(logits[len(sampled):], rows.scoring)
+            logits = logits[: len(sampled)]  # [sampled, vocab]
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
         want_logprobs = any(r.params.logprobs for r in sampled)
         all_greedy = all(r.params.temperature == 0 for r in sampled)
         if all_greedy and not (penalised or counted or want_logprobs):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
-            token_ids = self.native.greedy(logits) if self.native is not None else greedy(logits)
-            return self._record_sampled(slots, token_ids, None, {}, prompt_logprobs)
+            if self.native is not None and logits.dtype == self.native.dtype:
+                # the ids and the slots' next inputs in one native loop
+                return self._share(self.native.greedy(logits, slots, self._last_token), None, {}, prompt_logprobs)
+            return self._record_sampled(slots, greedy(logits), None, {}, prompt_logprobs)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
             min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
-            counter=self._generated[slots],
+            counter=torch.tensor([len(r.output_token_ids) for r in sampled], dtype=torch.int64, device=self.device),
             all_greedy=all_greedy,
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
             want_logprobs=want_logprobs,
@@ -226,8 +228,10 @@ class ModelRunner:
                         prompt_logprobs: list) -> SampleResult:
         """The leader's sampled ids become the slots' next input tokens (and go to the followers)."""
         self._last_token[slots] = token_ids
-        self._generated[slots] += 1
-        ids = token_ids.tolist()
+        return self._share(token_ids.tolist(), logprobs, failed, prompt_logprobs)
+
+    def _share(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> SampleResult:
+        """The leader's sampled ids go to the followers (tensor parallelism)."""
         if self.comm is not None:
             self.comm.broadcast_ids(ids, len(ids))
         return SampleResult(ids, logprobs, failed, prompt_logprobs)
