@@ -106,7 +106,8 @@ class SlotBuffer:
 
     def apply_moves(self, moves: Sequence[Move], positions: int | None = None) -> None:
         """Step 2 of the shuffle: one batched copy for the KV (all layers, K and V; on CPU a copy
-        per moved slot) and one per state tensor. Safe because sources and destinations are disjoint (see plan_compaction).
+        per moved slot) and one per state tensor. Safe because sources and destinations are
+        disjoint (see plan_compaction).
         `positions`: only the first `positions` sequence positions hold data in the moved slots;
         copying just those (a view) saves copying the whole max_seq_len."""
         if not moves:

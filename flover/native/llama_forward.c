@@ -221,7 +221,8 @@ TILES_OF_ROWS(TILE_Q8, 1)
     }
 /* pf: as in TILE_PAIRS, 64 bytes per input */
 #define TILE_F32(MT, NT)                                                                                   \
-    static void tile_f32_##MT##_##NT(const float *w, int64_t k, const float *x, float *out, const char *pf) { \
+    static void tile_f32_##MT##_##NT(const float *w, int64_t k, const float *x, float *out,               \
+                                     const char *pf) {                                                     \
         __m512 acc[MT][NT];                                                                                \
         for (int i = 0; i < MT; i++)                                                                       \
             for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();                                  \
@@ -444,7 +445,8 @@ static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_
                 /* the first row tile of these blocks reads them from memory, the others from cache:
                  * with a few row tiles (decode), those ask for the next blocks' weights, a block each */
                 const int64_t next = nb + nt_blocks + tiles - 1;
-                const char *pf = rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * k * es : 0;
+                const char *pf =
+                    rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * k * es : 0;
                 tile(w, nb, k, xb, m0, mt, nt_blocks, kind, out, pf);
                 for (int j = 0; j < nt_blocks; j++) {
                     const int64_t n0 = (nb + j) * 16;
