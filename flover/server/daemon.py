@@ -248,6 +248,9 @@ class Daemon:
                     self._flush_backlogs()
                 self._periodic()
         finally:
+            if self.config.handle_signals:  # exiting: a late signal must not turn a clean exit into a kill
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+                    signal.signal(sig, signal.SIG_IGN)
             self.engine.shutdown()  # releases follower ranks
             self.sock.disable_monitor()
             self.monitor.close(0)
