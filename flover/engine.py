@@ -308,7 +308,7 @@ class Engine:
         if plan.saves:
             self.runner.save_prefixes(plan)
         if plan.moves:
-            self.runner.apply_moves(plan.moves)
+            self.runner.apply_moves(plan)
 
     def _tell_followers_failed(self, request_id: str) -> None:
         """A request failed on the leader alone: the followers retire it at the next boundary."""
@@ -335,10 +335,6 @@ class Engine:
         runner.admit(plan)
         batch, rows = runner.build_batch(plan)
         self.last_step_tokens = batch.input_ids.shape[0]
-        # the slots' lengths advance before the forward (the batch holds its own copies): on CPU a
-        # native forward streams the weights through the caches, and every first small tensor
-        # operation after it costs ~0.15 ms of cache misses
-        runner.advance(plan, batch)
         logits = runner.forward(batch)  # [B, vocab]: the one fused forward
         self.scheduler.commit(plan)
         result = runner.sample(logits, rows)

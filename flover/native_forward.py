@@ -112,24 +112,18 @@ def load_library() -> ctypes.CDLL:
                                    ctypes.c_int]
     lib.flover_forward.restype = ctypes.c_int
     lib.flover_has_int4.restype = ctypes.c_int
-    lib.flover_argmax.argtypes = [p, ctypes.c_int, i64, i64, ctypes.c_int, p, p, p, ctypes.c_int]
+    lib.flover_argmax.argtypes = [p, ctypes.c_int, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.flover_argmax.restype = None
     return lib
 
 
-def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, slots: torch.Tensor | None = None,
-           into: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int) -> torch.Tensor:
     """logits.argmax(-1) ([B, vocab] float32 or bfloat16 on CPU, rows contiguous -> [B] int64):
-    the same ids (the first maximum; NaN counts as the maximum), in vector loops. With `slots`
-    ([B] int64) and `into` (int64), also into[slots[r]] = id of row r."""
+    the same ids (the first maximum; NaN counts as the maximum), in vector loops."""
     assert logits.dtype in DTYPE_CODES and logits.device.type == "cpu" and logits.stride(1) == 1
     ids = torch.empty(logits.shape[0], dtype=torch.int64)
-    if slots is not None:
-        assert slots.dtype == into.dtype == torch.int64 and slots.is_contiguous() and into.is_contiguous()
-        assert slots.shape[0] == logits.shape[0]  # (the slots index `into`: the caller's to check)
     lib.flover_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                      DTYPE_CODES[logits.dtype], ids.data_ptr(), 0 if slots is None else slots.data_ptr(),
-                      0 if slots is None else into.data_ptr(), threads)
+                      DTYPE_CODES[logits.dtype], ids.data_ptr(), threads)
     return ids
 
 
@@ -346,17 +340,15 @@ class NativeForward:
         self.quantized_projections = len(quantized)
         self.iterations = 0  # iterations run natively (stats, tests)
 
-    def greedy(self, logits: torch.Tensor, slots: torch.Tensor, next_tokens: torch.Tensor) -> list[int]:
-        """Greedy ids of the iteration's logits [B, vocab] (the sampler's `greedy`), also written
-        to next_tokens[slots] (the slots' next inputs) by the same native loop, into a buffer of
-        its own: after a forward has streamed the weights through the caches, every first tensor
-        operation pays ~0.1 ms of cache misses (a few % of a single stream's token), so none runs
-        here."""
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Greedy ids of the iteration's logits [B, vocab] (the sampler's `greedy`), through a
+        buffer of its own: after a forward has streamed the weights through the caches, every
+        first tensor operation pays ~0.1 ms of cache misses (a few % of a single stream's
+        token), so none runs here."""
         rows = logits.shape[0]
-        assert logits.dtype == self.dtype and logits.stride(1) == 1 and slots.shape[0] == rows <= self.max_rows
-        assert slots.dtype == next_tokens.dtype == torch.int64  # (contiguous: the runner's own tensors)
+        assert logits.dtype == self.dtype and logits.stride(1) == 1 and rows <= self.max_rows
         self.lib.flover_argmax(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), DTYPE_CODES[self.dtype],
-                               self._ids, slots.data_ptr(), next_tokens.data_ptr(), self.threads)
+                               self._ids, self.threads)
         return self._ids[:rows]
 
     def _all_reduce_hook(self, comm) -> int:

@@ -1,8 +1,9 @@
-"""The tensor half of the engine: per-slot state next to the KV buffer, the iteration's token
-matrix, the one fused forward, and sampling (with its tensor-parallel gather and broadcast).
+"""The tensor half of the engine: per-slot sampling parameters next to the KV buffer, the
+iteration's token matrix (from the requests themselves), the one fused forward, and sampling (with
+its tensor-parallel gather and broadcast).
 
 Pure tensor work on the scheduler's decisions; it never looks at text. `Engine.step` calls it as
-admit -> build_batch -> forward -> advance -> sample.
+admit -> build_batch -> forward -> sample.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flover.cuda_graphs import DecodeGraphs
-from flover.kv_buffer import Move, SlotBuffer
+from flover.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native_forward import NativeForward
 from flover.parallel.comm import Communicator
@@ -44,7 +45,6 @@ class IterationRows:
 
     sampled: list[Request]
     scoring: list[PromptRows] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # [sampled] int64: their slots (made before the forward)
 
 
 @dataclass
@@ -66,9 +66,7 @@ class ModelRunner:
         self.graphs, self.native = graphs, native
         self.is_leader = comm is None or comm.rank == 0
         self._rng = random.Random(seed)  # seeds requests that bring none
-        state = buffer.add_state
-        self._seq_len = state("seq_len", torch.int64)  # tokens of the slot already in the cache
-        self._last_token = state("last_token", torch.int64)  # next decode input
+        state = buffer.add_state  # per-slot sampling parameters (a request's lengths and tokens are its own)
         self._temperature = state("temperature", torch.float32)
         self._top_k = state("top_k", torch.int64)
         self._top_p = state("top_p", torch.float32, 1.0)
@@ -82,10 +80,9 @@ class ModelRunner:
         """Blocks of finished sequences and completed prompts -> the prefix pool (before the moves)."""
         self.buffer.save_blocks(plan.saves)
 
-    def apply_moves(self, moves: list[Move]) -> None:
+    def apply_moves(self, plan: StepPlan) -> None:
         """The shuffle's copies, limited to the cached positions of the moved slots."""
-        used = max(int(self._seq_len[m.src]) for m in moves)
-        self.buffer.apply_moves(moves, positions=max(1, used))
+        self.buffer.apply_moves(plan.moves, positions=max(1, plan.moved_kv_len))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP)."""
@@ -105,7 +102,6 @@ class ModelRunner:
         self.buffer.load_blocks(plan.loads)
         for request in plan.admitted:
             slot, p = request.slot, request.params
-            self._seq_len[slot] = request.num_computed  # the cached prefix, if any
             self._temperature[slot] = p.temperature
             self._top_k[slot] = p.top_k
             self._top_p[slot] = p.top_p
@@ -116,33 +112,30 @@ class ModelRunner:
             self._seed[slot] = p.seed if p.seed is not None else self._rng.getrandbits(63)
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, IterationRows]:
-        """The iteration's token matrix: decode tokens in slot order, then the prefill chunks."""
-        dev = self.device
-        num_decode = len(plan.decode)
-        decode_slots = [r.slot for r in plan.decode]
-        contiguous = num_decode == 0 or decode_slots[-1] == num_decode - 1
-        span = decode_slots[-1] + 1 if num_decode else 0
-        if contiguous:
-            rows, slot_index = None, slice(0, num_decode)
-            span_lens = self._seq_len[:span] + 1
-        else:
-            rows = torch.tensor(decode_slots, device=dev)
-            slot_index = rows
-            span_lens = torch.ones(span, dtype=torch.int64, device=dev)
-            span_lens[rows] = self._seq_len[rows] + 1
-        ids = [self._last_token[slot_index]]
-        positions = [self._seq_len[slot_index]]
-        slots = [torch.arange(num_decode, device=dev) if contiguous else rows]
+        """The iteration's token matrix: decode tokens in slot order, then the prefill chunks.
+        Built from the requests (a decode row's input is its last sampled token, at position
+        kv_len) as lists, then one tensor per field: after a native forward every first tensor
+        operation pays ~0.1 ms of cache misses, so as few kinds as possible."""
+        decode = plan.decode
+        num_decode = len(decode)
+        decode_slots = [r.slot for r in decode]
+        span = decode_slots[-1] + 1 if num_decode else 0  # decode rows lie in slots [0, span)
+        ids = [r.output_token_ids[-1] for r in decode]
+        positions = [r.kv_len for r in decode]
+        slots = list(decode_slots)
+        span_lens = [1] * span  # the slots in the span that are prefilling attend to nothing here
+        for slot, position in zip(decode_slots, positions):
+            span_lens[slot] = position + 1
 
-        prefills, prefill_ids, sample_rows, score_rows = [], [], list(range(num_decode)), []
-        rows_of = IterationRows(list(plan.decode))
+        prefills, sample_rows, score_rows = [], list(range(num_decode)), []
+        rows_of = IterationRows(list(decode))
         row = num_decode
         for chunk in plan.prefill:
             r = chunk.request
             prefills.append(PrefillSpan(row, chunk.length, r.slot, chunk.start))
-            prefill_ids += r.prompt_token_ids[chunk.start: chunk.start + chunk.length]
-            positions.append(torch.arange(chunk.start, chunk.start + chunk.length, device=dev))
-            slots.append(torch.full((chunk.length,), r.slot, dtype=torch.int64, device=dev))
+            ids += r.prompt_token_ids[chunk.start: chunk.start + chunk.length]
+            positions += range(chunk.start, chunk.start + chunk.length)
+            slots += [r.slot] * chunk.length
             scored = min(chunk.length, r.prompt_len - 1 - chunk.start)  # rows that predict a prompt token
             if r.params.prompt_logprobs and scored > 0:
                 rows_of.scoring.append(PromptRows(r, chunk.start + 1, scored))
@@ -151,25 +144,15 @@ class ModelRunner:
             if chunk.completes_prompt:
                 sample_rows.append(row - 1)
                 rows_of.sampled.append(r)
-        if prefill_ids:
-            ids.append(torch.tensor(prefill_ids, dtype=torch.int64, device=dev))
-        max_len = max((r.prompt_len + len(r.output_token_ids) for r in plan.decode), default=0)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
         batch = ForwardBatch(
-            input_ids=torch.cat(ids), positions=torch.cat(positions), write_slots=torch.cat(slots),
-            num_decode=num_decode, decode_span=span, decode_rows=rows, span_lens=span_lens,
-            max_decode_len=max_len, prefills=prefills,
-            sample_rows=torch.tensor(sample_rows + score_rows, dtype=torch.int64, device=dev),
+            input_ids=as_tensor(ids), positions=as_tensor(positions), write_slots=as_tensor(slots),
+            num_decode=num_decode, decode_span=span,
+            decode_rows=None if span == num_decode else as_tensor(decode_slots),  # None: slots 0..n-1
+            span_lens=as_tensor(span_lens), max_decode_len=max(span_lens, default=0), prefills=prefills,
+            sample_rows=as_tensor(sample_rows + score_rows),
         )
-        rows_of.slots = torch.tensor([r.slot for r in rows_of.sampled], dtype=torch.int64, device=dev)
         return batch, rows_of
-
-    def advance(self, plan: StepPlan, batch: ForwardBatch) -> None:
-        d = batch.num_decode
-        if d:
-            index = slice(0, d) if batch.decode_rows is None else batch.decode_rows
-            self._seq_len[index] += 1
-        for chunk in plan.prefill:
-            self._seq_len[chunk.request.slot] = chunk.start + chunk.length
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
         """[B, vocab block] on each rank -> [B, vocab] on the leader (blocks are padded equally)."""
@@ -184,11 +167,9 @@ class ModelRunner:
         broadcasts the ids (a few bytes)."""
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
-        sampled, slots = rows.sampled, rows.slots
+        sampled = rows.sampled
         if not self.is_leader:
-            ids = self.comm.broadcast_ids(None, len(sampled))
-            self._last_token[slots] = torch.tensor(ids, device=self.device)
-            return SampleResult(ids, None, {}, [])
+            return SampleResult(self.comm.broadcast_ids(None, len(sampled)), None, {}, [])
         prompt_logprobs = []
         if rows.scoring:
             prompt_logprobs = self._score_prompts(logits[len(sampled):], rows.scoring)
@@ -200,9 +181,9 @@ class ModelRunner:
         if all_greedy and not (penalised or counted or want_logprobs):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
             if self.native is not None and logits.dtype == self.native.dtype:
-                # the ids and the slots' next inputs in one native loop
-                return self._share(self.native.greedy(logits, slots, self._last_token), None, {}, prompt_logprobs)
-            return self._record_sampled(slots, greedy(logits), None, {}, prompt_logprobs)
+                return self._share(self.native.greedy(logits), None, {}, prompt_logprobs)
+            return self._share(greedy(logits).tolist(), None, {}, prompt_logprobs)
+        slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
             min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
@@ -222,12 +203,6 @@ class ModelRunner:
         except Exception:  # a request-specific failure: find the rows responsible, sample the rest
             log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
             token_ids, logprobs, failed = self._sample_rows(logits, st)
-        return self._record_sampled(slots, token_ids, logprobs, failed, prompt_logprobs)
-
-    def _record_sampled(self, slots: torch.Tensor, token_ids: torch.Tensor, logprobs, failed: dict[int, str],
-                        prompt_logprobs: list) -> SampleResult:
-        """The leader's sampled ids become the slots' next input tokens (and go to the followers)."""
-        self._last_token[slots] = token_ids
         return self._share(token_ids.tolist(), logprobs, failed, prompt_logprobs)
 
     def _share(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> SampleResult:

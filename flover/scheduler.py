@@ -43,6 +43,7 @@ class StepPlan:
     saves: list[BlockCopy] = field(default_factory=list)  # slot -> prefix pool, before the moves
     loads: list[BlockCopy] = field(default_factory=list)  # prefix pool -> admitted slots, after them
     num_live: int = 0  # live slots are [0, num_live) after this plan
+    moved_kv_len: int = 0  # the longest cached sequence among the moved slots (what the moves copy)
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +161,7 @@ class Scheduler:
             request = self.slots[move.src]
             self.slots[move.dst], self.slots[move.src] = request, None
             request.slot = move.dst
+            plan.moved_kv_len = max(plan.moved_kv_len, request.kv_len)
         self.num_live = sum(occupied)
 
     @staticmethod

@@ -200,10 +200,3 @@ def test_native_argmax_gives_torch_argmax_ids(dtype):
         logits[6] = -logits[6].abs() - 1  # below every padding value a vector loop might use
         for rows in (logits, logits[:1], logits[1:2], logits[:3]):
             assert torch.equal(argmax(lib, rows, 2), rows.argmax(-1)), (vocab, rows.shape)
-        # the runner's form: the ids also land at each row's slot of the next-token state
-        slots = torch.randperm(50, generator=generator)[: logits.shape[0]]
-        state = torch.full((50,), -1, dtype=torch.int64)
-        ids = argmax(lib, logits, 2, slots, state)
-        expected = torch.full((50,), -1, dtype=torch.int64)
-        expected[slots] = logits.argmax(-1)
-        assert torch.equal(ids, logits.argmax(-1)) and torch.equal(state, expected)
