@@ -133,8 +133,9 @@ class Client:
         data = _encode(message, self.max_message_bytes)
         self._watch_connection()
         rid, is_request = message.get("id"), message.get("op") == "generate"
-        if is_request and self._down is not None:
+        if (is_request or rid in self._pending) and self._down is not None:  # a reply is awaited
             self._events[rid].append(_lost_event(rid, self._down, self.addr))
+            self._pending.discard(rid)
             return
         self.sock.send(data)
         if is_request:
@@ -230,8 +231,10 @@ class Client:
 
     def _ask(self, op: str, timeout: float) -> dict:
         rid = self.new_id()
+        # pending before it is sent: a connection found lost while sending answers it too (a
+        # refused CURVE handshake is often reported before the first message goes out)
+        self._pending.add(rid)
         self.send({"op": op, "id": rid})
-        self._pending.add(rid)  # a lost connection answers it too
         event = self.next_event(rid, timeout)
         self._pending.discard(rid)
         if event["event"] == "error":

@@ -366,6 +366,11 @@ def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
                     curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")) as c:
             with pytest.raises(FloverError, match="handshake_failed"):
                 c.health(timeout=5)  # not on the allow list: the handshake is refused, and the client says so
+        with Client(srv.addr, timeout=2, curve_server_key=server_key,
+                    curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")) as c:
+            assert c.monitor.poll(10_000)  # the refusal is reported before anything is sent
+            with pytest.raises(FloverError, match="handshake_failed"):
+                c.health(timeout=5)
         with Client(srv.addr, timeout=2) as c:  # plain text to a CURVE server: refused
             with pytest.raises(FloverError, match="handshake_failed"):
                 c.health(timeout=5)
