@@ -131,10 +131,12 @@ class Client:
         """Raises FloverError(message_too_large) without sending what the server would refuse.
         While the connection is lost a request is not sent: its `connection_lost` comes at once."""
         data = _encode(message, self.max_message_bytes)
-        self._watch_connection()
         rid, is_request = message.get("id"), message.get("op") == "generate"
-        if (is_request or rid in self._pending) and self._down is not None:  # a reply is awaited
-            self._events[rid].append(_lost_event(rid, self._down, self.addr))
+        awaited = is_request or rid in self._pending  # (before the watch below answers and clears the pending)
+        self._watch_connection()
+        if awaited and self._down is not None:
+            if not self._events.get(rid):  # not answered by the watch just now
+                self._events[rid].append(_lost_event(rid, self._down, self.addr))
             self._pending.discard(rid)
             return
         self.sock.send(data)
