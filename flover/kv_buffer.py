@@ -136,9 +136,8 @@ class SlotBuffer:
         if not copies:
             return
         if self.kv.device.type == "cpu":  # a strided copy per block: ~10x faster than gathering them first
-            blocks = self._slot_blocks()
-            for c in copies:
-                self.pool[:, :, c.block].copy_(blocks[:, :, c.slot, :, c.position // self.block_tokens])
+            for in_slot, in_pool in self._block_views(copies):
+                in_pool.copy_(in_slot)
             return
         slots, blocks, rows = self._index(copies)
         picked = self._slot_blocks()[:, :, slots, :, blocks]  # [n, layers, 2, heads, block_tokens, dim]
@@ -149,12 +148,16 @@ class SlotBuffer:
         if not copies:
             return
         if self.kv.device.type == "cpu":
-            blocks = self._slot_blocks()
-            for c in copies:
-                blocks[:, :, c.slot, :, c.position // self.block_tokens].copy_(self.pool[:, :, c.block])
+            for in_slot, in_pool in self._block_views(copies):
+                in_slot.copy_(in_pool)
             return
         slots, blocks, rows = self._index(copies)
         self._slot_blocks()[:, :, slots, :, blocks] = self.pool.index_select(2, rows).permute(2, 0, 1, 3, 4, 5)
+
+    def _block_views(self, copies: Sequence[BlockCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per copy, its block in the slot and its pool row: [layers, 2, heads, block_tokens, dim] views."""
+        blocks = self._slot_blocks()
+        return [(blocks[:, :, c.slot, :, c.position // self.block_tokens], self.pool[:, :, c.block]) for c in copies]
 
     def _index(self, copies: Sequence[BlockCopy]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
