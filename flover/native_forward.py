@@ -117,14 +117,16 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
-def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int) -> torch.Tensor:
-    """logits.argmax(-1) ([B, vocab] float32 or bfloat16 on CPU, rows contiguous -> [B] int64):
-    the same ids (the first maximum; NaN counts as the maximum), in vector loops."""
-    assert logits.dtype in DTYPE_CODES and logits.device.type == "cpu" and logits.stride(1) == 1
-    ids = torch.empty(logits.shape[0], dtype=torch.int64)
-    lib.flover_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                      DTYPE_CODES[logits.dtype], ids.data_ptr(), threads)
-    return ids
+def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> list[int]:
+    """logits.argmax(-1).tolist() ([B, vocab] float32 or bfloat16 on CPU, rows contiguous): the
+    same ids (the first maximum; NaN counts as the maximum), in vector loops, without a tensor
+    operation. `out`: a ctypes int64 array of at least B to write them to (else a new one)."""
+    rows = logits.shape[0]
+    out = (ctypes.c_int64 * rows)() if out is None else out
+    assert logits.dtype in DTYPE_CODES and logits.device.type == "cpu" and logits.stride(1) == 1 and len(out) >= rows
+    lib.flover_argmax(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), DTYPE_CODES[logits.dtype], out,
+                      threads)
+    return out[:rows]
 
 
 def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
@@ -161,11 +163,12 @@ def blocked_shape(weight: torch.Tensor) -> tuple[int, ...]:
 
 
 def block_weight(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write `weight` [n, k] into `out` (of blocked_shape) in the blocked layout."""
+    """Write `weight` [n, k] into `out` (of blocked_shape, or int8_shapes' codes) in the blocked
+    layout: input pairs where `out` has four dimensions, single inputs where it has three."""
     n, k = weight.shape
     padded = torch.zeros(out.shape[0] * 16, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
-    if weight.dtype == torch.bfloat16:
+    if out.dim() == 4:
         return out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
     return out.copy_(padded.view(-1, 16, k).permute(0, 2, 1))
 
@@ -189,13 +192,9 @@ def int8_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def block_int8(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-    codes = quantized.data  # int8 [n, k]
-    n, k = codes.shape
-    padded = torch.zeros(codes_out.shape[0] * 16, k, dtype=torch.int8)
-    padded[:n] = codes
-    codes_out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
+    block_weight(quantized.data, codes_out)  # int8 [n, k] codes, as bfloat16's pairs
     scales_out.zero_()
-    scales_out[:n] = quantized.scales.to(torch.float32)
+    scales_out[: quantized.data.shape[0]] = quantized.scales.to(torch.float32)
 
 
 def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
@@ -345,11 +344,7 @@ class NativeForward:
         buffer of its own: after a forward has streamed the weights through the caches, every
         first tensor operation pays ~0.1 ms of cache misses (a few % of a single stream's
         token), so none runs here."""
-        rows = logits.shape[0]
-        assert logits.dtype == self.dtype and logits.stride(1) == 1 and rows <= self.max_rows
-        self.lib.flover_argmax(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), DTYPE_CODES[self.dtype],
-                               self._ids, self.threads)
-        return self._ids[:rows]
+        return argmax(self.lib, logits, self.threads, self._ids)
 
     def _all_reduce_hook(self, comm) -> int:
         """The address of a C-callable in-place float32 sum over the ranks, or 0 without TP."""

@@ -199,4 +199,4 @@ def test_native_argmax_gives_torch_argmax_ids(dtype):
         logits[5, -1] = float("inf")
         logits[6] = -logits[6].abs() - 1  # below every padding value a vector loop might use
         for rows in (logits, logits[:1], logits[1:2], logits[:3]):
-            assert torch.equal(argmax(lib, rows, 2), rows.argmax(-1)), (vocab, rows.shape)
+            assert argmax(lib, rows, 2) == rows.argmax(-1).tolist(), (vocab, rows.shape)
