@@ -241,6 +241,8 @@ TILES_OF_ROWS(TILE_F32, 1)
 /* What a projection's weights are: the model dtype's values, or int8 codes (inputs bfloat16). */
 enum { W_F32 = DT_F32, W_BF16 = DT_BF16, W_Q8 = 2 };
 
+static inline int64_t weight_bytes(int kind) { return kind == W_Q8 ? 1 : kind == W_BF16 ? 2 : 4; }
+
 /* Portable fallback (no AVX-512): MT rows times NT blocks, plain loops. */
 static void tile_any(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int kind, float *out) {
     const int bf = kind != W_F32; /* the inputs' dtype */
@@ -261,7 +263,7 @@ static void tile_any(const void *w, int64_t k, const void *x, int mt, int nt_blo
 static void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
                  float *out, const char *pf) {
     const int bf = kind != W_F32;
-    const int64_t es = kind == W_Q8 ? 1 : bf ? 2 : 4, xs = bf ? 2 : 4;
+    const int64_t es = weight_bytes(kind), xs = bf ? 2 : 4;
     const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
 #define CALL(KIND, TYPE, MT, NT)                                                                           \
     if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const void *)xr, out, pf);
@@ -437,7 +439,7 @@ static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[6 * 4 * 16];
-        const int64_t es = kind == W_Q8 ? 1 : bf ? 2 : 4;
+        const int64_t es = weight_bytes(kind);
         for (int64_t nb = b0; nb < b1;) {
             const int nt_blocks = b1 - nb >= 4 ? 4 : (int)(b1 - nb);
             for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
