@@ -335,7 +335,7 @@ class Engine:
         runner.admit(plan)
         batch, rows = runner.build_batch(plan)
         self.last_step_tokens = batch.input_ids.shape[0]
-        logits = runner.forward(batch)  # [B, vocab]: the one fused forward
+        logits = runner.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
         self.scheduler.commit(plan)
         result = runner.sample(logits, rows)
         self.iterations += 1

@@ -55,6 +55,13 @@ class SampleResult:
     prompt_logprobs: list[list[Logprob]]  # per PromptRows, one per row (leader only)
 
 
+def plain_greedy(requests: list[Request]) -> bool:
+    """Every request takes its largest logit as is (the common serving case): no temperature,
+    penalty or log-probabilities."""
+    return all(r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and not r.params.frequency_penalty
+               and not r.params.presence_penalty and not r.params.logprobs for r in requests)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
                  comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None,
@@ -84,14 +91,17 @@ class ModelRunner:
         """The shuffle's copies, limited to the cached positions of the moved slots."""
         self.buffer.apply_moves(plan.moves, positions=max(1, plan.moved_kv_len))
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP)."""
+    def forward(self, batch: ForwardBatch, rows: IterationRows | None = None) -> torch.Tensor | list[int]:
+        """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP); or,
+        given the iteration's `rows` and all of them plain greedy, maybe their ids already (the
+        native step's screened head): sample() takes either."""
         if self.graphs is not None:
             logits = self.graphs.run(batch)
             if logits is not None:
                 return logits
         if self.native is not None:
-            logits = self.native.run(batch)
+            greedy = rows is not None and not rows.scoring and plain_greedy(rows.sampled)
+            logits = self.native.run(batch, greedy=greedy)
             if logits is not None:
                 return logits
         return self.model(batch, self.buffer.kv)
@@ -162,9 +172,11 @@ class ModelRunner:
         full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
         return full[:, : self.vocab_size]
 
-    def sample(self, logits: torch.Tensor | None, rows: IterationRows) -> SampleResult:
+    def sample(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> SampleResult:
         """The leader samples every row at once (and scores prompts that asked); with TP it then
-        broadcasts the ids (a few bytes)."""
+        broadcasts the ids (a few bytes). A list: the forward's greedy ids already."""
+        if isinstance(logits, list):
+            return self._share(logits, None, {}, [])
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
         sampled = rows.sampled
@@ -178,7 +190,7 @@ class ModelRunner:
         counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
         want_logprobs = any(r.params.logprobs for r in sampled)
         all_greedy = all(r.params.temperature == 0 for r in sampled)
-        if all_greedy and not (penalised or counted or want_logprobs):
+        if plain_greedy(sampled):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
             if self.native is not None and logits.dtype == self.native.dtype:
                 return self._share(self.native.greedy(logits), None, {}, prompt_logprobs)

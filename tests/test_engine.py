@@ -80,7 +80,7 @@ def test_one_fused_forward_per_iteration(llama_dir, native):
         engine.model.forward = lambda batch, kv: calls.append(batch.input_ids.shape[0]) or forward(batch, kv)
     else:
         run = engine.runner.native.run
-        engine.runner.native.run = lambda batch: calls.append(batch.input_ids.shape[0]) or run(batch)
+        engine.runner.native.run = lambda batch, **kw: calls.append(batch.input_ids.shape[0]) or run(batch, **kw)
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True))
     engine.add_request([4, 5], SamplingParams(max_new_tokens=5, ignore_eos=True))
     engine.step()

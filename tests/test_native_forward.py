@@ -3,10 +3,14 @@ forward on the same iteration state, for every Llama-family variant, in float32 
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from flover.config import EngineConfig, SamplingParams
 from flover.engine import Engine
 from flover.models.attention import ForwardBatch, PrefillSpan
@@ -34,7 +38,7 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     compared = []
 
-    def forward(batch):
+    def forward(batch, rows=None):  # logits always (no greedy ids): they are what is compared
         reference = runner.model(batch, runner.buffer.kv)
         logits = native.run(batch)
         assert logits is not None and logits.shape == reference.shape
@@ -138,7 +142,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
     native = engine.runner.native
     run, checked = native.run, {"decode": 0, "mixed": 0}
 
-    def run_and_check(batch):
+    def run_and_check(batch, greedy=False):  # logits always (no greedy ids): they are what is compared
         logits = run(batch)
         kind = "mixed" if batch.prefills else "decode"
         if batch.sample_rows.numel() >= 3 and checked[kind] < 3:
@@ -200,3 +204,84 @@ def test_native_argmax_gives_torch_argmax_ids(dtype):
         logits[6] = -logits[6].abs() - 1  # below every padding value a vector loop might use
         for rows in (logits, logits[:1], logits[1:2], logits[:3]):
             assert argmax(lib, rows, 2) == rows.argmax(-1).tolist(), (vocab, rows.shape)
+
+
+def edited_copy(model_dir: str, out: Path, edit) -> str:
+    """A copy of the checkpoint in `out` whose tensors (name -> tensor) edit() changed in place."""
+    shutil.copytree(model_dir, out)
+    path = next(out.glob("*.safetensors"))
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    return str(out)
+
+
+def near_tied_head(tensors: dict) -> None:
+    """Vocabulary rows of the LM head (the embedding when tied) in pairs that bfloat16 can hardly
+    tell apart. A third of the pairs exactly equal (a tie: the first index wins); a third one
+    float32 step apart in each weight, up or down (which of the two is larger can depend on
+    the order of the sum's roundings); a third ~2^-9 apart in each weight, bfloat16's own resolution, so that
+    the screen often orders the two wrongly."""
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    generator = torch.Generator().manual_seed(3)
+    first, second = head[0::2][: head.shape[0] // 2], head[1::2]
+    noise = torch.randn(second.shape, generator=generator) * 2e-3 * first.abs()
+    noise[0::3] = 0
+    noise[1::3] = 0
+    second.copy_(first + noise)
+    nudged = second[1::3]
+    sign = torch.randint(0, 2, nudged.shape, generator=generator) * 2 - 1
+    nudged.copy_(torch.nextafter(nudged, sign * torch.tensor(float("inf"))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4"])
+def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_model, variant, dtype, tmp_path):
+    """Greedy rows take their ids from a screen of the LM head (float32: a bfloat16 copy;
+    bfloat16: int8) plus the few candidates summed exactly (llama_forward.c, "greedy through a
+    screen of the LM head"): on a head whose rows come in near-ties that the screen's rounding
+    reorders, and in exact ties, every iteration's ids equal the first argmax of the whole head's
+    logits on the same state."""
+    model_dir = edited_copy(make_model(variant), tmp_path / "near-ties", near_tied_head)
+    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110))
+    native = engine.runner.native
+    assert native.screens_greedy
+    run, compared = native.run, []
+
+    def run_and_check(batch, greedy=False):
+        out = run(batch, greedy=greedy)
+        if greedy and batch.sample_rows.numel():
+            assert isinstance(out, list)
+            compared.append((out, run(batch)))  # the same iteration with every logit
+        return out
+
+    native.run = run_and_check
+    jobs = [(at, prompt, dataclasses.replace(params, temperature=0.0))
+            for at, prompt, params in random_arrival_jobs(0, vocab=500, max_new_tokens=30)]
+    run_arrivals(engine, jobs)
+    rows = sum(len(ids) for ids, _ in compared)
+    assert rows > 100 and native.screened_rows == rows
+    assert native.full_head_rows < rows / 10  # the screen, not the fallback, decided
+    near = 0
+    for ids, logits in compared:
+        assert ids == logits.argmax(-1).tolist()
+        for row, i in enumerate(ids):  # the winner's pair partner within bfloat16's resolution of it
+            top, partner = logits[row, i].item(), logits[row, i ^ 1].item() if (i ^ 1) < logits.shape[1] else 0.0
+            near += 0 <= abs(top - partner) < 2 ** -6 * abs(top)
+    assert near > 20, near  # decided by the exact sums of the candidates, not by the screen
+
+
+@pytest.mark.parametrize("fill", [0.0, float("nan")])
+def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_model, fill, tmp_path):
+    """A final norm of zeros (every logit 0: all candidates) or NaN (NaN logits): the rows take the
+    whole float32 head, and the ids are still torch.argmax's (0: the first maximum, or NaN)."""
+    model_dir = edited_copy(make_model("llama"), tmp_path / "norm", lambda tensors: tensors["model.norm.weight"].fill_(fill))
+    native = Engine(EngineConfig(model_dir, dtype="float32", max_slots=4, max_batch_tokens=16,
+                                 max_seq_len=64)).runner.native
+    batch = ForwardBatch(input_ids=torch.tensor([5, 6, 7]), positions=torch.arange(3),
+                         write_slots=torch.zeros(3, dtype=torch.int64), num_decode=0, decode_span=0,
+                         decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, 3, 0, 0)],
+                         sample_rows=torch.arange(3))
+    ids = native.run(batch, greedy=True)
+    assert ids == native.run(batch).argmax(-1).tolist() == [0, 0, 0]
+    assert native.full_head_rows == native.screened_rows == 3

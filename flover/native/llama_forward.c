@@ -39,6 +39,10 @@ typedef struct {
      * `vocab` rows of it), and all_reduce (a void (*)(float *, int64_t) address; 0 at TP=1) sums
      * a float buffer over the ranks in place, as the PyTorch path's all-reduces do. */
     int64_t vocab_start, all_reduce;
+    /* greedy through a screen of the head (see there): its copy (float32 models: bfloat16,
+     * blocked as bfloat16's pairs; bfloat16 models: int8 codes, blocked so, and row scales) and
+     * each vocabulary row's bound factor (float32); else 0 */
+    int64_t head_screen, head_screen_scales, head_bounds;
 } Model;
 
 
@@ -426,16 +430,27 @@ static void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr
  * With `scales_addr` (int8: float32 [blocks * 16]) W holds int8 codes and W[n, :] is
  * scales[n] * codes[n, :]. Threads split the weight blocks: each reads its share of the weight
  * once (from memory) and the rows' tiles again from its cache. */
+static void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x,
+                         void *xb, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt);
+
 static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
                     int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
-    const int bf = md->dtype == DT_BF16, kind = scales_addr ? W_Q8 : bf;
+    const int bf = md->dtype == DT_BF16;
+    project_kind(scales_addr ? W_Q8 : bf, bf, w_addr, scales_addr, b_addr, x, xb, rows, n_out, k, y, y_in_model_dtype,
+                 nt);
+}
+
+/* project() through weights of `kind`, outputs rounded (and stored) as bfloat16 if bf; x NULL:
+ * xb already holds the operand. */
+static void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x,
+                         void *xb, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
     const float *scales = (const float *)scales_addr;
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        operand_rows(x, xb, rows, k, bf, t, T);
+        if (x) operand_rows(x, xb, rows, k, kind != W_F32, t, T);
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[6 * 4 * 16];
@@ -867,8 +882,114 @@ void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, 
     }
 }
 
-/* Whether this build has the 4-bit kernels (they need AVX-512 BF16). */
-int flover_has_int4(void) {
+/* ---- greedy through a screen of the LM head -------------------------------------------------
+ * A greedy row needs the index of its largest logit, not the logits, and the head is a fifth of
+ * a token's bytes and FLOPs (SmolLM2: 49152 x 576). So a cheaper copy of the head scores every
+ * vocabulary row first: bfloat16 for a float32 model (half the bytes, twice the FMA rate), int8
+ * with one scale per row for a bfloat16 model (half the bytes). With a bound B_j >= |s_j - f_j|
+ * between the screen's s_j and the exact logit f_j, only rows whose s_j + B_j reaches
+ * lo = max_k (s_k - B_k) can hold the maximum (bfloat16 logits: lo lowered by their rounding, so
+ * that rows rounding to the same maximum are kept, and the first of them wins). Those few are
+ * summed again by the model's own tile, so the id is the one the whole head's argmax gives, bit
+ * for bit. B_j = |x| * bounds[j], |x| the L2 norm (bfloat16 screen) or the L1 norm (int8), and
+ * bounds[j] from flover/native_forward.py (`screen_bounds`, where the error terms are derived),
+ * plus 2^-10 of margin for the float rounding of |x| and B_j, 2^-20 |s_j| for that of s_j -+ B_j,
+ * and 1e-30 for denormals (the dot-product instruction flushes them). Rows with a non-finite
+ * value, or too many candidates (near-uniform logits), take the whole head. */
+enum { SCREEN_MAX_CANDIDATES = 256 };
+
+/* ids[r] for the final-normed rows x [rows, h]; scores: [rows, vocab] floats of scratch; xb: the
+ * projections' operand scratch. Returns the rows that took the whole head. */
+static int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *scores, int64_t *ids,
+                           int nt) {
+    if (rows <= 0) return 0;
+    const int bf = md->dtype == DT_BF16, exact_kind = bf ? W_BF16 : W_F32;
+    const int64_t h = md->hidden, vocab = md->vocab;
+    const float *bounds = (const float *)md->head_bounds;
+    if (bf) { /* int8 codes, row scales; the operand is x's bfloat16 values (exact), as the head's */
+        project_kind(W_Q8, 0, md->head_screen, md->head_screen_scales, 0, x, xb, rows, vocab, h, scores, 0, nt);
+    } else { /* bfloat16 of x to nearest, then bfloat16 weights */
+        for (int64_t i = 0; i < rows * h; i++) ((uint16_t *)xb)[i] = f2bf(x[i]);
+        project_kind(W_BF16, 0, md->head_screen, 0, 0, 0, xb, rows, vocab, h, scores, 0, nt);
+    }
+    int full[rows], n_full = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 2) reduction(+ : n_full)
+    for (int r = 0; r < rows; r++) {
+        const float *a = x + r * h, *s = scores + r * vocab;
+        double norm = 0.;
+        int finite = 1;
+        for (int64_t i = 0; i < h; i++) norm += bf ? fabs((double)a[i]) : (double)a[i] * a[i], finite &= isfinite(a[i]);
+        const float scale = (float)((bf ? norm : sqrt(norm)) * (1 + 0x1p-10)), rel = 0x1p-20f, tiny = 1e-30f;
+        float lo = -INFINITY, hi = -INFINITY;
+        int64_t cand[SCREEN_MAX_CANDIDATES], n = 0;
+#if defined(__AVX512F__)
+#define BOUND(v, j, m) _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_maskz_loadu_ps(m, bounds + (j)),              \
+                                       _mm512_fmadd_ps(_mm512_set1_ps(rel), _mm512_abs_ps(v), _mm512_set1_ps(tiny)))
+        __m512 low = _mm512_set1_ps(-INFINITY), high = _mm512_set1_ps(-INFINITY);
+        __mmask16 bad = 0;
+        for (int64_t j = 0; j < vocab; j += 16) {
+            const __mmask16 m = lanes(vocab - j);
+            const __m512 v = _mm512_maskz_loadu_ps(m, s + j), b = BOUND(v, j, m);
+            bad |= _mm512_mask_cmp_ps_mask(m, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ); /* NaN, inf */
+            low = _mm512_mask_max_ps(low, m, low, _mm512_sub_ps(v, b));
+            high = _mm512_mask_max_ps(high, m, high, _mm512_add_ps(v, b));
+        }
+        lo = _mm512_reduce_max_ps(low), hi = _mm512_reduce_max_ps(high);
+        finite &= !bad;
+#else
+        for (int64_t j = 0; j < vocab; j++) {
+            const float b = fmaf(scale, bounds[j], fmaf(rel, fabsf(s[j]), tiny));
+            finite &= isfinite(s[j]);
+            if (s[j] - b > lo) lo = s[j] - b;
+            if (s[j] + b > hi) hi = s[j] + b;
+        }
+#endif
+        /* bfloat16 logits: a row whose logit rounds to the same maximum may lie below lo by the
+         * rounding of both (each at most 2^-8 of a value within max(|lo|, |hi|), with margin) */
+        const float top = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
+        const float threshold = bf ? lo - 0x1p-7f * top * (1 + 0x1p-6f) : lo;
+#if defined(__AVX512F__)
+        for (int64_t j = 0; j < vocab && finite && n <= SCREEN_MAX_CANDIDATES; j += 16) {
+            const __mmask16 m = lanes(vocab - j);
+            const __m512 v = _mm512_maskz_loadu_ps(m, s + j);
+            __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_add_ps(v, BOUND(v, j, m)), _mm512_set1_ps(threshold),
+                                                    _CMP_GE_OQ);
+            for (; hit && n < SCREEN_MAX_CANDIDATES; hit &= hit - 1) cand[n++] = j + __builtin_ctz(hit);
+            if (hit) n = SCREEN_MAX_CANDIDATES + 1;
+        }
+#undef BOUND
+#else
+        for (int64_t j = 0; j < vocab && finite && n <= SCREEN_MAX_CANDIDATES; j++)
+            if (s[j] + fmaf(scale, bounds[j], fmaf(rel, fabsf(s[j]), tiny)) >= threshold) {
+                if (n == SCREEN_MAX_CANDIDATES) n++;
+                else cand[n++] = j;
+            }
+#endif
+        full[r] = !finite || !isfinite(scale) || n > SCREEN_MAX_CANDIDATES;
+        if (full[r]) {
+            n_full++;
+            continue;
+        }
+        /* the candidates' exact logits: their blocks of the head, tiled as the whole head is */
+        const void *operand = bf ? (const void *)((const uint16_t *)xb + r * h) : (const void *)a;
+        float out[16], best = 0.f;
+        for (int64_t q = 0; q < n; q++) {
+            tile((const void *)md->head, cand[q] / 16, h, operand, 0, 1, 1, exact_kind, out, 0);
+            const float f = rnd(out[cand[q] % 16], bf);
+            if (q == 0 || f > best) best = f, ids[r] = cand[q];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        if (full[r]) {
+            project(md, md->head, 0, 0, x + r * h, xb, 1, vocab, h, scores + r * vocab, 1, nt);
+            flover_argmax(scores + r * vocab, 1, vocab, vocab, bf, ids + r, nt);
+        }
+    return n_full;
+}
+
+/* Whether this build has AVX-512 BF16's dot product (the 4-bit kernels and the greedy screen
+ * need it to be fast; without it they are not used). */
+int flover_has_bf16_dot(void) {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -910,10 +1031,11 @@ int64_t flover_work_floats(const Model *md, int rows, int nt) { return work_layo
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
  * its own position, which this iteration's earlier prompt tokens have written). Logits of the
- * rows listed in out_rows: [n_out, vocab] in the model dtype. Returns 0. */
+ * rows listed in out_rows: [n_out, vocab] in the model dtype; or, with greedy_ids (models with
+ * head_screen), those rows' greedy ids, `logits` serving as [n_out, vocab] float32 scratch. Returns 0, or with greedy_ids the rows that took the whole head. */
 int flover_forward(const Model *md, const Layer *layers, int rows, int decode_rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, int n_out, const int64_t *out_rows, void *logits,
-                   float *work, double eps_d, int nt) {
+                   int64_t *greedy_ids, float *work, double eps_d, int nt) {
     const int bf = md->dtype == DT_BF16;
     const float eps = (float)eps_d;
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
@@ -1014,6 +1136,7 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
+    if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
     if (n_out > 0) project(md, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
 }
