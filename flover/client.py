@@ -134,14 +134,32 @@ class Client:
         rid, is_request = message.get("id"), message.get("op") == "generate"
         awaited = is_request or rid in self._pending  # (before the watch below answers and clears the pending)
         self._watch_connection()
-        if awaited and self._down is not None:
-            if not self._events.get(rid):  # not answered by the watch just now
-                self._events[rid].append(_lost_event(rid, self._down, self.addr))
-            self._pending.discard(rid)
+        if self._down is None and self._hand_over(data):
+            if is_request:
+                self._pending.add(rid)
             return
-        self.sock.send(data)
-        if is_request:
-            self._pending.add(rid)
+        # lost (before or while sending): nothing is sent; an awaited message is answered
+        if awaited and not self._events.get(rid):  # (unless the watch answered it just now)
+            self._events[rid].append(_lost_event(rid, self._down, self.addr))
+        self._pending.discard(rid)
+
+    def _hand_over(self, data: bytes) -> bool:
+        """Give zmq the message without ever waiting for good: when a refused handshake has dropped
+        the connection's queue, a blocking send would wait forever, so wait for room only while
+        the monitor reports no loss (False: lost meanwhile). Times out as next_event does."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                self.sock.send(data, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+            self._watch_connection()
+            if self._down is not None:
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.addr} took no message within {self.timeout} s")
+            self.sock.poll(50, zmq.POLLOUT)
 
     def _receive(self, timeout: float | None) -> bool:
         """Wait for the socket or the monitor; file what arrives. False on timeout."""
@@ -167,7 +185,7 @@ class Client:
             if lost["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._down = None
                 continue
-            self._down = lost
+            self._down = self._down or lost  # the first report says why (a refusal, then its disconnect)
             for rid in self._pending:
                 self._events[rid].append(_lost_event(rid, lost, self.addr))
             self._pending.clear()
@@ -297,18 +315,34 @@ class AsyncClient:
             if lost["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._down = None
                 continue
-            self._down = lost
+            self._down = self._down or lost  # the first report says why (a refusal, then its disconnect)
             while await self.sock.poll(0):
                 self._dispatch(unpack(await self.sock.recv()))
             for rid in list(self._queues):
                 self._dispatch(_lost_event(rid, lost, self.addr))
 
     def _open(self, rid) -> asyncio.Queue:
+        self._start()
+        self._queues[rid] = asyncio.Queue()
+        return self._queues[rid]
+
+    def _start(self) -> None:
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
-        self._queues[rid] = asyncio.Queue()
-        return self._queues[rid]
+
+    async def _send(self, data: bytes) -> bool:
+        """Give zmq the message unless the connection is lost (False; the watch answers the open
+        requests): when a refused handshake has dropped the connection's queue, a plain send
+        would wait forever, so this waits for room only while no loss is reported."""
+        self._start()
+        while self._down is None:
+            try:
+                await self.sock.send(data, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                await self.sock.poll(50, zmq.POLLOUT)
+        return False
 
     async def _events(self, message: dict) -> AsyncIterator[dict]:
         """Send a generate message; yield its events up to the final one (an error raises)."""
@@ -319,7 +353,7 @@ class AsyncClient:
             if self._down is not None:  # not sent: the connection is lost until the monitor sees it back
                 queue.put_nowait(_lost_event(rid, self._down, self.addr))
             else:
-                await self.sock.send(data)
+                await self._send(data)  # lost meanwhile: the watch has answered the queue
             while True:
                 event = await queue.get()
                 if event["event"] == "error":
@@ -348,13 +382,16 @@ class AsyncClient:
         raise FloverError("internal_error", "the event stream ended without a final event", rid)
 
     async def cancel(self, request_id) -> None:
-        await self.sock.send(pack({"op": "cancel", "id": request_id}))
+        await self._send(pack({"op": "cancel", "id": request_id}))  # lost: its request has been answered
 
     async def _ask(self, op: str, timeout: float) -> dict:
         rid = self._new_id(None)
         queue = self._open(rid)
         try:
-            await self.sock.send(pack({"op": op, "id": rid}))
+            if self._down is not None:
+                queue.put_nowait(_lost_event(rid, self._down, self.addr))
+            else:
+                await asyncio.wait_for(self._send(pack({"op": op, "id": rid})), timeout)
             event = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._queues.pop(rid, None)

@@ -371,6 +371,23 @@ def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
             assert c.monitor.poll(10_000)  # the refusal is reported before anything is sent
             with pytest.raises(FloverError, match="handshake_failed"):
                 c.health(timeout=5)
+            # the refused connection's queue is gone: a plain zmq send would now wait forever
+            cancels = threading.Thread(target=lambda: [c.cancel(str(i)) for i in range(3)], daemon=True)
+            cancels.start()
+            cancels.join(10)
+            assert not cancels.is_alive(), "cancel() blocked on a refused connection"
+
+        async def refused_async() -> None:
+            async with AsyncClient(srv.addr, curve_server_key=server_key,
+                                   curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")) as c:
+                with pytest.raises(FloverError, match="handshake_failed"):
+                    await c.health(timeout=5)
+                for i in range(3):  # each returns at once (the connection is known lost), none blocks
+                    await asyncio.wait_for(c.cancel(str(i)), 5)
+                with pytest.raises(FloverError, match="handshake_failed"):
+                    await c.health(timeout=5)
+
+        asyncio.run(refused_async())
         with Client(srv.addr, timeout=2) as c:  # plain text to a CURVE server: refused
             with pytest.raises(FloverError, match="handshake_failed"):
                 c.health(timeout=5)
