@@ -892,7 +892,7 @@ void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, 
  * that rows rounding to the same maximum are kept, and the first of them wins). Those few are
  * summed again by the model's own tile, so the id is the one the whole head's argmax gives, bit
  * for bit. B_j = |x| * bounds[j], |x| the L2 norm (bfloat16 screen) or the L1 norm (int8), and
- * bounds[j] from flover/native_forward.py (`screen_bounds`, where the error terms are derived),
+ * bounds[j] from flover/native_forward.py (`HeadScreen`, where the error terms are derived),
  * plus 2^-10 of margin for the float rounding of |x| and B_j, 2^-20 |s_j| for that of s_j -+ B_j,
  * and 1e-30 for denormals (the dot-product instruction flushes them). Rows with a non-finite
  * value, or too many candidates (near-uniform logits), take the whole head. */
