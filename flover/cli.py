@@ -29,6 +29,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")
+    g.add_argument("--prompt-first", type=int, default=3, metavar="N",
+                   help="while prompts wait, up to N iterations in a row run prompt tokens alone before the running "
+                        "requests decode again (lower time to first token under bursts; default 3; 0: every "
+                        "iteration decodes)")
+    g.add_argument("--prompt-first-tokens", type=int, default=192, help="prompt tokens of one such iteration (default 192)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: cores available)")
     g.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
     g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
@@ -47,7 +52,8 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, ranks),
                         quantization=args.quantization,
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
-                        max_batch_tokens=args.max_batch_tokens, num_threads=args.threads, seed=args.seed,
+                        max_batch_tokens=args.max_batch_tokens, prompt_first_iterations=args.prompt_first,
+                        prompt_first_tokens=args.prompt_first_tokens, num_threads=args.threads, seed=args.seed,
                         prefix_cache_mib=args.prefix_cache, cuda_graphs=args.cuda_graphs,
                         native_forward=args.native_forward)
 

@@ -172,6 +172,10 @@ class EngineConfig:
     max_slots: int = 32  # requests in flight at once
     max_seq_len: int | None = None  # prompt + generated tokens; None = min(model limit, 2048)
     max_batch_tokens: int = 512  # token budget of one iteration (prompts are chunked to fit)
+    # while prompts wait, up to this many iterations in a row run prompts alone (scheduler.PromptFirst;
+    # 0: every iteration decodes), each of at most prompt_first_tokens
+    prompt_first_iterations: int = 3
+    prompt_first_tokens: int = 192
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
@@ -199,6 +203,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_batch_tokens={self.max_batch_tokens} must be >= max_slots={self.max_slots}"
             )
+        if self.prompt_first_iterations < 0 or self.prompt_first_tokens < 1:
+            raise ValueError(f"prompt_first_iterations={self.prompt_first_iterations}, prompt_first_tokens="
+                             f"{self.prompt_first_tokens}: must be >= 0 and >= 1")
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
         if self.num_threads is not None and self.num_threads < 1:

@@ -34,7 +34,7 @@ from flover.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.output import OutputProcessor
 from flover.request import Request, RequestOutput, RequestState, Timings
 from flover.runner import ModelRunner
-from flover.scheduler import Scheduler, StepPlan
+from flover.scheduler import PromptFirst, Scheduler, StepPlan
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class Engine:
         self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed, graphs, native)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
-        self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache)
+        self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache,
+                                   PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps

@@ -72,8 +72,10 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
 @pytest.mark.parametrize("native", ["off", "auto"])
 def test_one_fused_forward_per_iteration(llama_dir, native):
     """Decode tokens of running requests and the prompt of a newly arrived request go through
-    the model (PyTorch's forward, or the native step) in ONE call over one token matrix."""
-    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64, native_forward=native))
+    the model (PyTorch's forward, or the native step) in ONE call over one token matrix (every
+    iteration decoding: prompt_first_iterations=0)."""
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64, native_forward=native,
+                                 prompt_first_iterations=0))
     calls = []
     if native == "off":
         forward = engine.model.forward
@@ -91,8 +93,34 @@ def test_one_fused_forward_per_iteration(llama_dir, native):
     assert {o.request_id for o in outs} == {"0", "1", "2"}  # the newcomer got its first token now
 
 
+def test_prompts_first_defer_decoding_a_bounded_number_of_iterations_and_change_no_token(llama_dir):
+    """prompt_first (3 iterations of at most 8 prompt tokens here): a newcomer's 40-token prompt
+    runs alone for 3 iterations, then the running requests decode (with the rest of the prompt
+    in the same call); every request's tokens are those of the same run decoding every iteration."""
+    outputs = {}
+    for iterations in (0, 3):
+        engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64,
+                                     prompt_first_iterations=iterations, prompt_first_tokens=8))
+        calls = []
+        run = engine.runner.native.run
+        engine.runner.native.run = lambda batch, **kw: calls.append(batch.input_ids.shape[0]) or run(batch, **kw)
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True), "a")
+        engine.add_request([4, 5], SamplingParams(max_new_tokens=8, ignore_eos=True), "b")
+        engine.step()
+        engine.add_request(list(range(10, 50)), SamplingParams(max_new_tokens=4, ignore_eos=True), "long")
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        if iterations:
+            assert calls[:6] == [5, 8, 8, 8, 2 + 16, 3]  # 3 prompt-only, then decode + the rest, then all decode
+        else:
+            assert calls[:2] == [5, 2 + 40]
+        outputs[iterations] = finals
+    assert outputs[3] == outputs[0] and len(outputs[0]) == 3
+
+
 def test_finished_requests_return_at_once_and_free_their_slot(llama_dir):
-    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2, max_seq_len=64))
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=2, max_seq_len=64, prompt_first_iterations=0))
     engine.add_request([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True), "short")
     engine.add_request([3, 4], SamplingParams(max_new_tokens=6, ignore_eos=True), "long")
     engine.add_request([5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True), "waiting")

@@ -28,6 +28,7 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
     PyTorch model first, on the same KV state (the native step then rewrites the iteration's K/V
     itself, so that later iterations read its own cache)."""
     engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
+                                 prompt_first_iterations=0,  # mixed iterations are what is compared
                                  quantization=quantization, keep_pytorch_weights=True))
     runner, native = engine.runner, engine.runner.native
     assert native is not None, "the native step should be available on this machine (a C compiler, x86-64 Linux)"
@@ -138,7 +139,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
     their own), gives the same logits. This is what makes fused and solo runs agree in float32
     and bfloat16 (test_engine.py), however a prompt is chunked."""
     engine = Engine(EngineConfig(llama_dir, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128,
-                                 quantization=quantization))
+                                 prompt_first_iterations=0, quantization=quantization))  # mixed iterations
     native = engine.runner.native
     run, checked = native.run, {"decode": 0, "mixed": 0}
 

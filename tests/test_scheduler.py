@@ -8,7 +8,7 @@ import pytest
 
 from flover.config import SamplingParams
 from flover.request import FinishReason, Request
-from flover.scheduler import Scheduler
+from flover.scheduler import PromptFirst, Scheduler
 
 
 def req(rid: str, prompt_len: int) -> Request:
@@ -88,20 +88,51 @@ def test_cancel_waiting_and_running():
     assert plan.retired == [a] and plan.empty and not s.has_work()
 
 
+def test_prompts_go_first_for_at_most_the_given_iterations_then_running_requests_decode():
+    """PromptFirst(2, 4): while a long prompt is prefilled, two iterations in a row run 4 of its
+    tokens alone, then one decodes the running request (with a chunk in the rest of the budget);
+    once no prompt waits, every iteration decodes."""
+    s = Scheduler(max_slots=4, max_batch_tokens=8, prompt_first=PromptFirst(iterations=2, tokens=4))
+    s.add(req("short", 2))
+    run_plan(s)
+    s.add(req("long", 30))
+    seen = []
+    while s.slots[1] is None or s.slots[1].prefilling:
+        plan = run_plan(s)
+        seen.append(([r.request_id for r in plan.decode], [c.length for c in plan.prefill]))
+    assert seen == [([], [4]), ([], [4]), (["short"], [7]), ([], [4]), ([], [4]), (["short"], [7])]
+    assert [r.request_id for r in run_plan(s).decode] == ["short", "long"]
+    # a full house: requests waiting for a slot are no prompt work, running requests decode
+    full = Scheduler(max_slots=1, max_batch_tokens=8, prompt_first=PromptFirst(iterations=3, tokens=4))
+    full.add(req("a", 2))
+    run_plan(full)
+    full.add(req("b", 2))
+    assert [[r.request_id for r in run_plan(full).decode] for _ in range(3)] == [["a"]] * 3
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_random_workload_invariants(seed):
     rng = random.Random(seed)
-    s = Scheduler(max_slots=rng.randint(1, 6), max_batch_tokens=rng.randint(6, 20))
+    first = PromptFirst(iterations=rng.choice([0, 1, 3]), tokens=rng.randint(1, 10))
+    s = Scheduler(max_slots=rng.randint(1, 6), max_batch_tokens=rng.randint(6, 20), prompt_first=first)
     pending = [req(str(i), rng.randint(1, 25)) for i in range(20)]
     done = set()
+    without_decode = 0  # iterations in a row that decoded none of the requests able to
     for _ in range(400):
         if pending and rng.random() < 0.4:
             s.add(pending.pop(0))
         for r in s.running:
             if not r.prefilling and rng.random() < 0.2:
                 r.finish(FinishReason.STOP, 0.0)
+        decodable = [r for r in s.running if not r.prefilling]
         plan = run_plan(s)
         done |= {r.request_id for r in plan.retired}
+        if plan.decode or not [r for r in decodable if r.slot is not None]:
+            without_decode = 0
+        else:
+            without_decode += 1
+            assert without_decode <= first.iterations  # running requests wait a bounded number of iterations
+            assert plan.num_tokens <= first.tokens
         live = s.slots[: s.num_live]
         assert all(r is not None for r in live)  # live range is contiguous
         assert all(r is None for r in s.slots[s.num_live:])
