@@ -344,16 +344,21 @@ class AsyncClient:
                 await self.sock.poll(50, zmq.POLLOUT)
         return False
 
+    async def _send_awaited(self, rid, queue: asyncio.Queue, data: bytes) -> None:
+        """Send a message whose reply `queue` awaits; while the connection is lost it is not sent
+        and the queue gets the loss at once (a loss while sending: the watch answers it)."""
+        if self._down is not None:
+            queue.put_nowait(_lost_event(rid, self._down, self.addr))
+        else:
+            await self._send(data)
+
     async def _events(self, message: dict) -> AsyncIterator[dict]:
         """Send a generate message; yield its events up to the final one (an error raises)."""
         rid = message["id"]
         data = _encode(message, self.max_message_bytes)
         queue = self._open(rid)
         try:
-            if self._down is not None:  # not sent: the connection is lost until the monitor sees it back
-                queue.put_nowait(_lost_event(rid, self._down, self.addr))
-            else:
-                await self._send(data)  # lost meanwhile: the watch has answered the queue
+            await self._send_awaited(rid, queue, data)
             while True:
                 event = await queue.get()
                 if event["event"] == "error":
@@ -388,10 +393,7 @@ class AsyncClient:
         rid = self._new_id(None)
         queue = self._open(rid)
         try:
-            if self._down is not None:
-                queue.put_nowait(_lost_event(rid, self._down, self.addr))
-            else:
-                await asyncio.wait_for(self._send(pack({"op": op, "id": rid})), timeout)
+            await asyncio.wait_for(self._send_awaited(rid, queue, pack({"op": op, "id": rid})), timeout)
             event = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._queues.pop(rid, None)
