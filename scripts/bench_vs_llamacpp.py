@@ -155,9 +155,10 @@ def start_llama(binary: Path, model: Path, slots: int, threads: int) -> tuple[Ru
     return server, lambda ids, n: llama_request(port, ids, n)
 
 
-def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int]:
-    """Stream one completion; (seconds to the first token, tokens generated)."""
+def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int, float]:
+    """Stream one completion; (seconds to the first token, tokens generated, longest gap between tokens)."""
     start = time.perf_counter()
+    gaps = Gaps()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
             "cache_prompt": False}
@@ -172,8 +173,9 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int]
         if event.get("stop"):
             tokens = event.get("tokens_predicted", tokens)
             break
+        gaps.token()
     conn.close()
-    return first, tokens
+    return first, tokens, gaps.longest
 
 
 def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
@@ -200,20 +202,36 @@ def start_flover(model: Path, config: str, slots: int, threads: int) -> tuple[Ru
 
     server, addr = launch_flover(model, FLOVER_ARGS[config], slots, threads)
 
-    def request(ids: list[int], n: int) -> tuple[float | None, int]:
-        start, first, tokens = time.perf_counter(), None, 0
+    def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
+        start, first, tokens, gaps = time.perf_counter(), None, 0, Gaps()
         with Client(addr, timeout=600) as c:
             for event in c.stream(input_ids=ids, max_new_tokens=n, ignore_eos=True):
-                if event["event"] == "token" and first is None:
-                    first = time.perf_counter() - start
+                if event["event"] == "token":
+                    if first is None:
+                        first = time.perf_counter() - start
+                    gaps.token()
                 if event["event"] == "final":
                     tokens = event["usage"]["completion_tokens"]
-        return first, tokens
+        return first, tokens, gaps.longest
 
     return server, request
 
 
 # -- the workload ----------------------------------------------------------------------------------
+class Gaps:
+    """The longest wait between two streamed tokens of one request (a stall TPOT's median hides)."""
+
+    def __init__(self):
+        self.last: float | None = None
+        self.longest = 0.0
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.longest = max(self.longest, now - self.last)
+        self.last = now
+
+
 def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_len: int, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(requests)]
@@ -225,8 +243,8 @@ def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_l
     def one(i: int, at: float) -> None:
         time.sleep(max(0.0, start + at - time.perf_counter()))
         sent = time.perf_counter()
-        ttft, tokens = send(prompts[i], gen_len)
-        results[i] = (ttft, tokens, time.perf_counter() - sent)
+        ttft, tokens, gap = send(prompts[i], gen_len)
+        results[i] = (ttft, tokens, time.perf_counter() - sent, gap)
 
     threads, at = [], 0.0
     for i, gap in enumerate(gaps):
@@ -239,6 +257,7 @@ def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_l
     tokens = sum(r[1] for r in results)
     return {"tok_s": tokens / makespan, "ttft_p50": statistics.median(r[0] for r in results),
             "tpot_p50": statistics.median((r[2] - r[0]) / max(1, r[1] - 1) for r in results),
+            "gap_max": max(r[3] for r in results),
             "tokens": tokens, "makespan_s": makespan}
 
 
@@ -290,22 +309,23 @@ def main() -> int:
                         r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind)
                         table.setdefault((workload, name), []).append(r)
                         log(f"run {run + 1}/{args.runs} {name:18s} {workload}: {r['tok_s']:.1f} tok/s, "
-                            f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms")
+                            f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms, "
+                            f"longest gap {r['gap_max'] * 1000:.0f} ms")
                 finally:
                     server.stop()
     rows = {}
     for (workload, name), results in table.items():
         rows.setdefault(workload, {})[name] = {k: statistics.median(r[k] for r in results)
-                                               for k in ("tok_s", "ttft_p50", "tpot_p50")}
+                                               for k in ("tok_s", "ttft_p50", "tpot_p50", "gap_max")}
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": rows,
                                           "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
     print(f"\nmedians of {args.runs} alternating run(s), {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
           f"greedy, {args.threads} threads\n")
-    print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 |\n|---|---|---:|---:|---:|")
+    print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap |\n|---|---|---:|---:|---:|---:|")
     for workload, engines in rows.items():
         for name, m in engines.items():
             print(f"| {workload} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
-                  f"{m['tpot_p50'] * 1000:.1f} ms |")
+                  f"{m['tpot_p50'] * 1000:.1f} ms | {m['gap_max'] * 1000:.0f} ms |")
     return 0
 
 
