@@ -15,7 +15,6 @@ from typing import Sequence
 
 import torch
 
-from flover.huge_pages import huge_page_zeros
 from flover.prefix_cache import BlockCopy
 
 log = logging.getLogger(__name__)
@@ -60,17 +59,6 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The KV cache: on the host in 2 MiB pages (attention reads every live slot's keys and
-    values in every layer: -1..-3% per 32-row float32 decode iteration, SmolLM2), written once
-    now so that no page is first touched (and faulted in) in the middle of serving: in this VM
-    lazily faulted KV pages made early prompt iterations 3x slower."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_page_zeros(shape, dtype).zero_()
-
-
 class SlotBuffer:
     """KV cache `[layers, 2, max_slots, kv_heads, max_seq_len, head_dim]` plus per-slot state.
 
@@ -96,7 +84,8 @@ class SlotBuffer:
                 f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
             )
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
-        self.kv = kv_zeros((num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim), dtype, device)
+        self.kv = torch.zeros(num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim,
+                              dtype=dtype, device=device)
         # Pool rows are only read after a store wrote them: empty is safe (and costs no page faults).
         self.pool = torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim,
                                 dtype=dtype, device=device) if prefix_blocks else None

@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import logging
 import math
+import mmap
 import os
 import shutil
 import subprocess
@@ -36,7 +37,6 @@ from pathlib import Path
 import torch
 
 from flover.hardware import cpu_flags
-from flover.huge_pages import huge_page_zeros
 from flover.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
@@ -271,12 +271,20 @@ class HeadScreen:
 
 
 class WeightArena:
-    """One mapping in 2 MiB pages (flover/huge_pages.py) for all blocked weights: a token of one
+    """One anonymous mapping for all blocked weights, advised to use 2 MiB pages: a token of one
     request streams every weight once, and with 4 KiB pages that is ~65,000 TLB misses for
     SmolLM2-135M (2 MiB pages read 4-5% faster on the dev machine)."""
 
+    HUGE = 2 << 20
+
     def __init__(self, nbytes: int):
-        self._bytes, self._used = huge_page_zeros((nbytes,), torch.uint8), 0
+        # private: a shared anonymous mapping is shmem, which takes huge pages only if shmem does
+        self._map = mmap.mmap(-1, nbytes + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        start = -whole.data_ptr() % self.HUGE  # the first 2 MiB boundary inside the mapping
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        self._bytes, self._used = whole[start: start + nbytes], 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = math.prod(shape) * dtype.itemsize
