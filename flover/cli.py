@@ -500,7 +500,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# How long an idle OpenMP worker spins before it sleeps (libgomp, which PyTorch and the native
+# step share; read once, when torch loads it). The default, 300,000 rounds, is milliseconds: the
+# worker spins through the Python between two iterations (replies, detokenizing), when the
+# clients and ZeroMQ's I/O threads want a core, and they take one from the next forward instead.
+# 10,000 (a fraction of a millisecond; the gaps inside a forward are far shorter): SmolLM2
+# bfloat16, 2 cores, one stream +10%, 32 requests arriving every 50 ms +5-6% tok/s; float32 at 32
+# unchanged (docs/benchmarks.md). An OMP_WAIT_POLICY or GOMP_SPINCOUNT of the caller wins.
+OPENMP_SPIN_COUNT = "10000"
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
     from flover.parallel.launch import launched_rank, launched_ranks
 
     args = build_parser().parse_args(argv)

@@ -26,3 +26,27 @@ def test_errors_are_one_clear_line(llama_dir, tmp_path):
     assert run.returncode == 2 and "config.json: not found" in run.stderr and "Traceback" not in run.stderr
     run = flover("generate", "--model", llama_dir, "--max-seq-len", "8", "--max-new-tokens", "10", "x")
     assert run.returncode == 2 and "exceeds max_seq_len=8" in run.stderr
+
+
+def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
+    """main() sets libgomp's spin count before anything loads torch (libgomp reads it once, at
+    load); a caller's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone."""
+    import os
+
+    probe = ("import os, sys, flover.cli\n"
+             "torch_before = 'torch' in sys.modules\n"
+             "try:\n    flover.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(os.environ.get('GOMP_SPINCOUNT'), torch_before)")
+
+    def run(**env) -> str:
+        base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                              env={**base, **env})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()[-1].split()  # after --help's usage text
+
+    from flover.cli import OPENMP_SPIN_COUNT
+
+    assert run() == [OPENMP_SPIN_COUNT, "False"]
+    assert run(GOMP_SPINCOUNT="77") == ["77", "False"]
+    assert run(OMP_WAIT_POLICY="active") == ["None", "False"]
