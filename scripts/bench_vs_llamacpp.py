@@ -14,7 +14,8 @@ What it does, every step cached under --cache (outside the repository; nothing i
    flover serve --max-slots N --max-seq-len 384 --threads T), sends the workloads, stops it:
    `single` (one request alone) and `poisson` (N requests, exponential gaps of --interval-ms).
    Prompts are random token ids, different for every request and run (no prompt-cache reuse),
-   greedy, EOS ignored, streamed. Reports medians over the runs.
+   greedy, EOS ignored, streamed. Reports medians over the runs: output tok/s, TTFT p50, TPOT p50
+   and the longest wait between two tokens of any request.
 
 Needs the `compare` extra (pip install -e '.[compare]': transformers, sentencepiece for llama.cpp's
 converter), cmake and a C++ compiler.
@@ -273,7 +274,12 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench-vs-llamacpp.json")
+    ap.add_argument("--gomp-spincount", default=None, metavar="N",
+                    help="give both servers GOMP_SPINCOUNT=N (llama-server's default build uses libgomp too; "
+                         "flover sets 10000 itself); default: each server as it ships")
     args = ap.parse_args()
+    if args.gomp_spincount is not None:
+        os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount  # both servers inherit it
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     try:
