@@ -54,8 +54,9 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, prompt_first_iterations=args.prompt_first,
                         prompt_first_tokens=args.prompt_first_tokens, num_threads=args.threads, seed=args.seed,
-                        prefix_cache_mib=args.prefix_cache, cuda_graphs=args.cuda_graphs,
-                        native_forward=args.native_forward)
+                        prefix_cache_mib=args.prefix_cache,
+                        prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
+                        cuda_graphs=args.cuda_graphs, native_forward=args.native_forward)
 
 
 def _is_follower_rank() -> bool:
@@ -444,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every HTTP endpoint but /health "
                         "(or set FLOVER_API_KEY)")
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, prefault_prefix_cache=True)  # a server fills its pool anyway
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")
     add_engine_args(chat, model_required=False)

@@ -179,6 +179,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
+    # Touch the prefix pool's pages at start-up (`flover serve` does): a server fills the pool sooner
+    # or later, and faulted in one by one its first stores cost page faults inside iterations.
+    prefault_prefix_cache: bool = False
     cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
     native_forward: str = "auto"  # one of NATIVE_FORWARD
     # with the native step, keep PyTorch's copy of the projections too (twice the weight memory):

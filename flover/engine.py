@@ -89,7 +89,7 @@ class Engine:
                                                (config.cuda_graphs == "auto" and self.device.type == "cuda"))
         buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len, cfg.head_dim,
                             self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS,
-                            scratch_slots=1 if static_decode else 0)
+                            scratch_slots=1 if static_decode else 0, prefault_pool=config.prefault_prefix_cache)
         per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
         if self.is_leader:
             log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20,
@@ -97,6 +97,7 @@ class Engine:
                      config.dtype, f", weights {config.quantization}" if config.quantization != "none" else "")
             log.info("prefix cache: %s", f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {prefix_blocks} blocks of "
                      f"{BLOCK_TOKENS} tokens ({prefix_blocks * BLOCK_TOKENS} tokens), LRU"
+                     f"{', taken at start-up' if config.prefault_prefix_cache else ''}"
                      if prefix_blocks else "off")
         graphs = None
         if static_decode:

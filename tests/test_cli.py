@@ -50,3 +50,12 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
     assert run() == [OPENMP_SPIN_COUNT, "False"]
     assert run(GOMP_SPINCOUNT="77") == ["77", "False"]
     assert run(OMP_WAIT_POLICY="active") == ["None", "False"]
+
+
+def test_only_the_server_takes_its_prefix_pool_at_start_up():
+    from flover.cli import build_parser, engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve", "--model", "m"])).prefault_prefix_cache
+    assert not engine_config(parse(["run", "--model", "m", "--prompts", "p", "--out", "o"])).prefault_prefix_cache
+    assert not engine_config(parse(["generate", "--model", "m", "x"])).prefault_prefix_cache

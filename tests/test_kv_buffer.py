@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -84,3 +85,25 @@ def test_refuses_when_memory_does_not_fit():
     with pytest.raises(MemoryError, match=r"KV cache needs .* MiB"):
         SlotBuffer(1000, 1000, 64, 100000, 128, torch.float32, torch.device("cpu"))
     assert need > 2**40
+
+
+
+def resident_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc/self/status")
+def test_a_prefaulted_pool_is_resident_from_the_start_and_a_lazy_one_is_not():
+    pool_kib = 4 * 2 * 768 * 2 * 16 * 64 * 4 // 1024  # 48 MiB of prefix blocks; the KV itself is 0.5 MiB
+
+    def grows_by(prefault: bool) -> int:
+        before = resident_kib()
+        buf = SlotBuffer(num_layers=4, max_slots=2, kv_heads=2, max_seq_len=64, head_dim=64, dtype=torch.float32,
+                         device=torch.device("cpu"), prefix_blocks=768, block_tokens=16, prefault_pool=prefault)
+        grown = resident_kib() - before
+        del buf
+        return grown
+
+    assert grows_by(True) >= pool_kib
+    assert grows_by(False) < pool_kib // 4
