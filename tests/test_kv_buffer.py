@@ -87,7 +87,6 @@ def test_refuses_when_memory_does_not_fit():
     assert need > 2**40
 
 
-
 def resident_kib() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
