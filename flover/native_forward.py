@@ -50,7 +50,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
                 "embed", "final_norm", "head", "head_scales", "cos", "sin", "quant", "vocab_start", "all_reduce",
-                "head_screen", "head_screen_scales", "head_bounds")
+                "head_screen", "head_screen_scales", "head_bounds", "screen_rows")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
                 "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
@@ -347,7 +347,9 @@ class NativeForward:
         screen = HeadScreen.of(head) if self.screens_greedy else None
         # int8's codes widen to bfloat16 at every load, a screen that pays at a few rows only
         # (SmolLM2 iterations: 4-11% faster at 1 row, 3-5% at 4-8, 1% slower at 16, 7% at 32);
-        # bfloat16's pays at every row count (4-13%)
+        # beyond them the whole head, its argmax taken as its tiles come out (no logits stored:
+        # 32-row steps 1-4% faster than logits and then argmax); bfloat16's screen pays at every
+        # row count (4-13%)
         self.screen_rows = max_rows if dtype == torch.float32 else SCREEN_INT8_ROWS
         shapes = [(blocked_shape(w), dtype) for w in dense] + (screen.shapes if screen else [])
         shapes += [(shape, kind) for lin in quantized
@@ -391,7 +393,7 @@ class NativeForward:
             final_norm=model.norm.data_ptr(), head=head_addr, head_scales=head_scales, cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(), quant=4 if "int4" in layer_modes else 8 if layer_modes else 0,
             vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), head_screen=head_screen,
-            head_screen_scales=head_screen_scales, head_bounds=head_bounds)
+            head_screen_scales=head_screen_scales, head_bounds=head_bounds, screen_rows=self.screen_rows)
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
@@ -413,7 +415,7 @@ class NativeForward:
         self._screen_scores = torch.empty(0, self.vocab, dtype=torch.float32)  # the screen's scratch, kept
         self.quantized_projections = len(quantized)
         self.iterations = 0  # iterations run natively (stats, tests)
-        self.screened_rows = self.full_head_rows = 0  # greedy rows through the screen; of them, with every logit
+        self.screened_rows = self.full_head_rows = 0  # greedy rows whose ids came back; of them, with every logit
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Greedy ids of the iteration's logits [B, vocab] (the sampler's `greedy`), through a
@@ -436,7 +438,9 @@ class NativeForward:
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor | list[int] | None:
         """[sampled rows, vocab block] logits of the iteration, or None when it has more tokens
         than max_rows (the caller runs PyTorch). `greedy` (every sampled row is plain greedy):
-        where this model screens its head (screens_greedy), the rows' ids instead of logits."""
+        where this model screens its head (screens_greedy), the rows' ids instead of logits:
+        through the screen up to screen_rows rows, beyond them (bfloat16) from the whole head,
+        its argmax taken as its tiles come out."""
         rows = batch.input_ids.shape[0]
         if not 0 < rows <= self.max_rows:
             return None
@@ -444,10 +448,11 @@ class NativeForward:
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         slots, out_rows = batch.write_slots.contiguous(), batch.sample_rows.contiguous()
         n_out = out_rows.shape[0]
-        screened = greedy and self.screens_greedy and 0 < n_out <= self.screen_rows
-        if screened:
+        screened = greedy and self.screens_greedy and n_out > 0
+        if screened and n_out <= self.screen_rows:  # the screen's scores need [n_out, vocab] floats
             if self._screen_scores.shape[0] < n_out:
                 self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
+        if screened:
             logits = self._screen_scores
         else:
             logits = torch.empty(n_out, self.vocab, dtype=self.dtype)

@@ -272,6 +272,55 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
     assert near > 20, near  # decided by the exact sums of the candidates, not by the screen
 
 
+@pytest.mark.parametrize("variant", ["llama", "llama-vocab509-kv4"])
+def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, variant, tmp_path):
+    """bfloat16 iterations with more greedy rows than the screen takes (SCREEN_INT8_ROWS) get
+    their ids from the whole head, its argmax taken as its tiles come out (llama_forward.c,
+    "greedy through the whole head"), no logits stored: on the near-tied head, every such
+    iteration's ids equal the first argmax of its logits (exact ties: the first index)."""
+    model_dir = edited_copy(make_model(variant), tmp_path / "near-ties", near_tied_head)
+    engine = Engine(EngineConfig(model_dir, dtype="bfloat16", max_slots=16, max_batch_tokens=48, max_seq_len=110))
+    native = engine.runner.native
+    run, compared = native.run, []
+
+    def run_and_check(batch, greedy=False):
+        out = run(batch, greedy=greedy)
+        if greedy and batch.sample_rows.numel() > native.screen_rows:
+            assert isinstance(out, list)
+            compared.append((list(out), run(batch)))  # the same iteration with every logit
+        return out
+
+    native.run = run_and_check
+    jobs = [(at // 4, prompt, dataclasses.replace(params, temperature=0.0)) for seed in (0, 1)
+            for at, prompt, params in random_arrival_jobs(seed, vocab=500, max_new_tokens=30)]
+    run_arrivals(engine, jobs)
+    rows = sum(len(ids) for ids, _ in compared)
+    assert len(compared) > 10 and rows > 150 and native.full_head_rows >= rows
+    ties = 0
+    for ids, logits in compared:
+        assert ids == logits.argmax(-1).tolist()
+        ties += sum(logits[row, i].item() == logits[row, i ^ 1].item() for row, i in enumerate(ids)
+                    if (i ^ 1) < logits.shape[1])
+    assert ties > 20, ties  # exact ties met, the first index taken
+
+
+@pytest.mark.parametrize("fill", [0.0, float("nan")])
+def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill, tmp_path):
+    """A final norm of zeros (every logit 0) or NaN, 12 bfloat16 greedy rows: the ids are
+    torch.argmax's (0: the first maximum, or the first NaN)."""
+    model_dir = edited_copy(make_model("llama"), tmp_path / "norm", lambda tensors: tensors["model.norm.weight"].fill_(fill))
+    native = Engine(EngineConfig(model_dir, dtype="bfloat16", max_slots=4, max_batch_tokens=16,
+                                 max_seq_len=64)).runner.native
+    batch = ForwardBatch(input_ids=torch.arange(5, 17), positions=torch.arange(12),
+                         write_slots=torch.zeros(12, dtype=torch.int64), num_decode=0, decode_span=0,
+                         decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, 12, 0, 0)],
+                         sample_rows=torch.arange(12))
+    before = native.full_head_rows
+    ids = native.run(batch, greedy=True)
+    assert ids == native.run(batch).argmax(-1).tolist() == [0] * 12
+    assert native.full_head_rows - before == 12
+
+
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
 def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0: all candidates) or NaN (NaN logits): the rows take the

@@ -43,6 +43,9 @@ typedef struct {
      * blocked as bfloat16's pairs; bfloat16 models: int8 codes, blocked so, and row scales) and
      * each vocabulary row's bound factor (float32); else 0 */
     int64_t head_screen, head_screen_scales, head_bounds;
+    /* bfloat16 models: the screen takes up to this many greedy rows; more take the whole head,
+     * their argmax found as its tiles come out (head_greedy) */
+    int64_t screen_rows;
 } Model;
 
 
@@ -987,6 +990,84 @@ static int screened_greedy(const Model *md, const float *x, void *xb, int rows, 
     return n_full;
 }
 
+/* ---- greedy through the whole head ------------------------------------------------------------
+ * Rows beyond the screen's (bfloat16 above screen_rows: there the head is compute-bound and the
+ * int8 screen no longer pays) take every logit, but none is stored: each tile's outputs, rounded
+ * to the model dtype as the logits would be, go straight into the row's argmax. Each thread
+ * keeps per row and lane its largest value and where it first saw it (its blocks come in order,
+ * and strictly larger values replace), and its first NaN; the threads' blocks are in order too,
+ * so the first maximum is the smallest index among the largest values, the lower thread's on a
+ * tie: torch.argmax's answer (NaN counting as the maximum), without writing [rows, vocab] logits
+ * and reading them again. Returns the rows (all of them took the whole head). */
+#if defined(__AVX512F__)
+static int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *ids, int nt) {
+    const int bf = md->dtype == DT_BF16, kind = bf ? W_BF16 : W_F32;
+    const int64_t h = md->hidden, vocab = md->vocab, blocks = (vocab + 15) / 16, es = weight_bytes(kind);
+    const void *w = (const void *)md->head;
+    float top[nt][rows];       /* each thread's largest value of each row ... */
+    int64_t at[nt][rows];      /* ... its first index (-1: none above -inf) ... */
+    int64_t nan_at[nt][rows];  /* ... and its first NaN (-1: none) */
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        operand_rows(x, xb, rows, h, bf, t, T);
+#pragma omp barrier
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512 best[rows];
+        __m512i where[rows];
+        int64_t first_nan[rows];
+        for (int r = 0; r < rows; r++)
+            best[r] = _mm512_set1_ps(-INFINITY), where[r] = _mm512_set1_epi32(-1), first_nan[r] = -1;
+        float out[6 * 4 * 16];
+        for (int64_t nb = b0; nb < b1;) {
+            const int nt_blocks = b1 - nb >= 4 ? 4 : (int)(b1 - nb);
+            for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
+                const int left = rows - m0, mt = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const int64_t next = nb + nt_blocks + tiles - 1; /* as in project_kind */
+                const char *pf =
+                    rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * h * es : 0;
+                tile(w, nb, h, xb, m0, mt, nt_blocks, kind, out, pf);
+                for (int j = 0; j < nt_blocks; j++) {
+                    const int64_t n0 = (nb + j) * 16;
+                    const __mmask16 m = lanes(vocab - n0);
+                    const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32((int)n0));
+                    for (int i = 0; i < mt; i++) {
+                        const int r = m0 + i;
+                        const __m512 v = vrnd(_mm512_loadu_ps(out + (i * nt_blocks + j) * 16), bf);
+                        const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+                        if (nan && first_nan[r] < 0) first_nan[r] = n0 + __builtin_ctz(nan);
+                        const __mmask16 larger = _mm512_mask_cmp_ps_mask(m, v, best[r], _CMP_GT_OQ);
+                        best[r] = _mm512_mask_mov_ps(best[r], larger, v);
+                        where[r] = _mm512_mask_mov_epi32(where[r], larger, index);
+                    }
+                }
+                m0 += mt;
+            }
+            nb += nt_blocks;
+        }
+        for (int r = 0; r < rows; r++) {
+            const float most = _mm512_reduce_max_ps(best[r]);
+            const __mmask16 holders = _mm512_cmp_ps_mask(best[r], _mm512_set1_ps(most), _CMP_EQ_OQ);
+            top[t][r] = most, nan_at[t][r] = first_nan[r];
+            at[t][r] = most == -INFINITY ? -1 : _mm512_mask_reduce_min_epi32(holders, where[r]);
+        }
+        for (int u = T; u < nt && t == 0; u++) /* threads the runtime did not start */
+            for (int r = 0; r < rows; r++) top[u][r] = -INFINITY, at[u][r] = -1, nan_at[u][r] = -1;
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t id = -1, nan_id = -1;
+        float most = -INFINITY;
+        for (int t = 0; t < nt; t++) {
+            if (nan_id < 0 && nan_at[t][r] >= 0) nan_id = nan_at[t][r];
+            if (at[t][r] >= 0 && (id < 0 || top[t][r] > most)) most = top[t][r], id = at[t][r];
+        }
+        ids[r] = nan_id >= 0 ? nan_id : id >= 0 ? id : 0; /* every logit -inf: the first */
+    }
+    return rows;
+}
+#endif
+
 /* Whether this build has AVX-512 BF16's dot product (the 4-bit kernels and the greedy screen
  * need it to be fast; without it they are not used). */
 int flover_has_bf16_dot(void) {
@@ -1136,6 +1217,10 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
+#if defined(__AVX512F__)
+    if (greedy_ids && md->dtype == DT_BF16 && n_out > md->screen_rows)
+        return n_out > 0 ? head_greedy(md, mid, xb, n_out, greedy_ids, nt) : 0;
+#endif
     if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
     if (n_out > 0) project(md, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
