@@ -448,20 +448,19 @@ class NativeForward:
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         slots, out_rows = batch.write_slots.contiguous(), batch.sample_rows.contiguous()
         n_out = out_rows.shape[0]
-        screened = greedy and self.screens_greedy and n_out > 0
-        if screened and n_out <= self.screen_rows:  # the screen's scores need [n_out, vocab] floats
-            if self._screen_scores.shape[0] < n_out:
-                self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
-        if screened:
-            logits = self._screen_scores
-        else:
+        ids_back = greedy and self.screens_greedy and n_out > 0  # the rows' ids come back, not logits
+        if not ids_back:
             logits = torch.empty(n_out, self.vocab, dtype=self.dtype)
+        else:  # scratch: the screen's [n_out, vocab] float scores (beyond screen_rows none are used)
+            if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
+                self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
+            logits = self._screen_scores
         full = self.lib.flover_forward(self._model_struct.data_ptr(), self._layer_structs.data_ptr(), rows,
                                        batch.num_decode, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                                        n_out, out_rows.data_ptr(), logits.data_ptr(),
-                                       self._ids if screened else None, self._work.data_ptr(), self.eps, self.threads)
+                                       self._ids if ids_back else None, self._work.data_ptr(), self.eps, self.threads)
         self.iterations += 1
-        if not screened:
+        if not ids_back:
             return logits
         self.screened_rows += n_out
         self.full_head_rows += full
