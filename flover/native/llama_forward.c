@@ -43,8 +43,8 @@ typedef struct {
      * blocked as bfloat16's pairs; bfloat16 models: int8 codes, blocked so, and row scales) and
      * each vocabulary row's bound factor (float32); else 0 */
     int64_t head_screen, head_screen_scales, head_bounds;
-    /* bfloat16 models: the screen takes up to this many greedy rows; more take the whole head,
-     * their argmax found as its tiles come out (head_greedy) */
+    /* the screen takes up to this many greedy rows (float32 models: every row count); more take
+     * the whole head, their argmax found as its tiles come out (head_greedy) */
     int64_t screen_rows;
 } Model;
 
@@ -333,6 +333,53 @@ static inline void store_outputs(const float *acc, const void *bias, int64_t n0,
 #endif
 }
 
+/* Greedy ids straight from the head's tiles (head_greedy): each thread's running maximum of
+ * each of its rows, [nt][rows] each: the largest value, its first index (-1: none above -inf),
+ * the first NaN (-1: none). */
+typedef struct {
+    float *top;
+    int64_t *at, *nan_at;
+} RowMax;
+
+/* 16 outputs of a tile (as store_outputs: lanes of outputs n0..n0+15 below n_out, rnd(acc +
+ * bias)) into one row's per-lane running maximum: `best` [16] the largest value of each lane,
+ * `where` [16] the index where it was first seen (strictly larger values replace: this thread's
+ * blocks come in order), `first_nan` the row's first NaN. */
+static inline void keep_max(const float *acc, const void *bias, int64_t n0, int64_t n_out, int bf, float *best,
+                            int32_t *where, int64_t *first_nan) {
+#if defined(__AVX512F__)
+    const __mmask16 m = lanes(n_out - n0);
+    __m512 v = _mm512_loadu_ps(acc);
+    if (bias) v = _mm512_add_ps(v, vload(bias, n0, bf, m));
+    v = vrnd(v, bf);
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    if (nan && *first_nan < 0) *first_nan = n0 + __builtin_ctz(nan);
+    const __m512 top = _mm512_loadu_ps(best);
+    const __mmask16 larger = _mm512_mask_cmp_ps_mask(m, v, top, _CMP_GT_OQ);
+    _mm512_storeu_ps(best, _mm512_mask_mov_ps(top, larger, v));
+    const __m512i index = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)n0));
+    _mm512_storeu_si512(where, _mm512_mask_mov_epi32(_mm512_loadu_si512(where), larger, index));
+#else
+    for (int64_t lane = 0; lane < 16 && n0 + lane < n_out; lane++) {
+        const float v = rnd(acc[lane] + (bias ? load(bias, n0 + lane, bf) : 0.f), bf);
+        if (v != v && *first_nan < 0) *first_nan = n0 + lane;
+        if (v > best[lane]) best[lane] = v, where[lane] = (int32_t)(n0 + lane);
+    }
+#endif
+}
+
+/* A row's per-lane maxima -> its largest value and the smallest index holding it (-1 if none
+ * is above -inf). */
+static void lanes_max(const float *best, const int32_t *where, float *top, int64_t *at) {
+    float most = -INFINITY;
+    for (int lane = 0; lane < 16; lane++) most = best[lane] > most ? best[lane] : most;
+    int64_t first = -1;
+    for (int lane = 0; lane < 16; lane++)
+        if (most != -INFINITY && best[lane] == most && (first < 0 || where[lane] < first)) first = where[lane];
+    *top = most, *at = first;
+}
+
 /* ---- 4-bit projections (--quantization int4) ------------------------------------------------
  * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs (GGUF's
  * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native_forward.py: per block of
@@ -434,19 +481,22 @@ static void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr
  * scales[n] * codes[n, :]. Threads split the weight blocks: each reads its share of the weight
  * once (from memory) and the rows' tiles again from its cache. */
 static void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x,
-                         void *xb, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt);
+                         void *xb, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt,
+                         RowMax *most);
 
 static void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
                     int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
     const int bf = md->dtype == DT_BF16;
     project_kind(scales_addr ? W_Q8 : bf, bf, w_addr, scales_addr, b_addr, x, xb, rows, n_out, k, y, y_in_model_dtype,
-                 nt);
+                 nt, 0);
 }
 
 /* project() through weights of `kind`, outputs rounded (and stored) as bfloat16 if bf; x NULL:
- * xb already holds the operand. */
+ * xb already holds the operand. `most`: nothing is stored; each thread keeps its running
+ * maximum of every row there instead (keep_max). */
 static void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x,
-                         void *xb, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
+                         void *xb, int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt,
+                         RowMax *most) {
     const float *scales = (const float *)scales_addr;
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
@@ -458,6 +508,14 @@ static void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, 
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[6 * 4 * 16];
         const int64_t es = weight_bytes(kind);
+        const int kept = most ? rows : 1; /* this thread's running maxima (keep_max) */
+        float best[kept * 16];
+        int32_t where[kept * 16];
+        int64_t first_nan[kept];
+        for (int r = 0; most && r < rows; r++) {
+            first_nan[r] = -1;
+            for (int lane = 0; lane < 16; lane++) best[r * 16 + lane] = -INFINITY, where[r * 16 + lane] = -1;
+        }
         for (int64_t nb = b0; nb < b1;) {
             const int nt_blocks = b1 - nb >= 4 ? 4 : (int)(b1 - nb);
             for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
@@ -474,12 +532,20 @@ static void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, 
                         float *acc = out + (i * nt_blocks + j) * 16;
                         if (scales)
                             for (int lane = 0; lane < 16; lane++) acc[lane] *= scales[n0 + lane];
-                        store_outputs(acc, bias, n0, n_out, y, (m0 + i) * n_out, y_in_model_dtype, bf);
+                        if (most)
+                            keep_max(acc, bias, n0, n_out, bf, best + (m0 + i) * 16, where + (m0 + i) * 16,
+                                     first_nan + m0 + i);
+                        else
+                            store_outputs(acc, bias, n0, n_out, y, (m0 + i) * n_out, y_in_model_dtype, bf);
                     }
                 }
                 m0 += mt;
             }
             nb += nt_blocks;
+        }
+        for (int r = 0; most && r < rows; r++) {
+            lanes_max(best + r * 16, where + r * 16, most->top + t * rows + r, most->at + t * rows + r);
+            most->nan_at[t * rows + r] = first_nan[r];
         }
     }
 }
@@ -910,10 +976,10 @@ static int screened_greedy(const Model *md, const float *x, void *xb, int rows, 
     const int64_t h = md->hidden, vocab = md->vocab;
     const float *bounds = (const float *)md->head_bounds;
     if (bf) { /* int8 codes, row scales; the operand is x's bfloat16 values (exact), as the head's */
-        project_kind(W_Q8, 0, md->head_screen, md->head_screen_scales, 0, x, xb, rows, vocab, h, scores, 0, nt);
+        project_kind(W_Q8, 0, md->head_screen, md->head_screen_scales, 0, x, xb, rows, vocab, h, scores, 0, nt, 0);
     } else { /* bfloat16 of x to nearest, then bfloat16 weights */
         for (int64_t i = 0; i < rows * h; i++) ((uint16_t *)xb)[i] = f2bf(x[i]);
-        project_kind(W_BF16, 0, md->head_screen, 0, 0, 0, xb, rows, vocab, h, scores, 0, nt);
+        project_kind(W_BF16, 0, md->head_screen, 0, 0, 0, xb, rows, vocab, h, scores, 0, nt, 0);
     }
     int full[rows], n_full = 0;
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 2) reduction(+ : n_full)
@@ -993,80 +1059,30 @@ static int screened_greedy(const Model *md, const float *x, void *xb, int rows, 
 /* ---- greedy through the whole head ------------------------------------------------------------
  * Rows beyond the screen's (bfloat16 above screen_rows: there the head is compute-bound and the
  * int8 screen no longer pays) take every logit, but none is stored: each tile's outputs, rounded
- * to the model dtype as the logits would be, go straight into the row's argmax. Each thread
- * keeps per row and lane its largest value and where it first saw it (its blocks come in order,
- * and strictly larger values replace), and its first NaN; the threads' blocks are in order too,
- * so the first maximum is the smallest index among the largest values, the lower thread's on a
- * tie: torch.argmax's answer (NaN counting as the maximum), without writing [rows, vocab] logits
- * and reading them again. Returns the rows (all of them took the whole head). */
-#if defined(__AVX512F__)
+ * to the model dtype as the logits would be, go straight into the row's running maximum
+ * (project_kind with a RowMax). The threads' blocks are in order, so the first maximum is the
+ * smallest index among the largest values, the lower thread's on a tie, and the first NaN wins:
+ * torch.argmax's answer, without writing [rows, vocab] logits and reading them again. Returns
+ * the rows (all of them took the whole head). */
 static int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *ids, int nt) {
-    const int bf = md->dtype == DT_BF16, kind = bf ? W_BF16 : W_F32;
-    const int64_t h = md->hidden, vocab = md->vocab, blocks = (vocab + 15) / 16, es = weight_bytes(kind);
-    const void *w = (const void *)md->head;
-    float top[nt][rows];       /* each thread's largest value of each row ... */
-    int64_t at[nt][rows];      /* ... its first index (-1: none above -inf) ... */
-    int64_t nan_at[nt][rows];  /* ... and its first NaN (-1: none) */
-#pragma omp parallel num_threads(nt)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        operand_rows(x, xb, rows, h, bf, t, T);
-#pragma omp barrier
-        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
-        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512 best[rows];
-        __m512i where[rows];
-        int64_t first_nan[rows];
-        for (int r = 0; r < rows; r++)
-            best[r] = _mm512_set1_ps(-INFINITY), where[r] = _mm512_set1_epi32(-1), first_nan[r] = -1;
-        float out[6 * 4 * 16];
-        for (int64_t nb = b0; nb < b1;) {
-            const int nt_blocks = b1 - nb >= 4 ? 4 : (int)(b1 - nb);
-            for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
-                const int left = rows - m0, mt = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                const int64_t next = nb + nt_blocks + tiles - 1; /* as in project_kind */
-                const char *pf =
-                    rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * h * es : 0;
-                tile(w, nb, h, xb, m0, mt, nt_blocks, kind, out, pf);
-                for (int j = 0; j < nt_blocks; j++) {
-                    const int64_t n0 = (nb + j) * 16;
-                    const __mmask16 m = lanes(vocab - n0);
-                    const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32((int)n0));
-                    for (int i = 0; i < mt; i++) {
-                        const int r = m0 + i;
-                        const __m512 v = vrnd(_mm512_loadu_ps(out + (i * nt_blocks + j) * 16), bf);
-                        const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-                        if (nan && first_nan[r] < 0) first_nan[r] = n0 + __builtin_ctz(nan);
-                        const __mmask16 larger = _mm512_mask_cmp_ps_mask(m, v, best[r], _CMP_GT_OQ);
-                        best[r] = _mm512_mask_mov_ps(best[r], larger, v);
-                        where[r] = _mm512_mask_mov_epi32(where[r], larger, index);
-                    }
-                }
-                m0 += mt;
-            }
-            nb += nt_blocks;
-        }
-        for (int r = 0; r < rows; r++) {
-            const float most = _mm512_reduce_max_ps(best[r]);
-            const __mmask16 holders = _mm512_cmp_ps_mask(best[r], _mm512_set1_ps(most), _CMP_EQ_OQ);
-            top[t][r] = most, nan_at[t][r] = first_nan[r];
-            at[t][r] = most == -INFINITY ? -1 : _mm512_mask_reduce_min_epi32(holders, where[r]);
-        }
-        for (int u = T; u < nt && t == 0; u++) /* threads the runtime did not start */
-            for (int r = 0; r < rows; r++) top[u][r] = -INFINITY, at[u][r] = -1, nan_at[u][r] = -1;
-    }
+    float top[nt * rows];
+    int64_t at[nt * rows], nan_at[nt * rows];
+    for (int i = 0; i < nt * rows; i++) top[i] = -INFINITY, at[i] = nan_at[i] = -1; /* (threads not started) */
+    RowMax most = {top, at, nan_at};
+    const int bf = md->dtype == DT_BF16;
+    project_kind(bf ? W_BF16 : W_F32, bf, md->head, 0, 0, x, xb, rows, md->vocab, md->hidden, 0, 0, nt, &most);
     for (int r = 0; r < rows; r++) {
         int64_t id = -1, nan_id = -1;
-        float most = -INFINITY;
+        float largest = -INFINITY;
         for (int t = 0; t < nt; t++) {
-            if (nan_id < 0 && nan_at[t][r] >= 0) nan_id = nan_at[t][r];
-            if (at[t][r] >= 0 && (id < 0 || top[t][r] > most)) most = top[t][r], id = at[t][r];
+            if (nan_id < 0 && nan_at[t * rows + r] >= 0) nan_id = nan_at[t * rows + r];
+            if (at[t * rows + r] >= 0 && (id < 0 || top[t * rows + r] > largest))
+                largest = top[t * rows + r], id = at[t * rows + r];
         }
         ids[r] = nan_id >= 0 ? nan_id : id >= 0 ? id : 0; /* every logit -inf: the first */
     }
     return rows;
 }
-#endif
 
 /* Whether this build has AVX-512 BF16's dot product (the 4-bit kernels and the greedy screen
  * need it to be fast; without it they are not used). */
@@ -1217,10 +1233,7 @@ int flover_forward(const Model *md, const Layer *layers, int rows, int decode_ro
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
-#if defined(__AVX512F__)
-    if (greedy_ids && md->dtype == DT_BF16 && n_out > md->screen_rows)
-        return n_out > 0 ? head_greedy(md, mid, xb, n_out, greedy_ids, nt) : 0;
-#endif
+    if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
     if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
     if (n_out > 0) project(md, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
     return 0;
