@@ -34,6 +34,12 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                         "requests decode again (lower time to first token under bursts; default 3; 0: every "
                         "iteration decodes)")
     g.add_argument("--prompt-first-tokens", type=int, default=192, help="prompt tokens of one such iteration (default 192)")
+    g.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="prompt-lookup speculation: up to K draft tokens per greedy request and iteration, taken "
+                        "from where its last tokens occurred before in its prompt or output, checked by the same "
+                        "forward (the same tokens, fewer iterations; native CPU step at TP=1; default 0: off)")
+    g.add_argument("--speculate-ngram", type=int, default=3, metavar="N",
+                   help="the last N tokens are looked up for a draft (default 3)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: cores available)")
     g.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
     g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
@@ -54,6 +60,7 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, prompt_first_iterations=args.prompt_first,
                         prompt_first_tokens=args.prompt_first_tokens, num_threads=args.threads, seed=args.seed,
+                        speculate=args.speculate, speculate_ngram=args.speculate_ngram,
                         prefix_cache_mib=args.prefix_cache,
                         prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
                         cuda_graphs=args.cuda_graphs, native_forward=args.native_forward)

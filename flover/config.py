@@ -109,6 +109,13 @@ class SamplingParams:
         if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
             bad("top_logprobs", "needs logprobs or prompt_logprobs set to true")
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Takes the largest logit as is (the common serving case): no temperature, penalty or
+        log-probabilities, so the id alone decides (and a speculative draft can be checked)."""
+        return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.frequency_penalty
+                and not self.presence_penalty and not self.logprobs)
+
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 
@@ -177,6 +184,11 @@ class EngineConfig:
     prompt_first_iterations: int = 3
     prompt_first_tokens: int = 192
     num_threads: int | None = None  # torch intra-op threads; None = cores available
+    # prompt-lookup speculation (flover/speculation.py): up to this many draft tokens per greedy
+    # request and iteration, found by its last `speculate_ngram` tokens; 0 = off. Native CPU step
+    # at TP=1 only (elsewhere the engine says so and runs without).
+    speculate: int = 0
+    speculate_ngram: int = 3
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
     # Touch the prefix pool's pages at start-up (`flover serve` does): a server fills the pool sooner
@@ -211,5 +223,8 @@ class EngineConfig:
                              f"{self.prompt_first_tokens}: must be >= 0 and >= 1")
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
+        if not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:
+            raise ValueError(f"speculate={self.speculate}, speculate_ngram={self.speculate_ngram}: draft tokens must "
+                             f"be in [0, 64] (0: off), the n-gram in [1, 64]")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}: must be >= 1")

@@ -35,6 +35,7 @@ from flover.output import OutputProcessor
 from flover.request import Request, RequestOutput, RequestState, Timings
 from flover.runner import ModelRunner
 from flover.scheduler import PromptFirst, Scheduler, StepPlan
+from flover.speculation import Speculation
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache,
-                                   PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens))
+                                   PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
+                                   self._speculation(native, graphs))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
@@ -118,6 +120,7 @@ class Engine:
         self.stopped = False  # a follower saw the leader's shutdown
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
+        self.draft_tokens = self.accepted_tokens = 0  # speculation: rows of draft tokens, and those accepted
 
     def _native_forward(self, model: torch.nn.Module, buffer: SlotBuffer) -> NativeForward | None:
         """The native step over the model's row-major weights (loaded unpacked for it). It runs
@@ -138,6 +141,21 @@ class Engine:
             release_projections(model)
         log.info("native step: iterations run as one native call (ready in %.2f s)", time.perf_counter() - started)
         return native
+
+    def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
+        """The drafts' settings, or off (with the reason logged) where rows cannot carry them."""
+        config = self.config
+        if not config.speculate:
+            return Speculation()
+        why = ("the native step is off" if native is None else "tensor parallelism" if self.comm is not None
+               else "CUDA graphs" if graphs is not None else None)
+        if why is not None:
+            log.warning("speculation off: draft rows need the native CPU step at TP=1 (%s)", why)
+            return Speculation()
+        if self.is_leader:
+            log.info("speculation: up to %d prompt-lookup draft tokens per greedy request (%d-gram)",
+                     config.speculate, config.speculate_ngram)
+        return Speculation(config.speculate, config.speculate_ngram)
 
     # -- intake ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -339,8 +357,10 @@ class Engine:
         self.last_step_tokens = batch.input_ids.shape[0]
         logits = runner.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
         self.scheduler.commit(plan)
-        result = runner.sample(logits, rows)
+        result = runner.sample(logits, rows)  # with drafts: the tokens each one's accepted part gives
         self.iterations += 1
+        self.draft_tokens += batch.draft_rows
+        self.accepted_tokens += sum(map(len, result.accepted.values()))
         self.outputs.record_prompt_logprobs(rows.scoring, result.prompt_logprobs)
         return outputs + self.outputs.record(rows.sampled, result, time.perf_counter())
 

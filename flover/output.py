@@ -22,15 +22,17 @@ class OutputProcessor:
         self.tokenizer, self.on_fail = tokenizer, on_fail
 
     def record(self, sampled: list[Request], result: SampleResult, now: float) -> list[RequestOutput]:
-        """Append each request's new token, decide whether it is finished, and report it. A
-        failure that belongs to one request (its sampling, its text) ends that request alone."""
+        """Append each request's new token (and those its accepted draft gave), decide whether it
+        is finished, and report it. A failure that belongs to one request (its sampling, its
+        text) ends that request alone."""
         outputs, logprobs = [], result.logprobs
         for i, (r, token) in enumerate(zip(sampled, result.token_ids)):
             if i in result.failed:
                 outputs.append(self.fail(r, result.failed[i], now))
                 continue
             try:
-                outputs.append(self._record_one(r, token, logprobs[i] if logprobs is not None else None, now))
+                outputs.append(self._record_one(r, [token, *result.accepted.get(i, ())],
+                                                logprobs[i] if logprobs is not None else None, now))
             except Exception as e:
                 log.exception("request %s failed", r.request_id)
                 outputs.append(self.fail(r, f"internal error: {e!r}", now))
@@ -49,22 +51,27 @@ class OutputProcessor:
                 r.prompt_logprobs.append(logprob)
                 r.prompt_top_logprobs.append(alternatives[:k])
 
-    def _record_one(self, r: Request, token: int, logprob: Logprob | None, now: float) -> RequestOutput:
-        r.output_token_ids.append(token)
-        if logprob is not None and r.params.logprobs:
+    def _record_one(self, r: Request, tokens: list[int], logprob: Logprob | None, now: float) -> RequestOutput:
+        """`tokens`: one, or (speculation) several in a row, checked one by one: the first that
+        finishes the request is its last."""
+        if logprob is not None and r.params.logprobs:  # one token: drafts are for requests without logprobs
             r.output_logprobs.append(logprob[0])
             if r.params.top_logprobs:
                 r.output_top_logprobs.append(logprob[1][: r.params.top_logprobs])
         if r.timings.first_token is None:
             r.timings.first_token = now
-        delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
-        if token in r.stop_token_set:
-            r.finish(FinishReason.STOP, now)
-        elif delta and r.stop_pattern is not None and self._hit_stop_string(r, delta):
-            r.finish(FinishReason.STOP, now)
-        elif len(r.output_token_ids) >= r.params.max_new_tokens:
-            r.finish(FinishReason.LENGTH, now)
-        return self.output(r, [token])
+        for n, token in enumerate(tokens, 1):
+            r.output_token_ids.append(token)
+            delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
+            if token in r.stop_token_set:
+                r.finish(FinishReason.STOP, now)
+            elif delta and r.stop_pattern is not None and self._hit_stop_string(r, delta):
+                r.finish(FinishReason.STOP, now)
+            elif len(r.output_token_ids) >= r.params.max_new_tokens:
+                r.finish(FinishReason.LENGTH, now)
+            if r.finished:
+                return self.output(r, tokens[:n])
+        return self.output(r, tokens)
 
     def fail(self, r: Request, why: str, now: float) -> RequestOutput:
         """End one request with finish reason `error`; the other ranks retire it with the leader."""

@@ -22,6 +22,7 @@ from flover.parallel.comm import Communicator
 from flover.request import Request
 from flover.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.scheduler import StepPlan
+from flover.speculation import verify
 
 log = logging.getLogger(__name__)
 
@@ -40,26 +41,35 @@ class PromptRows:
 
 @dataclass
 class IterationRows:
-    """Which rows of the forward's logits are for what: first one row per sampled request, then
-    the prompt-scoring rows."""
+    """Which rows of the forward's logits are for what: first the sampled requests' rows (one
+    each, and after a decoding request's own row one per token of its draft), then the
+    prompt-scoring rows."""
 
     sampled: list[Request]
     scoring: list[PromptRows] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # of the first len(drafts) sampled requests
+
+    def owners(self) -> list[int]:
+        """The index (in `sampled`) of each sampled row's request."""
+        counts = [1 + (len(self.drafts[i]) if i < len(self.drafts) else 0) for i in range(len(self.sampled))]
+        return [i for i, n in enumerate(counts) for _ in range(n)]
+
+    def per_row(self) -> list[Request]:
+        """The request of each sampled row."""
+        return [self.sampled[i] for i in self.owners()] if self.drafts else self.sampled
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]  # one per sampled request
-    logprobs: list[Logprob | None] | None  # the same rows, when any of them asked
-    failed: dict[int, str]  # row -> why its sampling failed
+    logprobs: list[Logprob | None] | None  # the same requests, when any of them asked
+    failed: dict[int, str]  # request index -> why its sampling failed
     prompt_logprobs: list[list[Logprob]]  # per PromptRows, one per row (leader only)
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # request index -> tokens after its first (drafts)
 
 
 def plain_greedy(requests: list[Request]) -> bool:
-    """Every request takes its largest logit as is (the common serving case): no temperature,
-    penalty or log-probabilities."""
-    return all(r.params.temperature == 0 and r.params.repetition_penalty == 1.0 and not r.params.frequency_penalty
-               and not r.params.presence_penalty and not r.params.logprobs for r in requests)
+    return all(r.params.plain_greedy for r in requests)
 
 
 class ModelRunner:
@@ -104,6 +114,8 @@ class ModelRunner:
             logits = self.native.run(batch, greedy=greedy)
             if logits is not None:
                 return logits
+        if batch.draft_rows:  # the scheduler keeps speculative iterations within the native step's rows
+            raise RuntimeError("an iteration with speculative draft rows needs the native step")
         return self.model(batch, self.buffer.kv)
 
     def admit(self, plan: StepPlan) -> None:
@@ -127,18 +139,25 @@ class ModelRunner:
         kv_len) as lists, then one tensor per field: after a native forward every first tensor
         operation pays ~0.1 ms of cache misses, so as few kinds as possible."""
         decode = plan.decode
-        num_decode = len(decode)
         decode_slots = [r.slot for r in decode]
-        span = decode_slots[-1] + 1 if num_decode else 0  # decode rows lie in slots [0, span)
+        span = decode_slots[-1] + 1 if decode else 0  # decode rows lie in slots [0, span)
         ids = [r.output_token_ids[-1] for r in decode]
         positions = [r.kv_len for r in decode]
         slots = list(decode_slots)
         span_lens = [1] * span  # the slots in the span that are prefilling attend to nothing here
         for slot, position in zip(decode_slots, positions):
             span_lens[slot] = position + 1
+        draft_rows = sum(map(len, plan.drafts))
+        if draft_rows:  # each request's row, then its draft at the positions after it
+            ids, positions, slots = [], [], []
+            for r, draft in zip(decode, plan.drafts):
+                ids += [r.output_token_ids[-1], *draft]
+                positions += range(r.kv_len, r.kv_len + 1 + len(draft))
+                slots += [r.slot] * (1 + len(draft))
+        num_decode = len(ids)
 
         prefills, sample_rows, score_rows = [], list(range(num_decode)), []
-        rows_of = IterationRows(list(decode))
+        rows_of = IterationRows(list(decode), drafts=plan.drafts if draft_rows else [])
         row = num_decode
         for chunk in plan.prefill:
             r = chunk.request
@@ -158,9 +177,9 @@ class ModelRunner:
         batch = ForwardBatch(
             input_ids=as_tensor(ids), positions=as_tensor(positions), write_slots=as_tensor(slots),
             num_decode=num_decode, decode_span=span,
-            decode_rows=None if span == num_decode else as_tensor(decode_slots),  # None: slots 0..n-1
+            decode_rows=None if span == num_decode else as_tensor(slots[:num_decode]),  # None: slots 0..n-1
             span_lens=as_tensor(span_lens), max_decode_len=max(span_lens, default=0), prefills=prefills,
-            sample_rows=as_tensor(sample_rows + score_rows),
+            sample_rows=as_tensor(sample_rows + score_rows), draft_rows=draft_rows,
         )
         return batch, rows_of
 
@@ -174,12 +193,27 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> SampleResult:
         """The leader samples every row at once (and scores prompts that asked); with TP it then
-        broadcasts the ids (a few bytes). A list: the forward's greedy ids already."""
+        broadcasts the ids (a few bytes). A list: the forward's greedy ids already. Drafts are
+        checked against the ids of the rows after them (speculation.verify)."""
+        result = self._sample_rows_of(logits, rows)
+        if not rows.drafts:
+            return result
+        firsts, result.accepted = verify(rows.drafts, result.token_ids, len(rows.sampled))
+        owner = rows.owners()  # the request index of each row
+        result.token_ids = firsts
+        if result.logprobs is not None:  # requests with drafts ask for none: one entry each
+            result.logprobs = [entry for row, entry in enumerate(result.logprobs)
+                               if row == 0 or owner[row - 1] != owner[row]]
+        result.failed = {owner[row]: why for row, why in result.failed.items()}
+        return result
+
+    def _sample_rows_of(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> SampleResult:
+        """One id per sampled row (a drafting request has several)."""
         if isinstance(logits, list):
             return self._share(logits, None, {}, [])
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
-        sampled = rows.sampled
+        sampled = rows.per_row()
         if not self.is_leader:
             return SampleResult(self.comm.broadcast_ids(None, len(sampled)), None, {}, [])
         prompt_logprobs = []

@@ -10,7 +10,8 @@ Order inside one `schedule()` call:
      take up to `prompt_first_tokens` prompt tokens alone (see PromptFirst);
   4. prompts still being prefilled continue (FCFS), then waiting requests are admitted (FCFS)
      into the slots after the live range, while a slot is free and the token budget allows;
-     an admitted prompt starts after its longest cached prefix (copied into its slot).
+     an admitted prompt starts after its longest cached prefix (copied into its slot);
+  5. with speculation, greedy decoding requests draft tokens in the budget left (speculation.py).
 The plan's copies run in this order: saves, the shuffle's moves, loads.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from flover.kv_buffer import Move, plan_compaction
 from flover.prefix_cache import BlockCopy, PrefixCache
 from flover.request import FinishReason, Request, RequestState
+from flover.speculation import Speculation, drafts_for
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StepPlan:
     retired: list[Request] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)  # in slot order
+    drafts: list[list[int]] = field(default_factory=list)  # per decode request when speculating: its draft
     prefill: list[PrefillChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # got a slot in this plan
     saves: list[BlockCopy] = field(default_factory=list)  # slot -> prefix pool, before the moves
@@ -67,7 +70,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.length for c in self.prefill)
+        return len(self.decode) + sum(map(len, self.drafts)) + sum(c.length for c in self.prefill)
 
     @property
     def empty(self) -> bool:
@@ -76,13 +79,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, max_slots: int, max_batch_tokens: int, prefix: PrefixCache | None = None,
-                 prompt_first: PromptFirst = PromptFirst(iterations=0)):
+                 prompt_first: PromptFirst = PromptFirst(iterations=0), speculation: Speculation = Speculation()):
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
         self.max_batch_tokens = max_batch_tokens
         self.prefix = prefix
         self.prompt_first = prompt_first
+        self.speculation = speculation
         self._prompt_only = 0  # prompt-only iterations in a row so far
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_slots
@@ -147,6 +151,9 @@ class Scheduler:
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
 
+        # 5. drafts, in what budget prompts left.
+        if self.speculation.tokens and plan.decode and budget > 0:
+            plan.drafts, _ = drafts_for(plan.decode, self.speculation, budget)
         plan.num_live = self.num_live
         return plan
 

@@ -134,7 +134,8 @@ class Running:
             self.proc.kill()
 
 
-def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: int = 384) -> tuple[Running, int]:
+def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: int = 384,
+                 extra: list[str] = ()) -> tuple[Running, int]:
     """llama-server with `slots` slots of `seq_len` positions, once it answers; (server, port)."""
     port = free_port()
 
@@ -147,12 +148,22 @@ def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: i
             return False
 
     server = Running([str(binary), "-m", str(model), "-np", str(slots), "-c", str(slots * seq_len), "-cb",
-                      "-t", str(threads), "--port", str(port), "--host", "127.0.0.1"], ready)
+                      "-t", str(threads), "--port", str(port), "--host", "127.0.0.1", *extra], ready)
     return server, port
 
 
-def start_llama(binary: Path, model: Path, slots: int, threads: int) -> tuple[Running, callable]:
-    server, port = launch_llama(binary, model, slots, threads)
+def speculation_args(draft: int, ngram: int) -> tuple[list[str], list[str]]:
+    """The same prompt-lookup speculation for both servers: drafts of up to `draft` tokens that
+    followed the latest earlier occurrence of the last `ngram` tokens; (llama-server's, flover's)."""
+    if not draft:
+        return [], []
+    return (["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(ngram),
+             "--spec-ngram-simple-size-m", str(draft)],
+            ["--speculate", str(draft), "--speculate-ngram", str(ngram)])
+
+
+def start_llama(binary: Path, model: Path, slots: int, threads: int, extra: list[str] = ()) -> tuple[Running, callable]:
+    server, port = launch_llama(binary, model, slots, threads, extra=extra)
     return server, lambda ids, n: llama_request(port, ids, n)
 
 
@@ -198,10 +209,10 @@ def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
     return server, addr
 
 
-def start_flover(model: Path, config: str, slots: int, threads: int) -> tuple[Running, callable]:
+def start_flover(model: Path, config: str, slots: int, threads: int, extra: list[str] = ()) -> tuple[Running, callable]:
     from flover.client import Client
 
-    server, addr = launch_flover(model, FLOVER_ARGS[config], slots, threads)
+    server, addr = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads)
 
     def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
         start, first, tokens, gaps = time.perf_counter(), None, 0, Gaps()
@@ -277,7 +288,12 @@ def main() -> int:
     ap.add_argument("--gomp-spincount", default=None, metavar="N",
                     help="give both servers GOMP_SPINCOUNT=N (llama-server's default build uses libgomp too; "
                          "flover sets 10000 itself); default: each server as it ships")
+    ap.add_argument("--speculate", type=int, default=0, metavar="K",
+                    help="both servers speculate: prompt-lookup drafts of up to K tokens (llama-server --spec-type "
+                         "ngram-simple, flover --speculate); default 0: neither")
+    ap.add_argument("--speculate-ngram", type=int, default=3, metavar="N", help="... found by the last N tokens")
     args = ap.parse_args()
+    llama_extra, flover_extra = speculation_args(args.speculate, args.speculate_ngram)
     if args.gomp_spincount is not None:
         os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount  # both servers inherit it
     cache = Path(args.cache)
@@ -299,9 +315,9 @@ def main() -> int:
             llama_type = LLAMA_TYPES[dtype]
             llama_model = gguf if llama_type == "native" else converted(hf_dir, llama_type, cache)
             llama_name = "llama.cpp " + (gguf.name.rsplit(".", 2)[-2] if llama_type == "native" else llama_type)
-            engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests,
-                                                                             args.threads)),
-                       ("flover " + dtype, lambda: start_flover(hf_dir, dtype, args.requests, args.threads))]
+            engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra)),
+                       ("flover " + dtype, lambda: start_flover(hf_dir, dtype, args.requests, args.threads,
+                                                                flover_extra))]
             if run % 2:
                 engines.reverse()  # alternate who goes first
             for name, start in engines:
@@ -326,7 +342,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": rows,
                                           "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
     print(f"\nmedians of {args.runs} alternating run(s), {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
-          f"greedy, {args.threads} threads\n")
+          f"greedy, {args.threads} threads"
+          f"{f', prompt-lookup speculation (up to {args.speculate} tokens, {args.speculate_ngram}-grams)' if args.speculate else ''}\n")
     print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap |\n|---|---|---:|---:|---:|---:|")
     for workload, engines in rows.items():
         for name, m in engines.items():

@@ -36,6 +36,9 @@ class ForwardBatch:
     max_decode_len: int
     prefills: list[PrefillSpan]
     sample_rows: torch.Tensor  # [B] rows whose next-token logits are wanted
+    # decode rows that carry speculative drafts (a slot's later positions, speculation.py): only
+    # the native step attends per row; the decode attention here would not see them
+    draft_rows: int = 0
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
