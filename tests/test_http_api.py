@@ -291,6 +291,7 @@ def test_metrics_parse_and_count_what_was_sent(api):
     assert delta("flover:iteration_tokens_sum") == sum(a.usage.prompt_tokens + a.usage.completion_tokens - 1
                                                        for a in answers)
     assert after[("flover:num_requests_running", ())] == 0 and after[("flover:kv_slots_total", ())] == 8
+    assert delta("flover:spec_decode_num_draft_tokens_total") == delta("flover:spec_decode_num_accepted_tokens_total") == 0
     with server.client() as c:  # the same numbers over the socket
         stats = c.stats()
     assert stats["metrics"]["generation_tokens"] == after[("flover:generation_tokens_total", ())]

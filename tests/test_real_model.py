@@ -120,3 +120,19 @@ def test_hub_id_resolves_through_the_local_cache_offline(llama_dir, tmp_path):
                              timeout=120, env=env)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "'testorg/not-cached' is not in the local hub cache" in missing.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smollm2_speculation_gives_the_tokens_of_decoding_one_at_a_time(smollm2, dtype):
+    """On the real model, whose greedy output soon repeats itself on random prompts: prompt-lookup
+    drafts are accepted often, and every token is the one decoding without them gives."""
+    import random
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(32)] for _ in range(6)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    plain = LLM(str(smollm2), dtype=dtype, max_slots=6, max_seq_len=128)
+    fast = LLM(str(smollm2), dtype=dtype, max_slots=6, max_seq_len=128, speculate=4)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in fast.generate(prompts, params)] == expected
+    assert fast.engine.accepted_tokens > 48 and fast.engine.iterations < plain.engine.iterations

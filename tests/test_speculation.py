@@ -221,3 +221,33 @@ def test_speculation_is_off_where_the_native_step_is_not(llama_dir, prompts, cap
 def test_bad_speculation_settings_are_refused(changes):
     with pytest.raises(ValueError, match="speculate"):
         EngineConfig(model="m", **changes).validate()
+
+
+def test_a_speculating_daemon_streams_the_tokens_of_one_at_a_time(llama_dir, prompts):
+    """`flover serve --speculate`: real clients stream several tokens per event at times, and
+    get what the offline API gives without speculation; the stats count drafts and acceptances."""
+    from tests.test_daemon import Server
+
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    expected, _ = generate(llama_dir, prompts, params, dtype="float32")
+    server = Server(llama_dir, "--max-slots", "4", "--dtype", "float32", "--speculate", "4", "--speculate-ngram", "1")
+    try:
+        with server.client() as c:
+            for i, prompt in enumerate(prompts):
+                c.send({"op": "generate", "id": str(i), "input_ids": prompt, "stream": True,
+                        "params": {"max_new_tokens": 60, "ignore_eos": True}})
+            streamed, finals = {}, {}
+            while len(finals) < len(prompts):
+                event = c.next_any(timeout=60)
+                assert event is not None and event["event"] in ("token", "final"), event
+                if event["event"] == "token":
+                    streamed.setdefault(event["id"], []).extend(event["token_ids"])
+                else:
+                    finals[event["id"]] = event
+            stats = c.stats()
+    finally:
+        server.stop()
+    for i, exp in enumerate(expected):
+        assert streamed[str(i)] == exp.token_ids
+        assert finals[str(i)]["usage"]["completion_tokens"] == len(exp.token_ids)
+    assert stats["draft_tokens"] > stats["accepted_tokens"] > 0

@@ -460,6 +460,7 @@ class Daemon:
                 "kv_tokens": kv_tokens, "kv_use": kv_tokens / (e.config.max_slots * e.max_seq_len),
                 "iterations": e.iterations, "uptime_s": time.time() - self.started, "draining": self.draining,
                 "shuffle_moves": e.buffer.moves_done, "shuffle_bytes": e.buffer.bytes_moved,
+                "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
                 "prefix_cache": self._prefix_stats(), **self.counters, "metrics": self.metrics.snapshot()}
 
     def _prefix_stats(self) -> dict | None:

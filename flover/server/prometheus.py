@@ -31,6 +31,10 @@ class _Snapshot:
             ("iterations", "Engine iterations", s["iterations"]),
             ("shuffle_moves", "Slots moved by the memory shuffle", s["shuffle_moves"]),
             ("shuffle_bytes", "KV bytes copied by the memory shuffle", s["shuffle_bytes"]),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens verified (rows computed for them)",
+             s["draft_tokens"]),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted (each a token without an iteration of its own)",
+             s["accepted_tokens"]),
             ("request_errors", "Requests that ended with an error", s["errors"]),
             ("requests_rejected", "Requests refused before running (invalid, overloaded, ...)", s["rejected"])))
         p = s.get("prefix_cache")
