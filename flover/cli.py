@@ -34,10 +34,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                         "requests decode again (lower time to first token under bursts; default 3; 0: every "
                         "iteration decodes)")
     g.add_argument("--prompt-first-tokens", type=int, default=192, help="prompt tokens of one such iteration (default 192)")
-    g.add_argument("--speculate", type=int, default=0, metavar="K",
-                   help="prompt-lookup speculation: up to K draft tokens per greedy request and iteration, taken "
-                        "from where its last tokens occurred before in its prompt or output, checked by the same "
-                        "forward (the same tokens, fewer iterations; native CPU step at TP=1; default 0: off)")
+    g.add_argument("--speculate", type=int, default=None, metavar="K",
+                   help="prompt-lookup speculation: greedy requests draft up to K tokens per iteration from where "
+                        "their last tokens occurred before (prompt or output), checked by the same forward: the "
+                        "same tokens in fewer iterations (default: 8 where the native CPU step runs at TP=1, "
+                        "else off; 0: off)")
     g.add_argument("--speculate-ngram", type=int, default=3, metavar="N",
                    help="the last N tokens are looked up for a draft (default 3)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: cores available)")

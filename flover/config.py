@@ -185,9 +185,10 @@ class EngineConfig:
     prompt_first_tokens: int = 192
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     # prompt-lookup speculation (flover/speculation.py): up to this many draft tokens per greedy
-    # request and iteration, found by its last `speculate_ngram` tokens; 0 = off. Native CPU step
-    # at TP=1 only (elsewhere the engine says so and runs without).
-    speculate: int = 0
+    # request and iteration, found by its last `speculate_ngram` tokens; 0 = off; None = 8 where
+    # the engine can (the native CPU step at TP=1), off elsewhere. Asked for where it cannot, the
+    # engine says so and runs without.
+    speculate: int | None = None
     speculate_ngram: int = 3
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
@@ -223,7 +224,7 @@ class EngineConfig:
                              f"{self.prompt_first_tokens}: must be >= 0 and >= 1")
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
-        if not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:
+        if self.speculate is not None and not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:
             raise ValueError(f"speculate={self.speculate}, speculate_ngram={self.speculate_ngram}: draft tokens must "
                              f"be in [0, 64] (0: off), the n-gram in [1, 64]")
         if self.num_threads is not None and self.num_threads < 1:

@@ -114,7 +114,8 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
     if not real:
         say("  (for real text: flover demo without --preset fetches a real model, or --model PATH: a GGUF "
             "file or a Llama, Mistral, Qwen2 or GPT-J checkpoint directory)")
-    fused_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads))
+    # fusion alone (no speculation): one token per request and iteration in both runs
+    fused_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads, speculate=0))
     # Real models stop at their end-of-turn token; random ones would stop anywhere, so they run to the length.
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=not real)
     tokenizer = fused_engine.tokenizer
@@ -134,7 +135,7 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
             say(f"> {question}\n  {(result.get('text') or '').strip()}\n")
     say("== the same prompts and arrivals, one request at a time ==")
     del fused_engine  # its KV cache goes before the next one is allocated
-    serial_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=1, num_threads=threads))
+    serial_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=1, num_threads=threads, speculate=0))
     serial, serial_results = run_once(serial_engine, records, params, rate, seed)
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 

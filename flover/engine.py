@@ -35,7 +35,7 @@ from flover.output import OutputProcessor
 from flover.request import Request, RequestOutput, RequestState, Timings
 from flover.runner import ModelRunner
 from flover.scheduler import PromptFirst, Scheduler, StepPlan
-from flover.speculation import Speculation
+from flover.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -143,19 +143,20 @@ class Engine:
         return native
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
-        """The drafts' settings, or off (with the reason logged) where rows cannot carry them."""
+        """The drafts' settings, or off where rows cannot carry them (said when they were asked for)."""
         config = self.config
-        if not config.speculate:
+        if config.speculate == 0:
             return Speculation()
         why = ("the native step is off" if native is None else "tensor parallelism" if self.comm is not None
                else "CUDA graphs" if graphs is not None else None)
         if why is not None:
-            log.warning("speculation off: draft rows need the native CPU step at TP=1 (%s)", why)
+            if config.speculate is not None:
+                log.warning("speculation off: draft rows need the native CPU step at TP=1 (%s)", why)
             return Speculation()
-        if self.is_leader:
-            log.info("speculation: up to %d prompt-lookup draft tokens per greedy request (%d-gram)",
-                     config.speculate, config.speculate_ngram)
-        return Speculation(config.speculate, config.speculate_ngram)
+        tokens = DEFAULT_DRAFT_TOKENS if config.speculate is None else config.speculate
+        log.info("speculation: greedy requests draft up to %d tokens by prompt lookup (%d-grams; --speculate 0: "
+                 "off)", tokens, config.speculate_ngram)
+        return Speculation(tokens, config.speculate_ngram)
 
     # -- intake ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -353,12 +354,14 @@ class Engine:
             request.timings.scheduled = now
         runner = self.runner
         runner.admit(plan)
+        started = time.perf_counter()
         batch, rows = runner.build_batch(plan)
         self.last_step_tokens = batch.input_ids.shape[0]
         logits = runner.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
         self.scheduler.commit(plan)
         result = runner.sample(logits, rows)  # with drafts: the tokens each one's accepted part gives
         self.iterations += 1
+        self.scheduler.iteration_cost.observe(batch.input_ids.shape[0], time.perf_counter() - started)
         self.draft_tokens += batch.draft_rows
         self.accepted_tokens += sum(map(len, result.accepted.values()))
         self.outputs.record_prompt_logprobs(rows.scoring, result.prompt_logprobs)

@@ -86,7 +86,7 @@ class Request:
     stop_holdback: int = 0  # longest stop string - 1: streamed text held back while it may start one
     stream: bool = False  # report text deltas as tokens arrive
     emitted: int = 0  # characters of text already reported as deltas
-    lookup: object | None = None  # NgramLookup of prompt + output, once it drafts (speculation.py)
+    drafting: object | None = None  # speculation.Drafting, once it drafts
 
     @property
     def prompt_len(self) -> int:

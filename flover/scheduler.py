@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from flover.kv_buffer import Move, plan_compaction
 from flover.prefix_cache import BlockCopy, PrefixCache
 from flover.request import FinishReason, Request, RequestState
-from flover.speculation import Speculation, drafts_for
+from flover.speculation import IterationCost, Speculation, drafts_for
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class Scheduler:
         self.prefix = prefix
         self.prompt_first = prompt_first
         self.speculation = speculation
+        self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
         self._prompt_only = 0  # prompt-only iterations in a row so far
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_slots
@@ -151,9 +152,11 @@ class Scheduler:
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
 
-        # 5. drafts, in what budget prompts left.
+        # 5. drafts, in what budget prompts left, of tokens likely enough to be accepted to pay
+        #    for their rows in an iteration of this size (speculation.py).
         if self.speculation.tokens and plan.decode and budget > 0:
-            plan.drafts, _ = drafts_for(plan.decode, self.speculation, budget)
+            line = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
+            plan.drafts, _ = drafts_for(plan.decode, self.speculation, budget, line)
         plan.num_live = self.num_live
         return plan
 

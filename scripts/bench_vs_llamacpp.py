@@ -152,11 +152,15 @@ def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: i
     return server, port
 
 
-def speculation_args(draft: int, ngram: int) -> tuple[list[str], list[str]]:
-    """The same prompt-lookup speculation for both servers: drafts of up to `draft` tokens that
-    followed the latest earlier occurrence of the last `ngram` tokens; (llama-server's, flover's)."""
-    if not draft:
+def speculation_args(draft: int | None, ngram: int) -> tuple[list[str], list[str]]:
+    """(llama-server's, flover's) arguments: None, each as it ships (flover speculates by
+    default, llama-server does not); 0, neither; K, both the same prompt-lookup speculation:
+    drafts of up to K tokens that followed the latest earlier occurrence of the last `ngram`
+    tokens."""
+    if draft is None:
         return [], []
+    if not draft:
+        return [], ["--speculate", "0"]
     return (["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(ngram),
              "--spec-ngram-simple-size-m", str(draft)],
             ["--speculate", str(draft), "--speculate-ngram", str(ngram)])
@@ -273,6 +277,10 @@ def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_l
             "tokens": tokens, "makespan_s": makespan}
 
 
+SPECULATION = {None: ", each server's default speculation (flover's prompt lookup on, llama-server's off)",
+               0: ", no speculation", 1: ", both with prompt-lookup speculation"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
@@ -288,9 +296,10 @@ def main() -> int:
     ap.add_argument("--gomp-spincount", default=None, metavar="N",
                     help="give both servers GOMP_SPINCOUNT=N (llama-server's default build uses libgomp too; "
                          "flover sets 10000 itself); default: each server as it ships")
-    ap.add_argument("--speculate", type=int, default=0, metavar="K",
-                    help="both servers speculate: prompt-lookup drafts of up to K tokens (llama-server --spec-type "
-                         "ngram-simple, flover --speculate); default 0: neither")
+    ap.add_argument("--speculate", type=int, default=None, metavar="K",
+                    help="K > 0: both servers speculate, prompt-lookup drafts of up to K tokens (llama-server "
+                         "--spec-type ngram-simple, flover --speculate K); 0: neither; default: each as it ships "
+                         "(flover speculates, llama-server does not)")
     ap.add_argument("--speculate-ngram", type=int, default=3, metavar="N", help="... found by the last N tokens")
     args = ap.parse_args()
     llama_extra, flover_extra = speculation_args(args.speculate, args.speculate_ngram)
@@ -343,7 +352,7 @@ def main() -> int:
                                           "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
     print(f"\nmedians of {args.runs} alternating run(s), {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
           f"greedy, {args.threads} threads"
-          f"{f', prompt-lookup speculation (up to {args.speculate} tokens, {args.speculate_ngram}-grams)' if args.speculate else ''}\n")
+          f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n")
     print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap |\n|---|---|---:|---:|---:|---:|")
     for workload, engines in rows.items():
         for name, m in engines.items():

@@ -29,6 +29,7 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
     itself, so that later iterations read its own cache)."""
     engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
                                  prompt_first_iterations=0,  # mixed iterations are what is compared
+                                 speculate=0,  # draft rows: the PyTorch forward cannot run them
                                  quantization=quantization, keep_pytorch_weights=True))
     runner, native = engine.runner, engine.runner.native
     assert native is not None, "the native step should be available on this machine (a C compiler, x86-64 Linux)"
@@ -244,7 +245,8 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
     reorders, and in exact ties, every iteration's ids equal the first argmax of the whole head's
     logits on the same state."""
     model_dir = edited_copy(make_model(variant), tmp_path / "near-ties", near_tied_head)
-    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110))
+    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
+                                 speculate=0))  # one row per request: the screen's row counts
     native = engine.runner.native
     assert native.screens_greedy
     run, compared = native.run, []
@@ -279,7 +281,8 @@ def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, va
     "greedy through the whole head"), no logits stored: on the near-tied head, every such
     iteration's ids equal the first argmax of its logits (exact ties: the first index)."""
     model_dir = edited_copy(make_model(variant), tmp_path / "near-ties", near_tied_head)
-    engine = Engine(EngineConfig(model_dir, dtype="bfloat16", max_slots=16, max_batch_tokens=48, max_seq_len=110))
+    engine = Engine(EngineConfig(model_dir, dtype="bfloat16", max_slots=16, max_batch_tokens=48, max_seq_len=110,
+                                 speculate=0))
     native = engine.runner.native
     run, compared = native.run, []
 
