@@ -3,12 +3,13 @@
 
     python scripts/speculation_potential.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
-flover has no speculative decoding; this sizes it before anyone builds it. Each request is
-generated greedily as today, then replayed: at every iteration the draft is the k tokens that
+This sized flover's speculation (flover/speculation.py) before it was built; it replays fixed
+drafts of k tokens, not the engine's rule (docs/benchmarks.md (h)). Each request is generated
+greedily without speculation, then replayed: at every iteration the draft is the k tokens that
 followed the latest earlier occurrence of the last n tokens (prompt and output so far), the
 verification accepts the draft's longest prefix that equals the real output, and the iteration
 yields that many tokens plus one (the verifier's own). Greedy verification gives the same tokens
-as decoding one by one, so only the counts change: iterations per request (128 today) and rows
+as decoding one by one, so only the counts change: iterations per request (128 without it) and rows
 per request (1 + the draft per iteration: what the forward pays for).
 
 Two prompt sets: the side-by-side benchmark's (64 random token ids, EOS ignored: a small model
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_slots=args.requests, max_seq_len=384)
+    llm = LLM(args.model, dtype=args.dtype, max_slots=args.requests, max_seq_len=384, speculate=0)
     rng = random.Random(args.seed)
     sets = {
         "random ids, EOS ignored": (
