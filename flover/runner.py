@@ -139,22 +139,16 @@ class ModelRunner:
         kv_len) as lists, then one tensor per field: after a native forward every first tensor
         operation pays ~0.1 ms of cache misses, so as few kinds as possible."""
         decode = plan.decode
-        decode_slots = [r.slot for r in decode]
-        span = decode_slots[-1] + 1 if decode else 0  # decode rows lie in slots [0, span)
-        ids = [r.output_token_ids[-1] for r in decode]
-        positions = [r.kv_len for r in decode]
-        slots = list(decode_slots)
+        span = decode[-1].slot + 1 if decode else 0  # decode rows lie in slots [0, span)
         span_lens = [1] * span  # the slots in the span that are prefilling attend to nothing here
-        for slot, position in zip(decode_slots, positions):
-            span_lens[slot] = position + 1
-        draft_rows = sum(map(len, plan.drafts))
-        if draft_rows:  # each request's row, then its draft at the positions after it
-            ids, positions, slots = [], [], []
-            for r, draft in zip(decode, plan.drafts):
-                ids += [r.output_token_ids[-1], *draft]
-                positions += range(r.kv_len, r.kv_len + 1 + len(draft))
-                slots += [r.slot] * (1 + len(draft))
+        ids, positions, slots = [], [], []
+        for r, draft in zip(decode, plan.drafts or [()] * len(decode)):  # its row, then its draft's after it
+            ids += [r.output_token_ids[-1], *draft]
+            positions += range(r.kv_len, r.kv_len + 1 + len(draft))
+            slots += [r.slot] * (1 + len(draft))
+            span_lens[r.slot] = r.kv_len + 1
         num_decode = len(ids)
+        draft_rows = num_decode - len(decode)
 
         prefills, sample_rows, score_rows = [], list(range(num_decode)), []
         rows_of = IterationRows(list(decode), drafts=plan.drafts if draft_rows else [])
