@@ -37,8 +37,8 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--speculate", type=int, default=None, metavar="K",
                    help="prompt-lookup speculation: greedy requests draft up to K tokens per iteration from where "
                         "their last tokens occurred before (prompt or output), checked by the same forward: the "
-                        "same tokens in fewer iterations (default: 8 where the native CPU step runs at TP=1, "
-                        "else off; 0: off)")
+                        "same tokens in fewer iterations (default: 8 where the native CPU step runs, on every "
+                        "rank under TP; else off; 0: off)")
     g.add_argument("--speculate-ngram", type=int, default=3, metavar="N",
                    help="the last N tokens are looked up for a draft (default 3)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: cores available)")

@@ -186,8 +186,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = cores available
     # prompt-lookup speculation (flover/speculation.py): up to this many draft tokens per greedy
     # request and iteration, found by its last `speculate_ngram` tokens; 0 = off; None = 8 where
-    # the engine can (the native CPU step at TP=1), off elsewhere. Asked for where it cannot, the
-    # engine says so and runs without.
+    # the engine can (the native CPU step, on every rank under TP), off elsewhere. Asked for where
+    # it cannot, the engine says so and runs without.
     speculate: int | None = None
     speculate_ngram: int = 3
     seed: int = 0  # seeds requests that bring no seed of their own

@@ -143,15 +143,20 @@ class Engine:
         return native
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
-        """The drafts' settings, or off where rows cannot carry them (said when they were asked for)."""
+        """The drafts' settings, or off where rows cannot carry them (said when they were asked
+        for). Under TP every rank decides alike: drafts need the native step on all of them."""
         config = self.config
         if config.speculate == 0:
             return Speculation()
-        why = ("the native step is off" if native is None else "tensor parallelism" if self.comm is not None
-               else "CUDA graphs" if graphs is not None else None)
+        why = "the native step is off" if native is None else "CUDA graphs" if graphs is not None else None
+        if self.comm is not None:
+            ready = torch.tensor([0.0 if why else 1.0], device=self.device)
+            self.comm.all_reduce(ready)
+            if why is None and ready.item() < self.comm.size:
+                why = "the native step is off on another rank"
         if why is not None:
             if config.speculate is not None:
-                log.warning("speculation off: draft rows need the native CPU step at TP=1 (%s)", why)
+                log.warning("speculation off: draft rows need the native CPU step (%s)", why)
             return Speculation()
         tokens = DEFAULT_DRAFT_TOKENS if config.speculate is None else config.speculate
         log.info("speculation: greedy requests draft up to %d tokens by prompt lookup (%d-grams; --speculate 0: "
@@ -296,10 +301,12 @@ class Engine:
         """Leader: broadcast the intake since the last iteration. Follower: wait (without
         spinning) for it and apply it, so that its scheduler makes the leader's decisions."""
         if self.is_leader:
+            self._plan.knee = self.scheduler.iteration_cost.knee
             self.comm.broadcast_bytes(self._plan.encode())
             self._plan = StepPlanMessage()
             return
         message = StepPlanMessage.decode(self.comm.broadcast_bytes(None))
+        self.scheduler.iteration_cost.leader_knee = message.knee
         for event in message.events:
             if isinstance(event, AddEvent):
                 self.enqueue(self.make_request(event.token_ids, event.params, event.request_id,

@@ -86,6 +86,7 @@ class IterationCost:
     def __init__(self, fade: float = 0.98):
         self.fade = fade
         self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows x seconds
+        self.leader_knee: float | None = None  # under TP, every rank drafts by the leader's fit
 
     def observe(self, rows: int, seconds: float) -> None:
         f, s = self.fade, self._sums
@@ -94,6 +95,8 @@ class IterationCost:
 
     @property
     def knee(self) -> float:
+        if self.leader_knee is not None:
+            return self.leader_knee
         n, x, y, xx, xy = self._sums
         spread = n * xx - x * x
         if n < 4 or spread <= 1e-9 * n * n:

@@ -219,3 +219,27 @@ def test_tp2_on_the_native_step_gives_the_tp1_tokens_in_float32(make_model, vari
         results[ranks] = tokens_by_id(out)
     assert len(results[1]) == len(REQUESTS)
     assert results[2] == results[1]
+
+
+def test_tp2_speculates_like_tp1_and_gives_its_tokens(llama_dir, tmp_path):
+    """Under TP every rank drafts by the leader's fit of iteration cost (in the step plan), so the
+    ranks build the same rows; the leader's ids check the drafts on every rank. float32: the
+    tokens of TP=1 without speculation, in fewer iterations than TP=2 without it."""
+    prompts = tmp_path / "in.jsonl"
+    rng = random.Random(4)
+    looped = [{"id": f"s{i}", "input_ids": [rng.randrange(1, 500) for _ in range(5)] * 4, "max_new_tokens": 60}
+              for i in range(4)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS + looped))
+    results, iterations = {}, {}
+    for ranks, speculate in ((1, "0"), (2, "0"), (2, "8")):
+        out = tmp_path / f"tp{ranks}-{speculate}.jsonl"
+        run = subprocess.run(flover_run_cmd(ranks, llama_dir, prompts, out, "--dtype", "float32", "--max-slots", "4",
+                                            "--speculate", speculate, "--speculate-ngram", "1"),
+                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stderr.count("speculation: greedy requests draft") == (ranks if speculate != "0" else 0)
+        results[ranks, speculate] = tokens_by_id(out)
+        iterations[ranks, speculate] = int(run.stderr.rsplit(" iterations)", 1)[0].rsplit("(", 1)[1].split(", ")[1])
+    assert len(results[1, "0"]) == len(REQUESTS) + len(looped)
+    assert results[2, "8"] == results[2, "0"] == results[1, "0"]
+    assert iterations[2, "8"] < iterations[2, "0"]

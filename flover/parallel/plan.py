@@ -1,8 +1,10 @@
 """The step plan rank 0 broadcasts at the start of every iteration (msgpack, never pickle).
 
 It carries only intake since the previous iteration, in the order it happened: requests queued
-(token ids and sampling parameters), requests cancelled, and shutdown. Every rank feeds the same
-events to its own deterministic scheduler, so all ranks agree on the batch by construction.
+(token ids and sampling parameters), requests cancelled, and shutdown; and the one scheduling
+input that is measured rather than derived, the leader's fit of iteration cost (how long a
+speculative draft may be; flover/speculation.py). Every rank feeds the same events to its own
+deterministic scheduler, so all ranks agree on the batch by construction.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class AddEvent:
 class StepPlanMessage:
     events: list[AddEvent | str] = field(default_factory=list)  # an AddEvent, or the id of a cancelled request
     shutdown: bool = False
+    knee: float | None = None  # the leader's IterationCost.knee, for this iteration's drafts
 
     def add(self, event: AddEvent) -> None:
         self.events.append(event)
@@ -36,10 +39,10 @@ class StepPlanMessage:
     def encode(self) -> bytes:
         wire = [["a", e.request_id, e.token_ids, asdict(e.params), e.cache_salt] if isinstance(e, AddEvent) else ["c", e]
                 for e in self.events]
-        return msgpack.packb({"events": wire, "shutdown": self.shutdown})
+        return msgpack.packb({"events": wire, "shutdown": self.shutdown, "knee": self.knee})
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlanMessage":
         raw = msgpack.unpackb(data)
         events = [AddEvent(e[1], e[2], SamplingParams(**e[3]), e[4]) if e[0] == "a" else e[1] for e in raw["events"]]
-        return cls(events=events, shutdown=raw["shutdown"])
+        return cls(events=events, shutdown=raw["shutdown"], knee=raw["knee"])
