@@ -111,7 +111,9 @@ class Drafting:
     """One request's speculation state: its lookup, and how its drafts fared."""
 
     lookup: NgramLookup
-    accepted: float = 0.0  # draft tokens accepted, older drafts fading
+    # draft tokens accepted, older drafts fading; it starts at one (with the prior below, q = 3/4)
+    # so that a request that arrives into a full iteration still tries a short draft
+    accepted: float = 1.0
     rejected: float = 0.0  # drafts that ended in a rejection, likewise
     drafted: int = 0  # the length of the last draft ...
     outputs_then: int = 0  # ... and of the output when it was made
@@ -131,7 +133,7 @@ class Drafting:
 
     def length(self, line: float, most: int) -> int:
         """Draft tokens whose chance of being accepted (q^i) is above `line` (0 < line < 1)."""
-        q = (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)  # a prior of one half
+        q = (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)  # half a token of each, a prior
         if q <= line:
             return 0
         return min(most, int(math.log(line) / math.log(q)))

@@ -81,11 +81,11 @@ def test_a_draft_takes_the_tokens_likely_enough_to_be_accepted():
     """With q a request's acceptance per token so far, draft token i is accepted with chance
     q^i: the draft takes the tokens above the line; a request below it tries again later."""
     state = Drafting(NgramLookup(1))
-    assert state.length(0.05, 8) == 4  # nothing seen: q = 1/2, 0.5^4 > 0.05 > 0.5^5
-    assert state.length(0.6, 8) == 0
+    assert state.length(0.05, 8) == 8  # nothing seen: q = 3/4, 0.75^8 > 0.05
+    assert state.length(0.6, 8) == 1 and state.length(0.8, 8) == 0  # 0.75 > 0.6 > 0.75^2
     state.drafted, state.outputs_then = 4, 10
-    state.learn(15)  # all 4 accepted, and the verifier's token: q = 4.5 / 5
-    assert state.length(0.05, 8) == 8 and state.length(0.6, 8) == 4  # 0.9^4 > 0.6 > 0.9^5
+    state.learn(15)  # all 4 accepted, and the verifier's token: q = 5.3 / 5.8
+    assert state.length(0.6, 8) == 5  # 0.914^5 > 0.6 > 0.914^6
     for _ in range(5):  # five drafts of 4 that each ended at their first token
         state.drafted, state.outputs_then = 4, 20
         state.learn(21)
