@@ -95,7 +95,7 @@ class Victim:
     def result(self) -> str:
         self.thread.join(60)
         gaps = [b - a for a, b in zip(self.times, self.times[1:])] or [0]
-        return f"victim: {describe(self.end)}, {len(self.times)} tokens, longest gap {1000 * max(gaps):.0f} ms"
+        return f"victim: {describe(self.end)}, {len(self.times)} token events, longest gap {1000 * max(gaps):.0f} ms"
 
 
 def probe(name, daemon, action) -> None:
