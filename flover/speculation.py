@@ -12,8 +12,9 @@ same order whatever shares the iteration, so only the number of iterations chang
 rejected draft tokens leave K/V beyond the request's new length, overwritten before being read.
 
 Only plain greedy requests draft (sampled ones would need rejection sampling), only on the
-native CPU step (the PyTorch forward attends per slot, not per row), and only with the budget
-left after decode and prompt tokens, so prompts never wait for drafts.
+native CPU step (the PyTorch forward attends per slot, not per row; under TP on every rank, all
+drafting by the leader's fit of the cost below, which the step plan carries), and only with the
+budget left after decode and prompt tokens, so prompts never wait for drafts.
 
 How long a draft is weighs what a draft row costs against what it is likely to give. A row
 costs b of an iteration that takes a + b x (its rows) (IterationCost fits a and b to the
