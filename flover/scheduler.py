@@ -156,7 +156,7 @@ class Scheduler:
         #    for their rows in an iteration of this size (speculation.py).
         if self.speculation.tokens and plan.decode and budget > 0:
             line = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
-            plan.drafts, _ = drafts_for(plan.decode, self.speculation, budget, line)
+            plan.drafts = drafts_for(plan.decode, self.speculation, budget, line)
         plan.num_live = self.num_live
         return plan
 

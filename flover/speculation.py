@@ -140,11 +140,11 @@ class Drafting:
         return min(most, int(math.log(line) / math.log(q)))
 
 
-def drafts_for(requests, speculation: Speculation, budget: int, line: float) -> tuple[list[list[int]], int]:
-    """Per request (decoding, in slot order), its draft within `budget` rows in all, and the
-    rows they take. A request drafts if its sampling is plain greedy, the tokens whose chance
-    of acceptance is above `line`, and at most one token fewer than it may still produce (the
-    verifier's own token is the last)."""
+def drafts_for(requests, speculation: Speculation, budget: int, line: float) -> list[list[int]]:
+    """Per request (decoding, in slot order), its draft, within `budget` rows in all. A request
+    drafts if its sampling is plain greedy, the tokens whose chance of acceptance is above
+    `line`, and at most one token fewer than it may still produce (the verifier's own token is
+    the last)."""
     drafts: list[list[int]] = []
     used = 0
     for r in requests:
@@ -162,7 +162,7 @@ def drafts_for(requests, speculation: Speculation, budget: int, line: float) -> 
         state.drafted, state.outputs_then = len(draft), outputs
         drafts.append(draft)
         used += len(draft)
-    return drafts, used
+    return drafts
 
 
 def verify(drafts: list[list[int]], row_ids: list[int], requests: int) -> tuple[list[int], dict[int, list[int]]]:
