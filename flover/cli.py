@@ -293,10 +293,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         daemon = Daemon(engine, config, model_name=args.model)
         if args.http:
-            from flover.server.http_front import start_http_front
+            from flover.server.http_front import HttpLimits, start_http_front
 
             http = start_http_front(args.bind, args.http, args.model, args.api_key or os.environ.get("FLOVER_API_KEY"),
-                                    curve=front_curve, max_body_bytes=args.max_message_bytes)
+                                    curve=front_curve, max_body_bytes=args.max_message_bytes,
+                                    limits=HttpLimits(args.http_header_timeout, args.http_body_timeout,
+                                                      args.http_keep_alive, args.http_max_connections))
     except BaseException:
         engine.shutdown()
         raise
@@ -447,12 +449,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(how fast a vanished client's work is cancelled)")
     d.add_argument("--curve-secret-key", help="server secret certificate: enables CURVE encryption + auth")
     d.add_argument("--curve-allowed-clients", help="directory of allowed client public certificates")
+    from flover.server.http_front import HttpLimits
+
+    HTTP_LIMITS = HttpLimits()
     h = serve.add_argument_group("OpenAI-compatible HTTP API (its own process, a client of the socket)")
     h.add_argument("--http", metavar="HOST:PORT", default=None,
                    help="also serve the OpenAI HTTP API, e.g. 127.0.0.1:8000 (loopback unless you say otherwise)")
     h.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every HTTP endpoint but /health "
                         "(or set FLOVER_API_KEY)")
+    h.add_argument("--http-header-timeout", type=float, default=HTTP_LIMITS.header_timeout, metavar="SECONDS",
+                   help="a request's headers must arrive within this (from the connection or its previous answer)")
+    h.add_argument("--http-body-timeout", type=float, default=HTTP_LIMITS.body_timeout, metavar="SECONDS",
+                   help="a request's body must arrive within this after its headers")
+    h.add_argument("--http-keep-alive", type=float, default=HTTP_LIMITS.keep_alive_timeout, metavar="SECONDS",
+                   help="an idle connection between requests is closed after this")
+    h.add_argument("--http-max-connections", type=int, default=HTTP_LIMITS.max_connections,
+                   help="open HTTP connections at once; more are closed as they arrive")
     serve.set_defaults(func=cmd_serve, prefault_prefix_cache=True)  # a server fills its pool anyway
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")

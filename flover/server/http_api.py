@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,7 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, FloverError
 from flover.server import openai_api as oa
-from flover.server.http_front import CURVE_ENV, parse_listen
+from flover.server.http_front import CURVE_ENV, HttpLimits, parse_listen
+from flover.server.http_guard import guarded_protocol, usable_connections
 from flover.server.prometheus import render
 
 log = logging.getLogger("flover.http")
@@ -44,6 +46,27 @@ def error_response(e: oa.ApiError) -> JSONResponse:
 
 def from_daemon(e: FloverError) -> oa.ApiError:
     return oa.ApiError(oa.STATUS.get(e.code, 500), e.message, e.code)
+
+
+def as_api_error(e: BaseException) -> oa.ApiError:
+    """Whatever ended a request, as the error its client gets: a bug is a 500, logged here once."""
+    if isinstance(e, oa.ApiError):
+        return e
+    if isinstance(e, FloverError):
+        return from_daemon(e)
+    log.error("internal error on a request", exc_info=e)
+    return oa.ApiError(500, f"internal error: {type(e).__name__}", "internal_error")
+
+
+async def wait_watching(request: Request, tasks) -> bool:
+    """Wait for the first of `tasks` to finish (or fail) while the client stays connected; False
+    as soon as it hung up (polled every 50 ms), so that a gone client's requests leave the queue."""
+    while True:
+        done, _ = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            return True
+        if await request.is_disconnected():
+            return False
 
 
 class Front:
@@ -61,6 +84,12 @@ class Front:
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self._background: set[asyncio.Task] = set()
+        # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run
+        # here, never on the event loop (the `tokenizers` library releases the GIL while it works).
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flover-tokenize")
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def cancel(self, rids) -> None:
         """Fire-and-forget cancels (also from a generator being torn down by a disconnect)."""
@@ -108,6 +137,10 @@ def build_app(front: Front) -> FastAPI:
 
     app = FastAPI(title="flover", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # a bug: OpenAI's error shape, never a hang
+        return error_response(as_api_error(e))
+
     if front.api_key:
         app.add_middleware(RequireKey, key=front.api_key)
 
@@ -145,22 +178,24 @@ def build_app(front: Front) -> FastAPI:
     async def tokenize(request: Request):
         try:
             body = await _json(request, front.max_body_bytes)
+            limit = await context_length()
             if "messages" in body:
-                ids = front.tokenizer.encode_chat(oa.chat_messages(body["messages"]))
+                ids = await encode(await render_chat(oa.chat_messages(body["messages"])), limit, "messages", False)
             elif isinstance(body.get("prompt"), str):
-                ids = front.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+                special = oa._boolean(body, "add_special_tokens")
+                ids = await encode(body["prompt"], limit, "prompt", True if special is None else special)
             else:
                 raise oa.ApiError(400, "expected prompt (a string) or messages", param="prompt")
         except oa.ApiError as e:
             return error_response(e)
-        except ValueError as e:  # e.g. no chat template
-            return error_response(oa.ApiError(400, str(e)))
         return {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
             body = await _json(request, front.max_body_bytes)
+            if front.tokenizer is None:
+                raise oa.ApiError(400, "this checkpoint has no tokenizer", param="tokens")
             ids = body.get("tokens")
             vocab = front.tokenizer.vocab_size
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
@@ -168,7 +203,7 @@ def build_app(front: Front) -> FastAPI:
                 raise oa.ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", param="tokens")
         except oa.ApiError as e:
             return error_response(e)
-        return {"prompt": front.tokenizer.decode(ids)}
+        return {"prompt": await front.off_loop(front.tokenizer.decode, ids)}
 
     async def context_length() -> int | None:
         if front.max_model_len is None:
@@ -176,13 +211,22 @@ def build_app(front: Front) -> FastAPI:
                 await front.health()
         return front.max_model_len
 
-    def encode(text: str, limit: int | None, param: str, special: bool = True) -> list[int]:
-        """Tokenize here, refusing first (like the daemon) a text too long to fit any context."""
+    async def encode(text: str, limit: int | None, param: str, special: bool = True) -> list[int]:
+        """Tokenize off the loop, refusing first (like the daemon) a text too long to fit any context."""
         if front.tokenizer is None:
             raise oa.ApiError(400, f"{param}: this checkpoint has no tokenizer; send token ids", param=param)
         if limit is not None and front.tokenizer.cannot_fit(text, limit):
             raise oa.ApiError(400, f"{param}: too long for the context of {limit} tokens", "prompt_too_long", param)
-        return front.tokenizer.encode(text, add_special_tokens=special)
+        return await front.off_loop(front.tokenizer.encode, text, special)
+
+    async def render_chat(messages: list[dict]) -> str:
+        """The chat template, off the loop (a template may loop over thousands of messages)."""
+        if front.tokenizer is None:
+            raise oa.ApiError(400, "messages: this checkpoint has no tokenizer", param="messages")
+        try:
+            return await front.off_loop(front.tokenizer.render_chat, messages)
+        except ValueError as e:  # no chat template, a template error
+            raise oa.ApiError(400, str(e), param="messages") from None
 
     async def tokenize_chat(p: oa.Plan) -> None:
         """Chat prompts are rendered and tokenized here, so that a chat without max_tokens may
@@ -192,13 +236,7 @@ def build_app(front: Front) -> FastAPI:
         for choice in p.choices:
             key = id(choice.source)
             if key not in rendered:
-                if front.tokenizer is None:
-                    raise oa.ApiError(400, "messages: this checkpoint has no tokenizer", param="messages")
-                try:
-                    text = front.tokenizer.render_chat(choice.source["messages"])
-                except ValueError as e:  # no chat template, a template error
-                    raise oa.ApiError(400, str(e), param="messages") from None
-                rendered[key] = encode(text, limit, "messages", special=False)
+                rendered[key] = await encode(await render_chat(choice.source["messages"]), limit, "messages", False)
             ids = rendered[key]
             choice.source = {"input_ids": ids}
             if "max_new_tokens" not in choice.params and limit is not None:
@@ -210,9 +248,12 @@ def build_app(front: Front) -> FastAPI:
         limit = await context_length()
         for choice in p.choices:
             if "prompt" in choice.source:
-                choice.source = {"input_ids": encode(choice.source["prompt"], limit, "prompt")}
+                choice.source = {"input_ids": await encode(choice.source["prompt"], limit, "prompt")}
             elif front.tokenizer is not None:
-                choice.echo = front.tokenizer.decode(choice.source["input_ids"])
+                ids, vocab = choice.source["input_ids"], front.tokenizer.vocab_size
+                if not all(0 <= t < vocab for t in ids):
+                    raise oa.ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+                choice.echo = await front.off_loop(front.tokenizer.decode, ids)
             else:
                 choice.echo = ""
 
@@ -235,16 +276,16 @@ def build_app(front: Front) -> FastAPI:
                  for c, rid in zip(p.choices, rids)]
         try:
             while True:
-                done, pending = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_EXCEPTION)
-                failed = [t for t in done if t.exception() is not None]
+                failed = [t for t in tasks if t.done() and t.exception() is not None]
                 if failed:
                     raise failed[0].exception()
+                pending = [t for t in tasks if not t.done()]
                 if not pending:
                     return oa.response(p, front.model_name, [t.result() for t in tasks], token_bytes)
-                if await request.is_disconnected():  # the client left: free its slots within an iteration
+                if not await wait_watching(request, pending):  # the client left: free its slots
                     return JSONResponse({}, status_code=499)  # nobody reads it
-        except FloverError as e:
-            return error_response(from_daemon(e))
+        except Exception as e:  # the daemon's refusal, or anything else: this request ends here
+            return error_response(as_api_error(e))
         finally:
             unfinished = [rid for t, rid in zip(tasks, rids) if not t.done() or t.cancelled() or t.exception()]
             for t in tasks:
@@ -258,8 +299,10 @@ def build_app(front: Front) -> FastAPI:
             try:
                 async for event in front.client.stream(**choice.source, request_id=rid, **choice.params):
                     events.put_nowait((index, event))
-            except FloverError as e:
-                events.put_nowait((index, e))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # whatever ends a pump reaches the handler: it never waits forever
+                events.put_nowait((index, as_api_error(e)))
 
         pumps = [asyncio.ensure_future(pump(c.index, rid, c)) for c, rid in zip(p.choices, rids)]
         finished: set[int] = set()
@@ -269,11 +312,22 @@ def build_app(front: Front) -> FastAPI:
                 task.cancel()
             front.cancel([rid for i, rid in enumerate(rids) if i not in finished])
 
-        first = await events.get()  # an error before any token is still an HTTP status
-        if isinstance(first[1], FloverError):
+        # An error before any token is still an HTTP status; a client that hangs up while its
+        # requests wait in the queue takes them out of it.
+        waiting = asyncio.ensure_future(events.get())
+        try:
+            connected = await wait_watching(request, [waiting])
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+        if not connected:
+            stop()
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        first = waiting.result()
+        if isinstance(first[1], oa.ApiError):
             finished.add(first[0])
             stop()
-            return error_response(from_daemon(first[1]))
+            return error_response(first[1])
 
         async def body():
             started: set[int] = set()
@@ -283,9 +337,9 @@ def build_app(front: Front) -> FastAPI:
             try:
                 while True:
                     index, event = item
-                    if isinstance(event, FloverError):
+                    if isinstance(event, oa.ApiError):
                         finished.add(index)
-                        yield _sse(from_daemon(event).body())
+                        yield _sse(event.body())
                         break
                     is_first = index not in started
                     if event["event"] == "token":
@@ -347,8 +401,11 @@ async def _json(request: Request, limit: int) -> dict:
         body = json.loads(b"".join(raw))
     except (ValueError, UnicodeDecodeError) as e:
         raise oa.ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise oa.ApiError(400, f"the request body nests deeper than {oa.MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise oa.ApiError(400, "the request body must be a JSON object")
+    oa.check_json_values(body)
     return body
 
 
@@ -366,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     ap.add_argument("--parent", type=int, default=None, help="stop when this process (the daemon) is gone")
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="larger request bodies get a 413")
+    defaults = HttpLimits()
+    ap.add_argument("--header-timeout", type=float, default=defaults.header_timeout)
+    ap.add_argument("--body-timeout", type=float, default=defaults.body_timeout)
+    ap.add_argument("--keep-alive", type=float, default=defaults.keep_alive_timeout)
+    ap.add_argument("--max-connections", type=int, default=defaults.max_connections)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
     host, port = parse_listen(args.listen)
@@ -375,11 +437,15 @@ def main(argv: list[str] | None = None) -> int:
                   args.parent, curve=tuple(keys) if all(keys) else None, max_body_bytes=args.max_body_bytes)
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
+    limits = HttpLimits(args.header_timeout, args.body_timeout, args.keep_alive,
+                        usable_connections(args.max_connections))
     config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                            **where)
+                            http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout, **where)
     server = uvicorn.Server(config)
-    log.info("listening on http://%s:%d (model %r, %s, started in %.1f s)", host, port, front.model_name,
-             "API key required" if front.api_key else "no API key", time.perf_counter() - started)
+    log.info("listening on http://%s:%d (model %r, %s, started in %.1f s; at most %d connections, headers "
+             "within %g s, bodies within %g s)", host, port, front.model_name,
+             "API key required" if front.api_key else "no API key", time.perf_counter() - started,
+             limits.max_connections, limits.header_timeout, limits.body_timeout)
     server.run()
     return 0 if server.started else 2
 

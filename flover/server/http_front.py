@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from dataclasses import dataclass
+
 from flover.client import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -32,12 +34,22 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP connection may take (enforced by http_guard.GuardedH11Protocol)."""
+    header_timeout: float = 10.0  # seconds from a connection's start (or its previous answer) to whole headers
+    body_timeout: float = 30.0  # seconds from the headers to the whole body
+    keep_alive_timeout: float = 5.0  # an idle connection between requests is closed after this
+    max_connections: int = 1024  # open at once; more are closed as they arrive
+
+
 CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE_SECRET_KEY")
 
 
 def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
                      curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0,
-                     max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> subprocess.Popen:
+                     max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                     limits: HttpLimits = HttpLimits()) -> subprocess.Popen:
     """The front's process, once it answers HTTP; OSError naming the address if it cannot.
     `curve`: (the daemon's public key, the front's public and secret keys), z85.
     `max_body_bytes`: the largest request body it reads (the daemon's --max-message-bytes)."""
@@ -56,7 +68,11 @@ def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
     with sock:
         proc = subprocess.Popen([sys.executable, "-m", "flover.server.http_api", "--engine", engine_address(bind),
                                  "--fd", str(sock.fileno()), "--listen", listen, "--model", model,
-                                 "--parent", str(os.getpid()), "--max-body-bytes", str(max_body_bytes)],
+                                 "--parent", str(os.getpid()), "--max-body-bytes", str(max_body_bytes),
+                                 "--header-timeout", str(limits.header_timeout),
+                                 "--body-timeout", str(limits.body_timeout),
+                                 "--keep-alive", str(limits.keep_alive_timeout),
+                                 "--max-connections", str(limits.max_connections)],
                                 env=env, pass_fds=[sock.fileno()])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -9,6 +9,7 @@ unknown ones with a logged warning (as vLLM does).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ NEUTRAL = {"model", "prompt", "messages", "stream", "stream_options", "user", "n
            "metadata", "store", "service_tier"}
 MAX_CHOICES = 64  # prompts × n of one HTTP request
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; the legacy API allowed 5)
+MAX_JSON_DEPTH = 64  # nesting of a request body (OpenAI's own bodies need < 10; a JSON schema a few more)
+INT64 = (-(1 << 63), (1 << 63) - 1)  # what msgpack, torch and the daemon take as an integer
 
 
 class ApiError(Exception):
@@ -34,7 +37,8 @@ class ApiError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = "server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429 \
+            else "invalid_request_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -66,12 +70,63 @@ class Plan:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def check_json_values(body) -> None:
+    """Refuse what JSON can carry but nothing past this point can take, anywhere in the body, once,
+    before any field is read: nesting deeper than MAX_JSON_DEPTH, strings that are not Unicode
+    (a lone surrogate such as "\\ud800" is valid JSON, yet cannot be encoded as UTF-8), integers
+    outside 64 bits and non-finite numbers (`1e999`, `NaN`). Iterative, so depth costs no stack."""
+    stack = [(body, None, None, 0)]  # (value, parent entry, key or index, depth)
+    while stack:
+        entry = stack.pop()
+        value, _, _, depth = entry
+        why = None
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    why = "a string that is not valid Unicode (a lone surrogate)"
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, int):
+            if not INT64[0] <= value <= INT64[1]:
+                why = "an integer outside the signed 64-bit range"
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                why = "a number that is not finite"
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                why = f"nesting deeper than {MAX_JSON_DEPTH} levels"
+            else:
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for key, item in items:
+                    if isinstance(key, str) and not key.isascii():
+                        stack.append((key, entry, key, depth + 1))
+                    stack.append((item, entry, key, depth + 1))
+        if why is not None:
+            where = _json_path(entry)
+            raise ApiError(400, f"{where or 'the request body'}: {why}", param=where.split(".")[0].split("[")[0] or None)
+
+
+def _json_path(entry) -> str:
+    keys = []
+    while entry[1] is not None:
+        keys.append(entry[2])
+        entry = entry[1]
+    path = ""
+    for key in reversed(keys):
+        path += f"[{key}]" if isinstance(key, int) else (f".{key}" if path else str(key))
+    return path
+
+
 def _number(body: dict, key: str, low: float | None = None, high: float | None = None):
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"{key}: expected a number, got {type(value).__name__}", param=key)
+    if isinstance(value, int) and abs(value) > 2**53:  # no longer exactly a float
+        raise ApiError(400, f"{key}: {value} is too large", param=key)
     if (low is not None and value < low) or (high is not None and value > high):
         raise ApiError(400, f"{key}: {value} is outside [{low}, {high}]", param=key)
     return value
