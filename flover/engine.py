@@ -172,19 +172,21 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
                      request_id: str | None = None, arrival_time: float | None = None,
-                     stream: bool = False, messages: list | None = None, cache_salt: str | None = None) -> Request:
+                     stream: bool = False, messages: list | None = None, cache_salt: str | None = None,
+                     tokenized: tuple[list[int], str | None] | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
         `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
         `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
         latencies count from it. `stream`: report text deltas with every new token. `cache_salt`:
-        the request shares cached prompt prefixes only with requests of the same salt."""
+        the request shares cached prompt prefixes only with requests of the same salt. `tokenized`:
+        what `tokenize(prompt, messages)` already gave (the daemon tokenizes off its loop)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        token_ids, text = self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages), None)
+        token_ids, text = tokenized if tokenized is not None else self.tokenize(prompt, messages)
         limit = self.max_seq_len
         if len(token_ids) + params.max_new_tokens > limit:
             raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
@@ -213,12 +215,18 @@ class Engine:
             self._plan.add(AddEvent(request.request_id, request.prompt_token_ids, request.params, request.cache_salt))
         return request.request_id
 
+    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None
+                 ) -> tuple[list[int], str | None]:
+        """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
+        Touches no engine state, so it may run on another thread."""
+        return self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages), None)
+
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need the checkpoint's tokenizer; pass token ids")
             self._check_text_size(prompt)
-            ids = self.tokenizer.encode(prompt)
+            ids = self._checked(self.tokenizer.encode(prompt))
             text = prompt
         elif isinstance(prompt, (list, tuple)):
             if len(prompt) > self.max_seq_len:  # before looking at a million ids one by one
@@ -246,11 +254,22 @@ class Engine:
     def _chat_ids(self, messages: list) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("messages need the checkpoint's tokenizer")
+        if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
+            contents = "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            self._check_text_size(contents)
         text = self.tokenizer.render_chat(messages)
         self._check_text_size(text)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._checked(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise ValueError("the prompt is empty")
+        return ids
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        """The tokenizer's ids, which a careless checkpoint may let outside the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        if ids and max(ids) >= vocab:
+            raise ValueError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary of {vocab}: "
+                             f"the checkpoint's tokenizer does not match its model")
         return ids
 
     def abort(self, request_id: str) -> bool:

@@ -40,6 +40,7 @@ from flover.engine import Engine, PromptTooLong
 from flover.request import RequestOutput
 from flover.server import protocol as p
 from flover.server.metrics import ServingMetrics
+from flover.server.tokenizing import FairTokenizer, Job
 
 log = logging.getLogger("flover.serve")
 
@@ -85,6 +86,7 @@ class InFlight:
     overflowed: bool = False  # cancelled because its client stopped reading
     tokens_sent: int = 0  # streamed so far (queued in order for the client)
     last_token_at: float | None = None  # when its previous tokens came (inter-token latency)
+    arrived: float = 0.0  # time.perf_counter() when its message was read
 
 
 @dataclass
@@ -112,6 +114,11 @@ class Daemon:
         self.counters = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "tokens_out": 0,
                          "rejected": 0, "clients_gone": 0, "slow_clients": 0}
         self._last_keepalive = self._last_stats = time.monotonic()
+        # Text prompts and chats are tokenized off the loop, connections taking turns.
+        self.tokenizing = FairTokenizer(lambda req: engine.tokenize(req.prompt, req.messages))
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.tokenizing.wakeup_fd, zmq.POLLIN)
 
     # -- socket ----------------------------------------------------------------------------
     def _socket(self) -> zmq.Socket:
@@ -209,6 +216,7 @@ class Daemon:
 
     def _client_gone(self, identity: bytes, why: str) -> None:
         self.backlogs.pop(identity, None)
+        self.tokenizing.forget_connection(identity)
         gone = [rid for rid, f in self.inflight.items() if f.identity == identity]
         if gone:
             self.counters["clients_gone"] += 1
@@ -235,9 +243,13 @@ class Daemon:
         try:
             while True:
                 busy = self.engine.has_unfinished()
-                if self.sock.poll(0 if busy else 100, zmq.POLLIN):
+                ready = dict(self.poller.poll(0 if busy else 100))
+                if self.sock in ready:
                     self._intake()
-                if self.draining and (not self.engine.has_unfinished() or time.monotonic() > self.drain_deadline):
+                if len(self.tokenizing):
+                    self._admit_tokenized()
+                unfinished = self.engine.has_unfinished() or len(self.tokenizing)
+                if self.draining and (not unfinished or time.monotonic() > self.drain_deadline):
                     self._cancel_all()
                     break
                 if self.engine.has_unfinished():
@@ -252,6 +264,7 @@ class Daemon:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                     signal.signal(sig, signal.SIG_IGN)
             self.engine.shutdown()  # releases follower ranks
+            self.tokenizing.close()
             self.sock.disable_monitor()
             self.monitor.close(0)
             self.sock.close(0)
@@ -296,7 +309,13 @@ class Daemon:
             self.drain_deadline = 0.0
 
     def _cancel_all(self) -> None:
-        """Drain timeout: everyone still in flight gets a `cancelled` final."""
+        """Drain timeout: everyone still in flight gets a `cancelled` final (or, still being
+        tokenized, a `shutting_down` error)."""
+        for rid in list(self.tokenizing.jobs):
+            if rid in self.inflight:
+                flight = self._forget(rid)
+                self._send(flight.identity, p.error_event(p.SHUTTING_DOWN, "the server is shutting down",
+                                                          flight.client_id), flight.envelope)
         for rid in list(self.inflight):
             self.engine.abort(rid)
         while self.inflight and self.engine.has_unfinished():
@@ -370,7 +389,8 @@ class Daemon:
             engine_id = self.by_client.get((identity, rid))
             if engine_id is None:
                 raise p.ProtocolError(p.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight", rid)
-            self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
+            if not self.tokenizing.cancel(engine_id):  # (a tokenized one is queued, then cancelled)
+                self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
             c, e = self.config, self.engine
             self._send(identity, {"event": "health", "id": rid, "status": "draining" if self.draining else "ok",
@@ -390,22 +410,55 @@ class Daemon:
             raise p.ProtocolError(p.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
             raise p.ProtocolError(p.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
-        if len(self.engine.scheduler.waiting) >= self.config.max_waiting:
+        if len(self.engine.scheduler.waiting) + len(self.tokenizing) >= self.config.max_waiting:
             raise p.ProtocolError(p.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; "
                                                 "retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
+        flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
+        if req.messages is not None or isinstance(req.prompt, str):  # tokenizer work: off the loop
+            self.tokenizing.submit(Job(identity, engine_id, req))
+        else:
+            self._queue(engine_id, flight, req, None)  # token ids: checked at once
+        self.inflight[engine_id] = flight
+        self.by_client[(identity, req.id)] = engine_id
+        self.counters["requests"] += 1
+
+    def _queue(self, engine_id: str, flight: InFlight, req: p.GenerateRequest, tokenized) -> None:
         try:
             # With CURVE, each client key is a prefix-cache partition of its own (prefix_cache.py).
             request = self.engine.make_request(req.prompt, req.params, engine_id, stream=req.stream,
-                                               messages=req.messages, cache_salt=user)
+                                               messages=req.messages, cache_salt=flight.user,
+                                               arrival_time=flight.arrived, tokenized=tokenized)
         except PromptTooLong as e:
             raise p.ProtocolError(p.PROMPT_TOO_LONG, str(e), req.id) from None
         except (ValueError, TypeError) as e:
             raise p.ProtocolError(p.INVALID_REQUEST, str(e), req.id) from None
         self.engine.enqueue(request)
-        self.inflight[engine_id] = InFlight(identity, req.id, req.stream, envelope, fd, user)
-        self.by_client[(identity, req.id)] = engine_id
-        self.counters["requests"] += 1
+
+    def _admit_tokenized(self) -> None:
+        """Queue the requests whose tokenizing ended (or answer the error it found)."""
+        for job in self.tokenizing.finished():
+            flight = self.inflight.get(job.engine_id)
+            if flight is None:
+                continue  # its client is gone
+            try:
+                if job.error is not None:
+                    raise job.error
+                self._queue(job.engine_id, flight, job.payload, job.result)
+            except Exception as e:
+                self._forget(job.engine_id)
+                self.counters["requests"] -= 1
+                if isinstance(e, PromptTooLong):
+                    e = p.ProtocolError(p.PROMPT_TOO_LONG, str(e), flight.client_id)
+                elif isinstance(e, (ValueError, TypeError)) and not isinstance(e, p.ProtocolError):
+                    e = p.ProtocolError(p.INVALID_REQUEST, str(e), flight.client_id)
+                elif not isinstance(e, p.ProtocolError):
+                    log.error("internal error tokenizing a request", exc_info=e)
+                    e = p.ProtocolError(p.INTERNAL, f"internal error: {e!r}", flight.client_id)
+                self._reject(flight.identity, e, flight.envelope)
+                continue
+            if job.cancelled:
+                self.engine.abort(job.engine_id)
 
     # -- replies -----------------------------------------------------------------------------
     def _reply(self, outputs: list[RequestOutput]) -> None:
@@ -456,6 +509,7 @@ class Daemon:
         running = e.scheduler.running  # finished requests still in a slot until the next step do not count
         kv_tokens = sum(r.kv_len for r in running)
         return {"in_flight": len(self.inflight), "running": len(running), "waiting": len(e.scheduler.waiting),
+                "tokenizing": len(self.tokenizing),
                 "slots_used": len(running), "slots_total": e.config.max_slots, "kv_bytes": e.buffer.nbytes,
                 "kv_tokens": kv_tokens, "kv_use": kv_tokens / (e.config.max_slots * e.max_seq_len),
                 "iterations": e.iterations, "uptime_s": time.time() - self.started, "draining": self.draining,

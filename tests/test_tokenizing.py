@@ -1,0 +1,63 @@
+"""The daemon's tokenizer queue: off the loop, connections take turns, errors and cancels come back."""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+
+from flover.server.tokenizing import FairTokenizer, Job
+
+
+def collect(tok: FairTokenizer, count: int, timeout: float = 10.0) -> list[Job]:
+    done: list[Job] = []
+    deadline = time.monotonic() + timeout
+    while len(done) < count and time.monotonic() < deadline:
+        select.select([tok.wakeup_fd], [], [], 0.1)  # the loop's poll: woken when a job ends
+        done += tok.finished()
+    return done
+
+
+def test_connections_take_turns_and_one_pile_delays_another_by_one_job():
+    order, gate = [], threading.Event()
+
+    def work(payload):
+        gate.wait(10)
+        order.append(payload)
+        return payload.upper()
+
+    tok = FairTokenizer(work, workers=1)
+    for i in range(5):
+        tok.submit(Job(b"A", f"a{i}", f"a{i}"))
+    tok.submit(Job(b"B", "b0", "b0"))
+    tok.submit(Job(b"C", "c0", "c0"))
+    assert len(tok) == 7
+    gate.set()
+    done = collect(tok, 7)
+    assert order == ["a0", "b0", "c0", "a1", "a2", "a3", "a4"]
+    assert [j.result for j in done] == [p.upper() for p in order] and len(tok) == 0
+    tok.close()
+
+
+def test_errors_cancels_and_gone_connections():
+    gate = threading.Event()
+
+    def work(payload):
+        gate.wait(10)
+        if payload == "bad":
+            raise ValueError("the template refused")
+        return payload
+
+    tok = FairTokenizer(work, workers=1)
+    tok.submit(Job(b"A", "1", "bad"))
+    tok.submit(Job(b"A", "2", "ok"))
+    tok.submit(Job(b"B", "3", "gone"))
+    tok.submit(Job(b"B", "4", "gone too"))
+    assert tok.cancel("2") and not tok.cancel("nope")
+    tok.forget_connection(b"B")  # its waiting jobs are dropped
+    gate.set()
+    done = {j.engine_id: j for j in collect(tok, 2)}
+    assert set(done) == {"1", "2"} and len(tok) == 0
+    assert isinstance(done["1"].error, ValueError) and done["1"].result is None
+    assert done["2"].cancelled and done["2"].result == "ok"
+    tok.close()
