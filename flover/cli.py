@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_hub_id(args)
         return args.func(args)
     except (ValueError, MemoryError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError, FetchError a RuntimeError
-        print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prefix}: error: {e or type(e).__name__}", file=sys.stderr, flush=True)
         code = 2
     except BaseException as e:  # anything else: say which rank failed and why
         if ranks <= 1:

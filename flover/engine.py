@@ -81,6 +81,9 @@ class Engine:
                            comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
                            pack=not native_wanted)
         self.tokenizer = load_tokenizer(checkpoint)
+        if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
+            log.warning("the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
+                        "vocabulary is refused", self.tokenizer.vocab_size, cfg.vocab_size)
         # Per rank; the same block count on every rank (kv heads split evenly), which keeps their
         # prefix indexes making the same decisions (docs/prefix_cache.md).
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)

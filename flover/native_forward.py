@@ -59,6 +59,12 @@ SCREEN_INT8_ROWS = 8  # a bfloat16 model's greedy rows go through its int8 head 
 ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)  # llama_forward.c: AllReduce
 
 
+# flover_check_model's codes
+SHAPE_CHECKS = {1: "every size must be positive", 2: "heads must be a multiple of kv_heads",
+                3: "head_dim must be even and at most 512", 4: "hidden and intermediate sizes must be even",
+                5: "the KV cache's strides overlap"}
+
+
 class NativeUnavailable(RuntimeError):
     """Why the native step cannot run here (the engine logs it and runs PyTorch)."""
 
@@ -117,6 +123,8 @@ def load_library() -> ctypes.CDLL:
                                    ctypes.c_double, ctypes.c_int]
     lib.flover_forward.restype = ctypes.c_int
     lib.flover_has_bf16_dot.restype = ctypes.c_int
+    lib.flover_check_model.argtypes = [p]
+    lib.flover_check_model.restype = ctypes.c_int
     lib.flover_argmax.argtypes = [p, ctypes.c_int, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.flover_argmax.restype = None
     return lib
@@ -394,9 +402,13 @@ class NativeForward:
             sin=model.rotary.sin.data_ptr(), quant=4 if "int4" in layer_modes else 8 if layer_modes else 0,
             vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), head_screen=head_screen,
             head_screen_scales=head_screen_scales, head_bounds=head_bounds, screen_rows=self.screen_rows)
+        self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
+        failed = self.lib.flover_check_model(self._model_struct.data_ptr())
+        if failed:
+            raise ValueError(f"native step: the model's shape breaks its assumptions: {SHAPE_CHECKS[failed]} "
+                             f"({', '.join(f'{f}={fields[f]}' for f in MODEL_FIELDS[:9])})")
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
-        self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         rows = []
         for layer, window in zip(model.layers, cfg.sliding_windows):
             blocked = {name: projection(getattr(layer, name)) for name in PROJECTIONS}
@@ -459,6 +471,8 @@ class NativeForward:
                                        batch.num_decode, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                                        n_out, out_rows.data_ptr(), logits.data_ptr(),
                                        self._ids if ids_back else None, self._work.data_ptr(), self.eps, self.threads)
+        if full < 0:
+            raise RuntimeError("native step: a row's position or token id is out of range")
         self.iterations += 1
         if not ids_back:
             return logits

@@ -4,6 +4,7 @@ or built from a GGUF file's vocabulary and merges (`tokenizer.ggml.*`)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -20,6 +21,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+log = logging.getLogger(__name__)
 DIGITS_ALONE = ("smollm",)  # llama.cpp splits every digit first (as SmolLM's own tokenizer.json does)
 
 
@@ -33,7 +35,14 @@ class Tokenizer:
         self.max_token_bytes = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)),
                                    default=1)
         self.special_tokens = special_tokens
-        self.chat_template = _compile_template(chat_template) if chat_template else None
+        self.chat_template, self.chat_template_error = None, None
+        if chat_template:
+            try:
+                self.chat_template = _compile_template(chat_template)
+            except Exception as e:  # a template that does not compile disables chat, not the model
+                self.chat_template_error = f"{type(e).__name__}: {e}"
+                log.warning("the checkpoint's chat template does not compile (%s): chat is off, plain prompts "
+                            "work", self.chat_template_error)
         # Byte-level vocabularies spell each byte as one printable character (GPT-2's table).
         self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} \
             if isinstance(backend.decoder, decoders.ByteLevel) else None
@@ -76,6 +85,9 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict]) -> str:
         """`messages` in the checkpoint's chat template, with the assistant prompt added."""
+        if self.chat_template_error is not None:
+            raise ValueError(f"this checkpoint's chat template is broken ({self.chat_template_error}); "
+                             f"chat is off, send a plain prompt instead")
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not isinstance(messages, list) or not all(

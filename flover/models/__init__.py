@@ -3,6 +3,7 @@ GGUF file; `load_model(checkpoint, ...)` returns a ready model."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -32,6 +33,20 @@ class HFDirectory:
 
     def reader(self, cfg: ModelConfig) -> CheckpointReader:
         return CheckpointReader(self.path)
+
+    def check_tensors(self, cfg: ModelConfig) -> None:
+        """config.json's shape against the tensors the files hold, before anything is built from it."""
+        reader = CheckpointReader(self.path)
+        prefix = r"transformer\.h" if cfg.is_gptj else r"model\.layers"
+        layers = {int(m.group(1)) for name in reader.files if (m := re.match(prefix + r"\.(\d+)\.", name))}
+        if layers != set(range(cfg.num_layers)):
+            raise CheckpointError(f"{self.path / 'config.json'}: {cfg.num_layers} layers, but the weights hold "
+                                  f"{len(layers)}")
+        embed = "transformer.wte.weight" if cfg.is_gptj else "model.embed_tokens.weight"
+        shape = reader.shape(embed) if reader.has(embed) else None
+        if shape != (cfg.vocab_size, cfg.hidden_size):
+            raise CheckpointError(f"{self.path}: {embed} has shape {list(shape) if shape else None}, config.json "
+                                  f"says [{cfg.vocab_size}, {cfg.hidden_size}]")
 
 
 def open_checkpoint(path: str | Path) -> HFDirectory | GGUFFile:
@@ -67,6 +82,7 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)
     cfg = cfg or checkpoint.model_config()
+    checkpoint.check_tensors(cfg)
     tp = tp or TPLayout.build(cfg)
     model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     with torch.no_grad():

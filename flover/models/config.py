@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,51 @@ SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be served; the message names the file."""
+
+
+# What a model file may claim (well beyond any real model): more is refused before anything is
+# built from it, so a careless or hostile header cannot make flover allocate gigabytes.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 18  # hidden, intermediate, head and window sizes
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 24
+SIZE_BOUNDS = {"layers": MAX_LAYERS, "block_count": MAX_LAYERS, "n_layer": MAX_LAYERS, "vocab": MAX_VOCAB,
+               "position": MAX_POSITIONS, "context_length": MAX_POSITIONS, "n_positions": MAX_POSITIONS}
+
+
+def check_sizes(sizes: dict, where: str, optional: bool = False) -> None:
+    """Each named size a positive integer within its bound (`optional`: None is absent, its
+    default applies)."""
+    for name, value in sizes.items():
+        high = next((b for key, b in SIZE_BOUNDS.items() if key in name), MAX_WIDTH)
+        if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high):
+            raise CheckpointError(f"{where}: {name} must be an integer in [1, {high}], got {value!r}")
+
+
+def validate_model_config(cfg: "ModelConfig", where: str) -> None:
+    """What every forward assumes of a model's shape, for Hugging Face and GGUF files alike,
+    checked before any weight is read."""
+    check_sizes({"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+                 "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rotary_dim": cfg.rotary_dim,
+                 "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+                 "max_position_embeddings": cfg.max_position_embeddings}, where)
+    problems = []
+    if cfg.num_heads % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_heads} attention heads cannot share {cfg.num_kv_heads} key/value heads evenly")
+    if cfg.head_dim % 2 or cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.head_dim:
+        problems.append(f"head_dim {cfg.head_dim} / rotary_dim {cfg.rotary_dim}: RoPE needs even sizes, "
+                        f"rotary_dim <= head_dim")
+    if cfg.max_position_embeddings < 2:
+        problems.append(f"max_position_embeddings {cfg.max_position_embeddings}: no prompt and answer fit")
+    for name, value in (("norm_eps", cfg.norm_eps), ("rope_theta", cfg.rope_theta)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            problems.append(f"{name} {value!r} must be a positive number")
+    if len(cfg.sliding_windows) != cfg.num_layers or any(w is not None and (isinstance(w, bool) or
+                                                         not isinstance(w, int) or w < 1)
+                                                         for w in cfg.sliding_windows):
+        problems.append("the sliding windows must be positive integers, one per layer")
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -54,13 +100,33 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: architecture {archs or raw.get('model_type')!r} is not supported; "
             f"flover serves {', '.join(SUPPORTED)}"
         )
+    # Sizes first, before any is used (a layer count builds per-layer tuples).
+    check_sizes({key: raw[key] for key in REQUIRED_SIZES if key in raw}, str(path))
+    check_sizes({key: raw.get(key) for key in OPTIONAL_SIZES}, str(path), optional=True)
+    for key in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"{path}: {key} must be a number, got {value!r}")
     try:
         cfg = _parse_gptj(raw) if arch == "GPTJForCausalLM" else _parse_llama(raw, arch)
     except KeyError as e:
         raise CheckpointError(f"{path}: missing field {e.args[0]!r} for {arch}") from None
-    eos, bos = _special_ids(Path(model_dir), raw)
-    return ModelConfig(architecture=arch, eos_token_ids=eos, bos_token_id=bos,
-                       checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"), **cfg)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise CheckpointError(f"{path}: malformed ({e})") from None
+    try:
+        eos, bos = _special_ids(Path(model_dir), raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: eos_token_id / bos_token_id must be integers ({e})") from None
+    config = ModelConfig(architecture=arch, eos_token_ids=eos, bos_token_id=bos,
+                         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"), **cfg)
+    validate_model_config(config, str(path))
+    return config
+
+
+# config.json sizes: present ones must be valid; the optional ones may be null (their default applies)
+REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+                  "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_positions")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "n_inner", "rotary_dim", "sliding_window")
 
 
 def _read_json(path: Path) -> dict:

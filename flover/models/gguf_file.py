@@ -15,6 +15,8 @@ un-permutation simple, and a rank holds one dequantized tensor at a time).
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flover.models.config import CheckpointError, ModelConfig
+from flover.models.config import CheckpointError, ModelConfig, check_sizes, validate_model_config
 
 # general.architecture -> (our architecture, Q/K rows permuted by llama.cpp's converter)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
@@ -84,6 +86,30 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: metadata {key!r} is missing")
         return value
 
+    def integer(self, key: str, default=None, required: bool = False) -> int | None:
+        """An integer field, or `default` when absent; anything else is refused naming the field."""
+        value = self.require(key) if required else self.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CheckpointError(f"{self.path}: metadata {key!r} must be an integer, got {value!r}")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{self.path}: metadata {key!r} must be a number, got {value!r}")
+        return float(value)
+
+    def check_tensors(self, cfg: ModelConfig) -> None:
+        """The header's shape against the tensors the file holds, before anything is built from it."""
+        layers = {int(m.group(1)) for name in self.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
+        if layers != set(range(cfg.num_layers)):
+            raise CheckpointError(f"{self.path}: {self.arch}.block_count is {cfg.num_layers}, but the file holds "
+                                  f"tensors of {len(layers)} layer(s)")
+        embed = self.tensors.get("token_embd.weight")
+        if embed is None or embed.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise CheckpointError(f"{self.path}: token_embd.weight has shape {list(embed.shape) if embed else None}, "
+                                  f"the metadata says [{cfg.vocab_size}, {cfg.hidden_size}]")
+
     # -- the model -------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
         a = self.arch
@@ -93,27 +119,38 @@ class GGUFFile:
         scaling = self.get(f"{a}.rope.scaling.type")
         if scaling not in (None, "none", "linear"):
             raise CheckpointError(f"{self.path}: RoPE scaling {scaling!r} is not supported (none, linear)")
-        hidden, heads = self.require(f"{a}.embedding_length"), self.require(f"{a}.attention.head_count")
-        head_dim = self.get(f"{a}.attention.key_length") or hidden // heads
-        layers = self.require(f"{a}.block_count")
-        window = self.get(f"{a}.attention.sliding_window")
-        vocab = self.get(f"{a}.vocab_size") or len(self.get("tokenizer.ggml.tokens") or ())
-        eos = [self.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        where = str(self.path)
+        hidden = self.integer(f"{a}.embedding_length", required=True)
+        heads = self.integer(f"{a}.attention.head_count", required=True)
+        sizes = {"embedding_length": hidden, "attention.head_count": heads,
+                 "block_count": self.integer(f"{a}.block_count", required=True),
+                 "feed_forward_length": self.integer(f"{a}.feed_forward_length", required=True),
+                 "context_length": self.integer(f"{a}.context_length", 2048),
+                 "attention.head_count_kv": self.integer(f"{a}.attention.head_count_kv"),
+                 "attention.key_length": self.integer(f"{a}.attention.key_length"),
+                 "attention.sliding_window": self.integer(f"{a}.attention.sliding_window"),
+                 "vocab_size": self.integer(f"{a}.vocab_size") or len(self.get("tokenizer.ggml.tokens") or ())}
+        check_sizes({f"{a}.{k}": v for k, v in sizes.items()}, where, optional=True)  # present ones
+        head_dim = sizes["attention.key_length"] or hidden // heads
+        layers, window = sizes["block_count"], sizes["attention.sliding_window"]
+        eos = [self.integer(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         qwen = a == "qwen2"
-        return ModelConfig(
+        cfg = ModelConfig(
             architecture=ARCHITECTURES[a][0], hidden_size=hidden, num_layers=layers, num_heads=heads,
-            num_kv_heads=self.get(f"{a}.attention.head_count_kv") or heads, head_dim=head_dim,
-            intermediate_size=self.require(f"{a}.feed_forward_length"), vocab_size=vocab,
-            max_position_embeddings=self.get(f"{a}.context_length", 2048),
-            norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)), hidden_act="silu",
+            num_kv_heads=sizes["attention.head_count_kv"] or heads, head_dim=head_dim,
+            intermediate_size=sizes["feed_forward_length"], vocab_size=sizes["vocab_size"],
+            max_position_embeddings=sizes["context_length"],
+            norm_eps=self.number(f"{a}.attention.layer_norm_rms_epsilon", 1e-6), hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors,
-            rope_theta=float(self.get(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=({"rope_type": "linear", "factor": float(self.require(f"{a}.rope.scaling.factor"))}
+            rope_theta=self.number(f"{a}.rope.freq_base", 10000.0),
+            rope_scaling=({"rope_type": "linear", "factor": self.number(f"{a}.rope.scaling.factor", None)}
                           if scaling == "linear" else None),
             rotary_dim=head_dim, qkv_bias=qwen, o_bias=False, mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None)
+            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None)
+        validate_model_config(cfg, where)
+        return cfg
 
     def reader(self, cfg: ModelConfig) -> "GGUFReader":
         return GGUFReader(self, cfg)
@@ -307,12 +344,14 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
         pos += 4 + 8 * n_dims + 12
         infos.append((name, dims, qtype, offset))
     alignment = metadata.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+        raise ValueError(f"general.alignment {alignment!r} is not a positive multiple of 8")
     start = (pos + alignment - 1) // alignment * alignment
     sizes = {t.value: block_and_bytes for t, block_and_bytes in gguf.GGML_QUANT_SIZES.items()}
     tensors = {}
     for name, dims, qtype, offset in infos:
         block, size = sizes.get(qtype, (1, 0))  # an unknown type reads as empty; read() names it
-        count = int(np.prod(dims))
+        count = math.prod(dims)
         nbytes = count // block * size
         begin = start + offset
         if begin + nbytes > raw.size:

@@ -70,6 +70,13 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.files
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from its file's header (nothing is read)."""
+        try:
+            return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
+
     def read(self, source: Source) -> torch.Tensor:
         file = self.files.get(source.name)
         if file is None:

@@ -1125,6 +1125,20 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
 
 int64_t flover_work_floats(const Model *md, int rows, int nt) { return work_layout(md, rows, nt).end; }
 
+/* What flover_forward assumes of a model's shape, checked once before any call (a model file
+ * is not trusted): 0, or which assumption fails (native_forward.py names it). */
+int flover_check_model(const Model *md) {
+    if (md->layers <= 0 || md->hidden <= 0 || md->heads <= 0 || md->kv_heads <= 0 || md->head_dim <= 0 ||
+        md->inter <= 0 || md->vocab <= 0 || md->max_seq <= 0)
+        return 1;
+    if (md->heads % md->kv_heads) return 2; /* every kv head serves a whole group of query heads */
+    if (md->head_dim % 2 || md->head_dim > 512) return 3;
+    if (md->hidden % 2 || md->inter % 2) return 4;
+    if (md->kv_pos < md->head_dim || md->kv_head < md->max_seq * md->kv_pos || md->kv_slot < md->kv_heads * md->kv_head)
+        return 5; /* a slot's rows and heads must not overlap one another */
+    return 0;
+}
+
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
  * its own position, which this iteration's earlier prompt tokens have written). Logits of the
@@ -1133,6 +1147,8 @@ int64_t flover_work_floats(const Model *md, int rows, int nt) { return work_layo
 int flover_forward(const Model *md, const Layer *layers, int rows, int decode_rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, int n_out, const int64_t *out_rows, void *logits,
                    int64_t *greedy_ids, float *work, double eps_d, int nt) {
+    for (int r = 0; r < rows; r++) /* a row past its slot's positions would touch another slot's */
+        if (positions[r] < 0 || positions[r] >= md->max_seq || tokens[r] < 0) return -1;
     const int bf = md->dtype == DT_BF16;
     const float eps = (float)eps_d;
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
