@@ -20,7 +20,7 @@ from flover.config import SamplingParams
 from flover.engine import Engine, PromptTooLong
 from flover.prompt_file import PromptRecord
 from flover.request import RequestOutput
-from flover.results_file import OrderedWriter, ResultsFile, UnorderedWriter
+from flover.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
 from flover.server.protocol import PERMANENT
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,10 @@ class BatchRunner:
 
     def __init__(self, engine: Engine, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
                  token_ids: bool = False, max_waiting: int | None = None, progress: Progress | None = None,
-                 on_step=None):
+                 on_step=None, max_held: int = MAX_HELD):
+        """`max_held` (ordered): finished records kept behind a running earlier one, at most."""
         self.engine = engine
-        self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
+        self.writer = OrderedWriter(out, max_held) if ordered else UnorderedWriter(out)
         self.defaults = defaults
         self.token_ids = token_ids
         # A few requests queue in the engine so a freed slot is refilled at the very next iteration.
@@ -166,7 +167,8 @@ class BatchRunner:
         nxt, due = next(todo, None), next(offsets)
         while nxt is not None or engine.has_unfinished():
             now = time.perf_counter() - start
-            while nxt is not None and due <= now and len(engine.scheduler.waiting) < self.max_waiting:
+            while (nxt is not None and due <= now and len(engine.scheduler.waiting) < self.max_waiting
+                   and not self.writer.full):
                 self._submit(nxt, arrival_time=start + due if scheduled else None)
                 nxt, due = next(todo, None), next(offsets)
             if not engine.has_unfinished():
@@ -262,7 +264,8 @@ class RemoteBatchRunner:
             now = time.perf_counter() - start
             while s.stopped is None and retry and retry[0][0] <= now and len(in_flight) < self.max_in_flight:
                 self._send(retry.pop(0)[1], in_flight)
-            while s.stopped is None and nxt is not None and due <= now and len(in_flight) < self.max_in_flight:
+            while (s.stopped is None and nxt is not None and due <= now and len(in_flight) < self.max_in_flight
+                   and not self.writer.full):
                 self.writer.expect(nxt.index)
                 if nxt.error is not None:
                     self._fail(nxt, nxt.code or "malformed_line", nxt.error)

@@ -133,7 +133,9 @@ def open_results(path: str, parts: dict) -> tuple[ResultsFile, set[str]]:
         try:
             with open(sidecar) as f:
                 theirs = json.load(f)
-        except (OSError, ValueError):
+            if not isinstance(theirs, dict) or not isinstance(theirs.get("parts", {}), dict):
+                raise ValueError("not a fingerprint")
+        except (OSError, ValueError, RecursionError):
             raise ResultsFileError(f"{path}: holds results but not what produced them ({sidecar} is missing or "
                                    f"unreadable); choose another --out") from None
         if theirs.get("sha256") != mine["sha256"]:
@@ -154,12 +156,17 @@ def _write_atomically(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+MAX_HELD = 1024  # finished records an ordered run keeps behind a running earlier one
+
+
 class OrderedWriter:
     """Writes records in input order. A finished record waits only while an earlier record is
-    still running; it is written (and forgotten) as soon as that one is."""
+    still running; it is written (and forgotten) as soon as that one is. Once `max_held` wait,
+    the runner admits no new prompt (`full`) until the earlier one ends: memory stays bounded,
+    and a killed run loses at most that many finished records (resume runs them again)."""
 
-    def __init__(self, out: ResultsFile):
-        self.out = out
+    def __init__(self, out: ResultsFile, max_held: int = MAX_HELD):
+        self.out, self.max_held = out, max_held
         self._order: deque[int] = deque()  # indices submitted, not yet written, in input order
         self._ready: dict[int, dict] = {}
 
@@ -178,8 +185,14 @@ class OrderedWriter:
     def held(self) -> int:
         return len(self._ready)
 
+    @property
+    def full(self) -> bool:
+        return len(self._ready) >= self.max_held
+
 
 class UnorderedWriter:
+    full = False
+
     def __init__(self, out: ResultsFile):
         self.out = out
         self.held = 0

@@ -241,3 +241,25 @@ def test_records_carry_the_logprobs_a_line_asks_for(llama_dir, tmp_path):
     assert [[t for t, _ in top] for top in scored["prompt_top_logprobs"][1:]] == \
         [logp[p - 1].topk(2).indices.tolist() for p in range(1, 5)]
     assert len(scored["logprobs"]) == len(scored["top_logprobs"]) == 3
+
+
+def test_ordered_output_holds_a_bounded_number_of_records_behind_a_long_first_one(llama_dir, tmp_path):
+    """The first prompt asks 100 tokens, 40 more ask 1: at most `max_held` finished records wait
+    for it, plus those in flight when that many did (no prompt is admitted beyond), and every record
+    is written, in input order."""
+    from flover.batch import BatchRunner
+    from flover.prompt_file import PromptRecord
+    from flover.results_file import ResultsFile
+
+    llm = LLM(llama_dir, dtype="float64", max_seq_len=128, max_slots=4)
+    records = [PromptRecord(index=i, line=i + 1, id=str(i), prompt=[1 + i, 2, 3],
+                            sampling={"max_new_tokens": 100 if i == 0 else 1})
+               for i in range(41)]
+    out = ResultsFile(str(tmp_path / "out.jsonl"))
+    held = []
+    runner = BatchRunner(llm.engine, out, SamplingParams(ignore_eos=True), ordered=True, max_held=4,
+                         on_step=lambda r, _: held.append(r.writer.held))
+    runner.run(records)
+    out.close()
+    assert 4 <= max(held) <= 4 + 4 + 4  # the bound, plus what was in flight (slots, queue) when it was reached
+    assert [r["id"] for r in read_records(tmp_path / "out.jsonl")] == [str(i) for i in range(41)]

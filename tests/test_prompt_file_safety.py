@@ -110,6 +110,12 @@ def test_resume_refuses_other_inputs_and_a_second_writer(llama_dir, tmp_path):
     (tmp_path / "legacy.jsonl").write_text('{"id": "1", "text": "x"}\n')  # results of unknown origin
     run = flover_run(llama_dir, prompts, tmp_path / "legacy.jsonl", "--quiet")
     assert run.returncode == 2 and "not what produced them" in run.stderr
+    sidecar = tmp_path / "out.jsonl.fingerprint.json"
+    for tampered in ("[]", "null", '"x"', "7", '{"parts": [1, 2]}', '{"sha256": "0", "parts": "x"}', "[" * 100000):
+        sidecar.write_text(tampered)  # valid JSON (but the last) that is not a fingerprint: refused, no traceback
+        run = flover_run(llama_dir, prompts, out, "--max-new-tokens", "3", "--quiet")
+        assert run.returncode == 2 and "not what produced them" in run.stderr and "Traceback" not in run.stderr, \
+            (tampered[:20], run.stderr[-1500:])
 
 
 def test_invalid_utf8_and_carriage_returns(llama_dir, tmp_path):
