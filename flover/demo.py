@@ -61,7 +61,7 @@ class LiveView:
 
     def __call__(self, runner: BatchRunner, outputs) -> None:
         sched = runner.engine.scheduler
-        running, waiting = sched.num_live, len(sched.waiting)
+        running, waiting = len(sched.running), len(sched.waiting)  # finished ones leave their slot next step
         finished = runner.summary.completed + runner.summary.errors
         state = (runner.arrived, finished)
         if state == self._last and not self.tty:
@@ -136,7 +136,9 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
     say("== the same prompts and arrivals, one request at a time ==")
     del fused_engine  # its KV cache goes before the next one is allocated
     serial_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=1, num_threads=threads, speculate=0))
-    serial, serial_results = run_once(serial_engine, records, params, rate, seed)
+    view = LiveView(n, 1, stream)  # this phase takes minutes on a slow machine: show it moving
+    serial, serial_results = run_once(serial_engine, records, params, rate, seed, view)
+    view.close()
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 
     rows = [("makespan (s)", fused.wall_s, serial.wall_s, "{:.2f}"),

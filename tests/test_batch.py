@@ -214,6 +214,15 @@ def test_demo_makes_its_model_and_compares_fused_with_one_at_a_time(tmp_path):
     out = run.stdout
     assert "RANDOM" in out and "--model" in out  # says the text is meaningless, and what to do instead
     assert "arrived  32/32" in out and "finished  32" in out
+    fused, serial = out.split("one request at a time")
+    assert "finished  32" in serial  # the long phase shows its progress too
+    for phase in (fused, serial):  # a request counts once: in flight or finished, never both
+        for line in phase.splitlines():
+            if line.startswith("iter "):
+                fields = line.replace("|", " ").replace("/", " ").split()
+                arrived, in_flight = int(fields[fields.index("arrived") + 1]), int(fields[fields.index("flight") + 1])
+                waiting, finished = int(fields[fields.index("waiting") + 1]), int(fields[fields.index("finished") + 1])
+                assert in_flight + waiting + finished == arrived, line
     table = {line.split()[0]: line.split()[-2:] for line in out.splitlines() if line.startswith(("makespan", "iterations"))}
     fused_iters, serial_iters = map(float, table["iterations"])
     assert serial_iters == 32 * 12  # one request at a time: one token per iteration
