@@ -36,7 +36,7 @@ from flover.request import Request, RequestOutput, RequestState, Timings
 from flover.runner import ModelRunner
 from flover.scheduler import PromptFirst, Scheduler, StepPlan
 from flover.speculation import DEFAULT_DRAFT_TOKENS, Speculation
-from flover.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from flover.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need the checkpoint's tokenizer; pass token ids")
             self._check_text_size(prompt)
-            ids = self._checked(self.tokenizer.encode(prompt))
+            ids = self._checked(self._encode(prompt, True))
             text = prompt
         elif isinstance(prompt, (list, tuple)):
             if len(prompt) > self.max_seq_len:  # before looking at a million ids one by one
@@ -262,10 +262,16 @@ class Engine:
             self._check_text_size(contents)
         text = self.tokenizer.render_chat(messages)
         self._check_text_size(text)
-        ids = self._checked(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self._checked(self._encode(text, False))
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, special, max_tokens=self.max_seq_len)
+        except TooManyTokens as e:
+            raise PromptTooLong(f"prompt of {e.count} tokens exceeds max_seq_len={self.max_seq_len}") from None
 
     def _checked(self, ids: list[int]) -> list[int]:
         """The tokenizer's ids, which a careless checkpoint may let outside the model's vocabulary."""

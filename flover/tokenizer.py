@@ -25,6 +25,12 @@ log = logging.getLogger(__name__)
 DIGITS_ALONE = ("smollm",)  # llama.cpp splits every digit first (as SmolLM's own tokenizer.json does)
 
 
+class TooManyTokens(ValueError):
+    def __init__(self, count: int):
+        super().__init__(f"{count} tokens")
+        self.count = count
+
+
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, special_tokens: dict, chat_template: str | None):
         self._tok = backend
@@ -79,9 +85,15 @@ class Tokenizer:
         token in bytes). Found without tokenizing, so a text far too long costs no tokenizer work."""
         return len(text.encode("utf-8", "surrogatepass")) > max_tokens * self.max_token_bytes
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """With the tokenizer's own special tokens (e.g. BOS), as transformers' tokenizer(text) does."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """With the tokenizer's own special tokens (e.g. BOS), as transformers' tokenizer(text) does.
+        (`encode_batch` of one: unlike `encode`, it releases the GIL while it works, so a long text
+        tokenized on a worker thread does not stop the engine loop.) Beyond `max_tokens` tokens:
+        TooManyTokens, before the ids become a Python list."""
+        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise TooManyTokens(len(encoding))
+        return encoding.ids
 
     def render_chat(self, messages: list[dict]) -> str:
         """`messages` in the checkpoint's chat template, with the assistant prompt added."""

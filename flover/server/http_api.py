@@ -36,6 +36,7 @@ from flover.server import openai_api as oa
 from flover.server.http_front import CURVE_ENV, HttpLimits, parse_listen
 from flover.server.http_guard import guarded_protocol, usable_connections
 from flover.server.prometheus import render
+from flover.server.tokenizing import background_thread
 
 log = logging.getLogger("flover.http")
 
@@ -86,7 +87,8 @@ class Front:
         self._background: set[asyncio.Task] = set()
         # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run
         # here, never on the event loop (the `tokenizers` library releases the GIL while it works).
-        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flover-tokenize")
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flover-tokenize",
+                                       initializer=background_thread)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -188,7 +190,8 @@ def build_app(front: Front) -> FastAPI:
                 raise oa.ApiError(400, "expected prompt (a string) or messages", param="prompt")
         except oa.ApiError as e:
             return error_response(e)
-        return {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
+        answer = {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
+        return Response(await front.off_loop(json.dumps, answer), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -12,10 +12,25 @@ from __future__ import annotations
 
 import os
 import itertools
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+# Tokenizer threads yield the cores to the engine: a running iteration's threads wait for one
+# another at every layer, so a tokenizer taking a core from one of them stalls them all.
+TOKENIZER_NICE = int(os.environ.get("FLOVER_TOKENIZER_NICE", "19"))
+
+
+def background_thread() -> None:
+    """A worker thread's initializer: lowest CPU priority (Linux: nice is per thread), and the
+    `tokenizers` library's own thread pool off (it would take every core for one long text)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: full priority
+        pass
 
 
 @dataclass
@@ -32,7 +47,8 @@ class Job:
 class FairTokenizer:
     def __init__(self, work: Callable[[Any], Any], workers: int = 1):
         self.work, self.workers = work, workers
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flover-tokenize")
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flover-tokenize",
+                                       initializer=background_thread)
         self.waiting: dict[bytes, deque[Job]] = {}
         self.served: dict[bytes, int] = {}  # connection -> the turn it last had (its jobs wait -> kept)
         self._turns = itertools.count()
