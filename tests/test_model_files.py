@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -140,12 +141,14 @@ def test_a_tokenizer_id_outside_the_model_is_refused_and_nothing_else_fails(make
         llm = LLM(str(model), dtype=dtype, max_seq_len=64, max_slots=2)
         with pytest.raises(ValueError, match=r"token id \d+, outside the model's vocabulary of 512"):
             llm.engine.make_request("Hello <extra> cat")
-    server = Server(str(model), "--dtype", "float32")
-    try:
-        with server.client() as c:
-            with pytest.raises(Exception, match="outside the model's vocabulary"):
-                c.generate("Hello <extra> cat", max_new_tokens=3)
-            ok = c.generate("Hello the cat", max_new_tokens=3, ignore_eos=True)
-            assert len(ok["token_ids"]) == 3
-    finally:
-        server.stop()
+    for ranks in (1, 2):  # under mpirun the followers never see the ids: the job stays up
+        server = Server(str(model), "--dtype", "float32", ranks=ranks)
+        try:
+            with server.client() as c:
+                with pytest.raises(Exception, match="outside the model's vocabulary"):
+                    c.generate("Hello <extra> cat", max_new_tokens=3)
+                ok = c.generate("Hello the cat", max_new_tokens=3, ignore_eos=True)
+                assert len(ok["token_ids"]) == 3
+        finally:
+            code, err = server.stop(signal.SIGUSR1 if ranks > 1 else signal.SIGTERM)  # mpirun forwards USR1
+        assert code == 0, err[-2000:]
