@@ -6,6 +6,8 @@ HTTP front and prints one line per probe:
   intake     the longest gap between an innocent stream's token events while another client sends
              10 long text prompts over the socket (tokenized on the loop before this change)
   slowloris  how long 200 half-sent requests keep their connections
+  legit      what a legitimate 1,500-word text prompt waits for its first token beside 7 streams
+             (the cost of tokenizing off the loop at low priority, if any)
 
     python scripts/probe_http_front.py --model SmolLM2-135M-Instruct.Q4_1.gguf [--src OTHER_CHECKOUT]
 
@@ -119,6 +121,38 @@ def probe_slowloris(port: int) -> str:
             f"{time.monotonic() - started:.1f} s, {len(open_)} still open after 30 s")
 
 
+def probe_legit(addr: str, rounds: int = 6) -> str:
+    ctx = zmq.Context()
+    background, client = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    background.connect(addr)
+    client.connect(addr)
+    words = "the quick brown fox jumps over a lazy dog while rivers run to seas and mountains stand tall".split()
+    ttfts = []
+    for k in range(rounds):
+        for i in range(7):
+            background.send(msgpack.packb({"op": "generate", "id": f"{k}-{i}", "prompt": f"Story {k} {i}",
+                                           "params": {"max_new_tokens": 300, "ignore_eos": True}}))
+        time.sleep(0.3)
+        text = " ".join(words[(j * 7 + k) % len(words)] for j in range(1500))
+        started = time.perf_counter()
+        client.send(msgpack.packb({"op": "generate", "id": k, "stream": True, "prompt": text,
+                                   "params": {"max_new_tokens": 2}}))
+        first = None
+        while True:
+            event = msgpack.unpackb(client.recv())
+            if event["event"] == "token" and first is None:
+                first = time.perf_counter() - started
+            if event["event"] in ("final", "error"):
+                break
+        ttfts.append(first)
+        for _ in range(7):
+            while msgpack.unpackb(background.recv())["event"] not in ("final", "error"):
+                pass
+    ctx.destroy(0)
+    ttfts.sort()
+    return f"legit      TTFT of a 1500-word prompt beside 7 streams: median {1000 * ttfts[len(ttfts) // 2]:.0f} ms"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -131,6 +165,7 @@ def main() -> None:
         print(probe_tokenize(port, args.text_bytes), flush=True)
         print(probe_intake(addr, args.text_bytes), flush=True)
         print(probe_slowloris(port), flush=True)
+        print(probe_legit(addr), flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
