@@ -167,7 +167,7 @@ class BatchRunner:
         nxt, due = next(todo, None), next(offsets)
         while nxt is not None or engine.has_unfinished():
             now = time.perf_counter() - start
-            while (nxt is not None and due <= now and len(engine.scheduler.waiting) < self.max_waiting
+            while (nxt is not None and due <= now and engine.can_accept(self.max_waiting)
                    and not self.writer.full):
                 self._submit(nxt, arrival_time=start + due if scheduled else None)
                 nxt, due = next(todo, None), next(offsets)
@@ -182,7 +182,7 @@ class BatchRunner:
                 if out.finished:
                     self._finish(out)
                     finished += 1
-            self.progress.update(finished, self.summary.completion_tokens, len(engine.requests))
+            self.progress.update(finished, self.summary.completion_tokens, self._in_flight())
             if self.on_step is not None:
                 self.on_step(self, outputs)
         self.summary.wall_s = time.perf_counter() - start
@@ -210,7 +210,11 @@ class BatchRunner:
         log.warning("%s", message)
         self.summary.errors += 1
         self.writer.write(record.index, error_record(record, code, message))
-        self.progress.update(1, self.summary.completion_tokens, len(self.engine.requests))
+        self.progress.update(1, self.summary.completion_tokens, self._in_flight())
+
+    def _in_flight(self) -> int:
+        stats = self.engine.stats()
+        return stats.running + stats.waiting
 
     def _finish(self, out: RequestOutput) -> None:
         s = self.summary

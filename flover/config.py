@@ -30,7 +30,7 @@ class SamplingParams:
     (types are never coerced) and against the limits above, here and nowhere else.
     """
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16  # None: up to the end of the context
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
@@ -70,8 +70,8 @@ class SamplingParams:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ValueError(f"SamplingParams.{name}={shown}: {why}")
 
-        if not _int_in(self.max_new_tokens, 1, MAX_INT32):
-            bad("max_new_tokens", f"must be an integer in [1, {MAX_INT32}]")
+        if self.max_new_tokens is not None and not _int_in(self.max_new_tokens, 1, MAX_INT32):
+            bad("max_new_tokens", f"must be an integer in [1, {MAX_INT32}] or null (the rest of the context)")
         if not _number_in(self.temperature, 0, MAX_TEMPERATURE):
             bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy; below "
                                f"{GREEDY_BELOW:g}: greedy too)")

@@ -60,8 +60,8 @@ class LiveView:
         self._last = None
 
     def __call__(self, runner: BatchRunner, outputs) -> None:
-        sched = runner.engine.scheduler
-        running, waiting = len(sched.running), len(sched.waiting)  # finished ones leave their slot next step
+        stats = runner.engine.stats()
+        running, waiting = stats.running, stats.waiting  # (a finished request is not running)
         finished = runner.summary.completed + runner.summary.errors
         state = (runner.arrived, finished)
         if state == self._last and not self.tty:

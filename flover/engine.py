@@ -1,11 +1,11 @@
-"""The temporal-fusion engine. `Engine.step()` is one iteration:
+"""The temporal-fusion engine. `Engine.step()` is one iteration in three calls and the text:
 
-  1. retire finished/cancelled requests and compact the slot buffer (two-step shuffle);
-  2. admit waiting requests FCFS while a slot is free and the token budget allows;
-  3. run ONE fused forward over every token of the iteration (prompt chunks of new requests
-     + one token of every running request);
-  4. sample every row at once with each request's own parameters;
-  5. report new tokens and mark finished requests (their slots free at the next boundary).
+  plan = scheduler.schedule()         retire finished requests, compact the slots (two-step
+                                      shuffle), admit waiting requests FCFS, choose the tokens
+  result = runner.execute(plan)       the copies, ONE fused forward over every token of the
+                                      iteration, sampling each row with its own parameters
+  updates = scheduler.update(...)     append the tokens; stop ids and lengths end requests
+  outputs.emit(updates)               text, stop strings, what callers see
 
 `LLM` is the offline API on top: `LLM(model_dir).generate(prompts, params)`.
 """
@@ -17,6 +17,7 @@ import itertools
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -27,14 +28,15 @@ from flover.hardware import resolve_dtype
 from flover.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.models import load_model, open_checkpoint, pack_projections, release_projections
 from flover.native_forward import NativeForward, NativeUnavailable
+from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
 from flover.parallel.layout import TPLayout
-from flover.parallel.plan import AddEvent, StepPlanMessage
+from flover.parallel.plan import AddEvent
 from flover.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.output import OutputProcessor
-from flover.request import Request, RequestOutput, RequestState, Timings
+from flover.request import Request, RequestOutput, StepResult, Timings
 from flover.runner import ModelRunner
-from flover.scheduler import PromptFirst, Scheduler, StepPlan
+from flover.scheduler import PromptFirst, Scheduler
 from flover.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
 
@@ -116,11 +118,9 @@ class Engine:
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache,
                                    PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
                                    self._speculation(native, graphs))
-        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
-        self._plan = StepPlanMessage()  # intake since the last iteration, for the other ranks
-        self.stopped = False  # a follower saw the leader's shutdown
+        self.channel = PlanChannel(self.comm) if self.comm is not None else None  # TP: the leader's intake
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
         self.draft_tokens = self.accepted_tokens = 0  # speculation: rows of draft tokens, and those accepted
@@ -187,10 +187,12 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         token_ids, text = tokenized if tokenized is not None else self.tokenize(prompt, messages)
         limit = self.max_seq_len
+        if params.max_new_tokens is None:  # the rest of the context (OpenAI's chat default)
+            params = params.with_updates(max_new_tokens=max(1, limit - len(token_ids)))
         if len(token_ids) + params.max_new_tokens > limit:
             raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
                              f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
@@ -210,12 +212,10 @@ class Engine:
         return request
 
     def enqueue(self, request: Request) -> str:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
-        self.requests[request.request_id] = request
-        self.scheduler.add(request)
-        if self._tells_followers:
-            self._plan.add(AddEvent(request.request_id, request.prompt_token_ids, request.params, request.cache_salt))
+        self.scheduler.add(request)  # (refuses an id in flight)
+        if self.channel is not None:
+            self.channel.added(AddEvent(request.request_id, request.prompt_token_ids, request.params,
+                                        request.cache_salt))
         return request.request_id
 
     def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None
@@ -283,20 +283,35 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its final output comes with the next step(). False if unknown/done."""
-        request = self.requests.get(request_id)
-        if request is None or request.finished:
+        request = self.scheduler.cancel(request_id, time.perf_counter())
+        if request is None:
             return False
-        was_waiting = request.state is RequestState.WAITING
-        self.scheduler.cancel(request, time.perf_counter())
-        if self._tells_followers:
-            self._plan.cancel(request_id)
+        if self.channel is not None:
+            self.channel.cancelled(request_id)
         self._pending.append(self.outputs.output(request, []))
-        if was_waiting:  # never got a slot, so no retire step will forget it
-            del self.requests[request_id]
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or any(not r.finished for r in self.requests.values())
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def can_accept(self, max_waiting: int) -> bool:
+        """Whether a request queued now would wait behind fewer than `max_waiting` others."""
+        return len(self.scheduler.waiting) < max_waiting
+
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running  # finished requests still in a slot until the next step do not count
+        kv_tokens = sum(r.kv_len for r in running)
+        buffer, cache = self.runner.buffer, self.prefix_cache
+        return EngineStats(
+            running=len(running), waiting=len(self.scheduler.waiting), slots_total=self.config.max_slots,
+            kv_bytes=buffer.nbytes, kv_tokens=kv_tokens,
+            kv_use=kv_tokens / (self.config.max_slots * self.max_seq_len), iterations=self.iterations,
+            last_step_tokens=self.last_step_tokens, shuffle_moves=buffer.moves_done,
+            shuffle_bytes=buffer.bytes_moved, shuffle_seconds=buffer.move_seconds, draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            prefix_cache=None if cache is None else {
+                **dataclasses.asdict(cache.stats), "blocks_used": cache.used_blocks,
+                "blocks_total": cache.num_blocks, "block_tokens": cache.block_tokens})
 
     @torch.inference_mode()
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -305,7 +320,7 @@ class Engine:
         disturbed. For evaluation and reference checks."""
         ids, _ = self._prompt_ids(token_ids)
         if self.scheduler.num_live >= self.config.max_slots and self.comm is None:
-            self._free_slots(self.scheduler.release())  # requests that finished still hold their slots
+            self.runner.execute(self.scheduler.release())  # requests that finished still hold their slots
         slot = self.scheduler.num_live
         if slot >= self.config.max_slots or len(ids) > self.max_seq_len:
             raise ValueError("no free slot, or the sequence is longer than max_seq_len")
@@ -319,88 +334,79 @@ class Engine:
     def buffer(self) -> SlotBuffer:
         return self.runner.buffer
 
-    # -- tensor parallelism: the leader's plan, the followers' loop --------------------------
-    @property
-    def _tells_followers(self) -> bool:
-        """The leader of several ranks: its intake goes into the next step plan."""
-        return self.comm is not None and self.is_leader
-
-    def _exchange_plan(self) -> None:
-        """Leader: broadcast the intake since the last iteration. Follower: wait (without
-        spinning) for it and apply it, so that its scheduler makes the leader's decisions."""
-        if self.is_leader:
-            self._plan.knee = self.scheduler.iteration_cost.knee
-            self.comm.broadcast_bytes(self._plan.encode())
-            self._plan = StepPlanMessage()
-            return
-        message = StepPlanMessage.decode(self.comm.broadcast_bytes(None))
-        self.scheduler.iteration_cost.leader_knee = message.knee
-        for event in message.events:
-            if isinstance(event, AddEvent):
-                self.enqueue(self.make_request(event.token_ids, event.params, event.request_id,
-                                               cache_salt=event.cache_salt))
-            else:
-                self.abort(event)
-        self._pending.clear()
-        self.stopped = message.shutdown
+    # -- tensor parallelism: the leader's intake reaches every rank --------------------------
+    def _exchange_plan(self) -> bool:
+        """Leader: send the intake since the last iteration. Follower: apply the leader's, so
+        that its scheduler makes the leader's decisions. False once the leader has shut down."""
+        message = self.channel.exchange(self.scheduler.iteration_cost.knee)
+        if message is not None:
+            self.scheduler.iteration_cost.leader_knee = message.knee
+            for event in message.events:
+                if isinstance(event, AddEvent):
+                    self.enqueue(self.make_request(event.token_ids, event.params, event.request_id,
+                                                   cache_salt=event.cache_salt))
+                else:
+                    self.abort(event)
+            self._pending.clear()  # only the leader reports
+        return not self.channel.closed
 
     def follow(self) -> None:
         """A follower rank's whole life: run the leader's iterations until it shuts down."""
         assert not self.is_leader
-        while not self.stopped:
+        while not self.channel.closed:
             self.step()
 
     def shutdown(self) -> None:
         """Leader: release the followers (their follow() returns). Requests in flight are dropped."""
-        if self._tells_followers and not self.stopped:
-            self._plan.shutdown = True
-            self.comm.broadcast_bytes(self._plan.encode())
-            self.stopped = True
-
-    def _free_slots(self, plan: StepPlan) -> None:
-        """The plan's retirements and copies: prefix saves, then the shuffle's moves."""
-        for request in plan.retired:
-            self.requests.pop(request.request_id, None)
-        if plan.saves:
-            self.runner.save_prefixes(plan)
-        if plan.moves:
-            self.runner.apply_moves(plan)
+        if self.channel is not None:
+            self.channel.close()
 
     def _tell_followers_failed(self, request_id: str) -> None:
         """A request failed on the leader alone: the followers retire it at the next boundary."""
-        if self._tells_followers:
-            self._plan.cancel(request_id)
+        if self.channel is not None:
+            self.channel.cancelled(request_id)
 
     # -- one iteration --------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """schedule -> shuffle -> run (one fused forward, sampling) -> record."""
-        if self.comm is not None:
-            self._exchange_plan()
-            if self.stopped:
-                return []
+        """One iteration: the scheduler plans it, the runner carries it out (one fused forward),
+        the scheduler takes the result, and the text half turns it into outputs."""
+        if self.channel is not None and not self._exchange_plan():
+            return []
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        self._free_slots(plan)
-        if plan.empty:
-            return outputs
-        now = time.perf_counter()
-        for request in plan.admitted:
-            request.timings.scheduled = now
-        runner = self.runner
-        runner.admit(plan)
-        started = time.perf_counter()
-        batch, rows = runner.build_batch(plan)
-        self.last_step_tokens = batch.input_ids.shape[0]
-        logits = runner.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
-        self.scheduler.commit(plan)
-        result = runner.sample(logits, rows)  # with drafts: the tokens each one's accepted part gives
-        self.iterations += 1
-        self.scheduler.iteration_cost.observe(batch.input_ids.shape[0], time.perf_counter() - started)
-        self.draft_tokens += batch.draft_rows
-        self.accepted_tokens += sum(map(len, result.accepted.values()))
-        self.outputs.record_prompt_logprobs(rows.scoring, result.prompt_logprobs)
-        return outputs + self.outputs.record(rows.sampled, result, time.perf_counter())
+        result = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, result, time.perf_counter())
+        self._count(result)
+        return outputs + self.outputs.emit(updates, time.perf_counter())
+
+    def _count(self, result: StepResult) -> None:
+        if result.rows:
+            self.iterations += 1
+            self.last_step_tokens = result.rows
+            self.draft_tokens += result.draft_rows
+            self.accepted_tokens += sum(map(len, result.accepted.values()))
+
+
+@dataclass
+class EngineStats:
+    """What the engine can tell about itself (like vLLM's SchedulerStats): for the daemon's stats,
+    /metrics, batch progress and benchmarks."""
+
+    running: int  # requests in a slot, not finished
+    waiting: int  # queued for a slot
+    slots_total: int
+    kv_bytes: int
+    kv_tokens: int  # positions cached for the running requests
+    kv_use: float  # kv_tokens / every slot's positions
+    iterations: int  # that ran a forward
+    last_step_tokens: int  # rows of the last iteration's token matrix
+    shuffle_moves: int
+    shuffle_bytes: int
+    shuffle_seconds: float
+    draft_tokens: int  # speculation: draft rows computed ...
+    accepted_tokens: int  # ... and accepted
+    prefix_cache: dict | None  # its counters and blocks, or None when off
 
 
 class LLM:

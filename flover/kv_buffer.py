@@ -10,6 +10,7 @@ CUDA; on CPU the KV copies slot by slot, which is faster there).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -103,6 +104,7 @@ class SlotBuffer:
         self.state: dict[str, torch.Tensor] = {}
         self.moves_done = 0  # slots moved by the shuffle so far (metrics)
         self.bytes_moved = 0  # KV bytes those moves copied
+        self.move_seconds = 0.0  # and the time they took (on CUDA: to queue them)
 
     def add_state(self, name: str, dtype: torch.dtype, fill=0) -> torch.Tensor:
         tensor = torch.full((self.max_slots,), fill, dtype=dtype, device=self.device)
@@ -117,6 +119,7 @@ class SlotBuffer:
         copying just those (a view) saves copying the whole max_seq_len."""
         if not moves:
             return
+        started = time.perf_counter()
         src = torch.tensor([m.src for m in moves], device=self.device)
         dst = torch.tensor([m.dst for m in moves], device=self.device)
         kv = self.kv if positions is None else self.kv[..., :positions, :]  # [layers, 2, slots, heads, pos, dim]
@@ -129,6 +132,7 @@ class SlotBuffer:
         self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
+        self.move_seconds += time.perf_counter() - started
 
     # -- the prefix pool: a copy per block on CPU, one batched copy each way on CUDA -----------
     def _slot_blocks(self) -> torch.Tensor:

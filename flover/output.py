@@ -1,5 +1,7 @@
-"""The text half of the engine: each sampled token appended to its request, the finish checks
-(stop ids, stop strings, length), incremental text for streams, and the outputs callers see.
+"""The text half of the engine: the new tokens of each request (the scheduler appended them)
+through its detokenizer, stop strings (one may end a request before tokens the scheduler
+appended after it, which are then taken back), incremental text for streams, and the outputs
+callers see.
 
 A failure that belongs to one request (its text, its sampling) ends that request alone with
 finish reason `error`; `on_fail` tells the other tensor-parallel ranks.
@@ -10,8 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flover.request import FinishReason, Request, RequestOutput
-from flover.runner import Logprob, PromptRows, SampleResult
+from flover.request import FinishReason, NewTokens, Request, RequestOutput
 from flover.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -21,55 +22,30 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, on_fail: Callable[[str], None] = lambda request_id: None):
         self.tokenizer, self.on_fail = tokenizer, on_fail
 
-    def record(self, sampled: list[Request], result: SampleResult, now: float) -> list[RequestOutput]:
-        """Append each request's new token (and those its accepted draft gave), decide whether it
-        is finished, and report it. A failure that belongs to one request (its sampling, its
-        text) ends that request alone."""
-        outputs, logprobs = [], result.logprobs
-        for i, (r, token) in enumerate(zip(sampled, result.token_ids)):
-            if i in result.failed:
-                outputs.append(self.fail(r, result.failed[i], now))
+    def emit(self, updates: list[NewTokens], now: float) -> list[RequestOutput]:
+        """One output per request the iteration gave tokens to (or whose sampling failed)."""
+        outputs = []
+        for update in updates:
+            r = update.request
+            if r.finish_reason is FinishReason.ERROR:  # its sampling failed (the scheduler ended it)
+                outputs.append(self.fail(r, r.error, now))
                 continue
             try:
-                outputs.append(self._record_one(r, [token, *result.accepted.get(i, ())],
-                                                logprobs[i] if logprobs is not None else None, now))
+                outputs.append(self._text(r, update.tokens, now))
             except Exception as e:
                 log.exception("request %s failed", r.request_id)
                 outputs.append(self.fail(r, f"internal error: {e!r}", now))
         return outputs
 
-    @staticmethod
-    def record_prompt_logprobs(scoring: list[PromptRows], found: list[list[Logprob]]) -> None:
-        """Each scored prefill chunk's prompt logprobs, appended in prompt order (chunks of one
-        prompt come in order, one per iteration)."""
-        for rows, entries in zip(scoring, found):
-            r, k = rows.request, rows.request.params.top_logprobs
-            if not r.prompt_logprobs:
-                r.prompt_logprobs.append(None)  # the first token has no context to be predicted from
-                r.prompt_top_logprobs.append(None)
-            for logprob, alternatives in entries:
-                r.prompt_logprobs.append(logprob)
-                r.prompt_top_logprobs.append(alternatives[:k])
-
-    def _record_one(self, r: Request, tokens: list[int], logprob: Logprob | None, now: float) -> RequestOutput:
-        """`tokens`: one, or (speculation) several in a row, checked one by one: the first that
-        finishes the request is its last."""
-        if logprob is not None and r.params.logprobs:  # one token: drafts are for requests without logprobs
-            r.output_logprobs.append(logprob[0])
-            if r.params.top_logprobs:
-                r.output_top_logprobs.append(logprob[1][: r.params.top_logprobs])
-        if r.timings.first_token is None:
-            r.timings.first_token = now
+    def _text(self, r: Request, tokens: list[int], now: float) -> RequestOutput:
+        """`tokens`: one, or (speculation) several in a row, each through the detokenizer; the
+        first whose text completes a stop string is the request's last."""
         for n, token in enumerate(tokens, 1):
-            r.output_token_ids.append(token)
             delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
-            if token in r.stop_token_set:
+            if token not in r.stop_token_set and delta and r.stop_pattern is not None \
+                    and self._hit_stop_string(r, delta):
+                del r.output_token_ids[len(r.output_token_ids) - len(tokens) + n:]  # those after it
                 r.finish(FinishReason.STOP, now)
-            elif delta and r.stop_pattern is not None and self._hit_stop_string(r, delta):
-                r.finish(FinishReason.STOP, now)
-            elif len(r.output_token_ids) >= r.params.max_new_tokens:
-                r.finish(FinishReason.LENGTH, now)
-            if r.finished:
                 return self.output(r, tokens[:n])
         return self.output(r, tokens)
 

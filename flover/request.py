@@ -137,3 +137,42 @@ class RequestOutput:
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids),
                 "cached_tokens": self.cached_tokens}
+
+
+# -- what one iteration gives back (the runner's result, read by the scheduler and the text half) --
+Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, [(id, logprob)] of the top k
+
+
+@dataclass
+class PromptRows:
+    """Rows of a prefill chunk that score its own prompt (`prompt_logprobs`): the row at prompt
+    position p gives the log-probability of prompt token p + 1."""
+
+    request: Request
+    first_target: int  # prompt index of the token the first of these rows predicts
+    count: int
+
+
+@dataclass
+class StepResult:
+    """What the runner hands back for one plan: a value, so the scheduler never re-derives it."""
+
+    sampled: list[Request] = field(default_factory=list)  # the requests that got a token, in row order
+    token_ids: list[int] = field(default_factory=list)  # one per sampled request: its next token
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens its accepted draft adds
+    logprobs: list[Logprob | None] | None = None  # per sampled request, when any of them asked
+    failed: dict[int, str] = field(default_factory=dict)  # index -> why its sampling failed
+    scoring: list[PromptRows] = field(default_factory=list)
+    prompt_logprobs: list[list[Logprob]] = field(default_factory=list)  # per PromptRows (leader only)
+    rows: int = 0  # tokens in the iteration's matrix; 0: no forward ran
+    draft_rows: int = 0  # of them, draft tokens
+    seconds: float = 0.0  # the forward and the sampling
+
+
+@dataclass
+class NewTokens:
+    """The tokens one iteration appended to one request (a stop id or the length limit ends
+    them; the text half may end them earlier at a stop string)."""
+
+    request: Request
+    tokens: list[int]

@@ -1,15 +1,15 @@
-"""The tensor half of the engine: per-slot sampling parameters next to the KV buffer, the
-iteration's token matrix (from the requests themselves), the one fused forward, and sampling (with
-its tensor-parallel gather and broadcast).
-
-Pure tensor work on the scheduler's decisions; it never looks at text. `Engine.step` calls it as
-admit -> build_batch -> forward -> sample.
+"""The tensor half of the engine: it carries out a step plan (`execute`) and hands back a
+StepResult. In one place and in the order the copies need: prefix saves -> the shuffle's moves ->
+prefix loads and the admitted requests' sampling state -> the iteration's token matrix (from the
+requests themselves) -> the one fused forward -> sampling and draft verification (with the
+tensor-parallel gather and broadcast). It never looks at text.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,25 +19,12 @@ from flover.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native_forward import NativeForward
 from flover.parallel.comm import Communicator
-from flover.request import Request
+from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.scheduler import StepPlan
 from flover.speculation import verify
 
 log = logging.getLogger(__name__)
-
-Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, [(id, logprob)] of the top k
-
-
-@dataclass
-class PromptRows:
-    """Rows of a prefill chunk that score its own prompt (`prompt_logprobs`): the row at prompt
-    position p gives the log-probability of prompt token p + 1."""
-
-    request: Request
-    first_target: int  # prompt index of the token the first of these rows predicts
-    count: int
-
 
 @dataclass
 class IterationRows:
@@ -57,15 +44,6 @@ class IterationRows:
     def per_row(self) -> list[Request]:
         """The request of each sampled row."""
         return [self.sampled[i] for i in self.owners()] if self.drafts else self.sampled
-
-
-@dataclass
-class SampleResult:
-    token_ids: list[int]  # one per sampled request
-    logprobs: list[Logprob | None] | None  # the same requests, when any of them asked
-    failed: dict[int, str]  # request index -> why its sampling failed
-    prompt_logprobs: list[list[Logprob]]  # per PromptRows, one per row (leader only)
-    accepted: dict[int, list[int]] = field(default_factory=dict)  # request index -> tokens after its first (drafts)
 
 
 def plain_greedy(requests: list[Request]) -> bool:
@@ -93,13 +71,24 @@ class ModelRunner:
         self._presence_penalty = state("presence_penalty", torch.float32)
         self._seed = state("seed", torch.int64)
 
-    def save_prefixes(self, plan: StepPlan) -> None:
-        """Blocks of finished sequences and completed prompts -> the prefix pool (before the moves)."""
-        self.buffer.save_blocks(plan.saves)
-
-    def apply_moves(self, plan: StepPlan) -> None:
-        """The shuffle's copies, limited to the cached positions of the moved slots."""
-        self.buffer.apply_moves(plan.moves, positions=max(1, plan.moved_kv_len))
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Carry out one plan, copies first: blocks of finished sequences and completed prompts go
+        to the prefix pool before the shuffle's moves overwrite their slots, and cached prefixes
+        come into the admitted requests' slots after them."""
+        if plan.saves:
+            self.buffer.save_blocks(plan.saves)
+        if plan.moves:  # limited to the cached positions of the moved slots
+            self.buffer.apply_moves(plan.moves, positions=max(1, plan.moved_kv_len))
+        if plan.empty:
+            return StepResult()
+        self.admit(plan)
+        started = time.perf_counter()
+        batch, rows = self.build_batch(plan)
+        logits = self.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
+        result = self.sample(logits, rows)  # with drafts: the tokens each one's accepted part gives
+        result.rows, result.draft_rows = batch.input_ids.shape[0], batch.draft_rows
+        result.seconds = time.perf_counter() - started
+        return result
 
     def forward(self, batch: ForwardBatch, rows: IterationRows | None = None) -> torch.Tensor | list[int]:
         """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP); or,
@@ -185,11 +174,12 @@ class ModelRunner:
         full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
         return full[:, : self.vocab_size]
 
-    def sample(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> SampleResult:
+    def sample(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
         """The leader samples every row at once (and scores prompts that asked); with TP it then
         broadcasts the ids (a few bytes). A list: the forward's greedy ids already. Drafts are
         checked against the ids of the rows after them (speculation.verify)."""
         result = self._sample_rows_of(logits, rows)
+        result.sampled, result.scoring = rows.sampled, rows.scoring
         if not rows.drafts:
             return result
         firsts, result.accepted = verify(rows.drafts, result.token_ids, len(rows.sampled))
@@ -201,7 +191,7 @@ class ModelRunner:
         result.failed = {owner[row]: why for row, why in result.failed.items()}
         return result
 
-    def _sample_rows_of(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> SampleResult:
+    def _sample_rows_of(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
         """One id per sampled row (a drafting request has several)."""
         if isinstance(logits, list):
             return self._share(logits, None, {}, [])
@@ -209,7 +199,7 @@ class ModelRunner:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
         sampled = rows.per_row()
         if not self.is_leader:
-            return SampleResult(self.comm.broadcast_ids(None, len(sampled)), None, {}, [])
+            return StepResult(token_ids=self.comm.broadcast_ids(None, len(sampled)))
         prompt_logprobs = []
         if rows.scoring:
             prompt_logprobs = self._score_prompts(logits[len(sampled):], rows.scoring)
@@ -245,11 +235,11 @@ class ModelRunner:
             token_ids, logprobs, failed = self._sample_rows(logits, st)
         return self._share(token_ids.tolist(), logprobs, failed, prompt_logprobs)
 
-    def _share(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> SampleResult:
+    def _share(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> StepResult:
         """The leader's sampled ids go to the followers (tensor parallelism)."""
         if self.comm is not None:
             self.comm.broadcast_ids(ids, len(ids))
-        return SampleResult(ids, logprobs, failed, prompt_logprobs)
+        return StepResult(token_ids=ids, logprobs=logprobs, failed=failed, prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _score_prompts(logits: torch.Tensor, scoring: list[PromptRows]) -> list[list[Logprob]]:

@@ -12,17 +12,22 @@ Order inside one `schedule()` call:
      into the slots after the live range, while a slot is free and the token budget allows;
      an admitted prompt starts after its longest cached prefix (copied into its slot);
   5. with speculation, greedy decoding requests draft tokens in the budget left (speculation.py).
-The plan's copies run in this order: saves, the shuffle's moves, loads.
+The plan's copies run in this order: saves, the shuffle's moves, loads (ModelRunner.execute).
+
+After the runner has carried a plan out, `update(plan, result)` takes its result: prompt chunks
+become computed, sampled and accepted draft tokens are appended up to a stop id or the length
+limit, and what drafts achieved and what the iteration cost feed the next plans.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from flover.kv_buffer import Move, plan_compaction
 from flover.prefix_cache import BlockCopy, PrefixCache
-from flover.request import FinishReason, Request, RequestState
+from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
 from flover.speculation import IterationCost, Speculation, drafts_for
 
 
@@ -89,6 +94,7 @@ class Scheduler:
         self.speculation = speculation
         self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
         self._prompt_only = 0  # prompt-only iterations in a row so far
+        self.requests: dict[str, Request] = {}  # every request from add() until it leaves (all below)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_slots
         self.num_live = 0  # slots [0, num_live) may hold requests; all above are free
@@ -96,17 +102,26 @@ class Scheduler:
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
         request.state = RequestState.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def cancel(self, request: Request, now: float) -> None:
-        """Finish a request now. A waiting one leaves the queue; a running one keeps its slot
-        until the next retire step, so its last output is still reported."""
-        if request.finished:
-            return
+    def cancel(self, request_id: str, now: float) -> Request | None:
+        """Finish a request now (None if unknown or already finished). A waiting one leaves at
+        once; a running one keeps its slot until the next retire step."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
+            del self.requests[request_id]
         request.finish(FinishReason.CANCELLED, now)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
 
     @property
     def running(self) -> list[Request]:
@@ -137,9 +152,11 @@ class Scheduler:
             budget -= self._add_chunk(plan, request, budget)
 
         # 4b. admit waiting requests FCFS into the slots after the live range.
+        now = time.perf_counter()
         while self.waiting and budget > 0 and self.num_live < self.max_slots:
             request = self.waiting.popleft()
             request.state = RequestState.RUNNING
+            request.timings.scheduled = now
             request.slot = self.num_live
             self.slots[self.num_live] = request
             self.num_live += 1
@@ -181,6 +198,7 @@ class Scheduler:
                 self.slots[slot] = None
                 request.slot = None
                 plan.retired.append(request)
+                self.requests.pop(request.request_id, None)
         if plan.retired:
             gone = {id(r) for r in plan.retired}
             self._prefilling = [r for r in self._prefilling if id(r) not in gone]
@@ -210,8 +228,55 @@ class Scheduler:
         plan.prefill.append(PrefillChunk(request, request.num_computed, length))
         return length
 
-    def commit(self, plan: StepPlan) -> None:
-        """After the forward pass: the chunks' K/V are now in the cache."""
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[NewTokens]:
+        """The runner carried `plan` out: the chunks' K/V are in the cache, and each sampled
+        request gets its token and those its accepted draft adds, checked one by one: a stop id
+        or the length limit makes its token the last. A request whose sampling failed ends with
+        finish reason `error`. Returns what each sampled request got."""
         for chunk in plan.prefill:
             chunk.request.num_computed += chunk.length
         self._prefilling = [r for r in self._prefilling if r.prefilling]
+        _record_prompt_logprobs(result)
+        updates = []
+        for i, (r, token) in enumerate(zip(result.sampled, result.token_ids)):
+            if i in result.failed:
+                r.finish(FinishReason.ERROR, now, error=result.failed[i])
+                updates.append(NewTokens(r, []))
+                continue
+            if result.logprobs is not None and result.logprobs[i] is not None and r.params.logprobs:
+                logprob, alternatives = result.logprobs[i]  # one token: drafts are for requests without logprobs
+                r.output_logprobs.append(logprob)
+                if r.params.top_logprobs:
+                    r.output_top_logprobs.append(alternatives[: r.params.top_logprobs])
+            if r.timings.first_token is None:
+                r.timings.first_token = now
+            tokens = [token, *result.accepted.get(i, ())]
+            for n, t in enumerate(tokens, 1):
+                r.output_token_ids.append(t)
+                if t in r.stop_token_set:
+                    r.finish(FinishReason.STOP, now)
+                elif len(r.output_token_ids) >= r.params.max_new_tokens:
+                    r.finish(FinishReason.LENGTH, now)
+                if r.finished:
+                    tokens = tokens[:n]
+                    break
+            updates.append(NewTokens(r, tokens))
+        for i, r in enumerate(plan.decode if plan.drafts else ()):  # what drafting achieved, for the next drafts
+            if r.drafting is not None:
+                r.drafting.learn(len(plan.drafts[i]), len(result.accepted.get(i, ())))
+        if result.rows:
+            self.iteration_cost.observe(result.rows, result.seconds)
+        return updates
+
+
+def _record_prompt_logprobs(result: StepResult) -> None:
+    """Each scored prefill chunk's prompt logprobs, appended in prompt order (chunks of one
+    prompt come in order, one per iteration)."""
+    for rows, entries in zip(result.scoring, result.prompt_logprobs):
+        r, k = rows.request, rows.request.params.top_logprobs
+        if not r.prompt_logprobs:
+            r.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+            r.prompt_top_logprobs.append(None)
+        for logprob, alternatives in entries:
+            r.prompt_logprobs.append(logprob)
+            r.prompt_top_logprobs.append(alternatives[:k])

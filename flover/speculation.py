@@ -116,21 +116,18 @@ class Drafting:
     # so that a request that arrives into a full iteration still tries a short draft
     accepted: float = 1.0
     rejected: float = 0.0  # drafts that ended in a rejection, likewise
-    drafted: int = 0  # the length of the last draft ...
-    outputs_then: int = 0  # ... and of the output when it was made
 
     FADE = 0.8  # per draft; per iteration without one, rejections fade by REJECTIONS_FADE
     REJECTIONS_FADE = 0.9
 
-    def learn(self, outputs: int) -> None:
-        """Called at each iteration the request decodes in: its output is now `outputs` long."""
-        if not self.drafted:
+    def learn(self, drafted: int, accepted: int) -> None:
+        """After each iteration the request decoded in: how many draft tokens it ran, and how
+        many of them were accepted."""
+        if not drafted:
             self.rejected *= self.REJECTIONS_FADE
             return
-        accepted = outputs - self.outputs_then - 1
         self.accepted = self.accepted * self.FADE + accepted
-        self.rejected = self.rejected * self.FADE + (accepted < self.drafted)
-        self.drafted = 0
+        self.rejected = self.rejected * self.FADE + (accepted < drafted)
 
     def length(self, line: float, most: int) -> int:
         """Draft tokens whose chance of being accepted (q^i) is above `line` (0 < line < 1)."""
@@ -155,11 +152,9 @@ def drafts_for(requests, speculation: Speculation, budget: int, line: float) -> 
         if state is None:
             state = r.drafting = Drafting(NgramLookup(speculation.ngram, r.prompt_token_ids))
         outputs = len(r.output_token_ids)
-        state.learn(outputs)
         room = min(state.length(line, speculation.tokens), r.params.max_new_tokens - outputs - 1, budget - used)
         state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len:])
         draft = state.lookup.draft(room)
-        state.drafted, state.outputs_then = len(draft), outputs
         drafts.append(draft)
         used += len(draft)
     return drafts

@@ -51,14 +51,15 @@ def main() -> None:
     engine.runner.build_batch = timed("token-matrix build", engine.runner.build_batch)
     engine.model.forward = timed("forward", engine.model.forward)
     engine.runner.sample = timed("sampling", engine.runner.sample)
-    engine.outputs.record = timed("bookkeeping (finish checks, outputs)", engine.outputs.record)
+    engine.scheduler.update = timed("bookkeeping (tokens, finish checks)", engine.scheduler.update)
+    engine.outputs.emit = timed("outputs (text, stop strings)", engine.outputs.emit)
     llama.attention = gptj.attention = timed("forward: attention", llama.attention)
     layers.Linear.forward = timed("forward: projection GEMMs", layers.Linear.forward)
 
     params = SamplingParams(max_new_tokens=10_000 // 50, ignore_eos=True)
     for r in range(args.live):
         engine.add_request([(7 * r + i) % 1000 + 1 for i in range(64)], params)
-    while any(r.prefilling for r in engine.requests.values()) or engine.scheduler.waiting:
+    while any(r.prefilling for r in engine.scheduler.requests.values()) or engine.scheduler.waiting:
         engine.step()
     for _ in range(3):
         engine.step()

@@ -131,7 +131,7 @@ def test_finished_requests_return_at_once_and_free_their_slot(llama_dir):
     assert [o.request_id for o in done] == ["short"] and done[0].finish_reason == "length"
     third = engine.step()  # "short" left, "waiting" takes its slot in this very iteration
     assert {o.request_id for o in third} == {"long", "waiting"}
-    assert engine.requests["waiting"].slot == 0 or engine.requests["waiting"].slot == 1
+    assert engine.scheduler.requests["waiting"].slot in (0, 1)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(llama_dir):
@@ -187,11 +187,11 @@ def test_bad_requests_are_refused_and_change_nothing(llama_dir):
     engine.add_request([1, 2], SamplingParams(max_new_tokens=3), "x")
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_request([1, 2], SamplingParams(), "x")
-    assert list(engine.requests) == ["x"] and len(engine.scheduler.waiting) == 1
+    assert list(engine.scheduler.requests) == ["x"] and engine.stats().waiting == 1
     llm = LLM(llama_dir, dtype="float32", max_seq_len=32)
     with pytest.raises(ValueError, match="prompt 1: .*exceeds max_seq_len"):
         llm.generate([[1], list(range(1, 40))])
-    assert not llm.engine.requests
+    assert not llm.engine.scheduler.requests
 
 
 def test_cancel_waiting_and_running_requests(llama_dir):
@@ -378,3 +378,9 @@ def test_score_frees_the_slots_of_requests_that_just_finished(llama_dir):
     llm = LLM(llama_dir, dtype="float64", max_slots=2)
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3))
     assert llm.engine.score([5, 6, 7]).shape[0] == 3
+
+
+def test_max_new_tokens_none_means_the_rest_of_the_context(llama_dir):
+    llm = LLM(llama_dir, dtype="float64", max_seq_len=40, max_slots=2)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=None, ignore_eos=True))[0]
+    assert len(out.token_ids) == 40 - 3 and out.finish_reason == "length"

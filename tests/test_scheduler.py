@@ -7,7 +7,7 @@ import random
 import pytest
 
 from flover.config import SamplingParams
-from flover.request import FinishReason, Request
+from flover.request import FinishReason, Request, StepResult
 from flover.scheduler import PromptFirst, Scheduler
 
 
@@ -17,10 +17,9 @@ def req(rid: str, prompt_len: int) -> Request:
 
 def run_plan(s: Scheduler):
     plan = s.schedule()
-    s.commit(plan)
     # a request whose prompt completed has sampled its first token
-    for r in plan.decode + [c.request for c in plan.prefill if c.completes_prompt]:
-        r.output_token_ids.append(0)
+    sampled = plan.decode + [c.request for c in plan.prefill if c.completes_prompt]
+    s.update(plan, StepResult(sampled=sampled, token_ids=[0] * len(sampled), rows=plan.num_tokens), now=0.0)
     return plan
 
 
@@ -81,9 +80,9 @@ def test_cancel_waiting_and_running():
     s.add(a)
     s.add(b)
     run_plan(s)
-    s.cancel(b, 1.0)
+    assert s.cancel("b", 1.0) is b
     assert not s.waiting and b.finish_reason is FinishReason.CANCELLED
-    s.cancel(a, 1.0)
+    assert s.cancel("a", 1.0) is a and s.cancel("a", 1.0) is None
     plan = run_plan(s)
     assert plan.retired == [a] and plan.empty and not s.has_work()
 

@@ -12,8 +12,8 @@ from flover import LLM, SamplingParams
 from flover.config import EngineConfig
 from flover.output import OutputProcessor
 from flover.request import Request
-from flover.runner import SampleResult
-from flover.scheduler import Scheduler
+from flover.request import StepResult
+from flover.scheduler import Scheduler, StepPlan
 from flover.speculation import (DEFAULT_DRAFT_TOKENS, Drafting, IterationCost, NgramLookup, Speculation, drafts_for,
                                 verify)
 
@@ -84,16 +84,14 @@ def test_a_draft_takes_the_tokens_likely_enough_to_be_accepted():
     state = Drafting(NgramLookup(1))
     assert state.length(0.05, 8) == 8  # nothing seen: q = 3/4, 0.75^8 > 0.05
     assert state.length(0.6, 8) == 1 and state.length(0.8, 8) == 0  # 0.75 > 0.6 > 0.75^2
-    state.drafted, state.outputs_then = 4, 10
-    state.learn(15)  # all 4 accepted, and the verifier's token: q = 5.3 / 5.8
+    state.learn(drafted=4, accepted=4)  # all 4 accepted: q = 5.3 / 5.8
     assert state.length(0.6, 8) == 5  # 0.914^5 > 0.6 > 0.914^6
     for _ in range(5):  # five drafts of 4 that each ended at their first token
-        state.drafted, state.outputs_then = 4, 20
-        state.learn(21)
+        state.learn(drafted=4, accepted=0)
     assert state.length(0.5, 8) == 0 and state.length(0.05, 8) == 2
     iterations = 0
     while state.length(0.5, 8) == 0:  # no drafts: the rejections fade
-        state.learn(21)
+        state.learn(drafted=0, accepted=0)
         iterations += 1
     assert 5 < iterations < 20
 
@@ -115,7 +113,7 @@ def test_the_scheduler_drafts_only_in_the_budget_prompts_leave():
     decoding = request(0, [1, 2, 3] * 4, [1], 100)
     scheduler.add(decoding)
     plan = scheduler.schedule()
-    scheduler.commit(plan)  # its whole prompt (12 tokens) in the first iteration
+    scheduler.update(plan, StepResult(), now=0.0)  # its whole prompt (12 tokens) in the first iteration
     scheduler.add(request(1, list(range(40, 50)), [], 100))
     plan = scheduler.schedule()
     assert plan.decode == [decoding] and plan.prefill[0].length == 10
@@ -199,8 +197,8 @@ def test_a_stop_inside_the_accepted_tokens_ends_the_request_there(llama_dir, sto
               "string": SamplingParams(max_new_tokens=50, stop=(tokenizer.decode([41, 42]),)),
               "length": SamplingParams(max_new_tokens=3)}[stop]
     r = engine.make_request([1, 2, 3], params)
-    out = OutputProcessor(tokenizer).record([r], SampleResult([40], None, {}, [], accepted={0: [41, 42, 43, 44]}),
-                                            now=1.0)[0]
+    result = StepResult(sampled=[r], token_ids=[40], accepted={0: [41, 42, 43, 44]})
+    out = OutputProcessor(tokenizer).emit(engine.scheduler.update(StepPlan(), result, now=1.0), now=1.0)[0]
     assert out.finished and out.finish_reason == ("length" if stop == "length" else "stop")
     assert out.token_ids == out.new_token_ids == [40, 41, 42]
     if stop == "string":

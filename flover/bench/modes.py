@@ -73,7 +73,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
     _warm_up(engine)
     trace = RunTrace(mode, list(_traces(reqs).values()))
     by_id = {t.id: t for t in trace.requests}
-    _time_shuffles(engine, trace)
+    before = engine.stats()  # after the warm-up
     pending = deque(sorted(reqs, key=lambda r: r.arrival_s))
     held: list[BenchRequest] = []  # window mode: arrived, waiting for the window to close
     running_batch: set[str] = set()
@@ -107,7 +107,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
         started = time.perf_counter()
         outputs = engine.step()
         end = time.perf_counter() - t0
-        trace.iteration_log.append((end, len(engine.scheduler.running) + sum(o.finished for o in outputs),
+        trace.iteration_log.append((end, engine.stats().running + sum(o.finished for o in outputs),
                                     time.perf_counter() - started, engine.last_step_tokens))
         for out in outputs:
             t = by_id[out.request_id]
@@ -116,7 +116,10 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
             t.token_times += [end] * len(out.new_token_ids)
             if out.finished:
                 running_batch.discard(out.request_id)
-    trace.iterations = engine.iterations
+    after = engine.stats()
+    trace.iterations = after.iterations - before.iterations
+    trace.shuffle_moves = after.shuffle_moves - before.shuffle_moves  # slot moves of the two-step shuffle ...
+    trace.shuffle_s = after.shuffle_seconds - before.shuffle_seconds  # ... and the time their copies took
     return trace
 
 
@@ -124,20 +127,6 @@ def _warm_up(engine: Engine) -> None:
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True), "warm-up")
     while engine.has_unfinished():
         engine.step()
-    engine.iterations = 0
-
-
-def _time_shuffles(engine: Engine, trace: RunTrace) -> None:
-    """Count the slot moves of the two-step shuffle and the time the copies take."""
-    apply = engine.buffer.apply_moves
-
-    def timed(moves, positions=None):
-        start = time.perf_counter()
-        apply(moves, positions)
-        trace.shuffle_s += time.perf_counter() - start
-        trace.shuffle_moves += len(moves)
-
-    engine.buffer.apply_moves = timed
 
 
 # -- instances: K processes, one request at a time each ---------------------------------------
@@ -148,14 +137,13 @@ def _instance_worker(settings: ModeSettings, threads: int, inbox, outbox) -> Non
     outbox.put(("ready", None))
     while (item := inbox.get()) is not None:
         rid, prompt, new_tokens, t0 = item
-        start = time.perf_counter() - t0
+        start, iterations = time.perf_counter() - t0, engine.iterations
         engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), rid)
         times = []
         while engine.has_unfinished():
             for out in engine.step():
                 times += [time.perf_counter() - t0] * len(out.new_token_ids)
-        outbox.put(("done", (rid, start, times, engine.iterations)))
-        engine.iterations = 0
+        outbox.put(("done", (rid, start, times, engine.iterations - iterations)))
 
 
 def run_instances(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:

@@ -23,7 +23,6 @@ in flight get a `keepalive` event every second so that this is noticed within a 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import logging
@@ -410,7 +409,7 @@ class Daemon:
             raise p.ProtocolError(p.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
             raise p.ProtocolError(p.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
-        if len(self.engine.scheduler.waiting) + len(self.tokenizing) >= self.config.max_waiting:
+        if not self.engine.can_accept(self.config.max_waiting - len(self.tokenizing)):
             raise p.ProtocolError(p.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; "
                                                 "retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
@@ -505,24 +504,13 @@ class Daemon:
                  ms(t["queue_time"]), ms(t["ttft"]), ms(t["tpot"]), out.finish_reason)
 
     def stats(self) -> dict:
-        e = self.engine
-        running = e.scheduler.running  # finished requests still in a slot until the next step do not count
-        kv_tokens = sum(r.kv_len for r in running)
-        return {"in_flight": len(self.inflight), "running": len(running), "waiting": len(e.scheduler.waiting),
-                "tokenizing": len(self.tokenizing),
-                "slots_used": len(running), "slots_total": e.config.max_slots, "kv_bytes": e.buffer.nbytes,
-                "kv_tokens": kv_tokens, "kv_use": kv_tokens / (e.config.max_slots * e.max_seq_len),
-                "iterations": e.iterations, "uptime_s": time.time() - self.started, "draining": self.draining,
-                "shuffle_moves": e.buffer.moves_done, "shuffle_bytes": e.buffer.bytes_moved,
-                "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
-                "prefix_cache": self._prefix_stats(), **self.counters, "metrics": self.metrics.snapshot()}
-
-    def _prefix_stats(self) -> dict | None:
-        cache = self.engine.prefix_cache
-        if cache is None:
-            return None
-        return {**dataclasses.asdict(cache.stats), "blocks_used": cache.used_blocks, "blocks_total": cache.num_blocks,
-                "block_tokens": cache.block_tokens}
+        e = self.engine.stats()
+        return {"in_flight": len(self.inflight), "running": e.running, "waiting": e.waiting,
+                "tokenizing": len(self.tokenizing), "slots_used": e.running, "slots_total": e.slots_total,
+                "kv_bytes": e.kv_bytes, "kv_tokens": e.kv_tokens, "kv_use": e.kv_use, "iterations": e.iterations,
+                "uptime_s": time.time() - self.started, "draining": self.draining, "shuffle_moves": e.shuffle_moves,
+                "shuffle_bytes": e.shuffle_bytes, "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
+                "prefix_cache": e.prefix_cache, **self.counters, "metrics": self.metrics.snapshot()}
 
 
 def _peek_id(payload: zmq.Frame):

@@ -231,20 +231,6 @@ def build_app(front: Front) -> FastAPI:
         except ValueError as e:  # no chat template, a template error
             raise oa.ApiError(400, str(e), param="messages") from None
 
-    async def tokenize_chat(p: oa.Plan) -> None:
-        """Chat prompts are rendered and tokenized here, so that a chat without max_tokens may
-        answer up to the context's end (OpenAI's default) rather than the socket's default 16."""
-        limit = await context_length()
-        rendered: dict[int, list[int]] = {}  # the n choices of one conversation share its source
-        for choice in p.choices:
-            key = id(choice.source)
-            if key not in rendered:
-                rendered[key] = await encode(await render_chat(choice.source["messages"]), limit, "messages", False)
-            ids = rendered[key]
-            choice.source = {"input_ids": ids}
-            if "max_new_tokens" not in choice.params and limit is not None:
-                choice.params["max_new_tokens"] = max(1, limit - len(ids))
-
     async def tokenize_echoed(p: oa.Plan) -> None:
         """`echo`: the answer lists the prompt's tokens, so the prompt is tokenized here (the ids
         the daemon then runs are the ones listed) and an id prompt's text is decoded."""
@@ -266,9 +252,7 @@ def build_app(front: Front) -> FastAPI:
     async def generate(request: Request, kind: str):
         try:
             p = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning)
-            if p.kind == "chat":
-                await tokenize_chat(p)
-            elif p.echo:
+            if p.echo:  # (chats go to the daemon as messages: it renders and bounds them)
                 await tokenize_echoed(p)
         except oa.ApiError as e:
             return error_response(e)

@@ -177,8 +177,8 @@ def sampling_params(body: dict, chat: bool) -> dict:
         params["max_new_tokens"] = 1  # the one generated token is left out of the answer
     elif max_tokens is not None:
         params["max_new_tokens"] = max_tokens
-    elif not chat:
-        params["max_new_tokens"] = 16  # OpenAI's completions default; a chat answers up to the context (http_api)
+    else:  # OpenAI's defaults: 16 for completions, the rest of the context for a chat
+        params["max_new_tokens"] = None if chat else 16
     temperature = _number(body, "temperature", 0.0, 2.0)
     params["temperature"] = 1.0 if temperature is None else float(temperature)  # OpenAI's default is 1
     for key in ("top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
