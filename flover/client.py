@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.server.protocol import MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
+from flover.protocol import MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight

@@ -144,10 +144,10 @@ SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may se
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # auto: flover/hardware.py
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, flover/models/quant.py
-# Decode-only iterations from captured CUDA graphs (flover/cuda_graphs.py). auto: on CUDA at
+# Decode-only iterations from captured CUDA graphs (flover/runner/cuda_graphs.py). auto: on CUDA at
 # TP=1; eager: the same padded static batches without capture, on any device (tests).
 CUDA_GRAPHS = ("auto", "off", "eager")
-# Iterations as one native call (flover/native_forward.py). auto: on CPU at
+# Iterations as one native call (flover/native/forward.py). auto: on CPU at
 # any TP in float32/bfloat16 (quantized or not), when a C compiler is there.
 NATIVE_FORWARD = ("auto", "off")
 
@@ -184,7 +184,7 @@ class EngineConfig:
     prompt_first_iterations: int = 3
     prompt_first_tokens: int = 192
     num_threads: int | None = None  # torch intra-op threads; None = cores available
-    # prompt-lookup speculation (flover/speculation.py): up to this many draft tokens per greedy
+    # prompt-lookup speculation (flover/engine/speculation.py): up to this many draft tokens per greedy
     # request and iteration, found by its last `speculate_ngram` tokens; 0 = off; None = 8 where
     # the engine can (the native CPU step, on every rank under TP), off elsewhere. Asked for where
     # it cannot, the engine says so and runs without.

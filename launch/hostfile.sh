@@ -17,4 +17,4 @@ ranks=${2:?usage: hostfile.sh HOSTFILE RANKS flover-command [args...]}
 shift 2
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 exec mpirun -np "$ranks" --hostfile "$hostfile" --map-by ppr:"${RANKS_PER_NODE:-4}":node --bind-to none \
-  -x PATH -x LD_LIBRARY_PATH -x NCCL_DEBUG python -m flover.cli "$@"
+  -x PATH -x LD_LIBRARY_PATH -x NCCL_DEBUG python -m flover.apps.cli "$@"

@@ -11,4 +11,4 @@ ranks=${1:?usage: single_node.sh RANKS flover-command [args...]}
 shift
 export OMPI_MCA_btl=${OMPI_MCA_btl:-self,sm}   # shared memory only: fast start on one node
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-exec mpirun -np "$ranks" --bind-to none python -m flover.cli "$@"
+exec mpirun -np "$ranks" --bind-to none python -m flover.apps.cli "$@"

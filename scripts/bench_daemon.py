@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def start_daemon(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "flover.cli", "serve", "--model", model, "--bind", addr, *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind", addr, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert "ready on" in proc.stdout.readline()

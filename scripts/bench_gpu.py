@@ -35,7 +35,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3
 
 
 def make_model(out: str) -> str:
-    from flover.tiny_model import make_tiny_model
+    from flover.testing.tiny_model import make_tiny_model
     return str(make_tiny_model("llama", SMOLLM2_SHAPE, out, rope_theta=100000.0))
 
 

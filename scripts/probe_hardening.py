@@ -33,7 +33,7 @@ class Daemon:
     def __init__(self, src: str, model: str, *extra: str):
         self.addr = f"tcp://127.0.0.1:{free_port()}"
         env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "flover.cli", "serve", "--model", model, "--bind",
+        self.proc = subprocess.Popen([sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind",
                                       self.addr, "--max-seq-len", "512", "--max-slots", "40", *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=src)
         assert "ready" in self.proc.stdout.readline()

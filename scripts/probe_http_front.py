@@ -39,7 +39,7 @@ def free_port() -> int:
 def start(src: str, model: str, max_seq_len: int) -> tuple[subprocess.Popen, str, int]:
     zport, hport = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flover.cli", "serve", "--model", model, "--bind",
+    proc = subprocess.Popen([sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind",
                              f"tcp://127.0.0.1:{zport}", "--http", f"127.0.0.1:{hport}", "--max-seq-len",
                              str(max_seq_len), "--max-slots", "8", "--speculate", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=src)

@@ -11,7 +11,7 @@ import json
 import time
 
 from flover.config import EngineConfig, SamplingParams
-from flover.engine import Engine
+from flover.engine.engine import Engine
 from flover.parallel.launch import make_communicator
 
 

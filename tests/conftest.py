@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flover.tiny_model import make_tiny_model
+from flover.testing.tiny_model import make_tiny_model
 
 # Small enough that a whole reference comparison takes well under a second.
 TEST_PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,

@@ -7,11 +7,11 @@ catch, to show that the engine ends that request alone (also under mpirun).
 
 import sys
 
-import flover.runner
-from flover.cli import main
+import flover.runner.runner
+from flover.apps.cli import main
 
 POISON_SEED = 666_666
-_real_sample = flover.runner.sample
+_real_sample = flover.runner.runner.sample
 
 
 def poisoned_sample(logits, st):
@@ -21,5 +21,5 @@ def poisoned_sample(logits, st):
 
 
 if __name__ == "__main__":
-    flover.runner.sample = poisoned_sample
+    flover.runner.runner.sample = poisoned_sample
     sys.exit(main(sys.argv[1:]))

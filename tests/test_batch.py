@@ -14,12 +14,12 @@ import pytest
 import transformers
 
 from flover import LLM, SamplingParams
-from flover.batch import arrival_offsets
-from flover.results_file import ResultsFileError, recover
+from flover.apps.batch import arrival_offsets
+from flover.apps.results_file import ResultsFileError, recover
 
 
 def flover_run(model_dir, prompts, out, *extra, stdin=None, timeout=300):
-    cmd = [sys.executable, "-m", "flover.cli", "run", "--model", model_dir, "--prompts", str(prompts),
+    cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts),
            "--out", str(out), "--max-seq-len", "128", *extra]
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
 
@@ -39,7 +39,7 @@ def test_sigkill_at_random_moments_then_resume_gives_every_record_once(llama_dir
              "max_new_tokens": rng.randint(1, 40)} for i in range(300)]
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(prompts, jobs)
-    cmd = [sys.executable, "-m", "flover.cli", "run", "--model", llama_dir, "--prompts", str(prompts),
+    cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", llama_dir, "--prompts", str(prompts),
            "--out", str(out), "--max-seq-len", "128", "--dtype", "float64", "--ignore-eos", "--token-ids",
            "--max-slots", "8", "--quiet"]
     kills = 0
@@ -206,7 +206,7 @@ def test_options_are_checked(llama_dir, tmp_path):
 
 
 def test_demo_makes_its_model_and_compares_fused_with_one_at_a_time(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "flover.cli", "demo", "--preset", "tiny", "--models-dir",
+    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "demo", "--preset", "tiny", "--models-dir",
                           str(tmp_path), "--rate", "400", "--max-new-tokens", "12", "--max-slots", "8"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -256,9 +256,9 @@ def test_ordered_output_holds_a_bounded_number_of_records_behind_a_long_first_on
     """The first prompt asks 100 tokens, 40 more ask 1: at most `max_held` finished records wait
     for it, plus those in flight when that many did (no prompt is admitted beyond), and every record
     is written, in input order."""
-    from flover.batch import BatchRunner
-    from flover.prompt_file import PromptRecord
-    from flover.results_file import ResultsFile
+    from flover.apps.batch import BatchRunner
+    from flover.apps.prompt_file import PromptRecord
+    from flover.apps.results_file import ResultsFile
 
     llm = LLM(llama_dir, dtype="float64", max_seq_len=128, max_slots=4)
     records = [PromptRecord(index=i, line=i + 1, id=str(i), prompt=[1 + i, 2, 3],

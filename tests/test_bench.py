@@ -48,7 +48,7 @@ def test_workloads_are_seeded_and_shaped_as_asked():
 
 
 def test_quick_bench_runs_every_mode(llama_dir, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "flover.cli", "bench", "--model", llama_dir, "--quick",
+    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "bench", "--model", llama_dir, "--quick",
                           "--out", str(tmp_path), "--window-ms", "100"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

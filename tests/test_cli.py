@@ -8,7 +8,7 @@ import sys
 
 
 def flover(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flover.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "flover.apps.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_generate_prints_results_and_kv_figure(llama_dir):
@@ -33,9 +33,9 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
     load); a caller's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone."""
     import os
 
-    probe = ("import os, sys, flover.cli\n"
+    probe = ("import os, sys, flover.apps.cli\n"
              "torch_before = 'torch' in sys.modules\n"
-             "try:\n    flover.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "try:\n    flover.apps.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
              "print(os.environ.get('GOMP_SPINCOUNT'), torch_before)")
 
     def run(**env) -> str:
@@ -45,7 +45,7 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()[-1].split()  # after --help's usage text
 
-    from flover.cli import OPENMP_SPIN_COUNT
+    from flover.apps.cli import OPENMP_SPIN_COUNT
 
     assert run() == [OPENMP_SPIN_COUNT, "False"]
     assert run(GOMP_SPINCOUNT="77") == ["77", "False"]
@@ -53,7 +53,7 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
 
 
 def test_only_the_server_takes_its_prefix_pool_at_start_up():
-    from flover.cli import build_parser, engine_config
+    from flover.apps.cli import build_parser, engine_config
 
     parse = build_parser().parse_args
     assert engine_config(parse(["serve", "--model", "m"])).prefault_prefix_cache

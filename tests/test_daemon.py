@@ -32,7 +32,7 @@ class Server:
                  addr: str | None = None):
         """`script`: a file that runs flover's command line (e.g. with a fault injected)."""
         self.addr = addr or f"tcp://127.0.0.1:{free_port()}"
-        args = [*([script] if script else ["-m", "flover.cli"]), "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
+        args = [*([script] if script else ["-m", "flover.apps.cli"]), "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
                 "--max-seq-len", "256", *extra]
         if ranks > 1:
             from tests.test_tensor_parallel import MPI_ENV, mpirun_cmd
@@ -320,7 +320,7 @@ def test_drain_timeout_cancels_what_is_left(llama_dir):
 
 
 def test_cli_generate_and_run_through_the_daemon(server, llama_dir, tmp_path):
-    cli = [sys.executable, "-m", "flover.cli"]
+    cli = [sys.executable, "-m", "flover.apps.cli"]
     gen = subprocess.run([*cli, "generate", "--connect", server.addr, "--max-new-tokens", "5", "--ignore-eos",
                           "--json", "Hello the cat"], capture_output=True, text=True, timeout=60)
     assert gen.returncode == 0, gen.stderr
@@ -344,7 +344,7 @@ def test_cli_generate_and_run_through_the_daemon(server, llama_dir, tmp_path):
 
 
 def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
-    cli = [sys.executable, "-m", "flover.cli"]
+    cli = [sys.executable, "-m", "flover.apps.cli"]
     for name, where in (("server", "server"), ("client", "clients"), ("stranger", "other")):
         subprocess.run([*cli, "keygen", str(tmp_path / where), "--name", name], check=True, capture_output=True)
     http_port = free_port()

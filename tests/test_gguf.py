@@ -14,7 +14,7 @@ import torch
 
 from flover import LLM, SamplingParams
 from flover.models import CheckpointError, load_model_config, open_checkpoint
-from flover.tiny_model import make_tiny_model, write_gguf
+from flover.testing.tiny_model import make_tiny_model, write_gguf
 from tests.conftest import PROMPTS, TEST_PRESET
 from tests.test_tensor_parallel import MPI_ENV, MPIRUN, mpirun_cmd
 
@@ -79,7 +79,7 @@ def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_fil
     path = gguf_file("llama", "Q8_0")
     _, tok = reference(path, torch.float32)
     ours = open_checkpoint(path)
-    from flover.tokenizer import load_tokenizer
+    from flover.models.tokenizer import load_tokenizer
 
     mine = load_tokenizer(ours)
     texts = PROMPTS + ["  two  spaces\n\nand\ttabs", "<|endoftext|> inside", "über café 東京 ✓ 12345", ""]
@@ -166,7 +166,7 @@ def test_tp2_on_a_gguf_file_gives_the_tp1_tokens(gguf_file, tmp_path):
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
-        args = ["-m", "flover.cli", "run", "--model", path, "--prompts", str(prompts), "--out", str(out),
+        args = ["-m", "flover.apps.cli", "run", "--model", path, "--prompts", str(prompts), "--out", str(out),
                 "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet",
                 "--max-new-tokens", "8"]
         cmd = mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
@@ -196,6 +196,6 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
 
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"GGUF" + bytes(range(200)))
-    run = subprocess.run([sys.executable, "-m", "flover.cli", "generate", "--model", str(garbage), "x"],
+    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(garbage), "x"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr

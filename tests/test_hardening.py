@@ -54,16 +54,16 @@ def test_limits_accept_their_edges_and_tiny_temperatures_are_greedy(llama_dir):
 
 def test_a_failure_of_one_request_inside_the_iteration_ends_that_request_alone(llama_dir, monkeypatch):
     import tests.poisoned_serve as poison
-    import flover.runner
+    import flover.runner.runner
 
-    monkeypatch.setattr(flover.runner, "sample", poison.poisoned_sample)
+    monkeypatch.setattr(flover.runner.runner, "sample", poison.poisoned_sample)
     llm = LLM(llama_dir, dtype="float64", max_seq_len=64, max_slots=4)
     params = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=s)
               for s in (1, POISON_SEED, 2)] + [SamplingParams(max_new_tokens=6, ignore_eos=True)]
     outs = llm.generate(PROMPTS[:4], params)
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
     assert "injected failure" in outs[1].error
-    monkeypatch.setattr(flover.runner, "sample", poison._real_sample)
+    monkeypatch.setattr(flover.runner.runner, "sample", poison._real_sample)
     alone = [LLM.from_engine(llm.engine).generate(PROMPTS[i], params[i])[0].token_ids for i in (0, 2, 3)]
     assert [outs[i].token_ids for i in (0, 2, 3)] == alone  # the others are untouched
 
@@ -225,7 +225,7 @@ def test_a_chosen_routing_id_is_refused_and_cannot_take_over_requests(llama_dir,
     """With CURVE: another allowed client that sets a routing id is refused; one that claims an
     identity of the server's kind (a zero byte first) is just another connection: it gets
     nothing of the first client's requests and cannot cancel them."""
-    cli = [sys.executable, "-m", "flover.cli"]
+    cli = [sys.executable, "-m", "flover.apps.cli"]
     for name, where in (("server", "server"), ("alice", "clients"), ("mallory", "clients")):
         subprocess.run([*cli, "keygen", str(tmp_path / where), "--name", name], check=True, capture_output=True)
     srv = Server(llama_dir, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
@@ -403,7 +403,7 @@ def test_a_dead_rank_ends_the_job_and_the_client_is_told(llama_dir):
 def test_port_in_use_is_one_line(llama_dir):
     server = Server(llama_dir)
     try:
-        run = subprocess.run([sys.executable, "-m", "flover.cli", "serve", "--model", llama_dir, "--bind",
+        run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "serve", "--model", llama_dir, "--bind",
                               server.addr], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
         error = [line for line in run.stderr.splitlines() if "error" in line]

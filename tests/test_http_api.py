@@ -228,7 +228,7 @@ def test_http_port_in_use_is_one_line(make_model):
         import subprocess
         import sys
 
-        run = subprocess.run([sys.executable, "-m", "flover.cli", "serve", "--model", make_model("llama"), "--bind",
+        run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "serve", "--model", make_model("llama"), "--bind",
                               f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
@@ -306,7 +306,7 @@ def test_flover_bench_measures_any_openai_endpoint(api, tmp_path):
 
     server, url = api
     before = stats(server)["completed"]
-    run = subprocess.run([sys.executable, "-m", "flover.cli", "bench", "--endpoint", f"{url}/v1", "--requests", "4",
+    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "bench", "--endpoint", f"{url}/v1", "--requests", "4",
                           "--prompt-len", "8", "--gen-len", "6", "--arrival", "interval", "--interval-ms", "20",
                           "--vocab-size", "500", "--out", str(tmp_path), "--name", "ep"],
                          capture_output=True, text=True, timeout=300)

@@ -174,7 +174,7 @@ def test_half_sent_requests_are_closed_and_connections_are_capped(front):
 @pytest.fixture(scope="module")
 def slow_front(tmp_path_factory):
     """A model slow enough (~5 ms a step) that 2 requests of 500 tokens hold both slots for seconds."""
-    from flover.tiny_model import make_tiny_model
+    from flover.testing.tiny_model import make_tiny_model
 
     from tests.conftest import TEST_PRESET
 

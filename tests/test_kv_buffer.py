@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from flover.kv_buffer import Move, SlotBuffer, kv_cache_bytes, plan_compaction
+from flover.runner.kv_buffer import Move, SlotBuffer, kv_cache_bytes, plan_compaction
 
 
 def random_occupancy(rng: random.Random, size: int) -> list[bool]:

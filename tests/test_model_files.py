@@ -64,7 +64,7 @@ def test_malformed_config_json_is_one_error_naming_the_file_and_field(make_model
 
 def test_a_refused_model_is_one_line_on_the_command_line(make_model, tmp_path):
     model = edited_copy(make_model("llama"), tmp_path / "kv5", num_key_value_heads=5)
-    run = subprocess.run([sys.executable, "-m", "flover.cli", "generate", "--model", str(model), "x"],
+    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(model), "x"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert f"{model}/config.json" in run.stderr and "key/value heads" in run.stderr
@@ -109,7 +109,7 @@ def test_malformed_gguf_headers_are_refused_before_anything_is_built(tmp_path):
             LLM(str(path), max_seq_len=64, max_slots=2)
         assert str(path) in str(refused.value) and time.monotonic() - started < 20
     # the command line: one line, no traceback, for the 300-million-layer header
-    run = subprocess.run([sys.executable, "-m", "flover.cli", "generate", "--model", str(tmp_path / "bad0.gguf"), "x"],
+    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(tmp_path / "bad0.gguf"), "x"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr and "block_count" in run.stderr, run.stderr[-2000:]
     with pytest.raises(CheckpointError, match="block_count"):

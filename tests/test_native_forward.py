@@ -1,4 +1,4 @@
-"""The native step (flover/native_forward.py, native/llama_forward.c) against the PyTorch
+"""The native step (flover/native/forward.py, native/llama_forward.c) against the PyTorch
 forward on the same iteration state, for every Llama-family variant, in float32 and bfloat16."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from flover.config import EngineConfig, SamplingParams
-from flover.engine import Engine
+from flover.engine.engine import Engine
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native_forward import NativeUnavailable, argmax, build_library, load_library
+from flover.native.forward import NativeUnavailable, argmax, build_library, load_library
 from tests.test_engine import random_arrival_jobs, run_arrivals
 
 

@@ -1,6 +1,6 @@
 """The prefix index alone (pure bookkeeping): longest full-block matches, bounded memory, LRU."""
 
-from flover.prefix_cache import BlockCopy, PrefixCache
+from flover.engine.prefix_cache import BlockCopy, PrefixCache
 
 
 def test_lookup_finds_the_longest_cached_prefix_in_whole_blocks():

@@ -14,7 +14,7 @@ import pytest
 from tests.test_batch import flover_run, read_records, write_jsonl
 from tests.test_daemon import PROMPTS, Server, expected_outputs
 
-CLI = [sys.executable, "-m", "flover.cli"]
+CLI = [sys.executable, "-m", "flover.apps.cli"]
 
 
 def run_connect(addr: str, prompts, out, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:

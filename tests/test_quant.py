@@ -86,7 +86,7 @@ def test_quantization_needs_bfloat16_on_cpu(llama_dir):
             Engine(EngineConfig(llama_dir, dtype=dtype, quantization="int4"))
     with pytest.raises(ValueError, match="quantization='int2': choose one of none, int8, int4"):
         Engine(EngineConfig(llama_dir, dtype="bfloat16", quantization="int2"))
-    done = subprocess.run([sys.executable, "-m", "flover.cli", "generate", "--model", llama_dir, "--dtype", "float32",
+    done = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", llama_dir, "--dtype", "float32",
                            "--quantization", "int8", "hi"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith("flover: error: quantization='int8' runs on CPU")

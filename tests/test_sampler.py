@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from flover.sampler import SamplingTensors, counter_uniform, greedy_ids, sample
+from flover.runner.sampler import SamplingTensors, counter_uniform, greedy_ids, sample
 
 
 def tensors(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0,
@@ -98,7 +98,7 @@ def test_frequency_and_presence_penalties_follow_openais_definition():
     Row 0: token 4 (generated 3x) loses 3 x 0.5 + 1 = 2.5, token 2 (once) 1.5, and the unpenalised
     token 6 wins; row 1 has the same history with the penalties off; row 2: a negative presence
     penalty favours a repeat."""
-    from flover.sampler import apply_frequency_presence
+    from flover.runner.sampler import apply_frequency_presence
 
     logits = torch.zeros(3, 8)
     logits[:, 4], logits[:, 6], logits[:, 2] = 3.0, 1.0, 2.0

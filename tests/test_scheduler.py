@@ -7,8 +7,8 @@ import random
 import pytest
 
 from flover.config import SamplingParams
-from flover.request import FinishReason, Request, StepResult
-from flover.scheduler import PromptFirst, Scheduler
+from flover.engine.request import FinishReason, Request, StepResult
+from flover.engine.scheduler import PromptFirst, Scheduler
 
 
 def req(rid: str, prompt_len: int) -> Request:

@@ -10,11 +10,11 @@ import pytest
 
 from flover import LLM, SamplingParams
 from flover.config import EngineConfig
-from flover.output import OutputProcessor
-from flover.request import Request
-from flover.request import StepResult
-from flover.scheduler import Scheduler, StepPlan
-from flover.speculation import (DEFAULT_DRAFT_TOKENS, Drafting, IterationCost, NgramLookup, Speculation, drafts_for,
+from flover.engine.output import OutputProcessor
+from flover.engine.request import Request
+from flover.engine.request import StepResult
+from flover.engine.scheduler import Scheduler, StepPlan
+from flover.engine.speculation import (DEFAULT_DRAFT_TOKENS, Drafting, IterationCost, NgramLookup, Speculation, drafts_for,
                                 verify)
 
 

@@ -26,7 +26,7 @@ def mpirun_cmd(ranks: int, *args: str) -> list[str]:
 
 
 def flover_run_cmd(ranks: int, model_dir: str, prompts, out, *extra: str) -> list[str]:
-    args = ["-m", "flover.cli", "run", "--model", model_dir, "--prompts", str(prompts), "--out", str(out),
+    args = ["-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts), "--out", str(out),
             "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet", *extra]
     return mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
 
@@ -104,7 +104,7 @@ def _rank_pids(rank: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env and b"flover.cli" in cmdline:
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env and b"flover.apps.cli" in cmdline:
             pids.append(int(entry.name))
     return pids
 

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from flover.config import EngineConfig
-from flover.engine import Engine
+from flover.engine.engine import Engine
 from flover.parallel.launch import make_communicator
 
 comm = make_communicator("cpu")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from flover.bench.workload import BenchRequest
 from flover.config import EngineConfig, SamplingParams, default_num_threads
-from flover.engine import Engine
+from flover.engine.engine import Engine
 
 MODES = ("fused", "serial", "window", "instances", "hf")
 

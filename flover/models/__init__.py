@@ -16,7 +16,7 @@ from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
 from flover.models.loader import CheckpointReader, load_weights
 from flover.models.quant import can_quantize
-from flover.parallel.layout import TPLayout
+from flover.models.tp_layout import TPLayout
 
 __all__ = ["CheckpointError", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "load_model",
            "load_model_config"]
@@ -77,7 +77,7 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
     projections a weight-only quantized copy (models/quant.py), and repack the projection weights
     for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `pack=False` leaves them
-    row-major (and int4's codes unpacked) for the native step (flover/native_forward.py), which
+    row-major (and int4's codes unpacked) for the native step (flover/native/forward.py), which
     makes copies of its own; the caller then calls pack_projections or release_projections."""
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)

@@ -4,7 +4,7 @@ One file holds everything a Hugging Face directory spreads over several: the arc
 (`{arch}.*` metadata) -> `ModelConfig`; the tensors, quantized or not -> `GGUFReader.read`, which
 hands out Hugging Face-named float32 tensors so the models' weight specs work unchanged; and the
 tokenizer (`tokenizer.ggml.*`, `tokenizer.chat_template`) -> `GGUFTokenizerSpec`, built into a
-`tokenizers` tokenizer by flover.tokenizer.
+`tokenizers` tokenizer by flover.models.tokenizer.
 
 Tensors are dequantized at load (`gguf.quants.dequantize`, vectorised NumPy). llama.cpp's
 converter permutes the rows of Q and K of the Llama architecture for its RoPE kernel; that is

@@ -16,7 +16,7 @@ from flover.models.config import ModelConfig
 from flover.models.layers import (Linear, Rotary, activation, all_reduce, cols, new_param, rows,
                                   vocab_embedding, whole)
 from flover.models.loader import WeightSpec
-from flover.parallel.layout import TPLayout
+from flover.models.tp_layout import TPLayout
 
 
 class GPTJLayer(nn.Module):

@@ -15,7 +15,7 @@ from flover.models.config import ModelConfig
 from flover.models.layers import (Linear, Rotary, activation, all_reduce, cols, new_param, rms_norm, rows,
                                   vocab_embedding, whole)
 from flover.models.loader import WeightSpec
-from flover.parallel.layout import TPLayout
+from flover.models.tp_layout import TPLayout
 
 
 class LlamaLayer(nn.Module):

@@ -18,7 +18,7 @@ keeps its 16-bit packed GEMM too, on the *dequantized* weights, for iterations w
 the model is the same (up to rounding) at every batch size, and a fused batch of 32 runs at the
 16-bit speed. The price is memory: the quantized copy comes on top (int4: +25%, int8: +50%).
 
-On CPU the native step (flover/native_forward.py) runs int4 and int8 with kernels of its
+On CPU the native step (flover/native/forward.py) runs int4 and int8 with kernels of its
 own on the same codes and scales (int4's `codes` keeps them unpacked until it has blocked them),
 at every row count, and PyTorch's copies are released: there the 4-bit kernel is as fast as the
 16-bit one at 32 rows, the 8-bit one ~1.3x slower (it widens every code to bfloat16).

@@ -14,7 +14,7 @@
  * accumulations are float32 as in oneDNN, so the two paths differ only by summation order (and
  * exp, here a polynomial within float32's rounding).
  *
- * Built by flover/native_forward.py with the system C compiler (-O3 -march=native -fopenmp) into
+ * Built by flover/native/forward.py with the system C compiler (-O3 -march=native -fopenmp) into
  * a cache directory and loaded with ctypes; it shares PyTorch's OpenMP runtime (same soname).
  * Without AVX-512 it compiles to portable loops (correct, slow).
  */
@@ -28,7 +28,7 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-/* Mirrors MODEL_FIELDS in flover/native_forward.py: int64 fields, pointers as addresses. */
+/* Mirrors MODEL_FIELDS in flover/native/forward.py: int64 fields, pointers as addresses. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
@@ -152,7 +152,7 @@ static inline __m512 sum_each(const __m512 v[16]) {
 #endif
 
 /* ---- projections: y[m, n] = W[n, :] . x[m, :] ----------------------------------------------
- * Weights come blocked by flover/native_forward.py (`block_weight`): 16 output rows at a time,
+ * Weights come blocked by flover/native/forward.py (`block_weight`): 16 output rows at a time,
  * interleaved so that one 64-byte load holds all 16 rows' weights for the next input step.
  * bfloat16: [n / 16][k / 2][16][2] (pairs of inputs: the operand of AVX-512 BF16's dot-product
  * instruction); float32: [n / 16][k][16]. n is padded to whole blocks with zero rows. A tile
@@ -382,7 +382,7 @@ static void lanes_max(const float *best, const int32_t *where, float *top, int64
 
 /* ---- 4-bit projections (--quantization int4) ------------------------------------------------
  * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs (GGUF's
- * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native_forward.py: per block of
+ * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native/forward.py: per block of
  * 16 output rows and group, 16 input pairs x 16 rows bytes (low nibble: the even input, high: the
  * odd one), then the group's 16 scales and 16 zeros in bfloat16. A byte becomes a bfloat16 pair
  * (q - 8 is exact) by one table lookup, and the group's sum is
@@ -961,7 +961,7 @@ void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, 
  * that rows rounding to the same maximum are kept, and the first of them wins). Those few are
  * summed again by the model's own tile, so the id is the one the whole head's argmax gives, bit
  * for bit. B_j = |x| * bounds[j], |x| the L2 norm (bfloat16 screen) or the L1 norm (int8), and
- * bounds[j] from flover/native_forward.py (`HeadScreen`, where the error terms are derived),
+ * bounds[j] from flover/native/forward.py (`HeadScreen`, where the error terms are derived),
  * plus 2^-10 of margin for the float rounding of |x| and B_j, 2^-20 |s_j| for that of s_j -+ B_j,
  * and 1e-30 for denormals (the dot-product instruction flushes them). Rows with a non-finite
  * value, or too many candidates (near-uniform logits), take the whole head. */

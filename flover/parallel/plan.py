@@ -3,7 +3,7 @@
 It carries only intake since the previous iteration, in the order it happened: requests queued
 (token ids and sampling parameters), requests cancelled, and shutdown; and the one scheduling
 input that is measured rather than derived, the leader's fit of iteration cost (how long a
-speculative draft may be; flover/speculation.py). Every rank feeds the same events to its own
+speculative draft may be; flover/engine/speculation.py). Every rank feeds the same events to its own
 deterministic scheduler, so all ranks agree on the batch by construction.
 """
 

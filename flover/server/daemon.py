@@ -35,9 +35,9 @@ from pathlib import Path
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.engine import Engine, PromptTooLong
-from flover.request import RequestOutput
-from flover.server import protocol as p
+from flover.engine.engine import Engine, PromptTooLong
+from flover.engine.request import RequestOutput
+from flover import protocol as p
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
 

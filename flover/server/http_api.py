@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from flover.models import open_checkpoint
-    from flover.tokenizer import load_tokenizer
+    from flover.models.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description="flover's OpenAI-compatible HTTP front")
     ap.add_argument("--engine", required=True, help="the daemon's ZeroMQ address")

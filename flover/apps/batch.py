@@ -17,11 +17,11 @@ from typing import Iterable, Iterator
 
 from flover.client import FloverError
 from flover.config import SamplingParams
-from flover.engine import Engine, PromptTooLong
-from flover.prompt_file import PromptRecord
-from flover.request import RequestOutput
-from flover.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
-from flover.server.protocol import PERMANENT
+from flover.engine.engine import Engine, PromptTooLong
+from flover.apps.prompt_file import PromptRecord
+from flover.engine.request import RequestOutput
+from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
+from flover.protocol import PERMANENT
 
 log = logging.getLogger(__name__)
 

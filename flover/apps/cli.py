@@ -76,7 +76,7 @@ def _is_follower_rank() -> bool:
 def start_engine(args: argparse.Namespace):
     """This process's engine. Under `mpirun -np N` every rank builds its shard; the followers
     (ranks 1..N-1) then run the leader's iterations until it shuts down and return None."""
-    from flover.engine import Engine
+    from flover.engine.engine import Engine
     from flover.parallel.launch import make_communicator
 
     comm = make_communicator(args.device)
@@ -163,7 +163,7 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from flover.engine import LLM
+    from flover.engine.engine import LLM
 
     require_model(args)
     if args.connect:
@@ -195,10 +195,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from flover.batch import BatchRunner, RemoteBatchRunner, arrival_offsets
+    from flover.apps.batch import BatchRunner, RemoteBatchRunner, arrival_offsets
     from flover.client import FloverError
-    from flover.prompt_file import check_unique_ids, detect_format, iter_records
-    from flover.results_file import file_sha256, open_results
+    from flover.apps.prompt_file import check_unique_ids, detect_format, iter_records
+    from flover.apps.results_file import file_sha256, open_results
 
     require_model(args)
     if _is_follower_rank():  # only the leader touches the files; the others serve its iterations
@@ -260,7 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_records(args, read, ids: set[str], done: set[str], offsets, make_runner):
-    from flover.batch import Progress
+    from flover.apps.batch import Progress
 
     done = done & ids
     todo = (record for record in read() if record.id not in done)
@@ -376,7 +376,7 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from flover.chat import LocalReplies, RemoteReplies, chat_loop
+    from flover.apps.chat import LocalReplies, RemoteReplies, chat_loop
 
     require_model(args)
     params = sampling_params(args)
@@ -393,7 +393,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flover.demo import run_demo
+    from flover.apps.demo import run_demo
 
     run_demo(args.model, args.preset, args.models_dir, args.rate, args.max_new_tokens, args.max_slots,
              args.dtype, args.threads)
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resolve_hub_id(args: argparse.Namespace) -> None:
-    from flover.fetch import is_hub_id, resolve_hub_id
+    from flover.apps.fetch import is_hub_id, resolve_hub_id
 
     model = getattr(args, "model", None)
     if model and is_hub_id(model):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flover.kv_buffer import SlotBuffer
+from flover.runner.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 
 MIN_KEYS_BUCKET = 64

@@ -25,10 +25,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from flover.kv_buffer import Move, plan_compaction
-from flover.prefix_cache import BlockCopy, PrefixCache
-from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
-from flover.speculation import IterationCost, Speculation, drafts_for
+from flover.runner.kv_buffer import Move, plan_compaction
+from flover.engine.prefix_cache import BlockCopy, PrefixCache
+from flover.engine.request import FinishReason, NewTokens, Request, RequestState, StepResult
+from flover.engine.speculation import IterationCost, Speculation, drafts_for
 
 
 @dataclass(frozen=True)

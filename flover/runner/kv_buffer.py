@@ -1,6 +1,6 @@
 """The contiguous slot buffer: one KV tensor for the whole model plus per-slot state, and the
 two-step memory shuffle that keeps live requests in slots [0, n); beside it, the prefix pool
-that keeps recent sequences' KV blocks (flover/prefix_cache.py plans what goes where).
+that keeps recent sequences' KV blocks (flover/engine/prefix_cache.py plans what goes where).
 
 Step 1 (`plan_compaction`, pure Python): the fewest slot moves that make the live slots
 contiguous again. Step 2 (`SlotBuffer.apply_moves`): the copies (one batched copy per buffer on
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from flover.prefix_cache import BlockCopy
+from flover.engine.prefix_cache import BlockCopy
 
 log = logging.getLogger(__name__)
 

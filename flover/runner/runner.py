@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flover.cuda_graphs import DecodeGraphs
-from flover.kv_buffer import SlotBuffer
+from flover.runner.cuda_graphs import DecodeGraphs
+from flover.runner.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native_forward import NativeForward
+from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
-from flover.request import Logprob, PromptRows, Request, StepResult
-from flover.sampler import SamplingTensors, greedy, sample, token_logprobs
-from flover.scheduler import StepPlan
-from flover.speculation import verify
+from flover.engine.request import Logprob, PromptRows, Request, StepResult
+from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
+from flover.engine.scheduler import StepPlan
+from flover.engine.speculation import verify
 
 log = logging.getLogger(__name__)
 

@@ -37,14 +37,14 @@ from pathlib import Path
 import torch
 
 from flover.hardware import cpu_flags
-from flover.kv_buffer import SlotBuffer
+from flover.runner.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
 from flover.models.quant import QuantizedWeight, quantize
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "llama_forward.c"
+SOURCE = Path(__file__).parent / "llama_forward.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # The C structs (llama_forward.c: Model, Layer), every field an int64.
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",

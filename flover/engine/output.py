@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flover.request import FinishReason, NewTokens, Request, RequestOutput
-from flover.tokenizer import Tokenizer
+from flover.engine.request import FinishReason, NewTokens, Request, RequestOutput
+from flover.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

