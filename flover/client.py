@@ -31,12 +31,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.protocol import MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
+from flover.protocol import MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
 HANDSHAKE_FAILED = "handshake_failed"  # client-side code: the server refused this client (CURVE)
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # the server's default --max-message-bytes
 _LOST_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 # The monitor also reports each (re)connection: requests sent while the connection is down get
@@ -93,7 +92,7 @@ def _lost_event(request_id, monitor_event: dict, addr: str) -> dict:
 
 class Client:
     def __init__(self, addr: str, timeout: float | None = None, curve_server_key: bytes | None = None,
-                 curve_client_cert: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 curve_client_cert: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         """`timeout`: seconds to wait for any event before raising TimeoutError (None: forever;
         a dead server is still noticed within seconds)."""
         self.addr = addr
@@ -272,7 +271,7 @@ class AsyncClient:
     """The same operations for asyncio; many requests may run concurrently on one client."""
 
     def __init__(self, addr: str, curve_server_key: bytes | None = None, curve_client_cert: str | tuple | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.addr = addr
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)

@@ -18,6 +18,7 @@ import zmq
 from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams
 
 OPS = ("generate", "cancel", "health", "stats")
+MAX_MESSAGE_BYTES = 1 << 20  # the server's default bound on one message (--max-message-bytes)
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 GENERATE_KEYS = frozenset({"op", "id", "params", "stream", *PROMPT_KEYS})
 MAX_ID_LENGTH = MAX_REQUEST_ID_LENGTH  # characters of a string id

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from flover.config import DTYPES, QUANTIZATIONS, EngineConfig, SamplingParams
+from flover.protocol import MAX_MESSAGE_BYTES
 
 
 def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -438,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = serve.add_argument_group("daemon")
     d.add_argument("--bind", default="tcp://127.0.0.1:5555", help="tcp://HOST:PORT or ipc://PATH (loopback default)")
     d.add_argument("--max-waiting", type=int, default=256, help="queued requests before `overloaded`")
-    d.add_argument("--max-message-bytes", type=int, default=1 << 20,
+    d.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
                    help="largest message, all frames together (a larger single frame drops the connection)")
     d.add_argument("--max-client-backlog", type=int, default=64 << 20, metavar="BYTES",
                    help="unread events kept for one client; beyond, its requests are cancelled (slow_client)")

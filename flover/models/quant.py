@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flover.config import QUANTIZATIONS
-
 INT4_GROUP = 32
 # Iterations with at most this many rows use the quantized kernel (crossovers measured above).
 MAX_ROWS = {"int8": 2, "int4": 8}
@@ -63,7 +61,7 @@ def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False) -> tuple
         packed = QuantizedWeight(mode, q.to(torch.int8), scale.to(weight.dtype), MAX_ROWS[mode])
         return packed, (q * scale[:, None]).to(weight.dtype)
     if mode != "int4":
-        raise ValueError(f"quantization {mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        raise ValueError(f"quantization {mode!r}: choose one of {', '.join(MAX_ROWS)}")
     out, inp = w.shape
     groups = w.view(out, inp // INT4_GROUP, INT4_GROUP)  # [out, in / 32, 32]
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)

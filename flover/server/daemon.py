@@ -48,7 +48,7 @@ log = logging.getLogger("flover.serve")
 class ServeConfig:
     bind: str = "tcp://127.0.0.1:5555"
     max_waiting: int = 256  # queued requests beyond the slots; more get `overloaded`
-    max_message_bytes: int = 1 << 20  # one message, all its frames; a larger frame drops the connection
+    max_message_bytes: int = p.MAX_MESSAGE_BYTES  # one message, all its frames; a larger frame drops the connection
     max_client_backlog_bytes: int = 64 << 20  # unread events kept for one client before `slow_client`
     drain_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM/SIGINT
     stats_interval: float = 60.0  # seconds between summary log lines

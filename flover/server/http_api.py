@@ -31,7 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from flover.client import DEFAULT_MAX_MESSAGE_BYTES, AsyncClient, FloverError
+from flover.client import AsyncClient, FloverError
+from flover.protocol import MAX_MESSAGE_BYTES
 from flover.server import openai_api as oa
 from flover.server.http_front import CURVE_ENV, HttpLimits, parse_listen
 from flover.server.http_guard import guarded_protocol, usable_connections
@@ -75,7 +76,7 @@ class Front:
 
     def __init__(self, engine_addr: str, model_name: str, tokenizer, api_key: str | None,
                  parent_pid: int | None = None, curve: tuple[bytes, bytes, bytes] | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_body_bytes: int = MAX_MESSAGE_BYTES):
         """`parent_pid`: the daemon that started this front; the front stops when it is gone
         (also when it was killed and could not stop the front itself). `curve`: (the daemon's
         public key, this front's public and secret keys) when the socket uses CURVE.
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="the checkpoint (for its tokenizer)")
     ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     ap.add_argument("--parent", type=int, default=None, help="stop when this process (the daemon) is gone")
-    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="larger request bodies get a 413")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger request bodies get a 413")
     defaults = HttpLimits()
     ap.add_argument("--header-timeout", type=float, default=defaults.header_timeout)
     ap.add_argument("--body-timeout", type=float, default=defaults.body_timeout)

@@ -16,7 +16,7 @@ import time
 
 from dataclasses import dataclass
 
-from flover.client import DEFAULT_MAX_MESSAGE_BYTES
+from flover.protocol import MAX_MESSAGE_BYTES
 
 
 def engine_address(bind: str) -> str:
@@ -48,7 +48,7 @@ CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE
 
 def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
                      curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0,
-                     max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                     max_body_bytes: int = MAX_MESSAGE_BYTES,
                      limits: HttpLimits = HttpLimits()) -> subprocess.Popen:
     """The front's process, once it answers HTTP; OSError naming the address if it cannot.
     `curve`: (the daemon's public key, the front's public and secret keys), z85.
