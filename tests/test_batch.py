@@ -16,21 +16,7 @@ import transformers
 from flover import LLM, SamplingParams
 from flover.apps.batch import arrival_offsets
 from flover.apps.results_file import ResultsFileError, recover
-
-
-def flover_run(model_dir, prompts, out, *extra, stdin=None, timeout=300):
-    cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts),
-           "--out", str(out), "--max-seq-len", "128", *extra]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
-
-
-def read_records(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def write_jsonl(path, objs) -> None:
-    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+from tests.helpers import flover_run, read_records, write_jsonl
 
 
 def test_sigkill_at_random_moments_then_resume_gives_every_record_once(llama_dir, tmp_path):

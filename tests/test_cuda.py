@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from flover import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device on this machine (the CUDA path runs on GPU hosts)")
@@ -37,7 +37,7 @@ def test_cuda_logits_and_greedy_tokens_match_transformers(make_model, variant):
 def test_cuda_graph_replays_give_the_eager_tokens(make_model, seed):
     """Requests of every length arriving at random iterations: the tokens with captured decode
     graphs (padded rows and key buckets) equal those of eager iterations (float64)."""
-    from tests.test_engine import run_random_arrivals
+    from tests.helpers import run_random_arrivals
 
     model_dir = make_model("llama")
     captured, engine = run_random_arrivals(model_dir, seed, "auto", device="cuda")
@@ -70,7 +70,7 @@ def test_nccl_tp2_gives_the_tp1_tokens(make_model, tmp_path):
     import json
     import subprocess
 
-    from tests.test_tensor_parallel import MPI_ENV, REQUESTS, flover_run_cmd, tokens_by_id
+    from tests.helpers import MPI_ENV, REQUESTS, flover_run_cmd, tokens_by_id
 
     model_dir = make_model("llama")
     prompts = tmp_path / "in.jsonl"

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,56 +15,12 @@ import msgpack
 import pytest
 import zmq
 
-from flover import LLM, SamplingParams
 from flover.client import AsyncClient, Client, FloverError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: str, *extra: str, ranks: int = 1, script: str | None = None,
-                 addr: str | None = None):
-        """`script`: a file that runs flover's command line (e.g. with a fault injected)."""
-        self.addr = addr or f"tcp://127.0.0.1:{free_port()}"
-        args = [*([script] if script else ["-m", "flover.apps.cli"]), "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
-                "--max-seq-len", "256", *extra]
-        if ranks > 1:
-            from tests.test_tensor_parallel import MPI_ENV, mpirun_cmd
-            cmd, env = mpirun_cmd(ranks, *args), MPI_ENV
-        else:
-            cmd, env = [sys.executable, *args], {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()  # "flover serve: ready on ..."
-        assert "ready on" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
-
-    def client(self, **kw) -> Client:
-        return Client(self.addr, timeout=60, **kw)
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        return self.proc.returncode, err
-
-
-PROMPTS = [[(5 * i + 3 * j) % 500 + 1 for j in range(1 + 3 * i)] for i in range(12)]
-
-
-def expected_outputs(model_dir: str, n_tokens: list[int]):
-    llm = LLM(model_dir, dtype="float64", max_seq_len=256, max_slots=8)
-    return llm.generate(PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_tokens])
+from tests.helpers import ID_PROMPTS, Server, expected_outputs, free_port
 
 
 def test_concurrent_clients_streaming_and_not_equal_the_offline_api(server, llama_dir):
-    n_tokens = [4 + 3 * (i % 5) for i in range(len(PROMPTS))]
+    n_tokens = [4 + 3 * (i % 5) for i in range(len(ID_PROMPTS))]
     expected = expected_outputs(llama_dir, n_tokens)
     results, errors = {}, []
 
@@ -75,18 +29,18 @@ def test_concurrent_clients_streaming_and_not_equal_the_offline_api(server, llam
             with server.client() as c:
                 for i in indices:
                     if stream:
-                        events = list(c.stream(input_ids=PROMPTS[i], max_new_tokens=n_tokens[i], ignore_eos=True))
+                        events = list(c.stream(input_ids=ID_PROMPTS[i], max_new_tokens=n_tokens[i], ignore_eos=True))
                         tokens = [t for e in events if e["event"] == "token" for t in e["token_ids"]]
                         text = "".join(e["text"] or "" for e in events if e["event"] == "token")
                         assert [e["event"] for e in events].count("final") == 1 and events[-1]["event"] == "final"
                         results[i] = (tokens, text, events[-1]["finish_reason"])
                     else:
-                        final = c.generate(input_ids=PROMPTS[i], max_new_tokens=n_tokens[i], ignore_eos=True)
+                        final = c.generate(input_ids=ID_PROMPTS[i], max_new_tokens=n_tokens[i], ignore_eos=True)
                         results[i] = (final["token_ids"], final["text"], final["finish_reason"])
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(range(k, len(PROMPTS), 4), k % 2 == 0)) for k in range(4)]
+    threads = [threading.Thread(target=worker, args=(range(k, len(ID_PROMPTS), 4), k % 2 == 0)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -97,14 +51,14 @@ def test_concurrent_clients_streaming_and_not_equal_the_offline_api(server, llam
 
 
 def test_async_client_runs_requests_concurrently(server, llama_dir):
-    n_tokens = [6] * len(PROMPTS)
+    n_tokens = [6] * len(ID_PROMPTS)
     expected = expected_outputs(llama_dir, n_tokens)
 
     async def main():
         async with AsyncClient(server.addr) as c:
             finals = await asyncio.gather(*(c.generate(input_ids=p, max_new_tokens=6, ignore_eos=True)
-                                            for p in PROMPTS))
-            streamed = [e async for e in c.stream(input_ids=PROMPTS[3], max_new_tokens=6, ignore_eos=True)]
+                                            for p in ID_PROMPTS))
+            streamed = [e async for e in c.stream(input_ids=ID_PROMPTS[3], max_new_tokens=6, ignore_eos=True)]
             return finals, streamed, await c.health()
 
     finals, streamed, health = asyncio.run(asyncio.wait_for(main(), 60))
@@ -198,14 +152,14 @@ def hostile_frames(rng: random.Random) -> list[list[bytes]]:
 
 
 def test_fuzz_malformed_frames_while_valid_requests_run(server, llama_dir):
-    n_tokens = [10] * len(PROMPTS)
+    n_tokens = [10] * len(ID_PROMPTS)
     expected = expected_outputs(llama_dir, n_tokens)
     results, errors = {}, []
 
     def valid_traffic():
         try:
             with server.client() as c:
-                for i, p in enumerate(PROMPTS):
+                for i, p in enumerate(ID_PROMPTS):
                     results[i] = c.generate(input_ids=p, max_new_tokens=10, ignore_eos=True)["token_ids"]
         except Exception as e:
             errors.append(e)
@@ -228,7 +182,7 @@ def test_fuzz_malformed_frames_while_valid_requests_run(server, llama_dir):
     sock.close()
     ctx.term()
     assert not errors, errors
-    assert [results[i] for i in range(len(PROMPTS))] == [e.token_ids for e in expected]
+    assert [results[i] for i in range(len(ID_PROMPTS))] == [e.token_ids for e in expected]
     events = [r.get("event") for r in replies]
     assert events.count("error") >= 0.95 * len(frames), {e: events.count(e) for e in set(events)}
     codes = {r.get("code") for r in replies if r.get("event") == "error"}
@@ -236,7 +190,7 @@ def test_fuzz_malformed_frames_while_valid_requests_run(server, llama_dir):
     assert all(isinstance(r.get("message"), str) for r in replies if r.get("event") == "error")
     with server.client() as c:
         assert c.health()["status"] == "ok"
-        assert c.generate(input_ids=PROMPTS[0], max_new_tokens=10, ignore_eos=True)["token_ids"] == expected[0].token_ids
+        assert c.generate(input_ids=ID_PROMPTS[0], max_new_tokens=10, ignore_eos=True)["token_ids"] == expected[0].token_ids
 
 
 def test_oversize_messages_are_dropped_and_the_daemon_lives(llama_dir):
@@ -330,15 +284,15 @@ def test_cli_generate_and_run_through_the_daemon(server, llama_dir, tmp_path):
     assert stream.returncode == 0 and "[length, 5 tokens" in stream.stderr
 
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(PROMPTS))
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(ID_PROMPTS))
                        + "{broken\n")
     run = subprocess.run([*cli, "run", "--connect", server.addr, "--prompts", str(prompts), "--out", str(out),
                           "--max-new-tokens", "7", "--ignore-eos", "--token-ids", "--ordered"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    expected = expected_outputs(llama_dir, [7] * len(PROMPTS))
-    assert [r["id"] for r in records] == [f"p{i}" for i in range(len(PROMPTS))] + ["13"]
+    expected = expected_outputs(llama_dir, [7] * len(ID_PROMPTS))
+    assert [r["id"] for r in records] == [f"p{i}" for i in range(len(ID_PROMPTS))] + ["13"]
     assert [r["token_ids"] for r in records[:-1]] == [e.token_ids for e in expected]
     assert records[-1]["error"]["code"] == "malformed_line"
 
@@ -398,14 +352,14 @@ def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
 
 @pytest.mark.skipif(not __import__("tests.test_tensor_parallel", fromlist=["MPIRUN"]).MPIRUN, reason="no mpirun")
 def test_daemon_under_mpirun_two_ranks(llama_dir):
-    expected = expected_outputs(llama_dir, [8] * len(PROMPTS))
+    expected = expected_outputs(llama_dir, [8] * len(ID_PROMPTS))
     srv = Server(llama_dir, "--max-slots", "4", ranks=2)
     try:
         with srv.client() as c:
-            for i, p in enumerate(PROMPTS):
+            for i, p in enumerate(ID_PROMPTS):
                 c.send({"op": "generate", "id": str(i), "input_ids": p,
                         "params": {"max_new_tokens": 8, "ignore_eos": True}})
-            got = [c.wait(str(i))["token_ids"] for i in range(len(PROMPTS))]
+            got = [c.wait(str(i))["token_ids"] for i in range(len(ID_PROMPTS))]
             assert got == [e.token_ids for e in expected]
             assert c.health()["status"] == "ok"
     finally:

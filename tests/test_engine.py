@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flover import LLM, Engine, EngineConfig, SamplingParams
+from tests.helpers import run_random_arrivals
 
 
 def solo_tokens(model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64",
@@ -321,43 +322,6 @@ def test_prefix_cache_gives_exactly_the_tokens_without_it(llama_dir, seed):
     assert sum(o.cached_tokens for o in cached.values()) == stats.cached_tokens > 0
     assert stats.evicted_blocks > 0 and stats.hits < stats.lookups
     assert all(o.cached_tokens % 16 == 0 and o.cached_tokens < len(o.prompt_token_ids) for o in cached.values())
-
-
-def random_arrival_jobs(seed: int, vocab: int = 512, score_prompts: bool = False,
-                        max_new_tokens: int = 40) -> list[tuple]:
-    """14 requests of every length (greedy and seeded sampled) as (arrival iteration, prompt,
-    params); prompts of up to 60 tokens. `score_prompts`: about a third also score their prompts
-    (prompt_logprobs)."""
-    rng = random.Random(seed)
-    jobs = []
-    for _ in range(14):
-        arrives, prompt = rng.randrange(40), [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
-        params = SamplingParams(max_new_tokens=rng.randint(1, max_new_tokens), ignore_eos=True,
-                                temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000),
-                                prompt_logprobs=score_prompts and rng.random() < 0.3)
-        jobs.append((arrives, prompt, params))
-    return jobs
-
-
-def run_arrivals(engine: Engine, jobs: list[tuple]) -> dict:
-    """Step `engine` until every job (from random_arrival_jobs) finished, each added at its
-    arrival iteration: request id (its index) -> its tokens."""
-    finals, iteration = {}, 0
-    while len(finals) < len(jobs):
-        for i, (arrives, prompt, params) in enumerate(jobs):
-            if arrives == iteration:
-                engine.add_request(prompt, params, request_id=str(i))
-        finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        iteration += 1
-    return finals
-
-
-def run_random_arrivals(model_dir: str, seed: int, cuda_graphs: str, device: str = "cpu") -> tuple[dict, Engine]:
-    """random_arrival_jobs into 6 slots of 110 positions, float64: (request id -> tokens, the
-    engine). The workload of the static-decode tests here and of the CUDA-graph test in test_cuda.py."""
-    engine = Engine(EngineConfig(model_dir, dtype="float64", device=device, max_slots=6, max_batch_tokens=24,
-                                 max_seq_len=110, cuda_graphs=cuda_graphs))
-    return run_arrivals(engine, random_arrival_jobs(seed)), engine
 
 
 @pytest.mark.parametrize("seed", [0, 1])

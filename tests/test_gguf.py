@@ -15,8 +15,7 @@ import torch
 from flover import LLM, SamplingParams
 from flover.models import CheckpointError, load_model_config, open_checkpoint
 from flover.testing.tiny_model import make_tiny_model, write_gguf
-from tests.conftest import PROMPTS, TEST_PRESET
-from tests.test_tensor_parallel import MPI_ENV, MPIRUN, mpirun_cmd
+from tests.helpers import MPI_ENV, MPIRUN, mpirun_cmd, PROMPTS, TEST_PRESET
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")

@@ -17,8 +17,7 @@ import zmq
 from flover import LLM, SamplingParams
 from flover.client import Client, FloverError
 from tests.poisoned_serve import POISON_SEED
-from tests.test_daemon import PROMPTS, Server, expected_outputs
-from tests.test_tensor_parallel import MPIRUN
+from tests.helpers import expected_outputs, ID_PROMPTS, MPIRUN, Server
 
 # Each of these was accepted once and then failed inside the iteration, or was silently coerced.
 HOSTILE_PARAMS = [
@@ -60,24 +59,24 @@ def test_a_failure_of_one_request_inside_the_iteration_ends_that_request_alone(l
     llm = LLM(llama_dir, dtype="float64", max_seq_len=64, max_slots=4)
     params = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=s)
               for s in (1, POISON_SEED, 2)] + [SamplingParams(max_new_tokens=6, ignore_eos=True)]
-    outs = llm.generate(PROMPTS[:4], params)
+    outs = llm.generate(ID_PROMPTS[:4], params)
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
     assert "injected failure" in outs[1].error
     monkeypatch.setattr(flover.runner.runner, "sample", poison._real_sample)
-    alone = [LLM.from_engine(llm.engine).generate(PROMPTS[i], params[i])[0].token_ids for i in (0, 2, 3)]
+    alone = [LLM.from_engine(llm.engine).generate(ID_PROMPTS[i], params[i])[0].token_ids for i in (0, 2, 3)]
     assert [outs[i].token_ids for i in (0, 2, 3)] == alone  # the others are untouched
 
 
 def _send_hostile_while_streaming(server: Server, llama_dir: str) -> None:
     """Hostile requests (each must get its own error) while a stream runs (which must complete
     exactly); then the daemon still serves."""
-    expected = expected_outputs(llama_dir, [40] * len(PROMPTS))[5]
+    expected = expected_outputs(llama_dir, [40] * len(ID_PROMPTS))[5]
     streamed, errors = [], []
 
     def stream():
         try:
             with server.client() as c:
-                for event in c.stream(input_ids=PROMPTS[5], max_new_tokens=40, ignore_eos=True):
+                for event in c.stream(input_ids=ID_PROMPTS[5], max_new_tokens=40, ignore_eos=True):
                     streamed.extend(event.get("token_ids", []))
         except Exception as e:
             errors.append(e)
@@ -94,7 +93,7 @@ def _send_hostile_while_streaming(server: Server, llama_dir: str) -> None:
         thread.join(timeout=120)
         assert not errors, errors
         assert streamed == expected.token_ids
-        assert c.generate(input_ids=PROMPTS[2], max_new_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
+        assert c.generate(input_ids=ID_PROMPTS[2], max_new_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
 
 
 def test_hostile_values_are_refused_and_never_reach_the_iteration(llama_dir):
@@ -113,12 +112,12 @@ def test_tp2_job_survives_hostile_values_and_a_failing_request(llama_dir):
     server = Server(llama_dir, "--max-slots", "4", ranks=2, script="tests/poisoned_serve.py")
     try:
         _send_hostile_while_streaming(server, llama_dir)
-        expected = expected_outputs(llama_dir, [8] * len(PROMPTS))
+        expected = expected_outputs(llama_dir, [8] * len(ID_PROMPTS))
         with server.client() as c:
-            c.send({"op": "generate", "id": "poison", "input_ids": PROMPTS[1],
+            c.send({"op": "generate", "id": "poison", "input_ids": ID_PROMPTS[1],
                     "params": {"max_new_tokens": 8, "temperature": 0.5, "seed": POISON_SEED}})
             for i in range(4):
-                c.send({"op": "generate", "id": i, "input_ids": PROMPTS[i], "params": {"max_new_tokens": 8,
+                c.send({"op": "generate", "id": i, "input_ids": ID_PROMPTS[i], "params": {"max_new_tokens": 8,
                                                                                       "ignore_eos": True}})
             with pytest.raises(FloverError, match="internal_error.*injected failure"):
                 c.wait("poison")
@@ -133,13 +132,13 @@ def test_the_poisoned_request_fails_alone_in_a_single_process_daemon(llama_dir):
     server = Server(llama_dir, "--max-slots", "4", script="tests/poisoned_serve.py")
     try:
         with server.client() as c:
-            c.send({"op": "generate", "id": "poison", "input_ids": PROMPTS[1],
+            c.send({"op": "generate", "id": "poison", "input_ids": ID_PROMPTS[1],
                     "params": {"max_new_tokens": 8, "temperature": 0.5, "seed": POISON_SEED}})
-            c.send({"op": "generate", "id": "ok", "input_ids": PROMPTS[2], "params": {"max_new_tokens": 8,
+            c.send({"op": "generate", "id": "ok", "input_ids": ID_PROMPTS[2], "params": {"max_new_tokens": 8,
                                                                                       "ignore_eos": True}})
             with pytest.raises(FloverError, match="internal_error"):
                 c.wait("poison")
-            assert c.wait("ok")["token_ids"] == expected_outputs(llama_dir, [8] * len(PROMPTS))[2].token_ids
+            assert c.wait("ok")["token_ids"] == expected_outputs(llama_dir, [8] * len(ID_PROMPTS))[2].token_ids
     finally:
         assert server.stop()[0] == 0
 
@@ -204,10 +203,10 @@ def test_ids_come_back_as_sent_and_are_free_again_once_finished(server):
 
 
 def test_req_sockets_get_exactly_one_reply_per_request(server, llama_dir):
-    expected = expected_outputs(llama_dir, [5] * len(PROMPTS))[3]
+    expected = expected_outputs(llama_dir, [5] * len(ID_PROMPTS))[3]
     ctx, sock = raw_socket(server.addr, zmq.REQ)
     try:
-        sock.send(msgpack.packb({"op": "generate", "id": "q", "input_ids": PROMPTS[3],
+        sock.send(msgpack.packb({"op": "generate", "id": "q", "input_ids": ID_PROMPTS[3],
                                  "params": {"max_new_tokens": 5, "ignore_eos": True}}))
         final = recv_event(sock)
         assert final["event"] == "final" and final["token_ids"] == expected.token_ids

@@ -12,8 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_daemon import Server, free_port
-from tests.test_tensor_parallel import MPIRUN
+from tests.helpers import free_port, MPIRUN, Server
 
 
 @pytest.fixture(scope="module")

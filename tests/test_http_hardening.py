@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_daemon import Server, free_port
+from tests.helpers import Server, free_port
 
 BIG = 2**64 + 5
 
@@ -176,7 +176,7 @@ def slow_front(tmp_path_factory):
     """A model slow enough (~5 ms a step) that 2 requests of 500 tokens hold both slots for seconds."""
     from flover.testing.tiny_model import make_tiny_model
 
-    from tests.conftest import TEST_PRESET
+    from tests.helpers import TEST_PRESET
 
     out = tmp_path_factory.mktemp("slow")
     make_tiny_model("llama", {**TEST_PRESET, "hidden_size": 512, "num_layers": 6, "intermediate_size": 2048}, out)

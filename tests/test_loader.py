@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from flover import LLM
 from flover.models import CheckpointError
-from tests.conftest import rewrite_config
+from tests.helpers import rewrite_config
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from flover import LLM, SamplingParams
 from flover.models import CheckpointError, load_model_config
-from tests.test_daemon import Server
+from tests.helpers import Server
 
 gguf = pytest.importorskip("gguf")
 

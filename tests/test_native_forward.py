@@ -15,7 +15,7 @@ from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import Engine
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native.forward import NativeUnavailable, argmax, build_library, load_library
-from tests.test_engine import random_arrival_jobs, run_arrivals
+from tests.helpers import random_arrival_jobs, run_arrivals
 
 
 Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max |difference|, max |logit|, same argmax

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from tests.test_batch import flover_run, read_records, write_jsonl
-from tests.test_daemon import PROMPTS, Server, expected_outputs
+from tests.helpers import expected_outputs, flover_run, ID_PROMPTS, read_records, Server, write_jsonl
 
 CLI = [sys.executable, "-m", "flover.apps.cli"]
 
@@ -27,14 +26,14 @@ def test_bad_ids_and_oversize_prompts_get_records_and_the_rest_runs(llama_dir, t
     server = Server(llama_dir, "--max-message-bytes", "20000")
     try:
         prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-        lines = [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(PROMPTS[:4])]
+        lines = [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(ID_PROMPTS[:4])]
         lines += [{"id": "x" * 300, "input_ids": [1]}, {"id": "", "input_ids": [2]},
                   {"id": "huge", "prompt": "y" * 30_000}]
         write_jsonl(prompts, lines)
         run = run_connect(server.addr, prompts, out, "--timeout", "30")
         assert run.returncode == 0, run.stderr
         records = {r["id"]: r for r in read_records(out)}
-        expected = expected_outputs(llama_dir, [6] * len(PROMPTS))
+        expected = expected_outputs(llama_dir, [6] * len(ID_PROMPTS))
         assert [records[f"p{i}"]["token_ids"] for i in range(4)] == [e.token_ids for e in expected[:4]]
         assert records["5"]["error"]["code"] == records["6"]["error"]["code"] == "invalid_request"  # by line
         assert records["huge"]["error"]["code"] == "message_too_large"

@@ -15,7 +15,7 @@ import torch
 
 from flover import LLM, SamplingParams
 from flover.apps.fetch import DEFAULT_MODEL, FetchError, fetch_packaged_model
-from tests.test_daemon import Server
+from tests.helpers import Server
 
 CLI = [sys.executable, "-m", "flover.apps.cli"]
 CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))

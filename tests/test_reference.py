@@ -10,7 +10,7 @@ import transformers
 
 from flover import LLM, SamplingParams
 from flover.models.config import load_model_config
-from tests.conftest import PROMPTS, VARIANTS, rewrite_config
+from tests.helpers import PROMPTS, VARIANTS, rewrite_config
 
 
 def reference(model_dir: str, dtype: torch.dtype):

@@ -267,7 +267,7 @@ def test_bad_speculation_settings_are_refused(changes):
 def test_a_speculating_daemon_streams_the_tokens_of_one_at_a_time(llama_dir, prompts):
     """`flover serve --speculate`: real clients stream several tokens per event at times, and
     get what the offline API gives without speculation; the stats count drafts and acceptances."""
-    from tests.test_daemon import Server
+    from tests.helpers import Server
 
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     expected, _ = generate(llama_dir, prompts, params, dtype="float32", speculate=0)

