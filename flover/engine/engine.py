@@ -23,11 +23,12 @@ from typing import Iterable, Sequence
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
+from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
 from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
-from flover.models import load_model, open_checkpoint, pack_projections, release_projections
-from flover.native.forward import NativeForward, NativeUnavailable
+from flover.models import open_checkpoint
+from flover.native.forward import NativeForward
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
 from flover.models.tp_layout import TPLayout
@@ -35,7 +36,6 @@ from flover.parallel.plan import AddEvent
 from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.output import OutputProcessor
 from flover.engine.request import Request, RequestOutput, StepResult, Timings
-from flover.runner.runner import ModelRunner
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
@@ -77,11 +77,6 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        native_wanted = (config.native_forward == "auto" and self.device.type == "cpu"
-                         and self.dtype in (torch.float32, torch.bfloat16))
-        model = load_model(checkpoint, self.dtype, self.device, self.max_seq_len, cfg, tp=self.tp,
-                           comm=self.comm, pack_hint=config.max_slots, quantization=config.quantization,
-                           pack=not native_wanted)
         self.tokenizer = load_tokenizer(checkpoint)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
             log.warning("the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
@@ -90,60 +85,20 @@ class Engine:
         # prefix indexes making the same decisions (docs/prefix_cache.md).
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
-        # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
-        static_decode = self.comm is None and (config.cuda_graphs == "eager" or
-                                               (config.cuda_graphs == "auto" and self.device.type == "cuda"))
-        buffer = SlotBuffer(cfg.num_layers, config.max_slots, self.tp.kv_heads, self.max_seq_len, cfg.head_dim,
-                            self.dtype, self.device, prefix_blocks=prefix_blocks, block_tokens=BLOCK_TOKENS,
-                            scratch_slots=1 if static_decode else 0, prefault_pool=config.prefault_prefix_cache)
-        per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
-        if self.is_leader:
-            log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20,
-                     per_rank, config.max_slots, self.max_seq_len,
-                     config.dtype, f", weights {config.quantization}" if config.quantization != "none" else "")
-            log.info("prefix cache: %s", f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {prefix_blocks} blocks of "
-                     f"{BLOCK_TOKENS} tokens ({prefix_blocks * BLOCK_TOKENS} tokens), LRU"
-                     f"{', taken at start-up' if config.prefault_prefix_cache else ''}"
-                     if prefix_blocks else "off")
-        graphs = None
-        if static_decode:
-            graphs = DecodeGraphs(model, buffer, capture=config.cuda_graphs == "auto")
-            log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
-                     config.max_slots, buffer.max_seq_len,
-                     "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
-        native = self._native_forward(model, buffer) if native_wanted else None
-        self.runner = ModelRunner(model, buffer, cfg.vocab_size, self.device, self.comm, config.seed, graphs, native)
+        self.runner = build_runner(checkpoint, RankSetup(config, cfg, self.tp, self.dtype, self.device,
+                                                         self.max_seq_len, prefix_blocks, BLOCK_TOKENS, self.comm,
+                                                         self.is_leader))
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
         self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache,
                                    PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
-                                   self._speculation(native, graphs))
+                                   self._speculation(self.runner.native, self.runner.graphs))
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
         self.channel = PlanChannel(self.comm) if self.comm is not None else None  # TP: the leader's intake
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
         self.draft_tokens = self.accepted_tokens = 0  # speculation: rows of draft tokens, and those accepted
-
-    def _native_forward(self, model: torch.nn.Module, buffer: SlotBuffer) -> NativeForward | None:
-        """The native step over the model's row-major weights (loaded unpacked for it). It runs
-        every iteration (at most max_batch_tokens rows; Engine.score chunks longer sequences), so
-        PyTorch's copies of the projections are released, unless the config keeps them; without
-        it the model packs them for PyTorch."""
-        started = time.perf_counter()
-        try:
-            native = NativeForward(model, buffer, self.dtype, torch.get_num_threads(), self.config.max_batch_tokens,
-                                   release=not self.config.keep_pytorch_weights, comm=self.comm)
-        except NativeUnavailable as e:
-            log.warning("native step off, iterations run on PyTorch only: %s", e)
-            pack_projections(model, self.config.max_slots)
-            return None
-        if self.config.keep_pytorch_weights:
-            pack_projections(model, self.config.max_slots)
-        else:
-            release_projections(model)
-        log.info("native step: iterations run as one native call (ready in %.2f s)", time.perf_counter() - started)
-        return native
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
         """The drafts' settings, or off where rows cannot carry them (said when they were asked

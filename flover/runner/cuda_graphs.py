@@ -96,10 +96,10 @@ class DecodeGraphs:
             logits = self.model(batch, self.kv)
         return _Captured(graph, logits)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor | None:
         """Logits [n, vocab block] of a decode-only iteration over slots [0, n), or None when the
         iteration has another shape (the caller then runs it eagerly). The result is a view of a
-        buffer that the next replay overwrites."""
+        buffer that the next replay overwrites. (`greedy`: the backends' common signature.)"""
         n = batch.num_decode
         if (batch.prefills or batch.decode_rows is not None or n == 0 or n > self.row_buckets[-1]
                 or batch.max_decode_len > self.key_buckets[-1]):

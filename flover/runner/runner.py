@@ -50,6 +50,18 @@ def plain_greedy(requests: list[Request]) -> bool:
     return all(r.params.plain_greedy for r in requests)
 
 
+class PyTorchForward:
+    """The model's own forward: runs every iteration the faster backends decline."""
+
+    def __init__(self, model: torch.nn.Module, buffer: SlotBuffer):
+        self.model, self.buffer = model, buffer
+
+    def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor:
+        if batch.draft_rows:  # the scheduler keeps speculative iterations within the native step's rows
+            raise RuntimeError("an iteration with speculative draft rows needs the native step")
+        return self.model(batch, self.buffer.kv)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
                  comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None,
@@ -59,6 +71,8 @@ class ModelRunner:
         `native`: iterations as one native call (CPU; it declines some, which run on PyTorch)."""
         self.model, self.buffer, self.vocab_size, self.device, self.comm = model, buffer, vocab_size, device, comm
         self.graphs, self.native = graphs, native
+        # The forwards, fastest first; each but PyTorch's may decline an iteration (None).
+        self.backends = [b for b in (graphs, native) if b is not None] + [PyTorchForward(model, buffer)]
         self.is_leader = comm is None or comm.rank == 0
         self._rng = random.Random(seed)  # seeds requests that bring none
         state = buffer.add_state  # per-slot sampling parameters (a request's lengths and tokens are its own)
@@ -94,18 +108,12 @@ class ModelRunner:
         """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP); or,
         given the iteration's `rows` and all of them plain greedy, maybe their ids already (the
         native step's screened head): sample() takes either."""
-        if self.graphs is not None:
-            logits = self.graphs.run(batch)
-            if logits is not None:
-                return logits
-        if self.native is not None:
-            greedy = rows is not None and not rows.scoring and plain_greedy(rows.sampled)
-            logits = self.native.run(batch, greedy=greedy)
-            if logits is not None:
-                return logits
-        if batch.draft_rows:  # the scheduler keeps speculative iterations within the native step's rows
-            raise RuntimeError("an iteration with speculative draft rows needs the native step")
-        return self.model(batch, self.buffer.kv)
+        greedy = rows is not None and not rows.scoring and plain_greedy(rows.sampled)
+        for backend in self.backends:
+            out = backend.run(batch, greedy=greedy)
+            if out is not None:
+                return out
+        raise AssertionError("PyTorch's forward runs every iteration")
 
     def admit(self, plan: StepPlan) -> None:
         """Write the per-slot state of requests that got a slot in this plan, and copy their

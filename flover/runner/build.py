@@ -1,0 +1,94 @@
+"""What one rank holds to run iterations, built once: its shard of the model, the slot buffer (KV
+cache and prefix pool), and the fastest forward the device offers (CUDA graphs for decode
+iterations, or the native CPU step), behind a ModelRunner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flover.config import EngineConfig
+from flover.models import ModelConfig, load_model, pack_projections, release_projections
+from flover.models.tp_layout import TPLayout
+from flover.native.forward import NativeForward, NativeUnavailable
+from flover.parallel.comm import Communicator
+from flover.runner.cuda_graphs import DecodeGraphs
+from flover.runner.kv_buffer import SlotBuffer
+from flover.runner.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """The engine's decisions the runner is built from."""
+
+    config: EngineConfig  # dtype resolved
+    cfg: ModelConfig
+    tp: TPLayout
+    dtype: torch.dtype
+    device: torch.device
+    max_seq_len: int
+    prefix_blocks: int
+    block_tokens: int
+    comm: Communicator | None  # several ranks only
+    is_leader: bool
+
+
+def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
+    config, cfg = s.config, s.cfg
+    native_wanted = (config.native_forward == "auto" and s.device.type == "cpu"
+                     and s.dtype in (torch.float32, torch.bfloat16))
+    model = load_model(checkpoint, s.dtype, s.device, s.max_seq_len, cfg, tp=s.tp, comm=s.comm,
+                       pack_hint=config.max_slots, quantization=config.quantization, pack=not native_wanted)
+    # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
+    static_decode = s.comm is None and (config.cuda_graphs == "eager" or
+                                        (config.cuda_graphs == "auto" and s.device.type == "cuda"))
+    buffer = SlotBuffer(cfg.num_layers, config.max_slots, s.tp.kv_heads, s.max_seq_len, cfg.head_dim, s.dtype,
+                        s.device, prefix_blocks=s.prefix_blocks, block_tokens=s.block_tokens,
+                        scratch_slots=1 if static_decode else 0, prefault_pool=config.prefault_prefix_cache)
+    if s.is_leader:
+        _log_memory(s, buffer)
+    graphs = None
+    if static_decode:
+        graphs = DecodeGraphs(model, buffer, capture=config.cuda_graphs == "auto")
+        log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
+                 config.max_slots, buffer.max_seq_len,
+                 "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
+    native = _native_forward(model, buffer, s) if native_wanted else None
+    return ModelRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native)
+
+
+def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) -> NativeForward | None:
+    """The native step over the model's row-major weights (loaded unpacked for it). It runs
+    every iteration (at most max_batch_tokens rows; Engine.score chunks longer sequences), so
+    PyTorch's copies of the projections are released, unless the config keeps them; without it
+    the model packs them for PyTorch."""
+    config, started = s.config, time.perf_counter()
+    try:
+        native = NativeForward(model, buffer, s.dtype, torch.get_num_threads(), config.max_batch_tokens,
+                               release=not config.keep_pytorch_weights, comm=s.comm)
+    except NativeUnavailable as e:
+        log.warning("native step off, iterations run on PyTorch only: %s", e)
+        pack_projections(model, config.max_slots)
+        return None
+    if config.keep_pytorch_weights:
+        pack_projections(model, config.max_slots)
+    else:
+        release_projections(model)
+    log.info("native step: iterations run as one native call (ready in %.2f s)", time.perf_counter() - started)
+    return native
+
+
+def _log_memory(s: RankSetup, buffer: SlotBuffer) -> None:
+    config, ranks = s.config, s.comm.size if s.comm else 1
+    per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
+    log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20, per_rank,
+             config.max_slots, s.max_seq_len, config.dtype,
+             f", weights {config.quantization}" if config.quantization != "none" else "")
+    log.info("prefix cache: %s", f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {s.prefix_blocks} blocks of "
+             f"{s.block_tokens} tokens ({s.prefix_blocks * s.block_tokens} tokens), LRU"
+             f"{', taken at start-up' if config.prefault_prefix_cache else ''}" if s.prefix_blocks else "off")
