@@ -70,7 +70,7 @@ def test_drafts_stay_within_the_budget_and_what_each_request_may_still_produce()
     loop = [1, 2, 3] * 5
     requests = [request(0, loop, [1], 50), request(1, loop, [1], 3), request(2, loop, [1], 50, temperature=0.7),
                 request(3, loop, [1], 50, logprobs=True), request(4, loop, [1], 50)]
-    drafts = drafts_for(requests, Speculation(tokens=4, ngram=2), budget=6, line=0.01)
+    drafts = drafts_for(requests, Speculation(tokens=4, ngram=2), budget=6, min_acceptance=0.01)
     assert drafts[0] == [2, 3, 1, 2]
     assert drafts[1] == [2]  # 3 new tokens at most, 1 made: the verifier's own token is the third
     assert drafts[2] == drafts[3] == []  # sampled, or asking for log-probabilities: no drafts

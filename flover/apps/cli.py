@@ -527,9 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
 # step share; read once, when torch loads it). The default, 300,000 rounds, is milliseconds: the
 # worker spins through the Python between two iterations (replies, detokenizing), when the
 # clients and ZeroMQ's I/O threads want a core, and they take one from the next forward instead.
-# 10,000 (a fraction of a millisecond; the gaps inside a forward are far shorter): SmolLM2
-# bfloat16, 2 cores, one stream +10%, 32 requests arriving every 50 ms +5-6% tok/s; float32 at 32
-# unchanged (docs/benchmarks.md). An OMP_WAIT_POLICY or GOMP_SPINCOUNT of the caller wins.
+# 10,000 is a fraction of a millisecond, far more than the gaps inside a forward (figures:
+# docs/design_notes.md, "OpenMP spin count"). An OMP_WAIT_POLICY or GOMP_SPINCOUNT of the caller wins.
 OPENMP_SPIN_COUNT = "10000"
 
 

@@ -50,9 +50,8 @@ class PromptFirst:
     in the rest of its budget). Under bursts of arrivals this is what keeps time to first token
     down: a short prompt-only iteration ends sooner, so the requests that arrive during it
     (they wait for the next iteration boundary) wait less, and the decode rows deferred meanwhile
-    run later in larger, cheaper batches. SmolLM2, 2 cores, 32 requests of 64 prompt tokens
-    arriving every 50 ms (docs/benchmarks.md): TTFT p50 337 -> 218 ms and +9% tokens/s with
-    (3, 192). A running request waits at most `iterations` prompt-only iterations for its next
+    run later in larger, cheaper batches (figures: docs/design_notes.md, "prompts first"). A
+    running request waits at most `iterations` prompt-only iterations for its next
     token; iterations=0 decodes in every iteration. Decisions depend on scheduler state only, so
     tensor-parallel ranks, which each schedule, stay in step."""
 
@@ -172,8 +171,8 @@ class Scheduler:
         # 5. drafts, in what budget prompts left, of tokens likely enough to be accepted to pay
         #    for their rows in an iteration of this size (speculation.py).
         if self.speculation.tokens and plan.decode and budget > 0:
-            line = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
-            plan.drafts = drafts_for(plan.decode, self.speculation, budget, line)
+            min_acceptance = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
+            plan.drafts = drafts_for(plan.decode, self.speculation, budget, min_acceptance)
         plan.num_live = self.num_live
         return plan
 

@@ -16,19 +16,15 @@ native CPU step (the PyTorch forward attends per slot, not per row; under TP on 
 drafting by the leader's fit of the cost below, which the step plan carries), and only with the
 budget left after decode and prompt tokens, so prompts never wait for drafts.
 
-How long a draft is weighs what a draft row costs against what it is likely to give. A row
-costs b of an iteration that takes a + b x (its rows) (IterationCost fits a and b to the
-iterations as they run: ~6 and ~0.3 ms in bfloat16 on the 2-core dev machine). Spent on the
-iteration's R requests it yields R tokens, so a draft token pays when the chance that it is
-accepted is at least R / (a / b + rows): ~0.04 for one request alone, ~0.5 for 32 (where the
-iteration is compute-bound and a row costs what it yields). Each request keeps a running count
+How long a draft is weighs what a draft row costs against what it is likely to give. A row costs b
+of an iteration that takes a + b x (its rows) (IterationCost fits a and b to the iterations as they
+run). Spent on the iteration's R requests it yields R tokens, so a draft token pays when the chance
+that it is accepted is at least R / (a / b + rows): ~0.04 for one request alone, ~0.5 for 32 (where
+the iteration is compute-bound and a row costs what it yields). Each request keeps a running count
 of its accepted draft tokens and of its rejections: with q its acceptance per token, the draft
-token i is accepted with chance q^i, so a draft takes the tokens for which that is above the
-line (none when q is below it; its rejections fade while it does not draft, so it tries again).
-Replayed on SmolLM2's greedy outputs with that cost model (scripts/speculation_potential.py's
-prompts, drafts of up to 8 tokens): on the benchmark's random prompts 3.4x / 2.2x / 1.4x the
-tokens per unit of time of decoding one at a time for 1 / 8 / 32 requests; on chat questions
-1.23x / 1.12x / 1.02x, where drafts of a fixed 8 tokens give 0.95x at 32.
+token i is accepted with chance q^i, so a draft takes the tokens for which that is above the line
+(none when q is below it; its rejections fade while it does not draft, so it tries again).
+The figures behind the rule: docs/design_notes.md, "draft length".
 """
 
 from __future__ import annotations
@@ -129,18 +125,18 @@ class Drafting:
         self.accepted = self.accepted * self.FADE + accepted
         self.rejected = self.rejected * self.FADE + (accepted < drafted)
 
-    def length(self, line: float, most: int) -> int:
-        """Draft tokens whose chance of being accepted (q^i) is above `line` (0 < line < 1)."""
+    def length(self, min_acceptance: float, most: int) -> int:
+        """Draft tokens whose chance of being accepted (q^i) is above `min_acceptance` (in (0, 1))."""
         q = (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)  # half a token of each, a prior
-        if q <= line:
+        if q <= min_acceptance:
             return 0
-        return min(most, int(math.log(line) / math.log(q)))
+        return min(most, int(math.log(min_acceptance) / math.log(q)))
 
 
-def drafts_for(requests, speculation: Speculation, budget: int, line: float) -> list[list[int]]:
+def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: float) -> list[list[int]]:
     """Per request (decoding, in slot order), its draft, within `budget` rows in all. A request
     drafts if its sampling is plain greedy, the tokens whose chance of acceptance is above
-    `line`, and at most one token fewer than it may still produce (the verifier's own token is
+    `min_acceptance`, and at most one token fewer than it may still produce (the verifier's own token is
     the last)."""
     drafts: list[list[int]] = []
     used = 0
@@ -152,7 +148,7 @@ def drafts_for(requests, speculation: Speculation, budget: int, line: float) -> 
         if state is None:
             state = r.drafting = Drafting(NgramLookup(speculation.ngram, r.prompt_token_ids))
         outputs = len(r.output_token_ids)
-        room = min(state.length(line, speculation.tokens), r.params.max_new_tokens - outputs - 1, budget - used)
+        room = min(state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1, budget - used)
         state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len:])
         draft = state.lookup.draft(room)
         drafts.append(draft)

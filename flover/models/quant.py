@@ -11,17 +11,15 @@ through the cores once. Stored in fewer bits they stream faster:
   gets int8 in this mode, as llama.cpp's 4-bit files keep their token embedding in 8 bits (int4
   there cost 10 points of top-1 agreement with float32 on SmolLM2).
 
-These kernels win only for a few rows: measured on the 2-core dev machine over the 30 layers of
-SmolLM2-135M, bfloat16 packed 16.3 ms, int8 11.5 ms, int4 5.1 ms at 1 row; at 8 rows int8 is
-already slower (23.7 ms) and int4 level (14.0 ms); at 16 both lose. So a quantized `Linear`
+These kernels win only for a few rows (docs/design_notes.md, "PyTorch's quantized kernels"). So a
+quantized `Linear`
 keeps its 16-bit packed GEMM too, on the *dequantized* weights, for iterations with more rows:
 the model is the same (up to rounding) at every batch size, and a fused batch of 32 runs at the
 16-bit speed. The price is memory: the quantized copy comes on top (int4: +25%, int8: +50%).
 
 On CPU the native step (flover/native/forward.py) runs int4 and int8 with kernels of its
 own on the same codes and scales (int4's `codes` keeps them unpacked until it has blocked them),
-at every row count, and PyTorch's copies are released: there the 4-bit kernel is as fast as the
-16-bit one at 32 rows, the 8-bit one ~1.3x slower (it widens every code to bfloat16).
+at every row count, and PyTorch's copies are released.
 """
 
 from __future__ import annotations

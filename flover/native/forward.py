@@ -225,20 +225,9 @@ def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> 
 
 @dataclass
 class HeadScreen:
-    """The copy of a dense LM head that scores a greedy row's vocabulary first (llama_forward.c,
-    "greedy through a screen of the LM head"), and per vocabulary row j the factor b_j of the
-    bound |s_j - f_j| <= |x| b_j between its score s_j and the exact logit f_j. The exact one
-    sums k = hidden products in float32, and so does the screen: each at most
-    gamma = k 2^-24 / (1 - k 2^-24) of sum |products| (Higham's bound).
-    * float32 head -> bfloat16 copy, |x| the L2 norm: rounding x and w to bfloat16 (8 bits, to
-      nearest) moves a product by at most (2^-7 + 2^-16) of itself; with both sums and
-      Cauchy-Schwarz (sum |x_i w_i| <= |x| |w|), b_j = (2^-7 + 2^-16 + 2 gamma (1 + 2^-7)) |w_j|.
-    * bfloat16 head -> int8 codes with one scale per row (flover.models.quant, as --quantization
-      int8), |x| the L1 norm (x is exact in bfloat16): b_j = e_j + (2 gamma + 2^-23) m_j, with
-      e_j = max_i |w_ji - scale_j q_ji| the row's largest quantization error and
-      m_j = max(max_i |w_ji|, scale_j max_i |q_ji|) (the 2^-23: the scale's multiplication).
-    The factors are computed in float32 and then raised by 2^-12 of themselves, more than the
-    float32 rounding of a norm over k inputs (k 2^-24) or of e_j (2^-24)."""
+    """A cheaper copy of a dense LM head that scores a greedy row's vocabulary first (llama_forward.c,
+    "greedy through a screen of the LM head"), and per vocabulary row the factor of a bound on how
+    far its score can be from the exact logit (the proof: docs/design_notes.md, "head screen")."""
 
     shapes: list[tuple[tuple[int, ...], torch.dtype]]  # in the arena: the copy's tensors, then the bounds
     fill: Callable[[list[torch.Tensor]], None]  # writes the copy's tensors (blocked)
@@ -353,11 +342,8 @@ class NativeForward:
         self.screens_greedy = (comm is None and id(model.lm_head) not in layouts
                                and bool(self.lib.flover_has_bf16_dot()))
         screen = HeadScreen.of(head) if self.screens_greedy else None
-        # int8's codes widen to bfloat16 at every load, a screen that pays at a few rows only
-        # (SmolLM2 iterations: 4-11% faster at 1 row, 3-5% at 4-8, 1% slower at 16, 7% at 32);
-        # beyond them the whole head, its argmax taken as its tiles come out (no logits stored:
-        # 32-row steps 1-4% faster than logits and then argmax); bfloat16's screen pays at every
-        # row count (4-13%)
+        # int8's screen (bfloat16 models) pays at a few rows only; beyond them the whole head,
+        # its argmax taken as its tiles come out; float32's pays at every row count (design notes)
         self.screen_rows = max_rows if dtype == torch.float32 else SCREEN_INT8_ROWS
         shapes = [(blocked_shape(w), dtype) for w in dense] + (screen.shapes if screen else [])
         shapes += [(shape, kind) for lin in quantized

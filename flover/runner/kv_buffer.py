@@ -90,7 +90,7 @@ class SlotBuffer:
                               dtype=dtype, device=device)
         # Pool rows are only read after a store wrote them: empty is safe, and its pages are taken
         # by the stores that first touch them, inside iterations; a server takes them now instead
-        # (SmolLM2 bfloat16, 2 cores: a fresh daemon's first 32 Poisson requests +1.5% tokens/s).
+        # (docs/design_notes.md, "prefix pool").
         self.pool = torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim,
                                 dtype=dtype, device=device) if prefix_blocks else None
         if self.pool is not None and prefault_pool:

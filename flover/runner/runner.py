@@ -120,15 +120,15 @@ class ModelRunner:
         cached prefixes into their slots."""
         self.buffer.load_blocks(plan.loads)
         for request in plan.admitted:
-            slot, p = request.slot, request.params
-            self._temperature[slot] = p.temperature
-            self._top_k[slot] = p.top_k
-            self._top_p[slot] = p.top_p
-            self._min_p[slot] = p.min_p
-            self._rep_penalty[slot] = p.repetition_penalty
-            self._frequency_penalty[slot] = p.frequency_penalty
-            self._presence_penalty[slot] = p.presence_penalty
-            self._seed[slot] = p.seed if p.seed is not None else self._rng.getrandbits(63)
+            slot, params = request.slot, request.params
+            self._temperature[slot] = params.temperature
+            self._top_k[slot] = params.top_k
+            self._top_p[slot] = params.top_p
+            self._min_p[slot] = params.min_p
+            self._rep_penalty[slot] = params.repetition_penalty
+            self._frequency_penalty[slot] = params.frequency_penalty
+            self._presence_penalty[slot] = params.presence_penalty
+            self._seed[slot] = params.seed if params.seed is not None else self._rng.getrandbits(63)
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, IterationRows]:
         """The iteration's token matrix: decode tokens in slot order, then the prefill chunks.
@@ -186,7 +186,7 @@ class ModelRunner:
         """The leader samples every row at once (and scores prompts that asked); with TP it then
         broadcasts the ids (a few bytes). A list: the forward's greedy ids already. Drafts are
         checked against the ids of the rows after them (speculation.verify)."""
-        result = self._sample_rows_of(logits, rows)
+        result = self._sample_all_rows(logits, rows)
         result.sampled, result.scoring = rows.sampled, rows.scoring
         if not rows.drafts:
             return result
@@ -199,10 +199,10 @@ class ModelRunner:
         result.failed = {owner[row]: why for row, why in result.failed.items()}
         return result
 
-    def _sample_rows_of(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
+    def _sample_all_rows(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
         """One id per sampled row (a drafting request has several)."""
         if isinstance(logits, list):
-            return self._share(logits, None, {}, [])
+            return self._broadcast(logits, None, {}, [])
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
         sampled = rows.per_row()
@@ -219,8 +219,8 @@ class ModelRunner:
         if plain_greedy(sampled):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
             if self.native is not None and logits.dtype == self.native.dtype:
-                return self._share(self.native.greedy(logits), None, {}, prompt_logprobs)
-            return self._share(greedy(logits).tolist(), None, {}, prompt_logprobs)
+                return self._broadcast(self.native.greedy(logits), None, {}, prompt_logprobs)
+            return self._broadcast(greedy(logits).tolist(), None, {}, prompt_logprobs)
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
@@ -240,11 +240,11 @@ class ModelRunner:
             logprobs = found.rows() if found is not None else None
         except Exception:  # a request-specific failure: find the rows responsible, sample the rest
             log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
-            token_ids, logprobs, failed = self._sample_rows(logits, st)
-        return self._share(token_ids.tolist(), logprobs, failed, prompt_logprobs)
+            token_ids, logprobs, failed = self._sample_row_by_row(logits, st)
+        return self._broadcast(token_ids.tolist(), logprobs, failed, prompt_logprobs)
 
-    def _share(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> StepResult:
-        """The leader's sampled ids go to the followers (tensor parallelism)."""
+    def _broadcast(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> StepResult:
+        """The result, after the leader's sampled ids went to the followers (tensor parallelism)."""
         if self.comm is not None:
             self.comm.broadcast_ids(ids, len(ids))
         return StepResult(token_ids=ids, logprobs=logprobs, failed=failed, prompt_logprobs=prompt_logprobs)
@@ -262,7 +262,8 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _sample_rows(logits: torch.Tensor, st: SamplingTensors):
+    def _sample_row_by_row(logits: torch.Tensor, st: SamplingTensors):
+        """After sampling all rows at once failed: each alone, to find the rows responsible."""
         ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
         logprobs: list[Logprob | None] | None = [None] * logits.shape[0] if st.want_logprobs else None
         failed = {}

@@ -37,7 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from flover.engine.engine import Engine, PromptTooLong
 from flover.engine.request import RequestOutput
-from flover import protocol as p
+from flover import protocol
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
 
@@ -48,7 +48,7 @@ log = logging.getLogger("flover.serve")
 class ServeConfig:
     bind: str = "tcp://127.0.0.1:5555"
     max_waiting: int = 256  # queued requests beyond the slots; more get `overloaded`
-    max_message_bytes: int = p.MAX_MESSAGE_BYTES  # one message, all its frames; a larger frame drops the connection
+    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES  # one message, all its frames; a larger frame drops the connection
     max_client_backlog_bytes: int = 64 << 20  # unread events kept for one client before `slow_client`
     drain_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM/SIGINT
     stats_interval: float = 60.0  # seconds between summary log lines
@@ -128,7 +128,7 @@ class Daemon:
         sock.setsockopt(zmq.SNDHWM, 1000)  # more waits in our backlog (Backlog), where it is counted
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.LINGER, 0)
-        p.tcp_keepalive(sock)
+        protocol.tcp_keepalive(sock)
         if c.curve_secret_key:
             self._enable_curve(sock)
         elif not _is_local(c.bind):
@@ -160,7 +160,7 @@ class Daemon:
 
     def _send(self, identity: bytes, event: dict, envelope: bool = False) -> bool:
         """Send now, or queue behind what the client has not read yet. False if the client is gone."""
-        frames = [identity, b"", p.pack(event)] if envelope else [identity, p.pack(event)]
+        frames = [identity, b"", protocol.pack(event)] if envelope else [identity, protocol.pack(event)]
         backlog = self.backlogs.get(identity)
         if backlog is None:
             try:
@@ -292,7 +292,7 @@ class Daemon:
                 flight = self._forget(rid)
                 self.engine.abort(rid)
                 self.counters["errors"] += 1
-                self._send(flight.identity, p.error_event(p.INTERNAL, f"internal error: {e!r}", flight.client_id),
+                self._send(flight.identity, protocol.error_event(protocol.INTERNAL, f"internal error: {e!r}", flight.client_id),
                            flight.envelope)
             return []
 
@@ -313,7 +313,7 @@ class Daemon:
         for rid in list(self.tokenizing.jobs):
             if rid in self.inflight:
                 flight = self._forget(rid)
-                self._send(flight.identity, p.error_event(p.SHUTTING_DOWN, "the server is shutting down",
+                self._send(flight.identity, protocol.error_event(protocol.SHUTTING_DOWN, "the server is shutting down",
                                                           flight.client_id), flight.envelope)
         for rid in list(self.inflight):
             self.engine.abort(rid)
@@ -351,15 +351,15 @@ class Daemon:
             envelope = len(frames) == 3 and len(frames[1]) == 0  # a REQ socket's empty delimiter
             size = sum(len(f) for f in frames[1:])
             if _chosen_routing_id(payload):
-                self._reject(identity, p.ProtocolError(
-                    p.ROUTING_ID_NOT_ALLOWED, "connection identities are assigned by the server: do not set "
+                self._reject(identity, protocol.ProtocolError(
+                    protocol.ROUTING_ID_NOT_ALLOWED, "connection identities are assigned by the server: do not set "
                                               "ZMQ_ROUTING_ID on your socket", _peek_id(payload)), envelope)
             elif size > self.config.max_message_bytes:
-                self._reject(identity, p.ProtocolError(
-                    p.MESSAGE_TOO_LARGE, f"a message of {size} bytes exceeds the server's limit of "
+                self._reject(identity, protocol.ProtocolError(
+                    protocol.MESSAGE_TOO_LARGE, f"a message of {size} bytes exceeds the server's limit of "
                                          f"{self.config.max_message_bytes} bytes"), envelope)
             elif len(frames) != 2 and not envelope:
-                self._reject(identity, p.ProtocolError(p.BAD_MESSAGE, f"expected one message frame, got "
+                self._reject(identity, protocol.ProtocolError(protocol.BAD_MESSAGE, f"expected one message frame, got "
                                                                       f"{len(frames) - 1}"), envelope)
             else:
                 self._handle_safely(identity, payload, envelope)
@@ -367,27 +367,27 @@ class Daemon:
     def _handle_safely(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
         try:
             self._handle(identity, payload, envelope)
-        except p.ProtocolError as e:
+        except protocol.ProtocolError as e:
             self._reject(identity, e, envelope)
         except Exception as e:  # never fall over on a request
             log.exception("internal error on a request")
-            self._reject(identity, p.ProtocolError(p.INTERNAL, f"internal error: {e!r}"), envelope)
+            self._reject(identity, protocol.ProtocolError(protocol.INTERNAL, f"internal error: {e!r}"), envelope)
 
-    def _reject(self, identity: bytes, error: p.ProtocolError, envelope: bool = False) -> None:
+    def _reject(self, identity: bytes, error: protocol.ProtocolError, envelope: bool = False) -> None:
         self.counters["rejected"] += 1
         log.debug("rejected (%s): %s", error.code, error)
-        self._send(identity, p.error_event(error.code, str(error), error.request_id), envelope)
+        self._send(identity, protocol.error_event(error.code, str(error), error.request_id), envelope)
 
     def _handle(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
-        message = p.unpack(payload.bytes)
+        message = protocol.unpack(payload.bytes)
         op = message.get("op")
         if op == "generate":
             return self._generate(identity, message, envelope, _source_fd(payload), _user_id(payload))
-        rid = p.echo_id(message)
+        rid = protocol.echo_id(message)
         if op == "cancel":
             engine_id = self.by_client.get((identity, rid))
             if engine_id is None:
-                raise p.ProtocolError(p.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight", rid)
+                raise protocol.ProtocolError(protocol.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight", rid)
             if not self.tokenizing.cancel(engine_id):  # (a tokenized one is queued, then cancelled)
                 self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
@@ -398,19 +398,19 @@ class Daemon:
         elif op == "stats":
             self._send(identity, {"event": "stats", "id": rid, **self.stats()}, envelope)
         else:
-            raise p.ProtocolError(p.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(p.OPS)}", rid)
+            raise protocol.ProtocolError(protocol.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(protocol.OPS)}", rid)
 
     def _generate(self, identity: bytes, message: dict, envelope: bool, fd: int, user: str | None) -> None:
-        req = p.parse_generate(message)
+        req = protocol.parse_generate(message)
         if req.stream and envelope:
-            raise p.ProtocolError(p.INVALID_REQUEST, "a REQ socket takes one reply per request: send "
+            raise protocol.ProtocolError(protocol.INVALID_REQUEST, "a REQ socket takes one reply per request: send "
                                                      "`stream: false`, or use a DEALER socket to stream", req.id)
         if self.draining:
-            raise p.ProtocolError(p.SHUTTING_DOWN, "the server is shutting down", req.id)
+            raise protocol.ProtocolError(protocol.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
-            raise p.ProtocolError(p.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
+            raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
         if not self.engine.can_accept(self.config.max_waiting - len(self.tokenizing)):
-            raise p.ProtocolError(p.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; "
+            raise protocol.ProtocolError(protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; "
                                                 "retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
@@ -422,16 +422,16 @@ class Daemon:
         self.by_client[(identity, req.id)] = engine_id
         self.counters["requests"] += 1
 
-    def _queue(self, engine_id: str, flight: InFlight, req: p.GenerateRequest, tokenized) -> None:
+    def _queue(self, engine_id: str, flight: InFlight, req: protocol.GenerateRequest, tokenized) -> None:
         try:
             # With CURVE, each client key is a prefix-cache partition of its own (prefix_cache.py).
             request = self.engine.make_request(req.prompt, req.params, engine_id, stream=req.stream,
                                                messages=req.messages, cache_salt=flight.user,
                                                arrival_time=flight.arrived, tokenized=tokenized)
         except PromptTooLong as e:
-            raise p.ProtocolError(p.PROMPT_TOO_LONG, str(e), req.id) from None
+            raise protocol.ProtocolError(protocol.PROMPT_TOO_LONG, str(e), req.id) from None
         except (ValueError, TypeError) as e:
-            raise p.ProtocolError(p.INVALID_REQUEST, str(e), req.id) from None
+            raise protocol.ProtocolError(protocol.INVALID_REQUEST, str(e), req.id) from None
         self.engine.enqueue(request)
 
     def _admit_tokenized(self) -> None:
@@ -448,12 +448,12 @@ class Daemon:
                 self._forget(job.engine_id)
                 self.counters["requests"] -= 1
                 if isinstance(e, PromptTooLong):
-                    e = p.ProtocolError(p.PROMPT_TOO_LONG, str(e), flight.client_id)
-                elif isinstance(e, (ValueError, TypeError)) and not isinstance(e, p.ProtocolError):
-                    e = p.ProtocolError(p.INVALID_REQUEST, str(e), flight.client_id)
-                elif not isinstance(e, p.ProtocolError):
+                    e = protocol.ProtocolError(protocol.PROMPT_TOO_LONG, str(e), flight.client_id)
+                elif isinstance(e, (ValueError, TypeError)) and not isinstance(e, protocol.ProtocolError):
+                    e = protocol.ProtocolError(protocol.INVALID_REQUEST, str(e), flight.client_id)
+                elif not isinstance(e, protocol.ProtocolError):
                     log.error("internal error tokenizing a request", exc_info=e)
-                    e = p.ProtocolError(p.INTERNAL, f"internal error: {e!r}", flight.client_id)
+                    e = protocol.ProtocolError(protocol.INTERNAL, f"internal error: {e!r}", flight.client_id)
                 self._reject(flight.identity, e, flight.envelope)
                 continue
             if job.cancelled:
@@ -471,7 +471,7 @@ class Daemon:
                     self.metrics.token_gap(now - flight.last_token_at)
                 flight.last_token_at = now
             if flight.stream and not flight.overflowed and (out.new_token_ids or out.text_delta):
-                if not self._send(flight.identity, p.token_event(flight.client_id, out)):
+                if not self._send(flight.identity, protocol.token_event(flight.client_id, out)):
                     continue
                 flight.tokens_sent += len(out.new_token_ids)
             if not out.finished:
@@ -479,16 +479,16 @@ class Daemon:
             self._forget(out.request_id)
             if flight.overflowed:
                 self.counters["cancelled"] += 1
-                self._send(flight.identity, p.error_event(
-                    p.SLOW_CLIENT, f"cancelled after {flight.tokens_sent} tokens: more than "
+                self._send(flight.identity, protocol.error_event(
+                    protocol.SLOW_CLIENT, f"cancelled after {flight.tokens_sent} tokens: more than "
                                    f"{self.config.max_client_backlog_bytes} bytes of events were waiting to be read",
                     flight.client_id), flight.envelope)
             elif out.finish_reason == "error":
                 self.counters["errors"] += 1
-                self._send(flight.identity, p.error_event(p.INTERNAL, out.error or "internal error",
+                self._send(flight.identity, protocol.error_event(protocol.INTERNAL, out.error or "internal error",
                                                           flight.client_id), flight.envelope)
             else:
-                self._send(flight.identity, p.final_event(flight.client_id, out, flight.stream), flight.envelope)
+                self._send(flight.identity, protocol.final_event(flight.client_id, out, flight.stream), flight.envelope)
                 self._account(flight, out)
 
     def _account(self, flight: InFlight, out: RequestOutput) -> None:
@@ -515,8 +515,8 @@ class Daemon:
 
 def _peek_id(payload: zmq.Frame):
     try:
-        return p.echo_id(p.unpack(payload.bytes))
-    except p.ProtocolError:
+        return protocol.echo_id(protocol.unpack(payload.bytes))
+    except protocol.ProtocolError:
         return None
 
 

@@ -232,11 +232,11 @@ def build_app(front: Front) -> FastAPI:
         except ValueError as e:  # no chat template, a template error
             raise oa.ApiError(400, str(e), param="messages") from None
 
-    async def tokenize_echoed(p: oa.Plan) -> None:
+    async def tokenize_echoed(plan: oa.Plan) -> None:
         """`echo`: the answer lists the prompt's tokens, so the prompt is tokenized here (the ids
         the daemon then runs are the ones listed) and an id prompt's text is decoded."""
         limit = await context_length()
-        for choice in p.choices:
+        for choice in plan.choices:
             if "prompt" in choice.source:
                 choice.source = {"input_ids": await encode(choice.source["prompt"], limit, "prompt")}
             elif front.tokenizer is not None:
@@ -252,16 +252,16 @@ def build_app(front: Front) -> FastAPI:
 
     async def generate(request: Request, kind: str):
         try:
-            p = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning)
-            if p.echo:  # (chats go to the daemon as messages: it renders and bounds them)
-                await tokenize_echoed(p)
+            plan = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning)
+            if plan.echo:  # (chats go to the daemon as messages: it renders and bounds them)
+                await tokenize_echoed(plan)
         except oa.ApiError as e:
             return error_response(e)
-        rids = [f"http-{uuid.uuid4().hex[:12]}-{c.index}" for c in p.choices]
-        if p.stream:
-            return await stream(request, p, rids)
+        rids = [f"http-{uuid.uuid4().hex[:12]}-{c.index}" for c in plan.choices]
+        if plan.stream:
+            return await stream(request, plan, rids)
         tasks = [asyncio.ensure_future(front.client.generate(**c.source, request_id=rid, **c.params))
-                 for c, rid in zip(p.choices, rids)]
+                 for c, rid in zip(plan.choices, rids)]
         try:
             while True:
                 failed = [t for t in tasks if t.done() and t.exception() is not None]
@@ -269,7 +269,7 @@ def build_app(front: Front) -> FastAPI:
                     raise failed[0].exception()
                 pending = [t for t in tasks if not t.done()]
                 if not pending:
-                    return oa.response(p, front.model_name, [t.result() for t in tasks], token_bytes)
+                    return oa.response(plan, front.model_name, [t.result() for t in tasks], token_bytes)
                 if not await wait_watching(request, pending):  # the client left: free its slots
                     return JSONResponse({}, status_code=499)  # nobody reads it
         except Exception as e:  # the daemon's refusal, or anything else: this request ends here
@@ -280,7 +280,7 @@ def build_app(front: Front) -> FastAPI:
                 t.cancel()
             front.cancel(unfinished)
 
-    async def stream(request: Request, p: oa.Plan, rids: list[str]):
+    async def stream(request: Request, plan: oa.Plan, rids: list[str]):
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, rid: str, choice: oa.Choice) -> None:
@@ -292,7 +292,7 @@ def build_app(front: Front) -> FastAPI:
             except Exception as e:  # whatever ends a pump reaches the handler: it never waits forever
                 events.put_nowait((index, as_api_error(e)))
 
-        pumps = [asyncio.ensure_future(pump(c.index, rid, c)) for c, rid in zip(p.choices, rids)]
+        pumps = [asyncio.ensure_future(pump(c.index, rid, c)) for c, rid in zip(plan.choices, rids)]
         finished: set[int] = set()
 
         def stop() -> None:
@@ -331,24 +331,24 @@ def build_app(front: Front) -> FastAPI:
                         break
                     is_first = index not in started
                     if event["event"] == "token":
-                        text, logprobs = oa.stream_piece(p, p.choices[index], event, is_first, offsets[index],
+                        text, logprobs = oa.stream_piece(plan, plan.choices[index], event, is_first, offsets[index],
                                                          token_bytes)
                         if text or logprobs or is_first:
-                            yield _sse(oa.chunk(p, front.model_name, index, text, None, is_first, logprobs))
+                            yield _sse(oa.chunk(plan, front.model_name, index, text, None, is_first, logprobs))
                             started.add(index)
                             if logprobs and "tokens" in logprobs:  # offsets count token texts, as the answer's
                                 offsets[index] += sum(map(len, logprobs["tokens"]))
                     else:  # the final: finish_reason in a chunk of its own, after every token
-                        if p.kind == "chat" and is_first:
-                            yield _sse(oa.chunk(p, front.model_name, index, None, None, first=True))
-                        yield _sse(oa.chunk(p, front.model_name, index, None, event["finish_reason"],
-                                            first=is_first and p.kind != "chat"))
+                        if plan.kind == "chat" and is_first:
+                            yield _sse(oa.chunk(plan, front.model_name, index, None, None, first=True))
+                        yield _sse(oa.chunk(plan, front.model_name, index, None, event["finish_reason"],
+                                            first=is_first and plan.kind != "chat"))
                         started.add(index)
                         finished.add(index)
                         finals[index] = event
                         if len(finished) == len(rids):
-                            if p.include_usage:
-                                yield _sse(oa.usage_chunk(p, front.model_name, finals))
+                            if plan.include_usage:
+                                yield _sse(oa.usage_chunk(plan, front.model_name, finals))
                             break
                     item = await events.get()
                 yield "data: [DONE]\n\n"
