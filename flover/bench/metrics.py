@@ -10,8 +10,10 @@ e2e     last token - arrival
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
-from flover.bench.modes import RequestTrace, RunTrace
+if TYPE_CHECKING:  # types only: the metrics load no engine (client-side benchmarks use them)
+    from flover.bench.modes import RequestTrace, RunTrace
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -22,6 +24,11 @@ def percentile(values: list[float], q: float) -> float | None:
     k = (len(xs) - 1) * q / 100
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def medians(runs: list[dict], keys) -> dict:
+    """Per key, the median over runs: the figure every benchmark reports."""
+    return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
 def request_metrics(t: RequestTrace) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How close bfloat16 and the weight-only quantized modes stay to float32 on a real model.
 
-    python scripts/quant_accuracy.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/experiments/quant_accuracy.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
 float32 writes a greedy continuation of each chat prompt; every other mode then scores the same
 prompt + continuation (teacher forcing) and generates greedily itself. Reported per mode: top-1

@@ -3,8 +3,8 @@
 (cores/N threads per rank), side by side, alternating, median of --repeats. Also reports the
 time inside all-reduce per decode iteration and every rank's resident memory after loading.
 
-    python scripts/bench_tp.py --model models/bench-124m --ranks 2 --repeats 3
-    python scripts/bench_tp.py --model models/bench-124m --memory-only --ranks 1,2,4
+    python scripts/bench/bench_tp.py --model models/bench-124m --ranks 2 --repeats 3
+    python scripts/bench/bench_tp.py --model models/bench-124m --memory-only --ranks 1,2,4
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How often a request's greedy tokens differ between a fused run and running it alone.
 
-    python scripts/fused_vs_solo.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
+    python scripts/bench/fused_vs_solo.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
 
 In float64 the answer is "never" (tests/test_engine.py asserts it). In float32 and bfloat16 the
 batch changes the GEMM shapes, hence the rounding, and a near-tie between two tokens can flip

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the OpenAI HTTP front costs against the ZeroMQ socket, on one `flover serve --http`.
 
-    python scripts/bench_http_overhead.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/bench/bench_http_overhead.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
 The same requests (random token-id prompts, greedy, EOS ignored, streamed) go to the daemon's
 socket through `AsyncClient` and to `/v1/completions` through httpx (raw SSE, so that the client's
@@ -22,6 +22,7 @@ import time
 
 import httpx
 
+from flover.bench.metrics import medians
 from flover.client import AsyncClient
 
 
@@ -102,7 +103,7 @@ def main() -> int:
               f"greedy, streamed\n\n| requests at once | path | out tok/s | TTFT p50 | HTTP / socket tok/s |\n"
               f"|---:|---|---:|---:|---:|")
         for n in (1, args.concurrency):
-            med = {name: {k: statistics.median(r[k] for r in results[(n, name)]) for k in ("tok_s", "ttft_p50")}
+            med = {name: medians(results[(n, name)], ("tok_s", "ttft_p50"))
                    for name in ("ZeroMQ socket", "HTTP /v1/completions")}
             ratio = med["HTTP /v1/completions"]["tok_s"] / med["ZeroMQ socket"]["tok_s"]
             for name, m in med.items():

@@ -2,7 +2,7 @@
 """`flover run` on a prompt file: temporal fusion (--max-slots 32) against the same file processed
 one prompt at a time (--max-slots 1), side by side, as real `flover run` processes.
 
-    python scripts/bench_prompt_file.py --model models/bench-124m --prompts 256 --new-tokens 32 --repeats 3
+    python scripts/bench/bench_prompt_file.py --model models/bench-124m --prompts 256 --new-tokens 32 --repeats 3
 
 Reports the summary line's output tokens/s (wall time of the run, model loading excluded); the
 runs alternate and the median is given.

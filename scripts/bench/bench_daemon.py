@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The daemon measured from outside, on loopback only, bounded in count and time.
 
-    python scripts/bench_daemon.py overhead --model models/bench-124m --repeats 3
+    python scripts/bench/bench_daemon.py overhead --model models/bench-124m --repeats 3
         latency of the socket path against the offline API, 1 and 32 concurrent requests
-    python scripts/bench_daemon.py soak --model models/bench-124m --rate 4 --duration 120
+    python scripts/bench/bench_daemon.py soak --model models/bench-124m --rate 4 --duration 120
         Poisson traffic (streaming, non-streaming, cancels, bad input) against one daemon; reports
         requests, errors, slots free at the end, daemon memory at start and end
-    python scripts/bench_daemon.py errors --model models/tiny
+    python scripts/bench/bench_daemon.py errors --model models/tiny
         what a client sees for each kind of bad input (a Markdown table)
 """
 

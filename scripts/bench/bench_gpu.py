@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """flover against transformers on the same GPU, the same model and the same workload.
 
-    python scripts/bench_gpu.py --out results/gpu.json            # a SmolLM2-135M-shaped random model
-    python scripts/bench_gpu.py --model DIR --dtype bfloat16 --runs 3
+    python scripts/bench/bench_gpu.py --out results/gpu.json            # a SmolLM2-135M-shaped random model
+    python scripts/bench/bench_gpu.py --model DIR --dtype bfloat16 --runs 3
 
 Without --model it makes a random checkpoint of SmolLM2-135M's shape (30 layers, hidden 576,
 9/3 heads, vocabulary 49152, tied embeddings): the GPU machines cannot fetch the real weights, and

@@ -4,7 +4,7 @@ Starts a daemon on a tiny random model, and for each probe prints one line: what
 client saw, and what an innocent stream running beside it saw. Uses raw ZeroMQ + msgpack (no
 flover client code), so it can probe any version of the daemon:
 
-    python scripts/probe_hardening.py --model models/tiny [--src DIR]   # DIR: another checkout to probe
+    python scripts/bench/probe_hardening.py --model models/tiny [--src DIR]   # DIR: another checkout to probe
 
 Numbers (stalls, slowdowns) are wall-clock figures of this machine: compare versions in one run.
 """
@@ -204,7 +204,7 @@ PROBES = [("out-of-range / wrongly typed values", hostile_values), ("subnormal t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--src", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--src", default=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     args = ap.parse_args()
     print(f"| probe | hostile client saw | innocent stream beside it saw |  ({args.src})\n|---|---|---|")
     for name, action in PROBES:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How many iterations prompt-lookup (n-gram) speculation would save, measured on greedy outputs.
 
-    python scripts/speculation_potential.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/experiments/speculation_potential.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
 This sized flover's speculation (flover/engine/speculation.py) before it was built; it replays fixed
 drafts of k tokens, not the engine's rule (docs/benchmarks.md (h)). Each request is generated

@@ -9,7 +9,7 @@ HTTP front and prints one line per probe:
   legit      what a legitimate 1,500-word text prompt waits for its first token beside 7 streams
              (the cost of tokenizing off the loop at low priority, if any)
 
-    python scripts/probe_http_front.py --model SmolLM2-135M-Instruct.Q4_1.gguf [--src OTHER_CHECKOUT]
+    python scripts/bench/probe_http_front.py --model SmolLM2-135M-Instruct.Q4_1.gguf [--src OTHER_CHECKOUT]
 
 Figures are wall-clock on this machine (noisy): compare checkouts in one run.
 """
@@ -156,7 +156,7 @@ def probe_legit(addr: str, rounds: int = 6) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--src", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--src", default=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--text-bytes", type=int, default=300_000, help="digits per long text (fits the byte bound)")
     args = ap.parse_args()

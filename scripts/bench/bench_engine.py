@@ -6,7 +6,7 @@ all present at the start; output tokens / wall time (prefill included). Both run
 with the same weights, dtype and thread count; the runs alternate (ours, theirs, ours, ...) and
 the median of --repeats is reported.
 
-    python scripts/bench_engine.py --model models/bench-124m --batches 1,8,32 --repeats 3
+    python scripts/bench/bench_engine.py --model models/bench-124m --batches 1,8,32 --repeats 3
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One tensor-parallel measurement, run alone (TP=1) or under mpirun (TP=N); driven by
-scripts/bench_tp.py. For each batch size B: B requests decode `--new-tokens` tokens together;
+scripts/bench/bench_tp.py. For each batch size B: B requests decode `--new-tokens` tokens together;
 reports output tok/s, decode iteration time and the time spent inside all-reduce per iteration
 (the leader's view), plus every rank's resident memory after loading. Prints JSON lines."""
 

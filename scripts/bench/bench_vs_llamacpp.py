@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """flover serve against llama.cpp's llama-server: one model, one seeded workload, side by side.
 
-    python scripts/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4, int8
-    python scripts/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
+    python scripts/bench/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4, int8
+    python scripts/bench/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
 
 What it does, every step cached under --cache (outside the repository; nothing is committed):
 1. builds `llama-server` from the `llama-cpp-python` sdist's vendor/llama.cpp (pip download
@@ -40,6 +40,8 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+
+from flover.bench.metrics import medians
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
@@ -348,8 +350,7 @@ def main() -> int:
                     server.stop()
     rows = {}
     for (workload, name), results in table.items():
-        rows.setdefault(workload, {})[name] = {k: statistics.median(r[k] for r in results)
-                                               for k in ("tok_s", "ttft_p50", "tpot_p50", "gap_max")}
+        rows.setdefault(workload, {})[name] = medians(results, ("tok_s", "ttft_p50", "tpot_p50", "gap_max"))
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": rows,
                                           "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
     print(f"\nmedians of {args.runs} alternating run(s), {args.prompt_len}-token prompts, {args.gen_len} tokens out, "

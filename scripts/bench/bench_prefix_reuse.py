@@ -2,7 +2,7 @@
 """Multi-turn chats with a shared system prompt: flover with and without its prefix cache, and
 llama.cpp's llama-server with its prompt cache, on one model and one seeded workload.
 
-    python scripts/bench_prefix_reuse.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/bench/bench_prefix_reuse.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
 The workload (token ids, the same for every engine in a run): one system prompt of
 --system-len random ids shared by every conversation; --conversations conversations starting at
@@ -14,7 +14,7 @@ ignored, streamed). A conversation sends its next turn as soon as the answer is 
 Engines (alternating order per run, median of --runs): `flover` (bfloat16, --prefix-cache 0),
 `flover + prefix cache` (the default 256 MiB), `llama.cpp f16` (llama-server -np N, its slot
 prompt reuse and RAM prompt cache, `cache_prompt: true`). Builds and conversions are cached
-under --cache as scripts/bench_vs_llamacpp.py does (nothing is committed).
+under --cache as scripts/bench/bench_vs_llamacpp.py does (nothing is committed).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from flover.bench.metrics import medians as median_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_llamacpp import converted, hf_directory, launch_flover, launch_llama, llama_server, log  # noqa: E402
@@ -161,7 +163,7 @@ def main() -> int:
                 f"(first turns {1000 * r['ttft_p50_first_turns']:.0f}, later {1000 * r['ttft_p50_later_turns']:.0f}), "
                 f"p90 {1000 * r['ttft_p90']:.0f} ms, cached {100 * r['cached_share']:.0f}% of prompt tokens")
     keys = ("tok_s", "ttft_p50", "ttft_p50_first_turns", "ttft_p50_later_turns", "ttft_p90", "cached_share")
-    medians = {name: {k: statistics.median(r[k] for r in runs) for k in keys} for name, runs in table.items()}
+    medians = {name: median_of(runs, keys) for name, runs in table.items()}
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": medians, "runs": table}, indent=1))
     print(f"\nmedians of {args.runs} alternating run(s): {args.conversations} conversations of 3-5 turns, "
           f"{args.system_len}-token shared system prompt, {args.user_len}-token user turns, {args.gen_len} tokens out\n")

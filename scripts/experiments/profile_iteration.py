@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the time of one fused decode iteration goes, at N live requests.
 
-    python scripts/profile_iteration.py --model models/bench-124m --live 32 --iterations 30
+    python scripts/experiments/profile_iteration.py --model models/bench-124m --live 32 --iterations 30
 
 Wraps the engine's phases with wall-clock timers (CPU ops are synchronous, so wall time is the
 cost): scheduling, memory shuffle, token-matrix build, the forward pass split into projection
