@@ -7,7 +7,7 @@ import random
 import pytest
 
 from flover.config import SamplingParams
-from flover.engine.request import FinishReason, Request, StepResult
+from flover.request import FinishReason, Request, StepResult
 from flover.engine.scheduler import PromptFirst, Scheduler
 
 

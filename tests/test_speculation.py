@@ -11,11 +11,12 @@ import pytest
 from flover import LLM, SamplingParams
 from flover.config import EngineConfig
 from flover.engine.output import OutputProcessor
-from flover.engine.request import Request
-from flover.engine.request import StepResult
+from flover.request import Request
+from flover.request import StepResult
 from flover.engine.scheduler import Scheduler, StepPlan
-from flover.engine.speculation import (DEFAULT_DRAFT_TOKENS, Drafting, IterationCost, NgramLookup, Speculation, drafts_for,
-                                verify)
+from flover.engine.speculation import (DEFAULT_DRAFT_TOKENS, Drafting, IterationCost, NgramLookup, Speculation,
+                                       drafts_for)
+from flover.runner.runner import verify
 
 
 def test_a_draft_is_what_followed_the_latest_earlier_occurrence():

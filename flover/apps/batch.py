@@ -19,7 +19,7 @@ from flover.client import FloverError
 from flover.config import SamplingParams
 from flover.engine.engine import Engine, PromptTooLong
 from flover.apps.prompt_file import PromptRecord
-from flover.engine.request import RequestOutput
+from flover.request import RequestOutput
 from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
 from flover.protocol import PERMANENT
 

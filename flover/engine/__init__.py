@@ -1,5 +1,5 @@
 """The step: `engine` (schedule -> runner.execute -> scheduler.update -> text), `scheduler` (owns
-the requests), `request` (a request's life and the records an iteration gives back), `output`
+the requests), `output`
 (the text half), `speculation` (prompt-lookup drafts), `prefix_cache` (the index)."""
 
 

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -28,14 +28,15 @@ from flover.runner.cuda_graphs import DecodeGraphs
 from flover.hardware import resolve_dtype
 from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.models import open_checkpoint
-from flover.native.forward import NativeForward
+if TYPE_CHECKING:
+    from flover.native.forward import NativeForward
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
 from flover.models.tp_layout import TPLayout
 from flover.parallel.plan import AddEvent
 from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.output import OutputProcessor
-from flover.engine.request import Request, RequestOutput, StepResult, Timings
+from flover.request import Request, RequestOutput, StepResult, Timings
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer

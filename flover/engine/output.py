@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flover.engine.request import FinishReason, NewTokens, Request, RequestOutput
+from flover.request import FinishReason, NewTokens, Request, RequestOutput
 from flover.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from flover.runner.kv_buffer import Move, plan_compaction
 from flover.engine.prefix_cache import BlockCopy, PrefixCache
-from flover.engine.request import FinishReason, NewTokens, Request, RequestState, StepResult
+from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
 from flover.engine.speculation import IterationCost, Speculation, drafts_for
 
 

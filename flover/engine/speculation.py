@@ -154,21 +154,3 @@ def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: 
         drafts.append(draft)
         used += len(draft)
     return drafts
-
-
-def verify(drafts: list[list[int]], row_ids: list[int], requests: int) -> tuple[list[int], dict[int, list[int]]]:
-    """The ids of an iteration's sampled rows (a request's own row, then one per draft token;
-    requests past len(drafts) have no draft) -> each request's first token, and the tokens after
-    it that its accepted draft gives: {request index: tokens}."""
-    firsts, more, row = [], {}, 0
-    for i in range(requests):
-        draft = drafts[i] if i < len(drafts) else ()
-        ids = row_ids[row: row + 1 + len(draft)]
-        firsts.append(ids[0])
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == ids[accepted]:
-            accepted += 1
-        if accepted:
-            more[i] = ids[1: accepted + 1]
-        row += 1 + len(draft)
-    return firsts, more

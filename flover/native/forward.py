@@ -33,14 +33,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flover.hardware import cpu_flags
-from flover.runner.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
 from flover.models.quant import QuantizedWeight, quantize
+
+if TYPE_CHECKING:  # the runner's buffer (a type only: the runner imports this module)
+    from flover.runner.kv_buffer import SlotBuffer
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +303,7 @@ class WeightArena:
 
 
 class NativeForward:
-    def __init__(self, model: LlamaForCausalLM, buffer: SlotBuffer, dtype: torch.dtype, threads: int,
+    def __init__(self, model: LlamaForCausalLM, buffer: "SlotBuffer", dtype: torch.dtype, threads: int,
                  max_rows: int, release: bool = False, comm=None):
         """Reads the model's dense (row-major) weights once, into blocked copies of its own.
         `release`: release each projection (Linear.release) as soon as its copy is made, so that

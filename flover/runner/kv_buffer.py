@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from flover.engine.prefix_cache import BlockCopy
+if TYPE_CHECKING:  # the copies the prefix index plans (a type only)
+    from flover.engine.prefix_cache import BlockCopy
 
 log = logging.getLogger(__name__)
 

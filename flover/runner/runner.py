@@ -11,18 +11,20 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from flover.runner.cuda_graphs import DecodeGraphs
-from flover.runner.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
-from flover.engine.request import Logprob, PromptRows, Request, StepResult
+from flover.request import Logprob, PromptRows, Request, StepResult
+from flover.runner.cuda_graphs import DecodeGraphs
+from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
-from flover.engine.scheduler import StepPlan
-from flover.engine.speculation import verify
+
+if TYPE_CHECKING:  # the plan it carries out (a type only: the engine's scheduler makes it)
+    from flover.engine.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +187,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
         """The leader samples every row at once (and scores prompts that asked); with TP it then
         broadcasts the ids (a few bytes). A list: the forward's greedy ids already. Drafts are
-        checked against the ids of the rows after them (speculation.verify)."""
+        checked against the ids of the rows after them (verify)."""
         result = self._sample_all_rows(logits, rows)
         result.sampled, result.scoring = rows.sampled, rows.scoring
         if not rows.drafts:
@@ -293,3 +295,21 @@ class ModelRunner:
                 sample_rows=torch.arange(end - start, device=dev))
             logits.append(self.forward(batch))
         return torch.cat(logits)
+
+
+def verify(drafts: list[list[int]], row_ids: list[int], requests: int) -> tuple[list[int], dict[int, list[int]]]:
+    """The ids of an iteration's sampled rows (a request's own row, then one per draft token;
+    requests past len(drafts) have no draft) -> each request's first token, and the tokens after
+    it that its accepted draft gives: {request index: tokens}."""
+    firsts, more, row = [], {}, 0
+    for i in range(requests):
+        draft = drafts[i] if i < len(drafts) else ()
+        ids = row_ids[row: row + 1 + len(draft)]
+        firsts.append(ids[0])
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == ids[accepted]:
+            accepted += 1
+        if accepted:
+            more[i] = ids[1: accepted + 1]
+        row += 1 + len(draft)
+    return firsts, more

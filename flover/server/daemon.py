@@ -36,7 +36,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from flover.engine.engine import Engine, PromptTooLong
-from flover.engine.request import RequestOutput
+from flover.request import RequestOutput
 from flover import protocol
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
