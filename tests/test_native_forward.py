@@ -15,7 +15,7 @@ from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import Engine
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native.forward import NativeUnavailable, argmax, build_library, load_library
-from tests.helpers import random_arrival_jobs, run_arrivals
+from tests.helpers import NEEDS_BF16, random_arrival_jobs, run_arrivals
 
 
 Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max |difference|, max |logit|, same argmax
@@ -103,7 +103,8 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
     assert len(finals[0].token_ids) == 5
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), pytest.param("bfloat16", "int4", marks=NEEDS_BF16),
+                                                ("bfloat16", "int8")])
 def test_the_native_step_alone_holds_the_projections_and_scores_long_sequences_in_chunks(
         llama_dir, dtype, quantization):
     """With the native step on, PyTorch keeps no copy of any projection (one copy of the weights
@@ -131,8 +132,8 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
     assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"),
-                                                ("bfloat16", "int8")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
+                                                pytest.param("bfloat16", "int4", marks=NEEDS_BF16), ("bfloat16", "int8")])
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
@@ -170,7 +171,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
     assert checked == {"decode": 3, "mixed": 3}
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", [pytest.param("int4", marks=NEEDS_BF16), "int8"])
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "qwen2"])
 def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, variant, quantization):
     """--quantization int4 / int8: the native kernels (int4: codes, group scale and zero; int8:
@@ -236,6 +237,7 @@ def near_tied_head(tensors: dict) -> None:
     nudged.copy_(torch.nextafter(nudged, sign * torch.tensor(float("inf"))))
 
 
+@NEEDS_BF16
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4"])
 def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_model, variant, dtype, tmp_path):
@@ -274,6 +276,7 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
     assert near > 20, near  # decided by the exact sums of the candidates, not by the screen
 
 
+@NEEDS_BF16
 @pytest.mark.parametrize("variant", ["llama", "llama-vocab509-kv4"])
 def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, variant, tmp_path):
     """bfloat16 iterations with more greedy rows than the screen takes (SCREEN_INT8_ROWS) get
@@ -307,6 +310,7 @@ def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, va
     assert ties > 20, ties  # exact ties met, the first index taken
 
 
+@NEEDS_BF16
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
 def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0) or NaN, 12 bfloat16 greedy rows: the ids are
@@ -324,6 +328,7 @@ def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill
     assert native.full_head_rows - before == 12
 
 
+@NEEDS_BF16
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
 def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0: all candidates) or NaN (NaN logits): the rows take the
