@@ -48,7 +48,7 @@ log = logging.getLogger("flover.serve")
 class ServeConfig:
     bind: str = "tcp://127.0.0.1:5555"
     max_waiting: int = 256  # queued requests beyond the slots; more get `overloaded`
-    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES  # one message, all its frames; a larger frame drops the connection
+    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES  # one message, all frames; a larger frame drops the connection
     max_client_backlog_bytes: int = 64 << 20  # unread events kept for one client before `slow_client`
     drain_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM/SIGINT
     stats_interval: float = 60.0  # seconds between summary log lines
@@ -292,8 +292,8 @@ class Daemon:
                 flight = self._forget(rid)
                 self.engine.abort(rid)
                 self.counters["errors"] += 1
-                self._send(flight.identity, protocol.error_event(protocol.INTERNAL, f"internal error: {e!r}", flight.client_id),
-                           flight.envelope)
+                self._send(flight.identity, protocol.error_event(protocol.INTERNAL, f"internal error: {e!r}",
+                                                                 flight.client_id), flight.envelope)
             return []
 
     def _begin_drain(self, signum, _frame) -> None:
@@ -387,7 +387,8 @@ class Daemon:
         if op == "cancel":
             engine_id = self.by_client.get((identity, rid))
             if engine_id is None:
-                raise protocol.ProtocolError(protocol.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight", rid)
+                raise protocol.ProtocolError(protocol.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight",
+                                             rid)
             if not self.tokenizing.cancel(engine_id):  # (a tokenized one is queued, then cancelled)
                 self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
@@ -398,7 +399,8 @@ class Daemon:
         elif op == "stats":
             self._send(identity, {"event": "stats", "id": rid, **self.stats()}, envelope)
         else:
-            raise protocol.ProtocolError(protocol.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(protocol.OPS)}", rid)
+            raise protocol.ProtocolError(protocol.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(protocol.OPS)}",
+                                         rid)
 
     def _generate(self, identity: bytes, message: dict, envelope: bool, fd: int, user: str | None) -> None:
         req = protocol.parse_generate(message)
@@ -410,8 +412,8 @@ class Daemon:
         if (identity, req.id) in self.by_client:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
         if not self.engine.can_accept(self.config.max_waiting - len(self.tokenizing)):
-            raise protocol.ProtocolError(protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; "
-                                                "retry later", req.id)
+            raise protocol.ProtocolError(protocol.OVERLOADED, f"{self.config.max_waiting} requests are already "
+                                                               "waiting; retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
         if req.messages is not None or isinstance(req.prompt, str):  # tokenizer work: off the loop
@@ -428,10 +430,8 @@ class Daemon:
             request = self.engine.make_request(req.prompt, req.params, engine_id, stream=req.stream,
                                                messages=req.messages, cache_salt=flight.user,
                                                arrival_time=flight.arrived, tokenized=tokenized)
-        except PromptTooLong as e:
-            raise protocol.ProtocolError(protocol.PROMPT_TOO_LONG, str(e), req.id) from None
         except (ValueError, TypeError) as e:
-            raise protocol.ProtocolError(protocol.INVALID_REQUEST, str(e), req.id) from None
+            raise _refusal(e, req.id) from None
         self.engine.enqueue(request)
 
     def _admit_tokenized(self) -> None:
@@ -444,17 +444,11 @@ class Daemon:
                 if job.error is not None:
                     raise job.error
                 self._queue(job.engine_id, flight, job.payload, job.result)
-            except Exception as e:
+            except Exception as e:  # never fall over on a request
                 self._forget(job.engine_id)
-                self.counters["requests"] -= 1
-                if isinstance(e, PromptTooLong):
-                    e = protocol.ProtocolError(protocol.PROMPT_TOO_LONG, str(e), flight.client_id)
-                elif isinstance(e, (ValueError, TypeError)) and not isinstance(e, protocol.ProtocolError):
-                    e = protocol.ProtocolError(protocol.INVALID_REQUEST, str(e), flight.client_id)
-                elif not isinstance(e, protocol.ProtocolError):
-                    log.error("internal error tokenizing a request", exc_info=e)
-                    e = protocol.ProtocolError(protocol.INTERNAL, f"internal error: {e!r}", flight.client_id)
-                self._reject(flight.identity, e, flight.envelope)
+                self.counters["requests"] -= 1  # counted when it arrived; a refusal counts as rejected
+                refusal = e if isinstance(e, protocol.ProtocolError) else _refusal(e, flight.client_id)
+                self._reject(flight.identity, refusal, flight.envelope)
                 continue
             if job.cancelled:
                 self.engine.abort(job.engine_id)
@@ -511,6 +505,16 @@ class Daemon:
                 "uptime_s": time.time() - self.started, "draining": self.draining, "shuffle_moves": e.shuffle_moves,
                 "shuffle_bytes": e.shuffle_bytes, "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
                 "prefix_cache": e.prefix_cache, **self.counters, "metrics": self.metrics.snapshot()}
+
+
+def _refusal(e: Exception, request_id) -> protocol.ProtocolError:
+    """What a client is told of a request the engine would not take (tokenizing included)."""
+    if isinstance(e, PromptTooLong):
+        return protocol.ProtocolError(protocol.PROMPT_TOO_LONG, str(e), request_id)
+    if isinstance(e, (ValueError, TypeError)):
+        return protocol.ProtocolError(protocol.INVALID_REQUEST, str(e), request_id)
+    log.error("internal error on a request", exc_info=e)
+    return protocol.ProtocolError(protocol.INTERNAL, f"internal error: {e!r}", request_id)
 
 
 def _peek_id(payload: zmq.Frame):
