@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,12 +100,18 @@ def test_a_prefaulted_pool_is_resident_from_the_start_and_a_lazy_one_is_not():
     pool_kib = 4 * 2 * 768 * 2 * 16 * 64 * 4 // 1024  # 48 MiB of prefix blocks; the KV itself is 0.5 MiB
 
     def grows_by(prefault: bool) -> int:
-        before = resident_kib()
-        buf = SlotBuffer(num_layers=4, max_slots=2, kv_heads=2, max_seq_len=64, head_dim=64, dtype=torch.float32,
-                         device=torch.device("cpu"), prefix_blocks=768, block_tokens=16, prefault_pool=prefault)
-        grown = resident_kib() - before
-        del buf
-        return grown
+        """In a fresh process: in a long test run, freed memory that is still resident would be
+        reused by the pool, and a prefaulted pool would not seem to grow the process."""
+        code = ("import torch\nfrom flover.runner.kv_buffer import SlotBuffer\n"
+                "from tests.test_kv_buffer import resident_kib\nbefore = resident_kib()\n"
+                "buf = SlotBuffer(num_layers=4, max_slots=2, kv_heads=2, max_seq_len=64, head_dim=64, "
+                "dtype=torch.float32, device=torch.device('cpu'), prefix_blocks=768, block_tokens=16, "
+                f"prefault_pool={prefault})\n"
+                "print(resident_kib() - before)\n")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parent.parent)
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout.split()[-1])
 
     assert grows_by(True) >= pool_kib
     assert grows_by(False) < pool_kib // 4

@@ -182,7 +182,7 @@ class BatchRunner:
                 if out.finished:
                     self._finish(out)
                     finished += 1
-            self.progress.update(finished, self.summary.completion_tokens, self._in_flight())
+            self.progress.update(finished, self.summary.completion_tokens, engine.num_in_flight)
             if self.on_step is not None:
                 self.on_step(self, outputs)
         self.summary.wall_s = time.perf_counter() - start
@@ -210,11 +210,7 @@ class BatchRunner:
         log.warning("%s", message)
         self.summary.errors += 1
         self.writer.write(record.index, error_record(record, code, message))
-        self.progress.update(1, self.summary.completion_tokens, self._in_flight())
-
-    def _in_flight(self) -> int:
-        stats = self.engine.stats()
-        return stats.running + stats.waiting
+        self.progress.update(1, self.summary.completion_tokens, self.engine.num_in_flight)
 
     def _finish(self, out: RequestOutput) -> None:
         s = self.summary

@@ -107,7 +107,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
         started = time.perf_counter()
         outputs = engine.step()
         end = time.perf_counter() - t0
-        trace.iteration_log.append((end, engine.stats().running + sum(o.finished for o in outputs),
+        trace.iteration_log.append((end, engine.num_running + sum(o.finished for o in outputs),
                                     time.perf_counter() - started, engine.last_step_tokens))
         for out in outputs:
             t = by_id[out.request_id]

@@ -23,23 +23,24 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
-from flover.runner.build import RankSetup, build_runner
-from flover.runner.cuda_graphs import DecodeGraphs
-from flover.hardware import resolve_dtype
-from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
-from flover.models import open_checkpoint
-if TYPE_CHECKING:
-    from flover.native.forward import NativeForward
-from flover.parallel.channel import PlanChannel
-from flover.parallel.comm import Communicator
-from flover.models.tp_layout import TPLayout
-from flover.parallel.plan import AddEvent
-from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.output import OutputProcessor
-from flover.request import Request, RequestOutput, StepResult, Timings
+from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
+from flover.hardware import resolve_dtype
+from flover.models import open_checkpoint
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
+from flover.models.tp_layout import TPLayout
+from flover.parallel.channel import PlanChannel
+from flover.parallel.comm import Communicator
+from flover.parallel.plan import AddEvent
+from flover.request import Request, RequestOutput, StepResult, Timings
+from flover.runner.build import RankSetup, build_runner
+from flover.runner.cuda_graphs import DecodeGraphs
+from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
+
+if TYPE_CHECKING:  # a type only: the runner holds it
+    from flover.native.forward import NativeForward
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +215,8 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("messages need the checkpoint's tokenizer")
         if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
-            contents = "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
-            self._check_text_size(contents)
+            self._check_text_size("".join(m["content"] for m in messages
+                                          if isinstance(m, dict) and isinstance(m.get("content"), str)))
         text = self.tokenizer.render_chat(messages)
         self._check_text_size(text)
         ids = self._checked(self._encode(text, False))
@@ -231,9 +232,9 @@ class Engine:
 
     def _checked(self, ids: list[int]) -> list[int]:
         """The tokenizer's ids, which a careless checkpoint may let outside the model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        if ids and max(ids) >= vocab:
-            raise ValueError(f"the tokenizer gave token id {max(ids)}, outside the model's vocabulary of {vocab}: "
+        vocab, largest = self.model_config.vocab_size, max(ids, default=-1)
+        if largest >= vocab:
+            raise ValueError(f"the tokenizer gave token id {largest}, outside the model's vocabulary of {vocab}: "
                              f"the checkpoint's tokenizer does not match its model")
         return ids
 
@@ -249,6 +250,16 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        """Requests in a slot, not finished (cheap: for loops that ask every iteration)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests queued or running (a finished one leaves at the next step)."""
+        return len(self.scheduler.requests)
 
     def can_accept(self, max_waiting: int) -> bool:
         """Whether a request queued now would wait behind fewer than `max_waiting` others."""

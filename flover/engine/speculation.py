@@ -148,7 +148,8 @@ def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: 
         if state is None:
             state = r.drafting = Drafting(NgramLookup(speculation.ngram, r.prompt_token_ids))
         outputs = len(r.output_token_ids)
-        room = min(state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1, budget - used)
+        room = min(state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1,
+                   budget - used)
         state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len:])
         draft = state.lookup.draft(room)
         drafts.append(draft)

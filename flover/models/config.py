@@ -30,7 +30,9 @@ def check_sizes(sizes: dict, where: str, optional: bool = False) -> None:
     default applies)."""
     for name, value in sizes.items():
         high = next((b for key, b in SIZE_BOUNDS.items() if key in name), MAX_WIDTH)
-        if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
             raise CheckpointError(f"{where}: {name} must be an integer in [1, {high}], got {value!r}")
 
 

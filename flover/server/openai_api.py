@@ -105,7 +105,8 @@ def check_json_values(body) -> None:
                     stack.append((item, entry, key, depth + 1))
         if why is not None:
             where = _json_path(entry)
-            raise ApiError(400, f"{where or 'the request body'}: {why}", param=where.split(".")[0].split("[")[0] or None)
+            top = where.split(".")[0].split("[")[0] or None  # the body's field it lies in
+            raise ApiError(400, f"{where or 'the request body'}: {why}", param=top)
 
 
 def _json_path(entry) -> str:
