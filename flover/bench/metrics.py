@@ -60,7 +60,7 @@ def run_summary(trace: RunTrace) -> dict:
     per = [request_metrics(t) for t in trace.requests]
     makespan = max(t.token_times[-1] for t in trace.requests) - min(t.arrival for t in trace.requests)
     tokens = sum(p["output_tokens"] for p in per)
-    summary = {"mode": trace.mode, "note": trace.note, "requests": len(per), "output_tokens": tokens,
+    summary = {"mode": trace.mode, "note": trace.note, "kernels": trace.kernels, "requests": len(per), "output_tokens": tokens,
                "makespan_s": makespan, "output_tok_s": tokens / makespan, "requests_s": len(per) / makespan,
                "iterations": trace.iterations, "overlap_share": overlap_share(trace),
                "shuffle_moves": trace.shuffle_moves, "shuffle_s": trace.shuffle_s,

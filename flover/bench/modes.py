@@ -47,6 +47,7 @@ class RunTrace:
     shuffle_moves: int = 0
     shuffle_s: float = 0.0
     note: str = ""
+    kernels: str = ""  # the native step's kernel family ("": PyTorch, or not flover's engine)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
                 running_batch.discard(out.request_id)
     after = engine.stats()
     trace.iterations = after.iterations - before.iterations
+    trace.kernels = after.native_kernels or ""
     trace.shuffle_moves = after.shuffle_moves - before.shuffle_moves  # slot moves of the two-step shuffle ...
     trace.shuffle_s = after.shuffle_seconds - before.shuffle_seconds  # ... and the time their copies took
     return trace

@@ -278,7 +278,8 @@ class Engine:
             accepted_tokens=self.accepted_tokens,
             prefix_cache=None if cache is None else {
                 **dataclasses.asdict(cache.stats), "blocks_used": cache.used_blocks,
-                "blocks_total": cache.num_blocks, "block_tokens": cache.block_tokens})
+                "blocks_total": cache.num_blocks, "block_tokens": cache.block_tokens},
+            native_kernels=self.runner.native.kernels if self.runner.native is not None else None)
 
     @torch.inference_mode()
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -374,6 +375,7 @@ class EngineStats:
     draft_tokens: int  # speculation: draft rows computed ...
     accepted_tokens: int  # ... and accepted
     prefix_cache: dict | None  # its counters and blocks, or None when off
+    native_kernels: str | None  # the native step's kernel family (e.g. "AVX2+FMA"), None: PyTorch runs
 
 
 class LLM:

@@ -27,6 +27,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import shutil
 import subprocess
 import time
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flover.config import NATIVE_KERNELS
 from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
@@ -47,9 +49,62 @@ if TYPE_CHECKING:  # the runner's buffer (a type only: the runner imports this m
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "llama_forward.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-# The C structs (llama_forward.c: Model, Layer), every field an int64.
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # native.h lists what each holds
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
+CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fvisibility=hidden")
+# Kernel families (simd.h): the compiler flags that select each, and the CPU flags it needs
+# (/proc/cpuinfo's names). "auto" builds for this CPU (-march=native: its widest family).
+X86_V3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
+X86_V4 = X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    flags: tuple[str, ...]
+    needs: frozenset[str]
+    machine: str  # platform.machine() it runs on ("" any)
+
+
+KERNEL_FAMILIES = {
+    "avx512bf16": KernelFamily(("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"),
+                               frozenset(X86_V4 | {"avx512_bf16"}), "x86_64"),
+    "avx512": KernelFamily(("-march=x86-64-v4", "-mtune=native"), frozenset(X86_V4), "x86_64"),
+    "avx2": KernelFamily(("-march=x86-64-v3", "-mtune=native"), frozenset(X86_V3), "x86_64"),
+    "neon": KernelFamily(("-march=armv8-a",), frozenset({"asimd"}), "aarch64"),
+    "generic": KernelFamily(("-DFLOVER_GENERIC",), frozenset(), ""),  # portable C: the reference
+}
+assert set(NATIVE_KERNELS) == {"auto", *KERNEL_FAMILIES}, "config.NATIVE_KERNELS names these families"
+KERNELS_ENV = "FLOVER_NATIVE_KERNELS"  # overrides "auto" (tests, side-by-side runs)
+
+
+def kernel_flags(family: str) -> tuple[str, ...]:
+    """The compiler flags of `family` ("auto": this CPU's), or NativeUnavailable if this CPU
+    cannot run it."""
+    if family == "auto":
+        return ("-march=native",) if platform.machine() in ("x86_64", "aarch64") else ()
+    if family not in KERNEL_FAMILIES:
+        raise NativeUnavailable(f"unknown kernel family {family!r}: choose auto or one of {', '.join(KERNEL_FAMILIES)}")
+    kind = KERNEL_FAMILIES[family]
+    missing = sorted(kind.needs - cpu_flags())
+    if kind.machine and platform.machine() != kind.machine or missing:
+        why = f"lacks {', '.join(missing)}" if missing and platform.machine() == kind.machine else \
+            f"is {platform.machine()}"
+        raise NativeUnavailable(f"kernel family {family} cannot run here: this CPU {why}")
+    return kind.flags
+
+
+def runnable_families() -> list[str]:
+    """The kernel families this CPU can execute (tests build and check each)."""
+    families = []
+    for name in KERNEL_FAMILIES:
+        try:
+            kernel_flags(name)
+        except NativeUnavailable:
+            continue
+        families.append(name)
+    return families
+
+
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
                 "embed", "final_norm", "head", "head_scales", "cos", "sin", "quant", "vocab_start", "all_reduce",
@@ -76,8 +131,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flover" / "native"
 
 
-def build_library() -> Path:
-    """Compile llama_forward.c for this CPU unless a build of the same inputs is cached."""
+def build_library(family: str = "auto") -> Path:
+    """Compile the native step's sources for `family` unless a build of the same inputs is cached."""
+    family = os.environ.get(KERNELS_ENV, "auto") if family == "auto" else family
+    flags = (*CFLAGS, *kernel_flags(family))
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise NativeUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC, or install gcc)")
@@ -85,9 +142,10 @@ def build_library() -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"{compiler} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version,
+    sources = "\0".join(f"{p.name}\0{p.read_text()}" for p in SOURCES + HEADERS)
+    key = hashlib.sha256("\0".join([sources, " ".join(flags), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"llama_forward-{key}.so"
+    path = cache_dir() / f"llama_forward-{family}-{key}.so"
     if path.is_file():
         return path
     try:
@@ -97,24 +155,24 @@ def build_library() -> Path:
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent builds never meet
     started = time.perf_counter()
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
+        done = subprocess.run([compiler, *flags, "-o", str(partial), *map(str, SOURCES), "-lm"], capture_output=True,
                               text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
+        raise NativeUnavailable(f"compiling the native step failed: {e}") from e
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise NativeUnavailable(f"compiling {SOURCE.name} failed ({compiler} exit {done.returncode}): "
+        raise NativeUnavailable(f"compiling the native step failed ({compiler} exit {done.returncode}): "
                                 f"{done.stderr.strip()[-2000:]}")
     try:
         os.replace(partial, path)
     except OSError as e:
         raise NativeUnavailable(f"cannot store the build in {path.parent}: {e}") from e
-    log.info("native step compiled in %.1f s: %s", time.perf_counter() - started, path)
+    log.info("native step (%s kernels) compiled in %.1f s: %s", family, time.perf_counter() - started, path)
     return path
 
 
-def load_library() -> ctypes.CDLL:
-    path = build_library()
+def load_library(family: str = "auto") -> ctypes.CDLL:
+    path = build_library(family)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -125,12 +183,17 @@ def load_library() -> ctypes.CDLL:
     lib.flover_forward.argtypes = [p, p, ctypes.c_int, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p,
                                    ctypes.c_double, ctypes.c_int]
     lib.flover_forward.restype = ctypes.c_int
-    lib.flover_has_bf16_dot.restype = ctypes.c_int
+    lib.flover_kernels.restype = ctypes.c_char_p
     lib.flover_check_model.argtypes = [p]
     lib.flover_check_model.restype = ctypes.c_int
     lib.flover_argmax.argtypes = [p, ctypes.c_int, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.flover_argmax.restype = None
     return lib
+
+
+def kernels_of(lib: ctypes.CDLL) -> str:
+    """The kernel family a loaded build runs, e.g. "AVX2+FMA" or "AVX-512F, bfloat16 dot products"."""
+    return lib.flover_kernels().decode()
 
 
 def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> list[int]:
@@ -304,7 +367,7 @@ class WeightArena:
 
 class NativeForward:
     def __init__(self, model: LlamaForCausalLM, buffer: "SlotBuffer", dtype: torch.dtype, threads: int,
-                 max_rows: int, release: bool = False, comm=None):
+                 max_rows: int, release: bool = False, comm=None, kernels: str = "auto"):
         """Reads the model's dense (row-major) weights once, into blocked copies of its own.
         `release`: release each projection (Linear.release) as soon as its copy is made, so that
         memory never holds two copies of the model (every NativeUnavailable comes before the
@@ -315,7 +378,8 @@ class NativeForward:
         why = unsupported(model, dtype)
         if why is not None:
             raise NativeUnavailable(why)
-        self.lib = load_library()
+        self.lib = load_library(kernels)
+        self.kernels = kernels_of(self.lib)
         self.model, self.dtype, self.threads = model, dtype, threads
         self.max_rows = max_rows
         cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]
@@ -334,16 +398,13 @@ class NativeForward:
             elif lin.quantized is not None and lin.quantized.mode == "int8":
                 layouts[id(lin)] = (int8_shapes, INT8, block_int8)
         layer_modes = {lin.quantized.mode for lin in linears if id(lin) in layouts}
-        if "int4" in layer_modes and not self.lib.flover_has_bf16_dot():
-            raise NativeUnavailable("this build has no 4-bit kernels (they need AVX-512 BF16)")
         quantized = [lin for lin in linears + [model.lm_head] if id(lin) in layouts]
         dense = ([] if id(model.lm_head) in layouts else [head]) + [lin.weight for lin in linears
                                                                      if id(lin) not in layouts]
         # greedy rows find their id through a cheaper copy of a dense head (llama_forward.c,
         # "greedy through a screen of the LM head"): exact, and the head is a fifth of a token.
         # Not under TP (each rank would only know its vocabulary block's best).
-        self.screens_greedy = (comm is None and id(model.lm_head) not in layouts
-                               and bool(self.lib.flover_has_bf16_dot()))
+        self.screens_greedy = comm is None and id(model.lm_head) not in layouts
         screen = HeadScreen.of(head) if self.screens_greedy else None
         # int8's screen (bfloat16 models) pays at a few rows only; beyond them the whole head,
         # its argmax taken as its tiles come out; float32's pays at every row count (design notes)
@@ -415,6 +476,7 @@ class NativeForward:
         self._ids = (ctypes.c_int64 * max_rows)()  # greedy's output
         self._screen_scores = torch.empty(0, self.vocab, dtype=torch.float32)  # the screen's scratch, kept
         self.quantized_projections = len(quantized)
+        self.quantization = next(iter(sorted(layer_modes)), None)
         self.iterations = 0  # iterations run natively (stats, tests)
         self.screened_rows = self.full_head_rows = 0  # greedy rows whose ids came back; of them, with every logit
 
@@ -435,6 +497,15 @@ class NativeForward:
 
         self._all_reduce = ALL_REDUCE(all_reduce)  # referenced for as long as the C code may call it
         return ctypes.cast(self._all_reduce, ctypes.c_void_p).value
+
+    def describe(self) -> str:
+        """What runs, for the start-up line: e.g. "AVX2+FMA kernels, bfloat16 weights widened to float32"."""
+        dot = "bfloat16 dot products" in self.kernels
+        if self.dtype == torch.float32:
+            weights = "float32 weights"
+        else:
+            weights = f"{self.quantization or 'bfloat16'} weights" + (" in dot products" if dot else " widened to float32")
+        return f"{self.kernels} kernels, {weights}"
 
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor | list[int] | None:
         """[sampled rows, vocab block] logits of the iteration, or None when it has more tokens

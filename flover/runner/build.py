@@ -70,7 +70,7 @@ def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) ->
     config, started = s.config, time.perf_counter()
     try:
         native = NativeForward(model, buffer, s.dtype, torch.get_num_threads(), config.max_batch_tokens,
-                               release=not config.keep_pytorch_weights, comm=s.comm)
+                               release=not config.keep_pytorch_weights, comm=s.comm, kernels=config.native_kernels)
     except NativeUnavailable as e:
         log.warning("native step off, iterations run on PyTorch only: %s", e)
         pack_projections(model, config.max_slots)
@@ -79,7 +79,8 @@ def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) ->
         pack_projections(model, config.max_slots)
     else:
         release_projections(model)
-    log.info("native step: iterations run as one native call (ready in %.2f s)", time.perf_counter() - started)
+    log.info("native step: %s (iterations run as one native call, ready in %.2f s)", native.describe(),
+             time.perf_counter() - started)
     return native
 
 

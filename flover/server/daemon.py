@@ -504,7 +504,7 @@ class Daemon:
                 "kv_bytes": e.kv_bytes, "kv_tokens": e.kv_tokens, "kv_use": e.kv_use, "iterations": e.iterations,
                 "uptime_s": time.time() - self.started, "draining": self.draining, "shuffle_moves": e.shuffle_moves,
                 "shuffle_bytes": e.shuffle_bytes, "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
-                "prefix_cache": e.prefix_cache, **self.counters, "metrics": self.metrics.snapshot()}
+                "prefix_cache": e.prefix_cache, "native_kernels": e.native_kernels, **self.counters, "metrics": self.metrics.snapshot()}
 
 
 def _refusal(e: Exception, request_id) -> protocol.ProtocolError:

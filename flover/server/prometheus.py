@@ -49,6 +49,11 @@ class _Snapshot:
             yield from self._one_each(GaugeMetricFamily, (
                 ("prefix_cache_usage_perc", "Share of the prefix cache's blocks in use (0-1)",
                  p["blocks_used"] / max(1, p["blocks_total"])),))
+        if s.get("native_kernels"):  # an info metric: which kernels the native step runs
+            info = GaugeMetricFamily(PREFIX + "native_kernels_info", "The native step's kernel family",
+                                     labels=[*names, "kernels"])
+            info.add_metric([self.model, s["native_kernels"]], 1)
+            yield info
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason",
                                        labels=[*names, "finished_reason"])
         for reason, count in sorted(m["finished"].items()):

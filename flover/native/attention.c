@@ -1,0 +1,228 @@
+/* Attention of the native step: a decode row's query heads over their slot's cached keys
+ * (attend), and a block of consecutive prompt rows of one slot (attend_prompt). Float32 softmax
+ * and weighted sum of values, as the PyTorch path's attention; outputs rounded to the model
+ * dtype. A row's result depends only on its own slot and position. */
+#include "native.h"
+
+/* The weighted sum of values: PV_QUERIES queries at a time, over PV_CHUNKS x 16 dimensions, the
+ * accumulators in registers (AVX-512: 4 x 4 of 32; the narrower families take fewer). */
+#if defined(V_AVX512)
+#define PV_QUERIES 4
+#define PV_CHUNKS 4
+#else
+#define PV_QUERIES 2
+#define PV_CHUNKS 2
+#endif
+#define PV_DIMS (16 * PV_CHUNKS)
+
+int vector_attention(const Model *md) {
+    const int64_t group = md->heads / md->kv_heads, d = md->head_dim;
+    return group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0;
+}
+
+/* G queries of one kv head over dimensions [i0, i0 + PV_DIMS): each value row is loaded (and
+ * widened from bfloat16) once for the G queries. Query g's weight of key t is sc[g * qs + t * ts],
+ * its output outs[g] (divided by total[g], rounded to the model dtype). Per output, keys are
+ * added in order first..len-1. */
+#define PV_BLOCK(G)                                                                                        \
+    static void pv_block_##G(const void *v_base, int64_t pos, int bf, int64_t i0, int64_t d, int64_t first, \
+                             int64_t len, const float *sc, int64_t qs, int64_t ts, const float *total,  \
+                             float *const *outs) {                                                     \
+        int64_t n[PV_CHUNKS];                                                                              \
+        v16 acc[G][PV_CHUNKS];                                                                             \
+        for (int c = 0; c < PV_CHUNKS; c++) n[c] = d - i0 - 16 * c;                                        \
+        for (int g = 0; g < G; g++)                                                                        \
+            for (int c = 0; c < PV_CHUNKS; c++) acc[g][c] = v_zero();                                      \
+        for (int64_t t = first; t < len; t++) {                                                            \
+            v16 v[PV_CHUNKS];                                                                              \
+            for (int c = 0; c < PV_CHUNKS; c++)                                                            \
+                v[c] = n[c] > 0 ? v_loadx(v_base, t * pos + i0 + 16 * c, bf, n[c]) : v_zero();             \
+            for (int g = 0; g < G; g++) {                                                                  \
+                const v16 p = v_set1(sc[g * qs + t * ts]);                                                 \
+                for (int c = 0; c < PV_CHUNKS; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);               \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int g = 0; g < G; g++)                                                                        \
+            for (int c = 0; c < PV_CHUNKS; c++)                                                            \
+                if (n[c] > 0) v_storen(outs[g] + i0 + 16 * c, v_rnd(v_div(acc[g][c], v_set1(total[g])), bf), n[c]); \
+    }
+PV_BLOCK(1)
+PV_BLOCK(2)
+PV_BLOCK(3)
+PV_BLOCK(4)
+#undef PV_BLOCK
+
+/* pv_block over `queries` queries, PV_QUERIES at a time, and every PV_DIMS dimensions. */
+static void weigh_values(const void *v_base, int64_t pos, int bf, int64_t d, int64_t first, int64_t len,
+                         const float *sc, int64_t qs, int64_t ts, int64_t queries, const float *total,
+                         float *const *outs) {
+    for (int64_t j0 = 0; j0 < queries; j0 += PV_QUERIES) {
+        const int64_t n = queries - j0 < PV_QUERIES ? queries - j0 : PV_QUERIES;
+        const float *s = sc + j0 * qs;
+        for (int64_t i0 = 0; i0 < d; i0 += PV_DIMS) {
+            if (n == 4) pv_block_4(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            else if (n == 3) pv_block_3(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            else if (n == 2) pv_block_2(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            else pv_block_1(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+        }
+    }
+}
+
+/* Scores of keys [t0, t0 + keys) (keys <= 16) for one query head, scaled: 16 dot products,
+ * summed across lanes together (v_sum_each). bfloat16 keys meet the query's bfloat16 copy qb
+ * (exact: it holds bfloat16 values) in the dot-product instruction where the CPU has it. */
+static inline void score_keys(const float *q, const uint16_t *qb, const void *k_base, int64_t pos, int64_t d,
+                              int bf, int64_t t0, int64_t keys, float scale, float *sc) {
+    v16 acc[16];
+    if (!(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
+        for (int64_t j = 0; j < 16; j++) {
+            acc[j] = v_zero();
+            for (int64_t i = 0; j < keys && i < d; i += 16)
+                acc[j] = v_fmadd(v_loadn(q + i, d - i), v_loadx(k_base, (t0 + j) * pos + i, bf, d - i), acc[j]);
+        }
+    v_storen(sc + t0, v_mul(v_sum_each(acc), v_set1(scale)), keys);
+}
+
+/* q: the group's query heads, `group` rows of d floats, d apart (head after head); keys [first,
+ * len) of the slot; out: the group's outputs, likewise. scores: group * max_seq floats of
+ * scratch. */
+void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base, int64_t first,
+            int64_t len, float *scores, float *out) {
+    const int bf = md->dtype == DT_BF16;
+    const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
+    const float scale = 1.f / sqrtf((float)d);
+    if (vector_attention(md)) {
+        uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
+        if (bf) to_model_dtype(q, qb, group * d, 1);
+        const int64_t es = bf ? 2 : 4;
+        for (int64_t t0 = first; t0 < len; t0 += 16) { /* 16 keys at a time, one head after another */
+            /* a task reads two short streams: ask for the keys two blocks ahead and for this
+             * block's values (needed after the softmax) before the prefetchers ramp up */
+            for (int64_t t = t0; t < t0 + 16 && t < len; t++) {
+                const char *kr = (const char *)k_base + (t + 32) * pos * es, *vr = (const char *)v_base + t * pos * es;
+                for (int64_t b = 0; b < d * es; b += 64) {
+                    if (t + 32 < len) v_prefetch(kr + b);
+                    v_prefetch_l2(vr + b);
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                score_keys(q + g * d, qb + g * d, k_base, pos, d, bf, t0, len - t0 < 16 ? len - t0 : 16, scale,
+                           scores + g * stride);
+        }
+        float total[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            float *sc = scores + g * stride;
+            v16 best = v_set1(-INFINITY), sum = v_zero();
+            for (int64_t t = first; t < len; t += 16)
+                best = v_max(best, v_select(lanes(len - t), v_loadn(sc + t, len - t), v_set1(-INFINITY)));
+            const v16 top = v_set1(v_reduce_max(best));
+            for (int64_t t = first; t < len; t += 16) {
+                const int64_t n = len - t;
+                const v16 e = v_select(lanes(n), v_exp(v_sub(v_loadn(sc + t, n), top)), v_zero());
+                v_storen(sc + t, e, n);
+                sum = v_add(sum, e);
+            }
+            total[g] = v_reduce_add(sum);
+        }
+        float *outs[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) outs[g] = out + g * d;
+        weigh_values(v_base, pos, bf, d, first, len, scores, stride, 1, group, total, outs);
+        return;
+    }
+    for (int64_t g = 0; g < group; g++) { /* groups or heads too large for the scratch above */
+        float *sc = scores + g * stride, best = -INFINITY, total = 0.f;
+        for (int64_t t = first; t < len; t++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < d; i++) s += q[g * d + i] * load(k_base, t * pos + i, bf);
+            sc[t] = s * scale;
+            if (sc[t] > best) best = sc[t];
+        }
+        for (int64_t t = first; t < len; t++) {
+            sc[t] = expf(sc[t] - best);
+            total += sc[t];
+        }
+        for (int64_t i = 0; i < d; i++) {
+            float acc = 0.f;
+            for (int64_t t = first; t < len; t++) acc += sc[t] * load(v_base, t * pos + i, bf);
+            out[g * d + i] = rnd(acc / total, bf);
+        }
+    }
+}
+
+/* ---- attention of a block of prompt rows ------------------------------------------------------
+ * Consecutive prompt rows r0..r0+n-1 of one slot (consecutive positions) and kv head g: the
+ * n x group queries are blocked like a weight (tiles.c: query j = row j / group, head j % group,
+ * 16 queries per block), so that query-key scores come from the projection tiles, the keys as
+ * their input rows: each key row is read once per block instead of once per query, and no
+ * horizontal sums. Scores S[key][query] (scaled), then per query the softmax over its own keys
+ * [first, len) (zero weight elsewhere), then the weighted values as in decode. Every query's
+ * numbers are computed in the same order whatever the block holds (the tile sums each score over
+ * dimensions in order; exact zeros for the other rows' keys add nothing), so a prompt row's
+ * result does not depend on how its prompt was chunked or with what it shares the iteration.
+ * Needs keys stored as rows of head_dim (kv_pos == head_dim). */
+void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
+                   int64_t g, const int64_t *positions, int64_t window, const void *k_base, const void *v_base,
+                   float *scratch, float *mid) {
+    const int bf = md->dtype == DT_BF16;
+    const int64_t d = md->head_dim, pos = md->kv_pos, group = md->heads / md->kv_heads, es = bf ? 2 : 4;
+    const int64_t nq = n * group, nb = (nq + 15) / 16, width = nb * 16;
+    const float scale = 1.f / sqrtf((float)d);
+    void *qt = scratch;                         /* blocked queries: nb x d x 16 values */
+    float *S = scratch + MAX_BLOCK_QUERIES * d; /* [keys of the block][width] */
+    float first[MAX_BLOCK_QUERIES], len[MAX_BLOCK_QUERIES]; /* positions, exact in float */
+    float total[MAX_BLOCK_QUERIES], *outs[MAX_BLOCK_QUERIES];
+    for (int64_t j = 0; j < width; j++) {
+        const int64_t jb = j / 16, lane = j % 16;
+        const float *q = j < nq ? wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d : 0;
+        if (bf) { /* the layout block_weight gives: pairs of inputs, 32 bits a pair */
+            uint32_t pairs[MAX_HEAD_DIM / 2], *to = (uint32_t *)qt + jb * (d / 2) * 16 + lane;
+            if (q) to_model_dtype(q, pairs, d, 1);
+            for (int64_t i = 0; i < d / 2; i++) to[i * 16] = q ? pairs[i] : 0;
+        } else {
+            float *to = (float *)qt + jb * d * 16 + lane;
+            for (int64_t i = 0; i < d; i++) to[i * 16] = q ? q[i] : 0.f;
+        }
+        if (j < nq) {
+            const int64_t at = positions[r0 + j / group] + 1;
+            len[j] = (float)at;
+            first[j] = (float)first_key(at, window);
+            outs[j] = mid + (r0 + j / group) * q_size + (g * group + j % group) * d;
+        } else first[j] = len[j] = 0.f; /* padding: no keys */
+    }
+    const int64_t kmin = (int64_t)first[0], kmax = (int64_t)len[nq - 1]; /* positions rise along the block */
+    for (int64_t t = kmin; t < kmax;) {
+        const int mt = tile_rows((int)(kmax - t < 6 ? kmax - t : 6));
+        float out[6 * 4 * 16];
+        tile(qt, 0, d, (const char *)k_base + t * pos * es, 0, mt, (int)nb, bf, out, 0);
+        for (int i = 0; i < mt; i++)
+            for (int64_t jb = 0; jb < nb; jb++)
+                v_store(S + (t - kmin + i) * width + jb * 16, v_mul(v_load(out + (i * nb + jb) * 16), v_set1(scale)));
+        t += mt;
+    }
+    for (int64_t jb = 0; jb < nb; jb++) { /* softmax down the key axis, 16 queries per vector */
+        const v16 fv = v_load(first + jb * 16), lv = v_load(len + jb * 16);
+        /* the keys of the block's queries: the others are left as they are (weigh_values below
+         * reads each query's own keys only) */
+        const int64_t t0 = (int64_t)first[jb * 16], t1 = (int64_t)len[(jb + 1) * 16 <= nq ? (jb + 1) * 16 - 1 : nq - 1];
+        v16 best = v_set1(-INFINITY), sum = v_zero();
+        for (int64_t t = t0; t < t1; t++) {
+            const v16 tv = v_set1((float)t);
+            const m16 m = v_ge(tv, fv) & v_gt(lv, tv);
+            best = v_select(m, v_max(best, v_load(S + (t - kmin) * width + jb * 16)), best);
+        }
+        for (int64_t t = t0; t < t1; t++) {
+            const v16 tv = v_set1((float)t);
+            const m16 m = v_ge(tv, fv) & v_gt(lv, tv);
+            float *row = S + (t - kmin) * width + jb * 16;
+            const v16 e = v_select(m, v_exp(v_sub(v_load(row), best)), v_zero());
+            v_store(row, e);
+            sum = v_add(sum, e);
+        }
+        v_store(total + jb * 16, sum);
+    }
+    for (int64_t j0 = 0; j0 < nq; j0 += PV_QUERIES) { /* PV_QUERIES queries at a time over their keys only */
+        const int64_t n_j = nq - j0 < PV_QUERIES ? nq - j0 : PV_QUERIES;
+        weigh_values(v_base, pos, bf, d, (int64_t)first[j0], (int64_t)len[j0 + n_j - 1], S - kmin * width + j0, 1,
+                     width, n_j, total + j0, outs + j0);
+    }
+}

@@ -1,0 +1,121 @@
+/* What the native step's files share: the model as flover/native/forward.py describes it, the
+ * kinds of weights, and the functions one file offers the others. Layout of the sources:
+ *
+ *   simd.h             16 float lanes on every instruction set (the mapping)
+ *   tiles.c            projection tiles written once on the mapping (float32, and bfloat16 /
+ *                      int8 / int4 weights widened to float32 in registers)
+ *   tiles_bf16_dot.c   the same tiles through AVX-512 BF16's dot-product instruction
+ *   project.c          a whole projection: threads, tiles, bias and rounding of the outputs
+ *   row_ops.c          norms, RoPE, residuals, SiLU: a few vector loops per row
+ *   attention.c        decode rows over their slot's keys; blocks of prompt rows
+ *   greedy.c           argmax, and greedy ids through a screen of the LM head
+ *   llama_forward.c    one fused iteration, top to bottom
+ */
+#ifndef FLOVER_NATIVE_H
+#define FLOVER_NATIVE_H
+
+#include <stdint.h>
+
+#include "simd.h"
+
+#define API __attribute__((visibility("default"))) /* everything else stays inside the library */
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+/* Mirrors MODEL_FIELDS in flover/native/forward.py: int64 fields, pointers as addresses. */
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
+    int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
+    int64_t embed, final_norm, head, head_scales, cos, sin;   /* head_scales: int8 head (else 0);
+                                                                 rotary tables [max_seq, head_dim] */
+    int64_t quant; /* the layers' *_codes: 4 (int4 kernels), 8 (int8), 0 (none) */
+    /* Tensor parallelism: this rank's vocabulary block starts at vocab_start (embed and head hold
+     * `vocab` rows of it), and all_reduce (a void (*)(float *, int64_t) address; 0 at TP=1) sums
+     * a float buffer over the ranks in place, as the PyTorch path's all-reduces do. */
+    int64_t vocab_start, all_reduce;
+    /* greedy through a screen of the head (greedy.c): its copy (float32 models: bfloat16,
+     * blocked as bfloat16's pairs; bfloat16 models: int8 codes, blocked so, and row scales) and
+     * each vocabulary row's bound factor (float32); else 0 */
+    int64_t head_screen, head_screen_scales, head_bounds;
+    /* the screen takes up to this many greedy rows (float32 models: every row count); more take
+     * the whole head, their argmax found as its tiles come out (head_greedy) */
+    int64_t screen_rows;
+} Model;
+
+/* Mirrors LAYER_FIELDS: weight addresses of one layer, 0 where the model has no such bias; the
+ * layer's sliding window (0: none); with --quantization int4 the projections' 4-bit codes and
+ * group scales (tiles.c, "4-bit tiles"), with int8 their blocked codes and row scales, else 0. */
+typedef struct {
+    int64_t input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, window;
+    int64_t qkv_codes, qkv_scales, o_codes, o_scales, gate_up_codes, gate_up_scales, down_codes, down_scales;
+} Layer;
+
+/* What a projection's weights are: the model dtype's values, or int8 codes (inputs bfloat16). */
+enum { W_F32 = DT_F32, W_BF16 = DT_BF16, W_Q8 = 2 };
+
+static inline int64_t weight_bytes(int kind) { return kind == W_Q8 ? 1 : kind == W_BF16 ? 2 : 4; }
+
+/* ---- tiles.c ----------------------------------------------------------------------------------- */
+/* MT rows x NT blocks of 16 outputs, from block nb and row m0; out: [MT][NT][16] floats. pf: 0,
+ * or a weight stream to prefetch meanwhile (64 bytes per input step). */
+void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
+          float *out, const char *pf);
+int tile_rows(int left); /* the row count of the next tile over `left` rows */
+int tile_blocks(void);   /* blocks per tile */
+/* 4-bit tiles: MT (q4_rows) rows x one block; x: bfloat16 operand rows, xsum: each row's group sums */
+void tile_q4(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x, const float *xsum,
+             float *out);
+int q4_rows(int left);
+/* the family this build runs, e.g. "AVX-512F, bfloat16 dot products" */
+API const char *flover_kernels(void);
+
+/* ---- tiles_bf16_dot.c (AVX-512 BF16 builds; elsewhere they return 0: not done) ---------------- */
+int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int kind, float *out,
+                  const char *pf);
+int tile_q4_bf16_dot(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x,
+                     const float *xsum, float *out);
+int keys_bf16_dot(const uint16_t *qb, const uint16_t *k_base, int64_t pos, int64_t d, int64_t t0, int64_t keys,
+                  v16 acc[16]);
+int has_bf16_dot(void);
+
+/* ---- project.c --------------------------------------------------------------------------------- */
+/* Greedy ids straight from the head's tiles: each thread's running maximum of each of its rows,
+ * [nt][rows] each: the largest value, its first index (-1: none above -inf), the first NaN. */
+typedef struct {
+    float *top;
+    int64_t *at, *nan_at;
+} RowMax;
+
+void to_model_dtype(const float *x, void *dst, int64_t n, int bf);
+void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
+             int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt);
+void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
+                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt, RowMax *most);
+void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb, float *xsum,
+                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt);
+
+/* ---- row_ops.c --------------------------------------------------------------------------------- */
+void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);
+void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf);
+void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
+                       int nt);
+void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
+
+/* ---- attention.c ------------------------------------------------------------------------------- */
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_QUERIES 64
+int vector_attention(const Model *md);
+static inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base, int64_t first,
+            int64_t len, float *scores, float *out);
+void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
+                   int64_t g, const int64_t *positions, int64_t window, const void *k_base, const void *v_base,
+                   float *scratch, float *mid);
+
+/* ---- greedy.c ---------------------------------------------------------------------------------- */
+API void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, int bf, int64_t *ids, int nt);
+int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *scores, int64_t *ids, int nt);
+int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *ids, int nt);
+
+#endif

@@ -1,0 +1,165 @@
+/* A whole projection y = x W^T (+ bias): the threads split the weight blocks (each reads its
+ * share of the weight once, from memory, and the rows' tiles again from its cache); the tiles
+ * (tiles.c) sum; here the outputs get their bias, their rounding to the model dtype, and a
+ * place in y (or, for greedy rows, in a running maximum). */
+#include <omp.h>
+
+#include "native.h"
+
+/* x (float values of the model dtype) -> the model dtype: the kernels' operand. Exact. */
+void to_model_dtype(const float *x, void *dst, int64_t n, int bf) {
+    if (!bf) {
+        memcpy(dst, x, n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 16) v_store_bf16n((uint16_t *)dst + i, v_loadn(x + i, n - i), n - i);
+}
+
+/* Thread t of T converts its share of the rows of x [rows, k] to the kernels' operand xb (the
+ * caller waits for all threads before any tile reads xb). */
+static void operand_rows(const float *x, void *xb, int rows, int64_t k, int bf, int t, int T) {
+    const int64_t m0 = (int64_t)rows * t / T, m1 = (int64_t)rows * (t + 1) / T;
+    to_model_dtype(x + m0 * k, (char *)xb + m0 * k * (bf ? 2 : 4), (m1 - m0) * k, bf);
+}
+
+/* 16 outputs of a tile (lanes of outputs n0..n0+15, those below n_out) -> rnd(acc + bias), as
+ * floats or in the model dtype, at y[at + n]. */
+static inline void store_outputs(const float *acc, const void *bias, int64_t n0, int64_t n_out, void *y, int64_t at,
+                                 int in_model_dtype, int bf) {
+    const int64_t n = n_out - n0;
+    v16 v = v_load(acc);
+    if (bias) v = v_add(v, v_loadx(bias, n0, bf, n));
+    v = v_rnd(v, bf);
+    if (in_model_dtype) v_storex(y, at + n0, v, bf, n);
+    else v_storen((float *)y + at + n0, v, n);
+}
+
+/* 16 outputs of a tile (as store_outputs) into one row's per-lane running maximum: `best` [16]
+ * the largest value of each lane, `where` [16] the index where it was first seen (strictly larger
+ * values replace: this thread's blocks come in order), `first_nan` the row's first NaN. */
+static inline void keep_max(const float *acc, const void *bias, int64_t n0, int64_t n_out, int bf, float *best,
+                            int32_t *where, int64_t *first_nan) {
+    const m16 m = lanes(n_out - n0);
+    v16 v = v_load(acc);
+    if (bias) v = v_add(v, v_loadx(bias, n0, bf, n_out - n0));
+    v = v_rnd(v, bf);
+    const m16 nan = v_nan(v) & m;
+    if (nan && *first_nan < 0) *first_nan = n0 + __builtin_ctz(nan);
+    const v16 top = v_load(best);
+    const m16 larger = v_gt(v, top) & m;
+    v_store(best, v_select(larger, v, top));
+    for (m16 l = larger; l; l &= l - 1) where[__builtin_ctz(l)] = (int32_t)(n0 + __builtin_ctz(l));
+}
+
+/* A row's per-lane maxima -> its largest value and the smallest index holding it (-1 if none
+ * is above -inf). */
+static void lanes_max(const float *best, const int32_t *where, float *top, int64_t *at) {
+    float most = -INFINITY;
+    for (int lane = 0; lane < 16; lane++) most = best[lane] > most ? best[lane] : most;
+    int64_t first = -1;
+    for (int lane = 0; lane < 16; lane++)
+        if (most != -INFINITY && best[lane] == most && (first < 0 || where[lane] < first)) first = where[lane];
+    *top = most, *at = first;
+}
+
+/* y = x W^T (+ bias) through the 4-bit weights (tiles.c); x: float rows [rows, k] of bfloat16
+ * values. Used at every row count: one row reads a quarter of bfloat16's bytes. */
+void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb, float *xsum,
+                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
+    const int64_t groups = k / 32;
+    const uint8_t *codes = (const uint8_t *)codes_addr;
+    const uint16_t *scales = (const uint16_t *)scales_addr;
+    const void *bias = (const void *)b_addr;
+    const int64_t blocks = (n_out + 15) / 16;
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        operand_rows(x, xb, rows, k, 1, t, T);
+        for (int m = rows * t / T; m < rows * (t + 1) / T; m++) /* each group's input sum, once per row */
+            for (int64_t g = 0; g < groups; g++)
+                xsum[m * groups + g] = v_reduce_add(v_add(v_load(x + m * k + g * 32), v_load(x + m * k + g * 32 + 16)));
+#pragma omp barrier
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        float out[12 * 16];
+        for (int64_t nb = b0; nb < b1; nb++) {
+            const uint8_t *c = codes + nb * 16 * k / 2;
+            const uint16_t *sc = scales + nb * groups * 32;
+            for (int m0 = 0; m0 < rows;) {
+                const int mt = q4_rows(rows - m0);
+                tile_q4(mt, c, sc, k, (const uint16_t *)xb + m0 * k, xsum + m0 * groups, out);
+                for (int i = 0; i < mt; i++)
+                    store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * n_out, y_in_model_dtype, 1);
+                m0 += mt;
+            }
+        }
+    }
+}
+
+/* y[m, n] = rnd(W[n, :] . x[m, :] + bias[n]) for m < rows, n < n_out. x: float rows [rows, k]
+ * holding model-dtype values; xb: scratch for their model-dtype copy (the kernels' operand).
+ * With `scales_addr` (int8: float32 [blocks * 16]) W holds int8 codes and W[n, :] is
+ * scales[n] * codes[n, :]. */
+void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
+             int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
+    const int bf = md->dtype == DT_BF16;
+    project_kind(scales_addr ? W_Q8 : bf, bf, w_addr, scales_addr, b_addr, x, xb, rows, n_out, k, y, y_in_model_dtype,
+                 nt, 0);
+}
+
+/* project() through weights of `kind`, outputs rounded (and stored) as bfloat16 if bf; x NULL:
+ * xb already holds the operand. `most`: nothing is stored; each thread keeps its running
+ * maximum of every row there instead (keep_max). */
+void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
+                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt, RowMax *most) {
+    const float *scales = (const float *)scales_addr;
+    const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
+    const int64_t blocks = (n_out + 15) / 16;
+    const int per_tile = tile_blocks();
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        if (x) operand_rows(x, xb, rows, k, kind != W_F32, t, T);
+#pragma omp barrier
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        float out[6 * 4 * 16];
+        const int64_t es = weight_bytes(kind);
+        const int kept = most ? rows : 1; /* this thread's running maxima (keep_max) */
+        float best[kept * 16];
+        int32_t where[kept * 16];
+        int64_t first_nan[kept];
+        for (int r = 0; most && r < rows; r++) {
+            first_nan[r] = -1;
+            for (int lane = 0; lane < 16; lane++) best[r * 16 + lane] = -INFINITY, where[r * 16 + lane] = -1;
+        }
+        for (int64_t nb = b0; nb < b1;) {
+            const int nt_blocks = b1 - nb >= per_tile ? per_tile : (int)(b1 - nb);
+            for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
+                const int mt = tile_rows(rows - m0);
+                /* the first row tile of these blocks reads them from memory, the others from cache:
+                 * with a few row tiles (decode), those ask for the next blocks' weights, a block each */
+                const int64_t next = nb + nt_blocks + tiles - 1;
+                const char *pf =
+                    rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * k * es : 0;
+                tile(w, nb, k, xb, m0, mt, nt_blocks, kind, out, pf);
+                for (int j = 0; j < nt_blocks; j++) {
+                    const int64_t n0 = (nb + j) * 16;
+                    for (int i = 0; i < mt; i++) {
+                        float *acc = out + (i * nt_blocks + j) * 16;
+                        if (scales) v_store(acc, v_mul(v_load(acc), v_load(scales + n0)));
+                        if (most)
+                            keep_max(acc, bias, n0, n_out, bf, best + (m0 + i) * 16, where + (m0 + i) * 16,
+                                     first_nan + m0 + i);
+                        else
+                            store_outputs(acc, bias, n0, n_out, y, (m0 + i) * n_out, y_in_model_dtype, bf);
+                    }
+                }
+                m0 += mt;
+            }
+            nb += nt_blocks;
+        }
+        for (int r = 0; most && r < rows; r++) {
+            lanes_max(best + r * 16, where + r * 16, most->top + t * rows + r, most->at + t * rows + r);
+            most->nan_at[t * rows + r] = first_nan[r];
+        }
+    }
+}

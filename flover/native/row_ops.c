@@ -1,0 +1,66 @@
+/* Element-wise steps over one row, rounded as the PyTorch path (flover/models/llama.py) rounds:
+ * in bfloat16 every intermediate PyTorch stores is rounded here at the same point. */
+#include <omp.h>
+
+#include "native.h"
+
+/* RMSNorm as flover's rms_norm: float32 inside; in bfloat16 normalised, rounded, then scaled
+ * and rounded again (weight * F.rms_norm(x)); in float32 x * rstd * weight. */
+void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out) {
+    v16 acc = v_zero();
+    for (int64_t i = 0; i < h; i += 16) {
+        const v16 v = v_loadn(x + i, h - i);
+        acc = v_fmadd(v, v, acc);
+    }
+    const v16 r = v_set1(1.f / sqrtf(v_reduce_add(acc) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16) {
+        const v16 w = v_loadx(weight, i, bf, h - i), v = v_loadn(x + i, h - i);
+        v_storen(out + i, bf ? v_round_bf16(v_mul(w, v_round_bf16(v_mul(v, r)))) : v_mul(v_mul(v, r), w), h - i);
+    }
+}
+
+/* Rotate one head in place: x * cos + roll(x, d / 2) * sin_signed (the sign folded into the
+ * table, as flover's Rotary), rounded as PyTorch's mul then addcmul. */
+void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const int64_t n = half - i;
+        const v16 lo = v_loadn(x + i, n), hi = v_loadn(x + half + i, n);
+        const v16 new_lo = v_rnd(v_fmadd(hi, v_loadx(sin_row, i, bf, n), v_rnd(v_mul(lo, v_loadx(cos_row, i, bf, n)), bf)), bf);
+        const v16 new_hi =
+            v_rnd(v_fmadd(lo, v_loadx(sin_row, half + i, bf, n), v_rnd(v_mul(hi, v_loadx(cos_row, half + i, bf, n)), bf)), bf);
+        v_storen(x + i, new_lo, n);
+        v_storen(x + half + i, new_hi, n);
+    }
+}
+
+/* hidden += rnd(out + bias): a residual add after a row-parallel projection. */
+static void add_residual(float *hidden, const float *out, const void *bias, int64_t h, int bf) {
+    for (int64_t i = 0; i < h; i += 16) {
+        v16 o = v_loadn(out + i, h - i);
+        if (bias) o = v_rnd(v_add(o, v_loadx(bias, i, bf, h - i)), bf);
+        v_storen(hidden + i, v_rnd(v_add(v_loadn(hidden + i, h - i), o), bf), h - i);
+    }
+}
+
+/* hidden += out (+ bias) for every row, then (unless norm is 0) normed = rms_norm(hidden): in one
+ * pass per row (out is read before normed overwrites it: they may be the same rows). */
+void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
+                       int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        add_residual(hidden + r * h, out + r * h, (const void *)bias, h, bf);
+        if (norm) rms_norm(hidden + r * h, (const void *)norm, eps, h, bf, out + r * h);
+    }
+}
+
+/* out = rnd(rnd(silu(gate)) * up) over gate_up = [gate | up], as F.silu then the product. */
+void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
+    const float *up = gate_up + inter;
+    for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t n = inter - i;
+        const v16 g = v_loadn(gate_up + i, n);
+        const v16 act = v_rnd(v_div(g, v_add(v_set1(1.f), v_exp(v_sub(v_zero(), g)))), bf);
+        v_storen(out + i, v_rnd(v_mul(act, v_loadn(up + i, n)), bf), n);
+    }
+}

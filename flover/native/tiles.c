@@ -1,0 +1,169 @@
+/* Projection tiles: y[m, n] = W[n, :] . x[m, :] for a few rows and blocks, written once on the
+ * 16-lane mapping (simd.h).
+ *
+ * Weights come blocked by flover/native/forward.py (`block_weight`): 16 output rows at a time,
+ * interleaved so that one load holds all 16 rows' weights for the next input step. float32:
+ * [n / 16][k][16]; bfloat16: [n / 16][k / 2][16][2] (pairs of inputs: the operand of AVX-512
+ * BF16's dot-product instruction; other families widen a pair into the even and the odd
+ * input's 16 values); int8: bfloat16's pairs, a byte each. n is padded with zero rows. A tile
+ * multiplies MT input rows by NT blocks with MT x NT accumulators of 16 outputs each, so each
+ * weight load serves MT rows and no horizontal sums are needed; the family sets the largest
+ * tile its registers hold (simd.h: V_ROWS x V_BLOCKS).
+ *
+ * Every output is summed in the same order (input by input, one accumulator) whatever the tile:
+ * a row's result does not depend on which other rows share its iteration, so fusing requests
+ * changes no bit of any of them.
+ */
+#include "native.h"
+
+#define ROW_TILES(TILE, NT) TILE(6, NT) TILE(4, NT) TILE(2, NT) TILE(1, NT)
+#define ALL_TILES(TILE) ROW_TILES(TILE, 4) ROW_TILES(TILE, 3) ROW_TILES(TILE, 2) ROW_TILES(TILE, 1)
+
+#define TILE_F32(MT, NT)                                                                                   \
+    static void tile_f32_##MT##_##NT(const float *w, int64_t k, const float *x, float *out, const char *pf) { \
+        v16 acc[MT][NT];                                                                                   \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = v_zero();                                             \
+        for (int64_t kk = 0; kk < k; kk++) {                                                               \
+            if (pf) v_prefetch(pf + kk * 64);                                                              \
+            v16 wv[NT];                                                                                    \
+            for (int j = 0; j < NT; j++) wv[j] = v_load(w + j * 16 * k + kk * 16);                         \
+            for (int i = 0; i < MT; i++) {                                                                 \
+                const v16 xv = v_set1(x[i * k + kk]);                                                      \
+                for (int j = 0; j < NT; j++) acc[i][j] = v_fmadd(wv[j], xv, acc[i][j]);                    \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) v_store(out + (i * NT + j) * 16, acc[i][j]);                      \
+    }
+
+/* Weights in input pairs (WIDEN: a block's 16 rows at one pair -> the even and odd inputs'
+ * values); x: bfloat16 rows, each input added in turn. */
+#define TILE_PAIRS(KIND, WTYPE, WIDEN, MT, NT)                                                             \
+    static void tile_##KIND##_##MT##_##NT(const WTYPE *w, int64_t k, const uint16_t *x, float *out,       \
+                                          const char *pf) {                                                \
+        v16 acc[MT][NT];                                                                                   \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) acc[i][j] = v_zero();                                             \
+        for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
+            if (pf) v_prefetch(pf + kp * 64);                                                              \
+            v16 xe[MT], xo[MT];                                                                            \
+            for (int i = 0; i < MT; i++)                                                                   \
+                xe[i] = v_set1(bf2f(x[i * k + 2 * kp])), xo[i] = v_set1(bf2f(x[i * k + 2 * kp + 1]));      \
+            for (int j = 0; j < NT; j++) {                                                                 \
+                v16 even, odd;                                                                             \
+                WIDEN(w + j * 16 * k + kp * 32, &even, &odd);                                              \
+                for (int i = 0; i < MT; i++) acc[i][j] = v_fmadd(odd, xo[i], v_fmadd(even, xe[i], acc[i][j])); \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++)                                                                       \
+            for (int j = 0; j < NT; j++) v_store(out + (i * NT + j) * 16, acc[i][j]);                      \
+    }
+#define TILE_BF16(MT, NT) TILE_PAIRS(bf16, uint16_t, v_widen_bf16_pairs, MT, NT)
+#define TILE_Q8(MT, NT) TILE_PAIRS(q8, int8_t, v_widen_q8_pairs, MT, NT)
+
+ALL_TILES(TILE_F32)
+ALL_TILES(TILE_BF16)
+ALL_TILES(TILE_Q8)
+
+int tile_rows(int left) {
+    const int most = left < V_ROWS ? left : V_ROWS;
+    return most >= 6 ? 6 : most >= 4 ? 4 : most >= 2 ? 2 : 1;
+}
+
+int tile_blocks(void) { return V_BLOCKS; }
+
+/* one tile within the family's limits (mt: 6, 4, 2 or 1 and at most V_ROWS; nt at most V_BLOCKS) */
+static void tile_fitting(const char *wb, int64_t k, const char *xr, int mt, int nt_blocks, int kind, float *out,
+                         const char *pf) {
+    if (has_bf16_dot() && tile_bf16_dot(wb, k, xr, mt, nt_blocks, kind, out, pf)) return;
+#define CALL(KIND, TYPE, XTYPE, MT, NT)                                                                    \
+    if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const XTYPE *)xr, out, pf);
+#define CALLS(KIND, TYPE, XTYPE, NT)                                                                      \
+    CALL(KIND, TYPE, XTYPE, 6, NT) CALL(KIND, TYPE, XTYPE, 4, NT) CALL(KIND, TYPE, XTYPE, 2, NT) CALL(KIND, TYPE, XTYPE, 1, NT)
+#define KIND_CALLS(KIND, TYPE, XTYPE)                                                                     \
+    CALLS(KIND, TYPE, XTYPE, 4) CALLS(KIND, TYPE, XTYPE, 3) CALLS(KIND, TYPE, XTYPE, 2) CALLS(KIND, TYPE, XTYPE, 1)
+    if (kind == W_F32) { KIND_CALLS(f32, float, float) }
+    if (kind == W_BF16) { KIND_CALLS(bf16, uint16_t, uint16_t) }
+    if (kind == W_Q8) { KIND_CALLS(q8, int8_t, uint16_t) }
+#undef KIND_CALLS
+#undef CALLS
+#undef CALL
+}
+
+void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
+          float *out, const char *pf) {
+    const int64_t es = weight_bytes(kind), xs = kind == W_F32 ? 4 : 2;
+    const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
+    if (tile_rows(mt) == mt && nt_blocks <= V_BLOCKS) return tile_fitting(wb, k, xr, mt, nt_blocks, kind, out, pf);
+    /* larger than this family's tiles: in pieces, each output still summed in the same order */
+    float part[6 * 4 * 16];
+    for (int i0 = 0; i0 < mt;) {
+        const int rows = tile_rows(mt - i0);
+        for (int j0 = 0; j0 < nt_blocks; j0 += V_BLOCKS) {
+            const int blocks = nt_blocks - j0 < V_BLOCKS ? nt_blocks - j0 : V_BLOCKS;
+            tile_fitting(wb + j0 * 16 * k * es, k, xr + i0 * k * xs, rows, blocks, kind, part, 0);
+            for (int i = 0; i < rows; i++)
+                memcpy(out + ((i0 + i) * nt_blocks + j0) * 16, part + i * blocks * 16, blocks * 16 * sizeof(float));
+        }
+        i0 += rows;
+    }
+}
+
+/* ---- 4-bit tiles (--quantization int4) ----------------------------------------------------------
+ * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs (GGUF's
+ * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native/forward.py: per block of
+ * 16 output rows and group, 16 input pairs x 16 rows bytes (low nibble: the even input, high: the
+ * odd one), then the group's 16 scales and 16 zeros in bfloat16. The group's sum is
+ * scale * sum((q - 8) x) + zero * sum(x), xsum holding each row's sum(x) per group. */
+#define TILE_Q4(MT)                                                                                        \
+    static void tile_q4_##MT(const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x,  \
+                             const float *xsum, float *out) {                                              \
+        const int64_t groups = k / 32;                                                                     \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            v16 part[MT];                                                                                  \
+            for (int i = 0; i < MT; i++) part[i] = v_zero();                                               \
+            const uint8_t *c = codes + g * 256;                                                            \
+            for (int kp = 0; kp < 16; kp++) {                                                              \
+                v16 even, odd;                                                                             \
+                v_widen_q4_pairs(c + kp * 16, &even, &odd);                                                \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const uint16_t *xp = x + i * k + g * 32 + 2 * kp;                                      \
+                    part[i] = v_fmadd(odd, v_set1(bf2f(xp[1])), v_fmadd(even, v_set1(bf2f(xp[0])), part[i])); \
+                }                                                                                          \
+            }                                                                                              \
+            const v16 scale = v_load_bf16n(scales + g * 32, 16), zero = v_load_bf16n(scales + g * 32 + 16, 16); \
+            for (int i = 0; i < MT; i++)                                                                   \
+                acc[i] = v_fmadd(scale, part[i], v_fmadd(zero, v_set1(xsum[i * groups + g]), acc[i]));     \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_Q4(12)
+TILE_Q4(8)
+TILE_Q4(4)
+TILE_Q4(2)
+TILE_Q4(1)
+
+/* accumulators and partial sums: 2 x MT vectors */
+#define Q4_ROWS (V_ROWS * V_BLOCKS / 2 > 12 ? 12 : V_ROWS * V_BLOCKS / 2)
+
+int q4_rows(int left) {
+    const int most = has_bf16_dot() ? 12 : Q4_ROWS, n = left < most ? left : most;
+    return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+}
+
+void tile_q4(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x, const float *xsum,
+             float *out) {
+    if (has_bf16_dot() && tile_q4_bf16_dot(mt, codes, scales, k, x, xsum, out)) return;
+    if (mt == 12) tile_q4_12(codes, scales, k, x, xsum, out);
+    else if (mt == 8) tile_q4_8(codes, scales, k, x, xsum, out);
+    else if (mt == 4) tile_q4_4(codes, scales, k, x, xsum, out);
+    else if (mt == 2) tile_q4_2(codes, scales, k, x, xsum, out);
+    else tile_q4_1(codes, scales, k, x, xsum, out);
+}
+
+API const char *flover_kernels(void) {
+    return has_bf16_dot() ? V_FAMILY_SIMD ", bfloat16 dot products" : V_FAMILY_SIMD;
+}
