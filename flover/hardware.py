@@ -22,16 +22,28 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return flags
 
 
-def native_bfloat16(device: str) -> bool:
+def native_bfloat16(device: str, flags: set[str] | None = None) -> bool:
     if device.startswith("cuda"):
         import torch
 
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+    return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """`auto`: bfloat16 where the device computes it natively, else float32."""
+def widened_bfloat16(flags: set[str] | None = None) -> bool:
+    """Whether the native step has vector kernels here that widen bfloat16 weights to float32 in
+    registers (flover/native/simd.h: x86-64 with AVX2 and FMA, or AArch64): half the bytes of
+    float32 to read per token, the same arithmetic rate."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx2", "fma"} <= flags or "asimd" in flags
+
+
+def resolve_dtype(dtype: str, device: str, native_step: bool = True, flags: set[str] | None = None) -> str:
+    """`auto`: bfloat16 where the device computes it natively, or on a CPU where the native step
+    runs the model (`native_step`) with kernels that widen bfloat16 weights; else float32.
+    `flags`: the CPU's (default: this one's)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if native_bfloat16(device) else "float32"
+    if native_bfloat16(device, flags) or device == "cpu" and native_step and widened_bfloat16(flags):
+        return "bfloat16"
+    return "float32"

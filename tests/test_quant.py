@@ -92,7 +92,7 @@ def test_quantization_needs_bfloat16_on_cpu(llama_dir):
     assert done.stderr.strip().splitlines()[-1].startswith("flover: error: quantization='int8' runs on CPU")
 
 
-def test_dtype_auto_picks_bfloat16_only_where_the_cpu_computes_it(tmp_path):
+def test_dtype_auto_picks_bfloat16_where_the_cpu_computes_it_or_the_native_step_widens_it(tmp_path):
     with_bf16 = tmp_path / "zen4"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n\n"
                          "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
@@ -102,8 +102,12 @@ def test_dtype_auto_picks_bfloat16_only_where_the_cpu_computes_it(tmp_path):
     assert not cpu_flags(str(without)) & {"avx512_bf16", "amx_bf16"}
     assert cpu_flags(str(tmp_path / "missing")) == set()
     assert resolve_dtype("float64", "cpu") == "float64"  # explicit choices are kept
-    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
-    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    zen4, zen2 = cpu_flags(str(with_bf16)), cpu_flags(str(without))
+    assert resolve_dtype("auto", "cpu", native_step=False, flags=zen4) == "bfloat16"  # PyTorch computes it natively
+    assert resolve_dtype("auto", "cpu", native_step=True, flags=zen2) == "bfloat16"  # widened by the native step
+    assert resolve_dtype("auto", "cpu", native_step=False, flags=zen2) == "float32"  # PyTorch would emulate it
+    assert resolve_dtype("auto", "cpu", flags={"fpu", "sse2"}) == "float32"  # no vector kernels to widen it
+    assert resolve_dtype("auto", "cpu", flags={"fp", "asimd"}) == "bfloat16"  # AArch64's NEON
 
 
 def test_the_engine_reports_the_dtype_auto_chose(llama_dir):

@@ -73,6 +73,18 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
                         native_kernels=args.native_kernels)
 
 
+def _resolve_dtype(args) -> str:
+    """`--dtype auto` as the engine resolves it: bfloat16 where the device has it, or where the
+    native step's kernels widen it for this model (the checkpoint's architecture decides)."""
+    from flover.hardware import resolve_dtype
+    from flover.models import LLAMA_FAMILY, open_checkpoint
+
+    native_step = getattr(args, "native_forward", "auto") == "auto"
+    if native_step and getattr(args, "model", None):
+        native_step = open_checkpoint(args.model).model_config().architecture in LLAMA_FAMILY
+    return resolve_dtype("auto", getattr(args, "device", "cpu"), native_step)
+
+
 def _is_follower_rank() -> bool:
     from flover.parallel.launch import launched_rank, launched_ranks
 
@@ -551,12 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"flover[rank {launched_rank()}]" if ranks > 1 else "flover"
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"{prefix}: %(message)s", stream=sys.stderr)
-    if getattr(args, "dtype", None) == "auto":  # concrete from here on: logs, results files, bench tables
-        from flover.hardware import resolve_dtype
-
-        args.dtype = resolve_dtype(args.dtype, getattr(args, "device", "cpu"))
     try:
         _resolve_hub_id(args)
+        if getattr(args, "dtype", None) == "auto":  # concrete from here on: logs, results files, bench tables
+            args.dtype = _resolve_dtype(args)
         return args.func(args)
     except (ValueError, MemoryError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError, FetchError a RuntimeError
         print(f"{prefix}: error: {e or type(e).__name__}", file=sys.stderr, flush=True)

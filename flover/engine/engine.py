@@ -28,7 +28,7 @@ from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.hardware import resolve_dtype
-from flover.models import open_checkpoint
+from flover.models import LLAMA_FAMILY, open_checkpoint
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
 from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
@@ -59,10 +59,13 @@ class Engine:
         """`comm`: the tensor-parallel communicator when this is one rank of several (rank 0
         leads: it alone takes requests and samples; the others follow its step plans)."""
         config.validate()
+        checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
+        self.model_config = cfg = checkpoint.model_config()
         asked = config.dtype
-        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))  # no "auto" past here
+        native_step = config.native_forward == "auto" and cfg.architecture in LLAMA_FAMILY
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, native_step))  # no "auto" past here
         if config.quantization != "none" and (config.dtype != "bfloat16" or config.device != "cpu"):
-            chose = " (dtype auto: this CPU does not compute bfloat16 natively)" if asked == "auto" else ""
+            chose = " (dtype auto: this CPU has no bfloat16 kernels for this model)" if asked == "auto" else ""
             raise ValueError(f"quantization={config.quantization!r} runs on CPU with dtype bfloat16 "
                              f"(got dtype={config.dtype!r}{chose}, device={config.device!r})")
         self.config = config
@@ -72,8 +75,6 @@ class Engine:
         torch.set_num_threads(config.num_threads or threads_per_rank(ranks))
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
-        checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
-        self.model_config = cfg = checkpoint.model_config()
         self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
         self.max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, 2048)
         if self.max_seq_len > cfg.max_position_embeddings:

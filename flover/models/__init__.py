@@ -18,7 +18,7 @@ from flover.models.loader import CheckpointReader, load_weights
 from flover.models.quant import can_quantize
 from flover.models.tp_layout import TPLayout
 
-__all__ = ["CheckpointError", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "load_model",
+__all__ = ["CheckpointError", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "load_model",
            "load_model_config"]
 
 

@@ -191,7 +191,7 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     }
     const int64_t kmin = (int64_t)first[0], kmax = (int64_t)len[nq - 1]; /* positions rise along the block */
     for (int64_t t = kmin; t < kmax;) {
-        const int mt = tile_rows((int)(kmax - t < 6 ? kmax - t : 6));
+        const int mt = tile_rows(bf, (int)(kmax - t), (int)nb);
         float out[6 * 4 * 16];
         tile(qt, 0, d, (const char *)k_base + t * pos * es, 0, mt, (int)nb, bf, out, 0);
         for (int i = 0; i < mt; i++)

@@ -60,8 +60,8 @@ static inline int64_t weight_bytes(int kind) { return kind == W_Q8 ? 1 : kind ==
  * or a weight stream to prefetch meanwhile (64 bytes per input step). */
 void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
           float *out, const char *pf);
-int tile_rows(int left); /* the row count of the next tile over `left` rows */
-int tile_blocks(void);   /* blocks per tile */
+int tile_blocks(int kind, int rows);              /* blocks per tile for an iteration of `rows` */
+int tile_rows(int kind, int left, int nt_blocks); /* rows of the next tile over `left` rows */
 /* 4-bit tiles: MT (q4_rows) rows x one block; x: bfloat16 operand rows, xsum: each row's group sums */
 void tile_q4(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x, const float *xsum,
              float *out);

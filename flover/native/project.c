@@ -114,7 +114,7 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
     const float *scales = (const float *)scales_addr;
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
-    const int per_tile = tile_blocks();
+    const int per_tile = tile_blocks(kind, rows);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -134,7 +134,7 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
         for (int64_t nb = b0; nb < b1;) {
             const int nt_blocks = b1 - nb >= per_tile ? per_tile : (int)(b1 - nb);
             for (int m0 = 0, tiles = 0; m0 < rows; tiles++) {
-                const int mt = tile_rows(rows - m0);
+                const int mt = tile_rows(kind, rows - m0, nt_blocks);
                 /* the first row tile of these blocks reads them from memory, the others from cache:
                  * with a few row tiles (decode), those ask for the next blocks' weights, a block each */
                 const int64_t next = nb + nt_blocks + tiles - 1;

@@ -122,6 +122,14 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 24), 24));
     *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 16), 24));
 }
+/* one row's input pair (two bfloat16) -> each broadcast to 16 lanes */
+static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
+    int32_t pair;
+    memcpy(&pair, p, 4);
+    const __m512i b = _mm512_set1_epi32(pair);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+}
 /* 16 bytes, a pair of 4-bit codes each (low nibble even) -> q - 8 */
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
@@ -141,9 +149,12 @@ static inline v16 v_sum_each(const v16 v[16]) {
     const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x44), _mm512_shuffle_f32x4(quad[2], quad[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
-/* projection tiles: up to V_ROWS rows times V_BLOCKS blocks of accumulators (6 x 4 of 32 registers) */
-#define V_ROWS 6
-#define V_BLOCKS 4
+/* projection tiles: rows x blocks accumulators (v16) that the registers hold beside the weights
+ * (float32, and widened pairs: 2 a block), and the 4-bit tiles' rows (accumulators and partial
+ * sums); AVX-512 BF16's dot-product tiles take 24 in pairs too */
+#define V_TILE_F32 24
+#define V_TILE_PAIRS 16
+#define V_Q4_ROWS 8
 
 /* ===== AVX2 + FMA ============================================================================== */
 #elif defined(V_AVX2)
@@ -263,6 +274,14 @@ static inline void v_widen_bf16_pairs(const uint16_t *p, v16 *even, v16 *odd) {
     *even = V2(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
     *odd = V2(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high)));
 }
+static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
+    int32_t pair;
+    memcpy(&pair, p, 4);
+    const __m256i b = _mm256_set1_epi32(pair);
+    const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
+    *even = V2(e, e), *odd = V2(o, o);
+}
 static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
@@ -285,9 +304,11 @@ static inline v16 v_sum_each(const v16 v[16]) {
     for (int i = 0; i < 16; i++) t[i] = v_reduce_add(v[i]);
     return v_load(t);
 }
-/* 16 ymm registers: 2 x 2 blocks of accumulators (8) beside a block's widened weights */
-#define V_ROWS 2
-#define V_BLOCKS 2
+/* 16 ymm registers: 6 x 1 accumulators (12) beside a weight and a broadcast input; 4 x 1 beside
+ * a widened pair (4) and the rows' two inputs */
+#define V_TILE_F32 6
+#define V_TILE_PAIRS 4
+#define V_Q4_ROWS 2
 
 /* ===== NEON (aarch64) ========================================================================== */
 #elif defined(V_NEON)
@@ -406,6 +427,14 @@ static inline void v_widen_bf16_pairs(const uint16_t *p, v16 *even, v16 *odd) {
         odd->q[i] = vreinterpretq_f32_u32(vandq_u32(u, vdupq_n_u32(0xffff0000u)));
     }
 }
+static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
+    uint32_t pair;
+    memcpy(&pair, p, 4);
+    const uint32x4_t b = vdupq_n_u32(pair);
+    const float32x4_t e = vreinterpretq_f32_u32(vshlq_n_u32(b, 16));
+    const float32x4_t o = vreinterpretq_f32_u32(vandq_u32(b, vdupq_n_u32(0xffff0000u)));
+    for (int i = 0; i < 4; i++) even->q[i] = e, odd->q[i] = o;
+}
 static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     const int8x16x2_t pairs = vld2q_s8(p); /* val[0]: the even codes, val[1]: the odd ones */
     for (int h = 0; h < 2; h++) {
@@ -435,9 +464,10 @@ static inline v16 v_sum_each(const v16 v[16]) {
     for (int i = 0; i < 16; i++) t[i] = v_reduce_add(v[i]);
     return v_load(t);
 }
-/* 32 q registers: 4 v16 of accumulators beside a block's widened weights */
-#define V_ROWS 2
-#define V_BLOCKS 2
+/* 32 q registers: 6 v16 of accumulators (24) beside a block's weights, 4 beside a widened pair */
+#define V_TILE_F32 6
+#define V_TILE_PAIRS 4
+#define V_Q4_ROWS 2
 
 /* ===== generic C: the reference ================================================================ */
 #else
@@ -467,8 +497,9 @@ static inline v16 v_add(v16 a, v16 b) { return VG(a.f[_i] + b.f[_i]); }
 static inline v16 v_sub(v16 a, v16 b) { return VG(a.f[_i] - b.f[_i]); }
 static inline v16 v_mul(v16 a, v16 b) { return VG(a.f[_i] * b.f[_i]); }
 static inline v16 v_div(v16 a, v16 b) { return VG(a.f[_i] / b.f[_i]); }
-static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return VG(fmaf(a.f[_i], b.f[_i], c.f[_i])); }
-static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return VG(fmaf(-a.f[_i], b.f[_i], c.f[_i])); }
+/* a b + c (contracted to one rounding where the target has FMA: fmaf would be a library call) */
+static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return VG(a.f[_i] * b.f[_i] + c.f[_i]); }
+static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return VG(c.f[_i] - a.f[_i] * b.f[_i]); }
 static inline v16 v_max(v16 a, v16 b) { return VG(a.f[_i] > b.f[_i] ? a.f[_i] : b.f[_i]); }
 static inline v16 v_abs(v16 a) { return VG(fabsf(a.f[_i])); }
 static inline float v_reduce_add(v16 v) {
@@ -503,6 +534,10 @@ static inline void v_widen_bf16_pairs(const uint16_t *p, v16 *even, v16 *odd) {
     *even = VG(bf2f(p[2 * _i]));
     *odd = VG(bf2f(p[2 * _i + 1]));
 }
+static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
+    *even = v_set1(bf2f(p[0]));
+    *odd = v_set1(bf2f(p[1]));
+}
 static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *even = VG((float)p[2 * _i]);
     *odd = VG((float)p[2 * _i + 1]);
@@ -512,8 +547,9 @@ static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     *odd = VG((float)((p[_i] >> 4) - 8));
 }
 static inline v16 v_sum_each(const v16 v[16]) { return VG(v_reduce_add(v[_i])); }
-#define V_ROWS 4
-#define V_BLOCKS 4
+#define V_TILE_F32 8
+#define V_TILE_PAIRS 8
+#define V_Q4_ROWS 4
 #endif
 
 /* ---- on every family ------------------------------------------------------------------------- */

@@ -7,8 +7,8 @@
  * BF16's dot-product instruction; other families widen a pair into the even and the odd
  * input's 16 values); int8: bfloat16's pairs, a byte each. n is padded with zero rows. A tile
  * multiplies MT input rows by NT blocks with MT x NT accumulators of 16 outputs each, so each
- * weight load serves MT rows and no horizontal sums are needed; the family sets the largest
- * tile its registers hold (simd.h: V_ROWS x V_BLOCKS).
+ * weight load serves MT rows and no horizontal sums are needed; the family sets how many
+ * accumulators its registers hold (simd.h: V_TILE_*).
  *
  * Every output is summed in the same order (input by input, one accumulator) whatever the tile:
  * a row's result does not depend on which other rows share its iteration, so fusing requests
@@ -47,13 +47,12 @@
             for (int j = 0; j < NT; j++) acc[i][j] = v_zero();                                             \
         for (int64_t kp = 0; kp < k / 2; kp++) {                                                           \
             if (pf) v_prefetch(pf + kp * 64);                                                              \
-            v16 xe[MT], xo[MT];                                                                            \
-            for (int i = 0; i < MT; i++)                                                                   \
-                xe[i] = v_set1(bf2f(x[i * k + 2 * kp])), xo[i] = v_set1(bf2f(x[i * k + 2 * kp + 1]));      \
-            for (int j = 0; j < NT; j++) {                                                                 \
-                v16 even, odd;                                                                             \
-                WIDEN(w + j * 16 * k + kp * 32, &even, &odd);                                              \
-                for (int i = 0; i < MT; i++) acc[i][j] = v_fmadd(odd, xo[i], v_fmadd(even, xe[i], acc[i][j])); \
+            v16 even[NT], odd[NT];                                                                         \
+            for (int j = 0; j < NT; j++) WIDEN(w + j * 16 * k + kp * 32, &even[j], &odd[j]);              \
+            for (int i = 0; i < MT; i++) {                                                                 \
+                v16 xe, xo;                                                                                \
+                v_set1_bf16_pair(x + i * k + 2 * kp, &xe, &xo);                                            \
+                for (int j = 0; j < NT; j++) acc[i][j] = v_fmadd(odd[j], xo, v_fmadd(even[j], xe, acc[i][j])); \
             }                                                                                              \
         }                                                                                                  \
         for (int i = 0; i < MT; i++)                                                                       \
@@ -66,16 +65,26 @@ ALL_TILES(TILE_F32)
 ALL_TILES(TILE_BF16)
 ALL_TILES(TILE_Q8)
 
-int tile_rows(int left) {
-    const int most = left < V_ROWS ? left : V_ROWS;
-    return most >= 6 ? 6 : most >= 4 ? 4 : most >= 2 ? 2 : 1;
+/* Tile shapes: as many accumulators as the family's registers hold (simd.h: V_TILE_*). Blocks
+ * first: all 4 for a row or two (independent sums to hide the FMA latency), fewer as rows share
+ * them (each weight load then serves more rows). */
+static int budget(int kind) { return kind == W_F32 ? V_TILE_F32 : has_bf16_dot() ? 24 : V_TILE_PAIRS; }
+
+int tile_blocks(int kind, int rows) {
+    const int most = budget(kind) / (rows < 6 ? rows : 6);
+    return most >= 4 ? 4 : most >= 1 ? most : 1;
 }
 
-int tile_blocks(void) { return V_BLOCKS; }
+int tile_rows(int kind, int left, int nt_blocks) {
+    const int most = budget(kind) / nt_blocks, n = left < most ? left : most;
+    return n >= 6 ? 6 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+}
 
-/* one tile within the family's limits (mt: 6, 4, 2 or 1 and at most V_ROWS; nt at most V_BLOCKS) */
-static void tile_fitting(const char *wb, int64_t k, const char *xr, int mt, int nt_blocks, int kind, float *out,
-                         const char *pf) {
+/* mt: 6, 4, 2 or 1; nt_blocks 1 to 4 (every shape exists; the budget picks those that fit) */
+void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
+          float *out, const char *pf) {
+    const int64_t es = weight_bytes(kind), xs = kind == W_F32 ? 4 : 2;
+    const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
     if (has_bf16_dot() && tile_bf16_dot(wb, k, xr, mt, nt_blocks, kind, out, pf)) return;
 #define CALL(KIND, TYPE, XTYPE, MT, NT)                                                                    \
     if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const XTYPE *)xr, out, pf);
@@ -89,25 +98,6 @@ static void tile_fitting(const char *wb, int64_t k, const char *xr, int mt, int 
 #undef KIND_CALLS
 #undef CALLS
 #undef CALL
-}
-
-void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
-          float *out, const char *pf) {
-    const int64_t es = weight_bytes(kind), xs = kind == W_F32 ? 4 : 2;
-    const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
-    if (tile_rows(mt) == mt && nt_blocks <= V_BLOCKS) return tile_fitting(wb, k, xr, mt, nt_blocks, kind, out, pf);
-    /* larger than this family's tiles: in pieces, each output still summed in the same order */
-    float part[6 * 4 * 16];
-    for (int i0 = 0; i0 < mt;) {
-        const int rows = tile_rows(mt - i0);
-        for (int j0 = 0; j0 < nt_blocks; j0 += V_BLOCKS) {
-            const int blocks = nt_blocks - j0 < V_BLOCKS ? nt_blocks - j0 : V_BLOCKS;
-            tile_fitting(wb + j0 * 16 * k * es, k, xr + i0 * k * xs, rows, blocks, kind, part, 0);
-            for (int i = 0; i < rows; i++)
-                memcpy(out + ((i0 + i) * nt_blocks + j0) * 16, part + i * blocks * 16, blocks * 16 * sizeof(float));
-        }
-        i0 += rows;
-    }
 }
 
 /* ---- 4-bit tiles (--quantization int4) ----------------------------------------------------------
@@ -130,8 +120,9 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
                 v16 even, odd;                                                                             \
                 v_widen_q4_pairs(c + kp * 16, &even, &odd);                                                \
                 for (int i = 0; i < MT; i++) {                                                             \
-                    const uint16_t *xp = x + i * k + g * 32 + 2 * kp;                                      \
-                    part[i] = v_fmadd(odd, v_set1(bf2f(xp[1])), v_fmadd(even, v_set1(bf2f(xp[0])), part[i])); \
+                    v16 xe, xo;                                                                            \
+                    v_set1_bf16_pair(x + i * k + g * 32 + 2 * kp, &xe, &xo);                               \
+                    part[i] = v_fmadd(odd, xo, v_fmadd(even, xe, part[i]));                                \
                 }                                                                                          \
             }                                                                                              \
             const v16 scale = v_load_bf16n(scales + g * 32, 16), zero = v_load_bf16n(scales + g * 32 + 16, 16); \
@@ -146,11 +137,8 @@ TILE_Q4(4)
 TILE_Q4(2)
 TILE_Q4(1)
 
-/* accumulators and partial sums: 2 x MT vectors */
-#define Q4_ROWS (V_ROWS * V_BLOCKS / 2 > 12 ? 12 : V_ROWS * V_BLOCKS / 2)
-
 int q4_rows(int left) {
-    const int most = has_bf16_dot() ? 12 : Q4_ROWS, n = left < most ? left : most;
+    const int most = has_bf16_dot() ? 12 : V_Q4_ROWS, n = left < most ? left : most;
     return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
 

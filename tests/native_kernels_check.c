@@ -1,0 +1,141 @@
+/* Every kernel of the native step on fixed pseudo-random inputs, its outputs printed one number a
+ * line: tests/test_native_families.py builds this with one kernel family (e.g. NEON, cross-compiled
+ * and run under qemu-user) and with the portable one, and compares the two printouts. Covers each
+ * operation of simd.h's mapping: projection tiles of every weight kind and size, 4-bit tiles,
+ * norms, RoPE, SiLU, attention (decode rows and a prompt block, float32 and bfloat16 caches)
+ * and argmax, with tails shorter than 16 lanes. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "native.h"
+
+static uint64_t state = 0x9E3779B97F4A7C15ull;
+
+static float uniform(void) { /* [-1, 1) */
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return (float)((state >> 40) & 0xffffff) / 8388608.f - 1.f;
+}
+
+static void fill(float *x, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++) x[i] = uniform() * scale;
+}
+
+static void fill_bf16(uint16_t *x, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++) x[i] = f2bf(uniform() * scale);
+}
+
+static void print(const char *what, const float *x, int64_t n) {
+    printf("# %s\n", what);
+    for (int64_t i = 0; i < n; i++) printf("%.9g\n", x[i]);
+}
+
+static void check_tiles(void) {
+    enum { K = 96, BLOCKS = 4, ROWS = 6 };
+    static float wf[BLOCKS * 16 * K], xf[ROWS * K], out[6 * 4 * 16];
+    static uint16_t wb[BLOCKS * 16 * K], xb[ROWS * K];
+    static int8_t wq[BLOCKS * 16 * K];
+    fill(wf, BLOCKS * 16 * K, 1.f), fill(xf, ROWS * K, 1.f);
+    fill_bf16(wb, BLOCKS * 16 * K, 1.f), fill_bf16(xb, ROWS * K, 1.f);
+    for (int i = 0; i < BLOCKS * 16 * K; i++) wq[i] = (int8_t)(uniform() * 127.f);
+    const int rows[4] = {1, 2, 4, 6};
+    char name[64];
+    for (int r = 0; r < 4; r++)
+        for (int nt = 1; nt <= BLOCKS; nt++) {
+            snprintf(name, sizeof name, "tile f32 %dx%d", rows[r], nt);
+            tile(wf, 0, K, xf, 0, rows[r], nt, W_F32, out, 0);
+            print(name, out, rows[r] * nt * 16);
+            snprintf(name, sizeof name, "tile bf16 %dx%d", rows[r], nt);
+            tile(wb, 0, K, xb, 0, rows[r], nt, W_BF16, out, 0);
+            print(name, out, rows[r] * nt * 16);
+            snprintf(name, sizeof name, "tile q8 %dx%d", rows[r], nt);
+            tile(wq, 0, K, xb, 0, rows[r], nt, W_Q8, out, 0);
+            print(name, out, rows[r] * nt * 16);
+        }
+}
+
+static void check_q4(void) {
+    enum { K = 64, GROUPS = K / 32, ROWS = 12 };
+    static uint8_t codes[GROUPS * 256];
+    static uint16_t scales[GROUPS * 32], x[ROWS * K];
+    static float xsum[ROWS * GROUPS], out[12 * 16];
+    for (int i = 0; i < GROUPS * 256; i++) codes[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
+    fill_bf16(scales, GROUPS * 32, 0.1f), fill_bf16(x, ROWS * K, 1.f);
+    fill(xsum, ROWS * GROUPS, 4.f);
+    const int rows[5] = {1, 2, 4, 8, 12};
+    char name[64];
+    for (int r = 0; r < 5; r++) {
+        snprintf(name, sizeof name, "tile q4 %d", rows[r]);
+        tile_q4(rows[r], codes, scales, K, x, xsum, out);
+        print(name, out, rows[r] * 16);
+    }
+}
+
+static void check_rows(void) {
+    enum { H = 37, D = 40, INTER = 37 };
+    float x[H], out[H], w[H], head[D], cos_row[D], sin_row[D], gate_up[2 * INTER], act[INTER];
+    uint16_t wb[H], cb[D], sb[D];
+    fill(x, H, 3.f), fill(w, H, 1.f), fill_bf16(wb, H, 1.f);
+    for (int bf = 0; bf < 2; bf++) {
+        rms_norm(x, bf ? (const void *)wb : (const void *)w, 1e-5f, H, bf, out);
+        print(bf ? "rms_norm bf16" : "rms_norm f32", out, H);
+        fill(head, D, 2.f), fill(cos_row, D, 1.f), fill(sin_row, D, 1.f), fill_bf16(cb, D, 1.f), fill_bf16(sb, D, 1.f);
+        if (bf)
+            for (int i = 0; i < D; i++) head[i] = rnd(head[i], 1);
+        rope(head, bf ? (const void *)cb : (const void *)cos_row, bf ? (const void *)sb : (const void *)sin_row, D, bf);
+        print(bf ? "rope bf16" : "rope f32", head, D);
+        fill(gate_up, 2 * INTER, 30.f); /* exp of large values: overflow to inf, underflow to 0 */
+        gate_up[3] = 200.f, gate_up[4] = -200.f;
+        silu_mul(gate_up, INTER, bf, act);
+        print(bf ? "silu bf16" : "silu f32", act, INTER);
+    }
+}
+
+static void check_attention(void) {
+    enum { HEADS = 6, KV = 2, D = 40, SEQ = 70, ROWS = 5, Q_SIZE = HEADS * D, QKV_N = Q_SIZE + 2 * KV * D };
+    const int64_t group = HEADS / KV, q_size = Q_SIZE, qkv_n = QKV_N;
+    static float kf[SEQ * D], vf[SEQ * D], q[HEADS * D], scores[MAX_BLOCK_QUERIES * (D + SEQ) + HEADS * SEQ];
+    static uint16_t kb[SEQ * D], vb[SEQ * D];
+    static float wide[ROWS * QKV_N], mid[ROWS * Q_SIZE], out[HEADS * D];
+    fill(kf, SEQ * D, 1.f), fill(vf, SEQ * D, 1.f), fill_bf16(kb, SEQ * D, 1.f), fill_bf16(vb, SEQ * D, 1.f);
+    for (int bf = 0; bf < 2; bf++) {
+        Model md;
+        memset(&md, 0, sizeof md);
+        md.heads = HEADS, md.kv_heads = KV, md.head_dim = D, md.kv_pos = D, md.max_seq = SEQ, md.dtype = bf;
+        fill(q, HEADS * D, 1.f);
+        if (bf)
+            for (int i = 0; i < HEADS * D; i++) q[i] = rnd(q[i], 1);
+        const void *k = bf ? (const void *)kb : (const void *)kf, *v = bf ? (const void *)vb : (const void *)vf;
+        attend(&md, q, group, k, v, 3, 61, scores, out); /* keys 3..60: a window, a tail of 13 */
+        print(bf ? "attend bf16" : "attend f32", out, group * D);
+        const int64_t positions[ROWS] = {50, 51, 52, 53, 54};
+        fill(wide, ROWS * qkv_n, 1.f);
+        if (bf)
+            for (int i = 0; i < ROWS * qkv_n; i++) wide[i] = rnd(wide[i], 1);
+        memset(mid, 0, sizeof mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 20, k, v, scores, mid);
+        print(bf ? "attend_prompt bf16" : "attend_prompt f32", mid, ROWS * q_size);
+    }
+}
+
+static void check_argmax(void) {
+    enum { VOCAB = 1001, ROWS = 3 };
+    static float logits[ROWS * VOCAB];
+    for (int i = 0; i < ROWS * VOCAB; i++) logits[i] = (float)(int)(uniform() * 20.f); /* many ties */
+    logits[VOCAB + 500] = NAN;
+    logits[2 * VOCAB + VOCAB - 1] = 100.f; /* the maximum in the tail */
+    int64_t ids[ROWS];
+    flover_argmax(logits, ROWS, VOCAB, VOCAB, 0, ids, 1);
+    float as_float[ROWS];
+    for (int r = 0; r < ROWS; r++) as_float[r] = (float)ids[r];
+    print("argmax", as_float, ROWS);
+}
+
+int main(void) {
+    printf("# kernels: %s\n", flover_kernels());
+    check_tiles();
+    check_q4();
+    check_rows();
+    check_attention();
+    check_argmax();
+    return 0;
+}

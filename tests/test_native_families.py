@@ -1,0 +1,84 @@
+"""The native step's kernel families against the portable one, kernel by kernel
+(tests/native_kernels_check.c): every family this CPU executes, and NEON cross-compiled for
+aarch64 and run under qemu-user where Debian's gcc-aarch64-linux-gnu and qemu-user are installed
+(correctness, not speed). The whole forward of each family this CPU runs is compared with
+PyTorch's in test_native_forward.py."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flover.native.forward import CFLAGS, KERNEL_FAMILIES, SOURCES, kernel_flags, runnable_families
+
+CHECK = Path(__file__).parent / "native_kernels_check.c"
+NATIVE_DIR = SOURCES[0].parent
+CROSS_CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
+
+
+def build_check(compiler: str, flags: tuple[str, ...], out: Path) -> Path:
+    cflags = [f for f in (*CFLAGS, *flags) if f not in ("-shared", "-fPIC", "-fvisibility=hidden")]
+    done = subprocess.run([compiler, *cflags, f"-I{NATIVE_DIR}", "-o", str(out), str(CHECK), *map(str, SOURCES), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def printout(command: list[str]) -> dict[str, list[float]]:
+    """native_kernels_check's output: section name -> numbers."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    sections: dict[str, list[float]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("# "):
+            name = line[2:]
+            sections[name] = []
+        else:
+            sections[name].append(float(line))
+    return sections
+
+
+def assert_same_numbers(got: dict[str, list[float]], reference: dict[str, list[float]]) -> None:
+    """Equal up to float32 summation order: the families sum in other orders (and AVX-512 BF16's
+    dot product rounds its pairs its own way), never in other steps."""
+    names = [n for n in reference if not n.startswith("kernels:")]
+    assert [n for n in got if not n.startswith("kernels:")] == names
+    for name in names:
+        want, have = reference[name], got[name]
+        assert len(have) == len(want), name
+        scale = max([abs(v) for v in want if math.isfinite(v)] + [1.0])
+        for i, (a, b) in enumerate(zip(have, want)):
+            if math.isnan(b) or math.isinf(b):
+                assert a == b or math.isnan(a) and math.isnan(b), (name, i, a, b)
+            elif name == "argmax":
+                assert a == b, (name, i, a, b)
+            else:
+                assert abs(a - b) <= 2e-5 * scale, (name, i, a, b, scale)
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory) -> dict[str, list[float]]:
+    path = build_check("cc", kernel_flags("generic"), tmp_path_factory.mktemp("generic") / "check")
+    sections = printout([str(path)])
+    assert next(iter(sections)) == "kernels: generic C"
+    return sections
+
+
+@pytest.mark.parametrize("family", [f for f in runnable_families() if f != "generic"])
+def test_every_kernel_of_a_family_this_cpu_runs_agrees_with_the_portable_ones(family, portable, tmp_path):
+    got = printout([str(build_check("cc", kernel_flags(family), tmp_path / "check"))])
+    assert_same_numbers(got, portable)
+
+
+@pytest.mark.skipif(shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None or not Path(SYSROOT).is_dir(),
+                    reason=f"the NEON kernels are checked under emulation: needs {CROSS_CC} and {QEMU} "
+                           "(Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
+def test_neon_kernels_under_qemu_agree_with_the_portable_ones(portable, tmp_path):
+    got = printout([QEMU, "-L", SYSROOT, str(build_check(CROSS_CC, KERNEL_FAMILIES["neon"].flags, tmp_path / "check"))])
+    assert next(iter(got)) == "kernels: NEON"
+    assert_same_numbers(got, portable)
