@@ -143,7 +143,7 @@ def _number_in(value, low: float, high: float) -> bool:
 SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may set per request
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # auto: flover/hardware.py
-QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, flover/models/quant.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, flover/models/quant.py
 # Decode-only iterations from captured CUDA graphs (flover/runner/cuda_graphs.py). auto: on CUDA at
 # TP=1; eager: the same padded static batches without capture, on any device (tests).
 CUDA_GRAPHS = ("auto", "off", "eager")
@@ -176,7 +176,9 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
-    quantization: str = "none"  # weight-only int8/int4 projections (CPU, bfloat16)
+    # weight-only int8/int4 projections (CPU, bfloat16); auto: a Q4_1 GGUF file's projections keep
+    # their 4-bit codes where the native step runs in bfloat16, else none
+    quantization: str = "auto"
     max_slots: int = 32  # requests in flight at once
     max_seq_len: int | None = None  # prompt + generated tokens; None = min(model limit, 2048)
     max_batch_tokens: int = 512  # token budget of one iteration (prompts are chunked to fit)

@@ -198,3 +198,46 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
     run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(garbage), "x"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr
+
+
+def file_codes(path: str, name: str) -> torch.Tensor:
+    """The 4-bit codes of a Q4_1 tensor as stored: [rows, cols] uint8 (each block of 32: low
+    nibbles are its first 16 values, high nibbles the next 16)."""
+    t = open_checkpoint(path).tensors[name]
+    blocks = t.data.reshape(-1, 20)[:, 4:]  # 2 + 2 bytes of scale and minimum, 16 of codes
+    codes = np.concatenate([blocks & 0x0F, blocks >> 4], axis=1)
+    return torch.from_numpy(codes.reshape(t.shape).astype(np.uint8))
+
+
+def test_a_q4_1_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(make_model, gguf_file, tmp_path):
+    """--quantization auto (the default) on a Q4_1 file in bfloat16: the projections keep the
+    file's 4-bit codes (quantized from the values as read: here every group's values sit near 3,
+    where bfloat16's step is wider than the file's, so rounding first would lose them) and run
+    the native step's int4 kernels; none dequantizes them; an F16 file stays 16-bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from flover import Engine, EngineConfig
+    from flover.models import load_model
+
+    model_dir = tmp_path / "offset"
+    shutil.copytree(make_model("llama"), model_dir)
+    weights = next(model_dir.glob("*.safetensors"))
+    tensors = load_file(weights)
+    for name in tensors:
+        if name.endswith(("down_proj.weight", "o_proj.weight")):
+            tensors[name] += 3.0
+    save_file(tensors, weights)
+    path = str(write_gguf(model_dir, tmp_path / "offset-Q4_1.gguf", "Q4_1"))
+    engine = Engine(EngineConfig(path, dtype="bfloat16", max_slots=2, max_seq_len=64))
+    assert engine.config.quantization == "int4"
+    assert engine.runner.native is not None and engine.runner.native.quantized_projections == 2 * 4 + 1
+    model = load_model(path, torch.bfloat16, torch.device("cpu"), 64, quantization="int4", pack=False)
+    for layer, name in ((model.layers[0].down, "blk.0.ffn_down.weight"), (model.layers[1].o, "blk.1.attn_output.weight")):
+        assert torch.equal(layer.quantized.codes, file_codes(path, name)), name
+    assert Engine(EngineConfig(path, dtype="bfloat16", quantization="none", max_slots=2,
+                               max_seq_len=64)).config.quantization == "none"
+    assert Engine(EngineConfig(gguf_file("llama", "F16"), dtype="bfloat16", max_slots=2,
+                               max_seq_len=64)).config.quantization == "none"
+    assert Engine(EngineConfig(path, dtype="float32", max_slots=2, max_seq_len=64)).config.quantization == "none"

@@ -25,8 +25,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16); auto (default): "
+                        "a Q4_1 GGUF file's projections keep their 4-bit codes where the native step runs in "
+                        "bfloat16, else none (none: dequantized to the dtype)")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")

@@ -28,7 +28,7 @@ from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.hardware import resolve_dtype
-from flover.models import LLAMA_FAMILY, open_checkpoint
+from flover.models import LLAMA_FAMILY, file_quantization, open_checkpoint
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
 from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
@@ -64,6 +64,12 @@ class Engine:
         asked = config.dtype
         native_step = config.native_forward == "auto" and cfg.architecture in LLAMA_FAMILY
         config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, native_step))  # no "auto" past here
+        if config.quantization == "auto":
+            native_bf16 = native_step and config.dtype == "bfloat16" and config.device == "cpu"
+            config = dataclasses.replace(config, quantization=file_quantization(checkpoint) if native_bf16 else "none")
+            if config.quantization != "none":
+                log.info("weights: the file's %s projections keep their codes (%s; --quantization none "
+                         "dequantizes them)", "/".join(sorted(checkpoint.projection_types())), config.quantization)
         if config.quantization != "none" and (config.dtype != "bfloat16" or config.device != "cpu"):
             chose = " (dtype auto: this CPU has no bfloat16 kernels for this model)" if asked == "auto" else ""
             raise ValueError(f"quantization={config.quantization!r} runs on CPU with dtype bfloat16 "

@@ -18,7 +18,7 @@ from flover.models.loader import CheckpointReader, load_weights
 from flover.models.quant import can_quantize
 from flover.models.tp_layout import TPLayout
 
-__all__ = ["CheckpointError", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "load_model",
+__all__ = ["CheckpointError", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile", "open_checkpoint", "file_quantization", "load_model",
            "load_model_config"]
 
 
@@ -71,6 +71,20 @@ def model_class(cfg: ModelConfig):
     return LlamaForCausalLM if cfg.architecture in LLAMA_FAMILY else GPTJForCausalLM
 
 
+# GGUF block types whose codes the native step runs as they are (`--quantization auto`): Q4_1's
+# grid (scale and minimum per 32 inputs) is int4's, and quantizing its values gives back its codes
+FILE_QUANTIZATION = {"Q4_1": "int4"}
+
+
+def file_quantization(checkpoint: HFDirectory | GGUFFile) -> str:
+    """The weight-only mode that keeps a quantized file's projections in their own codes, or
+    "none" (16-bit sources; GGUF types not in FILE_QUANTIZATION run dequantized)."""
+    if not isinstance(checkpoint, GGUFFile):
+        return "none"
+    modes = {FILE_QUANTIZATION.get(t, "none") for t in checkpoint.projection_types()}
+    return modes.pop() if len(modes) == 1 else "none"
+
+
 def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
                cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
                pack_hint: int = 32, quantization: str = "none", pack: bool = True) -> torch.nn.Module:
@@ -86,9 +100,10 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     tp = tp or TPLayout.build(cfg)
     model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     with torch.no_grad():
-        load_weights(checkpoint.reader(cfg), model.weight_specs())
+        take = _quantize_as_read(model, quantization, keep_codes=not pack) if quantization != "none" else None
+        load_weights(checkpoint.reader(cfg), model.weight_specs(), take)
         if quantization != "none":
-            quantize_projections(model, quantization, keep_codes=not pack)
+            quantize_projections(model, quantization, keep_codes=not pack)  # the LM head
     if pack:
         pack_projections(model, pack_hint)
     return model.eval()
@@ -113,11 +128,30 @@ def release_projections(model: torch.nn.Module) -> None:
             module.release()
 
 
+def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool):
+    """load_weights' `take`: every layer projection quantized from its values as read, before
+    they round to the model's 16 bits (a Q4_1 file's values give back its codes exactly)."""
+    owners = {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
+
+    def take(spec, values: torch.Tensor) -> bool:
+        if id(spec.param) not in owners:
+            return False
+        name, module = owners[id(spec.param)]
+        why = can_quantize(values, mode)
+        if why is not None:
+            raise CheckpointError(f"--quantization {mode}: {name}: {why}")
+        module.quantize(mode, keep_codes, values=values)
+        return True
+
+    return take
+
+
 def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = False) -> None:
-    """Every projection in `mode`; the LM head in int8 whatever the mode (the logits are the most
-    sensitive product, and llama.cpp's 4-bit files keep it in 8 bits too)."""
+    """Every projection in `mode` (those load_model has not quantized as read); the LM head in
+    int8 whatever the mode (the logits are the most sensitive product, and llama.cpp's 4-bit
+    files keep it in 8 bits too)."""
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or module.quantized is not None:
             continue
         head_or_layer = "int8" if name == "lm_head" else mode
         why = can_quantize(module.weight, head_or_layer)

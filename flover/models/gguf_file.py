@@ -152,6 +152,11 @@ class GGUFFile:
         validate_model_config(cfg, where)
         return cfg
 
+    def projection_types(self) -> set[str]:
+        """The block types of the layers' projection weights (e.g. {"Q4_1"})."""
+        names = [name for hf, name in GGUF_LAYER_NAMES.items() if hf.endswith("proj.weight")]
+        return {t.type_name for n, t in self.tensors.items() if n.startswith("blk.") and n.split(".", 2)[2] in names}
+
     def reader(self, cfg: ModelConfig) -> "GGUFReader":
         return GGUFReader(self, cfg)
 

@@ -129,10 +129,13 @@ class Linear(nn.Module):
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape) if self.weight is not None else self._shape
 
-    def quantize(self, mode: str, keep_codes: bool = False) -> None:
+    def quantize(self, mode: str, keep_codes: bool = False, values: torch.Tensor | None = None) -> None:
         """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
-        dequantized values, so both kernels compute the same model (models/quant.py)."""
-        self.quantized, dequantized = quantize(self.weight, mode, keep_codes)
+        dequantized values, so both kernels compute the same model (models/quant.py). `values`:
+        the checkpoint's float32 values of the weight, quantized before any rounding to 16 bits
+        (a Q4_1 file's values give back its own codes)."""
+        source = self.weight if values is None else values
+        self.quantized, dequantized = quantize(source, mode, keep_codes, dtype=self.weight.dtype)
         self.weight.data = dequantized
 
     def pack(self, batch_hint: int) -> bool:

@@ -8,6 +8,7 @@ rank reads only its own slices (`safe_open(...).get_slice`), so no rank holds th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,11 @@ class CheckpointReader:
             raise CheckpointError(f"{file}: cannot read tensor {source.name!r} ({e})") from None
 
 
-def load_weights(reader: CheckpointReader, specs: list[WeightSpec]) -> None:
+def load_weights(reader: CheckpointReader, specs: list[WeightSpec],
+                 take: Callable[[WeightSpec, torch.Tensor], bool] | None = None) -> None:
+    """Each spec's parameter from its sources. `take(spec, values)`: offered the values as read
+    (float32 for GGUF files) before they are rounded into the parameter; True if it has filled
+    the parameter itself."""
     for spec in specs:
         parts = [reader.read(src) for src in spec.sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -111,4 +116,6 @@ def load_weights(reader: CheckpointReader, specs: list[WeightSpec]) -> None:
             raise CheckpointError(
                 f"{reader.dir}: {names} give shape {list(tensor.shape)}, the model expects {list(spec.param.shape)}"
             )
+        if take is not None and target is spec.param and take(spec, tensor):
+            continue
         target.copy_(tensor)

@@ -48,10 +48,13 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
 
 
-def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
-    """weight: [out, in] -> (the quantized weight, the dequantized weight in weight's dtype).
-    `keep_codes`: also keep int4's codes unpacked (the native step blocks them its own way)."""
+def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
+             dtype: torch.dtype | None = None) -> tuple[QuantizedWeight, torch.Tensor]:
+    """weight: [out, in] -> (the quantized weight, the dequantized weight in `dtype`, the model's:
+    weight's own by default; a float32 weight of a bfloat16 model is quantized from its unrounded
+    values). `keep_codes`: also keep int4's codes unpacked (the native step blocks them its own way)."""
     w = weight.detach().to(torch.float32)
+    weight = weight if dtype is None else weight.detach().to(dtype)  # (its dtype is all that is used below)
     if mode == "int8":
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
         scale = scale.to(weight.dtype).to(torch.float32)  # the kernel scales in x's dtype
