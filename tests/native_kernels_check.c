@@ -31,11 +31,13 @@ static void print(const char *what, const float *x, int64_t n) {
 
 static void check_tiles(void) {
     enum { K = 96, BLOCKS = 4, ROWS = 6 };
-    static float wf[BLOCKS * 16 * K], xf[ROWS * K], out[6 * 4 * 16];
+    static float wf[BLOCKS * 16 * K], xf[ROWS * K], xbf[ROWS * K], out[6 * 4 * 16];
     static uint16_t wb[BLOCKS * 16 * K], xb[ROWS * K];
     static int8_t wq[BLOCKS * 16 * K];
     fill(wf, BLOCKS * 16 * K, 1.f), fill(xf, ROWS * K, 1.f);
     fill_bf16(wb, BLOCKS * 16 * K, 1.f), fill_bf16(xb, ROWS * K, 1.f);
+    for (int i = 0; i < ROWS * K; i++) xbf[i] = bf2f(xb[i]); /* the same operand as floats */
+    const void *pairs_operand = operand_is_bf16(W_BF16) ? (const void *)xb : (const void *)xbf;
     for (int i = 0; i < BLOCKS * 16 * K; i++) wq[i] = (int8_t)(uniform() * 127.f);
     const int rows[4] = {1, 2, 4, 6};
     char name[64];
@@ -45,10 +47,10 @@ static void check_tiles(void) {
             tile(wf, 0, K, xf, 0, rows[r], nt, W_F32, out, 0);
             print(name, out, rows[r] * nt * 16);
             snprintf(name, sizeof name, "tile bf16 %dx%d", rows[r], nt);
-            tile(wb, 0, K, xb, 0, rows[r], nt, W_BF16, out, 0);
+            tile(wb, 0, K, pairs_operand, 0, rows[r], nt, W_BF16, out, 0);
             print(name, out, rows[r] * nt * 16);
             snprintf(name, sizeof name, "tile q8 %dx%d", rows[r], nt);
-            tile(wq, 0, K, xb, 0, rows[r], nt, W_Q8, out, 0);
+            tile(wq, 0, K, pairs_operand, 0, rows[r], nt, W_Q8, out, 0);
             print(name, out, rows[r] * nt * 16);
         }
 }
@@ -56,16 +58,17 @@ static void check_tiles(void) {
 static void check_q4(void) {
     enum { K = 64, GROUPS = K / 32, ROWS = 12 };
     static uint8_t codes[GROUPS * 256];
-    static uint16_t scales[GROUPS * 32], x[ROWS * K];
-    static float xsum[ROWS * GROUPS], out[12 * 16];
+    static uint16_t x[ROWS * K];
+    static float scales[GROUPS * 32], xf[ROWS * K], xsum[ROWS * GROUPS], out[12 * 16];
     for (int i = 0; i < GROUPS * 256; i++) codes[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
-    fill_bf16(scales, GROUPS * 32, 0.1f), fill_bf16(x, ROWS * K, 1.f);
+    fill(scales, GROUPS * 32, 0.1f), fill_bf16(x, ROWS * K, 1.f);
     fill(xsum, ROWS * GROUPS, 4.f);
+    for (int i = 0; i < ROWS * K; i++) xf[i] = bf2f(x[i]);
     const int rows[5] = {1, 2, 4, 8, 12};
     char name[64];
     for (int r = 0; r < 5; r++) {
         snprintf(name, sizeof name, "tile q4 %d", rows[r]);
-        tile_q4(rows[r], codes, scales, K, x, xsum, out);
+        tile_q4(rows[r], codes, scales, K, operand_is_bf16(W_Q8) ? (const void *)x : (const void *)xf, xsum, out);
         print(name, out, rows[r] * 16);
     }
 }

@@ -103,7 +103,8 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
         take = _quantize_as_read(model, quantization, keep_codes=not pack) if quantization != "none" else None
         load_weights(checkpoint.reader(cfg), model.weight_specs(), take)
         if quantization != "none":
-            quantize_projections(model, quantization, keep_codes=not pack)  # the LM head
+            head = not (isinstance(checkpoint, GGUFFile) and checkpoint.head_is_quantized())
+            quantize_projections(model, quantization, keep_codes=not pack, head=head)  # the LM head
     if pack:
         pack_projections(model, pack_hint)
     return model.eval()
@@ -146,12 +147,14 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool):
     return take
 
 
-def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = False) -> None:
+def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = False, head: bool = True) -> None:
     """Every projection in `mode` (those load_model has not quantized as read); the LM head in
     int8 whatever the mode (the logits are the most sensitive product, and llama.cpp's 4-bit
-    files keep it in 8 bits too)."""
+    files keep it in 8 bits too), unless `head` is False: a GGUF file's head already in blocks of
+    8 bits or fewer (Q8_0's scale per 32 weights) keeps its values in 16 bits, as quantizing it
+    again per row lost SmolLM2's answers."""
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or module.quantized is not None:
+        if not isinstance(module, Linear) or module.quantized is not None or name == "lm_head" and not head:
             continue
         head_or_layer = "int8" if name == "lm_head" else mode
         why = can_quantize(module.weight, head_or_layer)

@@ -152,6 +152,12 @@ class GGUFFile:
         validate_model_config(cfg, where)
         return cfg
 
+    def head_is_quantized(self) -> bool:
+        """Whether the LM head (or the tied token embedding) is stored in blocks of codes: then it
+        stays 16-bit here rather than being quantized a second time."""
+        head = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
+        return head is not None and head.type_name not in ("F32", "F16", "BF16")
+
     def projection_types(self) -> set[str]:
         """The block types of the layers' projection weights (e.g. {"Q4_1"})."""
         names = [name for hf, name in GGUF_LAYER_NAMES.items() if hf.endswith("proj.weight")]

@@ -40,6 +40,9 @@ class QuantizedWeight:
     scales: torch.Tensor  # int8: [out]; int4: [in / 32, out, 2] (scale, zero point) in x's dtype
     max_rows: int
     codes: torch.Tensor | None = None  # int4, when asked: uint8 [out, in] of q in 0..15 (the native step's copy)
+    # ... with float32 [in / 32, out, 2] (scale, zero point) unrounded: the native step's, so that a
+    # GGUF file's scales stay its own (bfloat16 would keep 8 of their 11 bits)
+    exact_scales: torch.Tensor | None = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (no bias)."""
@@ -73,9 +76,14 @@ def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
     zero16 = (low + 8 * scale16.to(torch.float32)).to(weight.dtype)
     scales = torch.stack((scale16.t(), zero16.t()), dim=-1).contiguous()  # [in / 32, out, 2]
     data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32), 1)
+    if keep_codes:  # the native step's model: unrounded scales (its 16-bit copy dequantizes them)
+        scale32, zero32 = scale, low + 8 * scale
+        dequantized = (q - 8) * scale32[..., None] + zero32[..., None]
+        exact = torch.stack((scale32.t(), zero32.t()), dim=-1).contiguous()
+        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], q.view(out, inp).to(torch.uint8), exact),
+                dequantized.view(out, inp).to(weight.dtype))
     dequantized = (q - 8) * scale16.to(torch.float32)[..., None] + zero16.to(torch.float32)[..., None]
-    codes = q.view(out, inp).to(torch.uint8) if keep_codes else None
-    return QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes), dequantized.view(out, inp).to(weight.dtype)
+    return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(weight.dtype)
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:

@@ -169,6 +169,7 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     const float scale = 1.f / sqrtf((float)d);
     void *qt = scratch;                         /* blocked queries: nb x d x 16 values */
     float *S = scratch + MAX_BLOCK_QUERIES * d; /* [keys of the block][width] */
+    float *keys = S + md->max_seq * MAX_BLOCK_QUERIES; /* a tile's keys as floats (widening families) */
     float first[MAX_BLOCK_QUERIES], len[MAX_BLOCK_QUERIES]; /* positions, exact in float */
     float total[MAX_BLOCK_QUERIES], *outs[MAX_BLOCK_QUERIES];
     for (int64_t j = 0; j < width; j++) {
@@ -193,7 +194,12 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     for (int64_t t = kmin; t < kmax;) {
         const int mt = tile_rows(bf, (int)(kmax - t), (int)nb);
         float out[6 * 4 * 16];
-        tile(qt, 0, d, (const char *)k_base + t * pos * es, 0, mt, (int)nb, bf, out, 0);
+        const void *rows = (const char *)k_base + t * pos * es;
+        if (bf && !operand_is_bf16(W_BF16)) { /* bfloat16 keys, read by the tile as floats */
+            for (int64_t i = 0; i < mt * d; i += 16) v_storen(keys + i, v_load_bf16n((const uint16_t *)rows + i, mt * d - i), mt * d - i);
+            rows = keys;
+        }
+        tile(qt, 0, d, rows, 0, mt, (int)nb, bf, out, 0);
         for (int i = 0; i < mt; i++)
             for (int64_t jb = 0; jb < nb; jb++)
                 v_store(S + (t - kmin + i) * width + jb * 16, v_mul(v_load(out + (i * nb + jb) * 16), v_set1(scale)));

@@ -259,7 +259,7 @@ def int4_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (-(-n // 16), k // 32, 16, 16), (-(-n // 16), k // 32, 2, 16)
 
 
-INT4 = (torch.uint8, torch.bfloat16)  # dtypes of int4_shapes' codes and scales
+INT4 = (torch.uint8, torch.float32)  # dtypes of int4_shapes' codes and scales
 INT8 = (torch.int8, torch.float32)  # ... and int8_shapes'
 
 
@@ -284,8 +284,9 @@ def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> 
     pairs = padded.view(-1, 16, k // 32, 16, 2)  # [blocks, rows, groups, pairs, (even, odd)]
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
     codes_out.copy_(packed.permute(0, 2, 3, 1))
-    scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=quantized.scales.dtype)
-    scales[:n] = quantized.scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
+    exact = quantized.exact_scales if quantized.exact_scales is not None else quantized.scales.float()
+    scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=torch.float32)
+    scales[:n] = exact.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
     scales_out.copy_(scales.view(-1, 16, k // 32, 2).permute(0, 2, 3, 1))
 
 
@@ -508,7 +509,7 @@ class NativeForward:
         return f"{self.kernels} kernels, {weights}"
 
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor | list[int] | None:
-        """[sampled rows, vocab block] logits of the iteration, or None when it has more tokens
+        """[sampled rows, vocab block] float32 logits of the iteration, or None when it has more tokens
         than max_rows (the caller runs PyTorch). `greedy` (every sampled row is plain greedy):
         where this model screens its head (screens_greedy), the rows' ids instead of logits:
         through the screen up to screen_rows rows, beyond them (bfloat16) from the whole head,
@@ -522,7 +523,7 @@ class NativeForward:
         n_out = out_rows.shape[0]
         ids_back = greedy and self.screens_greedy and n_out > 0  # the rows' ids come back, not logits
         if not ids_back:
-            logits = torch.empty(n_out, self.vocab, dtype=self.dtype)
+            logits = torch.empty(n_out, self.vocab, dtype=torch.float32)  # float32 whatever the dtype
         else:  # scratch: the screen's [n_out, vocab] float scores (beyond screen_rows none are used)
             if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
                 self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)

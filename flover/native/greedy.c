@@ -37,10 +37,9 @@ API void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stri
  * a token's bytes and FLOPs (SmolLM2: 49152 x 576). So a cheaper copy of the head scores every
  * vocabulary row first: bfloat16 for a float32 model (half the bytes), int8 with one scale per
  * row for a bfloat16 model (half the bytes). With a bound B_j >= |s_j - f_j| between the
- * screen's s_j and the exact logit f_j, only rows whose s_j + B_j reaches lo = max_k (s_k - B_k)
- * can hold the maximum (bfloat16 logits: lo lowered by their rounding, so that rows rounding to
- * the same maximum are kept, and the first of them wins). Those few are summed again by the
- * model's own tile, so the id is the one the whole head's argmax gives, bit for bit.
+ * screen's s_j and the exact logit f_j (float32, whatever the model dtype), only rows whose
+ * s_j + B_j reaches lo = max_k (s_k - B_k) can hold the maximum. Those few are summed again by
+ * the model's own tile, so the id is the one the whole head's argmax gives, bit for bit.
  * B_j = |x| * bounds[j], |x| the L2 norm (bfloat16 screen) or the L1 norm (int8), and bounds[j]
  * from flover/native/forward.py (`HeadScreen`; docs/design_notes.md derives the error terms),
  * plus 2^-10 of margin for the float rounding of |x| and B_j, 2^-20 |s_j| for that of s_j -+ B_j,
@@ -58,7 +57,9 @@ int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *
     if (bf) { /* int8 codes, row scales; the operand is x's bfloat16 values (exact), as the head's */
         project_kind(W_Q8, 0, md->head_screen, md->head_screen_scales, 0, x, xb, rows, vocab, h, scores, 0, nt, 0);
     } else { /* bfloat16 of x to nearest, then bfloat16 weights */
-        for (int64_t i = 0; i < rows * h; i++) ((uint16_t *)xb)[i] = f2bf(x[i]);
+        for (int64_t i = 0; i < rows * h; i++)
+            if (operand_is_bf16(W_BF16)) ((uint16_t *)xb)[i] = f2bf(x[i]);
+            else ((float *)xb)[i] = rnd(x[i], 1);
         project_kind(W_BF16, 0, md->head_screen, 0, 0, 0, xb, rows, vocab, h, scores, 0, nt, 0);
     }
     int full[rows], n_full = 0;
@@ -82,10 +83,8 @@ int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *
         }
         const float lo = v_reduce_max(low), hi = v_reduce_max(high);
         finite &= !bad;
-        /* bfloat16 logits: a row whose logit rounds to the same maximum may lie below lo by the
-         * rounding of both (each at most 2^-8 of a value within max(|lo|, |hi|), with margin) */
-        const float top = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
-        const v16 threshold = v_set1(bf ? lo - 0x1p-7f * top * (1 + 0x1p-6f) : lo);
+        (void)hi;
+        const v16 threshold = v_set1(lo);
         for (int64_t j = 0; j < vocab && finite && n <= SCREEN_MAX_CANDIDATES; j += 16) {
             const v16 v = v_loadn(s + j, vocab - j);
             m16 hit = v_ge(v_add(v, BOUND(v, j, vocab - j)), threshold) & lanes(vocab - j);
@@ -99,26 +98,26 @@ int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *
             continue;
         }
         /* the candidates' exact logits: their blocks of the head, tiled as the whole head is */
-        const void *operand = bf ? (const void *)((const uint16_t *)xb + r * h) : (const void *)a;
+        const void *operand = operand_is_bf16(exact_kind) ? (const void *)((const uint16_t *)xb + r * h) : (const void *)a;
         float out[16], best = 0.f;
         for (int64_t q = 0; q < n; q++) {
             tile((const void *)md->head, cand[q] / 16, h, operand, 0, 1, 1, exact_kind, out, 0);
-            const float f = rnd(out[cand[q] % 16], bf);
+            const float f = out[cand[q] % 16];
             if (q == 0 || f > best) best = f, ids[r] = cand[q];
         }
     }
     for (int r = 0; r < rows; r++)
         if (full[r]) {
-            project(md, md->head, 0, 0, x + r * h, xb, 1, vocab, h, scores + r * vocab, 1, nt);
-            flover_argmax(scores + r * vocab, 1, vocab, vocab, bf, ids + r, nt);
+            project_kind(exact_kind, 0, md->head, 0, 0, x + r * h, xb, 1, vocab, h, scores + r * vocab, 0, nt, 0);
+            flover_argmax(scores + r * vocab, 1, vocab, vocab, 0, ids + r, nt);
         }
     return n_full;
 }
 
 /* ---- greedy through the whole head ------------------------------------------------------------
  * Rows beyond the screen's (bfloat16 above screen_rows: there the head is compute-bound and the
- * int8 screen no longer pays) take every logit, but none is stored: each tile's outputs, rounded
- * to the model dtype as the logits would be, go straight into the row's running maximum
+ * int8 screen no longer pays) take every logit, but none is stored: each tile's outputs (float32
+ * logits, as stored ones are) go straight into the row's running maximum
  * (project_kind with a RowMax). The threads' blocks are in order, so the first maximum is the
  * smallest index among the largest values, the lower thread's on a tie, and the first NaN wins:
  * torch.argmax's answer, without writing [rows, vocab] logits and reading them again. Returns
@@ -129,7 +128,7 @@ int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *id
     for (int i = 0; i < nt * rows; i++) top[i] = -INFINITY, at[i] = nan_at[i] = -1; /* (threads not started) */
     RowMax most = {top, at, nan_at};
     const int bf = md->dtype == DT_BF16;
-    project_kind(bf ? W_BF16 : W_F32, bf, md->head, 0, 0, x, xb, rows, md->vocab, md->hidden, 0, 0, nt, &most);
+    project_kind(bf ? W_BF16 : W_F32, 0, md->head, 0, 0, x, xb, rows, md->vocab, md->hidden, 0, 0, nt, &most);
     for (int r = 0; r < rows; r++) {
         int64_t id = -1, nan_id = -1;
         float largest = -INFINITY;

@@ -60,7 +60,7 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.mid = w.wide + rows * widest;
     w.xb = w.mid + rows * inner;
     w.scores = w.xb + rows * widest; /* the model-dtype copies fit in rows * widest floats */
-    const int64_t decode = md->heads * md->max_seq, prompt = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq);
+    const int64_t decode = md->heads * md->max_seq, prompt = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq) + 6 * md->head_dim;
     w.per_thread = decode > prompt ? decode : prompt;
     w.xsum = w.scores + nt * w.per_thread;
     w.blocks = w.xsum + rows * (widest / 32 + 1);
@@ -87,7 +87,7 @@ API int flover_check_model(const Model *md) {
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
  * its own position, which this iteration's earlier prompt tokens have written). Logits of the
- * rows listed in out_rows: [n_out, vocab] in the model dtype; or, with greedy_ids (models with
+ * rows listed in out_rows: [n_out, vocab] float32; or, with greedy_ids (models with
  * head_screen), those rows' greedy ids, `logits` serving as [n_out, vocab] float32 scratch. Returns 0, or with greedy_ids the rows that took the whole head. */
 API int flover_forward(const Model *md, const Layer *layers, int rows, int decode_rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, int n_out, const int64_t *out_rows, void *logits,
@@ -187,13 +187,15 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         residual_and_norm(hidden, normed, rows, ly->down_bias, l + 1 < md->layers ? layers[l + 1].input_norm : 0, eps, h,
                           bf, nt);
     }
-    /* the final norm of the rows whose logits are wanted, then the LM head writes the model
-     * dtype straight into `logits` */
+    /* the final norm of the rows whose logits are wanted, then the LM head writes them straight
+     * into `logits`, in float32 whatever the model dtype (as llama.cpp's): rounded to bfloat16,
+     * near ties became exact ties, which the first index won (SmolLM2's first answer token) */
     for (int o = 0; o < n_out; o++)
         rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
     if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
     if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
-    if (n_out > 0) project(md, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 1, nt);
+    const int head_kind = md->head_scales ? W_Q8 : bf ? W_BF16 : W_F32;
+    if (n_out > 0) project_kind(head_kind, 0, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 0, nt, 0);
     return 0;
 }

@@ -57,13 +57,14 @@ static inline int64_t weight_bytes(int kind) { return kind == W_Q8 ? 1 : kind ==
 
 /* ---- tiles.c ----------------------------------------------------------------------------------- */
 /* MT rows x NT blocks of 16 outputs, from block nb and row m0; out: [MT][NT][16] floats. pf: 0,
- * or a weight stream to prefetch meanwhile (64 bytes per input step). */
+ * or a weight stream to prefetch meanwhile (64 bytes per input step). x: the operand rows, of
+ * operand_is_bf16(kind) ? bfloat16 : float32. */
 void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
           float *out, const char *pf);
 int tile_blocks(int kind, int rows);              /* blocks per tile for an iteration of `rows` */
 int tile_rows(int kind, int left, int nt_blocks); /* rows of the next tile over `left` rows */
-/* 4-bit tiles: MT (q4_rows) rows x one block; x: bfloat16 operand rows, xsum: each row's group sums */
-void tile_q4(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x, const float *xsum,
+/* 4-bit tiles: MT (q4_rows) rows x one block; x: operand rows (as W_Q8's), xsum: each row's group sums */
+void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const void *x, const float *xsum,
              float *out);
 int q4_rows(int left);
 /* the family this build runs, e.g. "AVX-512F, bfloat16 dot products" */
@@ -72,11 +73,15 @@ API const char *flover_kernels(void);
 /* ---- tiles_bf16_dot.c (AVX-512 BF16 builds; elsewhere they return 0: not done) ---------------- */
 int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int kind, float *out,
                   const char *pf);
-int tile_q4_bf16_dot(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x,
+int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out);
 int keys_bf16_dot(const uint16_t *qb, const uint16_t *k_base, int64_t pos, int64_t d, int64_t t0, int64_t keys,
                   v16 acc[16]);
 int has_bf16_dot(void);
+
+/* The rows a tile of `kind` reads: bfloat16 for AVX-512 BF16's dot products; elsewhere float32
+ * (widened pairs meet the rows' own values, which hold bfloat16 values in a bfloat16 model). */
+static inline int operand_is_bf16(int kind) { return kind != W_F32 && has_bf16_dot(); }
 
 /* ---- project.c --------------------------------------------------------------------------------- */
 /* Greedy ids straight from the head's tiles: each thread's running maximum of each of its rows,

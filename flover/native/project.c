@@ -68,13 +68,13 @@ void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const
                   int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
     const int64_t groups = k / 32;
     const uint8_t *codes = (const uint8_t *)codes_addr;
-    const uint16_t *scales = (const uint16_t *)scales_addr;
+    const float *scales = (const float *)scales_addr;
     const void *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        operand_rows(x, xb, rows, k, 1, t, T);
+        if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
         for (int m = rows * t / T; m < rows * (t + 1) / T; m++) /* each group's input sum, once per row */
             for (int64_t g = 0; g < groups; g++)
                 xsum[m * groups + g] = v_reduce_add(v_add(v_load(x + m * k + g * 32), v_load(x + m * k + g * 32 + 16)));
@@ -83,10 +83,12 @@ void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const
         float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
             const uint8_t *c = codes + nb * 16 * k / 2;
-            const uint16_t *sc = scales + nb * groups * 32;
+            const float *sc = scales + nb * groups * 32;
             for (int m0 = 0; m0 < rows;) {
                 const int mt = q4_rows(rows - m0);
-                tile_q4(mt, c, sc, k, (const uint16_t *)xb + m0 * k, xsum + m0 * groups, out);
+                const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
+                                                            : (const void *)(x + m0 * k);
+                tile_q4(mt, c, sc, k, operand, xsum + m0 * groups, out);
                 for (int i = 0; i < mt; i++)
                     store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * n_out, y_in_model_dtype, 1);
                 m0 += mt;
@@ -107,7 +109,7 @@ void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_add
 }
 
 /* project() through weights of `kind`, outputs rounded (and stored) as bfloat16 if bf; x NULL:
- * xb already holds the operand. `most`: nothing is stored; each thread keeps its running
+ * xb already holds the operand (operand_is_bf16's type), else x's rows are it or give it. `most`: nothing is stored; each thread keeps its running
  * maximum of every row there instead (keep_max). */
 void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
                   int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt, RowMax *most) {
@@ -118,7 +120,8 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        if (x) operand_rows(x, xb, rows, k, kind != W_F32, t, T);
+        const void *operand = x && !operand_is_bf16(kind) ? (const void *)x : xb;
+        if (x && operand_is_bf16(kind)) operand_rows(x, xb, rows, k, 1, t, T);
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[6 * 4 * 16];
@@ -140,7 +143,7 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
                 const int64_t next = nb + nt_blocks + tiles - 1;
                 const char *pf =
                     rows <= 64 && tiles > 0 && tiles <= 4 && next < b1 ? (const char *)w + next * 16 * k * es : 0;
-                tile(w, nb, k, xb, m0, mt, nt_blocks, kind, out, pf);
+                tile(w, nb, k, operand, m0, mt, nt_blocks, kind, out, pf);
                 for (int j = 0; j < nt_blocks; j++) {
                     const int64_t n0 = (nb + j) * 16;
                     for (int i = 0; i < mt; i++) {

@@ -122,14 +122,6 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 24), 24));
     *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 16), 24));
 }
-/* one row's input pair (two bfloat16) -> each broadcast to 16 lanes */
-static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
-    int32_t pair;
-    memcpy(&pair, p, 4);
-    const __m512i b = _mm512_set1_epi32(pair);
-    *even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-    *odd = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
-}
 /* 16 bytes, a pair of 4-bit codes each (low nibble even) -> q - 8 */
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
@@ -273,14 +265,6 @@ static inline void v_widen_bf16_pairs(const uint16_t *p, v16 *even, v16 *odd) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     *even = V2(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
     *odd = V2(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high)));
-}
-static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
-    int32_t pair;
-    memcpy(&pair, p, 4);
-    const __m256i b = _mm256_set1_epi32(pair);
-    const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-    const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
-    *even = V2(e, e), *odd = V2(o, o);
 }
 static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -427,14 +411,6 @@ static inline void v_widen_bf16_pairs(const uint16_t *p, v16 *even, v16 *odd) {
         odd->q[i] = vreinterpretq_f32_u32(vandq_u32(u, vdupq_n_u32(0xffff0000u)));
     }
 }
-static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
-    uint32_t pair;
-    memcpy(&pair, p, 4);
-    const uint32x4_t b = vdupq_n_u32(pair);
-    const float32x4_t e = vreinterpretq_f32_u32(vshlq_n_u32(b, 16));
-    const float32x4_t o = vreinterpretq_f32_u32(vandq_u32(b, vdupq_n_u32(0xffff0000u)));
-    for (int i = 0; i < 4; i++) even->q[i] = e, odd->q[i] = o;
-}
 static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     const int8x16x2_t pairs = vld2q_s8(p); /* val[0]: the even codes, val[1]: the odd ones */
     for (int h = 0; h < 2; h++) {
@@ -533,10 +509,6 @@ static inline v16 v_exp(v16 x) { return VG(expf(x.f[_i])); }
 static inline void v_widen_bf16_pairs(const uint16_t *p, v16 *even, v16 *odd) {
     *even = VG(bf2f(p[2 * _i]));
     *odd = VG(bf2f(p[2 * _i + 1]));
-}
-static inline void v_set1_bf16_pair(const uint16_t *p, v16 *even, v16 *odd) {
-    *even = v_set1(bf2f(p[0]));
-    *odd = v_set1(bf2f(p[1]));
 }
 static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *even = VG((float)p[2 * _i]);

@@ -38,9 +38,9 @@
     }
 
 /* Weights in input pairs (WIDEN: a block's 16 rows at one pair -> the even and odd inputs'
- * values); x: bfloat16 rows, each input added in turn. */
+ * values); x: float rows, each input added in turn. */
 #define TILE_PAIRS(KIND, WTYPE, WIDEN, MT, NT)                                                             \
-    static void tile_##KIND##_##MT##_##NT(const WTYPE *w, int64_t k, const uint16_t *x, float *out,       \
+    static void tile_##KIND##_##MT##_##NT(const WTYPE *w, int64_t k, const float *x, float *out,          \
                                           const char *pf) {                                                \
         v16 acc[MT][NT];                                                                                   \
         for (int i = 0; i < MT; i++)                                                                       \
@@ -50,8 +50,7 @@
             v16 even[NT], odd[NT];                                                                         \
             for (int j = 0; j < NT; j++) WIDEN(w + j * 16 * k + kp * 32, &even[j], &odd[j]);              \
             for (int i = 0; i < MT; i++) {                                                                 \
-                v16 xe, xo;                                                                                \
-                v_set1_bf16_pair(x + i * k + 2 * kp, &xe, &xo);                                            \
+                const v16 xe = v_set1(x[i * k + 2 * kp]), xo = v_set1(x[i * k + 2 * kp + 1]);              \
                 for (int j = 0; j < NT; j++) acc[i][j] = v_fmadd(odd[j], xo, v_fmadd(even[j], xe, acc[i][j])); \
             }                                                                                              \
         }                                                                                                  \
@@ -83,9 +82,9 @@ int tile_rows(int kind, int left, int nt_blocks) {
 /* mt: 6, 4, 2 or 1; nt_blocks 1 to 4 (every shape exists; the budget picks those that fit) */
 void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int mt, int nt_blocks, int kind,
           float *out, const char *pf) {
-    const int64_t es = weight_bytes(kind), xs = kind == W_F32 ? 4 : 2;
+    const int64_t es = weight_bytes(kind), xs = operand_is_bf16(kind) ? 2 : 4;
     const char *wb = (const char *)w + nb * 16 * k * es, *xr = (const char *)x + m0 * k * xs;
-    if (has_bf16_dot() && tile_bf16_dot(wb, k, xr, mt, nt_blocks, kind, out, pf)) return;
+    if (operand_is_bf16(kind) && tile_bf16_dot(wb, k, xr, mt, nt_blocks, kind, out, pf)) return;
 #define CALL(KIND, TYPE, XTYPE, MT, NT)                                                                    \
     if (mt == MT && nt_blocks == NT) return tile_##KIND##_##MT##_##NT((const TYPE *)wb, k, (const XTYPE *)xr, out, pf);
 #define CALLS(KIND, TYPE, XTYPE, NT)                                                                      \
@@ -93,8 +92,8 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
 #define KIND_CALLS(KIND, TYPE, XTYPE)                                                                     \
     CALLS(KIND, TYPE, XTYPE, 4) CALLS(KIND, TYPE, XTYPE, 3) CALLS(KIND, TYPE, XTYPE, 2) CALLS(KIND, TYPE, XTYPE, 1)
     if (kind == W_F32) { KIND_CALLS(f32, float, float) }
-    if (kind == W_BF16) { KIND_CALLS(bf16, uint16_t, uint16_t) }
-    if (kind == W_Q8) { KIND_CALLS(q8, int8_t, uint16_t) }
+    if (kind == W_BF16) { KIND_CALLS(bf16, uint16_t, float) }
+    if (kind == W_Q8) { KIND_CALLS(q8, int8_t, float) }
 #undef KIND_CALLS
 #undef CALLS
 #undef CALL
@@ -104,10 +103,10 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
  * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs (GGUF's
  * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native/forward.py: per block of
  * 16 output rows and group, 16 input pairs x 16 rows bytes (low nibble: the even input, high: the
- * odd one), then the group's 16 scales and 16 zeros in bfloat16. The group's sum is
+ * odd one), then the group's 16 scales and 16 zeros in float32. The group's sum is
  * scale * sum((q - 8) x) + zero * sum(x), xsum holding each row's sum(x) per group. */
 #define TILE_Q4(MT)                                                                                        \
-    static void tile_q4_##MT(const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x,  \
+    static void tile_q4_##MT(const uint8_t *codes, const float *scales, int64_t k, const float *x,        \
                              const float *xsum, float *out) {                                              \
         const int64_t groups = k / 32;                                                                     \
         v16 acc[MT];                                                                                       \
@@ -120,12 +119,11 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
                 v16 even, odd;                                                                             \
                 v_widen_q4_pairs(c + kp * 16, &even, &odd);                                                \
                 for (int i = 0; i < MT; i++) {                                                             \
-                    v16 xe, xo;                                                                            \
-                    v_set1_bf16_pair(x + i * k + g * 32 + 2 * kp, &xe, &xo);                               \
-                    part[i] = v_fmadd(odd, xo, v_fmadd(even, xe, part[i]));                                \
+                    const float *xp = x + i * k + g * 32 + 2 * kp;                                         \
+                    part[i] = v_fmadd(odd, v_set1(xp[1]), v_fmadd(even, v_set1(xp[0]), part[i]));          \
                 }                                                                                          \
             }                                                                                              \
-            const v16 scale = v_load_bf16n(scales + g * 32, 16), zero = v_load_bf16n(scales + g * 32 + 16, 16); \
+            const v16 scale = v_load(scales + g * 32), zero = v_load(scales + g * 32 + 16);                \
             for (int i = 0; i < MT; i++)                                                                   \
                 acc[i] = v_fmadd(scale, part[i], v_fmadd(zero, v_set1(xsum[i * groups + g]), acc[i]));     \
         }                                                                                                  \
@@ -142,9 +140,10 @@ int q4_rows(int left) {
     return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
 
-void tile_q4(int mt, const uint8_t *codes, const uint16_t *scales, int64_t k, const uint16_t *x, const float *xsum,
+void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const void *operand, const float *xsum,
              float *out) {
-    if (has_bf16_dot() && tile_q4_bf16_dot(mt, codes, scales, k, x, xsum, out)) return;
+    if (operand_is_bf16(W_Q8) && tile_q4_bf16_dot(mt, codes, scales, k, operand, xsum, out)) return;
+    const float *x = operand;
     if (mt == 12) tile_q4_12(codes, scales, k, x, xsum, out);
     else if (mt == 8) tile_q4_8(codes, scales, k, x, xsum, out);
     else if (mt == 4) tile_q4_4(codes, scales, k, x, xsum, out);

@@ -220,7 +220,7 @@ class ModelRunner:
         all_greedy = all(r.params.temperature == 0 for r in sampled)
         if plain_greedy(sampled):
             # plain greedy (the common serving case): no per-row parameter tensors to gather
-            if self.native is not None and logits.dtype == self.native.dtype:
+            if self.native is not None and logits.device.type == "cpu":
                 return self._broadcast(self.native.greedy(logits), None, {}, prompt_logprobs)
             return self._broadcast(greedy(logits).tolist(), None, {}, prompt_logprobs)
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)

@@ -3,6 +3,7 @@
 
     python scripts/bench/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4, int8
     python scripts/bench/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
+    python scripts/bench/bench_vs_llamacpp.py --dtypes file --workload chat --interval-ms 100   # as users run them
 
 What it does, every step cached under --cache (outside the repository; nothing is committed):
 1. builds `llama-server` from the `llama-cpp-python` sdist's vendor/llama.cpp (pip download
@@ -15,7 +16,13 @@ What it does, every step cached under --cache (outside the repository; nothing i
    `single` (one request alone) and `poisson` (N requests, exponential gaps of --interval-ms).
    Prompts are random token ids, different for every request and run (no prompt-cache reuse),
    greedy, EOS ignored, streamed. Reports medians over the runs: output tok/s, TTFT p50, TPOT p50
-   and the longest wait between two tokens of any request.
+   and the longest wait between two tokens of any request, and each server's resident memory
+   after the workloads (its processes together: flover's engine and HTTP front).
+   `--workload chat`: real questions through the model's chat template instead, streamed over
+   each server's OpenAI endpoint (/v1/chat/completions; flover serve --http), greedy, EOS
+   honoured (so both stop where the model does, at most --gen-len tokens).
+   `--dtypes file` ("same file"): both servers get the GGUF file itself, each with its defaults
+   (flover: --dtype auto, --quantization auto, whatever this CPU makes of them).
 
 Needs the `compare` extra (pip install -e '.[compare]': transformers, sentencepiece for llama.cpp's
 converter), cmake and a C++ compiler.
@@ -46,10 +53,30 @@ from flover.bench.metrics import medians
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
 # flover's --quantization int4 (bfloat16 activations) with the original 4-bit GGUF file itself.
-LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native", "int8": "q8_0"}
+LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native", "int8": "q8_0",
+               "file": "native"}
 FLOVER_ARGS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
                "float16": ["--dtype", "float16"], "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
-               "int8": ["--dtype", "bfloat16", "--quantization", "int8"]}
+               "int8": ["--dtype", "bfloat16", "--quantization", "int8"], "file": []}
+# The chat workload's questions (each request takes the next one; the runs shift where they start).
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.", "How do I reverse a list in Python?", "What causes the seasons on Earth?",
+    "Give me three tips for a job interview.", "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Romeo and Juliet.", "How does a bicycle stay upright?", "What is 17 times 23?",
+    "Name five fruits that are high in vitamin C.", "Why is the sky blue?", "What is machine learning?",
+    "Write a short poem about autumn leaves.", "How do vaccines work?", "What are the planets of the solar system?",
+    "Translate 'good morning' into Spanish and German.", "What is a black hole?",
+    "Suggest a name for a coffee shop.", "How do I make a cup of tea?", "What is the Pythagorean theorem?",
+    "Describe a cat to someone who has never seen one.", "What is inflation in economics?",
+    "List three benefits of regular exercise.", "How does the internet work, briefly?",
+    "What is the boiling point of water at sea level?", "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?", "How do airplanes fly?",
+    "Write a two-line story about a robot.", "What is DNA?", "How can I improve my sleep?",
+    "Who wrote Pride and Prejudice?", "What is a prime number? Give examples.", "Why do we have leap years?",
+    "What does a compiler do?", "Explain recursion to a child.", "What are renewable energy sources?",
+    "How do plants drink water?", "What is the largest ocean on Earth?",
+]
 
 
 def log(text: str) -> None:
@@ -136,6 +163,54 @@ class Running:
             self.proc.kill()
 
 
+def resident_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants (MiB), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def chat_request(port: int, question: str, n: int) -> tuple[float | None, int, float]:
+    """One streamed chat completion over the OpenAI endpoint, greedy, EOS honoured; (seconds to
+    the first token, tokens generated, longest gap between tokens)."""
+    start, gaps, first, tokens, chunks = time.perf_counter(), Gaps(), None, None, 0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": n, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"chat request: HTTP {response.status}: {response.read()[:500]!r}")
+    for line in response:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        for choice in event.get("choices") or []:
+            if (choice.get("delta") or {}).get("content"):
+                first = first if first is not None else time.perf_counter() - start
+                chunks += 1
+                gaps.token()
+    conn.close()
+    return first, tokens if tokens is not None else chunks, gaps.longest
+
+
 def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: int = 384,
                  extra: list[str] = ()) -> tuple[Running, int]:
     """llama-server with `slots` slots of `seq_len` positions, once it answers; (server, port)."""
@@ -170,8 +245,11 @@ def speculation_args(draft: int | None, ngram: int) -> tuple[list[str], list[str
             ["--speculate", str(draft), "--speculate-ngram", str(ngram)])
 
 
-def start_llama(binary: Path, model: Path, slots: int, threads: int, extra: list[str] = ()) -> tuple[Running, callable]:
+def start_llama(binary: Path, model: Path, slots: int, threads: int, extra: list[str] = (),
+                chat: bool = False) -> tuple[Running, callable]:
     server, port = launch_llama(binary, model, slots, threads, extra=extra)
+    if chat:
+        return server, lambda question, n: chat_request(port, question, n)
     return server, lambda ids, n: llama_request(port, ids, n)
 
 
@@ -199,8 +277,9 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int,
 
 
 def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
-                  seq_len: int = 384) -> tuple[Running, str]:
-    """flover serve with `slots` slots of `seq_len` positions, once it answers; (server, address)."""
+                  seq_len: int = 384, http_port: int | None = None) -> tuple[Running, str]:
+    """flover serve with `slots` slots of `seq_len` positions (and its OpenAI front on http_port),
+    once it answers; (server, address)."""
     from flover.client import Client
 
     addr = f"tcp://127.0.0.1:{free_port()}"
@@ -208,18 +287,31 @@ def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
     def ready() -> bool:
         try:
             with Client(addr, timeout=1) as c:
-                return c.health(timeout=1)["status"] == "ok"
-        except (TimeoutError, RuntimeError):
+                if c.health(timeout=1)["status"] != "ok":
+                    return False
+            if http_port is None:
+                return True
+            conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=1)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except (TimeoutError, RuntimeError, OSError):
             return False
 
+    front = ["--http", f"127.0.0.1:{http_port}"] if http_port else []
     server = Running([sys.executable, "-m", "flover.apps.cli", "serve", "--model", str(model), *serve_args, "--bind", addr,
-                      "--max-slots", str(slots), "--max-seq-len", str(seq_len), "--threads", str(threads)], ready)
+                      "--max-slots", str(slots), "--max-seq-len", str(seq_len), "--threads", str(threads), *front],
+                     ready)
     return server, addr
 
 
-def start_flover(model: Path, config: str, slots: int, threads: int, extra: list[str] = ()) -> tuple[Running, callable]:
+def start_flover(model: Path, config: str, slots: int, threads: int, extra: list[str] = (),
+                 chat: bool = False) -> tuple[Running, callable]:
     from flover.client import Client
 
+    if chat:
+        port = free_port()
+        server, _ = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads, http_port=port)
+        return server, lambda question, n: chat_request(port, question, n)
     server, addr = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads)
 
     def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
@@ -252,9 +344,14 @@ class Gaps:
         self.last = now
 
 
-def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_len: int, seed: int) -> dict:
+def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_len: int, seed: int,
+                 chat: bool = False) -> dict:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(requests)]
+    if chat:  # the questions in turn, from a place the seed picks
+        first = rng.randrange(len(QUESTIONS))
+        prompts = [QUESTIONS[(first + i) % len(QUESTIONS)] for i in range(requests)]
+    else:
+        prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(requests)]
     gaps = [0.0] + [rng.expovariate(1000 / interval_ms) for _ in range(requests - 1)] if interval_ms else \
         [0.0] * requests
     results: list = [None] * requests
@@ -264,7 +361,8 @@ def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_l
         time.sleep(max(0.0, start + at - time.perf_counter()))
         sent = time.perf_counter()
         ttft, tokens, gap = send(prompts[i], gen_len)
-        results[i] = (ttft, tokens, time.perf_counter() - sent, gap)
+        elapsed = time.perf_counter() - sent
+        results[i] = (elapsed if ttft is None else ttft, tokens, elapsed, gap)  # None: an empty answer
 
     threads, at = [], 0.0
     for i, gap in enumerate(gaps):
@@ -305,7 +403,11 @@ def main() -> int:
                          "--spec-type ngram-map-k, flover --speculate K); 0: neither; default: each as it ships "
                          "(flover speculates, llama-server does not)")
     ap.add_argument("--speculate-ngram", type=int, default=3, metavar="N", help="... found by the last N tokens")
+    ap.add_argument("--workload", choices=("tokens", "chat"), default="tokens",
+                    help="tokens: random token-id prompts, EOS ignored; chat: real questions through the chat "
+                         "template over each server's OpenAI endpoint, EOS honoured")
     args = ap.parse_args()
+    chat = args.workload == "chat"
     llama_extra, flover_extra = speculation_args(args.speculate, args.speculate_ngram)
     if args.gomp_spincount is not None:
         os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount  # both servers inherit it
@@ -328,39 +430,44 @@ def main() -> int:
             llama_type = LLAMA_TYPES[dtype]
             llama_model = gguf if llama_type == "native" else converted(hf_dir, llama_type, cache)
             llama_name = "llama.cpp " + (gguf.name.rsplit(".", 2)[-2] if llama_type == "native" else llama_type)
-            engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra)),
-                       ("flover " + dtype, lambda: start_flover(hf_dir, dtype, args.requests, args.threads,
-                                                                flover_extra))]
+            flover_model = gguf if dtype == "file" else hf_dir  # "file": the same GGUF for both
+            engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra,
+                                                        chat)),
+                       ("flover " + dtype, lambda: start_flover(flover_model, dtype, args.requests, args.threads,
+                                                                flover_extra, chat))]
             if run % 2:
                 engines.reverse()  # alternate who goes first
             for name, start in engines:
                 server, send = start()
                 try:
-                    send([7] * args.prompt_len, 8)  # warm-up
+                    send(QUESTIONS[0] if chat else [7] * args.prompt_len, 8)  # warm-up
                     for kind, (workload, n, interval) in enumerate((
                             ("one request", 1, 0.0),
                             (f"{args.requests} Poisson ({args.interval_ms:g} ms)", args.requests, args.interval_ms))):
                         # the same prompts for both engines in a run, new ones in the next run
-                        r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind)
+                        r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind, chat)
+                        r["rss_mib"] = resident_mib(server.proc.pid)
                         table.setdefault((workload, name), []).append(r)
                         log(f"run {run + 1}/{args.runs} {name:18s} {workload}: {r['tok_s']:.1f} tok/s, "
                             f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms, "
-                            f"longest gap {r['gap_max'] * 1000:.0f} ms")
+                            f"longest gap {r['gap_max'] * 1000:.0f} ms, resident {r['rss_mib']:.0f} MiB")
                 finally:
                     server.stop()
     rows = {}
     for (workload, name), results in table.items():
-        rows.setdefault(workload, {})[name] = medians(results, ("tok_s", "ttft_p50", "tpot_p50", "gap_max"))
+        rows.setdefault(workload, {})[name] = medians(results, ("tok_s", "ttft_p50", "tpot_p50", "gap_max", "rss_mib"))
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": rows,
                                           "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
-    print(f"\nmedians of {args.runs} alternating run(s), {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
+    what = "chat questions, EOS honoured, at most" if chat else f"{args.prompt_len}-token prompts,"
+    print(f"\nmedians of {args.runs} alternating run(s), {what} {args.gen_len} tokens out, "
           f"greedy, {args.threads} threads"
           f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n")
-    print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap |\n|---|---|---:|---:|---:|---:|")
+    print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap | resident |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for workload, engines in rows.items():
         for name, m in engines.items():
             print(f"| {workload} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
-                  f"{m['tpot_p50'] * 1000:.1f} ms | {m['gap_max'] * 1000:.0f} ms |")
+                  f"{m['tpot_p50'] * 1000:.1f} ms | {m['gap_max'] * 1000:.0f} ms | {m['rss_mib']:.0f} MiB |")
     return 0
 
 
