@@ -19,8 +19,8 @@ from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import Engine
 from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native.forward import (KERNELS_ENV, NativeUnavailable, argmax, build_library, kernel_flags, load_library,
-                                   runnable_families)
+from flover.native.forward import (KERNELS_ENV, X86_V3, X86_V4, NativeUnavailable, argmax, build_library, kernel_flags,
+                                   load_library, runnable_families)
 from tests.helpers import random_arrival_jobs, run_arrivals
 
 
@@ -111,9 +111,9 @@ def test_every_kernel_family_of_this_cpu_is_built_and_named(llama_dir, kernel_fa
     AVX-512, those; the engine runs the family the override names and says so at start-up."""
     assert "generic" in FAMILIES
     flags = cpu_flags()
-    if "avx2" in flags and "fma" in flags:
+    if X86_V3 <= flags:
         assert "avx2" in FAMILIES
-    if "avx512_bf16" in flags:
+    if X86_V4 | {"avx512_bf16"} <= flags:
         assert "avx512bf16" in FAMILIES
     names = {"avx512bf16": "AVX-512F, bfloat16 dot products", "avx512": "AVX-512F", "avx2": "AVX2+FMA",
              "neon": "NEON", "generic": "generic C"}

@@ -247,7 +247,7 @@ def test_speculation_is_off_where_the_native_step_is_not(llama_dir, prompts, cap
         outs, llm = generate(llama_dir, prompts, params, speculate=4, native_forward="off")
     assert "speculation off" in caplog.text and "native step is off" in caplog.text
     assert llm.engine.draft_tokens == 0
-    plain, _ = generate(llama_dir, prompts, params, speculate=0)
+    plain, _ = generate(llama_dir, prompts, params, speculate=0, native_forward="off")  # the same forward
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
