@@ -294,6 +294,8 @@ def test_metrics_parse_and_count_what_was_sent(api):
     with server.client() as c:  # the same numbers over the socket
         stats = c.stats()
     assert stats["metrics"]["generation_tokens"] == after[("flover:generation_tokens_total", ())]
+    assert stats["native_kernels"]  # which kernels the native step runs (a Llama model on CPU), as an info metric
+    assert after[("flover:native_kernels_info", (("kernels", stats["native_kernels"]),))] == 1
 
 
 def test_flover_bench_measures_any_openai_endpoint(api, tmp_path):

