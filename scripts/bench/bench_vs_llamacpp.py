@@ -190,12 +190,19 @@ def resident_mib(pid: int) -> float:
     return total / 1024
 
 
-def chat_request(port: int, question: str, n: int) -> tuple[float | None, int, float]:
+def served_model(port: int) -> str:
+    """The model id an OpenAI endpoint serves (flover answers other names with 404)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/models")
+    return json.loads(conn.getresponse().read())["data"][0]["id"]
+
+
+def chat_request(port: int, question: str, n: int, model: str) -> tuple[float | None, int, float]:
     """One streamed chat completion over the OpenAI endpoint, greedy, EOS honoured; (seconds to
     the first token, tokens generated, longest gap between tokens)."""
     start, gaps, first, tokens, chunks = time.perf_counter(), Gaps(), None, None, 0
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": n, "temperature": 0,
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": n, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -254,7 +261,8 @@ def start_llama(binary: Path, model: Path, slots: int, threads: int, extra: list
                 chat: bool = False) -> tuple[Running, callable]:
     server, port = launch_llama(binary, model, slots, threads, extra=extra)
     if chat:
-        return server, lambda question, n: chat_request(port, question, n)
+        model = served_model(port)
+        return server, lambda question, n: chat_request(port, question, n, model)
     return server, lambda ids, n: llama_request(port, ids, n)
 
 
@@ -316,7 +324,8 @@ def start_flover(model: Path, config: str, slots: int, threads: int, extra: list
     if chat:
         port = free_port()
         server, _ = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads, http_port=port)
-        return server, lambda question, n: chat_request(port, question, n)
+        served = served_model(port)
+        return server, lambda question, n: chat_request(port, question, n, served)
     server, addr = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads)
 
     def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
