@@ -22,7 +22,7 @@ from flover.native.forward import runnable_families
 
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("bfloat16", "int8"),
            "int4": ("bfloat16", "int4")}
-BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 576, "int4": 0.5 + 4 / 32}
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 576, "int4": 0.5 + 8 / 32}  # int4: float32 scale and zero per 32
 
 
 def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
