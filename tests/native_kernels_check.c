@@ -62,8 +62,11 @@ static void check_q4(void) {
     static float scales[GROUPS * 32], xf[ROWS * K], xsum[ROWS * GROUPS], out[12 * 16];
     for (int i = 0; i < GROUPS * 256; i++) codes[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
     fill(scales, GROUPS * 32, 0.1f), fill_bf16(x, ROWS * K, 1.f);
-    fill(xsum, ROWS * GROUPS, 4.f);
     for (int i = 0; i < ROWS * K; i++) xf[i] = bf2f(x[i]);
+    for (int i = 0; i < ROWS * GROUPS; i++) { /* each row's sum per group (the dot tiles take it) */
+        xsum[i] = 0.f;
+        for (int j = 0; j < 32; j++) xsum[i] += xf[(i / GROUPS) * K + (i % GROUPS) * 32 + j];
+    }
     const int rows[5] = {1, 2, 4, 8, 12};
     char name[64];
     for (int r = 0; r < 5; r++) {
