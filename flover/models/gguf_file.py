@@ -21,10 +21,14 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from flover.models.config import CheckpointError, ModelConfig, check_sizes, validate_model_config
+
+if TYPE_CHECKING:
+    import torch
 
 # general.architecture -> (our architecture, Q/K rows permuted by llama.cpp's converter)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
@@ -214,6 +218,8 @@ class GGUFReader:
                                   f"read (it reads {', '.join(DEQUANTIZED_TYPES)})")
         if t.shape != tuple(source.shape):
             raise CheckpointError(f"{self.dir}: tensor {name} has shape {list(t.shape)}, expected {list(source.shape)}")
+        import torch  # (this module is read without torch by the HTTP front)
+
         weight = torch.from_numpy(t.dequantize())
         if heads is not None:
             weight = _unpermute_rows(weight, heads)

@@ -1,0 +1,77 @@
+"""Checkpoints without torch: which file or directory a model is, its config, its tokenizer's
+source, how its projections are stored (the HTTP front reads these and never imports torch)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flover.models.config import CheckpointError, ModelConfig
+from flover.models.config import load_model_config as _load_directory_config
+from flover.models.gguf_file import GGUFFile, is_gguf
+
+if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
+    from flover.models.loader import CheckpointReader
+
+
+class HFDirectory:
+    """A Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def model_config(self) -> ModelConfig:
+        return _load_directory_config(self.path)
+
+    def reader(self, cfg: ModelConfig) -> CheckpointReader:
+        from flover.models.loader import CheckpointReader
+
+        return CheckpointReader(self.path)
+
+    def check_tensors(self, cfg: ModelConfig) -> None:
+        """config.json's shape against the tensors the files hold, before anything is built from it."""
+        reader = self.reader(cfg)
+        prefix = r"transformer\.h" if cfg.is_gptj else r"model\.layers"
+        layers = {int(m.group(1)) for name in reader.files if (m := re.match(prefix + r"\.(\d+)\.", name))}
+        if layers != set(range(cfg.num_layers)):
+            raise CheckpointError(f"{self.path / 'config.json'}: {cfg.num_layers} layers, but the weights hold "
+                                  f"{len(layers)}")
+        embed = "transformer.wte.weight" if cfg.is_gptj else "model.embed_tokens.weight"
+        shape = reader.shape(embed) if reader.has(embed) else None
+        if shape != (cfg.vocab_size, cfg.hidden_size):
+            raise CheckpointError(f"{self.path}: {embed} has shape {list(shape) if shape else None}, config.json "
+                                  f"says [{cfg.vocab_size}, {cfg.hidden_size}]")
+
+
+def open_checkpoint(path: str | Path) -> HFDirectory | GGUFFile:
+    """A GGUF file, a Hugging Face directory, or a directory holding just one GGUF file (as a
+    hub repository of GGUF files does)."""
+    path = Path(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return GGUFFile(ggufs[0])
+        if len(ggufs) > 1:
+            raise CheckpointError(f"{path}: holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs[:4])}); "
+                                  f"pass one of them as --model")
+    return GGUFFile(path) if is_gguf(path) else HFDirectory(path)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    return open_checkpoint(path).model_config()
+
+
+
+# GGUF block types whose codes the native step runs as they are (`--quantization auto`): Q4_1's
+# grid (scale and minimum per 32 inputs) is int4's, and quantizing its values gives back its codes
+FILE_QUANTIZATION = {"Q4_1": "int4"}
+
+
+def file_quantization(checkpoint: HFDirectory | GGUFFile) -> str:
+    """The weight-only mode that keeps a quantized file's projections in their own codes, or
+    "none" (16-bit sources; GGUF types not in FILE_QUANTIZATION run dequantized)."""
+    if not isinstance(checkpoint, GGUFFile):
+        return "none"
+    modes = {FILE_QUANTIZATION.get(t, "none") for t in checkpoint.projection_types()}
+    return modes.pop() if len(modes) == 1 else "none"

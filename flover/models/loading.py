@@ -1,0 +1,99 @@
+"""Building a model from a checkpoint: the architecture's modules filled with its weights,
+optionally quantized, packed for the device's GEMM or left row-major for the native step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flover.models.checkpoint import GGUFFile, HFDirectory, open_checkpoint
+from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.gptj import GPTJForCausalLM
+from flover.models.layers import Linear
+from flover.models.llama import LlamaForCausalLM
+from flover.models.loader import load_weights
+from flover.models.quant import can_quantize
+from flover.models.tp_layout import TPLayout
+
+
+def model_class(cfg: ModelConfig):
+    return LlamaForCausalLM if cfg.architecture in LLAMA_FAMILY else GPTJForCausalLM
+
+
+def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
+               cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
+               pack_hint: int = 32, quantization: str = "none", pack: bool = True) -> torch.nn.Module:
+    """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
+    projections a weight-only quantized copy (models/quant.py), and repack the projection weights
+    for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `pack=False` leaves them
+    row-major (and int4's codes unpacked) for the native step (flover/native/forward.py), which
+    makes copies of its own; the caller then calls pack_projections or release_projections."""
+    if isinstance(checkpoint, (str, Path)):
+        checkpoint = open_checkpoint(checkpoint)
+    cfg = cfg or checkpoint.model_config()
+    checkpoint.check_tensors(cfg)
+    tp = tp or TPLayout.build(cfg)
+    model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
+    with torch.no_grad():
+        take = _quantize_as_read(model, quantization, keep_codes=not pack) if quantization != "none" else None
+        load_weights(checkpoint.reader(cfg), model.weight_specs(), take)
+        if quantization != "none":
+            head = not (isinstance(checkpoint, GGUFFile) and checkpoint.head_is_quantized())
+            quantize_projections(model, quantization, keep_codes=not pack, head=head)  # the LM head
+    if pack:
+        pack_projections(model, pack_hint)
+    return model.eval()
+
+
+def pack_projections(model: torch.nn.Module, pack_hint: int = 32) -> None:
+    """Repack every projection for the device's GEMM (the row-major weight is released) and drop
+    int4 codes kept for the native step."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear):
+                if module.quantized is not None:
+                    module.quantized.codes = None
+                module.pack(pack_hint)
+
+
+def release_projections(model: torch.nn.Module) -> None:
+    """Release every projection's weights (the native step holds copies of its own, and runs
+    every iteration): the PyTorch forward can no longer run (Linear.forward says so)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.release()
+
+
+def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool):
+    """load_weights' `take`: every layer projection quantized from its values as read, before
+    they round to the model's 16 bits (a Q4_1 file's values give back its codes exactly)."""
+    owners = {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
+
+    def take(spec, values: torch.Tensor) -> bool:
+        if id(spec.param) not in owners:
+            return False
+        name, module = owners[id(spec.param)]
+        why = can_quantize(values, mode)
+        if why is not None:
+            raise CheckpointError(f"--quantization {mode}: {name}: {why}")
+        module.quantize(mode, keep_codes, values=values)
+        return True
+
+    return take
+
+
+def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = False, head: bool = True) -> None:
+    """Every projection in `mode` (those load_model has not quantized as read); the LM head in
+    int8 whatever the mode (the logits are the most sensitive product, and llama.cpp's 4-bit
+    files keep it in 8 bits too), unless `head` is False: a GGUF file's head already in blocks of
+    8 bits or fewer (Q8_0's scale per 32 weights) keeps its values in 16 bits, as quantizing it
+    again per row lost SmolLM2's answers."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.quantized is not None or name == "lm_head" and not head:
+            continue
+        head_or_layer = "int8" if name == "lm_head" else mode
+        why = can_quantize(module.weight, head_or_layer)
+        if why is not None:
+            raise CheckpointError(f"--quantization {mode}: {name}: {why}")
+        module.quantize(head_or_layer, keep_codes)
