@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -424,3 +426,15 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_metrics_count_them(
     assert after[key("prefix_cache_hits")] - before[key("prefix_cache_hits")] == 64
     assert after[key("prefix_cache_lookups")] - before[key("prefix_cache_lookups")] == 2
     assert after[key("prefix_cache_lookup_hits")] - before[key("prefix_cache_lookup_hits")] == 1
+
+
+def test_the_http_front_never_imports_torch(llama_dir):
+    """The front is a process of its own beside the engine: what it imports is what it holds
+    resident (torch alone ~150 MB). It reads the checkpoint's tokenizer without torch."""
+    code = ("import sys; import flover.server.http_api as h; from flover.models import open_checkpoint; "
+            "from flover.models.tokenizer import load_tokenizer; "
+            f"t = load_tokenizer(open_checkpoint({llama_dir!r})); assert t.encode('hi'); "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
