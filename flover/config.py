@@ -176,7 +176,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
-    # weight-only int8/int4 projections (CPU, bfloat16); auto: a Q4_1 GGUF file's projections keep
+    # weight-only int8/int4 projections (CPU, bfloat16); auto: a Q4_0/Q4_1 GGUF file's projections keep
     # their 4-bit codes where the native step runs in bfloat16, else none
     quantization: str = "auto"
     max_slots: int = 32  # requests in flight at once

@@ -201,19 +201,22 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
 
 
 def file_codes(path: str, name: str) -> torch.Tensor:
-    """The 4-bit codes of a Q4_1 tensor as stored: [rows, cols] uint8 (each block of 32: low
-    nibbles are its first 16 values, high nibbles the next 16)."""
+    """The 4-bit codes of a Q4_0 / Q4_1 tensor as stored: [rows, cols] uint8 (each block of 32:
+    low nibbles are its first 16 values, high nibbles the next 16)."""
     t = open_checkpoint(path).tensors[name]
-    blocks = t.data.reshape(-1, 20)[:, 4:]  # 2 + 2 bytes of scale and minimum, 16 of codes
+    q4_0 = t.type_name == "Q4_0"
+    blocks = t.data.reshape(-1, 18 if q4_0 else 20)[:, 2 if q4_0 else 4:]  # 2 (+ 2) bytes of scale (and minimum)
     codes = np.concatenate([blocks & 0x0F, blocks >> 4], axis=1)
     return torch.from_numpy(codes.reshape(t.shape).astype(np.uint8))
 
 
-def test_a_q4_1_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(make_model, gguf_file, tmp_path):
-    """--quantization auto (the default) on a Q4_1 file in bfloat16: the projections keep the
-    file's 4-bit codes (quantized from the values as read: here every group's values sit near 3,
-    where bfloat16's step is wider than the file's, so rounding first would lose them) and run
-    the native step's int4 kernels; none dequantizes them; an F16 file stays 16-bit. The demo
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(make_model, gguf_file, tmp_path, qtype):
+    """--quantization auto (the default) on a Q4_1 or Q4_0 file in bfloat16: the projections keep
+    the file's 4-bit codes and scales (read as they are: here every group's values sit near 3,
+    where bfloat16's step is wider than the file's, so rounding first would lose them; Q4_0's
+    grid is not the one quantizing its values would pick) and run the native step's int4
+    kernels; none dequantizes them; an F16 file stays 16-bit. The demo
     model's answers depend on the head staying 16-bit: tests/test_real_model.py's demo test."""
     import shutil
 
@@ -230,7 +233,7 @@ def test_a_q4_1_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
         if name.endswith(("down_proj.weight", "o_proj.weight")):
             tensors[name] += 3.0
     save_file(tensors, weights)
-    path = str(write_gguf(model_dir, tmp_path / "offset-Q4_1.gguf", "Q4_1"))
+    path = str(write_gguf(model_dir, tmp_path / f"offset-{qtype}.gguf", qtype))
     engine = Engine(EngineConfig(path, dtype="bfloat16", max_slots=2, max_seq_len=64))
     assert engine.config.quantization == "int4"
     # the file's head is in blocks of codes already: it stays 16-bit (not quantized again per row),
@@ -240,6 +243,20 @@ def test_a_q4_1_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     model = load_model(path, torch.bfloat16, torch.device("cpu"), 64, quantization="int4", pack=False)
     for layer, name in ((model.layers[0].down, "blk.0.ffn_down.weight"), (model.layers[1].o, "blk.1.attn_output.weight")):
         assert torch.equal(layer.quantized.codes, file_codes(path, name)), name
+        t = open_checkpoint(path).tensors[name]
+        d = torch.from_numpy(t.data.reshape(-1, 18 if qtype == "Q4_0" else 20)[:, :2].copy().view(np.float16).astype(np.float32))
+        assert torch.equal(layer.quantized.exact_scales[..., 0].t().reshape(-1), d.reshape(-1)), name  # its own scales
+    # Q and K rows un-permuted with their codes, every projection: the values the file holds
+    values = load_model(path, torch.float32, torch.device("cpu"), 64, pack=False)
+    for got, want in zip(model.modules(), values.modules()):
+        if getattr(got, "quantized", None) is not None and got is not model.lm_head:
+            assert torch.allclose(got.weight.float(), want.weight, rtol=2 ** -7, atol=1e-6)
+    # and the model they make (the plain test model's file: bfloat16 against float32)
+    plain, ids = gguf_file("llama", qtype), [5, 6, 7, 8, 9, 10]
+    exact = Engine(EngineConfig(plain, dtype="float32", max_slots=2, max_seq_len=64)).score(ids)
+    int4 = Engine(EngineConfig(plain, dtype="bfloat16", max_slots=2, max_seq_len=64))
+    assert int4.config.quantization == "int4"
+    assert (int4.score(ids).float() - exact).abs().max() < 0.05 * exact.abs().max()
     assert Engine(EngineConfig(path, dtype="bfloat16", quantization="none", max_slots=2,
                                max_seq_len=64)).config.quantization == "none"
     assert Engine(EngineConfig(gguf_file("llama", "F16"), dtype="bfloat16", max_slots=2,

@@ -27,7 +27,7 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                    help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16); auto (default): "
-                        "a Q4_1 GGUF file's projections keep their 4-bit codes where the native step runs in "
+                        "a Q4_0 / Q4_1 GGUF file's projections keep their 4-bit codes where the native step runs in "
                         "bfloat16, else none (none: dequantized to the dtype)")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")

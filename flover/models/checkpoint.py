@@ -63,9 +63,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 
-# GGUF block types whose codes the native step runs as they are (`--quantization auto`): Q4_1's
-# grid (scale and minimum per 32 inputs) is int4's, and quantizing its values gives back its codes
-FILE_QUANTIZATION = {"Q4_1": "int4"}
+# GGUF block types whose codes the native step runs as they are (`--quantization auto`): Q4_0's
+# and Q4_1's grids (a scale, and a minimum or -8 scales, per 32 inputs) are int4's, read as they are
+FILE_QUANTIZATION = {"Q4_0": "int4", "Q4_1": "int4"}
 
 
 def file_quantization(checkpoint: HFDirectory | GGUFFile) -> str:

@@ -230,6 +230,36 @@ class GGUFReader:
         return weight[index]
 
 
+    def read_grid(self, source):
+        """A Q4_0 / Q4_1 tensor's own 4-bit grid, w = scale * q + low per 32 inputs: (codes uint8
+        [rows, cols] in 0..15, scale and low float32 [rows, cols / 32]), rows un-permuted and
+        sliced as read() does; None for other types (and slices that cut a block)."""
+        import torch
+
+        name, heads = self.names[source.name]
+        t = self.file.tensors[name]
+        if t.type_name not in ("Q4_0", "Q4_1") or t.shape != tuple(source.shape) or len(t.shape) != 2:
+            return None
+        rows, cols = t.shape
+        blocks = t.data.reshape(rows, cols // 32, 18 if t.type_name == "Q4_0" else 20)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, cols / 32]
+        if t.type_name == "Q4_0":  # w = d (q - 8)
+            low, qs = np.float32(-8) * scale, blocks[..., 2:]
+        else:  # w = d q + m
+            low, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # a block's low nibbles first
+        grid = [torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, low)]
+        if heads is not None:
+            grid = [_unpermute_rows(a, heads) for a in grid]
+        if source.dim == 0:
+            grid = [a[source.start: source.stop] for a in grid]
+        elif source.dim == 1:
+            if source.start % 32 or source.stop % 32:
+                return None
+            grid = [grid[0][:, source.start: source.stop]] + [a[:, source.start // 32: source.stop // 32] for a in grid[1:]]
+        return tuple(grid)
+
+
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf.py's `permute`: per head, its rows were reordered from
     [first half, second half] (Hugging Face's rotate_half layout) to interleaved pairs."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from flover.models.config import CheckpointError, ModelConfig
 from flover.models.loader import Source
-from flover.models.quant import QuantizedWeight, quantize
+from flover.models.quant import QuantizedWeight, int4_weight, quantize
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -129,13 +129,17 @@ class Linear(nn.Module):
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape) if self.weight is not None else self._shape
 
-    def quantize(self, mode: str, keep_codes: bool = False, values: torch.Tensor | None = None) -> None:
+    def quantize(self, mode: str, keep_codes: bool = False, values: torch.Tensor | None = None,
+                 grid: tuple | None = None) -> None:
         """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
         dequantized values, so both kernels compute the same model (models/quant.py). `values`:
-        the checkpoint's float32 values of the weight, quantized before any rounding to 16 bits
-        (a Q4_1 file's values give back its own codes)."""
-        source = self.weight if values is None else values
-        self.quantized, dequantized = quantize(source, mode, keep_codes, dtype=self.weight.dtype)
+        the checkpoint's float32 values of the weight, quantized before any rounding to 16 bits.
+        `grid` (int4): a GGUF file's own (codes, scale, low), kept as they are."""
+        if grid is not None:
+            self.quantized, dequantized = int4_weight(*grid, self.weight.dtype, keep_codes)
+        else:
+            source = self.weight if values is None else values
+            self.quantized, dequantized = quantize(source, mode, keep_codes, dtype=self.weight.dtype)
         self.weight.data = dequantized
 
     def pack(self, batch_hint: int) -> bool:

@@ -36,8 +36,9 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     tp = tp or TPLayout.build(cfg)
     model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     with torch.no_grad():
-        take = _quantize_as_read(model, quantization, keep_codes=not pack) if quantization != "none" else None
-        load_weights(checkpoint.reader(cfg), model.weight_specs(), take)
+        reader = checkpoint.reader(cfg)
+        take = _quantize_as_read(model, quantization, not pack, reader) if quantization != "none" else None
+        load_weights(reader, model.weight_specs(), take)
         if quantization != "none":
             head = not (isinstance(checkpoint, GGUFFile) and checkpoint.head_is_quantized())
             quantize_projections(model, quantization, keep_codes=not pack, head=head)  # the LM head
@@ -65,9 +66,10 @@ def release_projections(model: torch.nn.Module) -> None:
             module.release()
 
 
-def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool):
+def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reader):
     """load_weights' `take`: every layer projection quantized from its values as read, before
-    they round to the model's 16 bits (a Q4_1 file's values give back its codes exactly)."""
+    they round to the model's 16 bits; in int4, a GGUF file's Q4_0 / Q4_1 tensors keep their own
+    grid (codes, scales, minimums: `read_grid`)."""
     owners = {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
 
     def take(spec, values: torch.Tensor) -> bool:
@@ -77,7 +79,11 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool):
         why = can_quantize(values, mode)
         if why is not None:
             raise CheckpointError(f"--quantization {mode}: {name}: {why}")
-        module.quantize(mode, keep_codes, values=values)
+        grids = [reader.read_grid(src) for src in spec.sources] if mode == "int4" and hasattr(reader, "read_grid") else []
+        if grids and all(g is not None for g in grids):  # rows of several sources (q, k, v) one after another
+            module.quantize(mode, keep_codes, grid=tuple(torch.cat(parts) for parts in zip(*grids)))
+        else:
+            module.quantize(mode, keep_codes, values=values)
         return True
 
     return take

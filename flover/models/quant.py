@@ -71,19 +71,30 @@ def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return int4_weight(q.view(out, inp).to(torch.uint8), scale, low, weight.dtype, keep_codes)
+
+
+def int4_weight(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype,
+                keep_codes: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A 4-bit grid, w = scale * q + low (codes uint8 [out, in] in 0..15; scale, low float32
+    [out, in / 32]: a GGUF file's own, or quantize()'s) -> (the quantized weight, the dequantized
+    weight in `dtype`)."""
+    mode, codes = "int4", codes.contiguous()
+    out, inp = codes.shape
+    q = codes.view(out, inp // INT4_GROUP, INT4_GROUP).to(torch.float32)
     # PyTorch's kernel computes (q - 8) * scale + zero: zero = low + 8 * scale, both in x's dtype.
-    scale16 = scale.to(weight.dtype)
-    zero16 = (low + 8 * scale16.to(torch.float32)).to(weight.dtype)
+    scale16 = scale.to(dtype)
+    zero16 = (low + 8 * scale16.to(torch.float32)).to(dtype)
     scales = torch.stack((scale16.t(), zero16.t()), dim=-1).contiguous()  # [in / 32, out, 2]
-    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32), 1)
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     if keep_codes:  # the native step's model: unrounded scales (its 16-bit copy dequantizes them)
         scale32, zero32 = scale, low + 8 * scale
         dequantized = (q - 8) * scale32[..., None] + zero32[..., None]
         exact = torch.stack((scale32.t(), zero32.t()), dim=-1).contiguous()
-        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], q.view(out, inp).to(torch.uint8), exact),
-                dequantized.view(out, inp).to(weight.dtype))
+        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes.contiguous(), exact),
+                dequantized.view(out, inp).to(dtype))
     dequantized = (q - 8) * scale16.to(torch.float32)[..., None] + zero16.to(torch.float32)[..., None]
-    return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(weight.dtype)
+    return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(dtype)
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:
