@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from flover.config import DTYPES, QUANTIZATIONS, EngineConfig, SamplingParams
+from flover.config import DTYPES, NATIVE_KERNELS, QUANTIZATIONS, EngineConfig, SamplingParams
 from flover.protocol import MAX_MESSAGE_BYTES
 
 
@@ -54,7 +54,7 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
                    help="auto (default): on CPU (float32/bfloat16, quantized or not; each rank's shard under TP), iterations run as "
                         "one native call compiled for this CPU on first use (needs a C compiler)")
-    g.add_argument("--native-kernels", choices=("auto", "avx512bf16", "avx512", "avx2", "neon", "generic"),
+    g.add_argument("--native-kernels", choices=NATIVE_KERNELS,
                    default="auto", help="the native step's kernel family: auto (default) = the widest this CPU "
                    "runs; another forces it where the CPU can run it (side-by-side runs with llama.cpp built for "
                    "the same instruction set). The FLOVER_NATIVE_KERNELS variable overrides auto")
@@ -78,12 +78,14 @@ def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
 def _resolve_dtype(args) -> str:
     """`--dtype auto` as the engine resolves it: bfloat16 where the device has it, or where the
     native step's kernels widen it for this model (the checkpoint's architecture decides)."""
+    from flover.engine.engine import native_step_may_run
     from flover.hardware import resolve_dtype
-    from flover.models import LLAMA_FAMILY, open_checkpoint
+    from flover.models import open_checkpoint
 
-    native_step = getattr(args, "native_forward", "auto") == "auto"
-    if native_step and getattr(args, "model", None):
-        native_step = open_checkpoint(args.model).model_config().architecture in LLAMA_FAMILY
+    native_forward = getattr(args, "native_forward", "auto")
+    native_step = native_forward == "auto"  # (no model named: as the native step would run)
+    if getattr(args, "model", None):
+        native_step = native_step_may_run(native_forward, open_checkpoint(args.model).model_config())
     return resolve_dtype("auto", getattr(args, "device", "cpu"), native_step)
 
 

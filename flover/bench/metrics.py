@@ -10,6 +10,7 @@ e2e     last token - arrival
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: the metrics load no engine (client-side benchmarks use them)
@@ -79,3 +80,25 @@ def add_speedups(results: dict[str, dict]) -> None:
         s = result["summary"]
         s["speedup_makespan"] = base["summary"]["makespan_s"] / s["makespan_s"] if base else None
         s["speedup_mean_latency"] = base["summary"]["mean_e2e_s"] / s["mean_e2e_s"] if base else None
+
+
+def resident_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants (MiB), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024

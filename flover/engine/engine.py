@@ -28,7 +28,7 @@ from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.hardware import resolve_dtype
-from flover.models import LLAMA_FAMILY, file_quantization, open_checkpoint
+from flover.models import LLAMA_FAMILY, ModelConfig, file_quantization, open_checkpoint
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
 from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
@@ -48,6 +48,12 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float64": torch.float64}
 
 
+def native_step_may_run(native_forward: str, cfg: ModelConfig) -> bool:
+    """Whether the native step may run this model (it can still decline: no compiler, ...): what
+    `--dtype auto` and `--quantization auto` decide by, here and in the CLI."""
+    return native_forward == "auto" and cfg.architecture in LLAMA_FAMILY
+
+
 class PromptTooLong(ValueError):
     """prompt + max_new_tokens does not fit in max_seq_len (refused, never truncated)."""
 
@@ -62,7 +68,7 @@ class Engine:
         checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
         self.model_config = cfg = checkpoint.model_config()
         asked = config.dtype
-        native_step = config.native_forward == "auto" and cfg.architecture in LLAMA_FAMILY
+        native_step = native_step_may_run(config.native_forward, cfg)
         config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, native_step))  # no "auto" past here
         if config.quantization == "auto":
             native_bf16 = native_step and config.dtype == "bfloat16" and config.device == "cpu"

@@ -57,13 +57,13 @@ def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
     weight's own by default; a float32 weight of a bfloat16 model is quantized from its unrounded
     values). `keep_codes`: also keep int4's codes unpacked (the native step blocks them its own way)."""
     w = weight.detach().to(torch.float32)
-    weight = weight if dtype is None else weight.detach().to(dtype)  # (its dtype is all that is used below)
+    dtype = weight.dtype if dtype is None else dtype
     if mode == "int8":
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
-        scale = scale.to(weight.dtype).to(torch.float32)  # the kernel scales in x's dtype
+        scale = scale.to(dtype).to(torch.float32)  # the kernel scales in x's dtype
         q = torch.round(w / scale[:, None]).clamp(-127, 127)
-        packed = QuantizedWeight(mode, q.to(torch.int8), scale.to(weight.dtype), MAX_ROWS[mode])
-        return packed, (q * scale[:, None]).to(weight.dtype)
+        packed = QuantizedWeight(mode, q.to(torch.int8), scale.to(dtype), MAX_ROWS[mode])
+        return packed, (q * scale[:, None]).to(dtype)
     if mode != "int4":
         raise ValueError(f"quantization {mode!r}: choose one of {', '.join(MAX_ROWS)}")
     out, inp = w.shape
@@ -71,7 +71,7 @@ def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    return int4_weight(q.view(out, inp).to(torch.uint8), scale, low, weight.dtype, keep_codes)
+    return int4_weight(q.view(out, inp).to(torch.uint8), scale, low, dtype, keep_codes)
 
 
 def int4_weight(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype,
@@ -91,7 +91,7 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dty
         scale32, zero32 = scale, low + 8 * scale
         dequantized = (q - 8) * scale32[..., None] + zero32[..., None]
         exact = torch.stack((scale32.t(), zero32.t()), dim=-1).contiguous()
-        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes.contiguous(), exact),
+        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes, exact),
                 dequantized.view(out, inp).to(dtype))
     dequantized = (q - 8) * scale16.to(torch.float32)[..., None] + zero16.to(torch.float32)[..., None]
     return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(dtype)

@@ -93,7 +93,7 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
     const float scale = 1.f / sqrtf((float)d);
     if (vector_attention(md)) {
         uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
-        if (bf) to_model_dtype(q, qb, group * d, 1);
+        if (bf && has_bf16_dot()) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
         const int64_t es = bf ? 2 : 4;
         for (int64_t t0 = first; t0 < len; t0 += 16) { /* 16 keys at a time, one head after another */
             /* a task reads two short streams: ask for the keys two blocks ahead and for this

@@ -284,9 +284,8 @@ def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> 
     pairs = padded.view(-1, 16, k // 32, 16, 2)  # [blocks, rows, groups, pairs, (even, odd)]
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
     codes_out.copy_(packed.permute(0, 2, 3, 1))
-    exact = quantized.exact_scales if quantized.exact_scales is not None else quantized.scales.float()
     scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=torch.float32)
-    scales[:n] = exact.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
+    scales[:n] = quantized.exact_scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2] (kept with the codes)
     scales_out.copy_(scales.view(-1, 16, k // 32, 2).permute(0, 2, 3, 1))
 
 
@@ -505,7 +504,8 @@ class NativeForward:
         if self.dtype == torch.float32:
             weights = "float32 weights"
         else:
-            weights = f"{self.quantization or 'bfloat16'} weights" + (" in dot products" if dot else " widened to float32")
+            weights = (f"{self.quantization or 'bfloat16'} weights"
+                       + (" in dot products" if dot else " widened to float32"))
         return f"{self.kernels} kernels, {weights}"
 
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor | list[int] | None:

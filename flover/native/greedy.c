@@ -72,19 +72,16 @@ int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *
         const float scale = (float)((bf ? norm : sqrt(norm)) * (1 + 0x1p-10)), rel = 0x1p-20f, tiny = 1e-30f;
         int64_t cand[SCREEN_MAX_CANDIDATES], n = 0;
 #define BOUND(v, j, count) v_fmadd(v_set1(scale), v_loadn(bounds + (j), count), v_fmadd(v_set1(rel), v_abs(v), v_set1(tiny)))
-        v16 low = v_set1(-INFINITY), high = v_set1(-INFINITY);
+        v16 low = v_set1(-INFINITY);
         m16 bad = 0;
         for (int64_t j = 0; j < vocab; j += 16) {
             const m16 m = lanes(vocab - j);
             const v16 v = v_loadn(s + j, vocab - j), b = BOUND(v, j, vocab - j);
             bad |= v_nan(v_sub(v, v)) & m; /* NaN, inf */
             low = v_select(m, v_max(low, v_sub(v, b)), low);
-            high = v_select(m, v_max(high, v_add(v, b)), high);
         }
-        const float lo = v_reduce_max(low), hi = v_reduce_max(high);
         finite &= !bad;
-        (void)hi;
-        const v16 threshold = v_set1(lo);
+        const v16 threshold = v_set1(v_reduce_max(low)); /* lo */
         for (int64_t j = 0; j < vocab && finite && n <= SCREEN_MAX_CANDIDATES; j += 16) {
             const v16 v = v_loadn(s + j, vocab - j);
             m16 hit = v_ge(v_add(v, BOUND(v, j, vocab - j)), threshold) & lanes(vocab - j);

@@ -28,6 +28,7 @@ import msgpack
 import zmq
 
 from flover import LLM, SamplingParams
+from flover.bench.metrics import resident_mib
 from flover.client import Client, FloverError
 
 
@@ -44,11 +45,6 @@ def start_daemon(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert "ready on" in proc.stdout.readline()
     return proc, addr
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def prompts(n: int, length: int, vocab: int = 50257) -> list[list[int]]:
@@ -92,7 +88,7 @@ def overhead(args) -> None:
 def soak(args) -> None:
     proc, addr = start_daemon(args.model, "--max-slots", "32", "--max-seq-len", "256", "--max-waiting", "64")
     time.sleep(1.0)
-    rss_start = rss_mib(proc.pid)
+    rss_start = resident_mib(proc.pid)
     rng = random.Random(0)
     counts = {"sent": 0, "final": 0, "cancelled": 0, "errors_expected": 0, "errors_unexpected": 0,
               "overloaded": 0, "timeouts": 0}
@@ -131,7 +127,7 @@ def soak(args) -> None:
     rss_series, next_sample = [], start
     while time.time() - start < args.duration:
         if time.time() >= next_sample:
-            rss_series.append(round(rss_mib(proc.pid)))
+            rss_series.append(round(resident_mib(proc.pid)))
             next_sample += args.duration / 8
         next_at += rng.expovariate(args.rate)
         time.sleep(max(0.0, next_at - time.time()))
@@ -145,7 +141,7 @@ def soak(args) -> None:
     wall = time.time() - start
     with Client(addr, timeout=10) as c:
         stats = c.stats()
-    rss_end = rss_mib(proc.pid)
+    rss_end = resident_mib(proc.pid)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     print(json.dumps({"duration_s": round(wall, 1), "rate_per_s": args.rate, **counts,

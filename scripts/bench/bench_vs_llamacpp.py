@@ -51,7 +51,7 @@ import threading
 import time
 from pathlib import Path
 
-from flover.bench.metrics import medians
+from flover.bench.metrics import medians, resident_mib
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
@@ -166,28 +166,6 @@ class Running:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def resident_mib(pid: int) -> float:
-    """Resident memory of a process and all its descendants (MiB), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
 
 
 def served_model(port: int) -> str:
