@@ -143,7 +143,7 @@ def _number_in(value, low: float, high: float) -> bool:
 SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may set per request
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # auto: flover/hardware.py
-QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only, flover/models/quant.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "file")  # weight-only, flover/models/quant.py
 # Decode-only iterations from captured CUDA graphs (flover/runner/cuda_graphs.py). auto: on CUDA at
 # TP=1; eager: the same padded static batches without capture, on any device (tests).
 CUDA_GRAPHS = ("auto", "off", "eager")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flover.testing.tiny_model import make_tiny_model
-from tests.helpers import TEST_PRESET, VARIANTS
+from flover.testing.tiny_model import make_tiny_model, write_gguf
+from tests.helpers import GGUF_MIX, TEST_PRESET, VARIANTS
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,14 @@ def make_model(tmp_path_factory):
         return made[variant]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gguf_mix(make_model, tmp_path_factory) -> str:
+    """A GGUF file of the llama-256 test model whose projections mix the block types of GGUF_MIX
+    (K-quants as random blocks), its token embedding Q4_K."""
+    out = tmp_path_factory.mktemp("gguf-mix") / "mix.gguf"
+    return str(write_gguf(make_model("llama-256"), out, "Q4_K", types=GGUF_MIX))
 
 
 @pytest.fixture(scope="session")

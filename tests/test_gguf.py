@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flover import LLM, SamplingParams
-from flover.models import CheckpointError, load_model_config, open_checkpoint
+from flover.models import CheckpointError, load_model, load_model_config, open_checkpoint
 from flover.testing.tiny_model import make_tiny_model, write_gguf
 from tests.helpers import MPI_ENV, MPIRUN, mpirun_cmd, PROMPTS, TEST_PRESET
 
@@ -200,6 +200,59 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
+def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
+    """Random blocks (sane f16 scales, every other byte random) -> codes, scales and minimums
+    (models/gguf_grids.py): scale * q + low is gguf's dequantization bit for bit, and the codes
+    span their type's range."""
+    import gguf
+
+    from flover.models.gguf_grids import BLOCK_TYPES, block_grid
+
+    size, per_block, group, bits, _ = BLOCK_TYPES[qtype]
+    rng = np.random.default_rng(1)
+    rows, cols = 8, 512
+    raw = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
+    scales = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])
+    for at in scales:
+        raw[:, at: at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    grid = block_grid(qtype, raw.reshape(-1), (rows, cols))
+    expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(grid.values(), expected)
+    assert grid.group == group and grid.scale.shape == (rows, cols // group)
+    low, high = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
+                 "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}[qtype]
+    assert (grid.codes.min(), grid.codes.max()) == (low, high) and grid.bits == (4 if (low, high) == (0, 15) else 8)
+
+
+def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(make_model, gguf_mix, tmp_path):
+    """auto keeps a file's codes only where every projection is in a type the kernels run; an F16
+    projection among them means none (dequantized), and asking for "file" there, or on a
+    Hugging Face directory, is refused naming the tensor."""
+    from flover import Engine, EngineConfig
+
+    from tests.helpers import GGUF_MIX
+
+    model = load_model(gguf_mix, torch.bfloat16, torch.device("cpu"), 64, quantization="file", pack=False)
+    reader = open_checkpoint(gguf_mix)
+    kinds = [(g.bits, g.group, g.low is None) for g in model.layers[0].qkv.quantized.parts]
+    assert kinds == [(4, 32, False), (8, 16, True)]  # q (Q4_K) and k (Q4_0) one run, v (Q6_K) another
+    values = load_model(gguf_mix, torch.float32, torch.device("cpu"), 64, pack=False)
+    for got, want in zip(model.modules(), values.modules()):  # the file's values, each rounded to bfloat16 once
+        if getattr(got, "quantized", None) is not None:
+            assert torch.equal(got.weight, want.weight.to(torch.bfloat16))
+    assert reader.projection_types() == set(GGUF_MIX.values())
+    with_f16 = tmp_path / "with-f16.gguf"
+    write_gguf(make_model("llama-256"), with_f16, "Q4_K", types={**GGUF_MIX, "ffn_up.weight": "F16"})
+    engine = Engine(EngineConfig(str(with_f16), dtype="bfloat16", max_slots=2, max_seq_len=64))
+    assert engine.config.quantization == "none"
+    with pytest.raises(CheckpointError, match=r"--quantization file: model.layers.0.mlp.up_proj.weight is not in "
+                                              r"blocks whose codes flover runs"):
+        Engine(EngineConfig(str(with_f16), dtype="bfloat16", quantization="file", max_slots=2, max_seq_len=64))
+    with pytest.raises(CheckpointError, match="keeps a GGUF file's codes"):
+        Engine(EngineConfig(make_model("llama"), dtype="bfloat16", quantization="file", max_slots=2, max_seq_len=64))
+
+
 def file_codes(path: str, name: str) -> torch.Tensor:
     """The 4-bit codes of a Q4_0 / Q4_1 tensor as stored: [rows, cols] uint8 (each block of 32:
     low nibbles are its first 16 values, high nibbles the next 16)."""
@@ -223,7 +276,6 @@ def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     from safetensors.torch import load_file, save_file
 
     from flover import Engine, EngineConfig
-    from flover.models import load_model
 
     model_dir = tmp_path / "offset"
     shutil.copytree(make_model("llama"), model_dir)
@@ -235,7 +287,7 @@ def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     save_file(tensors, weights)
     path = str(write_gguf(model_dir, tmp_path / f"offset-{qtype}.gguf", qtype))
     engine = Engine(EngineConfig(path, dtype="bfloat16", max_slots=2, max_seq_len=64))
-    assert engine.config.quantization == "int4"
+    assert engine.config.quantization == "file"
     # the file's head is in blocks of codes already: it stays 16-bit (not quantized again per row),
     # so greedy rows go through its screen
     assert engine.runner.native is not None and engine.runner.native.quantized_projections == 2 * 4
@@ -255,7 +307,7 @@ def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     plain, ids = gguf_file("llama", qtype), [5, 6, 7, 8, 9, 10]
     exact = Engine(EngineConfig(plain, dtype="float32", max_slots=2, max_seq_len=64)).score(ids)
     int4 = Engine(EngineConfig(plain, dtype="bfloat16", max_slots=2, max_seq_len=64))
-    assert int4.config.quantization == "int4"
+    assert int4.config.quantization == "file"
     assert (int4.score(ids).float() - exact).abs().max() < 0.05 * exact.abs().max()
     assert Engine(EngineConfig(path, dtype="bfloat16", quantization="none", max_slots=2,
                                max_seq_len=64)).config.quantization == "none"

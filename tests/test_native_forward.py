@@ -179,14 +179,16 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
-                                                ("bfloat16", "int4"), ("bfloat16", "int8")])
-def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(llama_dir, dtype, quantization):
+                                                ("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "file")])
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(request, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
     as a decode row, a prompt row as a one-token prompt chunk: the two kinds have kernels of
     their own), gives the same logits. This is what makes fused and solo runs agree in float32
-    and bfloat16 (test_engine.py), however a prompt is chunked."""
-    engine = Engine(EngineConfig(llama_dir, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128,
+    and bfloat16 (test_engine.py), however a prompt is chunked. "file": a GGUF file's own codes
+    of every block type (GGUF_MIX)."""
+    model = request.getfixturevalue("gguf_mix" if quantization == "file" else "llama_dir")
+    engine = Engine(EngineConfig(model, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128,
                                  prompt_first_iterations=0, quantization=quantization))  # mixed iterations
     native = engine.runner.native
     run, checked = native.run, {"decode": 0, "mixed": 0}
@@ -229,6 +231,23 @@ def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, 
     compared, engine = compare_on_random_arrivals(make_model(variant), "bfloat16", quantization=quantization)
     assert engine.runner.native.quantized_projections == 4 * 2 + 1  # every projection of both layers, the head
     assert sum(1 for decode, prompt, *_ in compared if decode + prompt <= 8) > 20
+    for decode, prompt, diff, scale, _ in compared:
+        assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
+    assert sum(same for *_, same in compared) / len(compared) >= 0.8
+
+
+def test_a_gguf_files_own_codes_give_the_pytorch_logits(gguf_mix):
+    """--quantization auto on a GGUF file mixing Q4_K, Q4_0, Q6_K, Q5_K, Q5_0, Q5_1 and Q8_0 (q/k
+    and v in different codes, as in Q4_K_M files) picks "file": every projection runs the
+    kernels of its own codes (4-bit ones int4's, the others int8 with group scales), against
+    the PyTorch forward on their dequantized values within a few bfloat16 steps."""
+    compared, engine = compare_on_random_arrivals(gguf_mix, "bfloat16", quantization="auto")
+    assert engine.config.quantization == "file"
+    native = engine.runner.native
+    assert native.quantized_projections == 4 * 2  # the head is Q6_K in the file: it stays 16-bit
+    assert "the file's own codes" in native.describe()
+    rows = [decode + prompt for decode, prompt, *_ in compared]
+    assert rows.count(1) >= 3 and max(rows) >= 9  # single rows, and more than one tile of rows
     for decode, prompt, diff, scale, _ in compared:
         assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
     assert sum(same for *_, same in compared) / len(compared) >= 0.8

@@ -84,7 +84,7 @@ def test_quantization_needs_bfloat16_on_cpu(llama_dir):
     for dtype in ("float32", "float64", "float16"):
         with pytest.raises(ValueError, match="quantization='int4' runs on CPU with dtype bfloat16"):
             Engine(EngineConfig(llama_dir, dtype=dtype, quantization="int4"))
-    with pytest.raises(ValueError, match="quantization=.int2.: choose one of auto, none, int8, int4"):
+    with pytest.raises(ValueError, match="quantization=.int2.: choose one of auto, none, int8, int4, file"):
         Engine(EngineConfig(llama_dir, dtype="bfloat16", quantization="int2"))
     done = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", llama_dir, "--dtype", "float32",
                            "--quantization", "int8", "hi"], capture_output=True, text=True, timeout=120)

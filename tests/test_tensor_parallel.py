@@ -137,14 +137,17 @@ def test_idle_ranks_do_not_spin(llama_dir, tmp_path):
             proc.kill()
 
 
-def test_tp2_with_int4_weights_serves_every_request(make_model, tmp_path):
+@pytest.mark.parametrize("quantization", ["int4", "file"])
+def test_tp2_with_quantized_weights_serves_every_request(request, tmp_path, quantization):
     """Each rank quantizes its own shard (row-parallel shards split the input dimension, so each
-    must hold whole 32-input groups); the leader's plan drives both kernels on every rank."""
-    model_dir = make_model("llama")
+    must hold whole 32-input groups), or keeps a GGUF file's codes for its rows and columns (the
+    mixed file: a rank's q/k/v is three kinds of codes); the leader's plan drives the kernels on
+    every rank."""
+    model = request.getfixturevalue("gguf_mix") if quantization == "file" else request.getfixturevalue("make_model")("llama")
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
     out = tmp_path / "tp2.jsonl"
-    run = subprocess.run(flover_run_cmd(2, model_dir, prompts, out, "--dtype", "bfloat16", "--quantization", "int4",
+    run = subprocess.run(flover_run_cmd(2, model, prompts, out, "--dtype", "bfloat16", "--quantization", quantization,
                                         "--max-slots", "4"), capture_output=True, text=True, timeout=240, env=MPI_ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     tokens = tokens_by_id(out)

@@ -26,9 +26,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                    help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16); auto (default): "
-                        "a Q4_0 / Q4_1 GGUF file's projections keep their 4-bit codes where the native step runs in "
-                        "bfloat16, else none (none: dequantized to the dtype)")
+                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16); file: a GGUF "
+                        "file's projections keep their own codes (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
+                        "auto (default): file where the native step runs in bfloat16 and the file allows, else "
+                        "none (none: dequantized to the dtype)")
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")

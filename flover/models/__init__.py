@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib
 
-from flover.models.checkpoint import (FILE_QUANTIZATION, HFDirectory, file_quantization, load_model_config,
+from flover.models.checkpoint import (HFDirectory, file_quantization, load_model_config,
                                       open_checkpoint)
 from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig
 from flover.models.gguf_file import GGUFFile
 
-__all__ = ["CheckpointError", "FILE_QUANTIZATION", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile",
+__all__ = ["CheckpointError", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile",
            "open_checkpoint", "file_quantization", "load_model", "load_model_config", "model_class",
            "pack_projections", "release_projections", "quantize_projections"]
 _LOADING = {"load_model", "model_class", "pack_projections", "release_projections", "quantize_projections"}

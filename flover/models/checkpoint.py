@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from flover.models.config import CheckpointError, ModelConfig
 from flover.models.config import load_model_config as _load_directory_config
 from flover.models.gguf_file import GGUFFile, is_gguf
+from flover.models.gguf_grids import BLOCK_TYPES
 
 if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
     from flover.models.loader import CheckpointReader
@@ -63,15 +64,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 
-# GGUF block types whose codes the native step runs as they are (`--quantization auto`): Q4_0's
-# and Q4_1's grids (a scale, and a minimum or -8 scales, per 32 inputs) are int4's, read as they are
-FILE_QUANTIZATION = {"Q4_0": "int4", "Q4_1": "int4"}
-
-
 def file_quantization(checkpoint: HFDirectory | GGUFFile) -> str:
-    """The weight-only mode that keeps a quantized file's projections in their own codes, or
-    "none" (16-bit sources; GGUF types not in FILE_QUANTIZATION run dequantized)."""
+    """The weight-only mode that keeps a quantized file's projections in their own codes ("file":
+    every projection in a block type of models/gguf_grids.py, as Q4_K_M's Q4_K, Q6_K and Q5_0 are),
+    or "none" (16-bit sources, and files with other types, which run dequantized)."""
     if not isinstance(checkpoint, GGUFFile):
         return "none"
-    modes = {FILE_QUANTIZATION.get(t, "none") for t in checkpoint.projection_types()}
-    return modes.pop() if len(modes) == 1 else "none"
+    types = checkpoint.projection_types()
+    return "file" if types and types <= set(BLOCK_TYPES) else "none"

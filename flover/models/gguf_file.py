@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flover.models.config import CheckpointError, ModelConfig, check_sizes, validate_model_config
+from flover.models.gguf_grids import block_grid
 
 if TYPE_CHECKING:
     import torch
@@ -231,33 +232,33 @@ class GGUFReader:
 
 
     def read_grid(self, source):
-        """A Q4_0 / Q4_1 tensor's own 4-bit grid, w = scale * q + low per 32 inputs: (codes uint8
-        [rows, cols] in 0..15, scale and low float32 [rows, cols / 32]), rows un-permuted and
-        sliced as read() does; None for other types (and slices that cut a block)."""
+        """A quantized tensor's own grid (models/quant.Grid: codes, scales, minimums as its blocks
+        hold them, models/gguf_grids.py), rows un-permuted and sliced as read() does; None for
+        types without one (F16, ...) and for slices that cut a group."""
         import torch
+
+        from flover.models.quant import Grid
 
         name, heads = self.names[source.name]
         t = self.file.tensors[name]
-        if t.type_name not in ("Q4_0", "Q4_1") or t.shape != tuple(source.shape) or len(t.shape) != 2:
+        if t.shape != tuple(source.shape):
             return None
-        rows, cols = t.shape
-        blocks = t.data.reshape(rows, cols // 32, 18 if t.type_name == "Q4_0" else 20)
-        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, cols / 32]
-        if t.type_name == "Q4_0":  # w = d (q - 8)
-            low, qs = np.float32(-8) * scale, blocks[..., 2:]
-        else:  # w = d q + m
-            low, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # a block's low nibbles first
-        grid = [torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, low)]
+        found = block_grid(t.type_name, t.data, t.shape)
+        if found is None:
+            return None
+        parts = [torch.from_numpy(a) for a in (found.codes, found.scale, found.low) if a is not None]
         if heads is not None:
-            grid = [_unpermute_rows(a, heads) for a in grid]
+            parts = [_unpermute_rows(a, heads) for a in parts]
+        group = found.group
         if source.dim == 0:
-            grid = [a[source.start: source.stop] for a in grid]
+            parts = [a[source.start: source.stop] for a in parts]
         elif source.dim == 1:
-            if source.start % 32 or source.stop % 32:
+            if source.start % group or source.stop % group:
                 return None
-            grid = [grid[0][:, source.start: source.stop]] + [a[:, source.start // 32: source.stop // 32] for a in grid[1:]]
-        return tuple(grid)
+            parts = [parts[0][:, source.start: source.stop]] + [a[:, source.start // group: source.stop // group]
+                                                                 for a in parts[1:]]
+        parts = [a.contiguous() for a in parts]
+        return Grid(parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits)
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 from flover.models.config import CheckpointError, ModelConfig
 from flover.models.loader import Source
-from flover.models.quant import QuantizedWeight, int4_weight, quantize
+from flover.models.quant import Grid, QuantizedWeight, file_weight, int4_weight, quantize
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -130,13 +130,20 @@ class Linear(nn.Module):
         return tuple(self.weight.shape) if self.weight is not None else self._shape
 
     def quantize(self, mode: str, keep_codes: bool = False, values: torch.Tensor | None = None,
-                 grid: tuple | None = None) -> None:
+                 grids: list | None = None) -> None:
         """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
         dequantized values, so both kernels compute the same model (models/quant.py). `values`:
         the checkpoint's float32 values of the weight, quantized before any rounding to 16 bits.
-        `grid` (int4): a GGUF file's own (codes, scale, low), kept as they are."""
-        if grid is not None:
-            self.quantized, dequantized = int4_weight(*grid, self.weight.dtype, keep_codes)
+        `grids`: a GGUF file's own (quant.Grid per source, their rows one after another), kept as
+        they are (int4: 4-bit ones)."""
+        if grids is not None and mode == "file":
+            self.quantized, dequantized = file_weight(grids, self.weight.dtype)
+        elif grids is not None:
+            whole = Grid.cat(grids) if all(g.same_kernel(grids[0]) for g in grids) else None
+            if whole is None or whole.bits != 4 or whole.low is None:
+                raise ValueError("int4 takes 4-bit grids with minimums (Q4_0, Q4_1, Q4_K)")
+            self.quantized, dequantized = int4_weight(whole.codes, whole.scale, whole.low, self.weight.dtype,
+                                                      keep_codes)
         else:
             source = self.weight if values is None else values
             self.quantized, dequantized = quantize(source, mode, keep_codes, dtype=self.weight.dtype)

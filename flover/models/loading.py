@@ -9,6 +9,7 @@ import torch
 
 from flover.models.checkpoint import GGUFFile, HFDirectory, open_checkpoint
 from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.gguf_grids import BLOCK_TYPES
 from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
@@ -35,6 +36,8 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
     checkpoint.check_tensors(cfg)
     tp = tp or TPLayout.build(cfg)
     model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
+    if quantization == "file" and not isinstance(checkpoint, GGUFFile):
+        raise CheckpointError(f"--quantization file keeps a GGUF file's codes; {checkpoint.path} is not one")
     with torch.no_grad():
         reader = checkpoint.reader(cfg)
         take = _quantize_as_read(model, quantization, not pack, reader) if quantization != "none" else None
@@ -53,7 +56,9 @@ def pack_projections(model: torch.nn.Module, pack_hint: int = 32) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear):
-                if module.quantized is not None:
+                if module.quantized is not None and module.quantized.mode == "file":
+                    module.quantized = None  # only the native step runs a file's codes
+                elif module.quantized is not None:
                     module.quantized.codes = None
                 module.pack(pack_hint)
 
@@ -68,8 +73,8 @@ def release_projections(model: torch.nn.Module) -> None:
 
 def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reader):
     """load_weights' `take`: every layer projection quantized from its values as read, before
-    they round to the model's 16 bits; in int4, a GGUF file's Q4_0 / Q4_1 tensors keep their own
-    grid (codes, scales, minimums: `read_grid`)."""
+    they round to the model's 16 bits. A GGUF file's tensors keep their own grids (`read_grid`):
+    every one under "file", the 4-bit ones (Q4_0, Q4_1, Q4_K) under int4."""
     owners = {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
 
     def take(spec, values: torch.Tensor) -> bool:
@@ -79,9 +84,15 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reade
         why = can_quantize(values, mode)
         if why is not None:
             raise CheckpointError(f"--quantization {mode}: {name}: {why}")
-        grids = [reader.read_grid(src) for src in spec.sources] if mode == "int4" and hasattr(reader, "read_grid") else []
-        if grids and all(g is not None for g in grids):  # rows of several sources (q, k, v) one after another
-            module.quantize(mode, keep_codes, grid=tuple(torch.cat(parts) for parts in zip(*grids)))
+        grids = [reader.read_grid(src) for src in spec.sources] if hasattr(reader, "read_grid") else []
+        if mode == "file":
+            if not grids or any(g is None for g in grids):
+                src = spec.sources[[g is None for g in grids].index(True)] if grids else spec.sources[0]
+                raise CheckpointError(f"--quantization file: {src.name} is not in blocks whose codes flover runs "
+                                      f"(it runs {', '.join(BLOCK_TYPES)})")
+            module.quantize(mode, keep_codes, grids=grids)
+        elif mode == "int4" and grids and all(g is not None and g.bits == 4 for g in grids):
+            module.quantize(mode, keep_codes, grids=grids)
         else:
             module.quantize(mode, keep_codes, values=values)
         return True
@@ -98,6 +109,8 @@ def quantize_projections(model: torch.nn.Module, mode: str, keep_codes: bool = F
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module.quantized is not None or name == "lm_head" and not head:
             continue
+        if mode == "file" and name != "lm_head":
+            raise CheckpointError(f"--quantization file: {name} was not read from the file's blocks")
         head_or_layer = "int8" if name == "lm_head" else mode
         why = can_quantize(module.weight, head_or_layer)
         if why is not None:

@@ -10,6 +10,9 @@ through the cores once. Stored in fewer bits they stream faster:
   keep their 4-bit codes; the scales round to bfloat16 as every bfloat16 weight does. The LM head
   gets int8 in this mode, as llama.cpp's 4-bit files keep their token embedding in 8 bits (int4
   there cost 10 points of top-1 agreement with float32 on SmolLM2).
+* file: a GGUF file's projections keep the codes and scales of their own blocks (`Grid`s, read by
+  models/gguf_grids.py: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K), for the native step only; PyTorch runs
+  their dequantized values.
 
 These kernels win only for a few rows (docs/design_notes.md, "PyTorch's quantized kernels"). So a
 quantized `Linear`
@@ -35,14 +38,15 @@ MAX_ROWS = {"int8": 2, "int4": 8}
 
 @dataclass
 class QuantizedWeight:
-    mode: str  # "int8" or "int4"
-    data: torch.Tensor  # int8 [out, in], or int4 packed by PyTorch for its CPU kernel
-    scales: torch.Tensor  # int8: [out]; int4: [in / 32, out, 2] (scale, zero point) in x's dtype
-    max_rows: int
+    mode: str  # "int8", "int4" or "file"
+    data: torch.Tensor | None  # int8 [out, in], or int4 packed by PyTorch for its CPU kernel (file: None)
+    scales: torch.Tensor | None  # int8: [out]; int4: [in / 32, out, 2] (scale, zero point) in x's dtype
+    max_rows: int  # iterations of up to this many rows use matmul (file: none)
     codes: torch.Tensor | None = None  # int4, when asked: uint8 [out, in] of q in 0..15 (the native step's copy)
     # ... with float32 [in / 32, out, 2] (scale, zero point) unrounded: the native step's, so that a
     # GGUF file's scales stay its own (bfloat16 would keep 8 of their 11 bits)
     exact_scales: torch.Tensor | None = None
+    parts: list["Grid"] | None = None  # file: the output rows' grids, in order (the native step's)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (no bias)."""
@@ -95,6 +99,48 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dty
                 dequantized.view(out, inp).to(dtype))
     dequantized = (q - 8) * scale16.to(torch.float32)[..., None] + zero16.to(torch.float32)[..., None]
     return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(dtype)
+
+
+@dataclass
+class Grid:
+    """A run of a projection's output rows on a quantized file's own grid: w = scale * q + low per
+    group of `group` inputs (models/gguf_grids.py)."""
+
+    codes: torch.Tensor  # [rows, in]: uint8 0..15 (bits 4) or int8
+    scale: torch.Tensor  # float32 [rows, in / group]
+    low: torch.Tensor | None  # float32 [rows, in / group]; None: every low is 0
+    group: int
+    bits: int  # 4 (the int4 kernels) or 8
+
+    def values(self) -> torch.Tensor:
+        """float32 [rows, in]."""
+        rows, cols = self.codes.shape
+        w = self.scale[..., None] * self.codes.view(rows, cols // self.group, self.group).to(torch.float32)
+        return (w if self.low is None else w + self.low[..., None]).view(rows, cols)
+
+    def same_kernel(self, other: "Grid") -> bool:
+        return (self.bits, self.group, self.low is None) == (other.bits, other.group, other.low is None)
+
+    @staticmethod
+    def cat(grids: list["Grid"]) -> "Grid":
+        """Runs of the same kernel (same_kernel), their rows one after another."""
+        first = grids[0]
+        low = None if first.low is None else torch.cat([g.low for g in grids])
+        return Grid(torch.cat([g.codes for g in grids]), torch.cat([g.scale for g in grids]), low, first.group,
+                    first.bits)
+
+
+def file_weight(grids: list[Grid], dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A projection's sources' grids, rows one after another (q, k, v) -> (the quantized weight:
+    neighbours of the same kernel merged into one run; the dequantized weight in `dtype`)."""
+    runs: list[Grid] = []
+    for grid in grids:
+        if runs and runs[-1].same_kernel(grid):
+            runs[-1] = Grid.cat([runs[-1], grid])
+        else:
+            runs.append(grid)
+    dequantized = torch.cat([g.values() for g in runs]).to(dtype)
+    return QuantizedWeight("file", None, None, 0, parts=runs), dequantized
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:

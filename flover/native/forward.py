@@ -43,6 +43,7 @@ from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
 from flover.models.quant import QuantizedWeight, quantize
+from flover.native.grids import Run, check_runs, grid_struct, int8_rows_run, runs_of
 
 if TYPE_CHECKING:  # the runner's buffer (a type only: the runner imports this module)
     from flover.runner.kv_buffer import SlotBuffer
@@ -107,11 +108,11 @@ def runnable_families() -> list[str]:
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "head_scales", "cos", "sin", "quant", "vocab_start", "all_reduce",
+                "embed", "final_norm", "head", "head_scales", "cos", "sin", "vocab_start", "all_reduce",
                 "head_screen", "head_screen_scales", "head_bounds", "screen_rows")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
-                "down", "down_bias", "window") + tuple(f"{p}_{part}" for p in PROJECTIONS for part in ("codes", "scales"))
+                "down", "down_bias", "window") + tuple(f"{p}_grid" for p in PROJECTIONS)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SCREEN_INT8_ROWS = 8  # a bfloat16 model's greedy rows go through its int8 head screen up to this many
 ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)  # llama_forward.c: AllReduce
@@ -242,51 +243,14 @@ def blocked_shape(weight: torch.Tensor) -> tuple[int, ...]:
 
 
 def block_weight(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write `weight` [n, k] into `out` (of blocked_shape, or int8_shapes' codes) in the blocked
-    layout: input pairs where `out` has four dimensions, single inputs where it has three."""
+    """Write `weight` [n, k] into `out` (of blocked_shape) in the blocked layout: input pairs where
+    `out` has four dimensions, single inputs where it has three."""
     n, k = weight.shape
     padded = torch.zeros(out.shape[0] * 16, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
     if out.dim() == 4:
         return out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
     return out.copy_(padded.view(-1, 16, k).permute(0, 2, 1))
-
-
-def int4_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The kernels' layout of an int4 projection (llama_forward.c, "4-bit projections"): codes
-    [n / 16, k / 32, 16 input pairs, 16 rows] bytes, scales [n / 16, k / 32, 2, 16] (scale, zero)."""
-    n, k = linear.shape
-    return (-(-n // 16), k // 32, 16, 16), (-(-n // 16), k // 32, 2, 16)
-
-
-INT4 = (torch.uint8, torch.float32)  # dtypes of int4_shapes' codes and scales
-INT8 = (torch.int8, torch.float32)  # ... and int8_shapes'
-
-
-def int8_shapes(linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The kernels' layout of an int8 projection (llama_forward.c, "int8 weights"): codes as
-    bfloat16's blocked pairs, a byte each [n / 16, k / 2, 16, 2]; row scales float32 [n / 16 * 16]."""
-    n, k = linear.shape
-    return (-(-n // 16), k // 2, 16, 2), (-(-n // 16) * 16,)
-
-
-def block_int8(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-    block_weight(quantized.data, codes_out)  # int8 [n, k] codes, as bfloat16's pairs
-    scales_out.zero_()
-    scales_out[: quantized.data.shape[0]] = quantized.scales.to(torch.float32)
-
-
-def block_int4(quantized, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-    codes = quantized.codes  # [n, k] uint8, q in 0..15
-    n, k = codes.shape
-    padded = torch.full((codes_out.shape[0] * 16, k), 8, dtype=torch.uint8)  # q = 8: weight 0 (zero 0 too)
-    padded[:n] = codes
-    pairs = padded.view(-1, 16, k // 32, 16, 2)  # [blocks, rows, groups, pairs, (even, odd)]
-    packed = pairs[..., 0] | (pairs[..., 1] << 4)
-    codes_out.copy_(packed.permute(0, 2, 3, 1))
-    scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=torch.float32)
-    scales[:n] = quantized.exact_scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2] (kept with the codes)
-    scales_out.copy_(scales.view(-1, 16, k // 32, 2).permute(0, 2, 3, 1))
 
 
 @dataclass
@@ -320,9 +284,8 @@ class HeadScreen:
             bounds.append((error + (2 * gamma + 2.0 ** -23) * largest) * margin)
             codes.append(quantized.data)
             scales.append(quantized.scales)
-        quantized = QuantizedWeight("int8", torch.cat(codes), torch.cat(scales), 0)
-        return cls(list(zip(int8_shapes(head), INT8)) + [((vocab,), torch.float32)],
-                   lambda out: block_int8(quantized, *out), torch.cat(bounds))
+        run = int8_rows_run(QuantizedWeight("int8", torch.cat(codes), torch.cat(scales), 0))
+        return cls(run.shapes + [((vocab,), torch.float32)], lambda out: run.fill(*out), torch.cat(bounds))
 
     def place(self, arena: "WeightArena") -> tuple[int, int, int]:
         """Into the arena: (copy, its row scales or 0, bounds) addresses."""
@@ -389,29 +352,27 @@ class NativeForward:
         tied = cfg.tie_word_embeddings and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight
         linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
-        # Quantized projections run their int4/int8 kernels at every row count (no bfloat16 copy):
-        # id(linear) -> (its layout, the layout's dtypes, how to block it)
-        layouts = {}
-        for lin in linears + [model.lm_head]:
-            if lin.quantized is not None and lin.quantized.codes is not None:  # int4 (its codes kept for us)
-                layouts[id(lin)] = (int4_shapes, INT4, block_int4)
-            elif lin.quantized is not None and lin.quantized.mode == "int8":
-                layouts[id(lin)] = (int8_shapes, INT8, block_int8)
-        layer_modes = {lin.quantized.mode for lin in linears if id(lin) in layouts}
-        quantized = [lin for lin in linears + [model.lm_head] if id(lin) in layouts]
-        dense = ([] if id(model.lm_head) in layouts else [head]) + [lin.weight for lin in linears
-                                                                     if id(lin) not in layouts]
+        # Quantized projections run the kernels of their codes at every row count (no bfloat16
+        # copy): id(linear) -> its runs of output rows (native/grids.py)
+        runs = {id(lin): runs_of(lin.quantized) for lin in linears + [model.lm_head]
+                if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)}
+        for lin in linears:
+            why = check_runs(runs.get(id(lin), []))
+            if why is not None:
+                raise NativeUnavailable(why)
+        layer_modes = {lin.quantized.mode for lin in linears if id(lin) in runs}
+        quantized = [lin for lin in linears + [model.lm_head] if id(lin) in runs]
+        dense = ([] if id(model.lm_head) in runs else [head]) + [lin.weight for lin in linears if id(lin) not in runs]
         # greedy rows find their id through a cheaper copy of a dense head (llama_forward.c,
         # "greedy through a screen of the LM head"): exact, and the head is a fifth of a token.
         # Not under TP (each rank would only know its vocabulary block's best).
-        self.screens_greedy = comm is None and id(model.lm_head) not in layouts
+        self.screens_greedy = comm is None and id(model.lm_head) not in runs
         screen = HeadScreen.of(head) if self.screens_greedy else None
         # int8's screen (bfloat16 models) pays at a few rows only; beyond them the whole head,
         # its argmax taken as its tiles come out; float32's pays at every row count (design notes)
         self.screen_rows = max_rows if dtype == torch.float32 else SCREEN_INT8_ROWS
         shapes = [(blocked_shape(w), dtype) for w in dense] + (screen.shapes if screen else [])
-        shapes += [(shape, kind) for lin in quantized
-                   for shape, kind in zip(layouts[id(lin)][0](lin), layouts[id(lin)][1])]
+        shapes += [shape for lin in quantized for run in runs[id(lin)] for shape in run.shapes]
         nbytes = WeightArena.size(shapes)
         try:
             self._arena = WeightArena(nbytes)
@@ -426,18 +387,23 @@ class NativeForward:
             assert weight.is_contiguous() and weight.dtype == dtype
             return weight.data_ptr()
 
-        def projection(lin) -> tuple[int, int, int]:
-            """(blocked weight, codes, scales) addresses: a quantized projection has no weight here."""
-            if id(lin) not in layouts:
-                return address(lin.weight, block=True), 0, 0
-            layout, kinds, block = layouts[id(lin)]
-            codes, scales = (self._arena.take(shape, kind) for shape, kind in zip(layout(lin), kinds))
-            block(lin.quantized, codes, scales)
-            return 0, codes.data_ptr(), scales.data_ptr()
+        self._grids = []  # native.h's Grid of each quantized projection, referenced while the C code runs
+
+        def placed(lin_runs: list[Run]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [tuple(self._arena.take(shape, kind) for shape, kind in run.shapes) for run in lin_runs]
+
+        def projection(lin) -> tuple[int, int]:
+            """(blocked weight, Grid) addresses: a quantized projection has no weight here."""
+            if id(lin) not in runs:
+                return address(lin.weight, block=True), 0
+            self._grids.append(grid_struct(runs[id(lin)], placed(runs[id(lin)])))
+            return 0, self._grids[-1].data_ptr()
 
         self.vocab = head.shape[0]
-        if id(model.lm_head) in layouts:
-            _, head_addr, head_scales = projection(model.lm_head)
+        if id(model.lm_head) in runs:  # int8 rows (quantize_projections)
+            (codes, scales), = placed(runs[id(model.lm_head)])
+            runs[id(model.lm_head)][0].fill(codes, scales)
+            head_addr, head_scales = codes.data_ptr(), scales.data_ptr()
         else:
             head_addr, head_scales = address(head, block=True), 0
         head_screen = head_screen_scales = head_bounds = 0
@@ -449,8 +415,7 @@ class NativeForward:
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=head_addr, head_scales=head_scales, cos=model.rotary.cos.data_ptr(),
-            sin=model.rotary.sin.data_ptr(), quant=4 if "int4" in layer_modes else 8 if layer_modes else 0,
-            vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), head_screen=head_screen,
+            sin=model.rotary.sin.data_ptr(), vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), head_screen=head_screen,
             head_screen_scales=head_screen_scales, head_bounds=head_bounds, screen_rows=self.screen_rows)
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         failed = self.lib.flover_check_model(self._model_struct.data_ptr())
@@ -468,7 +433,7 @@ class NativeForward:
             row = [address(layer.input_norm), blocked["qkv"][0], address(layer.qkv.bias), blocked["o"][0],
                    address(layer.o_bias), address(layer.post_norm), blocked["gate_up"][0],
                    address(layer.gate_up.bias), blocked["down"][0], address(layer.down_bias), window or 0]
-            rows.append(row + [a for name in PROJECTIONS for a in blocked[name][1:]])
+            rows.append(row + [blocked[name][1] for name in PROJECTIONS])
         self._layer_structs = torch.tensor(rows, dtype=torch.int64)  # [layers, len(LAYER_FIELDS)]
         floats = self.lib.flover_work_floats(self._model_struct.data_ptr(), max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
@@ -503,6 +468,8 @@ class NativeForward:
         dot = "bfloat16 dot products" in self.kernels
         if self.dtype == torch.float32:
             weights = "float32 weights"
+        elif self.quantization == "file":
+            weights = "the file's own codes widened to float32" + (" (4-bit ones in dot products)" if dot else "")
         else:
             weights = (f"{self.quantization or 'bfloat16'} weights"
                        + (" in dot products" if dot else " widened to float32"))

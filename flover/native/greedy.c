@@ -55,12 +55,12 @@ int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *
     const int64_t h = md->hidden, vocab = md->vocab;
     const float *bounds = (const float *)md->head_bounds;
     if (bf) { /* int8 codes, row scales; the operand is x's bfloat16 values (exact), as the head's */
-        project_kind(W_Q8, 0, md->head_screen, md->head_screen_scales, 0, x, xb, rows, vocab, h, scores, 0, nt, 0);
+        project_kind(W_Q8, 0, md->head_screen, md->head_screen_scales, 0, x, xb, rows, vocab, h, scores, vocab, 0, nt, 0);
     } else { /* bfloat16 of x to nearest, then bfloat16 weights */
         for (int64_t i = 0; i < rows * h; i++)
             if (operand_is_bf16(W_BF16)) ((uint16_t *)xb)[i] = f2bf(x[i]);
             else ((float *)xb)[i] = rnd(x[i], 1);
-        project_kind(W_BF16, 0, md->head_screen, 0, 0, 0, xb, rows, vocab, h, scores, 0, nt, 0);
+        project_kind(W_BF16, 0, md->head_screen, 0, 0, 0, xb, rows, vocab, h, scores, vocab, 0, nt, 0);
     }
     int full[rows], n_full = 0;
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 2) reduction(+ : n_full)
@@ -105,7 +105,7 @@ int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *
     }
     for (int r = 0; r < rows; r++)
         if (full[r]) {
-            project_kind(exact_kind, 0, md->head, 0, 0, x + r * h, xb, 1, vocab, h, scores + r * vocab, 0, nt, 0);
+            project_kind(exact_kind, 0, md->head, 0, 0, x + r * h, xb, 1, vocab, h, scores + r * vocab, vocab, 0, nt, 0);
             flover_argmax(scores + r * vocab, 1, vocab, vocab, 0, ids + r, nt);
         }
     return n_full;
@@ -125,7 +125,7 @@ int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *id
     for (int i = 0; i < nt * rows; i++) top[i] = -INFINITY, at[i] = nan_at[i] = -1; /* (threads not started) */
     RowMax most = {top, at, nan_at};
     const int bf = md->dtype == DT_BF16;
-    project_kind(bf ? W_BF16 : W_F32, 0, md->head, 0, 0, x, xb, rows, md->vocab, md->hidden, 0, 0, nt, &most);
+    project_kind(bf ? W_BF16 : W_F32, 0, md->head, 0, 0, x, xb, rows, md->vocab, md->hidden, 0, 0, 0, nt, &most);
     for (int r = 0; r < rows; r++) {
         int64_t id = -1, nan_id = -1;
         float largest = -INFINITY;

@@ -42,8 +42,8 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
 /* The float scratch of an iteration, as offsets into `work`: hidden and normed rows, qkv /
  * gate_up outputs, attention out / activation, the model-dtype copies that feed the kernels, per
  * thread the attention scratch (a decode row's scores of one kv head's query heads, or a prompt
- * block's blocked queries and scores: `per_thread` floats), per row and group of 32 inputs their
- * sum (int4), and the prompt blocks (first row and row count, int64). `end`: the floats the
+ * block's blocked queries and scores: `per_thread` floats), per row and group of 16 or 32
+ * inputs their sum (grids with minimums), and the prompt blocks (first row and row count, int64). `end`: the floats the
  * caller allocates (flover_work_floats). */
 typedef struct {
     int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, end;
@@ -63,7 +63,7 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     const int64_t decode = md->heads * md->max_seq, prompt = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq) + 6 * md->head_dim;
     w.per_thread = decode > prompt ? decode : prompt;
     w.xsum = w.scores + nt * w.per_thread;
-    w.blocks = w.xsum + rows * (widest / 32 + 1);
+    w.blocks = w.xsum + rows * (widest / 16 + 1);
     w.end = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
     return w;
 }
@@ -105,12 +105,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     void *xb = work + at.xb;
     const int64_t es = bf ? 2 : 4; /* bytes per element of the model dtype */
 #define PROJECT(W, BIAS, X, N, K, Y)                                                                       \
-    if (ly->W##_codes && md->quant == 4)                                                                   \
-        project_int4(ly->W##_codes, ly->W##_scales, BIAS, X, xb, xsum, rows, N, K, Y, 0, nt);          \
-    else if (ly->W##_codes)                                                                                \
-        project(md, ly->W##_codes, ly->W##_scales, BIAS, X, xb, rows, N, K, Y, 0, nt);                   \
+    if (ly->W##_grid)                                                                                      \
+        project_grid((const Grid *)ly->W##_grid, bf, BIAS, X, xb, xsum, rows, N, K, Y, nt);              \
     else                                                                                                   \
-        project(md, ly->W, 0, BIAS, X, xb, rows, N, K, Y, 0, nt);
+        project(md, ly->W, BIAS, X, xb, rows, N, K, Y, nt);
 
     for (int r = 0; r < rows; r++) { /* under TP: ids outside this rank's block are zero rows */
         const int64_t t = tokens[r] - md->vocab_start;
@@ -196,6 +194,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
     if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
     const int head_kind = md->head_scales ? W_Q8 : bf ? W_BF16 : W_F32;
-    if (n_out > 0) project_kind(head_kind, 0, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, 0, nt, 0);
+    if (n_out > 0)
+        project_kind(head_kind, 0, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, md->vocab, 0, nt, 0);
     return 0;
 }

@@ -28,7 +28,6 @@ typedef struct {
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
     int64_t embed, final_norm, head, head_scales, cos, sin;   /* head_scales: int8 head (else 0);
                                                                  rotary tables [max_seq, head_dim] */
-    int64_t quant; /* the layers' *_codes: 4 (int4 kernels), 8 (int8), 0 (none) */
     /* Tensor parallelism: this rank's vocabulary block starts at vocab_start (embed and head hold
      * `vocab` rows of it), and all_reduce (a void (*)(float *, int64_t) address; 0 at TP=1) sums
      * a float buffer over the ranks in place, as the PyTorch path's all-reduces do. */
@@ -43,12 +42,28 @@ typedef struct {
 } Model;
 
 /* Mirrors LAYER_FIELDS: weight addresses of one layer, 0 where the model has no such bias; the
- * layer's sliding window (0: none); with --quantization int4 the projections' 4-bit codes and
- * group scales (tiles.c, "4-bit tiles"), with int8 their blocked codes and row scales, else 0. */
+ * layer's sliding window (0: none); the address of each projection's Grid where its weights are
+ * codes (a GGUF file's own, --quantization int4 / int8), else 0 (its weight is the dense one). */
 typedef struct {
     int64_t input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, window;
-    int64_t qkv_codes, qkv_scales, o_codes, o_scales, gate_up_codes, gate_up_scales, down_codes, down_scales;
+    int64_t qkv_grid, o_grid, gate_up_grid, down_grid;
 } Layer;
+
+/* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
+ * per 32 inputs; int8 codes with a scale per row; int8 codes with a scale (and a minimum: lows)
+ * per group of 16 or 32 inputs (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K). */
+enum { G_INT4 = 4, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
+#define MAX_PARTS 4
+/* Mirrors GRID_FIELDS: a projection's output rows as up to MAX_PARTS runs of rows (every run but
+ * the last a multiple of 16 rows), each in its own codes: a fused q/k/v whose v came in other
+ * blocks than q and k (as in GGUF's Q4_K_M files) is three runs, or two. */
+typedef struct {
+    int64_t kind, rows, group, lows, codes, scales;
+} GridPart;
+typedef struct {
+    int64_t parts;
+    GridPart part[MAX_PARTS];
+} Grid;
 
 /* What a projection's weights are: the model dtype's values, or int8 codes (inputs bfloat16). */
 enum { W_F32 = DT_F32, W_BF16 = DT_BF16, W_Q8 = 2 };
@@ -67,6 +82,10 @@ int tile_rows(int kind, int left, int nt_blocks); /* rows of the next tile over 
 void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const void *x, const float *xsum,
              float *out);
 int q4_rows(int left);
+/* 8-bit grouped tiles: MT (q8g_rows) rows x one block; x: float32 rows, xsum: their group sums (lows) */
+void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const float *x,
+              const float *xsum, float *out);
+int q8g_rows(int left);
 /* the family this build runs, e.g. "AVX-512F, bfloat16 dot products" */
 API const char *flover_kernels(void);
 
@@ -92,12 +111,12 @@ typedef struct {
 } RowMax;
 
 void to_model_dtype(const float *x, void *dst, int64_t n, int bf);
-void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
-             int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt);
+void project(const Model *md, int64_t w_addr, int64_t b_addr, const float *x, void *xb, int rows, int64_t n_out,
+             int64_t k, float *y, int nt);
 void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
-                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt, RowMax *most);
-void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb, float *xsum,
-                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt);
+                  int rows, int64_t n_out, int64_t k, void *y, int64_t ldy, int y_in_model_dtype, int nt, RowMax *most);
+void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void *xb, float *xsum, int rows,
+                  int64_t n_out, int64_t k, float *y, int nt);
 
 /* ---- row_ops.c --------------------------------------------------------------------------------- */
 void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);

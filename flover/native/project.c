@@ -62,22 +62,30 @@ static void lanes_max(const float *best, const int32_t *where, float *top, int64
     *top = most, *at = first;
 }
 
-/* y = x W^T (+ bias) through the 4-bit weights (tiles.c); x: float rows [rows, k] of bfloat16
- * values. Used at every row count: one row reads a quarter of bfloat16's bytes. */
-void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb, float *xsum,
-                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
-    const int64_t groups = k / 32;
-    const uint8_t *codes = (const uint8_t *)codes_addr;
-    const float *scales = (const float *)scales_addr;
-    const void *bias = (const void *)b_addr;
-    const int64_t blocks = (n_out + 15) / 16;
+/* Each row's sum of x over every group of `group` inputs: xsum [rows][k / group] (thread t of T
+ * sums its share of the rows; the caller waits before the tiles read them). */
+static void group_sums(const float *x, float *xsum, int rows, int64_t k, int group, int t, int T) {
+    const int64_t groups = k / group;
+    for (int m = rows * t / T; m < rows * (t + 1) / T; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            v16 sum = v_load(x + m * k + g * group);
+            for (int i = 16; i < group; i += 16) sum = v_add(sum, v_load(x + m * k + g * group + i));
+            xsum[m * groups + g] = v_reduce_add(sum);
+        }
+}
+
+/* y = x W^T (+ bias) through 4-bit weights (tiles.c); x: float rows [rows, k] of bfloat16
+ * values; y: float rows with a stride of ldy. One row reads a quarter of bfloat16's bytes. */
+static void project_int4(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
+                         int64_t k, float *y, int64_t ldy, int nt) {
+    const int64_t groups = k / 32, n_out = part->rows, blocks = (n_out + 15) / 16;
+    const uint8_t *codes = (const uint8_t *)part->codes;
+    const float *scales = (const float *)part->scales;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
-        for (int m = rows * t / T; m < rows * (t + 1) / T; m++) /* each group's input sum, once per row */
-            for (int64_t g = 0; g < groups; g++)
-                xsum[m * groups + g] = v_reduce_add(v_add(v_load(x + m * k + g * 32), v_load(x + m * k + g * 32 + 16)));
+        group_sums(x, xsum, rows, k, 32, t, T);
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[12 * 16];
@@ -89,30 +97,74 @@ void project_int4(int64_t codes_addr, int64_t scales_addr, int64_t b_addr, const
                 const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
                                                             : (const void *)(x + m0 * k);
                 tile_q4(mt, c, sc, k, operand, xsum + m0 * groups, out);
-                for (int i = 0; i < mt; i++)
-                    store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * n_out, y_in_model_dtype, 1);
+                for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, 1);
                 m0 += mt;
             }
         }
     }
 }
 
-/* y[m, n] = rnd(W[n, :] . x[m, :] + bias[n]) for m < rows, n < n_out. x: float rows [rows, k]
- * holding model-dtype values; xb: scratch for their model-dtype copy (the kernels' operand).
- * With `scales_addr` (int8: float32 [blocks * 16]) W holds int8 codes and W[n, :] is
- * scales[n] * codes[n, :]. */
-void project(const Model *md, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
-             int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt) {
-    const int bf = md->dtype == DT_BF16;
-    project_kind(scales_addr ? W_Q8 : bf, bf, w_addr, scales_addr, b_addr, x, xb, rows, n_out, k, y, y_in_model_dtype,
-                 nt, 0);
+/* y = x W^T (+ bias) through 8-bit codes with group scales (tiles.c); as project_int4. */
+static void project_int8_groups(const GridPart *part, const void *bias, const float *x, float *xsum, int rows,
+                                int64_t k, float *y, int64_t ldy, int bf, int nt) {
+    const int group = (int)part->group, lows = (int)part->lows;
+    const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
+    const int8_t *codes = (const int8_t *)part->codes;
+    const float *scales = (const float *)part->scales;
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        if (lows) group_sums(x, xsum, rows, k, group, t, T);
+#pragma omp barrier
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        float out[8 * 16];
+        for (int64_t nb = b0; nb < b1; nb++) {
+            const int8_t *c = codes + nb * 16 * k;
+            const float *sc = scales + nb * groups * 16 * (1 + lows);
+            for (int m0 = 0; m0 < rows;) {
+                const int mt = q8g_rows(rows - m0);
+                tile_q8g(mt, c, sc, k, group, lows, x + m0 * k, xsum + m0 * groups, out);
+                for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
+                m0 += mt;
+            }
+        }
+    }
 }
 
-/* project() through weights of `kind`, outputs rounded (and stored) as bfloat16 if bf; x NULL:
- * xb already holds the operand (operand_is_bf16's type), else x's rows are it or give it. `most`: nothing is stored; each thread keeps its running
- * maximum of every row there instead (keep_max). */
+/* y = x W^T (+ bias) for weights held as codes: each run of output rows (GridPart) through its
+ * own kernels, into its columns of y [rows, n_out] (floats). */
+void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void *xb, float *xsum, int rows,
+                  int64_t n_out, int64_t k, float *y, int nt) {
+    int64_t at = 0;
+    for (int64_t p = 0; p < grid->parts; p++) {
+        const GridPart *part = &grid->part[p];
+        const void *bias = b_addr ? (const char *)b_addr + at * (bf ? 2 : 4) : 0;
+        if (part->kind == G_INT4)
+            project_int4(part, bias, x, xb, xsum, rows, k, y + at, n_out, nt);
+        else if (part->kind == G_INT8_GROUPS)
+            project_int8_groups(part, bias, x, xsum, rows, k, y + at, n_out, bf, nt);
+        else
+            project_kind(W_Q8, bf, part->codes, part->scales, (int64_t)bias, x, xb, rows, part->rows, k, y + at, n_out,
+                         0, nt, 0);
+        at += part->rows;
+    }
+}
+
+/* y[m, n] = W[n, :] . x[m, :] + bias[n] for m < rows, n < n_out, rounded to the model dtype and
+ * stored as floats. x: float rows [rows, k] holding model-dtype values; xb: scratch for their
+ * model-dtype copy (the kernels' operand); W: the dense weight, blocked. */
+void project(const Model *md, int64_t w_addr, int64_t b_addr, const float *x, void *xb, int rows, int64_t n_out,
+             int64_t k, float *y, int nt) {
+    const int bf = md->dtype == DT_BF16;
+    project_kind(bf, bf, w_addr, 0, b_addr, x, xb, rows, n_out, k, y, n_out, 0, nt, 0);
+}
+
+/* project() through weights of `kind`, outputs rounded (and stored) as bfloat16 if bf, row m at
+ * y + m * ldy; x NULL: xb already holds the operand (operand_is_bf16's type), else x's rows are
+ * it or give it. `most`: nothing is stored; each thread keeps its running maximum of every row
+ * there instead (keep_max). */
 void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t b_addr, const float *x, void *xb,
-                  int rows, int64_t n_out, int64_t k, void *y, int y_in_model_dtype, int nt, RowMax *most) {
+                  int rows, int64_t n_out, int64_t k, void *y, int64_t ldy, int y_in_model_dtype, int nt, RowMax *most) {
     const float *scales = (const float *)scales_addr;
     const void *w = (const void *)w_addr, *bias = (const void *)b_addr;
     const int64_t blocks = (n_out + 15) / 16;
@@ -153,7 +205,7 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
                             keep_max(acc, bias, n0, n_out, bf, best + (m0 + i) * 16, where + (m0 + i) * 16,
                                      first_nan + m0 + i);
                         else
-                            store_outputs(acc, bias, n0, n_out, y, (m0 + i) * n_out, y_in_model_dtype, bf);
+                            store_outputs(acc, bias, n0, n_out, y, (m0 + i) * ldy, y_in_model_dtype, bf);
                     }
                 }
                 m0 += mt;

@@ -151,6 +151,60 @@ void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const
     else tile_q4_1(codes, scales, k, x, xsum, out);
 }
 
+/* ---- 8-bit grouped tiles (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, read as they are) -----------------
+ * Weights on the grid w = scale * q (+ low) per group of `group` inputs (16 or 32), q a signed
+ * byte. Blocked by flover/native/forward.py: codes as int8's pairs ([n / 16][k / 2][16][2]),
+ * then per block of 16 output rows and group the 16 scales (and, with lows, the 16 minimums) in
+ * float32. The group's sum is scale * sum(q x) (+ low * sum(x), xsum holding each row's sum(x)
+ * per group). */
+#define TILE_Q8G(MT)                                                                                       \
+    static void tile_q8g_##MT(const int8_t *codes, const float *scales, int64_t k, int group, int lows,   \
+                              const float *x, const float *xsum, float *out) {                             \
+        const int64_t groups = k / group;                                                                  \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            v16 part[MT];                                                                                  \
+            for (int i = 0; i < MT; i++) part[i] = v_zero();                                               \
+            const int8_t *c = codes + g * group * 16;                                                      \
+            for (int kp = 0; kp < group / 2; kp++) {                                                       \
+                v16 even, odd;                                                                             \
+                v_widen_q8_pairs(c + kp * 32, &even, &odd);                                                \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const float *xp = x + i * k + g * group + 2 * kp;                                      \
+                    part[i] = v_fmadd(odd, v_set1(xp[1]), v_fmadd(even, v_set1(xp[0]), part[i]));          \
+                }                                                                                          \
+            }                                                                                              \
+            const float *s = scales + g * 16 * (1 + lows);                                                 \
+            const v16 scale = v_load(s);                                                                   \
+            if (lows) {                                                                                    \
+                const v16 low = v_load(s + 16);                                                            \
+                for (int i = 0; i < MT; i++)                                                               \
+                    acc[i] = v_fmadd(scale, part[i], v_fmadd(low, v_set1(xsum[i * groups + g]), acc[i]));  \
+            } else {                                                                                       \
+                for (int i = 0; i < MT; i++) acc[i] = v_fmadd(scale, part[i], acc[i]);                     \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_Q8G(8)
+TILE_Q8G(4)
+TILE_Q8G(2)
+TILE_Q8G(1)
+
+int q8g_rows(int left) {
+    const int n = left < V_Q4_ROWS ? left : V_Q4_ROWS;
+    return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+}
+
+void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const float *x,
+              const float *xsum, float *out) {
+    if (mt == 8) tile_q8g_8(codes, scales, k, group, lows, x, xsum, out);
+    else if (mt == 4) tile_q8g_4(codes, scales, k, group, lows, x, xsum, out);
+    else if (mt == 2) tile_q8g_2(codes, scales, k, group, lows, x, xsum, out);
+    else tile_q8g_1(codes, scales, k, group, lows, x, xsum, out);
+}
+
 API const char *flover_kernels(void) {
     return has_bf16_dot() ? V_FAMILY_SIMD ", bfloat16 dot products" : V_FAMILY_SIMD;
 }

@@ -119,12 +119,20 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> Path:
+# K-quants the `gguf` package cannot make: random blocks, with this super-block scale (d, dmin)
+# so that the weights stay small
+RANDOM_BLOCK_SCALES = {"Q4_K": 0.0004, "Q5_K": 0.0002, "Q6_K": 0.0001}
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", types: dict[str, str] | None = None,
+               seed: int = 0) -> Path:
     """Write a Hugging Face directory (Llama family) as one GGUF file the way llama.cpp's
     convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation for llama, 1-D
     tensors kept in F32), with 2-D tensors stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    ... whatever the `gguf` package's quantizer implements). For tests: real GGUF files of
-    random models, in the types users download."""
+    ... whatever the `gguf` package's quantizer implements). `types`: GGUF name ending ->
+    type, for mixes such as Q4_K_M's (attn_v.weight: Q6_K); K-quants (RANDOM_BLOCK_SCALES) hold
+    random blocks, not the checkpoint's values. For tests: real GGUF files of random models, in
+    the types users download."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -157,7 +165,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     w.add_rope_dimension_count(config["hidden_size"] // heads)
     _write_gguf_tokenizer(w, model_dir)
 
-    qt = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(seed)
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
     names = dict(GGUF_GLOBAL_NAMES)
     for i in range(layers):
@@ -171,10 +179,14 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
             data = permute(data, heads)
         elif arch == "llama" and name.endswith("attn_k.weight"):
             data = permute(data, kv_heads)
+        kind = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
+        qt = gguf.GGMLQuantizationType[kind]
         if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, data.astype(np.float16))
+        elif kind in RANDOM_BLOCK_SCALES:
+            w.add_tensor(name, _random_k_blocks(rng, data.shape, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
     w.write_header_to_file()
@@ -182,6 +194,22 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _random_k_blocks(rng, shape: tuple[int, int], qt):
+    """Random K-quant blocks for a [rows, cols] tensor (cols a multiple of 256), scales sane."""
+    import gguf
+    import numpy as np
+
+    rows, cols = shape
+    size = gguf.GGML_QUANT_SIZES[qt][1]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(RANDOM_BLOCK_SCALES[qt.name]).tobytes(), dtype=np.uint8)
+    if qt == gguf.GGMLQuantizationType.Q6_K:
+        raw[..., -2:] = scale  # d last
+    else:
+        raw[..., 0:2] = raw[..., 2:4] = scale  # d, dmin first
+    return raw.reshape(rows, -1)
 
 
 def _write_gguf_tokenizer(w, model_dir: Path) -> None:

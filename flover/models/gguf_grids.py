@@ -1,0 +1,141 @@
+"""GGUF's quantized blocks as grids: w = scale * q + low per group of inputs, the codes q and the
+scales read out of the blocks as they are (the native step runs them: `--quantization file`).
+
+Each block type's layout follows ggml's (ggml-quants.c; the `gguf` package's dequantize_blocks
+does the same unpacking, and tests compare the values both give). The scales are the products
+ggml's own dequantization takes (d * sc, dmin * m: exact in float32), so scale * q + low is the
+weight dequantize gives, bit for bit.
+
+| type | q | group | scale | low |
+|---|---|---|---|---|
+| Q4_0 | 0..15 | 32 | d | -8 d |
+| Q4_1 | 0..15 | 32 | d | m |
+| Q4_K | 0..15 | 32 | d sc | -dmin m |
+| Q5_0 | -16..15 | 32 | d | 0 |
+| Q5_1 | 0..31 | 32 | d | m |
+| Q5_K | 0..31 | 32 | d sc | -dmin m |
+| Q6_K | -32..31 | 16 | d sc | 0 |
+| Q8_0 | -128..127 | 32 | d | 0 |
+
+4-bit codes run the int4 kernels; the others are bytes (int8 kernels with group scales).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class BlockGrid:
+    codes: np.ndarray  # [rows, cols]: uint8 0..15 (bits 4) or int8
+    scale: np.ndarray  # float32 [rows, cols / group]
+    low: np.ndarray | None  # float32 [rows, cols / group]; None: every low is 0
+    group: int
+    bits: int  # 4 or 8
+
+    def values(self) -> np.ndarray:
+        """The weights, float32 [rows, cols]."""
+        rows, cols = self.codes.shape
+        q = self.codes.astype(np.float32).reshape(rows, cols // self.group, self.group)
+        w = self.scale[..., None] * q
+        if self.low is not None:
+            w = w + self.low[..., None]
+        return w.reshape(rows, cols)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at: at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes -> [blocks, 32]: the low nibbles are the first 16 values, the high the next."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[blocks, 4] bytes -> [blocks, 32]: bit i is value i's fifth bit."""
+    return np.unpackbits(qh, axis=1, bitorder="little")
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 sub-block scales and 8 minimums of 6 bits each."""
+    d, m, m_d = (scales[:, 4 * i: 4 * i + 4] for i in range(3))
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_0(b):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:]), d, np.float32(-8) * d
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)
+    return q.astype(np.int8) - np.int8(16), _f16(b, 0), None
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
+    return q.astype(np.int8), _f16(b, 0), _f16(b, 2)
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8), _f16(b, 0), None
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    qs = b[:, 16:].reshape(n, 4, 32)  # 64 values per 32 bytes: the low nibbles, then the high ones
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
+    return q, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit i: sub-block i
+    qs = b[:, 48:].reshape(n, 4, 32)
+    ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+    q = (ql | ((qh & 1) << 4)).reshape(n, 256)
+    return q.astype(np.int8), _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = ((ql & 0x0F).reshape(n, 8, 32) | ((qh & 0x03).reshape(n, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+    scales = b[:, 192:208].view(np.int8).astype(np.float32)
+    return q.reshape(n, 256), _f16(b, 208) * scales, None
+
+
+# type -> (bytes per block, values per block, inputs per scale, code bits, unpack)
+BLOCK_TYPES = {
+    "Q4_0": (18, 32, 32, 4, _q4_0), "Q4_1": (20, 32, 32, 4, _q4_1), "Q4_K": (144, 256, 32, 4, _q4_k),
+    "Q5_0": (22, 32, 32, 8, _q5_0), "Q5_1": (24, 32, 32, 8, _q5_1), "Q5_K": (176, 256, 32, 8, _q5_k),
+    "Q6_K": (210, 256, 16, 8, _q6_k), "Q8_0": (34, 32, 32, 8, _q8_0),
+}
+
+
+def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockGrid | None:
+    """A 2-D tensor's raw bytes (uint8) -> its grid; None for types not in BLOCK_TYPES."""
+    if type_name not in BLOCK_TYPES or len(shape) != 2:
+        return None
+    size, per_block, group, bits, unpack = BLOCK_TYPES[type_name]
+    rows, cols = shape
+    blocks = data.reshape(-1, size)
+    codes, scale, low = unpack(blocks)
+    groups = per_block // group
+    scale = np.broadcast_to(scale, (blocks.shape[0], groups)).reshape(rows, cols // group)
+    low = None if low is None else np.broadcast_to(low, (blocks.shape[0], groups)).reshape(rows, cols // group)
+    own = lambda a, dtype=None: np.array(a, dtype=dtype, copy=True, order="C")  # noqa: E731 (not views of the file)
+    return BlockGrid(own(codes.reshape(rows, cols)), own(scale, np.float32),
+                     None if low is None else own(low, np.float32), group, bits)

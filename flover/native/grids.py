@@ -1,0 +1,125 @@
+"""Quantized projections in the native step's layouts (native.h: Grid, GridPart; tiles.c: the
+tiles that read them). A projection's output rows are one run or a few, each in its own codes:
+int4 (4-bit codes, a scale and a zero per 32 inputs), int8 with a scale per row, or int8 with a
+scale (and a minimum) per group of 16 or 32 inputs (a GGUF file's 5-, 6- and 8-bit blocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flover.models.quant import Grid, QuantizedWeight
+
+G_INT4, G_INT8_ROWS, G_INT8_GROUPS = 4, 8, 9  # native.h
+MAX_PARTS = 4
+GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales")  # native.h: GridPart
+
+
+@dataclass
+class Run:
+    """One run of output rows: its kind, the arena tensors it takes and how to fill them."""
+
+    kind: int
+    rows: int
+    group: int
+    lows: int
+    shapes: list[tuple[tuple[int, ...], torch.dtype]]  # codes, scales
+    fill: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def block_pairs(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """int8 codes [n, k] -> out [n / 16, k / 2, 16, 2] (bfloat16's blocked pairs, a byte each;
+    zero rows pad the last block)."""
+    n, k = codes.shape
+    padded = torch.zeros(out.shape[0] * 16, k, dtype=torch.int8)
+    padded[:n] = codes
+    out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
+
+
+def block_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codes_out: torch.Tensor,
+               scales_out: torch.Tensor) -> None:
+    """w = scale * (q - 8) + zero: codes uint8 [n, k] in 0..15, scale / zero float32 [n, k / 32] ->
+    codes_out [n / 16, k / 32, 16 input pairs, 16 rows] (low nibble the even input), scales_out
+    [n / 16, k / 32, 2, 16] (scale, zero)."""
+    n, k = codes.shape
+    padded = torch.full((codes_out.shape[0] * 16, k), 8, dtype=torch.uint8)  # q = 8: weight 0 (zero 0 too)
+    padded[:n] = codes
+    pairs = padded.view(-1, 16, k // 32, 16, 2)  # [blocks, rows, groups, pairs, (even, odd)]
+    codes_out.copy_((pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 3, 1))
+    scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=torch.float32)
+    scales[:n] = torch.stack((scale, zero), dim=-1)
+    scales_out.copy_(scales.view(-1, 16, k // 32, 2).permute(0, 2, 3, 1))
+
+
+def block_groups(grid: Grid, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    """8-bit codes with group scales -> codes_out as block_pairs, scales_out [n / 16, k / group,
+    1 or 2, 16] (the scales, then the minimums)."""
+    block_pairs(grid.codes, codes_out)
+    n, groups = grid.scale.shape
+    per = torch.stack([grid.scale] + ([] if grid.low is None else [grid.low]), dim=-1)  # [n, groups, 1|2]
+    scales = torch.zeros(scales_out.shape[0] * 16, groups, per.shape[-1], dtype=torch.float32)
+    scales[:n] = per
+    scales_out.copy_(scales.view(-1, 16, groups, per.shape[-1]).permute(0, 2, 3, 1))
+
+
+def int8_rows_run(quantized: QuantizedWeight) -> Run:
+    """--quantization int8: codes as block_pairs, a float32 scale per row (padded to the blocks)."""
+    n, k = quantized.data.shape
+    blocks = -(-n // 16)
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        block_pairs(quantized.data, codes_out)
+        scales_out.zero_()
+        scales_out[:n] = quantized.scales.to(torch.float32)
+
+    return Run(G_INT8_ROWS, n, k, 0, [((blocks, k // 2, 16, 2), torch.int8), ((blocks * 16,), torch.float32)], fill)
+
+
+def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Run:
+    n, k = codes.shape
+    blocks = -(-n // 16)
+    return Run(G_INT4, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
+               lambda c, s: block_int4(codes, scale, zero, c, s))
+
+
+def _groups_run(grid: Grid) -> Run:
+    n, k = grid.codes.shape
+    blocks, lows = -(-n // 16), int(grid.low is not None)
+    return Run(G_INT8_GROUPS, n, grid.group, lows,
+               [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)],
+               lambda c, s: block_groups(grid, c, s))
+
+
+def runs_of(quantized: QuantizedWeight) -> list[Run]:
+    """A quantized projection's runs of output rows, in order."""
+    if quantized.mode == "int8":
+        return [int8_rows_run(quantized)]
+    if quantized.mode == "int4":  # its codes and unrounded scales, kept for us
+        exact = quantized.exact_scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
+        return [_int4_run(quantized.codes, exact[..., 0], exact[..., 1])]
+    runs = []
+    for grid in quantized.parts:  # the int4 kernel's zero is the value at q = 8
+        low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
+        runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale) if grid.bits == 4 else _groups_run(grid))
+    return runs
+
+
+def grid_struct(runs: list[Run], tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """native.h's Grid for the runs, placed (codes, scales) in the arena and filled: int64 tensor."""
+    fields = [len(runs)]
+    for run, (codes, scales) in zip(runs, tensors):
+        run.fill(codes, scales)
+        fields += [run.kind, run.rows, run.group, run.lows, codes.data_ptr(), scales.data_ptr()]
+    fields += [0] * len(GRID_FIELDS) * (MAX_PARTS - len(runs))
+    return torch.tensor(fields, dtype=torch.int64)
+
+
+def check_runs(runs: list[Run]) -> str | None:
+    """Why the kernels cannot take these runs, or None."""
+    if len(runs) > MAX_PARTS:
+        return f"a projection in {len(runs)} runs of different codes (at most {MAX_PARTS})"
+    if any(run.rows % 16 for run in runs[:-1]):
+        return "a run of codes that ends inside a block of 16 output rows"
+    return None

