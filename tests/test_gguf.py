@@ -74,6 +74,28 @@ def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(gguf_file,
     assert (got.to(expected.dtype) - expected).abs().max().item() < bound
 
 
+def test_llama3_rope_from_the_files_frequency_factors_equals_transformers(tmp_path):
+    """Llama 3.x GGUF files carry their RoPE scaling as rope_freqs.weight (per-dimension divisors,
+    written by llama.cpp's converter); flover divides its frequencies by them and gives the
+    logits transformers gives on the Hugging Face directory with rope_type llama3, at positions
+    where the scaling matters."""
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=16)
+    model_dir = make_tiny_model("llama", TEST_PRESET, tmp_path / "llama3", rope_parameters=rope)
+    path = write_gguf(model_dir, tmp_path / "llama3.gguf", "F32")
+    assert "rope_freqs.weight" in open_checkpoint(path).tensors
+    assert open_checkpoint(path).model_config().rope_scaling["rope_type"] == "freq_factors"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [(7 * i) % 500 + 3 for i in range(90)]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = LLM(str(path), dtype="float32", max_slots=2, max_seq_len=128).engine.score(ids)
+    assert (got - expected).abs().max().item() < 1e-5
+    plain = LLM(str(write_gguf(make_tiny_model("llama", TEST_PRESET, tmp_path / "plain"), tmp_path / "p.gguf", "F32")),
+                dtype="float32", max_slots=2, max_seq_len=128).engine.score(ids)
+    assert (plain - expected).abs().max().item() > 1e-3  # the scaling changes these logits
+
+
 def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_file):
     path = gguf_file("llama", "Q8_0")
     _, tok = reference(path, torch.float32)

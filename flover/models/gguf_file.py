@@ -118,9 +118,6 @@ class GGUFFile:
     # -- the model -------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
         a = self.arch
-        if "rope_freqs.weight" in self.tensors:
-            raise CheckpointError(f"{self.path}: per-dimension RoPE frequencies (rope_freqs.weight, Llama 3.1 "
-                                  f"scaling) are not supported yet")
         scaling = self.get(f"{a}.rope.scaling.type")
         if scaling not in (None, "none", "linear"):
             raise CheckpointError(f"{self.path}: RoPE scaling {scaling!r} is not supported (none, linear)")
@@ -148,14 +145,29 @@ class GGUFFile:
             norm_eps=self.number(f"{a}.attention.layer_norm_rms_epsilon", 1e-6), hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors,
             rope_theta=self.number(f"{a}.rope.freq_base", 10000.0),
-            rope_scaling=({"rope_type": "linear", "factor": self.number(f"{a}.rope.scaling.factor", None)}
-                          if scaling == "linear" else None),
+            rope_scaling=self._rope_scaling(scaling, head_dim),
             rotary_dim=head_dim, qkv_bias=qwen, o_bias=False, mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
             bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None)
         validate_model_config(cfg, where)
         return cfg
+
+    def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
+        """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,
+        [head_dim / 2] float32: llama.cpp's converter writes them in place of the llama3 settings)."""
+        freqs = self.tensors.get("rope_freqs.weight")
+        if freqs is not None:
+            if freqs.type_name != "F32" or freqs.shape != (head_dim // 2,):
+                raise CheckpointError(f"{self.path}: rope_freqs.weight is {freqs.type_name} {list(freqs.shape)}, "
+                                      f"expected F32 [{head_dim // 2}]")
+            factors = freqs.data.view(np.float32)
+            if not np.isfinite(factors).all() or (factors <= 0).any():
+                raise CheckpointError(f"{self.path}: rope_freqs.weight holds a factor that is not positive and finite")
+            return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
+        if scaling == "linear":
+            return {"rope_type": "linear", "factor": self.number(f"{self.arch}.rope.scaling.factor", None)}
+        return None
 
     def head_is_quantized(self) -> bool:
         """Whether the LM head (or the tied token embedding) is stored in blocks of codes: then it

@@ -45,7 +45,8 @@ def activation(name: str):
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[rotary_dim / 2] float32 inverse frequencies (transformers' default/linear/llama3 RoPE)."""
+    """[rotary_dim / 2] float32 inverse frequencies (transformers' default/linear/llama3 RoPE; a GGUF
+    file's rope_freqs.weight divides them, as llama.cpp's rope does)."""
     dim = config.rotary_dim
     base = config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
@@ -54,6 +55,8 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     # llama3: low frequencies are scaled by `factor`, high ones kept, the band between smoothed.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

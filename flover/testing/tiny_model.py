@@ -164,6 +164,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", type
     w.add_vocab_size(config["vocab_size"])
     w.add_rope_dimension_count(config["hidden_size"] // heads)
     _write_gguf_tokenizer(w, model_dir)
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if rope.get("rope_type") == "llama3":  # as convert_hf_to_gguf.py: per-dimension divisors
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, float(theta), config["hidden_size"] // heads))
 
     rng = np.random.default_rng(seed)
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
@@ -194,6 +197,27 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", type
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _llama3_rope_factors(rope: dict, base: float, dim: int):
+    """llama.cpp's converter's rope_freqs.weight for Llama 3's RoPE scaling: float32 [dim / 2]."""
+    import math
+
+    import numpy as np
+
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _random_k_blocks(rng, shape: tuple[int, int], qt):
