@@ -26,11 +26,25 @@ def make_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gguf_mix(make_model, tmp_path_factory) -> str:
-    """A GGUF file of the llama-256 test model whose projections mix the block types of GGUF_MIX
-    (K-quants as random blocks), its token embedding Q4_K."""
-    out = tmp_path_factory.mktemp("gguf-mix") / "mix.gguf"
-    return str(write_gguf(make_model("llama-256"), out, "Q4_K", types=GGUF_MIX))
+def make_gguf_mix(make_model, tmp_path_factory):
+    """make_gguf_mix(embedding type) -> a GGUF file of the llama-256 test model whose projections
+    mix the block types of GGUF_MIX (K-quants as random blocks), its tied embedding (the head) in
+    that type."""
+    made: dict[str, str] = {}
+
+    def make(embedding: str = "Q6_K") -> str:
+        if embedding not in made:
+            out = tmp_path_factory.mktemp("gguf-mix") / f"mix-{embedding}.gguf"
+            types = {**GGUF_MIX, "token_embd.weight": embedding}
+            made[embedding] = str(write_gguf(make_model("llama-256"), out, "Q4_K", types=types))
+        return made[embedding]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def gguf_mix(make_gguf_mix) -> str:
+    return make_gguf_mix()
 
 
 @pytest.fixture(scope="session")

@@ -39,14 +39,15 @@ VARIANTS = {
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
     # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head
     "llama-head80-group6": ("llama", dict(num_key_value_heads=1), dict(hidden_size=480, num_heads=6)),
-    # inputs in multiples of 256 (K-quants' super-blocks) for GGUF files of mixed block types
-    "llama-256": ("llama", {}, dict(hidden_size=256, intermediate_size=512)),
+    # inputs in multiples of 256 (K-quants' super-blocks) for GGUF files of mixed block types,
+    # tied embeddings (as SmolLM2's and Llama 3.2's)
+    "llama-256": ("llama", {}, dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True)),
 }
 
 # GGUF name ending -> block type: a file mixing every type whose codes the native step runs, as
 # Q4_K_M files mix Q4_K and Q6_K within a layer (a fused q/k/v of two kinds of codes)
 GGUF_MIX = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q4_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
-            "ffn_gate.weight": "Q5_0", "ffn_up.weight": "Q5_1", "ffn_down.weight": "Q8_0", "output.weight": "Q6_K"}
+            "ffn_gate.weight": "Q5_0", "ffn_up.weight": "Q5_1", "ffn_down.weight": "Q8_0", "token_embd.weight": "Q6_K"}
 
 
 PROMPTS = ["Hello the cat runs fast", "A", "数据 模型 over the river and far away 12345 " * 3,

@@ -291,8 +291,8 @@ def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     the file's 4-bit codes and scales (read as they are: here every group's values sit near 3,
     where bfloat16's step is wider than the file's, so rounding first would lose them; Q4_0's
     grid is not the one quantizing its values would pick) and run the native step's int4
-    kernels; none dequantizes them; an F16 file stays 16-bit. The demo
-    model's answers depend on the head staying 16-bit: tests/test_real_model.py's demo test."""
+    kernels; none dequantizes them; an F16 file stays 16-bit. The demo model's answers depend
+    on the head keeping the file's values (not quantized again): tests/test_real_model.py's demo test."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -310,10 +310,10 @@ def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     path = str(write_gguf(model_dir, tmp_path / f"offset-{qtype}.gguf", qtype))
     engine = Engine(EngineConfig(path, dtype="bfloat16", max_slots=2, max_seq_len=64))
     assert engine.config.quantization == "file"
-    # the file's head is in blocks of codes already: it stays 16-bit (not quantized again per row),
-    # so greedy rows go through its screen
-    assert engine.runner.native is not None and engine.runner.native.quantized_projections == 2 * 4
-    assert engine.runner.native.screens_greedy
+    # the file's head is in blocks of codes already: it keeps them too (not quantized again per
+    # row), and greedy rows take its logits (no screen: the codes are the cheaper copy)
+    assert engine.runner.native is not None and engine.runner.native.quantized_projections == 2 * 4 + 1
+    assert not engine.runner.native.screens_greedy
     model = load_model(path, torch.bfloat16, torch.device("cpu"), 64, quantization="int4", pack=False)
     for layer, name in ((model.layers[0].down, "blk.0.ffn_down.weight"), (model.layers[1].o, "blk.1.attn_output.weight")):
         assert torch.equal(layer.quantized.codes, file_codes(path, name)), name

@@ -236,20 +236,25 @@ def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, 
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
 
 
-def test_a_gguf_files_own_codes_give_the_pytorch_logits(gguf_mix):
+@pytest.mark.parametrize("embedding", ["Q6_K", "Q4_K", "Q8_0"])
+def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding):
     """--quantization auto on a GGUF file mixing Q4_K, Q4_0, Q6_K, Q5_K, Q5_0, Q5_1 and Q8_0 (q/k
     and v in different codes, as in Q4_K_M files) picks "file": every projection runs the
-    kernels of its own codes (4-bit ones int4's, the others int8 with group scales), against
-    the PyTorch forward on their dequantized values within a few bfloat16 steps."""
-    compared, engine = compare_on_random_arrivals(gguf_mix, "bfloat16", quantization="auto")
+    kernels of its own codes (4-bit ones int4's, the others int8 with group scales), the tied
+    head too, and the token lookup reads the head's codes; against the PyTorch forward on their
+    dequantized values within a few bfloat16 steps."""
+    compared, engine = compare_on_random_arrivals(make_gguf_mix(embedding), "bfloat16", quantization="auto")
     assert engine.config.quantization == "file"
     native = engine.runner.native
-    assert native.quantized_projections == 4 * 2  # the head is Q6_K in the file: it stays 16-bit
+    assert native.quantized_projections == 4 * 2 + 1 and not native.screens_greedy  # the head's codes: no screen
     assert "the file's own codes" in native.describe()
     rows = [decode + prompt for decode, prompt, *_ in compared]
     assert rows.count(1) >= 3 and max(rows) >= 9  # single rows, and more than one tile of rows
-    for decode, prompt, diff, scale, _ in compared:
-        assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
+    # the kernels sum codes x inputs exactly where PyTorch reads bfloat16-rounded weights: a
+    # bfloat16 step or two here and there (this random file's Q6_K embedding makes large
+    # activations), where a wrong code or scale is off by the logits' own size
+    relative = sorted(diff / max(1.0, scale) for _, _, diff, scale, _ in compared)
+    assert relative[len(relative) // 2] <= 0.012 and relative[-1] <= 0.06, relative[-5:]
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
 
 

@@ -74,13 +74,21 @@ def release_projections(model: torch.nn.Module) -> None:
 def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reader):
     """load_weights' `take`: every layer projection quantized from its values as read, before
     they round to the model's 16 bits. A GGUF file's tensors keep their own grids (`read_grid`):
-    every one under "file", the 4-bit ones (Q4_0, Q4_1, Q4_K) under int4."""
-    owners = {id(m.weight): (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
+    every one under "file" (the LM head's too, where its blocks are of those types), the 4-bit
+    ones (Q4_0, Q4_1, Q4_K) under int4."""
+    owners = {id(m.weight): (name, m) for name, m in model.named_modules()
+              if isinstance(m, Linear) and (name != "lm_head" or mode == "file")}
 
     def take(spec, values: torch.Tensor) -> bool:
         if id(spec.param) not in owners:
             return False
         name, module = owners[id(spec.param)]
+        if name == "lm_head":  # "file": a head in blocks keeps them too (else quantize_projections decides)
+            grid = reader.read_grid(spec.sources[0]) if hasattr(reader, "read_grid") else None
+            if grid is None:
+                return False
+            module.quantize(mode, keep_codes, grids=[grid])
+            return True
         why = can_quantize(values, mode)
         if why is not None:
             raise CheckpointError(f"--quantization {mode}: {name}: {why}")

@@ -108,7 +108,8 @@ def runnable_families() -> list[str]:
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "dtype", "max_seq",
                 "kv", "kv_layer", "kv_kind", "kv_slot", "kv_head", "kv_pos",
-                "embed", "final_norm", "head", "head_scales", "cos", "sin", "vocab_start", "all_reduce",
+                "embed", "final_norm", "head", "head_scales", "cos", "sin", "head_grid", "embed_grid", "vocab_start",
+                "all_reduce",
                 "head_screen", "head_screen_scales", "head_bounds", "screen_rows")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
@@ -400,7 +401,13 @@ class NativeForward:
             return 0, self._grids[-1].data_ptr()
 
         self.vocab = head.shape[0]
-        if id(model.lm_head) in runs:  # int8 rows (quantize_projections)
+        head_grid = embed_grid = 0
+        if id(model.lm_head) in runs and model.lm_head.quantized.mode == "file":  # a GGUF file's codes
+            _, head_grid = projection(model.lm_head)
+            head_addr = head_scales = 0
+            # a tied embedding is looked up in the same codes: its 16-bit copy goes with the head's
+            embed_grid = head_grid if cfg.tie_word_embeddings else 0
+        elif id(model.lm_head) in runs:  # int8 rows (quantize_projections)
             (codes, scales), = placed(runs[id(model.lm_head)])
             runs[id(model.lm_head)][0].fill(codes, scales)
             head_addr, head_scales = codes.data_ptr(), scales.data_ptr()
@@ -415,7 +422,8 @@ class NativeForward:
             max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
             kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
             final_norm=model.norm.data_ptr(), head=head_addr, head_scales=head_scales, cos=model.rotary.cos.data_ptr(),
-            sin=model.rotary.sin.data_ptr(), vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), head_screen=head_screen,
+            sin=model.rotary.sin.data_ptr(), head_grid=head_grid, embed_grid=embed_grid,
+            vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), head_screen=head_screen,
             head_screen_scales=head_screen_scales, head_bounds=head_bounds, screen_rows=self.screen_rows)
         self._model_struct = torch.tensor([fields[f] for f in MODEL_FIELDS], dtype=torch.int64)
         failed = self.lib.flover_check_model(self._model_struct.data_ptr())
@@ -423,7 +431,9 @@ class NativeForward:
             raise ValueError(f"native step: the model's shape breaks its assumptions: {SHAPE_CHECKS[failed]} "
                              f"({', '.join(f'{f}={fields[f]}' for f in MODEL_FIELDS[:9])})")
         if release:
-            model.lm_head.release()  # a tied head's embedding stays: it is the token lookup
+            model.lm_head.release()  # a tied head's embedding stays: it is the token lookup ...
+            if embed_grid:  # ... unless the head's codes are
+                model.embed.data = torch.empty(0, dtype=dtype)
         rows = []
         for layer, window in zip(model.layers, cfg.sliding_windows):
             blocked = {name: projection(getattr(layer, name)) for name in PROJECTIONS}

@@ -112,6 +112,11 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
 
     for (int r = 0; r < rows; r++) { /* under TP: ids outside this rank's block are zero rows */
         const int64_t t = tokens[r] - md->vocab_start;
+        if (md->embed_grid && t >= 0 && t < md->vocab) { /* the head's codes, rounded as the embedding's values */
+            grid_row((const Grid *)md->embed_grid, t, h, hidden + r * h);
+            for (int64_t i = 0; i < h; i++) hidden[r * h + i] = rnd(hidden[r * h + i], bf);
+            continue;
+        }
         for (int64_t i = 0; i < h; i++)
             hidden[r * h + i] = t >= 0 && t < md->vocab ? load((const void *)md->embed, t * h + i, bf) : 0.f;
     }
@@ -193,6 +198,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
 #undef PROJECT
     if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
     if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
+    if (n_out > 0 && md->head_grid) {
+        project_grid((const Grid *)md->head_grid, 0, 0, mid, xb, xsum, n_out, md->vocab, h, logits, nt);
+        return 0;
+    }
     const int head_kind = md->head_scales ? W_Q8 : bf ? W_BF16 : W_F32;
     if (n_out > 0)
         project_kind(head_kind, 0, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, md->vocab, 0, nt, 0);

@@ -28,6 +28,9 @@ typedef struct {
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
     int64_t embed, final_norm, head, head_scales, cos, sin;   /* head_scales: int8 head (else 0);
                                                                  rotary tables [max_seq, head_dim] */
+    /* a head in a GGUF file's own codes: its Grid (then head is 0), and, for a tied embedding
+     * held only there, embed_grid = head_grid (the lookup dequantizes a row); else 0 */
+    int64_t head_grid, embed_grid;
     /* Tensor parallelism: this rank's vocabulary block starts at vocab_start (embed and head hold
      * `vocab` rows of it), and all_reduce (a void (*)(float *, int64_t) address; 0 at TP=1) sums
      * a float buffer over the ranks in place, as the PyTorch path's all-reduces do. */
@@ -117,6 +120,7 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
                   int rows, int64_t n_out, int64_t k, void *y, int64_t ldy, int y_in_model_dtype, int nt, RowMax *most);
 void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void *xb, float *xsum, int rows,
                   int64_t n_out, int64_t k, float *y, int nt);
+void grid_row(const Grid *grid, int64_t row, int64_t k, float *out);
 
 /* ---- row_ops.c --------------------------------------------------------------------------------- */
 void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);

@@ -77,7 +77,7 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
 /* y = x W^T (+ bias) through 4-bit weights (tiles.c); x: float rows [rows, k] of bfloat16
  * values; y: float rows with a stride of ldy. One row reads a quarter of bfloat16's bytes. */
 static void project_int4(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
-                         int64_t k, float *y, int64_t ldy, int nt) {
+                         int64_t k, float *y, int64_t ldy, int bf, int nt) {
     const int64_t groups = k / 32, n_out = part->rows, blocks = (n_out + 15) / 16;
     const uint8_t *codes = (const uint8_t *)part->codes;
     const float *scales = (const float *)part->scales;
@@ -97,7 +97,7 @@ static void project_int4(const GridPart *part, const void *bias, const float *x,
                 const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
                                                             : (const void *)(x + m0 * k);
                 tile_q4(mt, c, sc, k, operand, xsum + m0 * groups, out);
-                for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, 1);
+                for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
                 m0 += mt;
             }
         }
@@ -140,13 +140,44 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
         const GridPart *part = &grid->part[p];
         const void *bias = b_addr ? (const char *)b_addr + at * (bf ? 2 : 4) : 0;
         if (part->kind == G_INT4)
-            project_int4(part, bias, x, xb, xsum, rows, k, y + at, n_out, nt);
+            project_int4(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
         else if (part->kind == G_INT8_GROUPS)
             project_int8_groups(part, bias, x, xsum, rows, k, y + at, n_out, bf, nt);
         else
             project_kind(W_Q8, bf, part->codes, part->scales, (int64_t)bias, x, xb, rows, part->rows, k, y + at, n_out,
                          0, nt, 0);
         at += part->rows;
+    }
+}
+
+/* Row `row` of a grid's weights (k inputs) -> out, floats: a tied embedding's lookup where the
+ * head's codes are its only copy. Reads the blocked layouts of tiles.c lane by lane. */
+void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
+    const GridPart *part = grid->part;
+    while (row >= part->rows && part < grid->part + grid->parts - 1) row -= part->rows, part++;
+    const int64_t block = row / 16, lane = row % 16;
+    if (part->kind == G_INT4) {
+        const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
+        const float *s = (const float *)part->scales + block * (k / 32) * 32;
+        for (int64_t i = 0; i < k; i++) {
+            const int64_t g = i / 32, pair = (i % 32) / 2;
+            const uint8_t byte = c[(g * 16 + pair) * 16 + lane];
+            const int q = (i % 2 ? byte >> 4 : byte & 15) - 8;
+            out[i] = s[g * 32 + lane] * (float)q + s[g * 32 + 16 + lane];
+        }
+        return;
+    }
+    const int8_t *c = (const int8_t *)part->codes + block * 16 * k;
+    const float *s = (const float *)part->scales;
+    for (int64_t i = 0; i < k; i++) {
+        const float q = (float)c[(i / 2) * 32 + lane * 2 + i % 2];
+        if (part->kind == G_INT8_ROWS) {
+            out[i] = s[block * 16 + lane] * q;
+            continue;
+        }
+        const int64_t per = 1 + part->lows, g = i / part->group;
+        const float *gs = s + (block * (k / part->group) + g) * per * 16;
+        out[i] = part->lows ? gs[lane] * q + gs[16 + lane] : gs[lane] * q;
     }
 }
 
