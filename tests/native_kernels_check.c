@@ -2,7 +2,7 @@
  * line: tests/test_native_families.py builds this with one kernel family (e.g. NEON, cross-compiled
  * and run under qemu-user) and with the portable one, and compares the two printouts. Covers each
  * operation of simd.h's mapping: projection tiles of every weight kind and size, 4-bit tiles,
- * norms, RoPE, SiLU, attention (decode rows and a prompt block, float32 and bfloat16 caches)
+ * 8-bit tiles with group scales (and minimums), a row of a grid, norms, RoPE, SiLU, attention (decode rows and a prompt block, float32 and bfloat16 caches)
  * and argmax, with tails shorter than 16 lanes. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,6 +76,35 @@ static void check_q4(void) {
     }
 }
 
+static void check_q8_groups(void) {
+    enum { K = 64, ROWS = 12 };
+    static int8_t codes[16 * K];
+    static uint16_t x[ROWS * K];
+    static float scales[(K / 16) * 2 * 16], xf[ROWS * K], xsum[ROWS * (K / 16)], out[12 * 16], row[K];
+    for (int i = 0; i < 16 * K; i++) codes[i] = (int8_t)(uniform() * 127.f);
+    fill(scales, (K / 16) * 2 * 16, 0.1f), fill_bf16(x, ROWS * K, 1.f);
+    for (int i = 0; i < ROWS * K; i++) xf[i] = bf2f(x[i]);
+    const int rows[5] = {1, 2, 4, 8, 12};
+    char name[64];
+    for (int group = 16; group <= 32; group += 16)
+        for (int lows = 0; lows < 2; lows++) {
+            const int groups = K / group;
+            for (int i = 0; i < ROWS * groups; i++) {
+                xsum[i] = 0.f;
+                for (int j = 0; j < group; j++) xsum[i] += xf[(i / groups) * K + (i % groups) * group + j];
+            }
+            for (int r = 0; r < 5; r++) {
+                snprintf(name, sizeof name, "tile q8 groups of %d, lows %d, %d rows", group, lows, rows[r]);
+                tile_q8g(rows[r], codes, scales, K, group, lows, operand_is_bf16(W_Q8) ? (const void *)x : (const void *)xf,
+                         xsum, out);
+                print(name, out, rows[r] * 16);
+            }
+            Grid grid = {1, {{G_INT8_GROUPS, 16, group, lows, (int64_t)codes, (int64_t)scales}}};
+            grid_row(&grid, 5, K, row);
+            print("grid row", row, K);
+        }
+}
+
 static void check_rows(void) {
     enum { H = 37, D = 40, INTER = 37 };
     float x[H], out[H], w[H], head[D], cos_row[D], sin_row[D], gate_up[2 * INTER], act[INTER];
@@ -140,6 +169,7 @@ int main(void) {
     printf("# kernels: %s\n", flover_kernels());
     check_tiles();
     check_q4();
+    check_q8_groups();
     check_rows();
     check_attention();
     check_argmax();

@@ -85,8 +85,9 @@ int tile_rows(int kind, int left, int nt_blocks); /* rows of the next tile over 
 void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const void *x, const float *xsum,
              float *out);
 int q4_rows(int left);
-/* 8-bit grouped tiles: MT (q8g_rows) rows x one block; x: float32 rows, xsum: their group sums (lows) */
-void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const float *x,
+/* 8-bit grouped tiles: MT (q8g_rows) rows x one block; x: operand rows (as W_Q8's), xsum: their
+ * group sums (lows) */
+void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *x,
               const float *xsum, float *out);
 int q8g_rows(int left);
 /* the family this build runs, e.g. "AVX-512F, bfloat16 dot products" */
@@ -97,6 +98,8 @@ int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks
                   const char *pf);
 int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out);
+int tile_q8g_bf16_dot(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows,
+                      const uint16_t *x, const float *xsum, float *out);
 int keys_bf16_dot(const uint16_t *qb, const uint16_t *k_base, int64_t pos, int64_t d, int64_t t0, int64_t keys,
                   v16 acc[16]);
 int has_bf16_dot(void);

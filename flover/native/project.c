@@ -105,8 +105,8 @@ static void project_int4(const GridPart *part, const void *bias, const float *x,
 }
 
 /* y = x W^T (+ bias) through 8-bit codes with group scales (tiles.c); as project_int4. */
-static void project_int8_groups(const GridPart *part, const void *bias, const float *x, float *xsum, int rows,
-                                int64_t k, float *y, int64_t ldy, int bf, int nt) {
+static void project_int8_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum,
+                                int rows, int64_t k, float *y, int64_t ldy, int bf, int nt) {
     const int group = (int)part->group, lows = (int)part->lows;
     const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
     const int8_t *codes = (const int8_t *)part->codes;
@@ -114,16 +114,19 @@ static void project_int8_groups(const GridPart *part, const void *bias, const fl
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
         if (lows) group_sums(x, xsum, rows, k, group, t, T);
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
-        float out[8 * 16];
+        float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
             const int8_t *c = codes + nb * 16 * k;
             const float *sc = scales + nb * groups * 16 * (1 + lows);
             for (int m0 = 0; m0 < rows;) {
                 const int mt = q8g_rows(rows - m0);
-                tile_q8g(mt, c, sc, k, group, lows, x + m0 * k, xsum + m0 * groups, out);
+                const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
+                                                            : (const void *)(x + m0 * k);
+                tile_q8g(mt, c, sc, k, group, lows, operand, xsum + m0 * groups, out);
                 for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
                 m0 += mt;
             }
@@ -142,7 +145,7 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
         if (part->kind == G_INT4)
             project_int4(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
         else if (part->kind == G_INT8_GROUPS)
-            project_int8_groups(part, bias, x, xsum, rows, k, y + at, n_out, bf, nt);
+            project_int8_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
         else
             project_kind(W_Q8, bf, part->codes, part->scales, (int64_t)bias, x, xb, rows, part->rows, k, y + at, n_out,
                          0, nt, 0);

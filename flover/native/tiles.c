@@ -187,19 +187,23 @@ void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
+TILE_Q8G(12)
 TILE_Q8G(8)
 TILE_Q8G(4)
 TILE_Q8G(2)
 TILE_Q8G(1)
 
 int q8g_rows(int left) {
-    const int n = left < V_Q4_ROWS ? left : V_Q4_ROWS;
-    return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+    const int most = has_bf16_dot() ? 12 : V_Q4_ROWS, n = left < most ? left : most;
+    return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
 
-void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const float *x,
+void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *operand,
               const float *xsum, float *out) {
-    if (mt == 8) tile_q8g_8(codes, scales, k, group, lows, x, xsum, out);
+    if (operand_is_bf16(W_Q8) && tile_q8g_bf16_dot(mt, codes, scales, k, group, lows, operand, xsum, out)) return;
+    const float *x = operand;
+    if (mt == 12) tile_q8g_12(codes, scales, k, group, lows, x, xsum, out);
+    else if (mt == 8) tile_q8g_8(codes, scales, k, group, lows, x, xsum, out);
     else if (mt == 4) tile_q8g_4(codes, scales, k, group, lows, x, xsum, out);
     else if (mt == 2) tile_q8g_2(codes, scales, k, group, lows, x, xsum, out);
     else tile_q8g_1(codes, scales, k, group, lows, x, xsum, out);

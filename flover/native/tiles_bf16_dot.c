@@ -107,6 +107,51 @@ int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t 
     return 1;
 }
 
+/* 8-bit grouped tiles (tiles.c's layout): a pair of codes becomes a bfloat16 pair (q8_pairs,
+ * exact), one dot product per row and input pair; each group's sum scaled as in tiles.c */
+#define TILE_Q8G(MT)                                                                                       \
+    static void dot_q8g_##MT(const int8_t *codes, const float *scales, int64_t k, int group, int lows,    \
+                             const uint16_t *x, const float *xsum, float *out) {                           \
+        const int64_t groups = k / group;                                                                  \
+        __m512 acc[MT];                                                                                    \
+        for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();                                         \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            __m512 part[MT];                                                                               \
+            for (int i = 0; i < MT; i++) part[i] = _mm512_setzero_ps();                                    \
+            const int8_t *c = codes + g * group * 16;                                                      \
+            for (int kp = 0; kp < group / 2; kp++) {                                                       \
+                const __m512bh w = q8_pairs(c + kp * 32);                                                  \
+                for (int i = 0; i < MT; i++) part[i] = _mm512_dpbf16_ps(part[i], w, PAIR(x + i * k, g * group / 2 + kp)); \
+            }                                                                                              \
+            const float *s = scales + g * 16 * (1 + lows);                                                 \
+            const __m512 scale = _mm512_loadu_ps(s);                                                       \
+            if (lows) {                                                                                    \
+                const __m512 low = _mm512_loadu_ps(s + 16);                                                \
+                for (int i = 0; i < MT; i++)                                                               \
+                    acc[i] = _mm512_fmadd_ps(scale, part[i],                                              \
+                                             _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[i * groups + g]), acc[i])); \
+            } else {                                                                                       \
+                for (int i = 0; i < MT; i++) acc[i] = _mm512_fmadd_ps(scale, part[i], acc[i]);             \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) _mm512_storeu_ps(out + i * 16, acc[i]);                               \
+    }
+TILE_Q8G(12)
+TILE_Q8G(8)
+TILE_Q8G(4)
+TILE_Q8G(2)
+TILE_Q8G(1)
+
+int tile_q8g_bf16_dot(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows,
+                      const uint16_t *x, const float *xsum, float *out) {
+    if (mt == 12) dot_q8g_12(codes, scales, k, group, lows, x, xsum, out);
+    else if (mt == 8) dot_q8g_8(codes, scales, k, group, lows, x, xsum, out);
+    else if (mt == 4) dot_q8g_4(codes, scales, k, group, lows, x, xsum, out);
+    else if (mt == 2) dot_q8g_2(codes, scales, k, group, lows, x, xsum, out);
+    else dot_q8g_1(codes, scales, k, group, lows, x, xsum, out);
+    return 1;
+}
+
 /* Attention scores: keys [t0, t0 + keys) of one query head, bfloat16 keys against the query's
  * bfloat16 copy qb, two dimensions per step; acc[j]: key j's 16 partial sums (attention.c) */
 int keys_bf16_dot(const uint16_t *qb, const uint16_t *k_base, int64_t pos, int64_t d, int64_t t0, int64_t keys,
@@ -135,6 +180,12 @@ int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks
 int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out) {
     (void)mt, (void)codes, (void)scales, (void)k, (void)x, (void)xsum, (void)out;
+    return 0;
+}
+
+int tile_q8g_bf16_dot(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows,
+                      const uint16_t *x, const float *xsum, float *out) {
+    (void)mt, (void)codes, (void)scales, (void)k, (void)group, (void)lows, (void)x, (void)xsum, (void)out;
     return 0;
 }
 
