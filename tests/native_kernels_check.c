@@ -71,9 +71,45 @@ static void check_q4(void) {
     char name[64];
     for (int r = 0; r < 5; r++) {
         snprintf(name, sizeof name, "tile q4 %d", rows[r]);
-        tile_q4(rows[r], codes, scales, K, operand_is_bf16(W_Q8) ? (const void *)x : (const void *)xf, xsum, out);
+        tile_q4(rows[r], G_INT4, codes, scales, K, operand_is_bf16(W_Q8) ? (const void *)x : (const void *)xf, xsum, out);
         print(name, out, rows[r] * 16);
     }
+}
+
+/* 4-bit tiles whose scales come from Q4_K's super-blocks (native.h: q4k_group_scales), and a row
+ * of such a grid and of a stored-scales one */
+static void check_q4_k(void) {
+    enum { K = 512, GROUPS = K / 32, SUPERS = K / 256, ROWS = 12 };
+    static uint8_t codes[GROUPS * 256], supers[SUPERS * Q4K_SUPER_BYTES];
+    static uint16_t x[ROWS * K];
+    static float xf[ROWS * K], xsum[ROWS * GROUPS], out[12 * 16], row[K], flat[GROUPS * 32];
+    for (int i = 0; i < GROUPS * 256; i++) codes[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
+    for (int s = 0; s < SUPERS; s++) {
+        float *f = (float *)(supers + s * Q4K_SUPER_BYTES);
+        fill(f, 16, 0.01f), fill(f + 16, 16, 0.01f); /* d, -dmin */
+        for (int i = 128; i < Q4K_SUPER_BYTES; i++) supers[s * Q4K_SUPER_BYTES + i] = (uint8_t)((uniform() + 1.f) * 31.9f);
+    }
+    fill_bf16(x, ROWS * K, 1.f);
+    for (int i = 0; i < ROWS * K; i++) xf[i] = bf2f(x[i]);
+    for (int i = 0; i < ROWS * GROUPS; i++) {
+        xsum[i] = 0.f;
+        for (int j = 0; j < 32; j++) xsum[i] += xf[(i / GROUPS) * K + (i % GROUPS) * 32 + j];
+    }
+    const int rows[5] = {1, 2, 4, 8, 12};
+    char name[64];
+    for (int r = 0; r < 5; r++) {
+        snprintf(name, sizeof name, "tile q4 k %d", rows[r]);
+        tile_q4(rows[r], G_INT4_K, codes, supers, K, operand_is_bf16(W_Q8) ? (const void *)x : (const void *)xf, xsum,
+                out);
+        print(name, out, rows[r] * 16);
+    }
+    Grid grid = {1, {{G_INT4_K, 16, 32, 1, (int64_t)codes, (int64_t)supers}}};
+    grid_row(&grid, 7, K, row);
+    print("grid row q4 k", row, K);
+    fill(flat, GROUPS * 32, 0.1f);
+    Grid stored = {1, {{G_INT4, 16, 32, 1, (int64_t)codes, (int64_t)flat}}};
+    grid_row(&stored, 9, K, row);
+    print("grid row q4", row, K);
 }
 
 static void check_q8_groups(void) {
@@ -170,6 +206,7 @@ int main(void) {
     check_tiles();
     check_q4();
     check_q8_groups();
+    check_q4_k();
     check_rows();
     check_attention();
     check_argmax();

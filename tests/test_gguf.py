@@ -245,6 +245,11 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     low, high = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
                  "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}[qtype]
     assert (grid.codes.min(), grid.codes.max()) == (low, high) and grid.bits == (4 if (low, high) == (0, 15) else 8)
+    if qtype == "Q4_K":  # the factors the kernels read give the scales and minimums bit for bit
+        d, neg_dmin, sc, m = grid.supers
+        assert np.array_equal(np.repeat(d, 8, axis=1) * sc.astype(np.float32), grid.scale)
+        assert np.array_equal(np.repeat(neg_dmin, 8, axis=1) * m.astype(np.float32), grid.low)
+        assert sc.max() <= 63 and m.max() <= 63
 
 
 def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(make_model, gguf_mix, tmp_path):
@@ -257,8 +262,9 @@ def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(m
 
     model = load_model(gguf_mix, torch.bfloat16, torch.device("cpu"), 64, quantization="file", pack=False)
     reader = open_checkpoint(gguf_mix)
-    kinds = [(g.bits, g.group, g.low is None) for g in model.layers[0].qkv.quantized.parts]
-    assert kinds == [(4, 32, False), (8, 16, True)]  # q (Q4_K) and k (Q4_0) one run, v (Q6_K) another
+    kinds = [(g.bits, g.group, g.low is None, g.supers is not None) for g in model.layers[0].qkv.quantized.parts]
+    # q (Q4_K: its super-blocks' factors too), k (Q4_0), v (Q6_K): three runs of codes
+    assert kinds == [(4, 32, False, True), (4, 32, False, False), (8, 16, True, False)]
     values = load_model(gguf_mix, torch.float32, torch.device("cpu"), 64, pack=False)
     for got, want in zip(model.modules(), values.modules()):  # the file's values, each rounded to bfloat16 once
         if getattr(got, "quantized", None) is not None:

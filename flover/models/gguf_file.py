@@ -259,18 +259,27 @@ class GGUFReader:
         if found is None:
             return None
         parts = [torch.from_numpy(a) for a in (found.codes, found.scale, found.low) if a is not None]
+        supers = [torch.from_numpy(a) for a in found.supers] if found.supers is not None else None
         if heads is not None:
             parts = [_unpermute_rows(a, heads) for a in parts]
+            supers = supers and [_unpermute_rows(a, heads) for a in supers]
         group = found.group
         if source.dim == 0:
             parts = [a[source.start: source.stop] for a in parts]
+            supers = supers and [a[source.start: source.stop] for a in supers]
         elif source.dim == 1:
             if source.start % group or source.stop % group:
                 return None
             parts = [parts[0][:, source.start: source.stop]] + [a[:, source.start // group: source.stop // group]
                                                                  for a in parts[1:]]
+            if supers and (source.start % 256 or source.stop % 256):
+                supers = None  # a cut through a super-block: the stored scales serve
+            elif supers:
+                per = [256, 256, 32, 32]
+                supers = [a[:, source.start // n: source.stop // n] for a, n in zip(supers, per)]
         parts = [a.contiguous() for a in parts]
-        return Grid(parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits)
+        supers = tuple(a.contiguous() for a in supers) if supers else None
+        return Grid(parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits, supers)
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -34,6 +34,10 @@ class BlockGrid:
     low: np.ndarray | None  # float32 [rows, cols / group]; None: every low is 0
     group: int
     bits: int  # 4 or 8
+    # Q4_K: the factors of its scales, per 256 inputs d and -dmin (float32 [rows, cols / 256]) and
+    # per group sc and m (uint8 [rows, cols / 32]): scale = d sc, low = -dmin m (the kernels read
+    # these, a quarter of the stored scales' bytes)
+    supers: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def values(self) -> np.ndarray:
         """The weights, float32 [rows, cols]."""
@@ -95,7 +99,7 @@ def _q4_k(b):
     sc, mn = _k_scales(b[:, 4:16])
     qs = b[:, 16:].reshape(n, 4, 32)  # 64 values per 32 bytes: the low nibbles, then the high ones
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
-    return q, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+    return q, _f16(b, 0) * sc, -(_f16(b, 2) * mn), (_f16(b, 0), -_f16(b, 2), sc.astype(np.uint8), mn.astype(np.uint8))
 
 
 def _q5_k(b):
@@ -132,10 +136,14 @@ def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Bloc
     size, per_block, group, bits, unpack = BLOCK_TYPES[type_name]
     rows, cols = shape
     blocks = data.reshape(-1, size)
-    codes, scale, low = unpack(blocks)
+    codes, scale, low, *supers = unpack(blocks)
     groups = per_block // group
     scale = np.broadcast_to(scale, (blocks.shape[0], groups)).reshape(rows, cols // group)
     low = None if low is None else np.broadcast_to(low, (blocks.shape[0], groups)).reshape(rows, cols // group)
     own = lambda a, dtype=None: np.array(a, dtype=dtype, copy=True, order="C")  # noqa: E731 (not views of the file)
+    if supers:  # per block: d, -dmin [blocks, 1]; sc, m [blocks, 8]
+        d, neg_dmin, sc, mn = supers[0]
+        supers = (own(d.reshape(rows, -1), np.float32), own(neg_dmin.reshape(rows, -1), np.float32),
+                  own(sc.reshape(rows, -1)), own(mn.reshape(rows, -1)))
     return BlockGrid(own(codes.reshape(rows, cols)), own(scale, np.float32),
-                     None if low is None else own(low, np.float32), group, bits)
+                     None if low is None else own(low, np.float32), group, bits, supers or None)

@@ -12,7 +12,7 @@ from torch import nn
 
 from flover.models.config import CheckpointError, ModelConfig
 from flover.models.loader import Source
-from flover.models.quant import Grid, QuantizedWeight, file_weight, int4_weight, quantize
+from flover.models.quant import QuantizedWeight, file_weight, int4_weight, quantize
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -142,11 +142,10 @@ class Linear(nn.Module):
         if grids is not None and mode == "file":
             self.quantized, dequantized = file_weight(grids, self.weight.dtype)
         elif grids is not None:
-            whole = Grid.cat(grids) if all(g.same_kernel(grids[0]) for g in grids) else None
-            if whole is None or whole.bits != 4 or whole.low is None:
+            if any(g.bits != 4 or g.low is None for g in grids):
                 raise ValueError("int4 takes 4-bit grids with minimums (Q4_0, Q4_1, Q4_K)")
-            self.quantized, dequantized = int4_weight(whole.codes, whole.scale, whole.low, self.weight.dtype,
-                                                      keep_codes)
+            codes, scale, low = (torch.cat([getattr(g, f) for g in grids]) for f in ("codes", "scale", "low"))
+            self.quantized, dequantized = int4_weight(codes, scale, low, self.weight.dtype, keep_codes)
         else:
             source = self.weight if values is None else values
             self.quantized, dequantized = quantize(source, mode, keep_codes, dtype=self.weight.dtype)

@@ -111,6 +111,9 @@ class Grid:
     low: torch.Tensor | None  # float32 [rows, in / group]; None: every low is 0
     group: int
     bits: int  # 4 (the int4 kernels) or 8
+    # Q4_K's factors of scale and low (gguf_grids.BlockGrid.supers): d, -dmin [rows, in / 256]
+    # float32, sc, m [rows, in / 32] uint8
+    supers: tuple[torch.Tensor, ...] | None = None
 
     def values(self) -> torch.Tensor:
         """float32 [rows, in]."""
@@ -119,15 +122,17 @@ class Grid:
         return (w if self.low is None else w + self.low[..., None]).view(rows, cols)
 
     def same_kernel(self, other: "Grid") -> bool:
-        return (self.bits, self.group, self.low is None) == (other.bits, other.group, other.low is None)
+        return ((self.bits, self.group, self.low is None, self.supers is None)
+                == (other.bits, other.group, other.low is None, other.supers is None))
 
     @staticmethod
     def cat(grids: list["Grid"]) -> "Grid":
         """Runs of the same kernel (same_kernel), their rows one after another."""
         first = grids[0]
         low = None if first.low is None else torch.cat([g.low for g in grids])
+        supers = None if first.supers is None else tuple(torch.cat(parts) for parts in zip(*(g.supers for g in grids)))
         return Grid(torch.cat([g.codes for g in grids]), torch.cat([g.scale for g in grids]), low, first.group,
-                    first.bits)
+                    first.bits, supers)
 
 
 def file_weight(grids: list[Grid], dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:

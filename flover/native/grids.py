@@ -12,7 +12,8 @@ import torch
 
 from flover.models.quant import Grid, QuantizedWeight
 
-G_INT4, G_INT8_ROWS, G_INT8_GROUPS = 4, 8, 9  # native.h
+G_INT4, G_INT4_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 8, 9  # native.h
+Q4K_SUPER_BYTES = 384  # native.h
 MAX_PARTS = 4
 GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales")  # native.h: GridPart
 
@@ -84,6 +85,34 @@ def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> R
                lambda c, s: block_int4(codes, scale, zero, c, s))
 
 
+def block_int4_supers(grid: Grid, scales_out: torch.Tensor) -> None:
+    """Q4_K's scale factors -> scales_out uint8 [n / 16, k / 256, 384]: per block of 16 rows and
+    super-block, d[16] and -dmin[16] in float32, then sc[8][16] and m[8][16] bytes."""
+    d, neg_dmin, sc, m = grid.supers
+    n, supers = d.shape
+    rows = scales_out.shape[0] * 16
+    factors = torch.zeros(rows, supers, 2, dtype=torch.float32)  # padded rows: scale 0, zero 0
+    factors[:n] = torch.stack((d, neg_dmin), dim=-1)
+    codes = torch.zeros(rows, supers, 2, 8, dtype=torch.uint8)
+    codes[:n] = torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2)
+    f = factors.view(-1, 16, supers, 2).permute(0, 2, 3, 1).contiguous()  # [blocks, supers, 2, 16]
+    c = codes.view(-1, 16, supers, 2, 8).permute(0, 2, 3, 4, 1).contiguous()  # [blocks, supers, 2, 8, 16]
+    scales_out.copy_(torch.cat((f.view(torch.uint8).view(-1, supers, 128), c.view(-1, supers, 256)), dim=-1))
+
+
+def _int4_k_run(grid: Grid) -> Run:
+    n, k = grid.codes.shape
+    blocks = -(-n // 16)
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
+        block_int4(grid.codes, grid.scale, low + 8 * grid.scale, codes_out, torch.empty(blocks, k // 32, 2, 16))
+        block_int4_supers(grid, scales_out)
+
+    return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
+                                     ((blocks, k // 256, Q4K_SUPER_BYTES), torch.uint8)], fill)
+
+
 def _groups_run(grid: Grid) -> Run:
     n, k = grid.codes.shape
     blocks, lows = -(-n // 16), int(grid.low is not None)
@@ -102,7 +131,12 @@ def runs_of(quantized: QuantizedWeight) -> list[Run]:
     runs = []
     for grid in quantized.parts:  # the int4 kernel's zero is the value at q = 8
         low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
-        runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale) if grid.bits == 4 else _groups_run(grid))
+        if grid.bits == 8:
+            runs.append(_groups_run(grid))
+        elif grid.supers is not None and grid.codes.shape[1] % 256 == 0:
+            runs.append(_int4_k_run(grid))
+        else:
+            runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale))
     return runs
 
 

@@ -53,9 +53,9 @@ typedef struct {
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
- * per 32 inputs; int8 codes with a scale per row; int8 codes with a scale (and a minimum: lows)
+ * per 32 inputs (stored, or from Q4_K's super-blocks: G_INT4_K); int8 codes with a scale per row; int8 codes with a scale (and a minimum: lows)
  * per group of 16 or 32 inputs (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K). */
-enum { G_INT4 = 4, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
+enum { G_INT4 = 4, G_INT4_K = 5, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
 #define MAX_PARTS 4
 /* Mirrors GRID_FIELDS: a projection's output rows as up to MAX_PARTS runs of rows (every run but
  * the last a multiple of 16 rows), each in its own codes: a fused q/k/v whose v came in other
@@ -81,9 +81,20 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
           float *out, const char *pf);
 int tile_blocks(int kind, int rows);              /* blocks per tile for an iteration of `rows` */
 int tile_rows(int kind, int left, int nt_blocks); /* rows of the next tile over `left` rows */
-/* 4-bit tiles: MT (q4_rows) rows x one block; x: operand rows (as W_Q8's), xsum: each row's group sums */
-void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const void *x, const float *xsum,
+/* 4-bit tiles: MT (q4_rows) rows x one block; kind G_INT4 or G_INT4_K; x: operand rows (as W_Q8's),
+ * xsum: each row's group sums */
+void tile_q4(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const void *x, const float *xsum,
              float *out);
+#define Q4K_SUPER_BYTES 384 /* per 256 inputs and block of 16 rows: d[16], -dmin[16] (float32), sc[8][16], m[8][16] */
+/* group g's 16 scales and zeros: stored (float32 [groups][2][16]) or from Q4_K's super-blocks */
+static inline void q4_group_scales(const void *scales, int64_t g, v16 *scale, v16 *zero) {
+    *scale = v_load((const float *)scales + g * 32), *zero = v_load((const float *)scales + g * 32 + 16);
+}
+static inline void q4k_group_scales(const void *scales, int64_t g, v16 *scale, v16 *zero) {
+    const uint8_t *super = (const uint8_t *)scales + (g / 8) * Q4K_SUPER_BYTES;
+    *scale = v_mul(v_load((const float *)super), v_load_u8(super + 128 + (g % 8) * 16));
+    *zero = v_fmadd(v_set1(8.f), *scale, v_mul(v_load((const float *)super + 16), v_load_u8(super + 256 + (g % 8) * 16)));
+}
 int q4_rows(int left);
 /* 8-bit grouped tiles: MT (q8g_rows) rows x one block; x: operand rows (as W_Q8's), xsum: their
  * group sums (lows) */
@@ -96,7 +107,7 @@ API const char *flover_kernels(void);
 /* ---- tiles_bf16_dot.c (AVX-512 BF16 builds; elsewhere they return 0: not done) ---------------- */
 int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int kind, float *out,
                   const char *pf);
-int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,
+int tile_q4_bf16_dot(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out);
 int tile_q8g_bf16_dot(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows,
                       const uint16_t *x, const float *xsum, float *out);

@@ -80,7 +80,8 @@ static void project_int4(const GridPart *part, const void *bias, const float *x,
                          int64_t k, float *y, int64_t ldy, int bf, int nt) {
     const int64_t groups = k / 32, n_out = part->rows, blocks = (n_out + 15) / 16;
     const uint8_t *codes = (const uint8_t *)part->codes;
-    const float *scales = (const float *)part->scales;
+    const int kind = (int)part->kind; /* the scales per block: stored, or Q4_K's super-blocks */
+    const int64_t scale_bytes = kind == G_INT4_K ? (k / 256) * Q4K_SUPER_BYTES : groups * 32 * 4;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -91,12 +92,12 @@ static void project_int4(const GridPart *part, const void *bias, const float *x,
         float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
             const uint8_t *c = codes + nb * 16 * k / 2;
-            const float *sc = scales + nb * groups * 32;
+            const char *sc = (const char *)part->scales + nb * scale_bytes;
             for (int m0 = 0; m0 < rows;) {
                 const int mt = q4_rows(rows - m0);
                 const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
                                                             : (const void *)(x + m0 * k);
-                tile_q4(mt, c, sc, k, operand, xsum + m0 * groups, out);
+                tile_q4(mt, kind, c, sc, k, operand, xsum + m0 * groups, out);
                 for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
                 m0 += mt;
             }
@@ -142,7 +143,7 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
     for (int64_t p = 0; p < grid->parts; p++) {
         const GridPart *part = &grid->part[p];
         const void *bias = b_addr ? (const char *)b_addr + at * (bf ? 2 : 4) : 0;
-        if (part->kind == G_INT4)
+        if (part->kind == G_INT4 || part->kind == G_INT4_K)
             project_int4(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
         else if (part->kind == G_INT8_GROUPS)
             project_int8_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
@@ -159,14 +160,20 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     const GridPart *part = grid->part;
     while (row >= part->rows && part < grid->part + grid->parts - 1) row -= part->rows, part++;
     const int64_t block = row / 16, lane = row % 16;
-    if (part->kind == G_INT4) {
+    if (part->kind == G_INT4 || part->kind == G_INT4_K) {
+        const int k_super = part->kind == G_INT4_K;
         const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
-        const float *s = (const float *)part->scales + block * (k / 32) * 32;
-        for (int64_t i = 0; i < k; i++) {
-            const int64_t g = i / 32, pair = (i % 32) / 2;
-            const uint8_t byte = c[(g * 16 + pair) * 16 + lane];
-            const int q = (i % 2 ? byte >> 4 : byte & 15) - 8;
-            out[i] = s[g * 32 + lane] * (float)q + s[g * 32 + 16 + lane];
+        const char *s = (const char *)part->scales + block * (k_super ? (k / 256) * Q4K_SUPER_BYTES : (k / 32) * 128);
+        for (int64_t g = 0; g < k / 32; g++) {
+            v16 scale, zero;
+            float sc[16], zr[16];
+            if (k_super) q4k_group_scales(s, g, &scale, &zero);
+            else q4_group_scales(s, g, &scale, &zero);
+            v_store(sc, scale), v_store(zr, zero);
+            for (int64_t i = g * 32; i < g * 32 + 32; i++) {
+                const uint8_t byte = c[(g * 16 + (i % 32) / 2) * 16 + lane];
+                out[i] = sc[lane] * (float)((i % 2 ? byte >> 4 : byte & 15) - 8) + zr[lane];
+            }
         }
         return;
     }

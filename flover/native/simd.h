@@ -122,6 +122,10 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 24), 24));
     *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(u, 16), 24));
 }
+/* 16 bytes (unsigned) -> their 16 values */
+static inline v16 v_load_u8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 /* 16 bytes, a pair of 4-bit codes each (low nibble even) -> q - 8 */
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
@@ -262,6 +266,10 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *odd = V2(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 24)),
               _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 24)));
 }
+static inline v16 v_load_u8(const uint8_t *p) {
+    return V2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
+}
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     const __m256i a = _mm256_cvtepu8_epi32(bytes), b = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
@@ -393,6 +401,14 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
         odd->q[2 * h + 1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(o)));
     }
 }
+static inline v16 v_load_u8(const uint8_t *p) {
+    const uint8x16_t b = vld1q_u8(p);
+    const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_u8(vget_high_u8(b));
+    v16 v;
+    v.q[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), v.q[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(lo)));
+    v.q[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), v.q[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)));
+    return v;
+}
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const uint8x16_t b = vld1q_u8(p), eight = vdupq_n_u8(8);
     const int8x16_t e = vreinterpretq_s8_u8(vsubq_u8(vandq_u8(b, vdupq_n_u8(15)), eight));
@@ -480,6 +496,7 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *even = VG((float)p[2 * _i]);
     *odd = VG((float)p[2 * _i + 1]);
 }
+static inline v16 v_load_u8(const uint8_t *p) { return VG((float)p[_i]); }
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     *even = VG((float)((p[_i] & 15) - 8));
     *odd = VG((float)((p[_i] >> 4) - 8));

@@ -99,15 +99,17 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
 #undef CALL
 }
 
-/* ---- 4-bit tiles (--quantization int4) ----------------------------------------------------------
- * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs (GGUF's
- * Q4_1, as flover/models/quant.py makes them). Blocked by flover/native/forward.py: per block of
- * 16 output rows and group, 16 input pairs x 16 rows bytes (low nibble: the even input, high: the
- * odd one), then the group's 16 scales and 16 zeros in float32. The group's sum is
- * scale * sum((q - 8) x) + zero * sum(x), xsum holding each row's sum(x) per group. */
-#define TILE_Q4(MT)                                                                                        \
-    static void tile_q4_##MT(const uint8_t *codes, const float *scales, int64_t k, const float *x,        \
-                             const float *xsum, float *out) {                                              \
+/* ---- 4-bit tiles (--quantization int4, GGUF's Q4_0 / Q4_1 / Q4_K) ----------------------------------
+ * Weights on the grid w = scale * (q - 8) + zero, q in 0..15, per group of 32 inputs. Blocked by
+ * flover/native/grids.py: per block of 16 output rows and group, 16 input pairs x 16 rows bytes
+ * (low nibble: the even input, high: the odd one); the groups' scales and zeros either stored
+ * (native.h: Q4_SCALES, float32) or from Q4_K's super-blocks (Q4_K_SCALES: per 256 inputs the
+ * rows' d and -dmin in float32, and per group their 6-bit sc and m as bytes: scale = d sc,
+ * zero = 8 scale - dmin m, the float32 values the stored form holds, a quarter of its bytes).
+ * The group's sum is scale * sum((q - 8) x) + zero * sum(x), xsum holding each row's sum(x). */
+#define TILE_Q4(NAME, MT, GROUP_SCALES)                                                                    \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const float *x,          \
+                            const float *xsum, float *out) {                                               \
         const int64_t groups = k / 32;                                                                     \
         v16 acc[MT];                                                                                       \
         for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
@@ -123,32 +125,40 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
                     part[i] = v_fmadd(odd, v_set1(xp[1]), v_fmadd(even, v_set1(xp[0]), part[i]));          \
                 }                                                                                          \
             }                                                                                              \
-            const v16 scale = v_load(scales + g * 32), zero = v_load(scales + g * 32 + 16);                \
+            v16 scale, zero;                                                                               \
+            GROUP_SCALES(scales, g, &scale, &zero);                                                        \
             for (int i = 0; i < MT; i++)                                                                   \
                 acc[i] = v_fmadd(scale, part[i], v_fmadd(zero, v_set1(xsum[i * groups + g]), acc[i]));     \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-TILE_Q4(12)
-TILE_Q4(8)
-TILE_Q4(4)
-TILE_Q4(2)
-TILE_Q4(1)
+#define Q4_TILES(NAME, GROUP_SCALES)                                                                       \
+    TILE_Q4(NAME, 12, GROUP_SCALES) TILE_Q4(NAME, 8, GROUP_SCALES) TILE_Q4(NAME, 4, GROUP_SCALES)          \
+    TILE_Q4(NAME, 2, GROUP_SCALES) TILE_Q4(NAME, 1, GROUP_SCALES)
+Q4_TILES(tile_q4, q4_group_scales)
+Q4_TILES(tile_q4k, q4k_group_scales)
 
 int q4_rows(int left) {
     const int most = has_bf16_dot() ? 12 : V_Q4_ROWS, n = left < most ? left : most;
     return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
 
-void tile_q4(int mt, const uint8_t *codes, const float *scales, int64_t k, const void *operand, const float *xsum,
-             float *out) {
-    if (operand_is_bf16(W_Q8) && tile_q4_bf16_dot(mt, codes, scales, k, operand, xsum, out)) return;
+void tile_q4(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const void *operand,
+             const float *xsum, float *out) {
+    if (operand_is_bf16(W_Q8) && tile_q4_bf16_dot(mt, kind, codes, scales, k, operand, xsum, out)) return;
     const float *x = operand;
-    if (mt == 12) tile_q4_12(codes, scales, k, x, xsum, out);
-    else if (mt == 8) tile_q4_8(codes, scales, k, x, xsum, out);
-    else if (mt == 4) tile_q4_4(codes, scales, k, x, xsum, out);
-    else if (mt == 2) tile_q4_2(codes, scales, k, x, xsum, out);
-    else tile_q4_1(codes, scales, k, x, xsum, out);
+#define CALL(NAME)                                                                                         \
+    if (mt == 12) NAME##_12(codes, scales, k, x, xsum, out);                                               \
+    else if (mt == 8) NAME##_8(codes, scales, k, x, xsum, out);                                            \
+    else if (mt == 4) NAME##_4(codes, scales, k, x, xsum, out);                                            \
+    else if (mt == 2) NAME##_2(codes, scales, k, x, xsum, out);                                            \
+    else NAME##_1(codes, scales, k, x, xsum, out);
+    if (kind == G_INT4_K) {
+        CALL(tile_q4k)
+    } else {
+        CALL(tile_q4)
+    }
+#undef CALL
 }
 
 /* ---- 8-bit grouped tiles (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, read as they are) -----------------

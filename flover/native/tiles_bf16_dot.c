@@ -66,8 +66,8 @@ static const uint16_t Q4_VALUES[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0
                                        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
                                        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-#define TILE_Q4(MT)                                                                                        \
-    static void dot_q4_##MT(const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,      \
+#define TILE_Q4(NAME, MT, GROUP_SCALES)                                                                    \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const uint16_t *x,       \
                             const float *xsum, float *out) {                                               \
         const int64_t groups = k / 32;                                                                     \
         const __m512i lut = _mm512_loadu_si512(Q4_VALUES);                                                 \
@@ -84,26 +84,34 @@ static const uint16_t Q4_VALUES[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0
                 const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(pair, lut);                        \
                 for (int i = 0; i < MT; i++) part[i] = _mm512_dpbf16_ps(part[i], w, PAIR(x + i * k, g * 16 + kp)); \
             }                                                                                              \
-            const __m512 scale = _mm512_loadu_ps(scales + g * 32), zero = _mm512_loadu_ps(scales + g * 32 + 16); \
+            v16 scale, zero;                                                                               \
+            GROUP_SCALES(scales, g, &scale, &zero);                                                        \
             for (int i = 0; i < MT; i++)                                                                   \
                 acc[i] = _mm512_fmadd_ps(scale, part[i],                                                  \
                                          _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[i * groups + g]), acc[i])); \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) _mm512_storeu_ps(out + i * 16, acc[i]);                               \
     }
-TILE_Q4(12)
-TILE_Q4(8)
-TILE_Q4(4)
-TILE_Q4(2)
-TILE_Q4(1)
+#define Q4_TILES(NAME, GROUP_SCALES)                                                                       \
+    TILE_Q4(NAME, 12, GROUP_SCALES) TILE_Q4(NAME, 8, GROUP_SCALES) TILE_Q4(NAME, 4, GROUP_SCALES)          \
+    TILE_Q4(NAME, 2, GROUP_SCALES) TILE_Q4(NAME, 1, GROUP_SCALES)
+Q4_TILES(dot_q4, q4_group_scales)
+Q4_TILES(dot_q4k, q4k_group_scales)
 
-int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,
+int tile_q4_bf16_dot(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out) {
-    if (mt == 12) dot_q4_12(codes, scales, k, x, xsum, out);
-    else if (mt == 8) dot_q4_8(codes, scales, k, x, xsum, out);
-    else if (mt == 4) dot_q4_4(codes, scales, k, x, xsum, out);
-    else if (mt == 2) dot_q4_2(codes, scales, k, x, xsum, out);
-    else dot_q4_1(codes, scales, k, x, xsum, out);
+#define CALL(NAME)                                                                                         \
+    if (mt == 12) NAME##_12(codes, scales, k, x, xsum, out);                                               \
+    else if (mt == 8) NAME##_8(codes, scales, k, x, xsum, out);                                            \
+    else if (mt == 4) NAME##_4(codes, scales, k, x, xsum, out);                                            \
+    else if (mt == 2) NAME##_2(codes, scales, k, x, xsum, out);                                            \
+    else NAME##_1(codes, scales, k, x, xsum, out);
+    if (kind == G_INT4_K) {
+        CALL(dot_q4k)
+    } else {
+        CALL(dot_q4)
+    }
+#undef CALL
     return 1;
 }
 
@@ -177,9 +185,9 @@ int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks
     (void)w, (void)k, (void)x, (void)mt, (void)nt_blocks, (void)kind, (void)out, (void)pf;
     return 0;
 }
-int tile_q4_bf16_dot(int mt, const uint8_t *codes, const float *scales, int64_t k, const uint16_t *x,
+int tile_q4_bf16_dot(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out) {
-    (void)mt, (void)codes, (void)scales, (void)k, (void)x, (void)xsum, (void)out;
+    (void)mt, (void)kind, (void)codes, (void)scales, (void)k, (void)x, (void)xsum, (void)out;
     return 0;
 }
 
