@@ -96,6 +96,28 @@ def test_llama3_rope_from_the_files_frequency_factors_equals_transformers(tmp_pa
     assert (plain - expected).abs().max().item() > 1e-3  # the scaling changes these logits
 
 
+def test_the_files_pages_leave_the_process_once_the_weights_are_copied(gguf_file):
+    """The file stays mapped (its metadata, a later read), but the pages loading read are dropped
+    from the process: otherwise resident memory counts the whole file beside the weights' copies."""
+    path = gguf_file("llama", "Q8_0")
+
+    def resident_kib() -> int:
+        total, inside = 0, False
+        for line in open("/proc/self/smaps"):
+            if line[0] in "0123456789abcdef" and " " in line and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+        return total
+
+    checkpoint = open_checkpoint(path)  # held, as the engine holds it
+    load_model(checkpoint, torch.float32, torch.device("cpu"), 64)
+    assert sum(t.data.size for t in checkpoint.tensors.values()) > 64 * 1024  # loading read more than that
+    assert resident_kib() <= 16, resident_kib()
+    assert torch.equal(torch.from_numpy(checkpoint.tensors["blk.0.ffn_down.weight"].dequantize()),
+                       load_model(checkpoint, torch.float32, torch.device("cpu"), 64, pack=False).layers[0].down.weight)
+
+
 def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_file):
     path = gguf_file("llama", "Q8_0")
     _, tok = reference(path, torch.float32)

@@ -74,7 +74,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: not found")
         try:
-            self.metadata, self.tensors = parse_gguf(self.path)
+            self.metadata, self.tensors, self._map = parse_gguf(self.path)
         except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, struct.error) as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.arch = self.get("general.architecture")
@@ -168,6 +168,16 @@ class GGUFFile:
         if scaling == "linear":
             return {"rope_type": "linear", "factor": self.number(f"{self.arch}.rope.scaling.factor", None)}
         return None
+
+    def drop_resident_pages(self) -> None:
+        """Once the weights are copied out: the pages of the file read so far leave this process
+        (they stay in the page cache; a later read faults them back in). Counted as resident
+        otherwise: the whole file beside the copies (1.1 GB for a 1B Q8_0 file)."""
+        import mmap
+
+        mapping = getattr(self._map, "_mmap", None)
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def head_is_quantized(self) -> bool:
         """Whether the LM head (or the tied token embedding) is stored in blocks of codes: then it
@@ -358,7 +368,7 @@ def _q4_1(data: np.ndarray) -> np.ndarray:
 _FAST = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1}
 
 
-def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
+def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
     import gguf
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -426,4 +436,4 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
         if begin + nbytes > raw.size:
             raise ValueError(f"tensor {name} runs past the end of the file")
         tensors[name] = GGUFTensor(name, tuple(int(d) for d in reversed(dims)), qtype, raw[begin: begin + nbytes])
-    return metadata, tensors
+    return metadata, tensors, raw

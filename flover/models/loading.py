@@ -47,6 +47,8 @@ def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, dev
             quantize_projections(model, quantization, keep_codes=not pack, head=head)  # the LM head
     if pack:
         pack_projections(model, pack_hint)
+    if isinstance(checkpoint, GGUFFile):
+        checkpoint.drop_resident_pages()
     return model.eval()
 
 
