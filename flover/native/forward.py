@@ -11,7 +11,8 @@ bandwidth, many rows share each weight load (at 64-256 rows 340-400 GFLOP/s in b
 dev machine, where oneDNN's packed GEMM reached 300-345), and norms, RoPE, KV writes, attention
 (each row over its own slot's keys) and residuals are a few vector loops per row. Every output
 is summed in the same order whatever else shares the iteration, so fusion changes no bit. With
-`--quantization int4` or `int8` the projections run kernels of their own on the quantizer's codes.
+`--quantization int4` or `int8` the projections run kernels of their own on the quantizer's codes,
+with `file` on a GGUF file's own (native/grids.py: the layouts of each kind of codes).
 
 The C file is compiled on first use with the system compiler for this CPU (`-march=native`, so
 AVX-512 BF16's dot-product instruction where the CPU has it) into `~/.cache/flover/native/`,
