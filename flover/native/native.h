@@ -96,6 +96,19 @@ static inline void q4k_group_scales(const void *scales, int64_t g, v16 *scale, v
     *zero = v_fmadd(v_set1(8.f), *scale, v_mul(v_load((const float *)super + 16), v_load_u8(super + 256 + (g % 8) * 16)));
 }
 int q4_rows(int left);
+/* An 8-bit grouped tile's group g done: acc[i] += scale * part[i] (+ low * the row's sum of x over
+ * the group), scales [groups][1 + lows][16] (tiles.c's layout); the same order in every family */
+static inline void add_group(v16 *acc, const v16 *part, int mt, const float *scales, int64_t g, int lows,
+                             const float *xsum, int64_t groups) {
+    const float *s = scales + g * 16 * (1 + lows);
+    const v16 scale = v_load(s);
+    if (!lows) {
+        for (int i = 0; i < mt; i++) acc[i] = v_fmadd(scale, part[i], acc[i]);
+        return;
+    }
+    const v16 low = v_load(s + 16);
+    for (int i = 0; i < mt; i++) acc[i] = v_fmadd(scale, part[i], v_fmadd(low, v_set1(xsum[i * groups + g]), acc[i]));
+}
 /* 8-bit grouped tiles: MT (q8g_rows) rows x one block; x: operand rows (as W_Q8's), xsum: their
  * group sums (lows) */
 void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *x,

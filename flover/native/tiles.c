@@ -185,15 +185,7 @@ void tile_q4(int mt, int kind, const uint8_t *codes, const void *scales, int64_t
                     part[i] = v_fmadd(odd, v_set1(xp[1]), v_fmadd(even, v_set1(xp[0]), part[i]));          \
                 }                                                                                          \
             }                                                                                              \
-            const float *s = scales + g * 16 * (1 + lows);                                                 \
-            const v16 scale = v_load(s);                                                                   \
-            if (lows) {                                                                                    \
-                const v16 low = v_load(s + 16);                                                            \
-                for (int i = 0; i < MT; i++)                                                               \
-                    acc[i] = v_fmadd(scale, part[i], v_fmadd(low, v_set1(xsum[i * groups + g]), acc[i]));  \
-            } else {                                                                                       \
-                for (int i = 0; i < MT; i++) acc[i] = v_fmadd(scale, part[i], acc[i]);                     \
-            }                                                                                              \
+            add_group(acc, part, MT, scales, g, lows, xsum, groups);                                       \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }

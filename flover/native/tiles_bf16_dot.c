@@ -131,16 +131,7 @@ int tile_q4_bf16_dot(int mt, int kind, const uint8_t *codes, const void *scales,
                 const __m512bh w = q8_pairs(c + kp * 32);                                                  \
                 for (int i = 0; i < MT; i++) part[i] = _mm512_dpbf16_ps(part[i], w, PAIR(x + i * k, g * group / 2 + kp)); \
             }                                                                                              \
-            const float *s = scales + g * 16 * (1 + lows);                                                 \
-            const __m512 scale = _mm512_loadu_ps(s);                                                       \
-            if (lows) {                                                                                    \
-                const __m512 low = _mm512_loadu_ps(s + 16);                                                \
-                for (int i = 0; i < MT; i++)                                                               \
-                    acc[i] = _mm512_fmadd_ps(scale, part[i],                                              \
-                                             _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[i * groups + g]), acc[i])); \
-            } else {                                                                                       \
-                for (int i = 0; i < MT; i++) acc[i] = _mm512_fmadd_ps(scale, part[i], acc[i]);             \
-            }                                                                                              \
+            add_group(acc, part, MT, scales, g, lows, xsum, groups);                                       \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) _mm512_storeu_ps(out + i * 16, acc[i]);                               \
     }
