@@ -138,9 +138,9 @@ class Linear(nn.Module):
         dequantized values, so both kernels compute the same model (models/quant.py). `values`:
         the checkpoint's float32 values of the weight, quantized before any rounding to 16 bits.
         `grids`: a GGUF file's own (quant.Grid per source, their rows one after another), kept as
-        they are (int4: 4-bit ones)."""
+        they are (int4: 4-bit ones; file: `values` are theirs)."""
         if grids is not None and mode == "file":
-            self.quantized, dequantized = file_weight(grids, self.weight.dtype)
+            self.quantized, dequantized = file_weight(grids, values, self.weight.dtype)
         elif grids is not None:
             if any(g.bits != 4 or g.low is None for g in grids):
                 raise ValueError("int4 takes 4-bit grids with minimums (Q4_0, Q4_1, Q4_K)")

@@ -89,7 +89,7 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reade
             grid = reader.read_grid(spec.sources[0]) if hasattr(reader, "read_grid") else None
             if grid is None:
                 return False
-            module.quantize(mode, keep_codes, grids=[grid])
+            module.quantize(mode, keep_codes, values=values, grids=[grid])
             return True
         why = can_quantize(values, mode)
         if why is not None:
@@ -100,7 +100,7 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reade
                 src = spec.sources[[g is None for g in grids].index(True)] if grids else spec.sources[0]
                 raise CheckpointError(f"--quantization file: {src.name} is not in blocks whose codes flover runs "
                                       f"(it runs {', '.join(BLOCK_TYPES)})")
-            module.quantize(mode, keep_codes, grids=grids)
+            module.quantize(mode, keep_codes, values=values, grids=grids)
         elif mode == "int4" and grids and all(g is not None and g.bits == 4 for g in grids):
             module.quantize(mode, keep_codes, grids=grids)
         else:

@@ -27,6 +27,7 @@ at every row count, and PyTorch's copies are released.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -115,19 +116,13 @@ class Grid:
     # float32, sc, m [rows, in / 32] uint8
     supers: tuple[torch.Tensor, ...] | None = None
 
-    def values(self) -> torch.Tensor:
-        """float32 [rows, in]."""
-        rows, cols = self.codes.shape
-        w = self.scale[..., None] * self.codes.view(rows, cols // self.group, self.group).to(torch.float32)
-        return (w if self.low is None else w + self.low[..., None]).view(rows, cols)
-
-    def same_kernel(self, other: "Grid") -> bool:
-        return ((self.bits, self.group, self.low is None, self.supers is None)
-                == (other.bits, other.group, other.low is None, other.supers is None))
+    def kernel(self) -> tuple:
+        """What the native step's kernel for these codes depends on: neighbours equal here run as one."""
+        return self.bits, self.group, self.low is None, self.supers is None
 
     @staticmethod
     def cat(grids: list["Grid"]) -> "Grid":
-        """Runs of the same kernel (same_kernel), their rows one after another."""
+        """Runs of the same kernel, their rows one after another."""
         first = grids[0]
         low = None if first.low is None else torch.cat([g.low for g in grids])
         supers = None if first.supers is None else tuple(torch.cat(parts) for parts in zip(*(g.supers for g in grids)))
@@ -135,17 +130,12 @@ class Grid:
                     first.bits, supers)
 
 
-def file_weight(grids: list[Grid], dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A projection's sources' grids, rows one after another (q, k, v) -> (the quantized weight:
-    neighbours of the same kernel merged into one run; the dequantized weight in `dtype`)."""
-    runs: list[Grid] = []
-    for grid in grids:
-        if runs and runs[-1].same_kernel(grid):
-            runs[-1] = Grid.cat([runs[-1], grid])
-        else:
-            runs.append(grid)
-    dequantized = torch.cat([g.values() for g in runs]).to(dtype)
-    return QuantizedWeight("file", None, None, 0, parts=runs), dequantized
+def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A projection's sources' grids, rows one after another (q, k, v), and the values the file
+    gives for them (float32 [out, in]: scale * q + low, bit for bit) -> (the quantized weight,
+    neighbours of the same kernel merged into one run; the values in `dtype`)."""
+    runs = [Grid.cat(list(same)) for _, same in itertools.groupby(grids, key=Grid.kernel)]
+    return QuantizedWeight("file", None, None, 0, parts=runs), values.to(dtype)
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:
