@@ -30,6 +30,14 @@ class Run:
     fill: Callable[[torch.Tensor, torch.Tensor], None]
 
 
+def rows_last(per_row: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
+    """[n, *rest] -> [blocks, *rest, 16]: rows padded with `fill` to whole blocks of 16, a block's
+    16 rows innermost (one load holds a value of each)."""
+    padded = torch.full((blocks * 16, *per_row.shape[1:]), fill, dtype=per_row.dtype)
+    padded[: per_row.shape[0]] = per_row
+    return padded.view(blocks, 16, *per_row.shape[1:]).movedim(1, -1)
+
+
 def block_pairs(codes: torch.Tensor, out: torch.Tensor) -> None:
     """int8 codes [n, k] -> out [n / 16, k / 2, 16, 2] (bfloat16's blocked pairs, a byte each;
     zero rows pad the last block)."""
@@ -39,30 +47,43 @@ def block_pairs(codes: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3))
 
 
-def block_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codes_out: torch.Tensor,
-               scales_out: torch.Tensor) -> None:
-    """w = scale * (q - 8) + zero: codes uint8 [n, k] in 0..15, scale / zero float32 [n, k / 32] ->
-    codes_out [n / 16, k / 32, 16 input pairs, 16 rows] (low nibble the even input), scales_out
-    [n / 16, k / 32, 2, 16] (scale, zero)."""
+def block_nibbles(codes: torch.Tensor, codes_out: torch.Tensor) -> None:
+    """4-bit codes uint8 [n, k] in 0..15 -> codes_out [n / 16, k / 32, 16 input pairs, 16 rows]
+    (low nibble the even input; padded rows q = 8, weight 0 whatever the zero)."""
     n, k = codes.shape
-    padded = torch.full((codes_out.shape[0] * 16, k), 8, dtype=torch.uint8)  # q = 8: weight 0 (zero 0 too)
-    padded[:n] = codes
-    pairs = padded.view(-1, 16, k // 32, 16, 2)  # [blocks, rows, groups, pairs, (even, odd)]
-    codes_out.copy_((pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 3, 1))
-    scales = torch.zeros(scales_out.shape[0] * 16, k // 32, 2, dtype=torch.float32)
-    scales[:n] = torch.stack((scale, zero), dim=-1)
-    scales_out.copy_(scales.view(-1, 16, k // 32, 2).permute(0, 2, 3, 1))
+    pairs = codes.view(n, k // 32, 16, 2)
+    codes_out.copy_(rows_last(pairs[..., 0] | (pairs[..., 1] << 4), codes_out.shape[0], fill=0x88))
 
 
-def block_groups(grid: Grid, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-    """8-bit codes with group scales -> codes_out as block_pairs, scales_out [n / 16, k / group,
-    1 or 2, 16] (the scales, then the minimums)."""
-    block_pairs(grid.codes, codes_out)
-    n, groups = grid.scale.shape
-    per = torch.stack([grid.scale] + ([] if grid.low is None else [grid.low]), dim=-1)  # [n, groups, 1|2]
-    scales = torch.zeros(scales_out.shape[0] * 16, groups, per.shape[-1], dtype=torch.float32)
-    scales[:n] = per
-    scales_out.copy_(scales.view(-1, 16, groups, per.shape[-1]).permute(0, 2, 3, 1))
+def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Run:
+    """w = scale * (q - 8) + zero, scale / zero float32 [n, k / 32]: scales [n / 16, k / 32, 2, 16]."""
+    n, k = codes.shape
+    blocks = -(-n // 16)
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        block_nibbles(codes, codes_out)
+        scales_out.copy_(rows_last(torch.stack((scale, zero), dim=-1), blocks))
+
+    return Run(G_INT4, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
+               fill)
+
+
+def _int4_k_run(grid: Grid) -> Run:
+    """Q4_K's scale factors -> scales uint8 [n / 16, k / 256, 384]: per block of 16 rows and
+    super-block, d[16] and -dmin[16] in float32, then sc[8][16] and m[8][16] bytes."""
+    n, k = grid.codes.shape
+    blocks, supers = -(-n // 16), k // 256
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        block_nibbles(grid.codes, codes_out)
+        d, neg_dmin, sc, m = grid.supers
+        factors = rows_last(torch.stack((d, neg_dmin), dim=-1), blocks)  # [blocks, supers, 2, 16]
+        bytes_ = rows_last(torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2), blocks)
+        scales_out.copy_(torch.cat((factors.contiguous().view(torch.uint8).view(blocks, supers, 128),
+                                    bytes_.contiguous().view(blocks, supers, 256)), dim=-1))
+
+    return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
+                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill)
 
 
 def int8_rows_run(quantized: QuantizedWeight) -> Run:
@@ -72,53 +93,23 @@ def int8_rows_run(quantized: QuantizedWeight) -> Run:
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
         block_pairs(quantized.data, codes_out)
-        scales_out.zero_()
-        scales_out[:n] = quantized.scales.to(torch.float32)
+        scales_out.copy_(rows_last(quantized.scales.to(torch.float32), blocks).reshape(-1))
 
     return Run(G_INT8_ROWS, n, k, 0, [((blocks, k // 2, 16, 2), torch.int8), ((blocks * 16,), torch.float32)], fill)
 
 
-def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Run:
-    n, k = codes.shape
-    blocks = -(-n // 16)
-    return Run(G_INT4, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
-               lambda c, s: block_int4(codes, scale, zero, c, s))
-
-
-def block_int4_supers(grid: Grid, scales_out: torch.Tensor) -> None:
-    """Q4_K's scale factors -> scales_out uint8 [n / 16, k / 256, 384]: per block of 16 rows and
-    super-block, d[16] and -dmin[16] in float32, then sc[8][16] and m[8][16] bytes."""
-    d, neg_dmin, sc, m = grid.supers
-    n, supers = d.shape
-    rows = scales_out.shape[0] * 16
-    factors = torch.zeros(rows, supers, 2, dtype=torch.float32)  # padded rows: scale 0, zero 0
-    factors[:n] = torch.stack((d, neg_dmin), dim=-1)
-    codes = torch.zeros(rows, supers, 2, 8, dtype=torch.uint8)
-    codes[:n] = torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2)
-    f = factors.view(-1, 16, supers, 2).permute(0, 2, 3, 1).contiguous()  # [blocks, supers, 2, 16]
-    c = codes.view(-1, 16, supers, 2, 8).permute(0, 2, 3, 4, 1).contiguous()  # [blocks, supers, 2, 8, 16]
-    scales_out.copy_(torch.cat((f.view(torch.uint8).view(-1, supers, 128), c.view(-1, supers, 256)), dim=-1))
-
-
-def _int4_k_run(grid: Grid) -> Run:
-    n, k = grid.codes.shape
-    blocks = -(-n // 16)
-
-    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
-        block_int4(grid.codes, grid.scale, low + 8 * grid.scale, codes_out, torch.empty(blocks, k // 32, 2, 16))
-        block_int4_supers(grid, scales_out)
-
-    return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
-                                     ((blocks, k // 256, Q4K_SUPER_BYTES), torch.uint8)], fill)
-
-
 def _groups_run(grid: Grid) -> Run:
+    """8-bit codes with group scales: codes as block_pairs, scales [n / 16, k / group, 1 or 2, 16]
+    (the scales, then the minimums)."""
     n, k = grid.codes.shape
     blocks, lows = -(-n // 16), int(grid.low is not None)
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        block_pairs(grid.codes, codes_out)
+        scales_out.copy_(rows_last(torch.stack([grid.scale] + ([grid.low] if lows else []), dim=-1), blocks))
+
     return Run(G_INT8_GROUPS, n, grid.group, lows,
-               [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)],
-               lambda c, s: block_groups(grid, c, s))
+               [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)], fill)
 
 
 def runs_of(quantized: QuantizedWeight) -> list[Run]:
@@ -129,13 +120,13 @@ def runs_of(quantized: QuantizedWeight) -> list[Run]:
         exact = quantized.exact_scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
         return [_int4_run(quantized.codes, exact[..., 0], exact[..., 1])]
     runs = []
-    for grid in quantized.parts:  # the int4 kernel's zero is the value at q = 8
-        low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
+    for grid in quantized.parts:
         if grid.bits == 8:
             runs.append(_groups_run(grid))
         elif grid.supers is not None and grid.codes.shape[1] % 256 == 0:
             runs.append(_int4_k_run(grid))
-        else:
+        else:  # the int4 kernel's zero is the value at q = 8
+            low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
             runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale))
     return runs
 
