@@ -81,7 +81,7 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
           float *out, const char *pf);
 int tile_blocks(int kind, int rows);              /* blocks per tile for an iteration of `rows` */
 int tile_rows(int kind, int left, int nt_blocks); /* rows of the next tile over `left` rows */
-/* 4-bit tiles: MT (q4_rows) rows x one block; kind G_INT4 or G_INT4_K; x: operand rows (as W_Q8's),
+/* 4-bit tiles: MT (group_tile_rows) rows x one block; kind G_INT4 or G_INT4_K; x: operand rows (as W_Q8's),
  * xsum: each row's group sums */
 void tile_q4(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const void *x, const float *xsum,
              float *out);
@@ -95,7 +95,7 @@ static inline void q4k_group_scales(const void *scales, int64_t g, v16 *scale, v
     *scale = v_mul(v_load((const float *)super), v_load_u8(super + 128 + (g % 8) * 16));
     *zero = v_fmadd(v_set1(8.f), *scale, v_mul(v_load((const float *)super + 16), v_load_u8(super + 256 + (g % 8) * 16)));
 }
-int q4_rows(int left);
+int group_tile_rows(int left); /* rows of the next 4-bit or 8-bit grouped tile over `left` rows */
 /* An 8-bit grouped tile's group g done: acc[i] += scale * part[i] (+ low * the row's sum of x over
  * the group), scales [groups][1 + lows][16] (tiles.c's layout); the same order in every family */
 static inline void add_group(v16 *acc, const v16 *part, int mt, const float *scales, int64_t g, int lows,
@@ -109,11 +109,10 @@ static inline void add_group(v16 *acc, const v16 *part, int mt, const float *sca
     const v16 low = v_load(s + 16);
     for (int i = 0; i < mt; i++) acc[i] = v_fmadd(scale, part[i], v_fmadd(low, v_set1(xsum[i * groups + g]), acc[i]));
 }
-/* 8-bit grouped tiles: MT (q8g_rows) rows x one block; x: operand rows (as W_Q8's), xsum: their
+/* 8-bit grouped tiles: MT (group_tile_rows) rows x one block; x: operand rows (as W_Q8's), xsum: their
  * group sums (lows) */
 void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *x,
               const float *xsum, float *out);
-int q8g_rows(int left);
 /* the family this build runs, e.g. "AVX-512F, bfloat16 dot products" */
 API const char *flover_kernels(void);
 

@@ -74,44 +74,16 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
         }
 }
 
-/* y = x W^T (+ bias) through 4-bit weights (tiles.c); x: float rows [rows, k] of bfloat16
- * values; y: float rows with a stride of ldy. One row reads a quarter of bfloat16's bytes. */
-static void project_int4(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
-                         int64_t k, float *y, int64_t ldy, int bf, int nt) {
-    const int64_t groups = k / 32, n_out = part->rows, blocks = (n_out + 15) / 16;
-    const uint8_t *codes = (const uint8_t *)part->codes;
-    const int kind = (int)part->kind; /* the scales per block: stored, or Q4_K's super-blocks */
-    const int64_t scale_bytes = kind == G_INT4_K ? (k / 256) * Q4K_SUPER_BYTES : groups * 32 * 4;
-#pragma omp parallel num_threads(nt)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
-        group_sums(x, xsum, rows, k, 32, t, T);
-#pragma omp barrier
-        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
-        float out[12 * 16];
-        for (int64_t nb = b0; nb < b1; nb++) {
-            const uint8_t *c = codes + nb * 16 * k / 2;
-            const char *sc = (const char *)part->scales + nb * scale_bytes;
-            for (int m0 = 0; m0 < rows;) {
-                const int mt = q4_rows(rows - m0);
-                const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
-                                                            : (const void *)(x + m0 * k);
-                tile_q4(mt, kind, c, sc, k, operand, xsum + m0 * groups, out);
-                for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
-                m0 += mt;
-            }
-        }
-    }
-}
-
-/* y = x W^T (+ bias) through 8-bit codes with group scales (tiles.c); as project_int4. */
-static void project_int8_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum,
-                                int rows, int64_t k, float *y, int64_t ldy, int bf, int nt) {
-    const int group = (int)part->group, lows = (int)part->lows;
+/* y = x W^T (+ bias) through a run of codes with group scales (tiles.c: 4-bit, or bytes); x:
+ * float rows [rows, k] of bfloat16 values; y: float rows with a stride of ldy. One row reads a
+ * quarter (4-bit) or half of bfloat16's bytes. */
+static void project_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
+                           int64_t k, float *y, int64_t ldy, int bf, int nt) {
+    const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
     const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
-    const int8_t *codes = (const int8_t *)part->codes;
-    const float *scales = (const float *)part->scales;
+    /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's super-blocks) */
+    const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : 8 * k;
+    const int64_t scale_bytes = kind == G_INT4_K ? (k / 256) * Q4K_SUPER_BYTES : groups * 16 * (1 + lows) * 4;
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -121,13 +93,15 @@ static void project_int8_groups(const GridPart *part, const void *bias, const fl
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
-            const int8_t *c = codes + nb * 16 * k;
-            const float *sc = scales + nb * groups * 16 * (1 + lows);
+            const char *c = (const char *)part->codes + nb * code_bytes, *sc = (const char *)part->scales + nb * scale_bytes;
             for (int m0 = 0; m0 < rows;) {
-                const int mt = q8g_rows(rows - m0);
+                const int mt = group_tile_rows(rows - m0);
                 const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
                                                             : (const void *)(x + m0 * k);
-                tile_q8g(mt, c, sc, k, group, lows, operand, xsum + m0 * groups, out);
+                if (kind == G_INT8_GROUPS)
+                    tile_q8g(mt, (const int8_t *)c, (const float *)sc, k, group, lows, operand, xsum + m0 * groups, out);
+                else
+                    tile_q4(mt, kind, (const uint8_t *)c, sc, k, operand, xsum + m0 * groups, out);
                 for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
                 m0 += mt;
             }
@@ -143,10 +117,8 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
     for (int64_t p = 0; p < grid->parts; p++) {
         const GridPart *part = &grid->part[p];
         const void *bias = b_addr ? (const char *)b_addr + at * (bf ? 2 : 4) : 0;
-        if (part->kind == G_INT4 || part->kind == G_INT4_K)
-            project_int4(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
-        else if (part->kind == G_INT8_GROUPS)
-            project_int8_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
+        if (part->kind != G_INT8_ROWS)
+            project_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
         else
             project_kind(W_Q8, bf, part->codes, part->scales, (int64_t)bias, x, xb, rows, part->rows, k, y + at, n_out,
                          0, nt, 0);

@@ -138,7 +138,7 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
 Q4_TILES(tile_q4, q4_group_scales)
 Q4_TILES(tile_q4k, q4k_group_scales)
 
-int q4_rows(int left) {
+int group_tile_rows(int left) {
     const int most = has_bf16_dot() ? 12 : V_Q4_ROWS, n = left < most ? left : most;
     return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
@@ -194,11 +194,6 @@ TILE_Q8G(8)
 TILE_Q8G(4)
 TILE_Q8G(2)
 TILE_Q8G(1)
-
-int q8g_rows(int left) {
-    const int most = has_bf16_dot() ? 12 : V_Q4_ROWS, n = left < most ? left : most;
-    return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
-}
 
 void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *operand,
               const float *xsum, float *out) {
