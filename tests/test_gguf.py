@@ -138,14 +138,9 @@ def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_fil
 def test_k_quant_tensors_dequantize_as_transformers_does(tmp_path, qtype):
     """The gguf package cannot quantize to K-quants, so the tensors hold random blocks with sane
     scales; flover and transformers must read the same weights out of them."""
-    import gguf
-
     model_dir = make_tiny_model("llama", {**TEST_PRESET, "hidden_size": 256, "intermediate_size": 512,
                                           "num_heads": 4, "num_kv_heads": 2}, tmp_path / "m")
-    plain = tmp_path / "plain.gguf"
-    write_gguf(model_dir, plain, "F32")
-    path = tmp_path / f"k-{qtype}.gguf"
-    _rewrite_with_random_kquants(plain, path, gguf.GGMLQuantizationType[qtype])
+    path = write_gguf(model_dir, tmp_path / f"k-{qtype}.gguf", qtype)  # every 2-D tensor: random blocks
     ref, _ = reference(str(path), torch.float32)
     llm = LLM(str(path), dtype="float32", max_slots=2, max_seq_len=64)
     ckpt = open_checkpoint(path)
@@ -163,42 +158,6 @@ def test_k_quant_tensors_dequantize_as_transformers_does(tmp_path, qtype):
     prompt = [5, 6, 7, 8]
     out = llm.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
     assert out == greedy_reference(ref, prompt, 6)
-
-
-def _rewrite_with_random_kquants(src, dst, qtype) -> None:
-    import gguf
-
-    reader = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, value)
-        else:
-            w.add_key_value(key, value, vtype)
-    rng = np.random.default_rng(0)
-    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        if data.ndim == 2 and data.shape[1] % 256 == 0:
-            rows, blocks = data.shape[0], data.shape[1] // 256
-            raw = rng.integers(0, 256, size=(rows, blocks, block_bytes), dtype=np.uint8)
-            scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-            if qtype == gguf.GGMLQuantizationType.Q6_K:
-                raw[..., -2:] = scale  # d at the end
-            else:
-                raw[..., 0:2] = scale  # d, dmin first
-                raw[..., 2:4] = scale
-            w.add_tensor(t.name, raw.reshape(rows, blocks * block_bytes), raw_dtype=qtype)
-        else:
-            w.add_tensor(t.name, data.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
