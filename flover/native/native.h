@@ -96,6 +96,10 @@ static inline void q4k_group_scales(const void *scales, int64_t g, v16 *scale, v
     *zero = v_fmadd(v_set1(8.f), *scale, v_mul(v_load((const float *)super + 16), v_load_u8(super + 256 + (g % 8) * 16)));
 }
 int group_tile_rows(int left); /* rows of the next 4-bit or 8-bit grouped tile over `left` rows */
+/* NAME_<mt>(...) for a grouped tile of mt rows (12, 8, 4, 2 or 1, as group_tile_rows gives) */
+#define GROUP_TILE(NAME, mt, ...)                                                                          \
+    ((mt) == 12 ? NAME##_12(__VA_ARGS__) : (mt) == 8 ? NAME##_8(__VA_ARGS__) : (mt) == 4 ? NAME##_4(__VA_ARGS__) \
+     : (mt) == 2 ? NAME##_2(__VA_ARGS__) : NAME##_1(__VA_ARGS__))
 /* An 8-bit grouped tile's group g done: acc[i] += scale * part[i] (+ low * the row's sum of x over
  * the group), scales [groups][1 + lows][16] (tiles.c's layout); the same order in every family */
 static inline void add_group(v16 *acc, const v16 *part, int mt, const float *scales, int64_t g, int lows,

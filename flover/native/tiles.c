@@ -147,18 +147,8 @@ void tile_q4(int mt, int kind, const uint8_t *codes, const void *scales, int64_t
              const float *xsum, float *out) {
     if (operand_is_bf16(W_Q8) && tile_q4_bf16_dot(mt, kind, codes, scales, k, operand, xsum, out)) return;
     const float *x = operand;
-#define CALL(NAME)                                                                                         \
-    if (mt == 12) NAME##_12(codes, scales, k, x, xsum, out);                                               \
-    else if (mt == 8) NAME##_8(codes, scales, k, x, xsum, out);                                            \
-    else if (mt == 4) NAME##_4(codes, scales, k, x, xsum, out);                                            \
-    else if (mt == 2) NAME##_2(codes, scales, k, x, xsum, out);                                            \
-    else NAME##_1(codes, scales, k, x, xsum, out);
-    if (kind == G_INT4_K) {
-        CALL(tile_q4k)
-    } else {
-        CALL(tile_q4)
-    }
-#undef CALL
+    if (kind == G_INT4_K) GROUP_TILE(tile_q4k, mt, codes, scales, k, x, xsum, out);
+    else GROUP_TILE(tile_q4, mt, codes, scales, k, x, xsum, out);
 }
 
 /* ---- 8-bit grouped tiles (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, read as they are) -----------------
@@ -199,11 +189,7 @@ void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int g
               const float *xsum, float *out) {
     if (operand_is_bf16(W_Q8) && tile_q8g_bf16_dot(mt, codes, scales, k, group, lows, operand, xsum, out)) return;
     const float *x = operand;
-    if (mt == 12) tile_q8g_12(codes, scales, k, group, lows, x, xsum, out);
-    else if (mt == 8) tile_q8g_8(codes, scales, k, group, lows, x, xsum, out);
-    else if (mt == 4) tile_q8g_4(codes, scales, k, group, lows, x, xsum, out);
-    else if (mt == 2) tile_q8g_2(codes, scales, k, group, lows, x, xsum, out);
-    else tile_q8g_1(codes, scales, k, group, lows, x, xsum, out);
+    GROUP_TILE(tile_q8g, mt, codes, scales, k, group, lows, x, xsum, out);
 }
 
 API const char *flover_kernels(void) {

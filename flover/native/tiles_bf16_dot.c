@@ -100,18 +100,8 @@ Q4_TILES(dot_q4k, q4k_group_scales)
 
 int tile_q4_bf16_dot(int mt, int kind, const uint8_t *codes, const void *scales, int64_t k, const uint16_t *x,
                      const float *xsum, float *out) {
-#define CALL(NAME)                                                                                         \
-    if (mt == 12) NAME##_12(codes, scales, k, x, xsum, out);                                               \
-    else if (mt == 8) NAME##_8(codes, scales, k, x, xsum, out);                                            \
-    else if (mt == 4) NAME##_4(codes, scales, k, x, xsum, out);                                            \
-    else if (mt == 2) NAME##_2(codes, scales, k, x, xsum, out);                                            \
-    else NAME##_1(codes, scales, k, x, xsum, out);
-    if (kind == G_INT4_K) {
-        CALL(dot_q4k)
-    } else {
-        CALL(dot_q4)
-    }
-#undef CALL
+    if (kind == G_INT4_K) GROUP_TILE(dot_q4k, mt, codes, scales, k, x, xsum, out);
+    else GROUP_TILE(dot_q4, mt, codes, scales, k, x, xsum, out);
     return 1;
 }
 
@@ -143,11 +133,7 @@ TILE_Q8G(1)
 
 int tile_q8g_bf16_dot(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows,
                       const uint16_t *x, const float *xsum, float *out) {
-    if (mt == 12) dot_q8g_12(codes, scales, k, group, lows, x, xsum, out);
-    else if (mt == 8) dot_q8g_8(codes, scales, k, group, lows, x, xsum, out);
-    else if (mt == 4) dot_q8g_4(codes, scales, k, group, lows, x, xsum, out);
-    else if (mt == 2) dot_q8g_2(codes, scales, k, group, lows, x, xsum, out);
-    else dot_q8g_1(codes, scales, k, group, lows, x, xsum, out);
+    GROUP_TILE(dot_q8g, mt, codes, scales, k, group, lows, x, xsum, out);
     return 1;
 }
 
