@@ -150,7 +150,7 @@ CUDA_GRAPHS = ("auto", "off", "eager")
 # Iterations as one native call (flover/native/forward.py). auto: on CPU at
 # any TP in float32/bfloat16 (quantized or not), when a C compiler is there.
 NATIVE_FORWARD = ("auto", "off")
-NATIVE_KERNELS = ("auto", "avx512bf16", "avx512", "avx2", "neon", "generic")
+NATIVE_KERNELS = ("auto", "avx512bf16", "avx512vnni", "avx512", "avx2", "neon", "generic")
 
 
 def default_num_threads() -> int:

@@ -2,7 +2,7 @@
  * line: tests/test_native_families.py builds this with one kernel family (e.g. NEON, cross-compiled
  * and run under qemu-user) and with the portable one, and compares the two printouts. Covers each
  * operation of simd.h's mapping: projection tiles of every weight kind and size, 4-bit tiles,
- * 8-bit tiles with group scales (and minimums), a row of a grid, norms, RoPE, SiLU, attention (decode rows and a prompt block, float32 and bfloat16 caches)
+ * 8-bit tiles with group scales (and minimums), tiles on int8 inputs, a row of a grid, norms, RoPE, SiLU, attention (decode rows and a prompt block, float32 and bfloat16 caches)
  * and argmax, with tails shorter than 16 lanes. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -141,6 +141,61 @@ static void check_q8_groups(void) {
         }
 }
 
+/* int8 inputs (tiles_int8.c): the rows quantized, and the tiles of every code kind (4-bit with
+ * stored scales or Q4_K's, bytes with groups of 16 or 32, with and without minimums), each with
+ * its "reference": the sums of its grid_row weights times the dequantized inputs, in double (the
+ * test holds every family's tiles to it) */
+static void check_x8(void) {
+    enum { K = 512, GROUPS = K / 32, SUPERS = K / 256, ROWS = 12 };
+    static float x[ROWS * K], d[ROWS * GROUPS], ds16[ROWS * K / 16], ds32[ROWS * GROUPS], qf[ROWS * K];
+    static float out[12 * 16], ref[ROWS * 16], w[16 * K], flat[GROUPS * 32], scales[(K / 16) * 2 * 16];
+    static int8_t q[ROWS * K];
+    static uint8_t nibbles[GROUPS * 256], bytes[16 * K], supers[SUPERS * Q4K_SUPER_BYTES];
+    fill(x, ROWS * K, 2.f);
+    for (int j = 0; j < 32; j++) x[3 * K + 64 + j] = 0.f; /* a block of zeros: d = 0 */
+    const Int8Rows rows = {q, d, ds16, ds32};
+    int8_rows(x, &rows, ROWS, K, 0, 1);
+    for (int i = 0; i < ROWS * K; i++) qf[i] = q[i];
+    print("int8 codes", qf, ROWS * K), print("int8 d", d, ROWS * GROUPS);
+    print("int8 d sums of 16", ds16, ROWS * K / 16), print("int8 d sums of 32", ds32, ROWS * GROUPS);
+
+    for (int i = 0; i < GROUPS * 256; i++) nibbles[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
+    for (int i = 0; i < 16 * K; i++) bytes[i] = (uint8_t)((uniform() + 1.f) * 31.99f); /* 0..63 */
+    for (int s = 0; s < SUPERS; s++) {
+        float *f = (float *)(supers + s * Q4K_SUPER_BYTES);
+        fill(f, 16, 0.01f), fill(f + 16, 16, 0.01f);
+        for (int i = 128; i < Q4K_SUPER_BYTES; i++) supers[s * Q4K_SUPER_BYTES + i] = (uint8_t)((uniform() + 1.f) * 31.9f);
+    }
+    fill(flat, GROUPS * 32, 0.1f), fill(scales, (K / 16) * 2 * 16, 0.1f);
+    const GridPart parts[6] = {
+        {G_INT4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 8},
+        {G_INT4_K, 16, 32, 1, (int64_t)nibbles, (int64_t)supers, 1, 8},
+        {G_INT8_GROUPS, 16, 16, 0, (int64_t)bytes, (int64_t)scales, 1, 32},
+        {G_INT8_GROUPS, 16, 16, 1, (int64_t)bytes, (int64_t)scales, 1, 32},
+        {G_INT8_GROUPS, 16, 32, 0, (int64_t)bytes, (int64_t)scales, 1, 16},
+        {G_INT8_GROUPS, 16, 32, 1, (int64_t)bytes, (int64_t)scales, 1, 0},
+    };
+    const int mts[5] = {1, 2, 4, 8, 12};
+    char name[64];
+    for (int p = 0; p < 6; p++) {
+        const Grid grid = {1, {parts[p]}};
+        for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
+        for (int i = 0; i < ROWS; i++)
+            for (int n = 0; n < 16; n++) {
+                double sum = 0.;
+                for (int j = 0; j < K; j++) sum += (double)w[n * K + j] * ((double)d[i * GROUPS + j / 32] * q[i * K + j]);
+                ref[i * 16 + n] = (float)sum;
+            }
+        snprintf(name, sizeof name, "x8 reference %d", p);
+        print(name, ref, ROWS * 16);
+        for (int r = 0; r < 5; r++) {
+            tile_x8(mts[r], &parts[p], (const uint8_t *)parts[p].codes, (const void *)parts[p].scales, K, &rows, out);
+            snprintf(name, sizeof name, "x8 tile %d, %d rows", p, mts[r]);
+            print(name, out, mts[r] * 16);
+        }
+    }
+}
+
 static void check_rows(void) {
     enum { H = 37, D = 40, INTER = 37 };
     float x[H], out[H], w[H], head[D], cos_row[D], sin_row[D], gate_up[2 * INTER], act[INTER];
@@ -207,6 +262,7 @@ int main(void) {
     check_q4();
     check_q8_groups();
     check_q4_k();
+    check_x8();
     check_rows();
     check_attention();
     check_argmax();

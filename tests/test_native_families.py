@@ -66,19 +66,41 @@ def portable(tmp_path_factory) -> dict[str, list[float]]:
     path = build_check("cc", kernel_flags("generic"), tmp_path_factory.mktemp("generic") / "check")
     sections = printout([str(path)])
     assert next(iter(sections)) == "kernels: generic C"
+    assert_tiles_match_their_reference(sections)
     return sections
+
+
+def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None:
+    """Each int8-input tile against its reference (grid_row's weights times the dequantized
+    inputs, in double): the same sums up to float32 rounding; a wrong code, scale or offset is
+    off by the outputs' own size."""
+    tiles = [name for name in sections if name.startswith("x8 tile ")]
+    assert len(tiles) == 30
+    for name in tiles:
+        part = name.split()[2].rstrip(",")
+        reference, got = sections[f"x8 reference {part}"], sections[name]
+        scale = max(abs(v) for v in reference)
+        for i, (a, b) in enumerate(zip(got, reference)):
+            assert abs(a - b) <= 1e-5 * scale, (name, i, a, b, scale)
+    codes = sections["int8 codes"]
+    assert min(codes) == -127 and max(codes) == 127 and all(c == int(c) for c in codes)
 
 
 @pytest.mark.parametrize("family", [f for f in runnable_families() if f != "generic"])
 def test_every_kernel_of_a_family_this_cpu_runs_agrees_with_the_portable_ones(family, portable, tmp_path):
     got = printout([str(build_check("cc", kernel_flags(family), tmp_path / "check"))])
     assert_same_numbers(got, portable)
+    assert_tiles_match_their_reference(got)
 
 
 @pytest.mark.skipif(shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None or not Path(SYSROOT).is_dir(),
                     reason=f"the NEON kernels are checked under emulation: needs {CROSS_CC} and {QEMU} "
                            "(Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
-def test_neon_kernels_under_qemu_agree_with_the_portable_ones(portable, tmp_path):
-    got = printout([QEMU, "-L", SYSROOT, str(build_check(CROSS_CC, KERNEL_FAMILIES["neon"].flags, tmp_path / "check"))])
-    assert next(iter(got)) == "kernels: NEON"
+@pytest.mark.parametrize("extra,name", [((), "NEON"), (("-march=armv8.2-a+dotprod",), "NEON, dotprod dot products")])
+def test_neon_kernels_under_qemu_agree_with_the_portable_ones(portable, tmp_path, extra, name):
+    """armv8-a, and armv8.2-a with the dot-product extension (Graviton 2+, Ampere, Apple M)."""
+    flags = (*KERNEL_FAMILIES["neon"].flags, *extra)
+    got = printout([QEMU, "-L", SYSROOT, str(build_check(CROSS_CC, flags, tmp_path / "check"))])
+    assert next(iter(got)) == f"kernels: {name}"
     assert_same_numbers(got, portable)
+    assert_tiles_match_their_reference(got)

@@ -113,10 +113,12 @@ def test_every_kernel_family_of_this_cpu_is_built_and_named(llama_dir, kernel_fa
     flags = cpu_flags()
     if X86_V3 <= flags:
         assert "avx2" in FAMILIES
-    if X86_V4 | {"avx512_bf16"} <= flags:
+    if X86_V4 | {"avx512_vnni"} <= flags:
+        assert "avx512vnni" in FAMILIES
+    if X86_V4 | {"avx512_vnni", "avx512_bf16"} <= flags:
         assert "avx512bf16" in FAMILIES
-    names = {"avx512bf16": "AVX-512F, bfloat16 dot products", "avx512": "AVX-512F", "avx2": "AVX2+FMA",
-             "neon": "NEON", "generic": "generic C"}
+    names = {"avx512bf16": "AVX-512F, VNNI and bfloat16 dot products", "avx512vnni": "AVX-512F, VNNI dot products",
+             "avx512": "AVX-512F", "avx2": "AVX2+FMA", "neon": "NEON", "generic": "generic C"}
     with caplog.at_level(logging.INFO):
         engine = Engine(EngineConfig(llama_dir, dtype="bfloat16", max_slots=2))
     assert engine.runner.native.kernels == names[kernel_family]
@@ -250,11 +252,12 @@ def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding
     assert "the file's own codes" in native.describe()
     rows = [decode + prompt for decode, prompt, *_ in compared]
     assert rows.count(1) >= 3 and max(rows) >= 9  # single rows, and more than one tile of rows
-    # the kernels sum codes x inputs exactly where PyTorch reads bfloat16-rounded weights: a
-    # bfloat16 step or two here and there (this random file's Q6_K embedding makes large
-    # activations), where a wrong code or scale is off by the logits' own size
+    # the kernels sum codes x inputs exactly where PyTorch reads bfloat16-rounded weights and
+    # inputs: a bfloat16 step or two here and there (this random file's Q6_K embedding makes large
+    # activations), and where the two paths' inputs differ by such a step an int8 input may round
+    # the other way (one step of its block); a wrong code or scale is off by the logits' own size
     relative = sorted(diff / max(1.0, scale) for _, _, diff, scale, _ in compared)
-    assert relative[len(relative) // 2] <= 0.012 and relative[-1] <= 0.06, relative[-5:]
+    assert relative[len(relative) // 2] <= 0.016 and relative[-1] <= 0.08, relative[-5:]
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
 
 

@@ -289,7 +289,8 @@ class GGUFReader:
                 supers = [a[:, source.start // n: source.stop // n] for a, n in zip(supers, per)]
         parts = [a.contiguous() for a in parts]
         supers = tuple(a.contiguous() for a in supers) if supers else None
-        return Grid(parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits, supers)
+        return Grid(parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits,
+                    found.code_range, supers)
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

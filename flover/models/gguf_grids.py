@@ -34,6 +34,7 @@ class BlockGrid:
     low: np.ndarray | None  # float32 [rows, cols / group]; None: every low is 0
     group: int
     bits: int  # 4 or 8
+    code_range: tuple[int, int]  # the type's smallest and largest q
     # Q4_K: the factors of its scales, per 256 inputs d and -dmin (float32 [rows, cols / 256]) and
     # per group sc and m (uint8 [rows, cols / 32]): scale = d sc, low = -dmin m (the kernels read
     # these, a quarter of the stored scales' bytes)
@@ -127,6 +128,9 @@ BLOCK_TYPES = {
     "Q5_0": (22, 32, 32, 8, _q5_0), "Q5_1": (24, 32, 32, 8, _q5_1), "Q5_K": (176, 256, 32, 8, _q5_k),
     "Q6_K": (210, 256, 16, 8, _q6_k), "Q8_0": (34, 32, 32, 8, _q8_0),
 }
+# type -> the smallest and the largest code q (the table above)
+CODE_RANGES = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
+               "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}
 
 
 def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockGrid | None:
@@ -146,4 +150,5 @@ def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Bloc
         supers = (own(d.reshape(rows, -1), np.float32), own(neg_dmin.reshape(rows, -1), np.float32),
                   own(sc.reshape(rows, -1)), own(mn.reshape(rows, -1)))
     return BlockGrid(own(codes.reshape(rows, cols)), own(scale, np.float32),
-                     None if low is None else own(low, np.float32), group, bits, supers or None)
+                     None if low is None else own(low, np.float32), group, bits, CODE_RANGES[type_name],
+                     supers or None)

@@ -12,7 +12,7 @@ from torch import nn
 
 from flover.models.config import CheckpointError, ModelConfig
 from flover.models.loader import Source
-from flover.models.quant import QuantizedWeight, file_weight, int4_weight, quantize
+from flover.models.quant import QuantizedWeight, file_weight, int4_weight, int8_inputs, quantize
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -127,6 +127,7 @@ class Linear(nn.Module):
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None  # used for iterations of few rows
+        self.int8_inputs = False  # a file's small codes: inputs quantized as the native step's (quant.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -141,6 +142,7 @@ class Linear(nn.Module):
         they are (int4: 4-bit ones; file: `values` are theirs)."""
         if grids is not None and mode == "file":
             self.quantized, dequantized = file_weight(grids, values, self.weight.dtype)
+            self.int8_inputs = self.quantized.int8_inputs
         elif grids is not None:
             if any(g.bits != 4 or g.low is None for g in grids):
                 raise ValueError("int4 takes 4-bit grids with minimums (Q4_0, Q4_1, Q4_K)")
@@ -175,6 +177,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None and self.packed is None and self.quantized is None:
             raise RuntimeError("this projection's weights were released: the native step runs every iteration")
+        if self.int8_inputs:
+            x = int8_inputs(x)
         if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias

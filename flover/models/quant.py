@@ -48,6 +48,9 @@ class QuantizedWeight:
     # GGUF file's scales stay its own (bfloat16 would keep 8 of their 11 bits)
     exact_scales: torch.Tensor | None = None
     parts: list["Grid"] | None = None  # file: the output rows' grids, in order (the native step's)
+    # file, codes of up to 6 bits only: inputs are quantized to int8 first (int8_inputs), as the
+    # native step's integer kernels take them
+    int8_inputs: bool = False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (no bias)."""
@@ -112,13 +115,18 @@ class Grid:
     low: torch.Tensor | None  # float32 [rows, in / group]; None: every low is 0
     group: int
     bits: int  # 4 (the int4 kernels) or 8
+    code_range: tuple[int, int]  # the block type's smallest and largest q
     # Q4_K's factors of scale and low (gguf_grids.BlockGrid.supers): d, -dmin [rows, in / 256]
     # float32, sc, m [rows, in / 32] uint8
     supers: tuple[torch.Tensor, ...] | None = None
 
     def kernel(self) -> tuple:
         """What the native step's kernel for these codes depends on: neighbours equal here run as one."""
-        return self.bits, self.group, self.low is None, self.supers is None
+        return self.bits, self.group, self.low is None, self.supers is None, self.code_range
+
+    def small_codes(self) -> bool:
+        """Codes of up to 6 bits (not Q8_0's): the int8-input kernels take them."""
+        return self.code_range[1] - self.code_range[0] < 64
 
     @staticmethod
     def cat(grids: list["Grid"]) -> "Grid":
@@ -127,7 +135,7 @@ class Grid:
         low = None if first.low is None else torch.cat([g.low for g in grids])
         supers = None if first.supers is None else tuple(torch.cat(parts) for parts in zip(*(g.supers for g in grids)))
         return Grid(torch.cat([g.codes for g in grids]), torch.cat([g.scale for g in grids]), low, first.group,
-                    first.bits, supers)
+                    first.bits, first.code_range, supers)
 
 
 def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -135,7 +143,19 @@ def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> 
     gives for them (float32 [out, in]: scale * q + low, bit for bit) -> (the quantized weight,
     neighbours of the same kernel merged into one run; the values in `dtype`)."""
     runs = [Grid.cat(list(same)) for _, same in itertools.groupby(grids, key=Grid.kernel)]
-    return QuantizedWeight("file", None, None, 0, parts=runs), values.to(dtype)
+    small = all(run.small_codes() for run in runs)
+    return QuantizedWeight("file", None, None, 0, parts=runs, int8_inputs=small), values.to(dtype)
+
+
+def int8_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] -> its values quantized to int8 per 32 inputs, as llama.cpp's Q8_0 rows and the
+    native step's int8_rows (tiles_int8.c) do, step for step in float32: d = max |x| / 127,
+    q = round-to-even(x / d) (x * (1 / d)), x ~ q d; in x's dtype."""
+    t, n = x.shape
+    blocks = x.to(torch.float32).view(t, n // 32, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).view(t, n).to(x.dtype)
 
 
 def can_quantize(weight: torch.Tensor, mode: str) -> str | None:

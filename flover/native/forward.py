@@ -68,9 +68,11 @@ class KernelFamily:
 
 
 KERNEL_FAMILIES = {
-    "avx512bf16": KernelFamily(("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"),
-                               frozenset(X86_V4 | {"avx512_bf16"}), "x86_64"),
-    "avx512": KernelFamily(("-march=x86-64-v4", "-mtune=native"), frozenset(X86_V4), "x86_64"),
+    "avx512bf16": KernelFamily(("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=native"),
+                               frozenset(X86_V4 | {"avx512_vnni", "avx512_bf16"}), "x86_64"),  # Zen 4+, Sapphire Rapids+
+    "avx512vnni": KernelFamily(("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
+                               frozenset(X86_V4 | {"avx512_vnni"}), "x86_64"),  # Cascade Lake, Ice Lake
+    "avx512": KernelFamily(("-march=x86-64-v4", "-mtune=native"), frozenset(X86_V4), "x86_64"),  # Skylake-SP
     "avx2": KernelFamily(("-march=x86-64-v3", "-mtune=native"), frozenset(X86_V3), "x86_64"),
     "neon": KernelFamily(("-march=armv8-a",), frozenset({"asimd"}), "aarch64"),
     "generic": KernelFamily(("-DFLOVER_GENERIC",), frozenset(), ""),  # portable C: the reference

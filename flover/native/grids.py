@@ -15,7 +15,7 @@ from flover.models.quant import Grid, QuantizedWeight
 G_INT4, G_INT4_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 8, 9  # native.h
 Q4K_SUPER_BYTES = 384  # native.h
 MAX_PARTS = 4
-GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales")  # native.h: GridPart
+GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales", "x8", "offset")  # native.h: GridPart
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Run:
     lows: int
     shapes: list[tuple[tuple[int, ...], torch.dtype]]  # codes, scales
     fill: Callable[[torch.Tensor, torch.Tensor], None]
+    x8: int = 0  # takes int8 inputs (tiles_int8.c's layouts)
+    offset: int = 0  # x8 bytes: the stored code that means 0
 
 
 def rows_last(per_row: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
@@ -55,27 +57,42 @@ def block_nibbles(codes: torch.Tensor, codes_out: torch.Tensor) -> None:
     codes_out.copy_(rows_last(pairs[..., 0] | (pairs[..., 1] << 4), codes_out.shape[0], fill=0x88))
 
 
-def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Run:
+def lanes_of_four(per_row: torch.Tensor, blocks: int, fill: int) -> torch.Tensor:
+    """[n, *rest, 4] bytes -> [blocks, *rest, 16, 4]: tiles_int8.c's 64-byte loads, a block's 16
+    rows as lanes of 4 bytes (rows padded with `fill`)."""
+    return rows_last(per_row, blocks, fill).movedim(-1, -2)
+
+
+def block_nibble_quads(codes: torch.Tensor, codes_out: torch.Tensor) -> None:
+    """4-bit codes uint8 [n, k] -> codes_out [n / 16, k / 32, 4, 16, 4] (tiles_int8.c): the c-th
+    64 bytes of a group hold inputs 4c..4c+3 in the low nibbles, 16 + 4c.. in the high ones."""
+    n, k = codes.shape
+    halves = codes.view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+    quads = lanes_of_four(halves[:, :, 0] | (halves[:, :, 1] << 4), codes_out.shape[0], fill=0x88)
+    codes_out.view(quads.shape).copy_(quads)
+
+
+def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: bool) -> Run:
     """w = scale * (q - 8) + zero, scale / zero float32 [n, k / 32]: scales [n / 16, k / 32, 2, 16]."""
     n, k = codes.shape
     blocks = -(-n // 16)
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        block_nibbles(codes, codes_out)
+        (block_nibble_quads if x8 else block_nibbles)(codes, codes_out)
         scales_out.copy_(rows_last(torch.stack((scale, zero), dim=-1), blocks))
 
     return Run(G_INT4, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
-               fill)
+               fill, int(x8), 8)
 
 
-def _int4_k_run(grid: Grid) -> Run:
+def _int4_k_run(grid: Grid, x8: bool) -> Run:
     """Q4_K's scale factors -> scales uint8 [n / 16, k / 256, 384]: per block of 16 rows and
     super-block, d[16] and -dmin[16] in float32, then sc[8][16] and m[8][16] bytes."""
     n, k = grid.codes.shape
     blocks, supers = -(-n // 16), k // 256
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        block_nibbles(grid.codes, codes_out)
+        (block_nibble_quads if x8 else block_nibbles)(grid.codes, codes_out)
         d, neg_dmin, sc, m = grid.supers
         factors = rows_last(torch.stack((d, neg_dmin), dim=-1), blocks)  # [blocks, supers, 2, 16]
         bytes_ = rows_last(torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2), blocks)
@@ -83,7 +100,7 @@ def _int4_k_run(grid: Grid) -> Run:
                                     bytes_.contiguous().view(blocks, supers, 256)), dim=-1))
 
     return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
-                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill)
+                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill, int(x8), 8)
 
 
 def int8_rows_run(quantized: QuantizedWeight) -> Run:
@@ -98,18 +115,24 @@ def int8_rows_run(quantized: QuantizedWeight) -> Run:
     return Run(G_INT8_ROWS, n, k, 0, [((blocks, k // 2, 16, 2), torch.int8), ((blocks * 16,), torch.float32)], fill)
 
 
-def _groups_run(grid: Grid) -> Run:
-    """8-bit codes with group scales: codes as block_pairs, scales [n / 16, k / group, 1 or 2, 16]
-    (the scales, then the minimums)."""
+def _groups_run(grid: Grid, x8: bool) -> Run:
+    """8-bit codes with group scales: codes as block_pairs (x8: q + offset as lanes of four bytes,
+    [n / 16, k / 4, 16, 4]), scales [n / 16, k / group, 1 or 2, 16] (the scales, then the minimums)."""
     n, k = grid.codes.shape
-    blocks, lows = -(-n // 16), int(grid.low is not None)
+    blocks, lows, offset = -(-n // 16), int(grid.low is not None), max(0, -grid.code_range[0])
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        block_pairs(grid.codes, codes_out)
+        if x8:
+            stored = (grid.codes.to(torch.int16) + offset).to(torch.uint8).view(n, k // 4, 4)
+            quads = lanes_of_four(stored, blocks, fill=offset).view(torch.int8)
+            codes_out.view(quads.shape).copy_(quads)
+        else:
+            block_pairs(grid.codes, codes_out)
         scales_out.copy_(rows_last(torch.stack([grid.scale] + ([grid.low] if lows else []), dim=-1), blocks))
 
     return Run(G_INT8_GROUPS, n, grid.group, lows,
-               [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)], fill)
+               [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)], fill,
+               int(x8), offset)
 
 
 def runs_of(quantized: QuantizedWeight) -> list[Run]:
@@ -118,16 +141,16 @@ def runs_of(quantized: QuantizedWeight) -> list[Run]:
         return [int8_rows_run(quantized)]
     if quantized.mode == "int4":  # its codes and unrounded scales, kept for us
         exact = quantized.exact_scales.permute(1, 0, 2)  # [in / 32, n, 2] -> [n, in / 32, 2]
-        return [_int4_run(quantized.codes, exact[..., 0], exact[..., 1])]
-    runs = []
+        return [_int4_run(quantized.codes, exact[..., 0], exact[..., 1], x8=False)]
+    runs, x8 = [], quantized.int8_inputs
     for grid in quantized.parts:
         if grid.bits == 8:
-            runs.append(_groups_run(grid))
+            runs.append(_groups_run(grid, x8))
         elif grid.supers is not None and grid.codes.shape[1] % 256 == 0:
-            runs.append(_int4_k_run(grid))
+            runs.append(_int4_k_run(grid, x8))
         else:  # the int4 kernel's zero is the value at q = 8
             low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
-            runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale))
+            runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale, x8))
     return runs
 
 
@@ -136,7 +159,7 @@ def grid_struct(runs: list[Run], tensors: list[tuple[torch.Tensor, torch.Tensor]
     fields = [len(runs)]
     for run, (codes, scales) in zip(runs, tensors):
         run.fill(codes, scales)
-        fields += [run.kind, run.rows, run.group, run.lows, codes.data_ptr(), scales.data_ptr()]
+        fields += [run.kind, run.rows, run.group, run.lows, codes.data_ptr(), scales.data_ptr(), run.x8, run.offset]
     fields += [0] * len(GRID_FIELDS) * (MAX_PARTS - len(runs))
     return torch.tensor(fields, dtype=torch.int64)
 

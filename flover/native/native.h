@@ -5,6 +5,8 @@
  *   tiles.c            projection tiles written once on the mapping (float32, and bfloat16 /
  *                      int8 / int4 weights widened to float32 in registers)
  *   tiles_bf16_dot.c   the same tiles through AVX-512 BF16's dot-product instruction
+ *   simd_int8.h        4-byte integer dot products on 16 lanes (the mapping, for int8 inputs)
+ *   tiles_int8.c       a GGUF file's codes of up to 6 bits times int8 inputs
  *   project.c          a whole projection: threads, tiles, bias and rounding of the outputs
  *   row_ops.c          norms, RoPE, residuals, SiLU: a few vector loops per row
  *   attention.c        decode rows over their slot's keys; blocks of prompt rows
@@ -62,6 +64,9 @@ enum { G_INT4 = 4, G_INT4_K = 5, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
  * blocks than q and k (as in GGUF's Q4_K_M files) is three runs, or two. */
 typedef struct {
     int64_t kind, rows, group, lows, codes, scales;
+    /* x8: the run takes int8 inputs (tiles_int8.c: its codes in that file's layouts); offset: the
+     * stored code that means 0 (bytes; 4-bit codes: 8) */
+    int64_t x8, offset;
 } GridPart;
 typedef struct {
     int64_t parts;
@@ -117,6 +122,22 @@ static inline void add_group(v16 *acc, const v16 *part, int mt, const float *sca
  * group sums (lows) */
 void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *x,
               const float *xsum, float *out);
+/* ---- tiles_int8.c ------------------------------------------------------------------------------ */
+/* rows quantized to int8 per 32 inputs, from a tile's first row: codes [rows][k], d [rows][k / 32]
+ * (max |x| / 127), and d times the sum of the codes per 16 inputs [rows][k / 16] and per 32
+ * [rows][k / 32] */
+typedef struct {
+    const int8_t *q;
+    const float *d, *ds16, *ds32;
+} Int8Rows;
+/* thread t of T quantizes its share of x's rows [rows, k] into `out`'s arrays (from row 0) */
+void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, int T);
+int x8_tile_rows(int left); /* rows of the next int8 tile over `left` rows */
+/* MT rows x one block of a run that takes int8 inputs (part->x8) */
+void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,
+             float *out);
+const char *int8_dot_name(void); /* the dot-product instructions that sum them ("VNNI"), or "" */
+
 /* the family this build runs, e.g. "AVX-512F, bfloat16 dot products" */
 API const char *flover_kernels(void);
 

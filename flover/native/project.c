@@ -74,9 +74,10 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
         }
 }
 
-/* y = x W^T (+ bias) through a run of codes with group scales (tiles.c: 4-bit, or bytes); x:
- * float rows [rows, k] of bfloat16 values; y: float rows with a stride of ldy. One row reads a
- * quarter (4-bit) or half of bfloat16's bytes. */
+/* y = x W^T (+ bias) through a run of codes with group scales (tiles.c: 4-bit, or bytes; or
+ * tiles_int8.c's on int8 inputs); x: float rows [rows, k] of bfloat16 values; y: float rows with
+ * a stride of ldy. One row reads a quarter (4-bit) or half of bfloat16's bytes. xb and xsum:
+ * the operand's scratch (int8 inputs: their codes and scales in xb, their sums in xsum). */
 static void project_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
                            int64_t k, float *y, int64_t ldy, int bf, int nt) {
     const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
@@ -84,17 +85,30 @@ static void project_groups(const GridPart *part, const void *bias, const float *
     /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's super-blocks) */
     const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : 8 * k;
     const int64_t scale_bytes = kind == G_INT4_K ? (k / 256) * Q4K_SUPER_BYTES : groups * 16 * (1 + lows) * 4;
+    /* int8 inputs: codes and d in xb, d sum(q) per 16 in xsum, per 32 after d */
+    const Int8Rows x8 = {xb, (const float *)((int8_t *)xb + (int64_t)rows * k), xsum,
+                         (const float *)((int8_t *)xb + (int64_t)rows * k) + rows * (k / 32)};
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
-        if (lows) group_sums(x, xsum, rows, k, group, t, T);
+        if (part->x8) int8_rows(x, &x8, rows, k, t, T);
+        else if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
+        if (lows && !part->x8) group_sums(x, xsum, rows, k, group, t, T);
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         float out[12 * 16];
         for (int64_t nb = b0; nb < b1; nb++) {
             const char *c = (const char *)part->codes + nb * code_bytes, *sc = (const char *)part->scales + nb * scale_bytes;
             for (int m0 = 0; m0 < rows;) {
+                if (part->x8) {
+                    const int mt = x8_tile_rows(rows - m0);
+                    const Int8Rows xr = {x8.q + m0 * k, x8.d + m0 * (k / 32), x8.ds16 + m0 * (k / 16),
+                                         x8.ds32 + m0 * (k / 32)};
+                    tile_x8(mt, part, (const uint8_t *)c, sc, k, &xr, out);
+                    for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
+                    m0 += mt;
+                    continue;
+                }
                 const int mt = group_tile_rows(rows - m0);
                 const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
                                                             : (const void *)(x + m0 * k);
@@ -132,6 +146,23 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     const GridPart *part = grid->part;
     while (row >= part->rows && part < grid->part + grid->parts - 1) row -= part->rows, part++;
     const int64_t block = row / 16, lane = row % 16;
+    if ((part->kind == G_INT4 || part->kind == G_INT4_K) && part->x8) { /* tiles_int8.c's 4-bit layout */
+        const int k_super = part->kind == G_INT4_K;
+        const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
+        const char *s = (const char *)part->scales + block * (k_super ? (k / 256) * Q4K_SUPER_BYTES : (k / 32) * 128);
+        for (int64_t g = 0; g < k / 32; g++) {
+            v16 scale, zero;
+            float sc[16], zr[16];
+            if (k_super) q4k_group_scales(s, g, &scale, &zero);
+            else q4_group_scales(s, g, &scale, &zero);
+            v_store(sc, scale), v_store(zr, zero);
+            for (int64_t j = 0; j < 32; j++) {
+                const uint8_t byte = c[g * 256 + ((j % 16) / 4) * 64 + lane * 4 + j % 4];
+                out[g * 32 + j] = sc[lane] * (float)((j >= 16 ? byte >> 4 : byte & 15) - 8) + zr[lane];
+            }
+        }
+        return;
+    }
     if (part->kind == G_INT4 || part->kind == G_INT4_K) {
         const int k_super = part->kind == G_INT4_K;
         const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
@@ -152,7 +183,8 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     const int8_t *c = (const int8_t *)part->codes + block * 16 * k;
     const float *s = (const float *)part->scales;
     for (int64_t i = 0; i < k; i++) {
-        const float q = (float)c[(i / 2) * 32 + lane * 2 + i % 2];
+        const float q = part->x8 ? (float)(((const uint8_t *)c)[(i / 4) * 64 + lane * 4 + i % 4] - (int)part->offset)
+                                 : (float)c[(i / 2) * 32 + lane * 2 + i % 2];
         if (part->kind == G_INT8_ROWS) {
             out[i] = s[block * 16 + lane] * q;
             continue;

@@ -14,6 +14,8 @@
  * a row's result does not depend on which other rows share its iteration, so fusing requests
  * changes no bit of any of them.
  */
+#include <stdio.h>
+
 #include "native.h"
 
 #define ROW_TILES(TILE, NT) TILE(6, NT) TILE(4, NT) TILE(2, NT) TILE(1, NT)
@@ -193,5 +195,11 @@ void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int g
 }
 
 API const char *flover_kernels(void) {
-    return has_bf16_dot() ? V_FAMILY_SIMD ", bfloat16 dot products" : V_FAMILY_SIMD;
+    static char name[96]; /* the same text every call: e.g. "AVX-512F, VNNI and bfloat16 dot products" */
+    const char *int8 = int8_dot_name();
+    if (*int8 && has_bf16_dot()) snprintf(name, sizeof name, "%s, %s and bfloat16 dot products", V_FAMILY_SIMD, int8);
+    else if (*int8 || has_bf16_dot())
+        snprintf(name, sizeof name, "%s, %s dot products", V_FAMILY_SIMD, *int8 ? int8 : "bfloat16");
+    else snprintf(name, sizeof name, "%s", V_FAMILY_SIMD);
+    return name;
 }

@@ -1,0 +1,159 @@
+/* Integer dot products on 16 lanes (the int8 tiles: weights of up to 6 bits times inputs
+ * quantized to int8), whatever the instruction set, beside simd.h's float mapping:
+ *
+ *   q64   64 bytes: 16 lanes (a block's 16 output rows) of 4 unsigned codes, each below 64
+ *   i16   16 int32 lanes
+ *   i_dot4(acc, w, x)   acc[r] += w[4r] x[0] + w[4r + 1] x[1] + w[4r + 2] x[2] + w[4r + 3] x[3]
+ *                       (x: 4 signed bytes): AVX-512 VNNI / AVX-VNNI vpdpbusd, AVX-512BW / AVX2
+ *                       maddubs + madd (no saturation below 64 x 127 x 2), NEON sdot (or
+ *                       widening multiplies without dotprod), plain loops
+ *
+ * Every sum is exact (integers), so the families differ in no bit here.
+ */
+#ifndef FLOVER_SIMD_INT8_H
+#define FLOVER_SIMD_INT8_H
+
+#include "simd.h"
+
+static inline int32_t x4_bytes(const int8_t *x) { /* 4 input bytes as one lane's worth */
+    int32_t v;
+    memcpy(&v, x, 4);
+    return v;
+}
+
+#if defined(V_AVX512)
+typedef __m512i q64;
+typedef __m512i i16;
+static inline q64 q_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
+    const __m512i m = _mm512_set1_epi8(15);
+    *lo = _mm512_and_si512(b, m), *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
+}
+static inline i16 i_zero(void) { return _mm512_setzero_si512(); }
+static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4_bytes(x)));
+#else
+    const __m512i pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4_bytes(x)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+static inline v16 v_from_i(i16 a) { return _mm512_cvtepi32_ps(a); }
+static inline v16 v_round(v16 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void v_store_i8(int8_t *p, v16 v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(v))); }
+
+#elif defined(V_AVX2)
+typedef struct {
+    __m256i lo, hi; /* rows 0-7, 8-15 */
+} q64;
+typedef q64 i16;
+static inline q64 q_load(const uint8_t *p) {
+    return (q64){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+}
+static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
+    const __m256i m = _mm256_set1_epi8(15);
+    *lo = (q64){_mm256_and_si256(b.lo, m), _mm256_and_si256(b.hi, m)};
+    *hi = (q64){_mm256_and_si256(_mm256_srli_epi16(b.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(b.hi, 4), m)};
+}
+static inline i16 i_zero(void) { return (i16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
+    const __m256i xv = _mm256_set1_epi32(x4_bytes(x));
+    return (i16){dot4_8(acc.lo, w.lo, xv), dot4_8(acc.hi, w.hi, xv)};
+}
+static inline v16 v_from_i(i16 a) { return (v16){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+static inline v16 v_round(v16 v) {
+    return (v16){_mm256_round_ps(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                 _mm256_round_ps(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+#define I8_STORE_LOOP
+
+#elif defined(V_NEON)
+typedef struct {
+    uint8x16_t q[4]; /* rows 4i..4i+3 */
+} q64;
+typedef struct {
+    int32x4_t q[4];
+} i16;
+static inline q64 q_load(const uint8_t *p) {
+    q64 b;
+    for (int i = 0; i < 4; i++) b.q[i] = vld1q_u8(p + 16 * i);
+    return b;
+}
+static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
+    for (int i = 0; i < 4; i++) lo->q[i] = vandq_u8(b.q[i], vdupq_n_u8(15)), hi->q[i] = vshrq_n_u8(b.q[i], 4);
+}
+static inline i16 i_zero(void) {
+    i16 a;
+    for (int i = 0; i < 4; i++) a.q[i] = vdupq_n_s32(0);
+    return a;
+}
+/* codes below 64 are the same bytes signed: s8 x s8 */
+static inline int32x4_t dot4_4(int32x4_t acc, uint8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(acc, vreinterpretq_s8_u8(w), x);
+#else
+    const int8x16_t ws = vreinterpretq_s8_u8(w);
+    const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(ws), vget_low_s8(x)));
+    const int32x4_t hi = vpaddlq_s16(vmull_high_s8(ws, x));
+    return vaddq_s32(acc, vpaddq_s32(lo, hi));
+#endif
+}
+static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
+    const int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4_bytes(x)));
+    for (int i = 0; i < 4; i++) acc.q[i] = dot4_4(acc.q[i], w.q[i], xv);
+    return acc;
+}
+static inline v16 v_from_i(i16 a) {
+    v16 v;
+    for (int i = 0; i < 4; i++) v.q[i] = vcvtq_f32_s32(a.q[i]);
+    return v;
+}
+static inline v16 v_round(v16 v) {
+    for (int i = 0; i < 4; i++) v.q[i] = vrndnq_f32(v.q[i]);
+    return v;
+}
+#define I8_STORE_LOOP
+
+#else
+typedef struct {
+    uint8_t b[64];
+} q64;
+typedef struct {
+    int32_t i[16];
+} i16;
+static inline q64 q_load(const uint8_t *p) {
+    q64 b;
+    memcpy(b.b, p, 64);
+    return b;
+}
+static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
+    for (int i = 0; i < 64; i++) lo->b[i] = b.b[i] & 15, hi->b[i] = b.b[i] >> 4;
+}
+static inline i16 i_zero(void) { return (i16){{0}}; }
+static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 4; j++) acc.i[r] += (int32_t)w.b[4 * r + j] * x[j];
+    return acc;
+}
+static inline v16 v_from_i(i16 a) { return VG((float)a.i[_i]); }
+static inline v16 v_round(v16 v) { return VG(nearbyintf(v.f[_i])); } /* to even, as the others */
+#define I8_STORE_LOOP
+#endif
+
+#if defined(I8_STORE_LOOP)
+/* lanes holding whole numbers in -127..127 -> bytes */
+static inline void v_store_i8(int8_t *p, v16 v) {
+    float t[16];
+    v_store(t, v);
+    for (int i = 0; i < 16; i++) p[i] = (int8_t)(int32_t)fminf(fmaxf(t[i], -127.f), 127.f);
+}
+#endif
+
+#endif

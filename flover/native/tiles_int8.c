@@ -1,0 +1,135 @@
+/* Tiles on int8 inputs: a GGUF file's codes of up to 6 bits (Q4_0 / Q4_1 / Q4_K / Q5_* / Q6_K)
+ * times the rows quantized to int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in
+ * int32 by 4-byte dot products (simd_int8.h), then scaled in float32 once per group.
+ *
+ * Inputs: each row's 32-input blocks x ~ d q, d = max|x| / 127, q = round-to-even(x / d) in
+ * -127..127 (int8_rows; models/quant.py's int8_inputs is the same in PyTorch). Weights: w =
+ * scale (u - offset) + zero = scale u + low per group, u the stored unsigned code. So a group's
+ * sum is (scale d) sum(u q) + low (d sum(q)), the integer sum exact, every float step per row in
+ * the same order whatever the tile: fused rows give the bits they give alone.
+ *
+ * Layouts (flover/native/grids.py), per block of 16 output rows, 64 bytes = 16 lanes x 4 codes:
+ *   4-bit: per group of 32 inputs 4 x 64 bytes; in the c-th, lane r's byte j holds input
+ *          4c + j of row r in its low nibble and input 16 + 4c + j in its high one
+ *   bytes: per 4 inputs 64 bytes, lane r's byte j input 4t + j (u = q + offset)
+ */
+#include <omp.h>
+
+#include "native.h"
+#include "simd_int8.h"
+
+/* ---- inputs to int8 ---------------------------------------------------------------------------- */
+void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, int T) {
+    const int64_t blocks = k / 32;
+    for (int64_t m = (int64_t)rows * t / T; m < (int64_t)rows * (t + 1) / T; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + m * k + b * 32;
+            const v16 a = v_load(xb), c = v_load(xb + 16);
+            const float amax = v_reduce_max(v_max(v_abs(a), v_abs(c))), d = amax / 127.f;
+            const v16 inv = v_set1(d != 0.f ? 1.f / d : 0.f);
+            const v16 qa = v_round(v_mul(a, inv)), qc = v_round(v_mul(c, inv));
+            v_store_i8((int8_t *)out->q + m * k + b * 32, qa), v_store_i8((int8_t *)out->q + m * k + b * 32 + 16, qc);
+            const float sa = v_reduce_add(qa), sc = v_reduce_add(qc); /* whole numbers: exact */
+            ((float *)out->d)[m * blocks + b] = d;
+            ((float *)out->ds16)[m * 2 * blocks + 2 * b] = d * sa, ((float *)out->ds16)[m * 2 * blocks + 2 * b + 1] = d * sc;
+            ((float *)out->ds32)[m * blocks + b] = d * (sa + sc);
+        }
+}
+
+/* A group's sums done: acc[i] += (scale d_i) dot_i + low (d sum)_i, where w = scale u + low (the
+ * code's offset folded into low) */
+static inline void add_group_x8(v16 *acc, const i16 *dot, int mt, v16 scale, v16 low, const float *d, const float *ds,
+                                int64_t stride_d, int64_t stride_ds) {
+    for (int i = 0; i < mt; i++)
+        acc[i] = v_fmadd(v_mul(scale, v_set1(d[i * stride_d])), v_from_i(dot[i]),
+                         v_fmadd(low, v_set1(ds[i * stride_ds]), acc[i]));
+}
+
+/* ---- 4-bit codes (offset 8) -------------------------------------------------------------------- */
+#define TILE_Q4_X8(NAME, MT, GROUP_SCALES)                                                                 \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t groups = k / 32;                                                                     \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            i16 dot[MT];                                                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int c = 0; c < 4; c++) {                                                                  \
+                q64 lo, hi;                                                                                \
+                q_nibbles(q_load(codes + g * 256 + c * 64), &lo, &hi);                                     \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + g * 32 + 4 * c;                                      \
+                    dot[i] = i_dot4(i_dot4(dot[i], lo, xq), hi, xq + 16);                                  \
+                }                                                                                          \
+            }                                                                                              \
+            v16 scale, zero;                                                                               \
+            GROUP_SCALES(scales, g, &scale, &zero);                                                        \
+            add_group_x8(acc, dot, MT, scale, v_fnmadd(v_set1(8.f), scale, zero), x->d + g, x->ds32 + g, groups, groups); \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+#define Q4_X8_TILES(NAME, GROUP_SCALES)                                                                    \
+    TILE_Q4_X8(NAME, 12, GROUP_SCALES) TILE_Q4_X8(NAME, 8, GROUP_SCALES) TILE_Q4_X8(NAME, 4, GROUP_SCALES) \
+    TILE_Q4_X8(NAME, 2, GROUP_SCALES) TILE_Q4_X8(NAME, 1, GROUP_SCALES)
+Q4_X8_TILES(q4_x8, q4_group_scales)
+Q4_X8_TILES(q4k_x8, q4k_group_scales)
+
+/* ---- byte codes below 64 (offset 0, 16 or 32), a scale (and a minimum: lows) per 16 or 32 inputs */
+#define TILE_BYTES_X8(MT)                                                                                  \
+    static void bytes_x8_##MT(const uint8_t *codes, const float *scales, int64_t k, int group, int lows,   \
+                              int offset, const Int8Rows *x, float *out) {                                 \
+        const int64_t groups = k / group, blocks = k / 32;                                                 \
+        const float *ds = group == 16 ? x->ds16 : x->ds32;                                                 \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            i16 dot[MT];                                                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int t = 0; t < group / 4; t++) {                                                          \
+                const q64 w = q_load(codes + (g * group + 4 * t) * 16);                                    \
+                for (int i = 0; i < MT; i++) dot[i] = i_dot4(dot[i], w, x->q + i * k + g * group + 4 * t); \
+            }                                                                                              \
+            const float *s = scales + g * 16 * (1 + lows);                                                 \
+            const v16 scale = v_load(s), low = v_fnmadd(v_set1((float)offset), scale, lows ? v_load(s + 16) : v_zero()); \
+            add_group_x8(acc, dot, MT, scale, low, x->d + g * group / 32, ds + g, blocks, groups);          \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_BYTES_X8(12)
+TILE_BYTES_X8(8)
+TILE_BYTES_X8(4)
+TILE_BYTES_X8(2)
+TILE_BYTES_X8(1)
+
+/* accumulators (v16) and dot sums (i16) of a tile's rows, beside the codes' registers */
+#if defined(V_AVX512)
+#define X8_ROWS 8
+#elif defined(V_GENERIC)
+#define X8_ROWS 4
+#else
+#define X8_ROWS 2
+#endif
+
+int x8_tile_rows(int left) {
+    const int n = left < X8_ROWS ? left : X8_ROWS;
+    return n >= 12 ? 12 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+}
+
+void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,
+             float *out) {
+    if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
+    else GROUP_TILE(bytes_x8, mt, codes, (const float *)scales, k, (int)part->group, (int)part->lows, (int)part->offset, x, out);
+}
+
+const char *int8_dot_name(void) { /* "" where int8 sums take multiply-and-add pairs (maddubs, widening) */
+#if defined(__AVX512VNNI__)
+    return "VNNI";
+#elif defined(__AVXVNNI__)
+    return "AVX-VNNI";
+#elif defined(__ARM_FEATURE_DOTPROD)
+    return "dotprod";
+#else
+    return "";
+#endif
+}
