@@ -454,6 +454,7 @@ class NativeForward:
         self._ids = (ctypes.c_int64 * max_rows)()  # greedy's output
         self._screen_scores = torch.empty(0, self.vocab, dtype=torch.float32)  # the screen's scratch, kept
         self.quantized_projections = len(quantized)
+        self.int8_input_projections = sum(1 for lin in quantized if any(run.x8 for run in runs[id(lin)]))
         self.quantization = next(iter(sorted(layer_modes)), None)
         self.iterations = 0  # iterations run natively (stats, tests)
         self.screened_rows = self.full_head_rows = 0  # greedy rows whose ids came back; of them, with every logit
@@ -481,8 +482,11 @@ class NativeForward:
         dot = "bfloat16 dot products" in self.kernels
         if self.dtype == torch.float32:
             weights = "float32 weights"
-        elif self.quantization == "file":
-            weights = "the file's own codes widened to float32" + (" (4-bit ones in dot products)" if dot else "")
+        elif self.quantization == "file" and self.int8_input_projections == self.quantized_projections:
+            weights = "the file's own codes on int8 inputs"
+        elif self.quantization == "file":  # Q8_0's bytes meet the 16-bit inputs
+            weights = (f"the file's own codes ({self.int8_input_projections} of {self.quantized_projections} "
+                       f"projections on int8 inputs, the others {'in dot products' if dot else 'widened to float32'})")
         else:
             weights = (f"{self.quantization or 'bfloat16'} weights"
                        + (" in dot products" if dot else " widened to float32"))
