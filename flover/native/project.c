@@ -141,28 +141,11 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
 }
 
 /* Row `row` of a grid's weights (k inputs) -> out, floats: a tied embedding's lookup where the
- * head's codes are its only copy. Reads the blocked layouts of tiles.c lane by lane. */
+ * head's codes are its only copy. Reads the blocked layouts of tiles.c and tiles_int8.c lane by lane. */
 void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     const GridPart *part = grid->part;
     while (row >= part->rows && part < grid->part + grid->parts - 1) row -= part->rows, part++;
     const int64_t block = row / 16, lane = row % 16;
-    if ((part->kind == G_INT4 || part->kind == G_INT4_K) && part->x8) { /* tiles_int8.c's 4-bit layout */
-        const int k_super = part->kind == G_INT4_K;
-        const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
-        const char *s = (const char *)part->scales + block * (k_super ? (k / 256) * Q4K_SUPER_BYTES : (k / 32) * 128);
-        for (int64_t g = 0; g < k / 32; g++) {
-            v16 scale, zero;
-            float sc[16], zr[16];
-            if (k_super) q4k_group_scales(s, g, &scale, &zero);
-            else q4_group_scales(s, g, &scale, &zero);
-            v_store(sc, scale), v_store(zr, zero);
-            for (int64_t j = 0; j < 32; j++) {
-                const uint8_t byte = c[g * 256 + ((j % 16) / 4) * 64 + lane * 4 + j % 4];
-                out[g * 32 + j] = sc[lane] * (float)((j >= 16 ? byte >> 4 : byte & 15) - 8) + zr[lane];
-            }
-        }
-        return;
-    }
     if (part->kind == G_INT4 || part->kind == G_INT4_K) {
         const int k_super = part->kind == G_INT4_K;
         const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
@@ -173,9 +156,11 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
             if (k_super) q4k_group_scales(s, g, &scale, &zero);
             else q4_group_scales(s, g, &scale, &zero);
             v_store(sc, scale), v_store(zr, zero);
-            for (int64_t i = g * 32; i < g * 32 + 32; i++) {
-                const uint8_t byte = c[(g * 16 + (i % 32) / 2) * 16 + lane];
-                out[i] = sc[lane] * (float)((i % 2 ? byte >> 4 : byte & 15) - 8) + zr[lane];
+            for (int64_t j = 0; j < 32; j++) { /* tiles_int8.c's quads, or tiles.c's pairs */
+                const uint8_t byte = part->x8 ? c[g * 256 + ((j % 16) / 4) * 64 + lane * 4 + j % 4]
+                                              : c[(g * 16 + j / 2) * 16 + lane];
+                const int high = part->x8 ? j >= 16 : j % 2;
+                out[g * 32 + j] = sc[lane] * (float)((high ? byte >> 4 : byte & 15) - 8) + zr[lane];
             }
         }
         return;
