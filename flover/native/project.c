@@ -77,9 +77,10 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
 /* y = x W^T (+ bias) through a run of codes with group scales (tiles.c: 4-bit, or bytes; or
  * tiles_int8.c's on int8 inputs); x: float rows [rows, k] of bfloat16 values; y: float rows with
  * a stride of ldy. One row reads a quarter (4-bit) or half of bfloat16's bytes. xb and xsum:
- * the operand's scratch (int8 inputs: their codes and scales in xb, their sums in xsum). */
+ * the operand's scratch (int8 inputs: their codes and scales in xb, their sums in xsum; x8_ready:
+ * an earlier run of the projection has put them there). */
 static void project_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
-                           int64_t k, float *y, int64_t ldy, int bf, int nt) {
+                           int64_t k, float *y, int64_t ldy, int bf, int nt, int x8_ready) {
     const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
     const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
     /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's super-blocks) */
@@ -91,8 +92,10 @@ static void project_groups(const GridPart *part, const void *bias, const float *
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        if (part->x8) int8_rows(x, &x8, rows, k, t, T);
-        else if (operand_is_bf16(W_Q8)) operand_rows(x, xb, rows, k, 1, t, T);
+        if (part->x8) {
+            if (!x8_ready) int8_rows(x, &x8, rows, k, t, T);
+        } else if (operand_is_bf16(W_Q8))
+            operand_rows(x, xb, rows, k, 1, t, T);
         if (lows && !part->x8) group_sums(x, xsum, rows, k, group, t, T);
 #pragma omp barrier
         const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
@@ -100,19 +103,14 @@ static void project_groups(const GridPart *part, const void *bias, const float *
         for (int64_t nb = b0; nb < b1; nb++) {
             const char *c = (const char *)part->codes + nb * code_bytes, *sc = (const char *)part->scales + nb * scale_bytes;
             for (int m0 = 0; m0 < rows;) {
+                const int mt = part->x8 ? x8_tile_rows(rows - m0) : group_tile_rows(rows - m0);
+                const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
+                                                            : (const void *)(x + m0 * k);
                 if (part->x8) {
-                    const int mt = x8_tile_rows(rows - m0);
                     const Int8Rows xr = {x8.q + m0 * k, x8.d + m0 * (k / 32), x8.ds16 + m0 * (k / 16),
                                          x8.ds32 + m0 * (k / 32)};
                     tile_x8(mt, part, (const uint8_t *)c, sc, k, &xr, out);
-                    for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
-                    m0 += mt;
-                    continue;
-                }
-                const int mt = group_tile_rows(rows - m0);
-                const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
-                                                            : (const void *)(x + m0 * k);
-                if (kind == G_INT8_GROUPS)
+                } else if (kind == G_INT8_GROUPS)
                     tile_q8g(mt, (const int8_t *)c, (const float *)sc, k, group, lows, operand, xsum + m0 * groups, out);
                 else
                     tile_q4(mt, kind, (const uint8_t *)c, sc, k, operand, xsum + m0 * groups, out);
@@ -131,8 +129,8 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
     for (int64_t p = 0; p < grid->parts; p++) {
         const GridPart *part = &grid->part[p];
         const void *bias = b_addr ? (const char *)b_addr + at * (bf ? 2 : 4) : 0;
-        if (part->kind != G_INT8_ROWS)
-            project_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt);
+        if (part->kind != G_INT8_ROWS) /* the runs of a projection all take int8 inputs, or none (quant.py) */
+            project_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt, p > 0 && grid->part[p - 1].x8);
         else
             project_kind(W_Q8, bf, part->codes, part->scales, (int64_t)bias, x, xb, rows, part->rows, k, y + at, n_out,
                          0, nt, 0);
