@@ -29,6 +29,14 @@ static void print(const char *what, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) printf("%.9g\n", x[i]);
 }
 
+/* each row's sum of x over every group of `group` inputs: xsum [rows][k / group] (the grouped tiles take it) */
+static void group_sums(const float *x, int rows, int k, int group, float *xsum) {
+    for (int i = 0; i < rows * (k / group); i++) {
+        xsum[i] = 0.f;
+        for (int j = 0; j < group; j++) xsum[i] += x[(i / (k / group)) * k + (i % (k / group)) * group + j];
+    }
+}
+
 static void check_tiles(void) {
     enum { K = 96, BLOCKS = 4, ROWS = 6 };
     static float wf[BLOCKS * 16 * K], xf[ROWS * K], xbf[ROWS * K], out[6 * 4 * 16];
@@ -63,10 +71,7 @@ static void check_q4(void) {
     for (int i = 0; i < GROUPS * 256; i++) codes[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
     fill(scales, GROUPS * 32, 0.1f), fill_bf16(x, ROWS * K, 1.f);
     for (int i = 0; i < ROWS * K; i++) xf[i] = bf2f(x[i]);
-    for (int i = 0; i < ROWS * GROUPS; i++) { /* each row's sum per group (the dot tiles take it) */
-        xsum[i] = 0.f;
-        for (int j = 0; j < 32; j++) xsum[i] += xf[(i / GROUPS) * K + (i % GROUPS) * 32 + j];
-    }
+    group_sums(xf, ROWS, K, 32, xsum);
     const int rows[5] = {1, 2, 4, 8, 12};
     char name[64];
     for (int r = 0; r < 5; r++) {
@@ -91,10 +96,7 @@ static void check_q4_k(void) {
     }
     fill_bf16(x, ROWS * K, 1.f);
     for (int i = 0; i < ROWS * K; i++) xf[i] = bf2f(x[i]);
-    for (int i = 0; i < ROWS * GROUPS; i++) {
-        xsum[i] = 0.f;
-        for (int j = 0; j < 32; j++) xsum[i] += xf[(i / GROUPS) * K + (i % GROUPS) * 32 + j];
-    }
+    group_sums(xf, ROWS, K, 32, xsum);
     const int rows[5] = {1, 2, 4, 8, 12};
     char name[64];
     for (int r = 0; r < 5; r++) {
@@ -124,11 +126,7 @@ static void check_q8_groups(void) {
     char name[64];
     for (int group = 16; group <= 32; group += 16)
         for (int lows = 0; lows < 2; lows++) {
-            const int groups = K / group;
-            for (int i = 0; i < ROWS * groups; i++) {
-                xsum[i] = 0.f;
-                for (int j = 0; j < group; j++) xsum[i] += xf[(i / groups) * K + (i % groups) * group + j];
-            }
+            group_sums(xf, ROWS, K, group, xsum);
             for (int r = 0; r < 5; r++) {
                 snprintf(name, sizeof name, "tile q8 groups of %d, lows %d, %d rows", group, lows, rows[r]);
                 tile_q8g(rows[r], codes, scales, K, group, lows, operand_is_bf16(W_Q8) ? (const void *)x : (const void *)xf,
