@@ -195,8 +195,8 @@ class EngineConfig:
     speculate_ngram: int = 3
     seed: int = 0  # seeds requests that bring no seed of their own
     prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
-    # Touch the prefix pool's pages at start-up (`flover serve` does): a server fills the pool sooner
-    # or later, and faulted in one by one its first stores cost page faults inside iterations.
+    # Touch the prefix pool's pages at start-up (`flover serve --prefault-prefix-cache`): faulted in one
+    # by one, its first stores cost page faults inside iterations; left lazy, memory grows as it fills.
     prefault_prefix_cache: bool = False
     cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
     native_forward: str = "auto"  # one of NATIVE_FORWARD

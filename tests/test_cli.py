@@ -52,10 +52,11 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
     assert run(OMP_WAIT_POLICY="active") == ["None", "False"]
 
 
-def test_only_the_server_takes_its_prefix_pool_at_start_up():
+def test_the_prefix_pool_is_taken_at_start_up_only_when_a_server_asks():
     from flover.apps.cli import build_parser, engine_config
 
     parse = build_parser().parse_args
-    assert engine_config(parse(["serve", "--model", "m"])).prefault_prefix_cache
+    assert not engine_config(parse(["serve", "--model", "m"])).prefault_prefix_cache
+    assert engine_config(parse(["serve", "--model", "m", "--prefault-prefix-cache"])).prefault_prefix_cache
     assert not engine_config(parse(["run", "--model", "m", "--prompts", "p", "--out", "o"])).prefault_prefix_cache
     assert not engine_config(parse(["generate", "--model", "m", "x"])).prefault_prefix_cache

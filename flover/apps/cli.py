@@ -489,7 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an idle connection between requests is closed after this")
     h.add_argument("--http-max-connections", type=int, default=HTTP_LIMITS.max_connections,
                    help="open HTTP connections at once; more are closed as they arrive")
-    serve.set_defaults(func=cmd_serve, prefault_prefix_cache=True)  # a server fills its pool anyway
+    d.add_argument("--prefault-prefix-cache", action="store_true",
+                   help="take the prefix cache's memory at start-up instead of as it fills (its first stores "
+                        "then cost no page faults inside iterations: ~1.5%% of a fresh daemon's time)")
+    serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")
     add_engine_args(chat, model_required=False)
