@@ -133,3 +133,157 @@ def test_greedy_ids_are_argmax_with_ties_nans_and_a_short_last_chunk(vocab):
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
         assert torch.equal(greedy_ids(x), x.argmax(-1)), dtype
+
+
+def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The sampler's definition, over the whole vocabulary with a full sort: penalties on dense
+    [B, vocab] counts, top-k, softmax, top-p by sorting (ties: lower id first), min-p, then the
+    row's counter-based uniform number inverted through the cumulative sum in id order."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    logits = logits.to(work).clone()
+    vocab = logits.shape[-1]
+    if st.history is not None:
+        for row, tokens in enumerate(st.history):
+            if tokens and float(st.repetition_penalty[row]) != 1.0:
+                ids = torch.tensor(sorted(set(tokens)))
+                seen = logits[row, ids]
+                logits[row, ids] = torch.where(seen < 0, seen * st.repetition_penalty[row],
+                                               seen / st.repetition_penalty[row])
+    if st.outputs is not None:
+        counts = torch.zeros_like(logits)
+        for row, tokens in enumerate(st.outputs):
+            for j in tokens:
+                counts[row, j] += 1
+        logits -= (st.frequency_penalty.to(work)[:, None] * counts
+                   + st.presence_penalty.to(work)[:, None] * (counts > 0))
+    greedy = logits.argmax(-1)
+    temperature = torch.where(st.temperature == 0, 1.0, st.temperature).to(work)
+    scaled = logits / temperature[:, None]
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab)
+    kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # top_p 1 is off, not a filter: the sums' rounding past 1 would drop a row's rarest tokens
+    outside = (before > st.top_p[:, None].to(work)) & (st.top_p < 1)[:, None]
+    probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(outside, 0.0))
+    floor = st.min_p[:, None].to(work) * probs.max(dim=-1, keepdim=True).values
+    probs = probs.masked_fill(probs < floor, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    u = counter_uniform(st.seed, st.counter).to(work) * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+    return torch.where(st.temperature == 0, greedy, drawn)
+
+
+def shaped_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from flat to very peaked (a real model's rows are mostly peaked), some with ties:
+    logits rounded to quarters, the top value repeated, all equal."""
+    generator = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.3, 1.0, 3.0, 6.0, 10.0, 30.0])[torch.arange(rows) % 6]
+    logits = torch.randn(rows, vocab, generator=generator) * scales[:, None]
+    logits[1::5] = (logits[1::5] * 4).round() / 4  # many ties, also at the nucleus' edge
+    top = logits[2::7].argmax(-1)
+    logits[2::7, :16] = logits[2::7].gather(1, top[:, None])  # the maximum 17 times
+    logits[3::11] = 0.5  # all equal
+    return logits
+
+
+SAMPLING_SETTINGS = [
+    dict(top_p=0.95), dict(top_p=0.5), dict(top_p=0.999999), dict(top_p=0.95, top_k=40),
+    dict(top_p=0.9, min_p=0.05), dict(top_k=1), dict(top_k=40), dict(min_p=0.1),
+    dict(top_p=0.95, top_k=40, penalty=1.1), dict(top_p=0.95, frequency=0.5, presence=0.3),
+    dict(top_k=100_000, top_p=0.8), dict(),
+]
+
+
+@pytest.mark.parametrize("vocab", [3000, 49152])
+@pytest.mark.parametrize("temperature", [0.05, 0.8, 50.0])
+@pytest.mark.parametrize("setting", range(len(SAMPLING_SETTINGS)))
+def test_sampled_tokens_equal_the_full_sort_definition(vocab, temperature, setting):
+    """The same tokens as the definition for every filter combination, tiny and huge temperatures,
+    ties, penalties, a greedy row among sampled ones, float32 and float64 logits."""
+    kw = dict(SAMPLING_SETTINGS[setting])
+    rows = 24
+    logits = shaped_logits(rows, vocab, seed=vocab + setting)
+    generator = torch.Generator().manual_seed(setting)
+    history = [torch.randint(0, vocab, (int(n),), generator=generator).tolist()
+               for n in torch.randint(0, 40, (rows,), generator=generator)]
+    st = tensors(rows, temperature=temperature, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
+                 min_p=kw.get("min_p", 0.0), penalty=kw.get("penalty", 1.0), seed=setting,
+                 history=history if "penalty" in kw else None)
+    st.temperature[5] = 0.0  # a greedy row
+    st.all_greedy = False
+    if "frequency" in kw:
+        st.frequency_penalty = torch.full((rows,), kw["frequency"])
+        st.presence_penalty = torch.full((rows,), kw["presence"])
+        st.outputs = history
+    for dtype in (torch.float32, torch.float64):
+        for step in range(2):
+            st.counter = torch.arange(rows) * 7 + step
+            ids, _ = sample(logits.to(dtype), st)
+            assert torch.equal(ids, reference_sample(logits.to(dtype), st)), (dtype, step)
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152, 128256])
+def test_the_nucleus_equals_the_sort_and_peaked_rows_need_no_sort(vocab, monkeypatch):
+    """`nucleus` zeroes exactly what the sort does, bit for bit, on flat rows (where it falls back
+    to the sort), middling and peaked rows, and with ties at the edge; rows with a nucleus of a few
+    hundred tokens never reach the sort."""
+    from flover.runner import sampler
+
+    logits = shaped_logits(18, vocab, seed=vocab)
+    for top_p in (0.5, 0.9, 0.95, 0.99):
+        p = torch.full((18,), top_p)
+        for temperature in (0.7, 1.5):
+            probs = torch.softmax(logits / temperature, dim=-1)
+            assert torch.equal(sampler.nucleus(probs, p), sampler.nucleus_by_sort(probs, p))
+    peaked = torch.softmax(torch.randn(8, vocab, generator=torch.Generator().manual_seed(1)) * 10, dim=-1)
+
+    def no_sort(*args):
+        raise AssertionError("a peaked row was sorted")
+
+    expected = sampler.nucleus_by_sort(peaked, torch.full((8,), 0.95))
+    monkeypatch.setattr(sampler, "nucleus_by_sort", no_sort)
+    assert torch.equal(sampler.nucleus(peaked, torch.full((8,), 0.95)), expected)
+
+
+def test_sampled_rows_with_nan_or_infinite_logits_are_refused():
+    """A sampled row whose logits hold NaN or +inf (or nothing finite) raises: the engine then
+    fails that request alone. Greedy rows keep torch.argmax's answer."""
+    logits = torch.randn(4, 5000)
+    for bad in (float("nan"), float("inf")):
+        broken = logits.clone()
+        broken[2, 17] = bad
+        with pytest.raises(FloatingPointError):
+            sample(broken, tensors(4, temperature=0.8, top_p=0.9))
+        greedy, _ = sample(broken, tensors(4, temperature=0.0))
+        assert int(greedy[2]) == 17
+    with pytest.raises(FloatingPointError):
+        sample(torch.full((1, 5000), float("-inf")), tensors(1, temperature=0.8))
+
+
+def test_the_nucleus_at_exact_edges_and_ties_across_the_candidates():
+    """Hand-made rows (binary fractions, so sums are exact): the mass above a token equal to
+    top_p keeps it; a run of equal tokens that starts inside the first candidates and goes on
+    past them is kept lowest ids first, as the sort keeps it."""
+    from flover.runner.sampler import NUCLEUS_CANDIDATES, nucleus, nucleus_by_sort
+
+    vocab = 32768  # wide enough for a second try (2048 candidates) before the sort
+    edge = torch.zeros(vocab)
+    edge[[7, 900, 4000]] = 0.25
+    edge[5000:6024] = 2.0 ** -12  # 1024 x 2^-12 = the last quarter
+    ties = torch.zeros(vocab)
+    distinct = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
+    ties[distinct[:200]] = torch.linspace(2.0 ** -9, 2.0 ** -8, 200)  # ~0.58 of the mass, 200 values
+    tied = distinct[200:1200]  # 1000 equal tokens at scattered ids, from candidate 201 on
+    ties[tied] = (1 - ties.sum()) / 1000
+    for probs, top_p in ((edge, 0.5), (edge, 0.75), (ties, 0.6), (ties, 0.7), (ties, 0.9)):
+        rows = probs[None].repeat(2, 1)
+        p = torch.tensor([top_p, top_p])
+        expected = nucleus_by_sort(rows, p)
+        assert torch.equal(nucleus(rows, p), expected), top_p
+        if probs is ties and top_p == 0.6:  # the nucleus' edge inside the run, within the first candidates
+            kept = expected[0].nonzero().squeeze(1)
+            assert 200 < len(kept) < NUCLEUS_CANDIDATES
+    assert int((nucleus_by_sort(edge[None], torch.tensor([0.5]))[0] > 0).sum()) == 3

@@ -59,16 +59,19 @@ class SamplingTensors:
 
     def row(self, i: int) -> "SamplingTensors":
         """Row i alone (each tensor [1]): the engine resamples row by row to isolate a failure."""
-        pick = lambda t: t[i: i + 1]  # noqa: E731
+        return self.select(torch.tensor([i], device=self.seed.device))
+
+    def select(self, rows: torch.Tensor) -> "SamplingTensors":
+        """These rows ([r] int64) only, in this order."""
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        take = lambda rows_of: None if rows_of is None else [rows_of[i] for i in rows.tolist()]  # noqa: E731
         return SamplingTensors(
             temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
             min_p=pick(self.min_p), repetition_penalty=pick(self.repetition_penalty), seed=pick(self.seed),
-            counter=pick(self.counter), all_greedy=bool(self.temperature[i] == 0),
-            history=None if self.history is None else [self.history[i]], want_logprobs=self.want_logprobs,
-            top_logprobs=self.top_logprobs,
-            frequency_penalty=None if self.outputs is None else pick(self.frequency_penalty),
-            presence_penalty=None if self.outputs is None else pick(self.presence_penalty),
-            outputs=None if self.outputs is None else [self.outputs[i]])
+            counter=pick(self.counter), all_greedy=bool((self.temperature[rows] == 0).all()),
+            history=take(self.history), want_logprobs=self.want_logprobs, top_logprobs=self.top_logprobs,
+            frequency_penalty=pick(self.frequency_penalty), presence_penalty=pick(self.presence_penalty),
+            outputs=take(self.outputs))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, history: list[list[int]]) -> None:
@@ -84,13 +87,13 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, histor
 def apply_frequency_presence(logits: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
                              outputs: list[list[int]]) -> None:
     """OpenAI's definition: logit[j] -= frequency x count[j] + presence x (count[j] > 0), counts
-    over the tokens generated so far (not the prompt)."""
-    counts = torch.zeros_like(logits)  # [B, vocab]
+    over the tokens generated so far (not the prompt). Only the generated tokens are touched."""
     for row, tokens in enumerate(outputs):
-        if tokens:
-            ids = torch.tensor(tokens, device=logits.device)
-            counts[row].scatter_add_(0, ids, torch.ones(len(tokens), dtype=logits.dtype, device=logits.device))
-    logits -= frequency.to(logits.dtype)[:, None] * counts + presence.to(logits.dtype)[:, None] * (counts > 0)
+        if not tokens:
+            continue
+        ids, counts = torch.tensor(tokens, device=logits.device).unique(return_counts=True)
+        counts = counts.to(logits.dtype)
+        logits[row, ids] -= frequency[row].to(logits.dtype) * counts + presence[row].to(logits.dtype)
 
 
 @dataclass
@@ -135,7 +138,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, Tok
         apply_frequency_presence(logits, st.frequency_penalty, st.presence_penalty, st.outputs)
     ids = greedy_ids(logits)
     if not st.all_greedy:
-        ids = torch.where(st.temperature == 0, ids, _sample_random(logits, st))
+        rows = (st.temperature != 0).nonzero().squeeze(1)  # greedy rows keep their argmax
+        ids[rows] = _sample_random(logits[rows], st.select(rows))
     return ids, token_logprobs(raw, ids, st.top_logprobs) if st.want_logprobs else None
 
 
@@ -163,23 +167,68 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits [B, vocab] of sampled rows (temperature > 0) -> one drawn id per row. Each filter
+    runs on the rows that ask for it only."""
     vocab = logits.shape[-1]
-    temperature = torch.where(st.temperature == 0, 1.0, st.temperature).to(logits.dtype)
-    scaled = logits / temperature[:, None]  # [B, vocab]
-    if bool((st.top_k > 0).any()):
-        k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab)  # [B]
-        top = scaled.topk(int(k.max()), dim=-1).values  # [B, kmax], descending
-        kth = top.gather(1, (k - 1)[:, None])  # [B, 1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    scaled = logits / st.temperature.to(logits.dtype)[:, None]  # [B, vocab]
+    if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):  # NaN, +inf, or no finite logit at all
+        raise FloatingPointError("the logits hold NaN or +inf, or no finite value: nothing to sample from")
+    rows = (st.top_k > 0).nonzero().squeeze(1)
+    if len(rows):
+        k = st.top_k[rows].clamp(max=vocab)  # [r]
+        top = scaled[rows].topk(int(k.max()), dim=-1).values  # [r, kmax], descending
+        kth = top.gather(1, (k - 1)[:, None])  # [r, 1]
+        scaled[rows] = scaled[rows].masked_fill(scaled[rows] < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if bool((st.top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before > st.top_p[:, None].to(probs.dtype), 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    rows = (st.top_p < 1).nonzero().squeeze(1)
+    if len(rows):
+        probs[rows] = nucleus(probs[rows], st.top_p[rows].to(probs.dtype))
     if bool((st.min_p > 0).any()):
         floor = st.min_p[:, None].to(probs.dtype) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     cdf = probs.cumsum(dim=-1)  # [B, vocab], unnormalised after the filters
     u = counter_uniform(st.seed, st.counter).to(cdf.dtype) * cdf[:, -1]
     return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+
+
+def nucleus_by_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The definition of top-p: probs [R, vocab] with every token outside the nucleus set to 0.
+    The nucleus: the most probable tokens (ties: the lower id first) while the mass strictly
+    above a token is at most top_p [R]."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+    sorted_probs = sorted_probs.masked_fill(before > top_p[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+NUCLEUS_CANDIDATES = 256  # the first try's candidates per row; x8 per retry
+NUCLEUS_MARGIN = 1e-6  # above the rounding of a float32 cumulative sum near 1 (docs/sampling.md)
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`nucleus_by_sort(probs, top_p)`, bit for bit, without sorting the vocabulary: the K most
+    probable tokens of a row, in the sort's order, give the sort's first cumulative sums exactly;
+    once the mass above one of them passes top_p (with a margin for rounding) no later token is
+    kept. Rows whose nucleus is wider try 8x the candidates, then the full sort."""
+    vocab = probs.shape[-1]
+    if probs.device.type != "cpu":  # a GPU sorts fast, and its scans round differently
+        return nucleus_by_sort(probs, top_p)
+    out = torch.zeros_like(probs)
+    todo = torch.arange(probs.shape[0], device=probs.device)  # rows not settled yet
+    k = NUCLEUS_CANDIDATES
+    while len(todo) and k * 8 <= vocab:
+        values, ids = probs[todo].topk(k, dim=-1)  # [r, k], descending; ties in no set order
+        ids, by_id = ids.sort(dim=-1)  # the sort's order: value descending, then id ascending
+        values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, by_value)
+        # tokens equal to the k-th value may lie outside the candidates: only those above are sure
+        sure = values > values[:, -1:]  # [r, k], a prefix of each row
+        before = values.cumsum(dim=-1) - values  # [r, k]: the sort's own sums on the sure prefix
+        settled = (sure & (before > top_p[todo, None] + NUCLEUS_MARGIN)).any(dim=-1)  # [r]
+        keep = sure & (before <= top_p[todo, None])
+        rows = todo[settled]
+        out[rows] = out[rows].scatter_(1, ids[settled], values[settled] * keep[settled])
+        todo, k = todo[~settled], k * 8
+    if len(todo):
+        out[todo] = nucleus_by_sort(probs[todo], top_p[todo])
+    return out
