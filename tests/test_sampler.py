@@ -135,7 +135,7 @@ def test_greedy_ids_are_argmax_with_ties_nans_and_a_short_last_chunk(vocab):
         assert torch.equal(greedy_ids(x), x.argmax(-1)), dtype
 
 
-def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def reference_sample(logits: torch.Tensor, st: SamplingTensors, filtered: bool = False) -> torch.Tensor:
     """The sampler's definition, over the whole vocabulary with a full sort: penalties on dense
     [B, vocab] counts, top-k, softmax, top-p by sorting (ties: lower id first), min-p, then the
     row's counter-based uniform number inverted through the cumulative sum in id order."""
@@ -170,10 +170,13 @@ def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(outside, 0.0))
     floor = st.min_p[:, None].to(work) * probs.max(dim=-1, keepdim=True).values
     probs = probs.masked_fill(probs < floor, 0.0)
+    if filtered:
+        return probs  # [B, vocab]: 0 outside the filters
     cdf = probs.cumsum(dim=-1)
     u = counter_uniform(st.seed, st.counter).to(work) * cdf[:, -1]
-    drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
-    return torch.where(st.temperature == 0, greedy, drawn)
+    drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous()).squeeze(1)  # u rounded to 1: the last token with mass
+    return torch.where(st.temperature == 0, greedy, torch.minimum(drawn, last))
 
 
 def shaped_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -274,10 +277,10 @@ def test_the_nucleus_at_exact_edges_and_ties_across_the_candidates():
     edge[[7, 900, 4000]] = 0.25
     edge[5000:6024] = 2.0 ** -12  # 1024 x 2^-12 = the last quarter
     ties = torch.zeros(vocab)
-    distinct = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
-    ties[distinct[:200]] = torch.linspace(2.0 ** -9, 2.0 ** -8, 200)  # ~0.58 of the mass, 200 values
-    tied = distinct[200:1200]  # 1000 equal tokens at scattered ids, from candidate 201 on
-    ties[tied] = (1 - ties.sum()) / 1000
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
+    n = NUCLEUS_CANDIDATES - 14  # distinct values first, 0.595 of the mass ...
+    ties[order[:n]] = torch.linspace(2.0, 1.0, n) * (0.595 / torch.linspace(2.0, 1.0, n).sum())
+    ties[order[n:n + 1000]] = (1 - ties.sum()) / 1000  # ... then 1000 equal tokens at scattered ids
     for probs, top_p in ((edge, 0.5), (edge, 0.75), (ties, 0.6), (ties, 0.7), (ties, 0.9)):
         rows = probs[None].repeat(2, 1)
         p = torch.tensor([top_p, top_p])
@@ -285,5 +288,20 @@ def test_the_nucleus_at_exact_edges_and_ties_across_the_candidates():
         assert torch.equal(nucleus(rows, p), expected), top_p
         if probs is ties and top_p == 0.6:  # the nucleus' edge inside the run, within the first candidates
             kept = expected[0].nonzero().squeeze(1)
-            assert 200 < len(kept) < NUCLEUS_CANDIDATES
+            assert n < len(kept) < NUCLEUS_CANDIDATES
     assert int((nucleus_by_sort(edge[None], torch.tensor([0.5]))[0] > 0).sum()) == 3
+
+
+def test_a_uniform_number_rounded_up_to_one_draws_the_last_allowed_token():
+    """counter_uniform(0, 1869153) rounds to 1.0 in float32: the draw
+    lands on the mass' very end, which must be the last token the filters allow (it was the
+    vocabulary's last id, whatever the filters), on both of the sampler's paths."""
+    seed, counter = torch.tensor([0]), torch.tensor([1869153])
+    assert float(counter_uniform(seed, counter).float()) == 1.0
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(5)) * 4
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_p=0.999999), dict(min_p=0.2), dict()):
+        st = tensors(1, temperature=0.8, seed=0, counter=counter, **kw)
+        ids, _ = sample(logits, st)
+        assert torch.equal(ids, reference_sample(logits, st)), kw
+        allowed = reference_sample(logits, st, filtered=True)[0]
+        assert allowed[ids] > 0 and ids >= allowed.nonzero().max() - 50, kw  # at the mass' end

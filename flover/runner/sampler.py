@@ -168,27 +168,67 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [B, vocab] of sampled rows (temperature > 0) -> one drawn id per row. Each filter
-    runs on the rows that ask for it only."""
+    runs on the rows that ask for it only; a row whose nucleus a few hundred candidates settle is
+    drawn among them, the others over the whole vocabulary."""
     vocab = logits.shape[-1]
     scaled = logits / st.temperature.to(logits.dtype)[:, None]  # [B, vocab]
     if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):  # NaN, +inf, or no finite logit at all
         raise FloatingPointError("the logits hold NaN or +inf, or no finite value: nothing to sample from")
-    rows = (st.top_k > 0).nonzero().squeeze(1)
-    if len(rows):
+    rows = _rows_where(st.top_k > 0)
+    if rows is not None:
+        some = scaled[rows]  # [r, vocab]
         k = st.top_k[rows].clamp(max=vocab)  # [r]
-        top = scaled[rows].topk(int(k.max()), dim=-1).values  # [r, kmax], descending
-        kth = top.gather(1, (k - 1)[:, None])  # [r, 1]
-        scaled[rows] = scaled[rows].masked_fill(scaled[rows] < kth, float("-inf"))
+        kth = some.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [r, 1]
+        scaled[rows] = some.masked_fill_(some < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    rows = (st.top_p < 1).nonzero().squeeze(1)
-    if len(rows):
-        probs[rows] = nucleus(probs[rows], st.top_p[rows].to(probs.dtype))
-    if bool((st.min_p > 0).any()):
-        floor = st.min_p[:, None].to(probs.dtype) * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
-    cdf = probs.cumsum(dim=-1)  # [B, vocab], unnormalised after the filters
-    u = counter_uniform(st.seed, st.counter).to(cdf.dtype) * cdf[:, -1]
-    return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+    u = counter_uniform(st.seed, st.counter).to(probs.dtype)  # [B]
+    min_p = st.min_p.to(probs.dtype)
+    ids = torch.empty(len(probs), dtype=torch.int64, device=probs.device)
+    rest = torch.ones(len(probs), dtype=torch.bool, device=probs.device)  # rows drawn over the vocabulary
+    rows = _rows_where(st.top_p < 1)
+    if rows is not None:
+        some = probs[rows]
+        top_p = st.top_p[rows].to(probs.dtype)
+        for settled, cand_ids, cand_values in nucleus_candidates(some, top_p):
+            at = settled if isinstance(rows, slice) else rows[settled]
+            ids[at] = _draw_among(cand_ids, cand_values, min_p[at], u[at])
+            rest[at] = False
+        wide = _rows_where(rest[rows])
+        if wide is not None:
+            probs[wide if isinstance(rows, slice) else rows[wide]] = nucleus_by_sort(some[wide], top_p[wide])
+    rows = _rows_where(rest)
+    if rows is not None:
+        some = probs[rows]
+        if bool((min_p[rows] > 0).any()):
+            some = some.masked_fill(some < min_p[rows, None] * some.max(dim=-1, keepdim=True).values, 0.0)
+        ids[rows] = _draw(some.cumsum(dim=-1), u[rows])  # cumulative sums [r, vocab], unnormalised
+    return ids
+
+
+def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverts cumulative sums [r, n] at u [r] in [0, 1]: the first column whose sum passes u x
+    the row's mass. u rounded up to 1 (float32, once in ~3e7 draws) takes the last column that
+    adds mass, not one past it."""
+    total = cdf[:, -1:].contiguous()  # [r, 1]
+    drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    return torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]
+
+
+def _rows_where(mask: torch.Tensor) -> torch.Tensor | slice | None:
+    """The rows a filter applies to: None, every row (a slice: views, no copies), or their indices."""
+    if bool(mask.all()):
+        return slice(None)
+    return mask.nonzero().squeeze(1) if bool(mask.any()) else None
+
+
+def _draw_among(ids: torch.Tensor, probs: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw of the vocabulary-wide path, over candidates: ids [r, K] (the most probable first),
+    probs [r, K] (0 outside the nucleus), min_p and u [r]. In id order with the others' zeros left
+    out, the cumulative sums are the vocabulary's, bit for bit."""
+    floor = min_p[:, None] * probs[:, :1]  # the row's maximum comes first
+    probs = probs.masked_fill(probs < floor, 0.0)
+    ids, order = ids.sort(dim=-1)
+    return ids.gather(1, _draw(probs.gather(1, order).cumsum(dim=-1), u)[:, None])[:, 0]
 
 
 def nucleus_by_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -201,23 +241,29 @@ def nucleus_by_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
-NUCLEUS_CANDIDATES = 256  # the first try's candidates per row; x8 per retry
+NUCLEUS_CANDIDATES = 64  # the first try's candidates per row; x8 per retry
 NUCLEUS_MARGIN = 1e-6  # above the rounding of a float32 cumulative sum near 1 (docs/sampling.md)
 
 
-def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`nucleus_by_sort(probs, top_p)`, bit for bit, without sorting the vocabulary: the K most
-    probable tokens of a row, in the sort's order, give the sort's first cumulative sums exactly;
-    once the mass above one of them passes top_p (with a margin for rounding) no later token is
-    kept. Rows whose nucleus is wider try 8x the candidates, then the full sort."""
+def nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor):
+    """Yields (settled rows [s], their candidates' ids [s, K], probabilities [s, K] with 0 outside
+    the nucleus) per try; rows never yielded need `nucleus_by_sort`. The K most probable tokens of
+    a row, in the sort's order, give the sort's first cumulative sums exactly; once the mass above
+    one of them passes top_p (with a margin for rounding), no later token is in the nucleus."""
     vocab = probs.shape[-1]
     if probs.device.type != "cpu":  # a GPU sorts fast, and its scans round differently
-        return nucleus_by_sort(probs, top_p)
-    out = torch.zeros_like(probs)
+        return
     todo = torch.arange(probs.shape[0], device=probs.device)  # rows not settled yet
+    # k candidates cannot hold the nucleus unless k x the row's maximum passes top_p: flat rows
+    # skip the tries they would fail
+    fewest = top_p / probs.amax(dim=-1)  # [R]
     k = NUCLEUS_CANDIDATES
     while len(todo) and k * 8 <= vocab:
-        values, ids = probs[todo].topk(k, dim=-1)  # [r, k], descending; ties in no set order
+        if not bool((fewest[todo] < k).any()):
+            k *= 8
+            continue
+        some = probs if len(todo) == len(probs) else probs[todo]
+        values, ids = some.topk(k, dim=-1)  # [r, k], descending; ties in no set order
         ids, by_id = ids.sort(dim=-1)  # the sort's order: value descending, then id ascending
         values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
         ids = ids.gather(1, by_value)
@@ -225,10 +271,19 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         sure = values > values[:, -1:]  # [r, k], a prefix of each row
         before = values.cumsum(dim=-1) - values  # [r, k]: the sort's own sums on the sure prefix
         settled = (sure & (before > top_p[todo, None] + NUCLEUS_MARGIN)).any(dim=-1)  # [r]
-        keep = sure & (before <= top_p[todo, None])
-        rows = todo[settled]
-        out[rows] = out[rows].scatter_(1, ids[settled], values[settled] * keep[settled])
+        if bool(settled.any()):
+            keep = sure & (before <= top_p[todo, None])
+            yield todo[settled], ids[settled], values[settled] * keep[settled]
         todo, k = todo[~settled], k * 8
-    if len(todo):
-        out[todo] = nucleus_by_sort(probs[todo], top_p[todo])
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`nucleus_by_sort(probs, top_p)`, bit for bit, sorting only the rows candidates do not settle."""
+    out = torch.zeros_like(probs)
+    left = torch.ones(len(probs), dtype=torch.bool, device=probs.device)
+    for rows, ids, values in nucleus_candidates(probs, top_p):
+        out[rows] = out[rows].scatter_(1, ids, values)
+        left[rows] = False
+    if bool(left.any()):
+        out[left] = nucleus_by_sort(probs[left], top_p[left])
     return out
