@@ -74,26 +74,30 @@ class SamplingTensors:
             outputs=take(self.outputs))
 
 
+def _seen(logits: torch.Tensor, tokens_of_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (row, token) pair the rows' lists hold, once: (rows [n], tokens [n], times seen [n])."""
+    vocab = logits.shape[-1]
+    flat = torch.tensor([row * vocab + t for row, tokens in enumerate(tokens_of_rows) for t in tokens],
+                        dtype=torch.int64, device=logits.device)
+    pairs, counts = flat.unique(return_counts=True)
+    return pairs // vocab, pairs % vocab, counts
+
+
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, history: list[list[int]]) -> None:
     """transformers' definition: seen tokens' logits are divided (if > 0) or multiplied by it."""
-    for row, tokens in enumerate(history):
-        if not tokens or float(penalty[row]) == 1.0:
-            continue
-        ids = torch.tensor(sorted(set(tokens)), device=logits.device)
-        seen = logits[row, ids]
-        logits[row, ids] = torch.where(seen < 0, seen * penalty[row], seen / penalty[row])
+    rows, ids, _ = _seen(logits, history)
+    by = penalty.to(logits.dtype)[rows]
+    seen = logits[rows, ids]
+    logits[rows, ids] = torch.where(seen < 0, seen * by, seen / by)
 
 
 def apply_frequency_presence(logits: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
                              outputs: list[list[int]]) -> None:
     """OpenAI's definition: logit[j] -= frequency x count[j] + presence x (count[j] > 0), counts
     over the tokens generated so far (not the prompt). Only the generated tokens are touched."""
-    for row, tokens in enumerate(outputs):
-        if not tokens:
-            continue
-        ids, counts = torch.tensor(tokens, device=logits.device).unique(return_counts=True)
-        counts = counts.to(logits.dtype)
-        logits[row, ids] -= frequency[row].to(logits.dtype) * counts + presence[row].to(logits.dtype)
+    rows, ids, counts = _seen(logits, outputs)
+    logits[rows, ids] -= (frequency.to(logits.dtype)[rows] * counts.to(logits.dtype)
+                          + presence.to(logits.dtype)[rows])
 
 
 @dataclass
@@ -174,12 +178,21 @@ def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     scaled = logits / st.temperature.to(logits.dtype)[:, None]  # [B, vocab]
     if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):  # NaN, +inf, or no finite logit at all
         raise FloatingPointError("the logits hold NaN or +inf, or no finite value: nothing to sample from")
-    rows = _rows_where(st.top_k > 0)
+    # One topk serves top-k's thresholds and top-p's first candidates (softmax keeps the order)
+    top_k = st.top_k.clamp(max=vocab)
+    first = None  # [B, width] the most probable ids of every row, when every row has a filter
+    rows = _rows_where((top_k > 0) | (st.top_p < 1))
     if rows is not None:
-        some = scaled[rows]  # [r, vocab]
-        k = st.top_k[rows].clamp(max=vocab)  # [r]
-        kth = some.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [r, 1]
-        scaled[rows] = some.masked_fill_(some < kth, float("-inf"))
+        some = scaled[rows]  # [r, vocab], a view when every row has a filter
+        width = min(vocab, max(int(top_k[rows].max()), NUCLEUS_CANDIDATES if bool((st.top_p < 1).any()) else 0))
+        top_values, top_ids = some.topk(width, dim=-1)  # [r, width]
+        k = top_k[rows]
+        if bool((k > 0).any()):
+            kth = top_values.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill_(k[:, None] == 0, float("-inf"))
+            some.masked_fill_(some < kth, float("-inf"))
+            if not isinstance(rows, slice):
+                scaled[rows] = some
+        first = top_ids if isinstance(rows, slice) else None
     probs = torch.softmax(scaled, dim=-1)
     u = counter_uniform(st.seed, st.counter).to(probs.dtype)  # [B]
     min_p = st.min_p.to(probs.dtype)
@@ -189,7 +202,8 @@ def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if rows is not None:
         some = probs[rows]
         top_p = st.top_p[rows].to(probs.dtype)
-        for settled, cand_ids, cand_values in nucleus_candidates(some, top_p):
+        first = first if first is None or isinstance(rows, slice) else first[rows]
+        for settled, cand_ids, cand_values in nucleus_candidates(some, top_p, first):
             at = settled if isinstance(rows, slice) else rows[settled]
             ids[at] = _draw_among(cand_ids, cand_values, min_p[at], u[at])
             rest[at] = False
@@ -245,11 +259,12 @@ NUCLEUS_CANDIDATES = 64  # the first try's candidates per row; x8 per retry
 NUCLEUS_MARGIN = 1e-6  # above the rounding of a float32 cumulative sum near 1 (docs/sampling.md)
 
 
-def nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor):
+def nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor, first: torch.Tensor | None = None):
     """Yields (settled rows [s], their candidates' ids [s, K], probabilities [s, K] with 0 outside
     the nucleus) per try; rows never yielded need `nucleus_by_sort`. The K most probable tokens of
     a row, in the sort's order, give the sort's first cumulative sums exactly; once the mass above
-    one of them passes top_p (with a margin for rounding), no later token is in the nucleus."""
+    one of them passes top_p (with a margin for rounding), no later token is in the nucleus.
+    `first` [R, K]: the first try's candidates, when the caller has them (the K most probable)."""
     vocab = probs.shape[-1]
     if probs.device.type != "cpu":  # a GPU sorts fast, and its scans round differently
         return
@@ -257,13 +272,17 @@ def nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor):
     # k candidates cannot hold the nucleus unless k x the row's maximum passes top_p: flat rows
     # skip the tries they would fail
     fewest = top_p / probs.amax(dim=-1)  # [R]
-    k = NUCLEUS_CANDIDATES
-    while len(todo) and k * 8 <= vocab:
-        if not bool((fewest[todo] < k).any()):
+    k = NUCLEUS_CANDIDATES if first is None else first.shape[1]
+    while len(todo) and (k * 8 <= vocab or first is not None):
+        if first is not None:
+            ids, first = first, None
+            values = probs.gather(1, ids)
+        elif not bool((fewest[todo] < k).any()):
             k *= 8
             continue
-        some = probs if len(todo) == len(probs) else probs[todo]
-        values, ids = some.topk(k, dim=-1)  # [r, k], descending; ties in no set order
+        else:
+            some = probs if len(todo) == len(probs) else probs[todo]
+            values, ids = some.topk(k, dim=-1)  # [r, k], descending; ties in no set order
         ids, by_id = ids.sort(dim=-1)  # the sort's order: value descending, then id ascending
         values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
         ids = ids.gather(1, by_value)
