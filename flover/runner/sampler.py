@@ -202,14 +202,13 @@ def _sample_random(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if rows is not None:
         some = probs[rows]
         top_p = st.top_p[rows].to(probs.dtype)
-        first = first if first is None or isinstance(rows, slice) else first[rows]
-        for settled, cand_ids, cand_values in nucleus_candidates(some, top_p, first):
-            at = settled if isinstance(rows, slice) else rows[settled]
+        for settled, cand_ids, cand_values in nucleus_candidates(some, top_p, None if first is None else first[rows]):
+            at = _of(rows, settled)
             ids[at] = _draw_among(cand_ids, cand_values, min_p[at], u[at])
             rest[at] = False
         wide = _rows_where(rest[rows])
         if wide is not None:
-            probs[wide if isinstance(rows, slice) else rows[wide]] = nucleus_by_sort(some[wide], top_p[wide])
+            probs[_of(rows, wide)] = nucleus_by_sort(some[wide], top_p[wide])
     rows = _rows_where(rest)
     if rows is not None:
         some = probs[rows]
@@ -233,6 +232,11 @@ def _rows_where(mask: torch.Tensor) -> torch.Tensor | slice | None:
     if bool(mask.all()):
         return slice(None)
     return mask.nonzero().squeeze(1) if bool(mask.any()) else None
+
+
+def _of(rows: torch.Tensor | slice, sub: torch.Tensor | slice) -> torch.Tensor | slice:
+    """`sub`, indices into `rows` (a `_rows_where` answer), as indices into the whole batch."""
+    return sub if isinstance(rows, slice) else rows[sub]
 
 
 def _draw_among(ids: torch.Tensor, probs: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -269,15 +273,15 @@ def nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor, first: torch.Te
     if probs.device.type != "cpu":  # a GPU sorts fast, and its scans round differently
         return
     todo = torch.arange(probs.shape[0], device=probs.device)  # rows not settled yet
-    # k candidates cannot hold the nucleus unless k x the row's maximum passes top_p: flat rows
-    # skip the tries they would fail
-    fewest = top_p / probs.amax(dim=-1)  # [R]
+    # k candidates cannot hold the nucleus unless k x the row's maximum passes top_p: after the
+    # first try, flat rows skip the tries they would fail
+    fewest = None  # [len(todo)] top_p / the row's largest probability
     k = NUCLEUS_CANDIDATES if first is None else first.shape[1]
     while len(todo) and (k * 8 <= vocab or first is not None):
         if first is not None:
             ids, first = first, None
             values = probs.gather(1, ids)
-        elif not bool((fewest[todo] < k).any()):
+        elif fewest is not None and not bool((fewest < k).any()):
             k *= 8
             continue
         else:
@@ -293,6 +297,7 @@ def nucleus_candidates(probs: torch.Tensor, top_p: torch.Tensor, first: torch.Te
         if bool(settled.any()):
             keep = sure & (before <= top_p[todo, None])
             yield todo[settled], ids[settled], values[settled] * keep[settled]
+        fewest = (top_p[todo] / values[:, 0])[~settled]
         todo, k = todo[~settled], k * 8
 
 
