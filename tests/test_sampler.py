@@ -305,3 +305,23 @@ def test_a_uniform_number_rounded_up_to_one_draws_the_last_allowed_token():
         assert torch.equal(ids, reference_sample(logits, st)), kw
         allowed = reference_sample(logits, st, filtered=True)[0]
         assert allowed[ids] > 0 and ids >= allowed.nonzero().max() - 50, kw  # at the mass' end
+
+
+def test_rows_with_different_filters_in_one_batch_draw_what_each_draws_alone():
+    """Every setting on its own rows of one batch (and a greedy row): the same tokens as the
+    definition, and as each row sampled alone — a filter on some rows changes no other row."""
+    vocab, rows = 49152, 2 * len(SAMPLING_SETTINGS) + 1
+    logits = shaped_logits(rows, vocab, seed=11)
+    st = tensors(rows, temperature=0.8, seed=4)
+    st.frequency_penalty, st.presence_penalty = torch.zeros(rows), torch.zeros(rows)
+    st.outputs = [[row, 2 * row] for row in range(rows)]
+    for row in range(rows - 1):
+        kw = SAMPLING_SETTINGS[row % len(SAMPLING_SETTINGS)]
+        st.top_k[row], st.top_p[row], st.min_p[row] = kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0)
+        st.frequency_penalty[row], st.presence_penalty[row] = kw.get("frequency", 0.0), kw.get("presence", 0.0)
+    st.temperature[-1] = 0.0
+    st.all_greedy = False
+    ids, _ = sample(logits, st)
+    assert torch.equal(ids, reference_sample(logits, st))
+    alone = torch.cat([sample(logits[row: row + 1], st.row(row))[0] for row in range(rows)])
+    assert torch.equal(ids, alone)
