@@ -70,6 +70,36 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
         assert len(finals[rid].token_ids) == params.max_new_tokens
 
 
+def test_the_native_steps_sampler_draws_what_the_pytorch_sampler_draws(llama_dir, monkeypatch):
+    """With the native step, sampled rows go through its C sampler (flover/native/sampling.c): on
+    every iteration's logits (a random model: flat rows, the nucleus is most of the vocabulary)
+    and every mix of filters, penalties and greedy rows, its ids are the PyTorch path's."""
+    from flover.runner import runner as runner_module
+
+    sample, compared, different = runner_module.sample, [], []
+
+    def both(logits, st, native=None):  # (the runner catches what a sampler raises: nothing raised here)
+        ids, logprobs = sample(logits, st, native)
+        different.append(native is None or not torch.equal(ids, sample(logits, st)[0]))
+        compared.append(len(ids) - int((st.temperature == 0).sum()))
+        return ids, logprobs
+
+    monkeypatch.setattr(runner_module, "sample", both)
+    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=6, max_seq_len=96, speculate=0))
+    rng = random.Random(3)
+    for i in range(16):
+        params = random_params(rng)
+        if i % 4 == 0:
+            params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.95, top_k=40,
+                                    repetition_penalty=1.1, seed=i)
+        engine.add_request([rng.randrange(1, 512) for _ in range(rng.randint(1, 30))], params, str(i))
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sum(compared) > 100 and not any(different)  # sampled rows compared
+    assert all(o.finish_reason == "length" for o in finals.values()) and len(finals) == 16
+
+
 @pytest.mark.parametrize("native", ["off", "auto"])
 def test_one_fused_forward_per_iteration(llama_dir, native):
     """Decode tokens of running requests and the prompt of a newly arrived request go through

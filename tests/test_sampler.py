@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
 
+from flover.native.forward import NativeUnavailable, load_library, runnable_families
+from flover.native.sampling import NativeSampler
 from flover.runner.sampler import SamplingTensors, counter_uniform, greedy_ids, sample
+
+
+@functools.cache
+def native_sampler(family: str = "auto") -> NativeSampler:
+    return NativeSampler(load_library(family), threads=2)
+
+
+@pytest.fixture(params=["pytorch", "native"])
+def draw(request):
+    """`sample` on each of its paths: PyTorch's tensor operations, and the native step's C
+    (flover/native/sampling.c) for float32 logits on CPU."""
+    if request.param == "pytorch":
+        return sample
+    try:
+        return functools.partial(sample, native=native_sampler())
+    except NativeUnavailable as e:
+        pytest.skip(f"the native step cannot be built here: {e}")
 
 
 def tensors(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0,
@@ -31,46 +52,46 @@ def test_counter_uniform_is_deterministic_and_uniform():
     assert (u - other).abs().mean() > 0.2
 
 
-def test_empirical_distribution_matches_softmax():
+def test_empirical_distribution_matches_softmax(draw):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     n = 40_000
-    ids, _ = sample(logits.repeat(n, 1), tensors(n, temperature=0.8, seed=7))
+    ids, _ = draw(logits.repeat(n, 1), tensors(n, temperature=0.8, seed=7))
     freq = torch.bincount(ids, minlength=5).double() / n
     assert (freq - torch.softmax(logits.double() / 0.8, 0)).abs().max() < 0.01
 
 
-def test_filters_keep_only_allowed_tokens():
+def test_filters_keep_only_allowed_tokens(draw):
     torch.manual_seed(0)
     logits = torch.randn(1, 100).repeat(5000, 1)
     top5 = set(logits[0].topk(5).indices.tolist())
-    ids, _ = sample(logits, tensors(5000, top_k=5, seed=1))
+    ids, _ = draw(logits, tensors(5000, top_k=5, seed=1))
     assert set(ids.tolist()) <= top5 and len(set(ids.tolist())) == 5
 
     probs = torch.softmax(logits[0], 0)
     order = probs.argsort(descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
-    ids, _ = sample(logits, tensors(5000, top_p=0.5, seed=2))
+    ids, _ = draw(logits, tensors(5000, top_p=0.5, seed=2))
     assert set(ids.tolist()) == nucleus
 
     allowed = set((probs >= 0.3 * probs.max()).nonzero().flatten().tolist())
-    ids, _ = sample(logits, tensors(5000, min_p=0.3, seed=3))
+    ids, _ = draw(logits, tensors(5000, min_p=0.3, seed=3))
     assert set(ids.tolist()) == allowed
 
 
-def test_greedy_rows_and_degenerate_filters_pick_the_argmax():
+def test_greedy_rows_and_degenerate_filters_pick_the_argmax(draw):
     torch.manual_seed(1)
     logits = torch.randn(6, 50)
     best = logits.argmax(-1)
     for st in (tensors(6, temperature=0.0), tensors(6, top_k=1), tensors(6, min_p=1.0)):
-        ids, _ = sample(logits, st)
+        ids, _ = draw(logits, st)
         assert torch.equal(ids, best)
     mixed = tensors(6)
     mixed.temperature[::2] = 0  # greedy and sampled rows in one batch
-    ids, _ = sample(logits, mixed)
+    ids, _ = draw(logits, mixed)
     assert torch.equal(ids[::2], best[::2])
 
 
-def test_repetition_penalty_matches_transformers():
+def test_repetition_penalty_matches_transformers(draw):
     torch.manual_seed(2)
     logits = torch.randn(2, 30)
     history = [[1, 5, 5, 7], [2, 3]]
@@ -81,7 +102,7 @@ def test_repetition_penalty_matches_transformers():
     st = tensors(2, temperature=0.0, history=history, logprobs=True)
     st.repetition_penalty.copy_(torch.tensor([1.3, 0.7]))
     st.top_logprobs = 3
-    ids, logprobs = sample(logits, st)
+    ids, logprobs = draw(logits, st)
     assert torch.equal(ids, expected.argmax(-1))
     # log-probabilities are reported for the model's own distribution (before the penalty)
     reference = torch.log_softmax(logits, -1)
@@ -93,7 +114,7 @@ def test_repetition_penalty_matches_transformers():
     assert rows[1][1][0] == (int(top.indices[1, 0]), float(top.values[1, 0]))
 
 
-def test_frequency_and_presence_penalties_follow_openais_definition():
+def test_frequency_and_presence_penalties_follow_openais_definition(draw):
     """logit[j] -= frequency x count[j] + presence x (count[j] > 0), over generated tokens only.
     Row 0: token 4 (generated 3x) loses 3 x 0.5 + 1 = 2.5, token 2 (once) 1.5, and the unpenalised
     token 6 wins; row 1 has the same history with the penalties off; row 2: a negative presence
@@ -113,7 +134,7 @@ def test_frequency_and_presence_penalties_follow_openais_definition():
     assert torch.equal(penalised, expected)
     st = tensors(3, temperature=0.0)
     st.frequency_penalty, st.presence_penalty, st.outputs = frequency, presence, outputs
-    ids, _ = sample(logits, st)
+    ids, _ = draw(logits, st)
     assert ids.tolist() == [6, 4, 6]  # row 0: 4 -> 0.5, 2 -> 0.5, 6 stays 1; row 2: 6 -> 3.5 > 3
 
 
@@ -203,7 +224,7 @@ SAMPLING_SETTINGS = [
 @pytest.mark.parametrize("vocab", [3000, 49152])
 @pytest.mark.parametrize("temperature", [0.05, 0.8, 50.0])
 @pytest.mark.parametrize("setting", range(len(SAMPLING_SETTINGS)))
-def test_sampled_tokens_equal_the_full_sort_definition(vocab, temperature, setting):
+def test_sampled_tokens_equal_the_full_sort_definition(vocab, temperature, setting, draw):
     """The same tokens as the definition for every filter combination, tiny and huge temperatures,
     ties, penalties, a greedy row among sampled ones, float32 and float64 logits."""
     kw = dict(SAMPLING_SETTINGS[setting])
@@ -224,7 +245,7 @@ def test_sampled_tokens_equal_the_full_sort_definition(vocab, temperature, setti
     for dtype in (torch.float32, torch.float64):
         for step in range(2):
             st.counter = torch.arange(rows) * 7 + step
-            ids, _ = sample(logits.to(dtype), st)
+            ids, _ = draw(logits.to(dtype), st)
             assert torch.equal(ids, reference_sample(logits.to(dtype), st)), (dtype, step)
 
 
@@ -251,7 +272,7 @@ def test_the_nucleus_equals_the_sort_and_peaked_rows_need_no_sort(vocab, monkeyp
     assert torch.equal(sampler.nucleus(peaked, torch.full((8,), 0.95)), expected)
 
 
-def test_sampled_rows_with_nan_or_infinite_logits_are_refused():
+def test_sampled_rows_with_nan_or_infinite_logits_are_refused(draw):
     """A sampled row whose logits hold NaN or +inf (or nothing finite) raises: the engine then
     fails that request alone. Greedy rows keep torch.argmax's answer."""
     logits = torch.randn(4, 5000)
@@ -259,11 +280,11 @@ def test_sampled_rows_with_nan_or_infinite_logits_are_refused():
         broken = logits.clone()
         broken[2, 17] = bad
         with pytest.raises(FloatingPointError):
-            sample(broken, tensors(4, temperature=0.8, top_p=0.9))
-        greedy, _ = sample(broken, tensors(4, temperature=0.0))
+            draw(broken, tensors(4, temperature=0.8, top_p=0.9))
+        greedy, _ = draw(broken, tensors(4, temperature=0.0))
         assert int(greedy[2]) == 17
     with pytest.raises(FloatingPointError):
-        sample(torch.full((1, 5000), float("-inf")), tensors(1, temperature=0.8))
+        draw(torch.full((1, 5000), float("-inf")), tensors(1, temperature=0.8))
 
 
 def test_the_nucleus_at_exact_edges_and_ties_across_the_candidates():
@@ -292,7 +313,7 @@ def test_the_nucleus_at_exact_edges_and_ties_across_the_candidates():
     assert int((nucleus_by_sort(edge[None], torch.tensor([0.5]))[0] > 0).sum()) == 3
 
 
-def test_a_uniform_number_rounded_up_to_one_draws_the_last_allowed_token():
+def test_a_uniform_number_rounded_up_to_one_draws_the_last_allowed_token(draw):
     """counter_uniform(0, 1869153) rounds to 1.0 in float32: the draw
     lands on the mass' very end, which must be the last token the filters allow (it was the
     vocabulary's last id, whatever the filters), on both of the sampler's paths."""
@@ -301,13 +322,13 @@ def test_a_uniform_number_rounded_up_to_one_draws_the_last_allowed_token():
     logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(5)) * 4
     for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_p=0.999999), dict(min_p=0.2), dict()):
         st = tensors(1, temperature=0.8, seed=0, counter=counter, **kw)
-        ids, _ = sample(logits, st)
+        ids, _ = draw(logits, st)
         assert torch.equal(ids, reference_sample(logits, st)), kw
         allowed = reference_sample(logits, st, filtered=True)[0]
         assert allowed[ids] > 0 and ids >= allowed.nonzero().max() - 50, kw  # at the mass' end
 
 
-def test_rows_with_different_filters_in_one_batch_draw_what_each_draws_alone():
+def test_rows_with_different_filters_in_one_batch_draw_what_each_draws_alone(draw):
     """Every setting on its own rows of one batch (and a greedy row): the same tokens as the
     definition, and as each row sampled alone — a filter on some rows changes no other row."""
     vocab, rows = 49152, 2 * len(SAMPLING_SETTINGS) + 1
@@ -321,7 +342,38 @@ def test_rows_with_different_filters_in_one_batch_draw_what_each_draws_alone():
         st.frequency_penalty[row], st.presence_penalty[row] = kw.get("frequency", 0.0), kw.get("presence", 0.0)
     st.temperature[-1] = 0.0
     st.all_greedy = False
-    ids, _ = sample(logits, st)
+    ids, _ = draw(logits, st)
     assert torch.equal(ids, reference_sample(logits, st))
-    alone = torch.cat([sample(logits[row: row + 1], st.row(row))[0] for row in range(rows)])
+    alone = torch.cat([draw(logits[row: row + 1], st.row(row))[0] for row in range(rows)])
     assert torch.equal(ids, alone)
+
+
+@functools.cache
+def definition_cases() -> list[tuple[torch.Tensor, SamplingTensors, torch.Tensor]]:
+    """(logits, parameters, the definition's tokens) for every filter setting without penalties
+    at three temperatures, a greedy row in each: computed once for all kernel families."""
+    vocab, rows = 49152, 24
+    logits = shaped_logits(rows, vocab, seed=21)
+    cases = []
+    for setting, kw in enumerate(SAMPLING_SETTINGS):
+        if "penalty" in kw or "frequency" in kw:
+            continue
+        for temperature in (0.05, 0.8, 50.0):
+            st = tensors(rows, temperature=temperature, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
+                         min_p=kw.get("min_p", 0.0), seed=setting)
+            st.temperature[5] = 0.0
+            st.all_greedy = False
+            cases.append((logits, st, reference_sample(logits, st)))
+    return cases
+
+
+@pytest.mark.parametrize("family", runnable_families())
+def test_every_kernel_family_this_cpu_runs_draws_the_definitions_tokens(family):
+    """sampling.c is written on simd.h's 16 lanes: the build of every kernel family this CPU
+    executes (the portable one too) draws the definition's tokens, greedy rows among them."""
+    try:
+        native = native_sampler(family)
+    except NativeUnavailable as e:
+        pytest.skip(f"the native step cannot be built here: {e}")
+    for logits, st, expected in definition_cases():
+        assert torch.equal(sample(logits, st, native)[0], expected), (st.top_k[0], st.top_p[0], st.temperature[0])

@@ -45,6 +45,7 @@ from flover.models.attention import ForwardBatch
 from flover.models.llama import LlamaForCausalLM
 from flover.models.quant import QuantizedWeight, quantize
 from flover.native.grids import Run, check_runs, grid_struct, int8_rows_run, runs_of
+from flover.native.sampling import NativeSampler
 
 if TYPE_CHECKING:  # the runner's buffer (a type only: the runner imports this module)
     from flover.runner.kv_buffer import SlotBuffer
@@ -347,6 +348,7 @@ class NativeForward:
             raise NativeUnavailable(why)
         self.lib = load_library(kernels)
         self.kernels = kernels_of(self.lib)
+        self.sampler = NativeSampler(self.lib, threads)  # the sampler's filters and draw, in C
         self.model, self.dtype, self.threads = model, dtype, threads
         self.max_rows = max_rows
         cfg, kv = model.cfg, buffer.kv  # kv: [layers, 2, slots, kv_heads, seq, head_dim]

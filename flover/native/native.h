@@ -11,6 +11,7 @@
  *   row_ops.c          norms, RoPE, residuals, SiLU: a few vector loops per row
  *   attention.c        decode rows over their slot's keys; blocks of prompt rows
  *   greedy.c           argmax, and greedy ids through a screen of the LM head
+ *   sampling.c         the sampler's filters and draw around PyTorch's softmax
  *   llama_forward.c    one fused iteration, top to bottom
  */
 #ifndef FLOVER_NATIVE_H
@@ -193,8 +194,17 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
                    float *scratch, float *mid);
 
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
+int64_t argmax_row(const void *row, int64_t vocab, int bf);
 API void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, int bf, int64_t *ids, int nt);
 int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *scores, int64_t *ids, int nt);
 int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *ids, int nt);
+
+/* ---- sampling.c -------------------------------------------------------------------------------- */
+API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_t stride, const float *temperature,
+                            const int64_t *top_k, float *scaled, int64_t *at, int64_t *ids, void *scratch, int nt);
+API void flover_sample_draw(const float *probs, int n, int64_t vocab, const int64_t *at, const float *top_p,
+                            const float *min_p, const int64_t *seed, const int64_t *counter, int64_t *ids,
+                            void *scratch, int nt);
+#define SAMPLE_SCRATCH_BYTES_PER_TOKEN 20 /* per thread, per vocabulary entry */
 
 #endif

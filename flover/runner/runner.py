@@ -238,11 +238,11 @@ class ModelRunner:
         )
         failed: dict[int, str] = {}
         try:
-            token_ids, found = sample(logits, st)
+            token_ids, found = sample(logits, st, self._native_sampler(logits))
             logprobs = found.rows() if found is not None else None
         except Exception:  # a request-specific failure: find the rows responsible, sample the rest
             log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
-            token_ids, logprobs, failed = self._sample_row_by_row(logits, st)
+            token_ids, logprobs, failed = self._sample_row_by_row(logits, st, self._native_sampler(logits))
         return self._broadcast(token_ids.tolist(), logprobs, failed, prompt_logprobs)
 
     def _broadcast(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> StepResult:
@@ -263,15 +263,19 @@ class ModelRunner:
             start += s.count
         return out
 
+    def _native_sampler(self, logits: torch.Tensor):
+        """The native step's sampler (the same ids, in C) where the logits are on CPU, else None."""
+        return self.native.sampler if self.native is not None and logits.device.type == "cpu" else None
+
     @staticmethod
-    def _sample_row_by_row(logits: torch.Tensor, st: SamplingTensors):
+    def _sample_row_by_row(logits: torch.Tensor, st: SamplingTensors, native=None):
         """After sampling all rows at once failed: each alone, to find the rows responsible."""
         ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
         logprobs: list[Logprob | None] | None = [None] * logits.shape[0] if st.want_logprobs else None
         failed = {}
         for row in range(logits.shape[0]):
             try:
-                row_ids, row_logprobs = sample(logits[row: row + 1], st.row(row))
+                row_ids, row_logprobs = sample(logits[row: row + 1], st.row(row), native)
             except Exception as e:
                 failed[row] = f"sampling failed: {e!r}"
                 continue

@@ -130,9 +130,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return greedy_ids(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, TokenLogprobs | None]:
+def sample(logits: torch.Tensor, st: SamplingTensors, native=None) -> tuple[torch.Tensor, TokenLogprobs | None]:
     """logits: [B, vocab] -> (token ids [B] int64, their log-probabilities (and the top
-    `st.top_logprobs`) when any row asked for them, else None)."""
+    `st.top_logprobs`) when any row asked for them, else None). `native`: the native step's
+    sampler (flover/native/sampling.py), which draws the same ids from float32 logits on CPU."""
     work = torch.promote_types(logits.dtype, torch.float32)
     raw = logits.to(work)
     logits = raw.clone() if st.history is not None or st.outputs is not None else raw
@@ -140,6 +141,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, Tok
         apply_repetition_penalty(logits, st.repetition_penalty, st.history)
     if st.outputs is not None:
         apply_frequency_presence(logits, st.frequency_penalty, st.presence_penalty, st.outputs)
+    if native is not None and work == torch.float32 and logits.device.type == "cpu":
+        ids = native.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.counter)
+        return ids, token_logprobs(raw, ids, st.top_logprobs) if st.want_logprobs else None
     ids = greedy_ids(logits)
     if not st.all_greedy:
         rows = (st.temperature != 0).nonzero().squeeze(1)  # greedy rows keep their argmax

@@ -1,0 +1,57 @@
+"""The sampler's filters and draw in C (sampling.c), around PyTorch's softmax: the tokens of
+flover/runner/sampler.py's PyTorch path, bit for bit (docs/sampling.md), in three calls instead of
+a few dozen tensor operations over [rows, vocab]."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+SCRATCH_BYTES_PER_TOKEN = 20  # sampling.c's SAMPLE_SCRATCH_BYTES_PER_TOKEN, per thread
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.flover_sample_scale.argtypes = [p, i32, i64, i64, p, p, p, p, p, p, i32]
+    lib.flover_sample_scale.restype = i32
+    lib.flover_sample_draw.argtypes = [p, i32, i64, p, p, p, p, p, p, p, i32]
+    lib.flover_sample_draw.restype = None
+
+
+class NativeSampler:
+    """`sample` for float32 logits on CPU; the parameters are SamplingTensors' (one per row)."""
+
+    def __init__(self, lib: ctypes.CDLL, threads: int):
+        bind(lib)
+        self.lib, self.threads = lib, threads
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        """logits [B, vocab] float32 (rows may be apart) -> token ids [B] int64; raises
+        FloatingPointError for a sampled row holding NaN or +inf, or no finite value."""
+        rows, vocab = logits.shape
+        assert logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1
+        f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (no copies when they are already)
+        i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731
+        temperature, top_k, top_p, min_p, seed, counter = (
+            f32(temperature), i64(top_k), f32(top_p), f32(min_p), i64(seed), i64(counter))
+        need = self.threads * vocab * SCRATCH_BYTES_PER_TOKEN
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        ids = torch.empty(rows, dtype=torch.int64)
+        at = torch.empty(rows, dtype=torch.int64)  # the batch row of each scaled row
+        scaled = torch.empty(rows, vocab, dtype=torch.float32)
+        n = self.lib.flover_sample_scale(logits.data_ptr(), rows, vocab, logits.stride(0), temperature.data_ptr(),
+                                         top_k.data_ptr(), scaled.data_ptr(), at.data_ptr(), ids.data_ptr(),
+                                         self._scratch.data_ptr(), self.threads)
+        if n < 0:
+            raise FloatingPointError(f"row {-1 - n}: the logits hold NaN or +inf, or no finite value: "
+                                     "nothing to sample from")
+        if n:
+            probs = torch.softmax(scaled[:n], dim=-1)  # [n, vocab]: the definition's probabilities
+            self.lib.flover_sample_draw(probs.data_ptr(), n, vocab, at.data_ptr(), top_p.data_ptr(),
+                                        min_p.data_ptr(), seed.data_ptr(), counter.data_ptr(), ids.data_ptr(),
+                                        self._scratch.data_ptr(), self.threads)
+        return ids
