@@ -205,6 +205,6 @@ API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_
 API void flover_sample_draw(const float *probs, int n, int64_t vocab, const int64_t *at, const float *top_p,
                             const float *min_p, const int64_t *seed, const int64_t *counter, int64_t *ids,
                             void *scratch, int nt);
-#define SAMPLE_SCRATCH_BYTES_PER_TOKEN 20 /* per thread, per vocabulary entry */
+#define SAMPLE_SCRATCH_BYTES_PER_TOKEN 28 /* per thread, per vocabulary entry */
 
 #endif

@@ -10,11 +10,11 @@
 
 #include "native.h"
 
-/* Per thread, per vocabulary entry (SAMPLE_SCRATCH_BYTES_PER_TOKEN): candidates' ids, values,
- * two sort orders and a keep flag; top-k's heap reuses the values. */
+/* Per thread, per vocabulary entry (SAMPLE_SCRATCH_BYTES_PER_TOKEN): the first pass's tokens,
+ * candidates' ids and values, two sort orders and a keep flag; top-k's heap reuses the values. */
 typedef struct {
-    int32_t *id;
-    float *value;
+    int32_t *pool_id, *id;
+    float *pool_value, *value;
     uint32_t *order, *spare;
     uint8_t *keep;
 } Scratch;
@@ -22,7 +22,8 @@ typedef struct {
 static Scratch scratch_of(void *base, int64_t vocab) {
     char *p = (char *)base + (int64_t)omp_get_thread_num() * vocab * SAMPLE_SCRATCH_BYTES_PER_TOKEN;
     return (Scratch){.id = (int32_t *)p, .value = (float *)(p + 4 * vocab), .order = (uint32_t *)(p + 8 * vocab),
-                     .spare = (uint32_t *)(p + 12 * vocab), .keep = (uint8_t *)(p + 16 * vocab)};
+                     .spare = (uint32_t *)(p + 12 * vocab), .pool_id = (int32_t *)(p + 16 * vocab),
+                     .pool_value = (float *)(p + 20 * vocab), .keep = (uint8_t *)(p + 24 * vocab)};
 }
 
 /* splitmix64(seed, counter) in [0, 1), float64: sampler.counter_uniform */
@@ -117,22 +118,38 @@ API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_
  * float32 (the definition's cumsum; a token left out adds 0, which changes no sum): the first
  * token whose sum passes u x the total, or, where float32 rounded u up to 1, the first whose sum
  * reaches the total (the last that adds mass). */
-enum { GROUP = 4 }; /* rows drawn together: four independent chains of additions, not one */
+enum { GROUP = 4, MARKS = 256 }; /* rows drawn together: four independent chains of additions, not one */
 
+/* Two passes in all: the sums (each row's running sum kept at MARKS points), then only the span
+ * where the row's sum passes its mark is added again, from the sum before it. */
 static void draw_dense(const float *const p[GROUP], int64_t n, const float floor[GROUP], const float u[GROUP],
                        int64_t out[GROUP]) {
-    double acc[GROUP] = {0};
-    for (int64_t i = 0; i < n; i++)
-        for (int q = 0; q < GROUP; q++) acc[q] += p[q][i] < floor[q] ? 0.f : p[q][i];
-    float total[GROUP], at[GROUP];
-    for (int q = 0; q < GROUP; q++) total[q] = (float)acc[q], at[q] = u[q] * total[q], acc[q] = 0, out[q] = n - 1;
-    unsigned left = (1u << GROUP) - 1;
-    for (int64_t i = 0; i < n && left; i++) {
-        for (int q = 0; q < GROUP; q++) {
-            if (!(left >> q & 1)) continue;
-            acc[q] += p[q][i] < floor[q] ? 0.f : p[q][i];
-            const float sum = (float)acc[q];
-            if (sum > at[q] || sum >= total[q]) out[q] = i, left &= ~(1u << q);
+    const int64_t span = n / MARKS + 1;
+    double acc[GROUP] = {0}, before[GROUP][MARKS + 1]; /* before[q][b]: row q's sum before span b */
+    int spans = 0;
+    for (int64_t start = 0; start < n; start += span, spans++) {
+        const int64_t end = start + span < n ? start + span : n;
+        for (int q = 0; q < GROUP; q++) before[q][spans] = acc[q];
+        for (int64_t i = start; i < end; i++)
+            for (int q = 0; q < GROUP; q++) acc[q] += p[q][i] < floor[q] ? 0.f : p[q][i];
+    }
+    for (int q = 0; q < GROUP; q++) {
+        before[q][spans] = acc[q];
+        const float total = (float)acc[q], at = u[q] * total;
+        int b = 0;
+        for (; b < spans - 1; b++) { /* the first span whose end passes the mark */
+            const float end = (float)before[q][b + 1];
+            if (end > at || end >= total) break;
+        }
+        double sum = before[q][b];
+        out[q] = n - 1;
+        for (int64_t i = b * span; i < n; i++) {
+            sum += p[q][i] < floor[q] ? 0.f : p[q][i];
+            const float running = (float)sum;
+            if (running > at || running >= total) {
+                out[q] = i;
+                break;
+            }
         }
     }
 }
@@ -147,11 +164,12 @@ static float row_max(const float *p, int64_t n) {
  * The nucleus: the most probable tokens (ties: the lower id first) while the mass strictly above
  * a token, `before` = float32(cumsum) - p, is at most top_p. The candidates are every token with
  * p >= t for a threshold t: a whole prefix of that order, ties included, so their sums are the
- * sort's own. Once some candidate's `before` passes top_p + NUCLEUS_MARGIN no later token is kept
- * (docs/sampling.md); else t is lowered, down to 0 (the whole vocabulary). t is chosen from the
+ * sort's own. Once some candidate's `before`, or the candidates' whole mass, passes top_p +
+ * NUCLEUS_MARGIN, no later token is kept (docs/sampling.md); else t is lowered, down to 0 (the whole vocabulary). t is chosen from the
  * masses above a few levels, summed in one vector pass. */
 #define NUCLEUS_MARGIN 1e-6f
-#define LEVELS 10 /* thresholds max x 8^-1 ... max x 8^-10 */
+#define LEVELS 8       /* thresholds 2^-3, 2^-6, ... 2^-24, then 0 */
+#define FIRST_LEVELS 5 /* those down to 2^-15 come from the first pass's tokens */
 
 /* order[0..n): the candidates sorted by value, largest first, stable (the lower id first among
  * equals, as they were collected): a radix sort of the float32 bits (values >= 0 sort as their
@@ -184,22 +202,33 @@ static uint32_t *sort_descending(const float *value, int64_t n, uint32_t *order,
 }
 
 static int64_t draw_nucleus(const float *p, int64_t n, float top_p, float min_p, float u, Scratch s) {
-    const float most = row_max(p, n);
-    v16 level[LEVELS], mass[LEVELS];
-    for (int l = 0; l < LEVELS; l++) level[l] = v_set1(ldexpf(most, -3 * (l + 1))), mass[l] = v_zero();
+    /* one pass over the row: every token of at least the first levels' lowest (a few hundred in a
+     * trained model's row; at most 2^15), in id order, and the mass above each of those levels */
+    const float lowest = ldexpf(1.f, -3 * FIRST_LEVELS);
+    int64_t pooled = 0;
     for (int64_t i = 0; i < n; i += 16) {
-        const v16 v = v_loadn(p + i, n - i); /* lanes past n load 0: below every level */
-        for (int l = 0; l < LEVELS; l++) mass[l] = v_add(mass[l], v_select(v_ge(v, level[l]), v, v_zero()));
+        for (m16 hit = v_ge(v_loadn(p + i, n - i), v_set1(lowest)) & lanes(n - i); hit; hit &= hit - 1) {
+            const int64_t id = i + __builtin_ctz(hit);
+            s.pool_id[pooled] = (int32_t)id, s.pool_value[pooled++] = p[id];
+        }
     }
+    double mass[FIRST_LEVELS] = {0};
+    for (int64_t j = 0; j < pooled; j++)
+        for (int l = FIRST_LEVELS - 1; l >= 0 && s.pool_value[j] >= ldexpf(1.f, -3 * (l + 1)); l--) mass[l] += s.pool_value[j];
     int l = 0; /* the masses are rounded: a small slack, and the exact test below decides */
-    while (l < LEVELS && v_reduce_add(mass[l]) < top_p + 1e-4f) l++;
+    while (l < FIRST_LEVELS && mass[l] < top_p + 1e-4f) l++;
     for (;; l++) {
-        const v16 t = l < LEVELS ? level[l] : v_zero();
-        int64_t c = 0; /* candidates, in id order */
-        for (int64_t i = 0; i < n; i += 16) {
-            for (m16 hit = v_ge(v_loadn(p + i, n - i), t) & lanes(n - i); hit; hit &= hit - 1) {
-                const int64_t id = i + __builtin_ctz(hit);
-                s.id[c] = (int32_t)id, s.value[c++] = p[id];
+        const float t = l < LEVELS ? ldexpf(1.f, -3 * (l + 1)) : 0.f;
+        int64_t c = 0; /* candidates (every token >= t), in id order */
+        if (l < FIRST_LEVELS) {
+            for (int64_t j = 0; j < pooled; j++)
+                if (s.pool_value[j] >= t) s.id[c] = s.pool_id[j], s.value[c++] = s.pool_value[j];
+        } else {
+            for (int64_t i = 0; i < n; i += 16) {
+                for (m16 hit = v_ge(v_loadn(p + i, n - i), v_set1(t)) & lanes(n - i); hit; hit &= hit - 1) {
+                    const int64_t id = i + __builtin_ctz(hit);
+                    s.id[c] = (int32_t)id, s.value[c++] = p[id];
+                }
             }
         }
         const uint32_t *order = sort_descending(s.value, c, s.order, s.spare);
@@ -213,6 +242,9 @@ static int64_t draw_nucleus(const float *p, int64_t n, float top_p, float min_p,
             settled = before > top_p + NUCLEUS_MARGIN;
             s.keep[order[j]] = !(before > top_p);
         }
+        /* the mass above the first token left out is the candidates' (within rounding): past
+         * top_p + NUCLEUS_MARGIN, no token outside them is kept either */
+        settled = settled || (float)sum > top_p + NUCLEUS_MARGIN;
         if (!settled && c < n && l < LEVELS) continue; /* the candidates may not hold the nucleus */
         /* min-p on the nucleus (its largest probability comes first), then the draw over it */
         const float floor = min_p * s.value[order[0]];

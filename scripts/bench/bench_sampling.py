@@ -10,6 +10,12 @@
    (128256), with the sort-based top-p beside it (`nucleus_by_sort`); ms per call, medians.
 
     python scripts/bench/bench_sampling.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
+    ... --pad-vocab 128256     # the same model with Llama 3's vocabulary size (below)
+
+`--pad-vocab N`: the GGUF's weights (dequantized to float32 with transformers) with the vocabulary
+padded to N: the new embedding rows (the tied head's too) small random values, so the logits are
+still a trained model's (a few likely tokens, a long tail) over a vocabulary of N. Cached under
+--cache; the tokenizer never produces those ids.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from flover import LLM, SamplingParams
+from flover.native.forward import load_library
+from flover.native.sampling import NativeSampler
 from flover.runner import sampler
 
 QUESTIONS = [
@@ -38,6 +47,28 @@ SETTINGS = {
     "+ top_k 40": dict(temperature=0.8, top_p=0.95, top_k=40),
     "+ repetition_penalty 1.1": dict(temperature=0.8, top_p=0.95, top_k=40, repetition_penalty=1.1),
 }
+
+
+def padded_model(gguf: Path, vocab: int, cache: Path) -> Path:
+    """The GGUF's weights in float32 with the vocabulary padded to `vocab` (see the module's doc)."""
+    import transformers
+
+    out = cache / f"{gguf.stem}-vocab{vocab}"
+    if (out / "model.safetensors").is_file():
+        return out
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config
+    del config.quantization_config  # save_pretrained refuses a "quantized" model
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    old = plain.get_input_embeddings().weight.shape[0]
+    plain.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():  # tiny rows: logits near 0, far below a trained row's likely tokens
+        new = plain.get_input_embeddings().weight[old:]
+        new.copy_(torch.randn(new.shape, generator=torch.Generator().manual_seed(0)) * 1e-3)
+    plain.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
 
 
 def engine_rates(llm: LLM, rows: int, new_tokens: int, runs: int) -> dict[str, list[float]]:
@@ -73,8 +104,10 @@ def sampler_ms(rows: int, vocab: int, peak: float, repeats: int) -> dict[str, fl
         counter=torch.arange(rows), all_greedy=False)
     probs = torch.softmax(logits / 0.8, dim=-1)
     kept = (sampler.nucleus(probs, st.top_p) > 0).sum(-1).float()
+    native = NativeSampler(load_library(), torch.get_num_threads())
     calls = {"greedy argmax": lambda: sampler.greedy(logits),
              "sample(), top_p 0.95": lambda: sampler.sample(logits, st),
+             "sample(), native": lambda: sampler.sample(logits, st, native),
              "top-p alone (nucleus)": lambda: sampler.nucleus(probs, st.top_p),
              "top-p alone by sorting": lambda: sampler.nucleus_by_sort(probs, st.top_p)}
     out = {"nucleus tokens (median)": float(kept.median())}
@@ -98,6 +131,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--peak", type=float, default=3.0, help="the synthetic logits' scale (Gumbel x peak)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--pad-vocab", type=int, default=0, help="pad the model's vocabulary to this size first")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "bench-sampling"))
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -105,7 +140,10 @@ def main() -> None:
     print(f"machine: {cpu}, {torch.get_num_threads()} threads")
     result = {"machine": cpu}
     if not args.skip_engine:
-        llm = LLM(args.model, dtype=args.dtype, max_slots=args.rows, max_seq_len=256, speculate=0)
+        model = args.model
+        if args.pad_vocab:
+            model = str(padded_model(Path(args.model).expanduser(), args.pad_vocab, Path(args.cache)))
+        llm = LLM(model, dtype=args.dtype, max_slots=args.rows, max_seq_len=256, speculate=0)
         rates = engine_rates(llm, args.rows, args.new_tokens, args.runs)
         greedy = statistics.median(rates["greedy"])
         print(f"\n{args.rows} rows x {args.new_tokens} tokens, medians of {args.runs}:\n"
@@ -114,13 +152,13 @@ def main() -> None:
             print(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) / greedy:.0%} |")
         result["engine"] = rates
     print(f"\nsampler alone, {args.rows} rows, ms per call (median of 15), temperature 0.8:\n"
-          "| vocabulary | nucleus tokens | greedy argmax | sample(), top_p 0.95 | top-p alone | top-p by sorting |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+          "| vocabulary | nucleus tokens | greedy argmax | sample(), top_p 0.95 | the same, native | top-p alone "
+          "| top-p by sorting |\n|---:|---:|---:|---:|---:|---:|---:|")
     for vocab in (49152, 128256):
         ms = sampler_ms(args.rows, vocab, args.peak, 15)
         result[f"sampler {vocab}"] = ms
         print(f"| {vocab} | {ms['nucleus tokens (median)']:.0f} | {ms['greedy argmax']:.2f} | "
-              f"{ms['sample(), top_p 0.95']:.2f} | {ms['top-p alone (nucleus)']:.2f} | {ms['top-p alone by sorting']:.2f} |")
+              f"{ms['sample(), top_p 0.95']:.2f} | {ms['sample(), native']:.2f} | {ms['top-p alone (nucleus)']:.2f} | {ms['top-p alone by sorting']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
