@@ -12,7 +12,8 @@
     python scripts/bench/bench_sampling.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
     ... --pad-vocab 128256     # the same model with Llama 3's vocabulary size (below)
 
-`--pad-vocab N`: the GGUF's weights (dequantized to float32 with transformers) with the vocabulary
+`--pad-vocab N`: the GGUF's weights (dequantized to float32 with transformers; or a Hugging Face
+directory's, in its dtype) with the vocabulary
 padded to N: the new embedding rows (the tied head's too) small random values, so the logits are
 still a trained model's (a few likely tokens, a long tail) over a vocabulary of N. Cached under
 --cache; the tokenizer never produces those ids.
@@ -53,21 +54,26 @@ def padded_model(gguf: Path, vocab: int, cache: Path) -> Path:
     """The GGUF's weights in float32 with the vocabulary padded to `vocab` (see the module's doc)."""
     import transformers
 
-    out = cache / f"{gguf.stem}-vocab{vocab}"
-    if (out / "model.safetensors").is_file():
+    out = cache / f"{gguf.stem if gguf.is_file() else gguf.name}-vocab{vocab}"
+    if (out / "config.json").is_file():
         return out
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = model.config
-    del config.quantization_config  # save_pretrained refuses a "quantized" model
-    plain = type(model)(config)
-    plain.load_state_dict(model.state_dict(), strict=False)
+    if gguf.is_dir():  # a Hugging Face directory (e.g. make_1b_model.py's llama-1b-hf), in its own dtype
+        plain = transformers.AutoModelForCausalLM.from_pretrained(gguf, dtype="auto")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = model.config
+        del config.quantization_config  # save_pretrained refuses a "quantized" model
+        plain = type(model)(config)
+        plain.load_state_dict(model.state_dict(), strict=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     old = plain.get_input_embeddings().weight.shape[0]
     plain.resize_token_embeddings(vocab, mean_resizing=False)
     with torch.no_grad():  # tiny rows: logits near 0, far below a trained row's likely tokens
         new = plain.get_input_embeddings().weight[old:]
         new.copy_(torch.randn(new.shape, generator=torch.Generator().manual_seed(0)) * 1e-3)
     plain.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 
