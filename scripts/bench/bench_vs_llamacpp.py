@@ -54,6 +54,7 @@ from pathlib import Path
 from flover.bench.metrics import medians, resident_mib
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
+GREEDY = {"temperature": 0}
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
 # flover's --quantization int4 (bfloat16 activations) with the original 4-bit GGUF file itself.
 LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native", "int8": "q8_0",
@@ -175,13 +176,14 @@ def served_model(port: int) -> str:
     return json.loads(conn.getresponse().read())["data"][0]["id"]
 
 
-def chat_request(port: int, question: str, n: int, model: str) -> tuple[float | None, int, float]:
-    """One streamed chat completion over the OpenAI endpoint, greedy, EOS honoured; (seconds to
-    the first token, tokens generated, longest gap between tokens)."""
+def chat_request(port: int, question: str, n: int, model: str, sampling: dict) -> tuple[float | None, int, float]:
+    """One streamed chat completion over the OpenAI endpoint, EOS honoured, with `sampling`'s
+    parameters (greedy: temperature 0); (seconds to the first token, tokens generated, longest
+    gap between tokens)."""
     start, gaps, first, tokens, chunks = time.perf_counter(), Gaps(), None, None, 0
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": n, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": n,
+            "stream": True, "stream_options": {"include_usage": True}, **sampling}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
@@ -236,11 +238,11 @@ def speculation_args(draft: int | None, ngram: int) -> tuple[list[str], list[str
 
 
 def start_llama(binary: Path, model: Path, slots: int, threads: int, extra: list[str] = (),
-                chat: bool = False) -> tuple[Running, callable]:
+                chat: bool = False, sampling: dict | None = None) -> tuple[Running, callable]:
     server, port = launch_llama(binary, model, slots, threads, extra=extra)
     if chat:
         model = served_model(port)
-        return server, lambda question, n: chat_request(port, question, n, model)
+        return server, lambda question, n: chat_request(port, question, n, model, sampling or GREEDY)
     return server, lambda ids, n: llama_request(port, ids, n)
 
 
@@ -296,14 +298,14 @@ def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
 
 
 def start_flover(model: Path, config: str, slots: int, threads: int, extra: list[str] = (),
-                 chat: bool = False) -> tuple[Running, callable]:
+                 chat: bool = False, sampling: dict | None = None) -> tuple[Running, callable]:
     from flover.client import Client
 
     if chat:
         port = free_port()
         server, _ = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads, http_port=port)
         served = served_model(port)
-        return server, lambda question, n: chat_request(port, question, n, served)
+        return server, lambda question, n: chat_request(port, question, n, served, sampling or GREEDY)
     server, addr = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads)
 
     def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
@@ -400,8 +402,13 @@ def main() -> int:
     ap.add_argument("--workload", choices=("tokens", "chat"), default="tokens",
                     help="tokens: random token-id prompts, EOS ignored; chat: real questions through the chat "
                          "template over each server's OpenAI endpoint, EOS honoured")
+    ap.add_argument("--sampling", default=json.dumps(GREEDY), metavar="JSON",
+                    help='the chat workload\'s sampling parameters, given to both servers as they are, e.g. '
+                         '\'{"temperature": 0.8, "top_p": 0.95}\' (llama-server adds its default chain: '
+                         'top_k 40, min_p 0.05, ...)')
     args = ap.parse_args()
     chat = args.workload == "chat"
+    sampling = json.loads(args.sampling)
     llama_extra, flover_extra = speculation_args(args.speculate, args.speculate_ngram)
     if args.gomp_spincount is not None:
         os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount  # both servers inherit it
@@ -428,9 +435,9 @@ def main() -> int:
             llama_name = "llama.cpp " + (gguf.name.rsplit(".", 2)[-2] if llama_type == "native" else llama_type)
             flover_model = gguf if dtype == "file" else hf_dir  # "file": the same GGUF for both
             engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra,
-                                                        chat)),
+                                                        chat, sampling)),
                        ("flover " + dtype, lambda: start_flover(flover_model, dtype, args.requests, args.threads,
-                                                                flover_extra, chat))]
+                                                                flover_extra, chat, sampling))]
             if run % 2:
                 engines.reverse()  # alternate who goes first
             for name, start in engines:
@@ -456,7 +463,7 @@ def main() -> int:
                                           "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
     what = "chat questions, EOS honoured, at most" if chat else f"{args.prompt_len}-token prompts,"
     print(f"\nmedians of {args.runs} alternating run(s), {what} {args.gen_len} tokens out, "
-          f"greedy, {args.threads} threads"
+          f"{'sampling ' + args.sampling if chat and sampling != GREEDY else 'greedy'}, {args.threads} threads"
           f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n")
     print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap | resident |\n"
           "|---|---|---:|---:|---:|---:|---:|")
