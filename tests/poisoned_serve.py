@@ -14,10 +14,10 @@ POISON_SEED = 666_666
 _real_sample = flover.runner.runner.sample
 
 
-def poisoned_sample(logits, st):
+def poisoned_sample(logits, st, native=None):
     if bool((st.seed == POISON_SEED).any()):
         raise FloatingPointError("injected failure for the poisoned request")
-    return _real_sample(logits, st)
+    return _real_sample(logits, st, native)
 
 
 if __name__ == "__main__":
