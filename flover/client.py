@@ -21,6 +21,7 @@ drop the connection.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 import uuid
@@ -32,6 +33,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from flover.protocol import MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
+from flover.structured import Structured
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
@@ -50,6 +52,8 @@ class FloverError(RuntimeError):
 
 
 def _generate_message(request_id, prompt, input_ids, messages, stream: bool, params: dict) -> dict:
+    if isinstance(params.get("structured"), Structured):  # on the wire: its map
+        params = {**params, "structured": dataclasses.asdict(params["structured"])}
     message = {"op": "generate", "id": request_id, "stream": stream, "params": params}
     given = [(k, v) for k, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
     if len(given) != 1:

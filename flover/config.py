@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
+from flover.structured import Structured
+
 
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
 # float32) and keep the sampler's arithmetic finite; the per-token stop check must stay cheap.
@@ -46,6 +48,7 @@ class SamplingParams:
     logprobs: bool = False  # return the log-probability of every sampled token
     prompt_logprobs: bool = False  # and of every prompt token after the first (teacher forcing)
     top_logprobs: int = 0  # with either: the k most likely tokens at each of those positions
+    structured: Structured | None = None  # what the text must match (docs/structured_output.md)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples; nothing else is converted.
@@ -56,6 +59,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, list):
                 set_(name, tuple(value))
+        if self.structured is not None:  # the wire's map, checked for its shape
+            set_("structured", Structured.of(self.structured))
         self.validate()
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             set_(name, float(getattr(self, name)))  # validated: an int within float32's range
@@ -114,7 +119,7 @@ class SamplingParams:
         """Takes the largest logit as is (the common serving case): no temperature, penalty or
         log-probabilities, so the id alone decides (and a speculative draft can be checked)."""
         return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.frequency_penalty
-                and not self.presence_penalty and not self.logprobs)
+                and not self.presence_penalty and not self.logprobs and self.structured is None)
 
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

@@ -87,6 +87,7 @@ class Request:
     stream: bool = False  # report text deltas as tokens arrive
     emitted: int = 0  # characters of text already reported as deltas
     drafting: object | None = None  # speculation.Drafting, once it drafts
+    grammar: object | None = None  # structured.GrammarState: the structure its text must match
 
     @property
     def prompt_len(self) -> int:

@@ -34,6 +34,7 @@ from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
 from flover.parallel.plan import AddEvent
+from flover.structured import Grammars
 from flover.request import Request, RequestOutput, StepResult, Timings
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
@@ -93,6 +94,7 @@ class Engine:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.tokenizer = load_tokenizer(checkpoint)
+        self._grammars: Grammars | None = None
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
             log.warning("the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
                         "vocabulary is refused", self.tokenizer.vocab_size, cfg.vocab_size)
@@ -169,17 +171,27 @@ class Engine:
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streamed text need the checkpoint's tokenizer")
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
+        grammar = self.grammars.start(params.structured) if params.structured is not None else None
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
             stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
             timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, grammar=grammar,
         )
         if params.stop:
             request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
             request.stop_holdback = max(map(len, params.stop)) - 1
         return request
+
+    @property
+    def grammars(self) -> Grammars:
+        """This model's structured-output grammars (built on the first request that has one)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the checkpoint's tokenizer")
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        return self._grammars
 
     def enqueue(self, request: Request) -> str:
         self.scheduler.add(request)  # (refuses an id in flight)

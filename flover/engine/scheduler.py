@@ -252,7 +252,10 @@ class Scheduler:
             tokens = [token, *result.accepted.get(i, ())]
             for n, t in enumerate(tokens, 1):
                 r.output_token_ids.append(t)
-                if t in r.stop_token_set:
+                broke = r.grammar.advance(t) if r.grammar is not None else None
+                if broke is not None:
+                    r.finish(FinishReason.ERROR, now, error=broke)
+                elif t in r.stop_token_set or (r.grammar is not None and r.grammar.done):
                     r.finish(FinishReason.STOP, now)
                 elif len(r.output_token_ids) >= r.params.max_new_tokens:
                     r.finish(FinishReason.LENGTH, now)

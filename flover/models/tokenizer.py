@@ -116,6 +116,10 @@ class Tokenizer:
         apply_chat_template does."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its JSON (what llguidance builds its own view from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
 

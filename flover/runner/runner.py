@@ -22,6 +22,7 @@ from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
+from flover.structured import allowed_mask
 
 if TYPE_CHECKING:  # the plan it carries out (a type only: the engine's scheduler makes it)
     from flover.engine.scheduler import StepPlan
@@ -235,6 +236,7 @@ class ModelRunner:
             frequency_penalty=self._frequency_penalty[slots] if counted else None,
             presence_penalty=self._presence_penalty[slots] if counted else None,
             outputs=[r.output_token_ids for r in sampled] if counted else None,
+            allowed=self._allowed(sampled, logits.shape[-1]),
         )
         failed: dict[int, str] = {}
         try:
@@ -262,6 +264,16 @@ class ModelRunner:
             out.append(found[start: start + s.count])
             start += s.count
         return out
+
+    @staticmethod
+    def _allowed(sampled: list[Request], vocab: int) -> list[torch.Tensor | None] | None:
+        """Per row, the tokens its request's structure allows now ([vocab] bool), or None when no
+        row has a structure."""
+        constrained = [r for r in sampled if r.grammar is not None]
+        if not constrained:
+            return None
+        masks = iter(allowed_mask([r.grammar for r in constrained], vocab))
+        return [next(masks) if r.grammar is not None else None for r in sampled]
 
     def _native_sampler(self, logits: torch.Tensor):
         """The native step's sampler (the same ids, in C) where the logits are on CPU, else None."""

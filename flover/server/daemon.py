@@ -114,7 +114,7 @@ class Daemon:
                          "rejected": 0, "clients_gone": 0, "slow_clients": 0}
         self._last_keepalive = self._last_stats = time.monotonic()
         # Text prompts and chats are tokenized off the loop, connections taking turns.
-        self.tokenizing = FairTokenizer(lambda req: engine.tokenize(req.prompt, req.messages))
+        self.tokenizing = FairTokenizer(self._prepare)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.tokenizing.wakeup_fd, zmq.POLLIN)
@@ -416,13 +416,22 @@ class Daemon:
                                                                "waiting; retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
-        if req.messages is not None or isinstance(req.prompt, str):  # tokenizer work: off the loop
-            self.tokenizing.submit(Job(identity, engine_id, req))
+        if req.messages is not None or isinstance(req.prompt, str) or req.params.structured is not None:
+            self.tokenizing.submit(Job(identity, engine_id, req))  # tokenizer or grammar work: off the loop
         else:
             self._queue(engine_id, flight, req, None)  # token ids: checked at once
         self.inflight[engine_id] = flight
         self.by_client[(identity, req.id)] = engine_id
         self.counters["requests"] += 1
+
+    def _prepare(self, req: protocol.GenerateRequest):
+        """On the tokenizing worker: the prompt's tokens (text or chat), and the request's
+        structure compiled (cached, so that queuing it on the loop finds it ready)."""
+        if req.params.structured is not None:
+            self.engine.grammars.compile(req.params.structured)
+        if req.messages is not None or isinstance(req.prompt, str):
+            return self.engine.tokenize(req.prompt, req.messages)
+        return None
 
     def _queue(self, engine_id: str, flight: InFlight, req: protocol.GenerateRequest, tokenized) -> None:
         try:

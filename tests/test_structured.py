@@ -1,0 +1,149 @@
+"""Structured output in the engine (flover/structured.py): on tiny random models (random weights
+would write anything, so every constrained output is a real test of the mask), every output
+matches its structure; unconstrained requests fused with constrained ones are untouched; bad
+structures are refused before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import pytest
+
+from flover import LLM, SamplingParams
+from flover.structured import Structured
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+STRUCTURES = {
+    "json": Structured("json"),
+    "json_schema": Structured("json_schema", SCHEMA),
+    "regex": Structured("regex", r"[0-9]{3}-[a-z]{2,5}"),
+    "choice": Structured("choice", ("yes", "no", "maybe not")),
+    "grammar": Structured("grammar", 'start: "(" item ("," item)* ")"\nitem: /[0-9]{1,3}/'),
+}
+
+
+BOUNDED = ("json_schema", "regex", "choice")  # a match is at most a few dozen tokens: it must end
+
+
+def accepted(llm: LLM, structured: Structured, tokens: list[int], complete: bool) -> bool:
+    """A fresh matcher takes the tokens (what the grammar itself says) and, for a complete text,
+    is then at an end."""
+    matcher = llguidance.LLMatcher(llm.engine.grammars.tokenizer, structured.grammar(), log_level=0)
+    eos = set(llm.engine.model_config.eos_token_ids)
+    body = tokens[:-1] if tokens and tokens[-1] in eos else tokens
+    return matcher.consume_tokens(body) and (matcher.is_accepting() or not complete)
+
+
+def check_text(kind: str, text: str) -> None:
+    if kind == "json":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "json_schema":
+        value = json.loads(text)
+        assert set(value) == {"name", "age", "tags"} and 0 <= value["age"] <= 150, text
+        assert isinstance(value["name"], str) and set(value["tags"]) <= {"a", "b", "c"}, text
+    elif kind == "regex":
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", text), text
+    elif kind == "choice":
+        assert text in ("yes", "no", "maybe not"), text
+    else:
+        assert re.fullmatch(r"\(([0-9]{1,3})(,[0-9]{1,3})*\)", text), text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])  # the native step's sampler, and PyTorch's
+def test_every_constrained_output_matches_its_structure_greedy_and_sampled(llama_dir, dtype):
+    llm = LLM(llama_dir, dtype=dtype, max_slots=8, max_seq_len=160)
+    prompts, params, kinds = [], [], []
+    for i, (kind, structured) in enumerate(STRUCTURES.items()):
+        for sampled in (False, True):
+            prompts.append([3 + i, 5, 7 + sampled])
+            params.append(SamplingParams(max_new_tokens=120, structured=structured, seed=i,
+                                         temperature=0.9 if sampled else 0.0, top_p=0.95 if sampled else 1.0))
+            kinds.append(kind)
+    outs = llm.generate(prompts, params)
+    for kind, p, out in zip(kinds, params, outs):
+        # random weights may write an unbounded string or list until max_new_tokens: then the
+        # text is a prefix of a match
+        assert out.finish_reason == "stop" or (kind not in BOUNDED and out.finish_reason == "length"), (kind, out)
+        complete = out.finish_reason == "stop"
+        assert accepted(llm, p.structured, out.token_ids, complete), (kind, out.text)
+        if complete:
+            check_text(kind, out.text)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 7
+
+
+def test_unconstrained_requests_fused_with_constrained_ones_get_the_tokens_they_get_alone(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_slots=6, max_seq_len=128)
+    free = [SamplingParams(max_new_tokens=30, ignore_eos=True),
+            SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)]
+    alone = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], free)]
+    constrained = [SamplingParams(max_new_tokens=60, structured=STRUCTURES[kind], temperature=t, seed=2)
+                   for kind in BOUNDED for t in (0.0, 1.0)][:4]
+    outs = llm.generate([[1, 2, 3], [4, 5, 6]] + [[9, 9, i] for i in range(4)], free + constrained)
+    assert [o.token_ids for o in outs[:2]] == alone
+    assert all(o.finish_reason == "stop" for o in outs[2:])
+
+
+def test_a_structure_longer_than_max_tokens_ends_with_length(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    out = llm.generate([1, 2], SamplingParams(max_new_tokens=3, structured=STRUCTURES["json_schema"]))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("structured, problem", [
+    (dict(kind="regex", value="[a-"), "does not compile"),
+    (dict(kind="json_schema", value={"type": "frobnicate"}), "does not compile"),
+    (dict(kind="grammar", value="start: undefined_rule"), "does not compile"),
+    (dict(kind="json_schema", value="{not json"), "not JSON"),
+    (dict(kind="choice", value=[]), "choice"),
+    (dict(kind="xml"), "not one of"),
+    (dict(kind="json", value="x"), "no value"),
+    ({"kind": "regex", "value": "a", "extra": 1}, "must be a map"),
+])
+def test_a_bad_structure_is_refused_naming_the_problem_and_changes_nothing(llama_dir, structured, problem):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    with pytest.raises(ValueError, match=problem):
+        llm.engine.add_request([1, 2], SamplingParams(max_new_tokens=4, structured=structured))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([1, 2], SamplingParams(max_new_tokens=4, structured=Structured("choice", ("ok",))))[0]
+    assert out.text == "ok" and out.finish_reason == "stop"
+
+
+def test_compiled_grammars_are_cached_by_their_text(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    grammars = llm.engine.grammars
+    first = grammars.compile(Structured("json_schema", SCHEMA))
+    assert grammars.compile(Structured("json_schema", json.dumps(SCHEMA))) is first  # the same schema as text
+    assert grammars.compile(Structured("regex", "[0-9]+")) is not first
+
+
+def test_a_complete_structure_ends_the_request_even_when_eos_is_ignored(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    out = llm.generate([1, 2], SamplingParams(max_new_tokens=30, ignore_eos=True,
+                                              structured=Structured("choice", ("yes", "no"))))[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no") and len(out.token_ids) < 30
+
+
+def test_structured_requests_through_the_daemon_and_a_bad_one_refused_while_others_run(server):
+    """A real `flover serve` and client: structures on the wire (the map, or a Structured the
+    client turns into it), compiled off the loop; a schema that does not compile is answered
+    `invalid_request` naming the problem, and the requests beside it finish."""
+    from flover.client import FloverError
+
+    with server.client() as c:
+        regex = c.generate(input_ids=[1, 2, 3], max_new_tokens=40,
+                           structured={"kind": "regex", "value": r"[0-9]{3}-[a-z]{2,5}"})
+        assert regex["finish_reason"] == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", regex["text"])
+        schema = c.generate(input_ids=[4, 5], max_new_tokens=80, temperature=0.7, seed=3,
+                            structured=STRUCTURES["json_schema"])
+        assert schema["finish_reason"] == "stop"
+        check_text("json_schema", schema["text"])
+        with pytest.raises(FloverError, match="does not compile"):
+            c.generate(input_ids=[1, 2], max_new_tokens=8, structured={"kind": "regex", "value": "[a-"})
+        ok = c.generate(input_ids=[1, 2], max_new_tokens=8, ignore_eos=True)
+        assert ok["finish_reason"] == "length"
