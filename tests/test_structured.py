@@ -147,3 +147,57 @@ def test_structured_requests_through_the_daemon_and_a_bad_one_refused_while_othe
             c.generate(input_ids=[1, 2], max_new_tokens=8, structured={"kind": "regex", "value": "[a-"})
         ok = c.generate(input_ids=[1, 2], max_new_tokens=8, ignore_eos=True)
         assert ok["finish_reason"] == "length"
+
+
+@pytest.fixture(scope="module")
+def http_api(make_model):
+    import signal
+
+    from tests.helpers import Server, free_port
+
+    port = free_port()
+    server = Server(make_model("llama"), "--max-slots", "8", "--max-seq-len", "256", "--http", f"127.0.0.1:{port}")
+    yield f"http://127.0.0.1:{port}"
+    server.stop(signal.SIGKILL)
+
+
+def test_openai_client_parses_a_pydantic_model_and_json_objects_and_choices(http_api):
+    """The official client: `chat.completions.parse` with a pydantic model (OpenAI's strict
+    json_schema), `json_object`, vLLM's guided_choice / guided_regex; a schema that cannot compile
+    is a 400 naming the problem; two ways at once are refused."""
+    from typing import Literal
+
+    import openai
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog", "bird"]
+        age: int = pydantic.Field(ge=0, le=30)
+        indoor: bool
+        name: str = pydantic.Field(max_length=6)
+
+    client = openai.OpenAI(base_url=f"{http_api}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions
+    parse = chat.parse if hasattr(chat, "parse") else client.beta.chat.completions.parse
+    for i in range(6):
+        answer = parse(model=model, messages=[{"role": "user", "content": f"pet number {i}"}], response_format=Pet,
+                       max_tokens=80, temperature=0.8 if i % 2 else 0.0, seed=i)
+        pet = answer.choices[0].message.parsed
+        assert isinstance(pet, Pet) and 0 <= pet.age <= 30 and len(pet.name) <= 6, answer
+    text = chat.create(model=model, messages=[{"role": "user", "content": "a json object"}], max_tokens=120,
+                       response_format={"type": "json_object"}, temperature=0).choices[0]
+    if text.finish_reason == "stop":  # random weights may write one long string until max_tokens
+        assert isinstance(json.loads(text.message.content), dict)
+    choice = chat.create(model=model, messages=[{"role": "user", "content": "yes or no?"}], max_tokens=10,
+                         extra_body={"guided_choice": ["yes", "no"]}).choices[0].message.content
+    assert choice in ("yes", "no")
+    done = client.completions.create(model=model, prompt="a code:", max_tokens=20,
+                                     extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"}).choices[0]
+    assert re.fullmatch("[A-Z]{2}[0-9]{2}", done.text) and done.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        chat.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                    response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nope"}}})
+    with pytest.raises(openai.BadRequestError, match="one way"):
+        chat.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                    response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})

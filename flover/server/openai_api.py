@@ -9,6 +9,7 @@ unknown ones with a logged warning (as vLLM does).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -24,7 +25,7 @@ NEUTRAL = {"model", "prompt", "messages", "stream", "stream_options", "user", "n
            "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
            "ignore_eos", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "echo", "tools",
            "tool_choice", "response_format", "best_of", "suffix", "logit_bias", "stop_token_ids", "parallel_tool_calls",
-           "metadata", "store", "service_tier"}
+           "metadata", "store", "service_tier", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 MAX_CHOICES = 64  # prompts × n of one HTTP request
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; the legacy API allowed 5)
 MAX_JSON_DEPTH = 64  # nesting of a request body (OpenAI's own bodies need < 10; a JSON schema a few more)
@@ -155,9 +156,6 @@ def sampling_params(body: dict, chat: bool) -> dict:
     for param in ("tools", "functions"):
         if body.get(param):
             raise unsupported(param, "tool calling is not supported yet")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise unsupported("response_format", "only {\"type\": \"text\"} is supported yet")
     if body.get("logit_bias"):
         raise unsupported("logit_bias", "not supported yet")
     if _integer(body, "best_of", 1) not in (None, 1):
@@ -165,6 +163,9 @@ def sampling_params(body: dict, chat: bool) -> dict:
     if body.get("suffix") is not None:
         raise unsupported("suffix", "not supported")
     params: dict = {}
+    structured = structure_asked(body)
+    if structured is not None:
+        params["structured"] = structured
     k = logprobs_asked(body, chat)
     if k is not None:
         params.update(logprobs=True, top_logprobs=k)
@@ -195,6 +196,40 @@ def sampling_params(body: dict, chat: bool) -> dict:
         if body.get(key) is not None:
             params[key] = body[key]
     return params
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # vLLM's fields -> Structured kinds
+
+
+def structure_asked(body: dict) -> dict | None:
+    """The daemon's `structured` map from OpenAI's `response_format` or vLLM's guided_* fields
+    (at most one of them), or None. The daemon checks the shape and compiles it (a 400 naming
+    the problem when it cannot)."""
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")):
+        raise ApiError(400, 'response_format: expected {"type": "text" | "json_object" | "json_schema", ...}',
+                       param="response_format")
+    asked = [key for key in GUIDED if body.get(key) is not None]
+    if fmt is not None and fmt["type"] != "text":
+        asked.append("response_format")
+    if len(asked) > 1:
+        raise ApiError(400, f"{', '.join(asked)}: give one way of structuring the output", param=asked[0])
+    if not asked:
+        return None
+    if asked[0] == "response_format":
+        if fmt["type"] == "json_object":
+            return {"kind": "json"}
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ApiError(400, "response_format.json_schema: expected {\"name\": ..., \"schema\": {...}}",
+                           param="response_format")
+        return {"kind": "json_schema", "value": spec["schema"]}
+    key = asked[0]
+    value = body[key]
+    if key == "guided_json" and isinstance(value, (dict, bool)):
+        value = json.dumps(value)
+    return {"kind": GUIDED[key], "value": value}
 
 
 def logprobs_asked(body: dict, chat: bool) -> int | None:
