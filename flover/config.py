@@ -13,6 +13,7 @@ from flover.structured import Structured
 # float32) and keep the sampler's arithmetic finite; the per-token stop check must stay cheap.
 # docs/protocol.md lists these limits.
 MAX_INT32 = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_TEMPERATURE = 1e4
 GREEDY_BELOW = 1e-5  # smaller positive temperatures are greedy (as in vLLM): 1/T would overflow
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # seen logits are scaled by at most 100x either way
@@ -49,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: bool = False  # and of every prompt token after the first (teacher forcing)
     top_logprobs: int = 0  # with either: the k most likely tokens at each of those positions
     structured: Structured | None = None  # what the text must match (docs/structured_output.md)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples; nothing else is converted.
@@ -61,6 +63,10 @@ class SamplingParams:
                 set_(name, tuple(value))
         if self.structured is not None:  # the wire's map, checked for its shape
             set_("structured", Structured.of(self.structured))
+        if isinstance(self.logit_bias, dict):  # {id: bias}, as OpenAI's (its JSON keys already ids)
+            set_("logit_bias", tuple(sorted(self.logit_bias.items())))
+        elif isinstance(self.logit_bias, list):  # the wire's [[id, bias], ...]
+            set_("logit_bias", tuple(tuple(pair) if isinstance(pair, list) else pair for pair in self.logit_bias))
         self.validate()
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             set_(name, float(getattr(self, name)))  # validated: an int within float32's range
@@ -113,13 +119,19 @@ class SamplingParams:
             bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
             bad("top_logprobs", "needs logprobs or prompt_logprobs set to true")
+        if (not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS
+                or not all(isinstance(pair, tuple) and len(pair) == 2 and _int_in(pair[0], 0, MAX_INT32)
+                           and _number_in(pair[1], -100, 100) for pair in self.logit_bias)
+                or len({pair[0] for pair in self.logit_bias}) != len(self.logit_bias)):
+            bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} distinct token ids to numbers in [-100, 100]")
 
     @property
     def plain_greedy(self) -> bool:
         """Takes the largest logit as is (the common serving case): no temperature, penalty or
         log-probabilities, so the id alone decides (and a speculative draft can be checked)."""
         return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.frequency_penalty
-                and not self.presence_penalty and not self.logprobs and self.structured is None)
+                and not self.presence_penalty and not self.logprobs and self.structured is None
+                and not self.logit_bias)
 
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

@@ -201,3 +201,31 @@ def test_openai_client_parses_a_pydantic_model_and_json_objects_and_choices(http
     with pytest.raises(openai.BadRequestError, match="one way"):
         chat.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                     response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
+
+
+def test_logit_bias_adds_to_the_logits_of_its_tokens_only(llama_dir):
+    """OpenAI's logit_bias: +100 on a token makes it the greedy choice, -100 bans the greedy
+    one; a biased request beside an unbiased one changes none of its tokens; ids past the
+    vocabulary are refused."""
+    llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
+    plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = llm.generate([1, 2, 3], plain)[0].token_ids
+    forced, banned, other = llm.generate([[1, 2, 3], [1, 2, 3], [1, 2, 3]], [
+        SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={77: 100}),
+        SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={alone[0]: -100}, temperature=0.7, seed=1),
+        plain])
+    assert forced.token_ids == [77] * 8 and alone[0] not in banned.token_ids and other.token_ids == alone
+    with pytest.raises(ValueError, match="vocabulary size"):
+        llm.engine.add_request([1], SamplingParams(logit_bias={10**6: 1}))
+
+
+def test_logit_bias_over_http(http_api, llama_dir):
+    import httpx
+    from tokenizers import Tokenizer
+
+    body = {"prompt": "x", "max_tokens": 4, "temperature": 0, "logit_bias": {"77": 100}}
+    answer = httpx.post(f"{http_api}/v1/completions", json=body, timeout=60).json()
+    forced = Tokenizer.from_file(f"{llama_dir}/tokenizer.json").decode([77] * 4)
+    assert answer["choices"][0]["text"] == forced, answer
+    bad = httpx.post(f"{http_api}/v1/completions", json={**body, "logit_bias": {"x": 1}}, timeout=60)
+    assert bad.status_code == 400 and "logit_bias" in bad.text

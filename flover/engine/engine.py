@@ -170,6 +170,9 @@ class Engine:
                              f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streamed text need the checkpoint's tokenizer")
+        if any(token >= self.model_config.vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size "
+                             f"{self.model_config.vocab_size}")
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
         request = Request(

@@ -237,6 +237,7 @@ class ModelRunner:
             presence_penalty=self._presence_penalty[slots] if counted else None,
             outputs=[r.output_token_ids for r in sampled] if counted else None,
             allowed=self._allowed(sampled, logits.shape[-1]),
+            bias=[r.params.logit_bias for r in sampled] if any(r.params.logit_bias for r in sampled) else None,
         )
         failed: dict[int, str] = {}
         try:

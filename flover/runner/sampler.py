@@ -57,6 +57,7 @@ class SamplingTensors:
     presence_penalty: torch.Tensor | None = None  # set only when some row uses either
     outputs: list[list[int]] | None = None  # per row, the tokens generated so far
     allowed: list[torch.Tensor | None] | None = None  # per row, [vocab] bool: the tokens its structure allows
+    bias: list[tuple[tuple[int, float], ...]] | None = None  # per row, (token, added to its logit) pairs
 
     def row(self, i: int) -> "SamplingTensors":
         """Row i alone (each tensor [1]): the engine resamples row by row to isolate a failure."""
@@ -72,7 +73,7 @@ class SamplingTensors:
             counter=pick(self.counter), all_greedy=bool((self.temperature[rows] == 0).all()),
             history=take(self.history), want_logprobs=self.want_logprobs, top_logprobs=self.top_logprobs,
             frequency_penalty=pick(self.frequency_penalty), presence_penalty=pick(self.presence_penalty),
-            outputs=take(self.outputs), allowed=take(self.allowed))
+            outputs=take(self.outputs), allowed=take(self.allowed), bias=take(self.bias))
 
 
 def _seen(logits: torch.Tensor, tokens_of_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,7 +138,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors, native=None) -> tuple[torc
     sampler (flover/native/sampling.py), which draws the same ids from float32 logits on CPU."""
     work = torch.promote_types(logits.dtype, torch.float32)
     raw = logits.to(work)
-    logits = raw.clone() if st.history is not None or st.outputs is not None or st.allowed is not None else raw
+    logits = raw.clone() if any(x is not None for x in (st.history, st.outputs, st.allowed, st.bias)) else raw
+    if st.bias is not None:  # OpenAI's logit_bias: added before anything else
+        pairs = [(row, token, value) for row, row_bias in enumerate(st.bias) for token, value in row_bias]
+        if pairs:
+            rows, tokens, values = zip(*pairs)
+            logits[list(rows), list(tokens)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
     if st.allowed is not None:  # structured output: every token its structure does not allow is out
         rows = [i for i, mask in enumerate(st.allowed) if mask is not None]
         allowed = torch.stack([st.allowed[i] for i in rows]).to(logits.device)  # [constrained rows, vocab]

@@ -156,13 +156,16 @@ def sampling_params(body: dict, chat: bool) -> dict:
     for param in ("tools", "functions"):
         if body.get(param):
             raise unsupported(param, "tool calling is not supported yet")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias", "not supported yet")
     if _integer(body, "best_of", 1) not in (None, 1):
         raise unsupported("best_of", "only 1 is supported")
     if body.get("suffix") is not None:
         raise unsupported("suffix", "not supported")
     params: dict = {}
+    bias = body.get("logit_bias")
+    if bias:  # {"token id": bias}: JSON keys are strings
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() and len(k) < 11 for k in bias):
+            raise ApiError(400, "logit_bias: expected a map from token ids to numbers", param="logit_bias")
+        params["logit_bias"] = [[int(k), v] for k, v in bias.items()]
     structured = structure_asked(body)
     if structured is not None:
         params["structured"] = structured
