@@ -54,7 +54,10 @@ class FloverError(RuntimeError):
 def _generate_message(request_id, prompt, input_ids, messages, stream: bool, params: dict) -> dict:
     if isinstance(params.get("structured"), Structured):  # on the wire: its map
         params = {**params, "structured": dataclasses.asdict(params["structured"])}
+    tools = params.pop("tools", None) if "tools" in params else None
     message = {"op": "generate", "id": request_id, "stream": stream, "params": params}
+    if tools is not None:  # OpenAI's tools, for the chat template: beside the messages
+        message["tools"] = tools
     given = [(k, v) for k, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
     if len(given) != 1:
         raise ValueError("pass exactly one of prompt, input_ids, messages")

@@ -16,11 +16,12 @@ import msgpack
 import zmq
 
 from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams
+from flover.tools import check_tools
 
 OPS = ("generate", "cancel", "health", "stats")
 MAX_MESSAGE_BYTES = 1 << 20  # the server's default bound on one message (--max-message-bytes)
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
-GENERATE_KEYS = frozenset({"op", "id", "params", "stream", *PROMPT_KEYS})
+GENERATE_KEYS = frozenset({"op", "id", "params", "stream", "tools", *PROMPT_KEYS})
 MAX_ID_LENGTH = MAX_REQUEST_ID_LENGTH  # characters of a string id
 
 # Error codes a client can act on.
@@ -83,6 +84,7 @@ class GenerateRequest:
     messages: list | None
     params: SamplingParams
     stream: bool = False
+    tools: list | None = None  # with messages: OpenAI's tools, for the chat template (flover/tools.py)
 
 
 def parse_generate(message: dict) -> GenerateRequest:
@@ -124,7 +126,15 @@ def parse_generate(message: dict) -> GenerateRequest:
         params = SamplingParams(**raw)
     except (ValueError, TypeError) as e:
         raise bad(str(e)) from None
-    return GenerateRequest(rid, prompt, messages, params, stream)
+    tools = message.get("tools")
+    if tools is not None:
+        if messages is None:
+            raise bad("`tools` go with `messages`")
+        try:
+            check_tools(tools)
+        except ValueError as e:
+            raise bad(str(e)) from None
+    return GenerateRequest(rid, prompt, messages, params, stream, tools)
 
 
 # -- both ends ----------------------------------------------------------------------------

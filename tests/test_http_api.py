@@ -96,9 +96,9 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
         client.completions.create(model=model, prompt="x", max_tokens=2, top_p=7.0)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=model, prompt="x", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tools"):  # tools are taken, a malformed one is not
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+                                       tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="prompt_too_long|max_seq_len|too long"):
         client.completions.create(model=model, prompt=[1] * 600, max_tokens=2)
     with pytest.raises(openai.NotFoundError):

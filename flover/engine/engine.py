@@ -203,11 +203,12 @@ class Engine:
                                         request.cache_salt))
         return request.request_id
 
-    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None
+    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
                  ) -> tuple[list[int], str | None]:
         """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
-        Touches no engine state, so it may run on another thread."""
-        return self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages), None)
+        `tools`: OpenAI's, with `messages`, for the chat template. Touches no engine state, so it
+        may run on another thread."""
+        return self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages, tools), None)
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -239,13 +240,13 @@ class Engine:
             raise PromptTooLong(f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
                                 f"(no token is longer than {longest} bytes); refused before tokenizing")
 
-    def _chat_ids(self, messages: list) -> list[int]:
+    def _chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("messages need the checkpoint's tokenizer")
         if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
             self._check_text_size("".join(m["content"] for m in messages
                                           if isinstance(m, dict) and isinstance(m.get("content"), str)))
-        text = self.tokenizer.render_chat(messages)
+        text = self.tokenizer.render_chat(messages, tools)
         self._check_text_size(text)
         ids = self._checked(self._encode(text, False))
         if not ids:

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from flover.models.config import CheckpointError
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
+from flover.tools import prompt_messages
 
 # tokenizer.ggml.pre -> the split regex the merges were learned with (as transformers' GGUF
 # conversion and llama.cpp use them); absent: GPT-2's own (ByteLevel's built-in regex).
@@ -42,6 +43,7 @@ class Tokenizer:
                                    default=1)
         self.special_tokens = special_tokens
         self.chat_template, self.chat_template_error = None, None
+        self.chat_template_source = chat_template  # its text: which tool-call syntax the model writes
         if chat_template:
             try:
                 self.chat_template = _compile_template(chat_template)
@@ -95,26 +97,31 @@ class Tokenizer:
             raise TooManyTokens(len(encoding))
         return encoding.ids
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """`messages` in the checkpoint's chat template, with the assistant prompt added."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """`messages` in the checkpoint's chat template, with the assistant prompt added; with
+        `tools` (OpenAI's), or earlier calls and results among the messages, as flover/tools.py
+        puts them for this template."""
         if self.chat_template_error is not None:
             raise ValueError(f"this checkpoint's chat template is broken ({self.chat_template_error}); "
                              f"chat is off, send a plain prompt instead")
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ValueError("messages must be a list of {\"role\": str, \"content\": str}")
+        if not isinstance(messages, list) or not all(map(_chat_message, messages)):
+            raise ValueError("messages must be a list of {\"role\": str, \"content\": str} (an assistant's "
+                             "may carry tool_calls, a tool's its tool_call_id)")
+        extra = {}
+        if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages, extra = prompt_messages(messages, tools, self.chat_template_source)
         try:
-            return self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens,
+                                             **extra)
         except Exception as e:  # the template's own raise_exception, or a template bug
             raise ValueError(f"the chat template refused these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render and tokenize without adding special tokens again, as transformers'
         apply_chat_template does."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
     def backend_json(self) -> str:
         """The `tokenizers` tokenizer as its JSON (what llguidance builds its own view from)."""
@@ -132,6 +139,21 @@ class Tokenizer:
         if self._byte_of is not None and all(c in self._byte_of for c in piece):
             return bytes(self._byte_of[c] for c in piece)
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def _chat_message(m) -> bool:
+    """A chat message's shape: role and text content; an assistant's tool calls (OpenAI's
+    {"id", "type": "function", "function": {"name", "arguments"}}), a tool result's call id."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):
+            return False
+        return m.get("content") is None or isinstance(m.get("content"), str)
+    return isinstance(m.get("content"), str) and isinstance(m.get("tool_call_id", ""), str)
 
 
 class IncrementalDetokenizer:

@@ -38,6 +38,7 @@ from flover.server.http_front import CURVE_ENV, HttpLimits, parse_listen
 from flover.server.http_guard import guarded_protocol, usable_connections
 from flover.server.prometheus import render
 from flover.server.tokenizing import background_thread
+from flover.tools import syntax_of
 
 log = logging.getLogger("flover.http")
 
@@ -85,6 +86,8 @@ class Front:
         self.parent_pid, self.curve, self.max_body_bytes = parent_pid, curve, max_body_bytes
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
+        # how this model writes tool calls (from its chat template: flover/tools.py)
+        self.tool_syntax = syntax_of(tokenizer.chat_template_source if tokenizer is not None else None)
         self._background: set[asyncio.Task] = set()
         # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run
         # here, never on the event loop (the `tokenizers` library releases the GIL while it works).
@@ -252,7 +255,8 @@ def build_app(front: Front) -> FastAPI:
 
     async def generate(request: Request, kind: str):
         try:
-            plan = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning)
+            plan = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning,
+                           front.tool_syntax)
             if plan.echo:  # (chats go to the daemon as messages: it renders and bounds them)
                 await tokenize_echoed(plan)
         except oa.ApiError as e:
@@ -320,6 +324,7 @@ def build_app(front: Front) -> FastAPI:
         async def body():
             started: set[int] = set()
             offsets = [0] * len(rids)  # characters of token text streamed per choice (completions' text_offset)
+            held = [""] * len(rids)  # with tools: each choice's text, sent once its calls are known
             finals: list[dict | None] = [None] * len(rids)
             item = first
             try:
@@ -330,7 +335,20 @@ def build_app(front: Front) -> FastAPI:
                         yield _sse(event.body())
                         break
                     is_first = index not in started
-                    if event["event"] == "token":
+                    if event["event"] == "token" and plan.tool_syntax is not None:
+                        held[index] += event.get("text") or ""
+                    elif plan.tool_syntax is not None:  # the final: the held text, as content or calls
+                        for piece in oa.tool_call_chunks(plan, front.model_name, index, held[index],
+                                                         event["finish_reason"]):
+                            yield _sse(piece)
+                        started.add(index)
+                        finished.add(index)
+                        finals[index] = event
+                        if len(finished) == len(rids):
+                            if plan.include_usage:
+                                yield _sse(oa.usage_chunk(plan, front.model_name, finals))
+                            break
+                    elif event["event"] == "token":
                         text, logprobs = oa.stream_piece(plan, plan.choices[index], event, is_first, offsets[index],
                                                          token_bytes)
                         if text or logprobs or is_first:

@@ -15,6 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from flover import tools as tool_calling
+
 # Daemon error code -> HTTP status. Client input is never a 500.
 STATUS = {"invalid_request": 400, "prompt_too_long": 400, "bad_message": 400, "unknown_id": 400,
           "message_too_large": 413, "overloaded": 429, "shutting_down": 503, "connection_lost": 503,
@@ -65,6 +67,7 @@ class Plan:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # asked for logprobs, with this many alternatives per token
+    tool_syntax: str | None = None  # tools were given: answers are parsed for calls in this syntax
     echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) before the completion
     score_only: bool = False  # completions with echo and max_tokens 0: the prompt's logprobs, no completion
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -153,9 +156,10 @@ def _boolean(body: dict, key: str) -> bool | None:
 
 def sampling_params(body: dict, chat: bool) -> dict:
     """The daemon's `params` from OpenAI's fields (the daemon validates values further)."""
-    for param in ("tools", "functions"):
-        if body.get(param):
-            raise unsupported(param, "tool calling is not supported yet")
+    if body.get("functions"):
+        raise unsupported("functions", "the legacy functions API is not supported; send tools")
+    if body.get("tools") and not chat:
+        raise ApiError(400, "tools: a chat field (/v1/chat/completions)", param="tools")
     if _integer(body, "best_of", 1) not in (None, 1):
         raise unsupported("best_of", "only 1 is supported")
     if body.get("suffix") is not None:
@@ -270,7 +274,23 @@ def chat_messages(messages) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content: expected a string or text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        calls = m.get("tool_calls")
+        if calls:  # an assistant's earlier calls: {"id", "type": "function", "function": {"name", "arguments"}}
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                    for c in calls):
+                raise ApiError(400, f"messages[{i}].tool_calls: expected calls with function name and arguments",
+                               param="messages")
+            message["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
+                                      "function": {"name": c["function"]["name"],
+                                                   "arguments": c["function"]["arguments"]}} for c in calls]
+        if m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise ApiError(400, f"messages[{i}].tool_call_id: expected a string", param="messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
@@ -290,9 +310,10 @@ def _prompts(prompt) -> list[dict]:
                    param="prompt")
 
 
-def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
+def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_calling.HERMES) -> Plan:
     """Check an OpenAI request body (a JSON object) and split it into daemon requests.
-    `warn(text)` is told of fields this server does not know."""
+    `warn(text)` is told of fields this server does not know; `tool_syntax`: how this model
+    writes tool calls (flover/tools.py, from its chat template)."""
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}",
@@ -303,6 +324,7 @@ def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
     chat = kind == "chat"
     sources = [{"messages": chat_messages(body.get("messages"))}] if chat else _prompts(body.get("prompt"))
     params = sampling_params(body, chat)
+    syntax = _tools_asked(body, sources, params, tool_syntax) if chat else None
     n = _integer(body, "n", 1) or 1
     if len(sources) * n > MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {len(sources) * n}: at most {MAX_CHOICES} per request", param="n")
@@ -323,7 +345,34 @@ def plan(body: dict, kind: str, model_name: str, warn) -> Plan:
         raise ApiError(400, "stream_options: expected an object", param="stream_options")
     return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream,
                 logprobs=params["top_logprobs"] if params.get("logprobs") else None, echo=echo,
-                score_only=echo and body.get("max_tokens") == 0)
+                score_only=echo and body.get("max_tokens") == 0, tool_syntax=syntax)
+
+
+def _tools_asked(body: dict, sources: list[dict], params: dict, syntax: str) -> str | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls`: the tools go to the daemon beside the
+    messages (for the template); "required" or a named function become the request's structure.
+    The syntax answers are parsed in, or None when no call can come (no tools, tool_choice none)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice: needs tools", param="tool_choice")
+        return None
+    try:
+        tool_calling.check_tools(tools)
+        parallel = _boolean(body, "parallel_tool_calls")
+        structure = tool_calling.required_structure(tools, choice, parallel is not False, syntax)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="tools" if str(e).startswith("tools") else "tool_choice") from None
+    if choice == "none":
+        return None  # the model is not shown the tools and is not parsed for calls
+    if structure is not None:
+        if "structured" in params:
+            raise ApiError(400, "tool_choice: a required call cannot be combined with response_format or "
+                                "guided_*", param="tool_choice")
+        params["structured"] = structure
+    for source in sources:
+        source["tools"] = tools
+    return syntax
 
 
 # -- answers ---------------------------------------------------------------------------------------
@@ -339,9 +388,11 @@ def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:
     """The non-streamed answer; finals[i] is choice i's final event. `token_bytes(id)`: what a
     token stands for (the tokenizer's), for logprobs."""
     if p.kind == "chat":
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": f["text"]},
-                    "finish_reason": f["finish_reason"], "logprobs": _logprobs(p, c, f, token_bytes)}
-                   for c, f in zip(p.choices, finals)]
+        choices = []
+        for c, f in zip(p.choices, finals):
+            message, finish = chat_message(p, f["text"], f["finish_reason"])
+            choices.append({"index": c.index, "message": message, "finish_reason": finish,
+                            "logprobs": _logprobs(p, c, f, token_bytes)})
         return {"id": f"chatcmpl-{p.id}", "object": "chat.completion", "created": p.created, "model": model,
                 "choices": choices, "usage": usage(p, finals)}
     choices = [{"index": c.index, "text": (c.echo or "") + ("" if p.score_only else f["text"]),
@@ -349,6 +400,33 @@ def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:
                for c, f in zip(p.choices, finals)]
     return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
             "choices": choices, "usage": usage(p, finals)}
+
+
+def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
+    """A chat answer's message and finish reason: with tools, the calls the text holds become
+    `tool_calls` (finish reason "tool_calls"; the text before them stays the content)."""
+    calls = []
+    if p.tool_syntax is not None and finish_reason == "stop":
+        content, calls = tool_calling.parse_calls(text, p.tool_syntax)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return ({"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]},
+            "tool_calls")
+
+
+def tool_call_chunks(p: Plan, model: str, index: int, text: str, finish_reason: str) -> list[dict]:
+    """A streamed chat's answer held back because tools were given: its content (if any), its
+    calls as `delta.tool_calls`, then the finish reason."""
+    message, finish = chat_message(p, text, finish_reason)
+    base = {"id": f"chatcmpl-{p.id}", "object": "chat.completion.chunk", "created": p.created, "model": model}
+    delta = {"role": "assistant", "content": message["content"] or ""}
+    out = [{**base, "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}]
+    if "tool_calls" in message:
+        calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        out.append({**base, "choices": [{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None,
+                                         "logprobs": None}]})
+    out.append({**base, "choices": [{"index": index, "delta": {}, "finish_reason": finish, "logprobs": None}]})
+    return out
 
 
 def chunk(p: Plan, model: str, index: int, text: str | None, finish_reason: str | None,

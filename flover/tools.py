@@ -1,0 +1,205 @@
+"""Tool calling: the tools into the prompt, the model's tool-call syntax back into calls, and the
+structure that makes a required call parse (docs/tool_calling.md).
+
+The syntax follows the chat template: Hermes-style `<tool_call>{json}</tool_call>` (Qwen 2 / 2.5 /
+3, Hermes, and the fallback), Llama 3.x's bare JSON object, Mistral's `[TOOL_CALLS][...]`. A
+template that does not render `tools` (SmolLM2's, for one) gets them as a Hermes-style system
+prompt, and earlier calls and results as text, so any chat model can be asked."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+MAX_TOOLS = 128
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def syntax_of(template_source: str | None) -> str:
+    """The tool-call syntax a chat template's model writes."""
+    source = template_source or ""
+    if "[TOOL_CALLS]" in source:
+        return MISTRAL
+    if "<|python_tag|>" in source or "ipython" in source:
+        return LLAMA3
+    return HERMES
+
+
+def renders_tools(template_source: str | None) -> bool:
+    """Whether the template itself puts `tools` into the prompt."""
+    return bool(template_source) and re.search(r"\btools\b", template_source) is not None
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI's `tools`: a list of {"type": "function", "function": {"name", "description"?,
+    "parameters"?}}; ValueError naming the problem."""
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ValueError(f"tools: expected a list of 1 to {MAX_TOOLS} tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ValueError(f'tools[{i}]: expected {{"type": "function", "function": {{...}}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ValueError(f"tools[{i}].function.name: 1 to 64 letters, digits, _ . or -")
+        if name in names:
+            raise ValueError(f"tools[{i}].function.name: {name!r} is given twice")
+        names.add(name)
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools[{i}].function.parameters: expected a JSON schema object")
+    return tools
+
+
+def _arguments_object(arguments) -> dict:
+    """A call's arguments for a template (HF templates take a mapping; OpenAI sends JSON text)."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return {"_raw": arguments}
+        return value if isinstance(value, dict) else {"_value": value}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def call_text(name: str, arguments, syntax: str) -> str:
+    """How the model writes one call."""
+    body = {"name": name, "arguments" if syntax != LLAMA3 else "parameters": _arguments_object(arguments)}
+    text = json.dumps(body, ensure_ascii=False)
+    if syntax == MISTRAL:
+        return f"[TOOL_CALLS][{text}]"
+    if syntax == LLAMA3:
+        return text
+    return f"<tool_call>\n{text}\n</tool_call>"
+
+
+def system_prompt(tools: list[dict]) -> str:
+    """The tools as a Hermes-style system prompt, for templates that do not render them."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to assist with the user query. The functions are listed "
+            f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a "
+            "JSON object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def prompt_messages(messages: list[dict], tools: list[dict] | None, template_source: str | None
+                    ) -> tuple[list[dict], dict]:
+    """(messages, extra template variables) to render: with a template that renders tools, the
+    messages as HF templates take them (call arguments as mappings) and `tools`; else the tools
+    as a system prompt, and calls and results as plain text in the model's syntax."""
+    syntax = syntax_of(template_source)
+    if renders_tools(template_source):
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                m = {**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                            "arguments": _arguments_object(c["function"]["arguments"])}}
+                                         for c in m["tool_calls"]]}
+            out.append(m)
+        return out, ({"tools": tools} if tools else {})
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "\n".join(call_text(c["function"]["name"], c["function"]["arguments"], syntax)
+                              for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        if m["role"] == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        prompt = system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, {}
+
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
+    """(the text before the calls, the calls) from a model's answer; no calls where none parse."""
+    found: list[tuple[int, object]] = []
+    if syntax == MISTRAL and "[TOOL_CALLS]" in text:
+        start = text.index("[TOOL_CALLS]")
+        try:
+            value = json.loads(text[start + len("[TOOL_CALLS]"):].strip())
+        except ValueError:
+            return text, []
+        found = [(start, v) for v in (value if isinstance(value, list) else [value])]
+    elif syntax == LLAMA3:
+        stripped = text.replace("<|python_tag|>", "").strip()
+        try:
+            value = json.loads(stripped)
+        except ValueError:
+            return text, []
+        found = [(0, v) for v in (value if isinstance(value, list) else [value])]
+    else:
+        found = []
+        for match in _HERMES_CALL.finditer(text):
+            try:
+                found.append((match.start(), json.loads(match.group(1))))
+            except ValueError:
+                return text, []
+    calls = []
+    for _, value in found:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return text, []
+        arguments = value.get("arguments", value.get("parameters", {}))
+        calls.append(ToolCall(value["name"], arguments if isinstance(arguments, str)
+                              else json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return text, []
+    return text[: found[0][0]].strip(), calls
+
+
+def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -> dict | None:
+    """The `structured` map that makes the answer a call (tool_choice "required" or a named
+    function): each call's arguments follow its function's parameters schema. None for "auto"
+    and "none"."""
+    if choice in (None, "auto", "none"):
+        return None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise ValueError(f"tool_choice: no tool is named {name!r}")
+        parallel = False
+    elif choice != "required":
+        raise ValueError('tool_choice: expected "none", "auto", "required" or {"type": "function", '
+                         '"function": {"name": ...}}')
+    key = "parameters" if syntax == LLAMA3 else "arguments"
+    one_of = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                  key: t["function"].get("parameters", {"type": "object"})},
+               "required": ["name", key], "additionalProperties": False} for t in tools]
+    schema = {"anyOf": one_of, "x-guidance": {"whitespace_flexible": False}} if len(one_of) > 1 \
+        else {**one_of[0], "x-guidance": {"whitespace_flexible": False}}
+    body = "%json " + json.dumps(schema)
+    if syntax == MISTRAL:
+        grammar = f'start: "[TOOL_CALLS][" call ("," call)* "]"\ncall: {body}' if parallel \
+            else f'start: "[TOOL_CALLS][" call "]"\ncall: {body}'
+    elif syntax == LLAMA3:
+        grammar = f"start: call\ncall: {body}"
+    else:
+        more = ' ("\\n" call)*' if parallel else ""
+        grammar = f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {body}'
+    return {"kind": "grammar", "value": grammar}
