@@ -229,3 +229,19 @@ def test_logit_bias_over_http(http_api, llama_dir):
     assert answer["choices"][0]["text"] == forced, answer
     bad = httpx.post(f"{http_api}/v1/completions", json={**body, "logit_bias": {"x": 1}}, timeout=60)
     assert bad.status_code == 400 and "logit_bias" in bad.text
+
+
+def test_prompt_files_carry_structures_and_a_bad_one_is_an_error_record(llama_dir, tmp_path):
+    from tests.helpers import flover_run, read_records
+
+    lines = [json.dumps({"id": "code", "input_ids": [1, 2], "max_new_tokens": 30,
+                         "structured": {"kind": "regex", "value": "[0-9]{3}-[a-z]{2,5}"}}),
+             json.dumps({"id": "bad", "input_ids": [1, 2], "structured": {"kind": "regex", "value": "[a-"}}),
+             json.dumps({"id": "pick", "input_ids": [3], "structured": {"kind": "choice", "value": ["red", "blue"]}})]
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    run = flover_run(llama_dir, prompts, out)
+    assert run.returncode == 0, run.stderr
+    by_id = {r["id"]: r for r in read_records(out)}
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,5}", by_id["code"]["text"]) and by_id["pick"]["text"] in ("red", "blue")
+    assert by_id["bad"]["error"]["code"] == "invalid_request" and "does not compile" in by_id["bad"]["error"]["message"]
