@@ -141,3 +141,79 @@ def test_smollm2_speculation_gives_the_tokens_of_decoding_one_at_a_time(smollm2,
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in fast.generate(prompts, params)] == expected
     assert fast.engine.accepted_tokens > 48 and fast.engine.iterations < plain.engine.iterations
+
+
+def test_smollm2_structured_output_and_a_tool_call_round_trip_over_http(smollm2):
+    """The real model behind `flover serve --http` and the official client: 20 varied prompts
+    parsed into a pydantic model (every one valid), json_object answers that parse, a choice
+    among labels, and a tool round trip (a required call -> a tool message -> an answer)."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    import pydantic
+
+    from tests.helpers import free_port
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=40)
+        age: int = pydantic.Field(ge=0, le=130)
+        city: str = pydantic.Field(max_length=40)
+
+    port = free_port()
+    server = Server(str(smollm2), "--dtype", "auto", "--max-slots", "8", "--max-seq-len", "1024",
+                    "--http", f"127.0.0.1:{port}")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        chat = client.chat.completions
+        parse = chat.parse if hasattr(chat, "parse") else client.beta.chat.completions.parse
+        people = ["a baker in Lyon, 41", "my grandmother Rosa who is 88 and lives in Rome", "a student",
+                  "Ken, 30, Tokyo", "the mayor of a small town", "a pilot from Oslo", "a child of seven",
+                  "a retired teacher in Lima", "Ada Lovelace", "a chess player, 19, Kyiv", "a farmer",
+                  "Dr. Mensah, 52, Accra", "a nurse in Toronto", "the oldest person you can imagine",
+                  "a fisherman", "someone from Berlin", "Li, 25", "a painter in Mexico City",
+                  "an astronaut", "a cook, 33, Mumbai"]
+
+        def ask(text: str):
+            return parse(model=model, messages=[{"role": "user", "content": f"Describe {text} as JSON."}],
+                         response_format=Person, max_tokens=120, temperature=0)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, people))
+        assert all(isinstance(a.choices[0].message.parsed, Person) for a in answers)
+        # json_object: any object, so a 135M model may nest or repeat itself until max_tokens (it
+        # does on some prompts); every answer that ended parses. A bounded schema always ends.
+        ended = 0
+        for topic in ("a cat's name and age", "a color and its hex code", "a person's first and last name"):
+            text = chat.create(model=model, messages=[{"role": "user", "content": f"Reply with a short JSON object "
+                                                                                  f"holding {topic}."}],
+                               response_format={"type": "json_object"}, max_tokens=200, temperature=0).choices[0]
+            if text.finish_reason == "stop":
+                assert isinstance(json.loads(text.message.content), dict)
+                ended += 1
+        assert ended >= 1
+        flat = {"type": "object", "maxProperties": 3, "additionalProperties": {"type": "string", "maxLength": 30}}
+        text = chat.create(model=model, messages=[{"role": "user", "content": "A city and its country, as JSON."}],
+                           response_format={"type": "json_schema", "json_schema": {"name": "flat", "schema": flat}},
+                           max_tokens=200, temperature=0).choices[0]
+        assert text.finish_reason == "stop" and len(json.loads(text.message.content)) <= 3
+        label = chat.create(model=model, messages=[{"role": "user", "content": "I love this film! Sentiment?"}],
+                            extra_body={"guided_choice": ["positive", "negative", "neutral"]}, max_tokens=8)
+        assert label.choices[0].message.content in ("positive", "negative", "neutral")
+        weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                    "parameters": {"type": "object", "properties": {
+                                                        "city": {"type": "string", "maxLength": 40}},
+                                                        "required": ["city"]}}}
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = chat.create(model=model, messages=messages, tools=[weather], tool_choice="required",
+                            parallel_tool_calls=False, max_tokens=80, temperature=0).choices[0]
+        assert first.finish_reason == "tool_calls"
+        call = first.message.tool_calls[0]
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "clear"}'}]
+        final = chat.create(model=model, messages=messages, tools=[weather], max_tokens=60, temperature=0).choices[0]
+        assert final.message.content or final.message.tool_calls
+    finally:
+        server.stop(signal.SIGKILL)
