@@ -222,3 +222,28 @@ def test_tp2_speculates_like_tp1_and_gives_its_tokens(llama_dir, tmp_path):
     assert len(results[1, "0"]) == len(REQUESTS) + len(looped)
     assert results[2, "8"] == results[2, "0"] == results[1, "0"]
     assert iterations[2, "8"] < iterations[2, "0"]
+
+
+def test_structured_requests_under_tp2_give_the_tp1_tokens(llama_dir, tmp_path):
+    """Every rank follows each request's grammar (so all end it together); the leader masks:
+    structured and plain requests fused, TP=2 gives exactly TP=1's tokens (float64)."""
+    records = [dict(r, structured={"kind": "regex", "value": "[0-9]{2,4}-[a-z]{1,6}"}) if i % 2 else dict(r)
+               for i, r in enumerate(REQUESTS)]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"tp{ranks}.jsonl"
+        run = subprocess.run(flover_run_cmd(ranks, llama_dir, prompts, out, "--max-slots", "4"),
+                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[ranks] = tokens_by_id(out)
+    assert results[2] == results[1] and len(results[1]) == len(REQUESTS)
+    import re
+
+    from tests.helpers import read_records
+    structured = [r for r in read_records(tmp_path / "tp2.jsonl") if int(r["id"][1:]) % 2]
+    assert any(r["finish_reason"] == "stop" for r in structured)
+    for r in structured:  # a whole match where it ended, a prefix of one where max_new_tokens came first
+        assert re.fullmatch("[0-9]{2,4}-[a-z]{1,6}" if r["finish_reason"] == "stop" else "[0-9]{0,4}(-[a-z]{0,6})?",
+                            r["text"]), r

@@ -55,6 +55,10 @@ from flover.bench.metrics import medians, resident_mib
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 GREEDY = {"temperature": 0}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
+    "properties": {"answer": {"type": "string", "maxLength": 400},
+                   "confidence": {"type": "integer", "minimum": 0, "maximum": 10}}}}}
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
 # flover's --quantization int4 (bfloat16 activations) with the original 4-bit GGUF file itself.
 LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native", "int8": "q8_0",
@@ -176,14 +180,15 @@ def served_model(port: int) -> str:
     return json.loads(conn.getresponse().read())["data"][0]["id"]
 
 
-def chat_request(port: int, question: str, n: int, model: str, sampling: dict) -> tuple[float | None, int, float]:
+def chat_request(port: int, question, n: int, model: str, sampling: dict) -> tuple[float | None, int, float]:
     """One streamed chat completion over the OpenAI endpoint, EOS honoured, with `sampling`'s
     parameters (greedy: temperature 0); (seconds to the first token, tokens generated, longest
     gap between tokens)."""
     start, gaps, first, tokens, chunks = time.perf_counter(), Gaps(), None, None, 0
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    question, extra = question if isinstance(question, tuple) else (question, {})  # extra: e.g. response_format
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": n,
-            "stream": True, "stream_options": {"include_usage": True}, **sampling}
+            "stream": True, "stream_options": {"include_usage": True}, **sampling, **extra}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
@@ -339,11 +344,13 @@ class Gaps:
 
 
 def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_len: int, seed: int,
-                 chat: bool = False) -> dict:
+                 chat: bool = False, structured_half: bool = False) -> dict:
     rng = random.Random(seed)
     if chat:  # the questions in turn, from a place the seed picks
         first = rng.randrange(len(QUESTIONS))
         prompts = [QUESTIONS[(first + i) % len(QUESTIONS)] for i in range(requests)]
+        if structured_half:  # every other request answers in a JSON schema (both servers take response_format)
+            prompts = [(q, {"response_format": ANSWER_FORMAT}) if i % 2 else q for i, q in enumerate(prompts)]
     else:
         prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(requests)]
     gaps = [0.0] + [rng.expovariate(1000 / interval_ms) for _ in range(requests - 1)] if interval_ms else \
@@ -406,6 +413,9 @@ def main() -> int:
                     help='the chat workload\'s sampling parameters, given to both servers as they are, e.g. '
                          '\'{"temperature": 0.8, "top_p": 0.95}\' (llama-server adds its default chain: '
                          'top_k 40, min_p 0.05, ...)')
+    ap.add_argument("--structured-half", action="store_true",
+                    help="chat workload: every other request asks for a JSON schema's answer (response_format "
+                         "json_schema, ANSWER_FORMAT), the same for both servers")
     args = ap.parse_args()
     chat = args.workload == "chat"
     sampling = json.loads(args.sampling)
@@ -448,7 +458,8 @@ def main() -> int:
                             ("one request", 1, 0.0),
                             (f"{args.requests} Poisson ({args.interval_ms:g} ms)", args.requests, args.interval_ms))):
                         # the same prompts for both engines in a run, new ones in the next run
-                        r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind, chat)
+                        r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind, chat,
+                                         args.structured_half)
                         r["rss_mib"] = resident_mib(server.proc.pid)
                         table.setdefault((workload, name), []).append(r)
                         log(f"run {run + 1}/{args.runs} {name:18s} {workload}: {r['tok_s']:.1f} tok/s, "
@@ -464,6 +475,7 @@ def main() -> int:
     what = "chat questions, EOS honoured, at most" if chat else f"{args.prompt_len}-token prompts,"
     print(f"\nmedians of {args.runs} alternating run(s), {what} {args.gen_len} tokens out, "
           f"{'sampling ' + args.sampling if chat and sampling != GREEDY else 'greedy'}, {args.threads} threads"
+          f"{', every other request in a JSON schema' if args.structured_half else ''}"
           f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n")
     print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap | resident |\n"
           "|---|---|---:|---:|---:|---:|---:|")
