@@ -336,18 +336,7 @@ def build_app(front: Front) -> FastAPI:
                         break
                     is_first = index not in started
                     if event["event"] == "token" and plan.tool_syntax is not None:
-                        held[index] += event.get("text") or ""
-                    elif plan.tool_syntax is not None:  # the final: the held text, as content or calls
-                        for piece in oa.tool_call_chunks(plan, front.model_name, index, held[index],
-                                                         event["finish_reason"]):
-                            yield _sse(piece)
-                        started.add(index)
-                        finished.add(index)
-                        finals[index] = event
-                        if len(finished) == len(rids):
-                            if plan.include_usage:
-                                yield _sse(oa.usage_chunk(plan, front.model_name, finals))
-                            break
+                        held[index] += event.get("text") or ""  # with tools: sent once its calls are known
                     elif event["event"] == "token":
                         text, logprobs = oa.stream_piece(plan, plan.choices[index], event, is_first, offsets[index],
                                                          token_bytes)
@@ -357,10 +346,16 @@ def build_app(front: Front) -> FastAPI:
                             if logprobs and "tokens" in logprobs:  # offsets count token texts, as the answer's
                                 offsets[index] += sum(map(len, logprobs["tokens"]))
                     else:  # the final: finish_reason in a chunk of its own, after every token
-                        if plan.kind == "chat" and is_first:
-                            yield _sse(oa.chunk(plan, front.model_name, index, None, None, first=True))
-                        yield _sse(oa.chunk(plan, front.model_name, index, None, event["finish_reason"],
-                                            first=is_first and plan.kind != "chat"))
+                        if plan.tool_syntax is not None:  # the held text, as content or calls
+                            pieces = oa.tool_call_chunks(plan, front.model_name, index, held[index],
+                                                         event["finish_reason"])
+                        else:
+                            pieces = [oa.chunk(plan, front.model_name, index, None, None, first=True)] \
+                                if plan.kind == "chat" and is_first else []
+                            pieces.append(oa.chunk(plan, front.model_name, index, None, event["finish_reason"],
+                                                   first=is_first and plan.kind != "chat"))
+                        for piece in pieces:
+                            yield _sse(piece)
                         started.add(index)
                         finished.add(index)
                         finals[index] = event
