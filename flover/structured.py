@@ -150,13 +150,21 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
-def allowed_mask(states: list[GrammarState], vocab: int):
-    """[len(states), vocab] bool tensor: the tokens each state allows now."""
+def allowed_bits(states: list[GrammarState | None], vocab: int):
+    """[len(states), words] int32 tensor: bit t of a row set where its state allows token t now
+    (llguidance's bitmask); every bit set for a row without a state."""
     import torch  # (the HTTP front imports this module for the contract only)
 
-    words = (vocab + 31) // 32
-    bits = torch.zeros(len(states), words, dtype=torch.int32)
+    bits = torch.full((len(states), (vocab + 31) // 32), -1, dtype=torch.int32)
     for row, state in enumerate(states):
-        state.fill_allowed(bits[row])
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(states), words * 32)[:, :vocab]
+        if state is not None:
+            state.fill_allowed(bits[row])
+    return bits
+
+
+def unpack_bits(bits, vocab: int):
+    """[rows, words] int32 bitmask -> [rows, vocab] bool."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(bits), -1)[:, :vocab]

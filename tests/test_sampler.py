@@ -377,3 +377,32 @@ def test_every_kernel_family_this_cpu_runs_draws_the_definitions_tokens(family):
         pytest.skip(f"the native step cannot be built here: {e}")
     for logits, st, expected in definition_cases():
         assert torch.equal(sample(logits, st, native)[0], expected), (st.top_k[0], st.top_p[0], st.temperature[0])
+
+
+def test_a_structure_bitmask_draws_what_the_definition_draws_on_the_masked_logits(draw):
+    """Structured output's bitmask ([rows, words] int32; the PyTorch path masks a copy, the C
+    sampler masks in its first pass): the ids are the definition's on logits with every
+    disallowed token at -inf, greedy and sampled rows alike, a NaN among disallowed tokens
+    ignored; rows without a structure (every bit set) are unchanged."""
+    from flover.structured import unpack_bits
+
+    vocab, rows = 49152, 12
+    logits = shaped_logits(rows, vocab, seed=31)
+    generator = torch.Generator().manual_seed(2)
+    bits = torch.randint(-2**31, 2**31, (rows, vocab // 32), generator=generator, dtype=torch.int64).to(torch.int32)
+    bits[3] = -1  # a row without a structure
+    bits[4] = 0
+    bits[4, 100] = 1 << 7  # one token allowed: id 100 * 32 + 7
+    logits[5, 5] = float("nan")  # disallowed below
+    bits[5, 0] &= ~(1 << 5)
+    for temperature in (0.0, 0.8):
+        st = tensors(rows, temperature=temperature, top_p=0.9, seed=3)
+        st.temperature[1] = 0.0
+        st.all_greedy = temperature == 0
+        st.allowed = bits
+        masked = logits.masked_fill(~unpack_bits(bits, vocab), float("-inf"))
+        plain = tensors(rows, temperature=temperature, top_p=0.9, seed=3)
+        plain.temperature[1], plain.all_greedy = 0.0, st.all_greedy
+        ids, _ = draw(logits, st)
+        assert torch.equal(ids, reference_sample(masked, plain)), temperature
+        assert int(ids[4]) == 100 * 32 + 7 and bool(unpack_bits(bits, vocab)[torch.arange(rows), ids].all())

@@ -201,7 +201,8 @@ int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *id
 
 /* ---- sampling.c -------------------------------------------------------------------------------- */
 API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_t stride, const float *temperature,
-                            const int64_t *top_k, float *scaled, int64_t *at, int64_t *ids, void *scratch, int nt);
+                            const int64_t *top_k, const uint32_t *allowed, int64_t words, float *scaled, int64_t *at,
+                            int64_t *ids, void *scratch, int nt);
 API void flover_sample_draw(const float *probs, int n, int64_t vocab, const int64_t *at, const float *top_p,
                             const float *min_p, const int64_t *seed, const int64_t *counter, int64_t *ids,
                             void *scratch, int nt);

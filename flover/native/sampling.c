@@ -70,20 +70,43 @@ static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
     return heap[0];
 }
 
+/* The first maximum of a row where only `allowed`'s tokens count (bit t of the bitmask, 16 a
+ * lane mask; the others are -inf), NaN counting as the maximum: argmax of the masked row. */
+static int64_t masked_argmax_row(const float *x, int64_t vocab, const uint16_t *allowed) {
+    v16 top = v_set1(-INFINITY);
+    m16 nan = 0;
+    for (int64_t i = 0; i < vocab && !nan; i += 16) {
+        const v16 v = v_select(lanes(vocab - i) & allowed[i / 16], v_loadn(x + i, vocab - i), v_set1(-INFINITY));
+        nan = v_nan(v);
+        top = v_max(v, top);
+    }
+    const v16 most = v_set1(v_reduce_max(top));
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const v16 v = v_select(lanes(vocab - i) & allowed[i / 16], v_loadn(x + i, vocab - i), v_set1(-INFINITY));
+        const m16 hit = lanes(vocab - i) & (nan ? v_nan(v) : v_eq(v, most));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0;
+}
+
 /* scaled[j] = logits[r] / temperature[r] for the j-th row with a temperature (at[j] = r), with
  * top_k[r] > 0: values below the row's k-th largest set to -inf (ties stay); rows with
- * temperature 0 get ids[r] = their argmax. Returns the number of scaled rows, or -1 - r for the
- * first row r whose scaled values hold NaN or +inf, or no finite value (refused). */
+ * temperature 0 get ids[r] = their argmax. `allowed` (or NULL): per row, `words` 32-bit words
+ * of structured output's bitmask; a token whose bit is clear counts as -inf. Returns the number
+ * of scaled rows, or -1 - r for the first row r whose scaled values hold NaN or +inf, or no
+ * finite value (refused). */
 API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_t stride, const float *temperature,
-                            const int64_t *top_k, float *scaled, int64_t *at, int64_t *ids, void *scratch, int nt) {
+                            const int64_t *top_k, const uint32_t *allowed, int64_t words, float *scaled, int64_t *at,
+                            int64_t *ids, void *scratch, int nt) {
     int n = 0, refused = rows;
     for (int r = 0; r < rows; r++)
         if (temperature[r] != 0) at[n++] = r;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(min : refused) if (rows >= 2)
     for (int r = 0; r < rows; r++) {
         const float *x = logits + r * stride;
+        const uint16_t *mask = allowed ? (const uint16_t *)(allowed + r * words) : NULL; /* 16 tokens a half-word */
         if (temperature[r] == 0) {
-            ids[r] = argmax_row(x, vocab, 0);
+            ids[r] = mask ? masked_argmax_row(x, vocab, mask) : argmax_row(x, vocab, 0);
             continue;
         }
         int j = 0;
@@ -93,7 +116,8 @@ API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_
         v16 top = v_set1(-INFINITY);
         m16 nan = 0;
         for (int64_t i = 0; i < vocab; i += 16) {
-            const v16 v = v_div(v_loadn(x + i, vocab - i), t);
+            v16 v = v_div(v_loadn(x + i, vocab - i), t);
+            if (mask) v = v_select(mask[i / 16], v, v_set1(-INFINITY));
             nan |= v_nan(v) & lanes(vocab - i);
             top = v_max(v_select(lanes(vocab - i), v, v_set1(-INFINITY)), top);
             v_storen(out + i, v, vocab - i);

@@ -13,7 +13,7 @@ SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c's SAMPLE_SCRATCH_BYTES_PER_TOKEN, per
 
 def bind(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.flover_sample_scale.argtypes = [p, i32, i64, i64, p, p, p, p, p, p, i32]
+    lib.flover_sample_scale.argtypes = [p, i32, i64, i64, p, p, p, i64, p, p, p, p, i32]
     lib.flover_sample_scale.restype = i32
     lib.flover_sample_draw.argtypes = [p, i32, i64, p, p, p, p, p, p, p, i32]
     lib.flover_sample_draw.restype = None
@@ -34,9 +34,11 @@ class NativeSampler:
         self._scaled = self._probs = torch.empty(0)
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+               min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, vocab] float32 (rows may be apart) -> token ids [B] int64; raises
-        FloatingPointError for a sampled row holding NaN or +inf, or no finite value."""
+        FloatingPointError for a sampled row holding NaN or +inf, or no finite value. `allowed`:
+        [B, words] int32, structured output's bitmask (a clear bit: that token is -inf)."""
         rows, vocab = logits.shape
         assert logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1
         f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (no copies when they are already)
@@ -56,7 +58,9 @@ class NativeSampler:
             size = min(block, rows - first)
             n = self.lib.flover_sample_scale(
                 address(logits, first * logits.stride(0)), size, vocab, logits.stride(0),
-                address(temperature, first), address(top_k, first), self._scaled.data_ptr(), at.data_ptr(),
+                address(temperature, first), address(top_k, first),
+                None if allowed is None else address(allowed, first * allowed.shape[1]),
+                0 if allowed is None else allowed.shape[1], self._scaled.data_ptr(), at.data_ptr(),
                 address(ids, first), self._scratch.data_ptr(), self.threads)
             if n < 0:
                 raise FloatingPointError(f"row {first - 1 - n}: the logits hold NaN or +inf, or no finite value: "

@@ -22,7 +22,7 @@ from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
-from flover.structured import allowed_mask
+from flover.structured import allowed_bits
 
 if TYPE_CHECKING:  # the plan it carries out (a type only: the engine's scheduler makes it)
     from flover.engine.scheduler import StepPlan
@@ -267,14 +267,12 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _allowed(sampled: list[Request], vocab: int) -> list[torch.Tensor | None] | None:
-        """Per row, the tokens its request's structure allows now ([vocab] bool), or None when no
-        row has a structure."""
-        constrained = [r for r in sampled if r.grammar is not None]
-        if not constrained:
+    def _allowed(sampled: list[Request], vocab: int) -> torch.Tensor | None:
+        """[rows, words] int32: the tokens each row's structure allows now (every bit set for rows
+        without one), or None when no row has a structure."""
+        if all(r.grammar is None for r in sampled):
             return None
-        masks = iter(allowed_mask([r.grammar for r in constrained], vocab))
-        return [next(masks) if r.grammar is not None else None for r in sampled]
+        return allowed_bits([r.grammar for r in sampled], vocab)
 
     def _native_sampler(self, logits: torch.Tensor):
         """The native step's sampler (the same ids, in C) where the logits are on CPU, else None."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flover.structured import unpack_bits
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -56,7 +58,7 @@ class SamplingTensors:
     frequency_penalty: torch.Tensor | None = None  # float [B]; with presence_penalty and outputs,
     presence_penalty: torch.Tensor | None = None  # set only when some row uses either
     outputs: list[list[int]] | None = None  # per row, the tokens generated so far
-    allowed: list[torch.Tensor | None] | None = None  # per row, [vocab] bool: the tokens its structure allows
+    allowed: torch.Tensor | None = None  # [B, words] int32 bitmask: the tokens each row's structure allows
     bias: list[tuple[tuple[int, float], ...]] | None = None  # per row, (token, added to its logit) pairs
 
     def row(self, i: int) -> "SamplingTensors":
@@ -73,7 +75,7 @@ class SamplingTensors:
             counter=pick(self.counter), all_greedy=bool((self.temperature[rows] == 0).all()),
             history=take(self.history), want_logprobs=self.want_logprobs, top_logprobs=self.top_logprobs,
             frequency_penalty=pick(self.frequency_penalty), presence_penalty=pick(self.presence_penalty),
-            outputs=take(self.outputs), allowed=take(self.allowed), bias=take(self.bias))
+            outputs=take(self.outputs), allowed=pick(self.allowed), bias=take(self.bias))
 
 
 def _seen(logits: torch.Tensor, tokens_of_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,22 +140,23 @@ def sample(logits: torch.Tensor, st: SamplingTensors, native=None) -> tuple[torc
     sampler (flover/native/sampling.py), which draws the same ids from float32 logits on CPU."""
     work = torch.promote_types(logits.dtype, torch.float32)
     raw = logits.to(work)
-    logits = raw.clone() if any(x is not None for x in (st.history, st.outputs, st.allowed, st.bias)) else raw
+    in_c = native is not None and work == torch.float32 and logits.device.type == "cpu"
+    masked_here = st.allowed is not None and not in_c  # the C sampler masks in its first pass, copying nothing
+    logits = raw.clone() if any(x is not None for x in (st.history, st.outputs, st.bias)) or masked_here else raw
     if st.bias is not None:  # OpenAI's logit_bias: added before anything else
         pairs = [(row, token, value) for row, row_bias in enumerate(st.bias) for token, value in row_bias]
         if pairs:
             rows, tokens, values = zip(*pairs)
             logits[list(rows), list(tokens)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
-    if st.allowed is not None:  # structured output: every token its structure does not allow is out
-        rows = [i for i, mask in enumerate(st.allowed) if mask is not None]
-        allowed = torch.stack([st.allowed[i] for i in rows]).to(logits.device)  # [constrained rows, vocab]
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    if masked_here:  # structured output: every token its structure does not allow is out
+        logits.masked_fill_(~unpack_bits(st.allowed.to(logits.device), logits.shape[-1]), float("-inf"))
     if st.history is not None:
         apply_repetition_penalty(logits, st.repetition_penalty, st.history)
     if st.outputs is not None:
         apply_frequency_presence(logits, st.frequency_penalty, st.presence_penalty, st.outputs)
-    if native is not None and work == torch.float32 and logits.device.type == "cpu":
-        ids = native.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.counter)
+    if in_c:
+        allowed = None if st.allowed is None else st.allowed.contiguous()
+        ids = native.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.counter, allowed)
         return ids, token_logprobs(raw, ids, st.top_logprobs) if st.want_logprobs else None
     ids = greedy_ids(logits)
     if not st.all_greedy:

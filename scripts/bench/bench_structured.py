@@ -17,7 +17,7 @@ import statistics
 import time
 
 from flover import LLM, SamplingParams
-from flover.structured import Grammars, Structured, allowed_mask
+from flover.structured import Grammars, Structured, allowed_bits
 
 SCHEMAS = {
     "answer (2 fields)": {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
@@ -71,7 +71,7 @@ def main() -> None:
         masks = []
         for token in out.token_ids:
             start = time.perf_counter()
-            allowed_mask([state], engine.model_config.vocab_size)
+            allowed_bits([state], engine.model_config.vocab_size)
             masks.append(time.perf_counter() - start)
             state.advance(token)
         result[name] = dict(cold_ms=statistics.median(cold) * 1000, cached_ms=statistics.median(warm) * 1000,
