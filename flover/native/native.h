@@ -194,7 +194,7 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
                    float *scratch, float *mid);
 
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
-int64_t argmax_row(const void *row, int64_t vocab, int bf);
+int64_t argmax_row(const void *row, int64_t vocab, int bf, const uint16_t *allowed);
 API void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, int bf, int64_t *ids, int nt);
 int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *scores, int64_t *ids, int nt);
 int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *ids, int nt);

@@ -70,25 +70,6 @@ static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
     return heap[0];
 }
 
-/* The first maximum of a row where only `allowed`'s tokens count (bit t of the bitmask, 16 a
- * lane mask; the others are -inf), NaN counting as the maximum: argmax of the masked row. */
-static int64_t masked_argmax_row(const float *x, int64_t vocab, const uint16_t *allowed) {
-    v16 top = v_set1(-INFINITY);
-    m16 nan = 0;
-    for (int64_t i = 0; i < vocab && !nan; i += 16) {
-        const v16 v = v_select(lanes(vocab - i) & allowed[i / 16], v_loadn(x + i, vocab - i), v_set1(-INFINITY));
-        nan = v_nan(v);
-        top = v_max(v, top);
-    }
-    const v16 most = v_set1(v_reduce_max(top));
-    for (int64_t i = 0; i < vocab; i += 16) {
-        const v16 v = v_select(lanes(vocab - i) & allowed[i / 16], v_loadn(x + i, vocab - i), v_set1(-INFINITY));
-        const m16 hit = lanes(vocab - i) & (nan ? v_nan(v) : v_eq(v, most));
-        if (hit) return i + __builtin_ctz(hit);
-    }
-    return 0;
-}
-
 /* scaled[j] = logits[r] / temperature[r] for the j-th row with a temperature (at[j] = r), with
  * top_k[r] > 0: values below the row's k-th largest set to -inf (ties stay); rows with
  * temperature 0 get ids[r] = their argmax. `allowed` (or NULL): per row, `words` 32-bit words
@@ -106,7 +87,7 @@ API int flover_sample_scale(const float *logits, int rows, int64_t vocab, int64_
         const float *x = logits + r * stride;
         const uint16_t *mask = allowed ? (const uint16_t *)(allowed + r * words) : NULL; /* 16 tokens a half-word */
         if (temperature[r] == 0) {
-            ids[r] = mask ? masked_argmax_row(x, vocab, mask) : argmax_row(x, vocab, 0);
+            ids[r] = argmax_row(x, vocab, 0, mask);
             continue;
         }
         int j = 0;
@@ -189,8 +170,9 @@ static float row_max(const float *p, int64_t n) {
  * a token, `before` = float32(cumsum) - p, is at most top_p. The candidates are every token with
  * p >= t for a threshold t: a whole prefix of that order, ties included, so their sums are the
  * sort's own. Once some candidate's `before`, or the candidates' whole mass, passes top_p +
- * NUCLEUS_MARGIN, no later token is kept (docs/sampling.md); else t is lowered, down to 0 (the whole vocabulary). t is chosen from the
- * masses above a few levels, summed in one vector pass. */
+ * NUCLEUS_MARGIN, no later token is kept (docs/sampling.md); else t is lowered, down to 0 (the
+ * whole vocabulary). t starts at the highest level whose mass, summed over the first pass's
+ * tokens, holds top_p. */
 #define NUCLEUS_MARGIN 1e-6f
 #define LEVELS 8       /* thresholds 2^-3, 2^-6, ... 2^-24, then 0 */
 #define FIRST_LEVELS 5 /* those down to 2^-15 come from the first pass's tokens */
@@ -225,17 +207,22 @@ static uint32_t *sort_descending(const float *value, int64_t n, uint32_t *order,
     return order;
 }
 
+/* Every token of p[0..n) with p >= t, in id order, into id / value; returns how many. */
+static int64_t collect(const float *p, int64_t n, float t, int32_t *id, float *value) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        for (m16 hit = v_ge(v_loadn(p + i, n - i), v_set1(t)) & lanes(n - i); hit; hit &= hit - 1) {
+            const int64_t at = i + __builtin_ctz(hit);
+            id[c] = (int32_t)at, value[c++] = p[at];
+        }
+    }
+    return c;
+}
+
 static int64_t draw_nucleus(const float *p, int64_t n, float top_p, float min_p, float u, Scratch s) {
     /* one pass over the row: every token of at least the first levels' lowest (a few hundred in a
      * trained model's row; at most 2^15), in id order, and the mass above each of those levels */
-    const float lowest = ldexpf(1.f, -3 * FIRST_LEVELS);
-    int64_t pooled = 0;
-    for (int64_t i = 0; i < n; i += 16) {
-        for (m16 hit = v_ge(v_loadn(p + i, n - i), v_set1(lowest)) & lanes(n - i); hit; hit &= hit - 1) {
-            const int64_t id = i + __builtin_ctz(hit);
-            s.pool_id[pooled] = (int32_t)id, s.pool_value[pooled++] = p[id];
-        }
-    }
+    const int64_t pooled = collect(p, n, ldexpf(1.f, -3 * FIRST_LEVELS), s.pool_id, s.pool_value);
     double mass[FIRST_LEVELS] = {0};
     for (int64_t j = 0; j < pooled; j++)
         for (int l = FIRST_LEVELS - 1; l >= 0 && s.pool_value[j] >= ldexpf(1.f, -3 * (l + 1)); l--) mass[l] += s.pool_value[j];
@@ -248,12 +235,7 @@ static int64_t draw_nucleus(const float *p, int64_t n, float top_p, float min_p,
             for (int64_t j = 0; j < pooled; j++)
                 if (s.pool_value[j] >= t) s.id[c] = s.pool_id[j], s.value[c++] = s.pool_value[j];
         } else {
-            for (int64_t i = 0; i < n; i += 16) {
-                for (m16 hit = v_ge(v_loadn(p + i, n - i), v_set1(t)) & lanes(n - i); hit; hit &= hit - 1) {
-                    const int64_t id = i + __builtin_ctz(hit);
-                    s.id[c] = (int32_t)id, s.value[c++] = p[id];
-                }
-            }
+            c = collect(p, n, t, s.id, s.value);
         }
         const uint32_t *order = sort_descending(s.value, c, s.order, s.spare);
         memset(s.keep, 0, c);
