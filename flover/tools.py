@@ -13,6 +13,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from flover.structured import COMPACT
+
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 MAX_TOOLS = 128
 
@@ -191,8 +193,7 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
     one_of = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                   key: t["function"].get("parameters", {"type": "object"})},
                "required": ["name", key], "additionalProperties": False} for t in tools]
-    schema = {"anyOf": one_of, "x-guidance": {"whitespace_flexible": False}} if len(one_of) > 1 \
-        else {**one_of[0], "x-guidance": {"whitespace_flexible": False}}
+    schema = {**({"anyOf": one_of} if len(one_of) > 1 else one_of[0]), "x-guidance": COMPACT}
     body = "%json " + json.dumps(schema)
     if syntax == MISTRAL:
         grammar = f'start: "[TOOL_CALLS][" call ("," call)* "]"\ncall: {body}' if parallel \

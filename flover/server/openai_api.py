@@ -418,14 +418,12 @@ def tool_call_chunks(p: Plan, model: str, index: int, text: str, finish_reason: 
     """A streamed chat's answer held back because tools were given: its content (if any), its
     calls as `delta.tool_calls`, then the finish reason."""
     message, finish = chat_message(p, text, finish_reason)
-    base = {"id": f"chatcmpl-{p.id}", "object": "chat.completion.chunk", "created": p.created, "model": model}
-    delta = {"role": "assistant", "content": message["content"] or ""}
-    out = [{**base, "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}]
+    out = [chunk(p, model, index, message["content"], None, first=True)]
     if "tool_calls" in message:
-        calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        out.append({**base, "choices": [{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None,
-                                         "logprobs": None}]})
-    out.append({**base, "choices": [{"index": index, "delta": {}, "finish_reason": finish, "logprobs": None}]})
+        calls = chunk(p, model, index, None, None)
+        calls["choices"][0]["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
+        out.append(calls)
+    out.append(chunk(p, model, index, None, finish))
     return out
 
 
