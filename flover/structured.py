@@ -91,7 +91,8 @@ class Structured:
 
 class Grammars:
     """One model's grammars: llguidance's tokenizer (from the checkpoint's, once) and the
-    matchers compiled from each grammar text, kept for reuse (each request gets a copy)."""
+    matchers compiled from each structure (its value canonical), kept for reuse (each request
+    gets a copy)."""
 
     CACHED = 256
 
@@ -101,7 +102,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer.backend_json(), n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
-        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._compiled: OrderedDict[Structured, object] = OrderedDict()
         self._lock = threading.Lock()  # the daemon compiles on worker threads
 
     def compile(self, structured: Structured):
@@ -109,17 +110,16 @@ class Grammars:
         library cannot compile it."""
         import llguidance
 
-        text = structured.grammar()
-        with self._lock:
-            if text in self._compiled:
-                self._compiled.move_to_end(text)
-                return self._compiled[text]
-        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        with self._lock:  # (a hit costs no grammar text: the daemon compiles first, the loop finds it)
+            if structured in self._compiled:
+                self._compiled.move_to_end(structured)
+                return self._compiled[structured]
+        matcher = llguidance.LLMatcher(self.tokenizer, structured.grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"SamplingParams.structured: the {structured.kind} does not compile: "
                              f"{matcher.get_error()}")
         with self._lock:
-            self._compiled[text] = matcher
+            self._compiled[structured] = matcher
             while len(self._compiled) > self.CACHED:
                 self._compiled.popitem(last=False)
         return matcher

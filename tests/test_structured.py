@@ -114,7 +114,7 @@ def test_a_bad_structure_is_refused_naming_the_problem_and_changes_nothing(llama
     assert out.text == "ok" and out.finish_reason == "stop"
 
 
-def test_compiled_grammars_are_cached_by_their_text(llama_dir):
+def test_compiled_grammars_are_cached_by_their_canonical_structure(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
     grammars = llm.engine.grammars
     first = grammars.compile(Structured("json_schema", SCHEMA))
