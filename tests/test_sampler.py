@@ -221,6 +221,15 @@ SAMPLING_SETTINGS = [
 ]
 
 
+def setting_tensors(rows: int, kw: dict, temperature: float, seed: int, history=None) -> SamplingTensors:
+    """One of SAMPLING_SETTINGS on every row, row 5 greedy."""
+    st = tensors(rows, temperature=temperature, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
+                 min_p=kw.get("min_p", 0.0), penalty=kw.get("penalty", 1.0), seed=seed, history=history)
+    st.temperature[5] = 0.0  # a greedy row
+    st.all_greedy = False
+    return st
+
+
 @pytest.mark.parametrize("vocab", [3000, 49152])
 @pytest.mark.parametrize("temperature", [0.05, 0.8, 50.0])
 @pytest.mark.parametrize("setting", range(len(SAMPLING_SETTINGS)))
@@ -233,11 +242,7 @@ def test_sampled_tokens_equal_the_full_sort_definition(vocab, temperature, setti
     generator = torch.Generator().manual_seed(setting)
     history = [torch.randint(0, vocab, (int(n),), generator=generator).tolist()
                for n in torch.randint(0, 40, (rows,), generator=generator)]
-    st = tensors(rows, temperature=temperature, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
-                 min_p=kw.get("min_p", 0.0), penalty=kw.get("penalty", 1.0), seed=setting,
-                 history=history if "penalty" in kw else None)
-    st.temperature[5] = 0.0  # a greedy row
-    st.all_greedy = False
+    st = setting_tensors(rows, kw, temperature, seed=setting, history=history if "penalty" in kw else None)
     if "frequency" in kw:
         st.frequency_penalty = torch.full((rows,), kw["frequency"])
         st.presence_penalty = torch.full((rows,), kw["presence"])
@@ -359,10 +364,7 @@ def definition_cases() -> list[tuple[torch.Tensor, SamplingTensors, torch.Tensor
         if "penalty" in kw or "frequency" in kw:
             continue
         for temperature in (0.05, 0.8, 50.0):
-            st = tensors(rows, temperature=temperature, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
-                         min_p=kw.get("min_p", 0.0), seed=setting)
-            st.temperature[5] = 0.0
-            st.all_greedy = False
+            st = setting_tensors(rows, kw, temperature, seed=setting)
             cases.append((logits, st, reference_sample(logits, st)))
     return cases
 
