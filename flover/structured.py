@@ -28,10 +28,10 @@ class Structured:
     value: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == "json_schema" and isinstance(self.value, (dict, str)):  # canonical text: one cache entry
-            try:
+        if self.kind == "json_schema" and isinstance(self.value, (dict, str)):  # compact text: one cache entry
+            try:  # (keys keep their order: the output's properties come in the schema's order)
                 schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-                object.__setattr__(self, "value", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+                object.__setattr__(self, "value", json.dumps(schema, separators=(",", ":")))
             except (ValueError, TypeError, RecursionError):
                 pass  # problem() names it
         if self.kind == "choice" and isinstance(self.value, list):
