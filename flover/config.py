@@ -126,12 +126,17 @@ class SamplingParams:
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} distinct token ids to numbers in [-100, 100]")
 
     @property
+    def may_draft(self) -> bool:
+        """Greedy without penalties or log-probabilities: each row's id is the largest of its own
+        logits (masked by the structure, biased), so a speculative draft can be checked."""
+        return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.frequency_penalty
+                and not self.presence_penalty and not self.logprobs)
+
+    @property
     def plain_greedy(self) -> bool:
         """Takes the largest logit as is (the common serving case): no temperature, penalty or
-        log-probabilities, so the id alone decides (and a speculative draft can be checked)."""
-        return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.frequency_penalty
-                and not self.presence_penalty and not self.logprobs and self.structured is None
-                and not self.logit_bias)
+        log-probabilities, no structure or bias: the native step's head may pick the id itself."""
+        return self.may_draft and self.structured is None and not self.logit_bias
 
     def with_updates(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

@@ -134,9 +134,22 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.words = matcher, (vocab_size + 31) // 32
 
-    def fill_allowed(self, bits) -> None:
-        """Into `bits` ([words] int32, CPU, contiguous): bit t set where token t is allowed."""
-        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self.words * 4)
+    def fill_allowed(self, bits, draft: list[int] = ()) -> None:
+        """Into `bits` ([1 + len(draft), words] int32, CPU, contiguous): row j's bit t set where
+        token t is allowed after the first j tokens of `draft` (which the grammar allows)."""
+        for j in range(len(draft) + 1):
+            self.matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self.words * 4)
+            if j < len(draft) and not self.matcher.consume_token(draft[j]):
+                raise ValueError(f"draft token {draft[j]} is not allowed: {self.matcher.get_error()}")
+        self.matcher.rollback(len(draft))
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (none where it leaves a choice)."""
+        return self.matcher.compute_ff_tokens()
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest start of `tokens` the grammar allows from here."""
+        return tokens[: self.matcher.validate_tokens(tokens)] if tokens else tokens
 
     def advance(self, token: int) -> str | None:
         """Follow `token`; why it broke the grammar, or None."""
@@ -150,15 +163,19 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
-def allowed_bits(states: list[GrammarState | None], vocab: int):
-    """[len(states), words] int32 tensor: bit t of a row set where its state allows token t now
-    (llguidance's bitmask); every bit set for a row without a state."""
+def allowed_bits(states: list[GrammarState | None], vocab: int, drafts: list[list[int]] = ()):
+    """[rows, words] int32 tensor (llguidance's bitmask): per state its row, bit t set where it
+    allows token t now, then a row per token of its draft (drafts[i], if any: the tokens allowed
+    after the draft's tokens before it); every bit set in the rows of a state None."""
     import torch  # (the HTTP front imports this module for the contract only)
 
-    bits = torch.full((len(states), (vocab + 31) // 32), -1, dtype=torch.int32)
-    for row, state in enumerate(states):
+    lengths = [1 + (len(drafts[i]) if i < len(drafts) else 0) for i in range(len(states))]
+    bits = torch.full((sum(lengths), (vocab + 31) // 32), -1, dtype=torch.int32)
+    row = 0
+    for i, (state, rows) in enumerate(zip(states, lengths)):
         if state is not None:
-            state.fill_allowed(bits[row])
+            state.fill_allowed(bits[row: row + rows], drafts[i] if rows > 1 else ())
+        row += rows
     return bits
 
 

@@ -105,6 +105,7 @@ def start_engine(args: argparse.Namespace):
     comm = make_communicator(args.device)
     args.comm = comm
     engine = Engine(engine_config(args, comm.size if comm else 1), comm)
+    engine.prepare_grammars()
     if not engine.is_leader:
         # mpirun forwards SIGTERM/SIGINT to every rank; only the leader decides when to stop
         # (it drains, then releases the followers), so the followers ignore them.

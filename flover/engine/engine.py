@@ -196,6 +196,15 @@ class Engine:
             self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         return self._grammars
 
+    def prepare_grammars(self) -> None:
+        """Build llguidance's view of the tokenizer now (~0.15 s for 49k tokens, holding the
+        GIL): a server's first structured request would otherwise stall every running one."""
+        if self.tokenizer is not None:
+            try:
+                self.grammars
+            except Exception as e:  # a structured request will name it; the rest is unaffected
+                log.warning("structured output unavailable: %s", e)
+
     def enqueue(self, request: Request) -> str:
         self.scheduler.add(request)  # (refuses an id in flight)
         if self.channel is not None:

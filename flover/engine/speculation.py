@@ -11,7 +11,12 @@ would have given one at a time, bit for bit: the native step computes each row's
 same order whatever shares the iteration, so only the number of iterations changes. Rows of
 rejected draft tokens leave K/V beyond the request's new length, overwritten before being read.
 
-Only plain greedy requests draft (sampled ones would need rejection sampling), only on the
+A request whose output follows a structure drafts the tokens its grammar forces next where it
+forces any (llguidance's fast-forward tokens: a JSON key, say), else its n-gram draft, cut where
+the grammar would refuse a token; each draft row is sampled under the mask its grammar gives after
+the draft tokens before it, so the accepted tokens are still those of one token at a time.
+
+Only greedy requests draft (sampled ones would need rejection sampling), only on the
 native CPU step (the PyTorch forward attends per slot, not per row; under TP on every rank, all
 drafting by the leader's fit of the cost below, which the step plan carries), and only with the
 budget left after decode and prompt tokens, so prompts never wait for drafts.
@@ -135,13 +140,13 @@ class Drafting:
 
 def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: float) -> list[list[int]]:
     """Per request (decoding, in slot order), its draft, within `budget` rows in all. A request
-    drafts if its sampling is plain greedy, the tokens whose chance of acceptance is above
-    `min_acceptance`, and at most one token fewer than it may still produce (the verifier's own token is
-    the last)."""
+    drafts if its sampling is greedy (SamplingParams.may_draft), the tokens whose chance of
+    acceptance is above `min_acceptance`, and at most one token fewer than it may still produce (the
+    verifier's own token is the last); one with a structure only tokens its grammar allows."""
     drafts: list[list[int]] = []
     used = 0
     for r in requests:
-        if not r.params.plain_greedy:
+        if not r.params.may_draft:
             drafts.append([])
             continue
         state = r.drafting
@@ -151,7 +156,10 @@ def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: 
         room = min(state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1,
                    budget - used)
         state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len:])
-        draft = state.lookup.draft(room)
+        if r.grammar is not None and room > 0:
+            draft = r.grammar.valid_prefix(r.grammar.forced()[:room] or state.lookup.draft(room))
+        else:
+            draft = state.lookup.draft(room)
         drafts.append(draft)
         used += len(draft)
     return drafts

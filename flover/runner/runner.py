@@ -236,7 +236,7 @@ class ModelRunner:
             frequency_penalty=self._frequency_penalty[slots] if counted else None,
             presence_penalty=self._presence_penalty[slots] if counted else None,
             outputs=[r.output_token_ids for r in sampled] if counted else None,
-            allowed=self._allowed(sampled, logits.shape[-1]),
+            allowed=self._allowed(rows, logits.shape[-1]),
             bias=[r.params.logit_bias for r in sampled] if any(r.params.logit_bias for r in sampled) else None,
         )
         failed: dict[int, str] = {}
@@ -267,12 +267,13 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _allowed(sampled: list[Request], vocab: int) -> torch.Tensor | None:
-        """[rows, words] int32: the tokens each row's structure allows now (every bit set for rows
-        without one), or None when no row has a structure."""
-        if all(r.grammar is None for r in sampled):
+    def _allowed(rows: IterationRows, vocab: int) -> torch.Tensor | None:
+        """[sampled rows, words] int32: the tokens each row's structure allows (a draft's row:
+        after the draft tokens before it; every bit set for rows without one), or None when no
+        request has a structure."""
+        if all(r.grammar is None for r in rows.sampled):
             return None
-        return allowed_bits([r.grammar for r in sampled], vocab)
+        return allowed_bits([r.grammar for r in rows.sampled], vocab, rows.drafts)
 
     def _native_sampler(self, logits: torch.Tensor):
         """The native step's sampler (the same ids, in C) where the logits are on CPU, else None."""
