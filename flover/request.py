@@ -133,6 +133,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: [(id, logprob)] of the top k
     prompt_logprobs: list[float | None] | None = None  # per prompt token (None for the first), when asked
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    group: int | None = None  # data-parallel groups: the engine group that ran it
 
     @property
     def usage(self) -> dict:

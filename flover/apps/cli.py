@@ -16,6 +16,8 @@ from pathlib import Path
 from flover.config import DTYPES, NATIVE_KERNELS, QUANTIZATIONS, EngineConfig, SamplingParams
 from flover.protocol import MAX_MESSAGE_BYTES
 
+log = logging.getLogger("flover")
+
 
 def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = ap.add_argument_group("engine")
@@ -45,7 +47,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                         "rank under TP; else off; 0: off)")
     g.add_argument("--speculate-ngram", type=int, default=3, metavar="N",
                    help="the last N tokens are looked up for a draft (default 3)")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: cores available)")
+    g.add_argument("--tp", type=int, default=None, metavar="T",
+                   help="under mpirun -np N: ranks per engine (tensor parallel inside it); N / T engine groups "
+                        "(data parallel) behind world rank 0 (default: one engine of all N ranks)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores available, shared by the ranks on this node)")
     g.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
     g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
                    help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
@@ -97,22 +103,33 @@ def _is_follower_rank() -> bool:
 
 
 def start_engine(args: argparse.Namespace):
-    """This process's engine. Under `mpirun -np N` every rank builds its shard; the followers
-    (ranks 1..N-1) then run the leader's iterations until it shuts down and return None."""
+    """This process's engine. Under `mpirun -np N` every rank builds its shard of its group's
+    engine (`--tp T`: N / T groups; default one group of N); the followers run their leader's
+    iterations, the other groups' leaders serve world rank 0's requests, and both return None
+    when it shuts down. World rank 0 gets its engine, or with several groups EngineGroups."""
     from flover.engine.engine import Engine
-    from flover.parallel.launch import make_communicator
+    from flover.engine.groups import EngineGroups, serve_group
+    from flover.parallel.groups import Mailbox
+    from flover.parallel.launch import launch_groups
 
-    comm = make_communicator(args.device)
-    args.comm = comm
-    engine = Engine(engine_config(args, comm.size if comm else 1), comm)
+    launch = launch_groups(args.device, args.tp)
+    args.comm = launch.world  # a failing rank aborts the whole job
+    engine = Engine(engine_config(args, launch.comm.size if launch.comm else 1), launch.comm)
     engine.prepare_grammars()
-    if not engine.is_leader:
-        # mpirun forwards SIGTERM/SIGINT to every rank; only the leader decides when to stop
-        # (it drains, then releases the followers), so the followers ignore them.
+    if not engine.is_leader or launch.layout.index > 0:
+        # mpirun forwards SIGTERM/SIGINT to every rank; only world rank 0 decides when to stop
+        # (it drains, then releases the others), so they ignore them.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
-        engine.follow()
+        if engine.is_leader:
+            serve_group(engine, Mailbox(launch.world), launch.layout.index)
+        else:
+            engine.follow()
         return None
+    if launch.layout.count > 1:
+        log.info("data parallel: %d groups of %d rank(s), leaders at world ranks %s", launch.layout.count,
+                 args.tp, list(launch.layout.leaders))
+        return EngineGroups(engine, Mailbox(launch.world), launch.layout, launch.world)
     return engine
 
 

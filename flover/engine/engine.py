@@ -33,6 +33,7 @@ from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTo
 from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
+from flover.parallel.launch import local_ranks
 from flover.parallel.plan import AddEvent
 from flover.structured import Grammars
 from flover.request import Request, RequestOutput, StepResult, Timings
@@ -85,7 +86,7 @@ class Engine:
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.is_leader = self.comm is None or self.comm.rank == 0
         ranks = self.comm.size if self.comm else 1
-        torch.set_num_threads(config.num_threads or threads_per_rank(ranks))
+        torch.set_num_threads(config.num_threads or threads_per_rank(local_ranks() or ranks))  # the node's ranks share it
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
@@ -414,6 +415,7 @@ class EngineStats:
     accepted_tokens: int  # ... and accepted
     prefix_cache: dict | None  # its counters and blocks, or None when off
     native_kernels: str | None  # the native step's kernel family (e.g. "AVX2+FMA"), None: PyTorch runs
+    groups: list[dict] | None = None  # data-parallel groups (engine/groups.py): each one's figures
 
 
 class LLM:

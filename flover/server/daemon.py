@@ -236,9 +236,11 @@ class Daemon:
         if self.config.handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, self._begin_drain)
+        layout = getattr(self.engine, "layout", None)  # data-parallel groups (EngineGroups)
+        groups = f" in {layout.count} groups" if layout is not None else ""
         print(f"flover serve: ready on {self.config.bind} ({self.model_name}, "
-              f"{self.engine.comm.size if self.engine.comm else 1} rank(s), {self.engine.config.max_slots} slots)",
-              flush=True)
+              f"{self.engine.comm.size if self.engine.comm else 1} rank(s){groups}, {self.engine.config.max_slots} "
+              f"slots)", flush=True)
         try:
             while True:
                 busy = self.engine.has_unfinished()
@@ -501,8 +503,9 @@ class Daemon:
         t = out.timings
         self.metrics.request_finished(out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), t)
         ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"  # noqa: E731
-        log.info("request id=%r client=%s%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
+        log.info("request id=%r client=%s%s%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
                  flight.client_id, flight.identity.hex(), f" key={flight.user}" if flight.user else "",
+                 f" group={out.group}" if out.group is not None else "",
                  len(out.prompt_token_ids), len(out.token_ids),
                  ms(t["queue_time"]), ms(t["ttft"]), ms(t["tpot"]), out.finish_reason)
 
@@ -513,7 +516,8 @@ class Daemon:
                 "kv_bytes": e.kv_bytes, "kv_tokens": e.kv_tokens, "kv_use": e.kv_use, "iterations": e.iterations,
                 "uptime_s": time.time() - self.started, "draining": self.draining, "shuffle_moves": e.shuffle_moves,
                 "shuffle_bytes": e.shuffle_bytes, "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
-                "prefix_cache": e.prefix_cache, "native_kernels": e.native_kernels, **self.counters, "metrics": self.metrics.snapshot()}
+                "prefix_cache": e.prefix_cache, "native_kernels": e.native_kernels, "groups": e.groups,
+                **self.counters, "metrics": self.metrics.snapshot()}
 
 
 def _refusal(e: Exception, request_id) -> protocol.ProtocolError:

@@ -54,6 +54,18 @@ class _Snapshot:
                                      labels=[*names, "kernels"])
             info.add_metric([self.model, s["native_kernels"]], 1)
             yield info
+        if s.get("groups"):  # data-parallel groups: each one's figures under a `group` label
+            for name, help_text, key, kind in (
+                    ("group_requests_routed", "Requests the front door sent to each group", "routed", CounterMetricFamily),
+                    ("group_requests_running", "Requests in a slot, per group", "running", GaugeMetricFamily),
+                    ("group_requests_waiting", "Requests waiting for a slot, per group", "waiting", GaugeMetricFamily),
+                    ("group_load_tokens", "Tokens still to compute for the requests routed to each group",
+                     "load_tokens", GaugeMetricFamily),
+                    ("group_iterations", "Engine iterations, per group", "iterations", CounterMetricFamily)):
+                family = kind(PREFIX + name, help_text, labels=[*names, "group"])
+                for g in s["groups"]:
+                    family.add_metric([self.model, str(g["group"])], g[key])
+                yield family
         finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason",
                                        labels=[*names, "finished_reason"])
         for reason, count in sorted(m["finished"].items()):

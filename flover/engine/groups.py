@@ -1,0 +1,255 @@
+"""Several engines behind one front door: data-parallel groups of one `mpirun` job.
+
+World rank 0 leads group 0 and holds `EngineGroups`, which the daemon and `flover run` use as they
+use an Engine: a request is validated and tokenized there (the same model and limits everywhere),
+then `Router` picks its group, and it is queued in rank 0's own engine or sent to that group's
+leader, which runs `serve_group`: the events from rank 0 into its engine, one iteration, its
+outputs back. Requests never move between groups; each group has its own slots, prefix cache and
+step plans (docs/data_parallel.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+from flover.config import SamplingParams
+from flover.engine.engine import Engine, EngineStats
+from flover.engine.prefix_cache import BLOCK_TOKENS
+from flover.parallel.groups import GroupLayout, Mailbox
+from flover.request import Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+AFFINITY_BLOCKS = 4  # prompt prefixes of 1..4 blocks are remembered with the group that cached them
+REMEMBERED = 4096  # prefixes remembered (least recently routed forgotten first)
+
+
+@dataclass
+class Router:
+    """Least loaded group (tokens still to compute: prompt + max_new_tokens - produced, over its
+    requests in flight), unless the prompt starts like a recent one: then the group that has that
+    prefix cached, as long as it has a free slot or no group has one."""
+
+    groups: int
+    slots: int  # per group
+    load: list[int] = field(default_factory=list)
+    in_flight: list[int] = field(default_factory=list)
+    routed: list[int] = field(default_factory=list)  # requests sent to each group (counter)
+    _prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefix hash -> group
+    _last: list[int] = field(default_factory=list)  # when each group last got a request (tie-break)
+    _clock: int = 0
+
+    def __post_init__(self) -> None:
+        self.load, self.in_flight, self.routed, self._last = ([0] * self.groups for _ in range(4))
+
+    def choose(self, token_ids: list[int], salt: str | None) -> int:
+        keys = prefix_keys(token_ids, salt)
+        group = next((self._prefixes[k] for k in reversed(keys) if k in self._prefixes), None)
+        if group is None or (self.in_flight[group] >= self.slots and min(self.in_flight) < self.slots):
+            group = min(range(self.groups), key=lambda g: (self.load[g], self.in_flight[g], self._last[g]))
+        for key in keys:
+            self._prefixes[key] = group
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > REMEMBERED:
+            self._prefixes.popitem(last=False)
+        self._clock += 1
+        self._last[group] = self._clock
+        return group
+
+    def started(self, group: int, tokens: int) -> None:
+        self.load[group] += tokens
+        self.in_flight[group] += 1
+        self.routed[group] += 1
+
+    def progressed(self, group: int, tokens: int, finished_with: int | None = None) -> None:
+        """`tokens` produced; `finished_with`: the request ended, the load it still had."""
+        self.load[group] -= tokens
+        if finished_with is not None:
+            self.load[group] -= finished_with
+            self.in_flight[group] -= 1
+
+
+def prefix_keys(token_ids: list[int], salt: str | None) -> list[bytes]:
+    """Hashes of the prompt's first 1..AFFINITY_BLOCKS whole blocks (with its cache partition):
+    what the prefix cache could reuse."""
+    digest, keys = hashlib.blake2b((salt or "").encode(), digest_size=16), []
+    for b in range(min(AFFINITY_BLOCKS, len(token_ids) // BLOCK_TOKENS)):
+        digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids[b * BLOCK_TOKENS: (b + 1) * BLOCK_TOKENS]))
+        keys.append(digest.copy().digest())
+    return keys
+
+
+@dataclass
+class Routed:
+    """A request in flight on a group of rank 0's."""
+
+    group: int
+    prompt_token_ids: list[int]
+    to_go: int  # its share of the group's load
+    token_ids: list[int] = field(default_factory=list)
+
+
+class EngineGroups:
+    """World rank 0's engine and the links to the other groups' leaders, with an Engine's face
+    for the front ends (make_request validates on rank 0's engine; enqueue routes)."""
+
+    def __init__(self, engine: Engine, mailbox: Mailbox, layout: GroupLayout, world):
+        self.engine, self.mailbox, self.layout, self.comm = engine, mailbox, layout, world
+        self.config = dataclasses.replace(engine.config, max_slots=engine.config.max_slots * layout.count)
+        self.router = Router(layout.count, engine.config.max_slots)
+        self.routed: dict[str, Routed] = {}
+        self.group_stats: list[dict | None] = [None] * layout.count  # the latest each leader sent
+
+    # -- an Engine's face ----------------------------------------------------------------
+    def __getattr__(self, name):  # tokenizer, max_seq_len, tokenize, grammars, make_request, ...
+        return getattr(self.engine, name)
+
+    def enqueue(self, request: Request) -> str:
+        group = self.router.choose(request.prompt_token_ids, request.cache_salt)
+        to_go = request.prompt_len + request.params.max_new_tokens
+        if group == 0:
+            self.engine.enqueue(request)
+        else:
+            age = time.perf_counter() - request.timings.arrival  # (clocks differ across nodes)
+            self.mailbox.send(self.layout.leaders[group], {"add": [
+                request.request_id, request.prompt_token_ids, asdict(request.params), request.cache_salt,
+                request.stream, age]})
+        self.router.started(group, to_go)
+        self.routed[request.request_id] = Routed(group, request.prompt_token_ids, to_go)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        routed = self.routed.get(request_id)
+        if routed is None:
+            return False
+        if routed.group == 0:
+            return self.engine.abort(request_id)
+        self.mailbox.send(self.layout.leaders[routed.group], {"cancel": request_id})
+        return True  # its `cancelled` final comes back with that group's next outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Rank 0's iteration (if it has work) and the outputs the other groups sent since."""
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        if not outputs and not self.engine.has_unfinished() and len(self.routed):
+            self.mailbox.wait(0.002)  # only other groups are busy: wait for them without spinning
+        for source, message in self.mailbox.receive():
+            group = self.layout.leaders.index(source)
+            self.group_stats[group] = message.get("stats") or self.group_stats[group]
+            outputs += [_output(wire, self.routed[wire["request_id"]]) for wire in message.get("outputs", ())
+                        if wire["request_id"] in self.routed]
+        for out in outputs:
+            self._account(out)
+        return outputs
+
+    def _account(self, out: RequestOutput) -> None:
+        routed = self.routed.get(out.request_id)
+        if routed is None:  # (every request comes through enqueue; nothing to count otherwise)
+            return
+        out.group = routed.group
+        produced = len(out.new_token_ids)
+        routed.to_go -= produced
+        if out.finished:
+            del self.routed[out.request_id]
+            self.router.progressed(routed.group, produced, finished_with=max(0, routed.to_go))
+        else:
+            self.router.progressed(routed.group, produced)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.routed) or self.engine.has_unfinished()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.routed)
+
+    def can_accept(self, max_waiting: int) -> bool:
+        """Whether fewer than `max_waiting` requests wait for a slot, over all groups."""
+        slots = self.engine.config.max_slots
+        return sum(max(0, n - slots) for n in self.router.in_flight) < max_waiting
+
+    def stats(self) -> EngineStats:
+        """Rank 0's engine's figures summed with the other groups' latest (`groups`: each one's)."""
+        mine = asdict(self.engine.stats())
+        per_group = [mine] + [s or asdict(_empty_stats(self.engine)) for s in self.group_stats[1:]]
+        total = dict(mine)
+        for key in ("running", "waiting", "slots_total", "kv_bytes", "kv_tokens", "iterations", "shuffle_moves",
+                    "shuffle_bytes", "shuffle_seconds", "draft_tokens", "accepted_tokens"):
+            total[key] = sum(s[key] for s in per_group)
+        total["kv_use"] = sum(s["kv_use"] for s in per_group) / len(per_group)
+        total["prefix_cache"] = _sum_prefix_caches([s["prefix_cache"] for s in per_group])
+        stats = EngineStats(**total)
+        stats.groups = [{"group": g, "routed": self.router.routed[g], "in_flight": self.router.in_flight[g],
+                         "load_tokens": self.router.load[g], **{k: s[k] for k in ("running", "waiting", "iterations",
+                                                                                  "kv_tokens", "draft_tokens")}}
+                        for g, s in enumerate(per_group)]
+        return stats
+
+    def shutdown(self) -> None:
+        for leader in self.layout.leaders[1:]:
+            self.mailbox.send(leader, {"stop": True})
+        self.mailbox.flush()
+        self.engine.shutdown()
+
+
+def _output(wire: dict, routed: Routed) -> RequestOutput:
+    """A group's output as rank 0's engine would have made it (the prompt and the tokens so far
+    are kept here, not sent every iteration)."""
+    routed.token_ids += wire["new_token_ids"]
+    return RequestOutput(prompt_token_ids=routed.prompt_token_ids, token_ids=list(routed.token_ids), **wire)
+
+
+def _empty_stats(engine: Engine) -> EngineStats:
+    stats = engine.stats()
+    return dataclasses.replace(stats, running=0, waiting=0, kv_tokens=0, kv_use=0.0, iterations=0,
+                               last_step_tokens=0, shuffle_moves=0, shuffle_bytes=0, shuffle_seconds=0.0,
+                               draft_tokens=0, accepted_tokens=0, prefix_cache=None)
+
+
+def _sum_prefix_caches(caches: list[dict | None]) -> dict | None:
+    caches = [c for c in caches if c]
+    if not caches:
+        return None
+    return {key: sum(c[key] for c in caches) if key != "block_tokens" else caches[0][key] for key in caches[0]}
+
+
+def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:
+    """A group leader's life (groups 1..): rank 0's events into its engine, one iteration, the
+    outputs back; idle, it waits for rank 0 without spinning. Ends on rank 0's stop."""
+    log.info("group %d: serving for rank 0", group)
+    while True:
+        if not engine.has_unfinished():
+            mailbox.wait(0.5, max_sleep=0.005)
+        for _, message in mailbox.receive():
+            if "stop" in message:
+                engine.shutdown()
+                mailbox.flush()
+                return
+            _apply(engine, mailbox, message)
+        if engine.has_unfinished():
+            outputs = engine.step()
+            if outputs:
+                wire = []
+                for out in outputs:
+                    sent = asdict(out)
+                    del sent["prompt_token_ids"], sent["token_ids"], sent["group"]
+                    wire.append(sent)
+                mailbox.send(0, {"outputs": wire, "stats": asdict(engine.stats())})
+
+
+def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
+    if "cancel" in message:
+        engine.abort(message["cancel"])
+        return
+    request_id, token_ids, params, salt, stream, age = message["add"]
+    try:
+        engine.enqueue(engine.make_request(token_ids, SamplingParams(**params), request_id, stream=stream,
+                                           cache_salt=salt, arrival_time=time.perf_counter() - age))
+    except (ValueError, TypeError) as e:  # rank 0 validated it alike: a mismatch, said, not hidden
+        log.error("group request %s refused: %s", request_id, e)
+        mailbox.send(0, {"outputs": [{
+            "request_id": request_id, "new_token_ids": [], "text": None, "finished": True,
+            "finish_reason": "error", "logprobs": None, "timings": {}, "error": f"refused by its group: {e}"}]})

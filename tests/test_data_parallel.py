@@ -1,0 +1,140 @@
+"""Data-parallel engine groups (flover/engine/groups.py, flover/parallel/groups.py): the layout
+and the router's choices, then real `mpirun` jobs: every request's greedy tokens equal a single
+engine's, requests spread over the groups, turns of a conversation find their prefix cached, a
+killed rank ends the job without leaving a client hanging, and prompt files spread over groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from flover.client import FloverError
+from flover.engine.groups import Router, prefix_keys
+from flover.engine.prefix_cache import BLOCK_TOKENS
+from flover.parallel.groups import group_of_ranks
+from tests.helpers import ID_PROMPTS, MPI_ENV, Server, expected_outputs, flover_run_cmd, flover_run_ok, \
+    tokens_by_id, write_jsonl
+from tests.test_tensor_parallel import _rank_pids
+
+
+def test_groups_stay_inside_nodes_when_the_nodes_allow_and_rank_0_leads_group_0():
+    assert group_of_ranks(["a", "a", "b", "b"], 2) == [0, 0, 1, 1]
+    assert group_of_ranks(["a", "b", "a", "b"], 2) == [0, 1, 0, 1]  # round-robin placement: groups per node
+    assert group_of_ranks(["a", "a", "a", "b", "b", "b"], 2) == [0, 0, 1, 1, 2, 2]  # 3 + 3: consecutive ranks
+    assert group_of_ranks(["a"] * 4, 1) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="multiple of 2"):
+        group_of_ranks(["a"] * 3, 2)
+
+
+def test_router_sends_a_known_prefix_to_its_group_else_the_least_loaded_one():
+    router = Router(groups=2, slots=2)
+    conversation = list(range(2 * BLOCK_TOKENS))
+    first = router.choose(conversation, None)
+    router.started(first, 100)
+    other = router.choose(list(range(100, 100 + 2 * BLOCK_TOKENS)), None)
+    assert other != first  # least loaded
+    router.started(other, 10)
+    assert router.choose(conversation + [7, 8, 9], None) == first  # the prefix, though more loaded
+    assert router.choose(conversation, "another user") == other  # a cache partition of its own: no affinity
+    router.started(first, 1)  # the prefix's group is full (2 slots), the other has room
+    assert router.choose(conversation, None) == other
+    assert router.choose([1, 2, 3], None) == other  # shorter than a block: least loaded
+    router.progressed(first, 50, finished_with=51)
+    assert router.load[first] == 0 and router.load[other] == 10 and router.in_flight[first] == 1
+    assert len(prefix_keys(list(range(10 * BLOCK_TOKENS)), None)) == 4
+
+
+def _submit(client, prompt: list[int], **params) -> str:
+    """Send a generate request without waiting for it; its id."""
+    rid = client.new_id()
+    client.send({"op": "generate", "id": rid, "stream": False, "input_ids": prompt, "params": params})
+    return rid
+
+
+def _serve(llama_dir, ranks: int, tp: int, *extra: str) -> Server:
+    return Server(llama_dir, "--max-slots", "8", "--tp", str(tp), "--threads", "1", *extra, ranks=ranks)
+
+
+@pytest.mark.parametrize("ranks, tp", [(2, 1), (4, 2)])
+def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama_dir, ranks, tp):
+    n_tokens = [4 + (i * 5) % 17 for i in range(len(ID_PROMPTS))]
+    expected = [o.token_ids for o in expected_outputs(llama_dir, n_tokens)]
+    srv = _serve(llama_dir, ranks, tp)
+    try:
+        with srv.client() as client:
+            ids = [_submit(client, p, max_new_tokens=n, ignore_eos=True)
+                   for p, n in zip(ID_PROMPTS, n_tokens)]
+            got = [client.wait(i)["token_ids"] for i in ids]
+            groups = client.stats()["groups"]
+        assert got == expected
+        assert [g["group"] for g in groups] == [0, 1] and all(g["routed"] >= 3 for g in groups), groups
+        assert sum(g["iterations"] > 0 for g in groups) == 2, groups
+    finally:  # SIGUSR1: mpirun forwards it and rank 0 drains, then stops every group (SIGTERM kills them all)
+        code, err = srv.stop(signal.SIGUSR1)
+    assert code == 0, err[-3000:]
+    assert "group=1" in err and "group=0" in err  # the log line per request names its group
+
+
+def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
+    srv = _serve(llama_dir, 2, 1)
+    try:
+        with srv.client() as client:
+            firsts = [[100 + 7 * c + t for t in range(2 * BLOCK_TOKENS + 3)] for c in range(4)]
+            answers = [client.generate(input_ids=p, max_new_tokens=6, ignore_eos=True)["token_ids"] for p in firsts]
+            seconds = [client.generate(input_ids=p + a + [5, 6, 7], max_new_tokens=4, ignore_eos=True)
+                       for p, a in zip(firsts, answers)]
+            routed = [g["routed"] for g in client.stats()["groups"]]
+        assert all(s["usage"]["cached_tokens"] >= 2 * BLOCK_TOKENS for s in seconds), [s["usage"] for s in seconds]
+        assert min(routed) >= 2, routed  # the conversations were spread, not all on one group
+    finally:
+        srv.stop()
+
+
+def test_a_killed_rank_of_another_group_ends_the_job_and_no_client_hangs(llama_dir):
+    srv = _serve(llama_dir, 2, 1)
+    try:
+        with srv.client() as client:
+            ids = [_submit(client, [1 + i, 2, 3], max_new_tokens=200, ignore_eos=True)
+                   for i in range(6)]
+            deadline = time.time() + 60
+            while client.stats()["groups"][1]["running"] == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            os.kill(_rank_pids(1)[0], signal.SIGKILL)
+            killed = time.time()
+            with pytest.raises((FloverError, TimeoutError)) as failed:
+                for i in ids:
+                    client.wait(i)
+            assert time.time() - killed < 20
+            assert "connection" in str(failed.value).lower(), failed.value  # told, not left waiting
+        srv.proc.wait(timeout=30)  # the job ended
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+def test_a_prompt_file_spreads_over_groups_into_one_output_and_resumes_exactly_once(llama_dir, tmp_path):
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(prompts, [{"id": f"p{i}", "input_ids": p, "max_new_tokens": 3 + i % 5}
+                          for i, p in enumerate(ID_PROMPTS)])
+    expected = {f"p{i}": o.token_ids for i, o in
+                enumerate(expected_outputs(llama_dir, [3 + i % 5 for i in range(len(ID_PROMPTS))]))}
+    run = flover_run_ok(2, llama_dir, prompts, out, "--tp", "1", "--max-slots", "4", "--threads", "1")
+    assert tokens_by_id(out) == expected
+    assert "2 groups" in run.stderr or "data parallel: 2 groups" in run.stderr, run.stderr[-2000:]
+    again = subprocess.run(flover_run_cmd(2, llama_dir, prompts, out, "--tp", "1", "--threads", "1"),
+                           capture_output=True, text=True, timeout=240, env=MPI_ENV)
+    assert again.returncode == 0 and f"{len(ID_PROMPTS)} already done" in again.stderr, again.stderr[-2000:]
+    assert len(out.read_text().splitlines()) == len(ID_PROMPTS)
+
+
+def test_tp_that_does_not_divide_the_ranks_is_refused(llama_dir, tmp_path):
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(prompts, [{"id": "a", "input_ids": [1, 2]}])
+    run = subprocess.run(flover_run_cmd(3, llama_dir, prompts, out, "--tp", "2"), capture_output=True, text=True,
+                         timeout=120, env=MPI_ENV)
+    assert run.returncode != 0 and "groups of --tp ranks" in run.stderr, run.stderr[-2000:]
+    assert not out.exists() or not out.read_text().strip()
