@@ -90,13 +90,13 @@ def test_unconstrained_requests_fused_with_constrained_ones_get_the_tokens_they_
 
 
 def test_greedy_constrained_requests_draft_and_get_the_tokens_they_get_without_drafts(llama_dir):
-    # drafts: forced tokens (JSON keys, the regex's "-") or n-grams, each draft row under the mask
-    # after the draft tokens before it
+    # drafts: forced tokens (JSON keys, the regex's "-") or n-grams (two rows an iteration: drafting
+    # pays), each draft row under the mask after the draft tokens before it
     prompts = [[3 + i, 5, 7 + j] for i in range(len(STRUCTURES)) for j in range(2)]
     params = [SamplingParams(max_new_tokens=120, structured=s) for s in STRUCTURES.values() for _ in range(2)]
     tokens = {}
     for speculate in (0, 8):
-        llm = LLM(llama_dir, dtype="float32", max_slots=8, max_seq_len=200, speculate=speculate)
+        llm = LLM(llama_dir, dtype="float32", max_slots=2, max_seq_len=200, speculate=speculate)
         tokens[speculate] = [o.token_ids for o in llm.generate(prompts, params)]
     assert tokens[8] == tokens[0]
     assert llm.engine.accepted_tokens > 0 and llm.engine.draft_tokens > llm.engine.accepted_tokens

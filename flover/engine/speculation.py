@@ -12,9 +12,10 @@ same order whatever shares the iteration, so only the number of iterations chang
 rejected draft tokens leave K/V beyond the request's new length, overwritten before being read.
 
 A request whose output follows a structure drafts the tokens its grammar forces next where it
-forces any (llguidance's fast-forward tokens: a JSON key, say), else its n-gram draft, cut where
-the grammar would refuse a token; each draft row is sampled under the mask its grammar gives after
-the draft tokens before it, so the accepted tokens are still those of one token at a time.
+forces any (llguidance's fast-forward tokens: a JSON key, say), else, in iterations of few rows,
+its n-gram draft cut where the grammar would refuse a token; each draft row is sampled under the
+mask its grammar gives after the draft tokens before it, so the accepted tokens are still those of
+one token at a time.
 
 Only greedy requests draft (sampled ones would need rejection sampling), only on the
 native CPU step (the PyTorch forward attends per slot, not per row; under TP on every rank, all
@@ -39,6 +40,10 @@ from dataclasses import dataclass
 
 
 DEFAULT_DRAFT_TOKENS = 8  # where the engine speculates unless told otherwise
+# A constrained request's n-gram draft rows each need a mask too (~40 us): they pay where rows are
+# cheap (a few requests: +10% for one JSON stream), not in a full iteration (-5% at 32; the tokens
+# its grammar forces are drafted at any size). docs/benchmarks.md, "(h)".
+STRUCTURED_NGRAMS_BELOW = 0.25
 
 
 @dataclass(frozen=True)
@@ -156,8 +161,10 @@ def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: 
         room = min(state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1,
                    budget - used)
         state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len:])
-        if r.grammar is not None and room > 0:
-            draft = r.grammar.valid_prefix(r.grammar.forced()[:room] or state.lookup.draft(room))
+        if r.grammar is not None:
+            draft = r.grammar.forced()[:room] if room > 0 else []
+            if not draft and min_acceptance < STRUCTURED_NGRAMS_BELOW:
+                draft = r.grammar.valid_prefix(state.lookup.draft(room))
         else:
             draft = state.lookup.draft(room)
         drafts.append(draft)
