@@ -11,11 +11,13 @@ import subprocess
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flover.client import FloverError
 from flover.engine.groups import Router, prefix_keys
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import group_of_ranks
+from flover.server.prometheus import render
 from tests.helpers import ID_PROMPTS, MPI_ENV, Server, expected_outputs, flover_run_cmd, flover_run_ok, \
     tokens_by_id, write_jsonl
 from tests.test_tensor_parallel import _rank_pids
@@ -69,10 +71,16 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
             ids = [_submit(client, p, max_new_tokens=n, ignore_eos=True)
                    for p, n in zip(ID_PROMPTS, n_tokens)]
             got = [client.wait(i)["token_ids"] for i in ids]
-            groups = client.stats()["groups"]
+            stats = client.stats()
+        groups = stats["groups"]
         assert got == expected
         assert [g["group"] for g in groups] == [0, 1] and all(g["routed"] >= 3 for g in groups), groups
         assert sum(g["iterations"] > 0 for g in groups) == 2, groups
+        assert stats["iterations"] == sum(g["iterations"] for g in groups)
+        metrics = render(stats, "m").decode()  # /metrics: a `group` label
+        routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                  if s.name == "flover:group_requests_routed_total"}
+        assert routed == {str(g["group"]): g["routed"] for g in groups}
     finally:  # SIGUSR1: mpirun forwards it and rank 0 drains, then stops every group (SIGTERM kills them all)
         code, err = srv.stop(signal.SIGUSR1)
     assert code == 0, err[-3000:]
