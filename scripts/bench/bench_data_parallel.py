@@ -90,9 +90,15 @@ def main() -> None:
         prompts.write_text("".join(json.dumps({"id": str(i), "messages": [
             {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}) + "\n" for i in range(args.requests)))
         results: dict[str, list[float]] = {}
+        todo = layouts(args.groups, args.cores)
         for run in range(args.runs):
-            for name, cmd in layouts(args.groups, args.cores).items():
-                tps = run_once(cmd, args.model, prompts, args)
+            for name, cmd in list(todo.items()):
+                try:
+                    tps = run_once(cmd, args.model, prompts, args)
+                except RuntimeError as e:  # e.g. TP over a head count it does not divide
+                    print(f"{name}: cannot run ({next(line for line in str(e).splitlines() if 'error' in line)})")
+                    del todo[name]
+                    continue
                 results.setdefault(name, []).append(tps)
                 print(f"run {run + 1}/{args.runs} {name}: {tps:.1f} tok/s", flush=True)
     print(f"\n{args.requests} chat requests, Poisson {args.interval_ms:g} ms, at most {args.gen_len} tokens, "
