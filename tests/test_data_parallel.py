@@ -19,7 +19,7 @@ from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import group_of_ranks
 from flover.server.prometheus import render
 from tests.helpers import ID_PROMPTS, MPI_ENV, Server, expected_outputs, flover_run_cmd, flover_run_ok, \
-    tokens_by_id, write_jsonl
+    free_port, tokens_by_id, write_jsonl
 from tests.test_tensor_parallel import _rank_pids
 
 
@@ -85,6 +85,37 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
         code, err = srv.stop(signal.SIGUSR1)
     assert code == 0, err[-3000:]
     assert "group=1" in err and "group=0" in err  # the log line per request names its group
+
+
+def test_the_http_front_serves_every_group_streamed_and_not(llama_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    port = free_port()
+    srv = _serve(llama_dir, 2, 1, "--http", f"127.0.0.1:{port}")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        prompts = [f"Hello the cat number {i}" for i in range(8)]
+
+        def both(prompt: str) -> tuple[str, str]:
+            whole = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+            chunks = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+            return whole.choices[0].text, "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(both, prompts))
+        assert all(whole == streamed for whole, streamed in answers), answers
+        metrics = httpx.get(f"{url}/metrics").text
+        routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                  if s.name == "flover:group_requests_routed_total"}
+        assert set(routed) == {"0", "1"} and min(routed.values()) >= 2 and sum(routed.values()) == 16, routed
+    finally:
+        code, err = srv.stop(signal.SIGUSR1)
+    assert code == 0, err[-3000:]
 
 
 def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
