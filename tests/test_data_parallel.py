@@ -118,6 +118,25 @@ def test_the_http_front_serves_every_group_streamed_and_not(llama_dir):
     assert code == 0, err[-3000:]
 
 
+def test_streams_on_both_groups_arrive_token_by_token_and_cancel(llama_dir):
+    srv = _serve(llama_dir, 2, 1)
+    try:
+        with srv.client() as client:
+            streams = [client.stream(input_ids=[1 + i, 2, 3], request_id=f"s{i}", max_new_tokens=200,
+                                     ignore_eos=True) for i in range(2)]
+            firsts = [[next(s) for _ in range(3)] for s in streams]  # the second, sent while the first runs, goes to group 1
+            assert all(e["event"] == "token" for events in firsts for e in events)
+            for i in range(2):
+                client.cancel(f"s{i}")
+            finals = [list(s)[-1] for s in streams]
+            assert all(f["finish_reason"] == "cancelled" and f["usage"]["completion_tokens"] < 150 for f in finals)
+            groups = client.stats()["groups"]
+        assert [g["routed"] for g in groups] == [1, 1] and all(g["in_flight"] == 0 for g in groups), groups
+    finally:
+        code, err = srv.stop(signal.SIGUSR1)
+    assert code == 0, err[-3000:]
+
+
 def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
     srv = _serve(llama_dir, 2, 1)
     try:
