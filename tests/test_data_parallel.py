@@ -124,7 +124,8 @@ def test_streams_on_both_groups_arrive_token_by_token_and_cancel(llama_dir):
         with srv.client() as client:
             streams = [client.stream(input_ids=[1 + i, 2, 3], request_id=f"s{i}", max_new_tokens=200,
                                      ignore_eos=True) for i in range(2)]
-            firsts = [[next(s) for _ in range(3)] for s in streams]  # the second, sent while the first runs, goes to group 1
+            # the second is sent while the first runs: it goes to group 1
+            firsts = [[next(s) for _ in range(3)] for s in streams]
             assert all(e["event"] == "token" for events in firsts for e in events)
             for i in range(2):
                 client.cancel(f"s{i}")

@@ -34,7 +34,8 @@ MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_
 
 
 def layouts(groups: int, cores: int) -> dict[str, list[str]]:
-    mpirun = [shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun", "-np", str(groups), "--oversubscribe", "--bind-to", "none"]
+    mpirun = [shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun", "-np", str(groups),
+              "--oversubscribe", "--bind-to", "none"]
     run = [sys.executable, "-m", "flover.apps.cli", "run"]
     return {f"1 engine x {cores} threads": [*run, "--threads", str(cores)],
             f"{groups} groups x {cores // groups} thread(s)": [*mpirun, *run, "--tp", "1", "--threads",
