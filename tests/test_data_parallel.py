@@ -138,6 +138,42 @@ def test_streams_on_both_groups_arrive_token_by_token_and_cancel(llama_dir):
     assert code == 0, err[-3000:]
 
 
+def test_with_curve_a_client_owns_its_requests_on_every_group_and_its_prefix_partition(llama_dir, tmp_path):
+    import sys
+
+    from zmq.auth import load_certificate
+
+    from flover.client import Client
+
+    for name, where in (("server", "server"), ("alice", "clients"), ("mallory", "clients")):
+        subprocess.run([sys.executable, "-m", "flover.apps.cli", "keygen", str(tmp_path / where), "--name", name],
+                       check=True, capture_output=True)
+    srv = _serve(llama_dir, 2, 1, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
+                 "--curve-allowed-clients", str(tmp_path / "clients"))
+    server_key, _ = load_certificate(str(tmp_path / "server" / "server.key"))
+
+    def client(name: str) -> Client:
+        return Client(srv.addr, timeout=60, curve_server_key=server_key,
+                      curve_client_cert=str(tmp_path / "clients" / f"{name}.key_secret"))
+
+    try:
+        with client("alice") as alice, client("mallory") as mallory:
+            ids = [_submit(alice, [1 + i, 2, 3], max_new_tokens=150, ignore_eos=True) for i in range(2)]
+            for rid in ids:  # one on each group: neither is mallory's to cancel
+                mallory.cancel(rid)
+                with pytest.raises(FloverError, match="unknown_id"):
+                    mallory.wait(rid)
+            assert all(alice.wait(rid)["usage"]["completion_tokens"] == 150 for rid in ids)
+            assert [g["routed"] for g in alice.stats()["groups"]] == [1, 1]
+            prompt = [(13 * i) % 500 + 1 for i in range(40)]  # each key a prefix-cache partition, on any group
+            cached = [c.generate(input_ids=prompt, max_new_tokens=2)["usage"]["cached_tokens"]
+                      for c in (alice, alice, mallory, mallory)]
+        assert cached == [0, 32, 0, 32], cached
+    finally:
+        code, err = srv.stop(signal.SIGUSR1)
+    assert code == 0, err[-3000:]
+
+
 def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
     srv = _serve(llama_dir, 2, 1)
     try:
