@@ -163,19 +163,19 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
-def allowed_bits(states: list[GrammarState | None], vocab: int, drafts: list[list[int]] = ()):
+def allowed_bits(states: list[GrammarState | None], vocab: int, drafts: list[list[int]] | None = None):
     """[rows, words] int32 tensor (llguidance's bitmask): per state its row, bit t set where it
-    allows token t now, then a row per token of its draft (drafts[i], if any: the tokens allowed
-    after the draft's tokens before it); every bit set in the rows of a state None."""
+    allows token t now, then a row per token of its draft (drafts: one per state, if any: the
+    tokens allowed after the draft's tokens before it); every bit set in the rows of a state None."""
     import torch  # (the HTTP front imports this module for the contract only)
 
-    lengths = [1 + (len(drafts[i]) if i < len(drafts) else 0) for i in range(len(states))]
-    bits = torch.full((sum(lengths), (vocab + 31) // 32), -1, dtype=torch.int32)
+    drafts = drafts if drafts is not None else [[] for _ in states]
+    bits = torch.full((len(states) + sum(map(len, drafts)), (vocab + 31) // 32), -1, dtype=torch.int32)
     row = 0
-    for i, (state, rows) in enumerate(zip(states, lengths)):
+    for state, draft in zip(states, drafts):
         if state is not None:
-            state.fill_allowed(bits[row: row + rows], drafts[i] if rows > 1 else ())
-        row += rows
+            state.fill_allowed(bits[row: row + 1 + len(draft)], draft)
+        row += 1 + len(draft)
     return bits
 
 

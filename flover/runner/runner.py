@@ -39,10 +39,13 @@ class IterationRows:
     scoring: list[PromptRows] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # of the first len(drafts) sampled requests
 
+    def request_drafts(self) -> list[list[int]]:
+        """Each sampled request's draft (empty where it has none)."""
+        return [self.drafts[i] if i < len(self.drafts) else [] for i in range(len(self.sampled))]
+
     def owners(self) -> list[int]:
         """The index (in `sampled`) of each sampled row's request."""
-        counts = [1 + (len(self.drafts[i]) if i < len(self.drafts) else 0) for i in range(len(self.sampled))]
-        return [i for i, n in enumerate(counts) for _ in range(n)]
+        return [i for i, draft in enumerate(self.request_drafts()) for _ in range(1 + len(draft))]
 
     def per_row(self) -> list[Request]:
         """The request of each sampled row."""
@@ -273,7 +276,7 @@ class ModelRunner:
         request has a structure."""
         if all(r.grammar is None for r in rows.sampled):
             return None
-        return allowed_bits([r.grammar for r in rows.sampled], vocab, rows.drafts)
+        return allowed_bits([r.grammar for r in rows.sampled], vocab, rows.request_drafts())
 
     def _native_sampler(self, logits: torch.Tensor):
         """The native step's sampler (the same ids, in C) where the logits are on CPU, else None."""
