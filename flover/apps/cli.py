@@ -102,11 +102,12 @@ def _is_follower_rank() -> bool:
     return launched_ranks() > 1 and launched_rank() != 0
 
 
-def start_engine(args: argparse.Namespace):
+def start_engine(args: argparse.Namespace, serving: bool = False):
     """This process's engine. Under `mpirun -np N` every rank builds its shard of its group's
     engine (`--tp T`: N / T groups; default one group of N); the followers run their leader's
     iterations, the other groups' leaders serve world rank 0's requests, and both return None
-    when it shuts down. World rank 0 gets its engine, or with several groups EngineGroups."""
+    when it shuts down. World rank 0 gets its engine, or with several groups EngineGroups.
+    `serving`: structured output's tokenizer view is built now, not on a running server's loop."""
     from flover.engine.engine import Engine
     from flover.engine.groups import EngineGroups, serve_group
     from flover.parallel.groups import Mailbox
@@ -115,7 +116,8 @@ def start_engine(args: argparse.Namespace):
     launch = launch_groups(args.device, args.tp)
     args.comm = launch.world  # a failing rank aborts the whole job
     engine = Engine(engine_config(args, launch.comm.size if launch.comm else 1), launch.comm)
-    engine.prepare_grammars()
+    if serving:
+        engine.prepare_grammars()
     if not engine.is_leader or launch.layout.index > 0:
         # mpirun forwards SIGTERM/SIGINT to every rank; only world rank 0 decides when to stop
         # (it drains, then releases the others), so they ignore them.
@@ -314,7 +316,7 @@ def _run_records(args, read, ids: set[str], done: set[str], offsets, make_runner
 def cmd_serve(args: argparse.Namespace) -> int:
     from flover.server.daemon import Daemon, ServeConfig
 
-    engine = start_engine(args)
+    engine = start_engine(args, serving=True)
     if engine is None:  # a follower rank: it ran the leader's iterations until shutdown
         return 0
     front_curve = None  # with CURVE, the HTTP front gets a key pair of its own, made here and allowed
