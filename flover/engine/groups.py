@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 AFFINITY_BLOCKS = 4  # prompt prefixes of 1..4 blocks are remembered with the group that cached them
 REMEMBERED = 4096  # prefixes remembered (least recently routed forgotten first)
+SILENT = dict(running=0, waiting=0, kv_tokens=0, kv_use=0.0, iterations=0, last_step_tokens=0, shuffle_moves=0,
+              shuffle_bytes=0, shuffle_seconds=0.0, draft_tokens=0, accepted_tokens=0, prefix_cache=None)
 
 
 @dataclass
@@ -174,7 +176,8 @@ class EngineGroups:
     def stats(self) -> EngineStats:
         """Rank 0's engine's figures summed with the other groups' latest (`groups`: each one's)."""
         mine = asdict(self.engine.stats())
-        per_group = [mine] + [s or asdict(_empty_stats(self.engine)) for s in self.group_stats[1:]]
+        unheard = {**mine, **SILENT}  # a group that has sent nothing yet: rank 0's sizes, no activity
+        per_group = [mine] + [s or unheard for s in self.group_stats[1:]]
         total = dict(mine)
         for key in ("running", "waiting", "slots_total", "kv_bytes", "kv_tokens", "iterations", "shuffle_moves",
                     "shuffle_bytes", "shuffle_seconds", "draft_tokens", "accepted_tokens"):
@@ -202,13 +205,6 @@ def _output(wire: dict, routed: Routed) -> RequestOutput:
     return RequestOutput(prompt_token_ids=routed.prompt_token_ids, token_ids=list(routed.token_ids), **wire)
 
 
-def _empty_stats(engine: Engine) -> EngineStats:
-    stats = engine.stats()
-    return dataclasses.replace(stats, running=0, waiting=0, kv_tokens=0, kv_use=0.0, iterations=0,
-                               last_step_tokens=0, shuffle_moves=0, shuffle_bytes=0, shuffle_seconds=0.0,
-                               draft_tokens=0, accepted_tokens=0, prefix_cache=None)
-
-
 def _sum_prefix_caches(caches: list[dict | None]) -> dict | None:
     caches = [c for c in caches if c]
     if not caches:
@@ -232,12 +228,14 @@ def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:
         if engine.has_unfinished():
             outputs = engine.step()
             if outputs:
-                wire = []
-                for out in outputs:
-                    sent = asdict(out)
-                    del sent["prompt_token_ids"], sent["token_ids"], sent["group"]
-                    wire.append(sent)
-                mailbox.send(0, {"outputs": wire, "stats": asdict(engine.stats())})
+                mailbox.send(0, {"outputs": [_wire(out) for out in outputs], "stats": asdict(engine.stats())})
+
+
+def _wire(out: RequestOutput) -> dict:
+    """An output as a group leader sends it: rank 0 keeps the prompt and the tokens so far (_output)."""
+    sent = asdict(out)
+    del sent["prompt_token_ids"], sent["token_ids"], sent["group"]
+    return sent
 
 
 def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
@@ -250,6 +248,7 @@ def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
                                            cache_salt=salt, arrival_time=time.perf_counter() - age))
     except (ValueError, TypeError) as e:  # rank 0 validated it alike: a mismatch, said, not hidden
         log.error("group request %s refused: %s", request_id, e)
-        mailbox.send(0, {"outputs": [{
-            "request_id": request_id, "new_token_ids": [], "text": None, "finished": True,
-            "finish_reason": "error", "logprobs": None, "timings": {}, "error": f"refused by its group: {e}"}]})
+        refused = RequestOutput(request_id=request_id, prompt_token_ids=token_ids, new_token_ids=[], token_ids=[],
+                                text=None, finished=True, finish_reason="error", logprobs=None, timings={},
+                                error=f"refused by its group: {e}")
+        mailbox.send(0, {"outputs": [_wire(refused)]})
