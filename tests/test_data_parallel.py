@@ -5,6 +5,7 @@ killed rank ends the job without leaving a client hanging, and prompt files spre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,12 +62,24 @@ def _serve(llama_dir, ranks: int, tp: int, *extra: str) -> Server:
     return Server(llama_dir, "--max-slots", "8", "--tp", str(tp), "--threads", "1", *extra, ranks=ranks)
 
 
+@contextlib.contextmanager
+def _serving(llama_dir, ranks: int, tp: int, *extra: str):
+    """A data-parallel `flover serve`, stopped at the end by SIGUSR1 (mpirun forwards it: rank 0
+    drains, then stops every group; SIGTERM kills them all) and asserted to exit cleanly; its
+    stderr is then `srv.log`."""
+    srv = _serve(llama_dir, ranks, tp, *extra)
+    try:
+        yield srv
+    finally:
+        code, srv.log = srv.stop(signal.SIGUSR1)
+    assert code == 0, srv.log[-3000:]
+
+
 @pytest.mark.parametrize("ranks, tp", [(2, 1), (4, 2)])
 def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama_dir, ranks, tp):
     n_tokens = [4 + (i * 5) % 17 for i in range(len(ID_PROMPTS))]
     expected = [o.token_ids for o in expected_outputs(llama_dir, n_tokens)]
-    srv = _serve(llama_dir, ranks, tp)
-    try:
+    with _serving(llama_dir, ranks, tp) as srv:
         with srv.client() as client:
             ids = [_submit(client, p, max_new_tokens=n, ignore_eos=True)
                    for p, n in zip(ID_PROMPTS, n_tokens)]
@@ -81,10 +94,7 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
         routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
                   if s.name == "flover:group_requests_routed_total"}
         assert routed == {str(g["group"]): g["routed"] for g in groups}
-    finally:  # SIGUSR1: mpirun forwards it and rank 0 drains, then stops every group (SIGTERM kills them all)
-        code, err = srv.stop(signal.SIGUSR1)
-    assert code == 0, err[-3000:]
-    assert "group=1" in err and "group=0" in err  # the log line per request names its group
+    assert "group=1" in srv.log and "group=0" in srv.log  # the log line per request names its group
 
 
 def test_the_http_front_serves_every_group_streamed_and_not(llama_dir):
@@ -94,9 +104,8 @@ def test_the_http_front_serves_every_group_streamed_and_not(llama_dir):
     import openai
 
     port = free_port()
-    srv = _serve(llama_dir, 2, 1, "--http", f"127.0.0.1:{port}")
     url = f"http://127.0.0.1:{port}"
-    try:
+    with _serving(llama_dir, 2, 1, "--http", f"127.0.0.1:{port}"):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         model = client.models.list().data[0].id
         prompts = [f"Hello the cat number {i}" for i in range(8)]
@@ -113,14 +122,10 @@ def test_the_http_front_serves_every_group_streamed_and_not(llama_dir):
         routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
                   if s.name == "flover:group_requests_routed_total"}
         assert set(routed) == {"0", "1"} and min(routed.values()) >= 2 and sum(routed.values()) == 16, routed
-    finally:
-        code, err = srv.stop(signal.SIGUSR1)
-    assert code == 0, err[-3000:]
 
 
 def test_streams_on_both_groups_arrive_token_by_token_and_cancel(llama_dir):
-    srv = _serve(llama_dir, 2, 1)
-    try:
+    with _serving(llama_dir, 2, 1) as srv:
         with srv.client() as client:
             streams = [client.stream(input_ids=[1 + i, 2, 3], request_id=f"s{i}", max_new_tokens=200,
                                      ignore_eos=True) for i in range(2)]
@@ -133,9 +138,6 @@ def test_streams_on_both_groups_arrive_token_by_token_and_cancel(llama_dir):
             assert all(f["finish_reason"] == "cancelled" and f["usage"]["completion_tokens"] < 150 for f in finals)
             groups = client.stats()["groups"]
         assert [g["routed"] for g in groups] == [1, 1] and all(g["in_flight"] == 0 for g in groups), groups
-    finally:
-        code, err = srv.stop(signal.SIGUSR1)
-    assert code == 0, err[-3000:]
 
 
 def test_with_curve_a_client_owns_its_requests_on_every_group_and_its_prefix_partition(llama_dir, tmp_path):
@@ -148,15 +150,13 @@ def test_with_curve_a_client_owns_its_requests_on_every_group_and_its_prefix_par
     for name, where in (("server", "server"), ("alice", "clients"), ("mallory", "clients")):
         subprocess.run([sys.executable, "-m", "flover.apps.cli", "keygen", str(tmp_path / where), "--name", name],
                        check=True, capture_output=True)
-    srv = _serve(llama_dir, 2, 1, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                 "--curve-allowed-clients", str(tmp_path / "clients"))
     server_key, _ = load_certificate(str(tmp_path / "server" / "server.key"))
+    with _serving(llama_dir, 2, 1, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
+                  "--curve-allowed-clients", str(tmp_path / "clients")) as srv:
+        def client(name: str) -> Client:
+            return Client(srv.addr, timeout=60, curve_server_key=server_key,
+                          curve_client_cert=str(tmp_path / "clients" / f"{name}.key_secret"))
 
-    def client(name: str) -> Client:
-        return Client(srv.addr, timeout=60, curve_server_key=server_key,
-                      curve_client_cert=str(tmp_path / "clients" / f"{name}.key_secret"))
-
-    try:
         with client("alice") as alice, client("mallory") as mallory:
             ids = [_submit(alice, [1 + i, 2, 3], max_new_tokens=150, ignore_eos=True) for i in range(2)]
             for rid in ids:  # one on each group: neither is mallory's to cancel
@@ -169,14 +169,10 @@ def test_with_curve_a_client_owns_its_requests_on_every_group_and_its_prefix_par
             cached = [c.generate(input_ids=prompt, max_new_tokens=2)["usage"]["cached_tokens"]
                       for c in (alice, alice, mallory, mallory)]
         assert cached == [0, 32, 0, 32], cached
-    finally:
-        code, err = srv.stop(signal.SIGUSR1)
-    assert code == 0, err[-3000:]
 
 
 def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
-    srv = _serve(llama_dir, 2, 1)
-    try:
+    with _serving(llama_dir, 2, 1) as srv:
         with srv.client() as client:
             firsts = [[100 + 7 * c + t for t in range(2 * BLOCK_TOKENS + 3)] for c in range(4)]
             answers = [client.generate(input_ids=p, max_new_tokens=6, ignore_eos=True)["token_ids"] for p in firsts]
@@ -185,8 +181,6 @@ def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
             routed = [g["routed"] for g in client.stats()["groups"]]
         assert all(s["usage"]["cached_tokens"] >= 2 * BLOCK_TOKENS for s in seconds), [s["usage"] for s in seconds]
         assert min(routed) >= 2, routed  # the conversations were spread, not all on one group
-    finally:
-        srv.stop()
 
 
 def test_a_killed_rank_of_another_group_ends_the_job_and_no_client_hangs(llama_dir):
