@@ -103,9 +103,9 @@ class Server:
 ID_PROMPTS = [[(5 * i + 3 * j) % 500 + 1 for j in range(1 + 3 * i)] for i in range(12)]
 
 
-def expected_outputs(model_dir: str, n_tokens: list[int]):
+def expected_outputs(model_dir: str, n_tokens: list[int], **params):
     llm = LLM(model_dir, dtype="float64", max_seq_len=256, max_slots=8)
-    return llm.generate(ID_PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_tokens])
+    return llm.generate(ID_PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True, **params) for n in n_tokens])
 
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")

@@ -78,15 +78,22 @@ def _serving(llama_dir, ranks: int, tp: int, *extra: str):
 @pytest.mark.parametrize("ranks, tp", [(2, 1), (4, 2)])
 def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama_dir, ranks, tp):
     n_tokens = [4 + (i * 5) % 17 for i in range(len(ID_PROMPTS))]
-    expected = [o.token_ids for o in expected_outputs(llama_dir, n_tokens)]
+    expected = expected_outputs(llama_dir, n_tokens)
     with _serving(llama_dir, ranks, tp) as srv:
         with srv.client() as client:
-            ids = [_submit(client, p, max_new_tokens=n, ignore_eos=True)
-                   for p, n in zip(ID_PROMPTS, n_tokens)]
-            got = [client.wait(i)["token_ids"] for i in ids]
+            ids = [_submit(client, p, max_new_tokens=n, ignore_eos=True, **({"logprobs": True, "top_logprobs": 2}
+                                                                             if i % 2 else {}))
+                   for i, (p, n) in enumerate(zip(ID_PROMPTS, n_tokens))]
+            got = [client.wait(i) for i in ids]
             stats = client.stats()
         groups = stats["groups"]
-        assert got == expected
+        assert [g["token_ids"] for g in got] == [o.token_ids for o in expected]
+        with_logprobs = expected_outputs(llama_dir, n_tokens, logprobs=True, top_logprobs=2)
+        for i in range(1, len(got), 2):  # every token's logprob and top 2 came back, wherever it ran
+            assert got[i]["logprobs"] == pytest.approx(with_logprobs[i].logprobs, abs=1e-9)
+            assert [[t for t, _ in top] for top in got[i]["top_logprobs"]] == \
+                [[t for t, _ in top] for top in with_logprobs[i].top_logprobs]
+        assert [g.get("logprobs") for g in got[::2]] == [None] * len(got[::2])
         assert [g["group"] for g in groups] == [0, 1] and all(g["routed"] >= 3 for g in groups), groups
         assert sum(g["iterations"] > 0 for g in groups) == 2, groups
         assert stats["iterations"] == sum(g["iterations"] for g in groups)

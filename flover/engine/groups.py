@@ -94,6 +94,7 @@ class Routed:
     prompt_token_ids: list[int]
     to_go: int  # its share of the group's load
     token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, list] = field(default_factory=dict)  # "logprobs" / "top_logprobs" so far, when asked
 
 
 class EngineGroups:
@@ -199,9 +200,14 @@ class EngineGroups:
 
 
 def _output(wire: dict, routed: Routed) -> RequestOutput:
-    """A group's output as rank 0's engine would have made it (the prompt and the tokens so far
-    are kept here, not sent every iteration)."""
+    """A group's output as rank 0's engine would have made it (the prompt, the tokens so far and
+    their logprobs are kept here, not sent every iteration)."""
     routed.token_ids += wire["new_token_ids"]
+    for name in ("logprobs", "top_logprobs"):
+        if wire[name] is not None:
+            kept = routed.logprobs.setdefault(name, [])
+            kept += wire[name]
+            wire[name] = list(kept)
     return RequestOutput(prompt_token_ids=routed.prompt_token_ids, token_ids=list(routed.token_ids), **wire)
 
 
@@ -232,10 +238,17 @@ def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:
 
 
 def _wire(out: RequestOutput) -> dict:
-    """An output as a group leader sends it: rank 0 keeps the prompt and the tokens so far (_output)."""
-    sent = asdict(out)
-    del sent["prompt_token_ids"], sent["token_ids"], sent["group"]
+    """An output as a group leader sends it: rank 0 keeps the prompt, the tokens so far and their
+    logprobs (_output); a field copy, not asdict's deep one (a leader sends one per token)."""
+    sent = {name: getattr(out, name) for name in _WIRED}
+    new = len(out.new_token_ids)
+    for name in ("logprobs", "top_logprobs"):  # (one per token: the new tokens' are the last)
+        if sent[name] is not None:
+            sent[name] = sent[name][len(sent[name]) - new:]
     return sent
+
+
+_WIRED = [f.name for f in dataclasses.fields(RequestOutput) if f.name not in ("prompt_token_ids", "token_ids", "group")]
 
 
 def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
