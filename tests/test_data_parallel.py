@@ -97,6 +97,9 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
         assert [g["group"] for g in groups] == [0, 1] and all(g["routed"] >= 3 for g in groups), groups
         assert sum(g["iterations"] > 0 for g in groups) == 2, groups
         assert stats["iterations"] == sum(g["iterations"] for g in groups)
+        timed = stats["metrics"]["histograms"]["iteration_time_seconds"]["counts"]
+        assert sum(timed) == stats["iterations"]  # the iteration histogram holds every group's
+        assert [(g["running"], g["waiting"]) for g in groups] == [(0, 0), (0, 0)], groups  # idle now, each says so
         metrics = render(stats, "m").decode()  # /metrics: a `group` label
         routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
                   if s.name == "flover:group_requests_routed_total"}
@@ -210,6 +213,51 @@ def test_a_killed_rank_of_another_group_ends_the_job_and_no_client_hangs(llama_d
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_a_client_that_never_reads_is_cancelled_on_every_group_and_told_so(llama_dir, tmp_path):
+    from tests.test_hardening import _stream_without_reading
+
+    srv = Server(llama_dir, "--max-slots", "8", "--tp", "1", "--threads", "1", "--max-seq-len", "512",
+                 "--max-client-backlog", "100000", ranks=2, addr=f"ipc://{tmp_path}/s")
+    try:
+        results = _stream_without_reading(srv, 24, 6)
+        assert {end["code"] for _, end in results.values()} == {"slow_client"}
+        assert all(f"after {len(tokens)} tokens" in end["message"] for tokens, end in results.values())
+        with srv.client() as client:
+            stats = client.stats()
+        assert stats["slow_clients"] == 1 and stats["in_flight"] == 0, stats
+        assert all(g["routed"] > 0 and g["in_flight"] == 0 and g["running"] == 0 for g in stats["groups"]), \
+            stats["groups"]  # both groups served it and both cancelled its requests ...
+        assert all(g["iterations"] < 480 for g in stats["groups"]), stats["groups"]  # ... long before their end
+    finally:
+        assert srv.stop(signal.SIGUSR1)[0] == 0
+
+
+@pytest.mark.parametrize("drain_timeout, reason, per_group, tokens", [("30", "length", 1, 300),
+                                                                      ("0.1", "cancelled", 8, 500)])
+def test_a_drain_finishes_or_cancels_the_requests_of_every_group_then_exits_0(llama_dir, drain_timeout, reason,
+                                                                              per_group, tokens):
+    srv = _serve(llama_dir, 2, 1, "--drain-timeout", drain_timeout, "--max-seq-len", "512")
+    try:
+        with srv.client() as client:
+            ids = [_submit(client, [1 + i, 2], max_new_tokens=tokens, ignore_eos=True) for i in range(2 * per_group)]
+            groups = client.stats()["groups"]
+            assert [g["in_flight"] for g in groups] == [per_group, per_group], groups  # as many on each group
+            srv.proc.send_signal(signal.SIGUSR1)  # (mpirun forwards it; SIGTERM would kill every rank)
+            deadline = time.time() + 10
+            while client.health()["status"] != "draining" and time.time() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(FloverError, match="shutting_down"):
+                client.generate(input_ids=[3], max_new_tokens=2)
+            finals = [client.wait(i) for i in ids]
+        assert {f["finish_reason"] for f in finals} == {reason}, [(f["finish_reason"], f["usage"]) for f in finals]
+        if reason == "length":
+            assert [f["usage"]["completion_tokens"] for f in finals] == [tokens] * len(ids)
+        srv.proc.wait(60)  # it exits by itself once the groups are done
+    finally:
+        code, log = srv.stop(signal.SIGUSR1)
+    assert code == 0 and "draining" in log, log[-3000:]
 
 
 def test_a_prompt_file_spreads_over_groups_into_one_output_and_resumes_exactly_once(llama_dir, tmp_path):

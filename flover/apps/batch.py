@@ -175,8 +175,9 @@ class BatchRunner:
                 if nxt is not None and due > now:
                     time.sleep(due - now)  # idle until the next arrival
                 continue
+            iterations = engine.iterations
             outputs = engine.step()
-            self.summary.iterations += 1
+            self.summary.iterations += engine.iterations - iterations  # (with groups: every group's)
             finished = 0
             for out in outputs:
                 if out.finished:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import re
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -116,6 +117,7 @@ class Engine:
         self.channel = PlanChannel(self.comm) if self.comm is not None else None  # TP: the leader's intake
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
+        self._timed: deque[tuple[float, int]] = deque(maxlen=256)  # (seconds, rows) of recent iterations
         self.draft_tokens = self.accepted_tokens = 0  # speculation: rows of draft tokens, and those accepted
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
@@ -378,21 +380,31 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: the scheduler plans it, the runner carries it out (one fused forward),
         the scheduler takes the result, and the text half turns it into outputs."""
+        started = time.perf_counter()
         if self.channel is not None and not self._exchange_plan():
             return []
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, result, time.perf_counter())
-        self._count(result)
-        return outputs + self.outputs.emit(updates, time.perf_counter())
+        outputs += self.outputs.emit(updates, time.perf_counter())
+        self._count(result, time.perf_counter() - started)
+        return outputs
 
-    def _count(self, result: StepResult) -> None:
+    def _count(self, result: StepResult, seconds: float) -> None:
         if result.rows:
             self.iterations += 1
             self.last_step_tokens = result.rows
             self.draft_tokens += result.draft_rows
             self.accepted_tokens += sum(map(len, result.accepted.values()))
+            self._timed.append((seconds, result.rows))
+
+    def timed_iterations(self) -> list[tuple[float, int]]:
+        """(seconds, rows) of each iteration that ran a forward since the last call (the serving
+        metrics' histogram)."""
+        timed = list(self._timed)
+        self._timed.clear()
+        return timed
 
 
 @dataclass

@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
 from flover.config import SamplingParams
@@ -107,6 +107,7 @@ class EngineGroups:
         self.router = Router(layout.count, engine.config.max_slots)
         self.routed: dict[str, Routed] = {}
         self.group_stats: list[dict | None] = [None] * layout.count  # the latest each leader sent
+        self._timed: deque[tuple[float, int]] = deque(maxlen=1024)  # the other groups' iterations, not yet read
 
     # -- an Engine's face ----------------------------------------------------------------
     def __getattr__(self, name):  # tokenizer, max_seq_len, tokenize, grammars, make_request, ...
@@ -143,6 +144,7 @@ class EngineGroups:
         for source, message in self.mailbox.receive():
             group = self.layout.leaders.index(source)
             self.group_stats[group] = message.get("stats") or self.group_stats[group]
+            self._timed.extend(message.get("iterations", ()))
             outputs += [_output(wire, self.routed[wire["request_id"]]) for wire in message.get("outputs", ())
                         if wire["request_id"] in self.routed]
         for out in outputs:
@@ -164,6 +166,17 @@ class EngineGroups:
 
     def has_unfinished(self) -> bool:
         return bool(self.routed) or self.engine.has_unfinished()
+
+    @property
+    def iterations(self) -> int:
+        """Every group's (the other groups' as their leaders last said)."""
+        return self.engine.iterations + sum(s["iterations"] for s in self.group_stats[1:] if s)
+
+    def timed_iterations(self) -> list[tuple[float, int]]:
+        """Rank 0's and the other groups' iterations since the last call: (seconds, rows) each."""
+        timed = self.engine.timed_iterations() + list(self._timed)
+        self._timed.clear()
+        return timed
 
     @property
     def num_in_flight(self) -> int:
@@ -233,8 +246,10 @@ def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:
             _apply(engine, mailbox, message)
         if engine.has_unfinished():
             outputs = engine.step()
-            if outputs:
-                mailbox.send(0, {"outputs": [_wire(out) for out in outputs], "stats": asdict(engine.stats())})
+            timed = engine.timed_iterations()
+            if outputs or timed:
+                mailbox.send(0, {"outputs": [_wire(out) for out in outputs], "stats": asdict(engine.stats()),
+                                 "iterations": timed})
 
 
 def _wire(out: RequestOutput) -> dict:

@@ -281,10 +281,9 @@ class Daemon:
         `internal_error` and the daemon carries on. With several ranks the job must end instead:
         the followers are inside the same iteration and cannot be brought back in step."""
         try:
-            iterations, started = self.engine.iterations, time.perf_counter()
             outputs = self.engine.step()
-            if self.engine.iterations > iterations:  # a forward ran (not just a shuffle or nothing)
-                self.metrics.iteration(time.perf_counter() - started, self.engine.last_step_tokens)
+            for seconds, rows in self.engine.timed_iterations():  # (with groups: every group's)
+                self.metrics.iteration(seconds, rows)
             return outputs
         except Exception as e:
             if self.engine.comm is not None:

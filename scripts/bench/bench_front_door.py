@@ -84,6 +84,9 @@ class InstantEngine:
         self.last_step_tokens = len(outputs)
         return outputs
 
+    def timed_iterations(self) -> list:
+        return []
+
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self.running), waiting=len(self.waiting), slots_total=self.config.max_slots,
                            kv_bytes=0, kv_tokens=0, kv_use=0.0, iterations=self.iterations,
