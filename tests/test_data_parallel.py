@@ -282,3 +282,14 @@ def test_tp_that_does_not_divide_the_ranks_is_refused(llama_dir, tmp_path):
                          timeout=120, env=MPI_ENV)
     assert run.returncode != 0 and "groups of --tp ranks" in run.stderr, run.stderr[-2000:]
     assert not out.exists() or not out.read_text().strip()
+
+
+def test_every_rank_of_a_job_takes_its_own_gpu_whatever_its_groups_size(monkeypatch):
+    """`mpirun -np 8 flover serve --device cuda --tp 1`: 8 groups of one rank, one GPU each (not all on cuda:0)."""
+    from flover.apps.cli import build_parser, engine_config
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    for tp in ("1", "2", "8"):
+        args = build_parser().parse_args(["serve", "--model", "m", "--device", "cuda", "--tp", tp])
+        assert engine_config(args).device == "cuda:3"

@@ -67,10 +67,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                    "the same instruction set). The FLOVER_NATIVE_KERNELS variable overrides auto")
 
 
-def engine_config(args: argparse.Namespace, ranks: int = 1) -> EngineConfig:
-    from flover.parallel.launch import rank_device
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from flover.parallel.launch import launched_ranks, rank_device
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, ranks),
+    # Every rank of the job on its node's GPU (local rank), whether its group has one rank or several.
+    return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, launched_ranks()),
                         quantization=args.quantization,
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, prompt_first_iterations=args.prompt_first,
@@ -115,7 +116,7 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
 
     launch = launch_groups(args.device, args.tp)
     args.comm = launch.world  # a failing rank aborts the whole job
-    engine = Engine(engine_config(args, launch.comm.size if launch.comm else 1), launch.comm)
+    engine = Engine(engine_config(args), launch.comm)
     if serving:
         engine.prepare_grammars()
     if not engine.is_leader or launch.layout.index > 0:
