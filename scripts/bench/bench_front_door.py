@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -177,7 +178,9 @@ def run(args, stream: bool) -> dict:
     slots = args.slots
     leaders = InProcessLeaders(args.groups, slots)
     front = EngineGroups(InstantEngine(slots), leaders, GroupLayout(0, tuple(range(args.groups))), world=None)
-    port = 5600 + args.groups + (1 if stream else 0)
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     daemon = Daemon(front, ServeConfig(bind=f"tcp://127.0.0.1:{port}", handle_signals=False,
                                        max_waiting=args.groups * slots * 2), model_name="instant")
     server = threading.Thread(target=daemon.serve_forever, daemon=True)
