@@ -14,9 +14,6 @@
 # rank's torch threads default to the node's cores divided by its ranks. For restarts run this
 # under a supervisor (systemd Restart=on-failure, or sbatch --requeue): a dead rank ends the job.
 set -euo pipefail
-hostfile=${1:?usage: data_parallel.sh HOSTFILE RANKS flover-command [args...]}
-ranks=${2:?usage: data_parallel.sh HOSTFILE RANKS flover-command [args...]}
-shift 2
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-exec mpirun -np "$ranks" --hostfile "$hostfile" --map-by ppr:"${RANKS_PER_NODE:-8}":node --bind-to none \
-  -x PATH -x LD_LIBRARY_PATH -x NCCL_DEBUG python -m flover.apps.cli "$@" --tp "${TP:-1}"
+[ $# -ge 3 ] || { echo "usage: data_parallel.sh HOSTFILE RANKS flover-command [args...]" >&2; exit 2; }
+# the same mpirun as one engine over several nodes (hostfile.sh), with groups of TP ranks
+RANKS_PER_NODE=${RANKS_PER_NODE:-8} exec "$(dirname "$0")/hostfile.sh" "$@" --tp "${TP:-1}"

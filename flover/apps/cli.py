@@ -68,10 +68,9 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from flover.parallel.launch import launched_ranks, rank_device
+    from flover.parallel.launch import rank_device
 
-    # Every rank of the job on its node's GPU (local rank), whether its group has one rank or several.
-    return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device, launched_ranks()),
+    return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device),
                         quantization=args.quantization,
                         max_slots=args.max_slots, max_seq_len=args.max_seq_len,
                         max_batch_tokens=args.max_batch_tokens, prompt_first_iterations=args.prompt_first,

@@ -29,9 +29,10 @@ def local_rank() -> int:
     return 0
 
 
-def rank_device(device: str, ranks: int) -> str:
-    """With several ranks on a GPU node, rank r uses local GPU `local_rank` (unless one is named)."""
-    if ranks > 1 and device == "cuda":
+def rank_device(device: str) -> str:
+    """Under a launcher, every rank of the job (whatever its group's size) uses its node's GPU
+    `local_rank` (unless one is named)."""
+    if launched_ranks() > 1 and device == "cuda":
         return f"cuda:{local_rank()}"
     return device
 
@@ -70,7 +71,7 @@ def launch_groups(device: str, tp: int | None) -> Launch:
         import torch
 
         from flover.parallel.nccl import NCCLCommunicator
-        return Launch(NCCLCommunicator(group, torch.device(rank_device(device, world.size))), world, layout)
+        return Launch(NCCLCommunicator(group, torch.device(rank_device(device))), world, layout)
     return Launch(group, world, layout)
 
 
