@@ -140,42 +140,52 @@ static void check_q8_groups(void) {
 }
 
 /* int8 inputs (tiles_int8.c): the rows quantized, and the tiles of every code kind (4-bit with
- * stored scales or Q4_K's, bytes with groups of 16 or 32, with and without minimums), each with
+ * stored scales or Q4_K's, bytes with groups of 16 or 32, with and without minimums, signed bytes
+ * of the whole range: Q8_0's), each with
  * its "reference": the sums of its grid_row weights times the dequantized inputs, in double (the
  * test holds every family's tiles to it) */
 static void check_x8(void) {
     enum { K = 512, GROUPS = K / 32, SUPERS = K / 256, ROWS = 12 };
-    static float x[ROWS * K], d[ROWS * GROUPS], ds16[ROWS * K / 16], ds32[ROWS * GROUPS], qf[ROWS * K];
+    static float x[ROWS * K], d[ROWS * GROUPS], ds16[ROWS * K / 16], ds32[ROWS * GROUPS], qf[ROWS * K], qsf[ROWS * GROUPS];
+    static int32_t qs32[ROWS * GROUPS];
     static float out[12 * 16], ref[ROWS * 16], w[16 * K], flat[GROUPS * 32], scales[(K / 16) * 2 * 16];
     static int8_t q[ROWS * K];
-    static uint8_t nibbles[GROUPS * 256], bytes[16 * K], supers[SUPERS * Q4K_SUPER_BYTES];
+    static uint8_t nibbles[GROUPS * 256], bytes[16 * K], signed_bytes[16 * K], supers[SUPERS * Q4K_SUPER_BYTES];
     fill(x, ROWS * K, 2.f);
     for (int j = 0; j < 32; j++) x[3 * K + 64 + j] = 0.f; /* a block of zeros: d = 0 */
-    const Int8Rows rows = {q, d, ds16, ds32};
+    x[0] = x[1] = -2.f, x[2] = x[3] = 2.f;
+    const Int8Rows rows = {q, d, ds16, ds32, qs32};
     int8_rows(x, &rows, ROWS, K, 0, 1);
     for (int i = 0; i < ROWS * K; i++) qf[i] = q[i];
+    for (int i = 0; i < ROWS * GROUPS; i++) qsf[i] = (float)qs32[i];
     print("int8 codes", qf, ROWS * K), print("int8 d", d, ROWS * GROUPS);
     print("int8 d sums of 16", ds16, ROWS * K / 16), print("int8 d sums of 32", ds32, ROWS * GROUPS);
+    print("int8 sums of 32", qsf, ROWS * GROUPS);
 
     for (int i = 0; i < GROUPS * 256; i++) nibbles[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
     for (int i = 0; i < 16 * K; i++) bytes[i] = (uint8_t)((uniform() + 1.f) * 31.99f); /* 0..63 */
+    for (int i = 0; i < 16 * K; i++) signed_bytes[i] = (uint8_t)(int)((uniform() + 1.f) * 127.99f); /* -128..127 */
+    /* the ends against the inputs' (row 0's first four: -127, -127, 127, 127): maddubs's pairs at
+     * their largest, 2 x 128 x 127 */
+    for (int i = 0; i < 64; i++) signed_bytes[i] = i < 32 ? 0x80 : 0x7f;
     for (int s = 0; s < SUPERS; s++) {
         float *f = (float *)(supers + s * Q4K_SUPER_BYTES);
         fill(f, 16, 0.01f), fill(f + 16, 16, 0.01f);
         for (int i = 128; i < Q4K_SUPER_BYTES; i++) supers[s * Q4K_SUPER_BYTES + i] = (uint8_t)((uniform() + 1.f) * 31.9f);
     }
     fill(flat, GROUPS * 32, 0.1f), fill(scales, (K / 16) * 2 * 16, 0.1f);
-    const GridPart parts[6] = {
+    const GridPart parts[7] = {
         {G_INT4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 8},
         {G_INT4_K, 16, 32, 1, (int64_t)nibbles, (int64_t)supers, 1, 8},
         {G_INT8_GROUPS, 16, 16, 0, (int64_t)bytes, (int64_t)scales, 1, 32},
         {G_INT8_GROUPS, 16, 16, 1, (int64_t)bytes, (int64_t)scales, 1, 32},
         {G_INT8_GROUPS, 16, 32, 0, (int64_t)bytes, (int64_t)scales, 1, 16},
         {G_INT8_GROUPS, 16, 32, 1, (int64_t)bytes, (int64_t)scales, 1, 0},
+        {G_INT8_GROUPS, 16, 32, 0, (int64_t)signed_bytes, (int64_t)scales, 2, 0},
     };
     const int mts[5] = {1, 2, 4, 8, 12};
     char name[64];
-    for (int p = 0; p < 6; p++) {
+    for (int p = 0; p < 7; p++) {
         const Grid grid = {1, {parts[p]}};
         for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
         for (int i = 0; i < ROWS; i++)

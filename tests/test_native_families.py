@@ -75,7 +75,7 @@ def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None
     inputs, in double): the same sums up to float32 rounding; a wrong code, scale or offset is
     off by the outputs' own size."""
     tiles = [name for name in sections if name.startswith("x8 tile ")]
-    assert len(tiles) == 30
+    assert len(tiles) == 35
     for name in tiles:
         part = name.split()[2].rstrip(",")
         reference, got = sections[f"x8 reference {part}"], sections[name]
@@ -84,6 +84,8 @@ def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None
             assert abs(a - b) <= 1e-5 * scale, (name, i, a, b, scale)
     codes = sections["int8 codes"]
     assert min(codes) == -127 and max(codes) == 127 and all(c == int(c) for c in codes)
+    per_block = [sum(codes[i: i + 32]) for i in range(0, len(codes), 32)]
+    assert sections["int8 sums of 32"] == per_block
 
 
 @pytest.mark.parametrize("family", [f for f in runnable_families() if f != "generic"])

@@ -242,7 +242,7 @@ def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, 
 def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding):
     """--quantization auto on a GGUF file mixing Q4_K, Q4_0, Q6_K, Q5_K, Q5_0, Q5_1 and Q8_0 (q/k
     and v in different codes, as in Q4_K_M files) picks "file": every projection runs the
-    kernels of its own codes (up to 6 bits on int8 inputs, Q8_0 as bytes on 16-bit ones), the tied
+    kernels of its own codes (on int8 inputs: up to 6 bits as codes below 64, Q8_0 as signed bytes), the tied
     head too, and the token lookup reads the head's codes; against the PyTorch forward on their
     dequantized values within a few bfloat16 steps."""
     compared, engine = compare_on_random_arrivals(make_gguf_mix(embedding), "bfloat16", quantization="auto")
@@ -250,9 +250,8 @@ def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding
     native = engine.runner.native
     assert native.quantized_projections == 4 * 2 + 1 and not native.screens_greedy  # the head's codes: no screen
     assert "the file's own codes" in native.describe()
-    # codes of up to 6 bits take int8 inputs (tiles_int8.c): every projection but down (Q8_0),
-    # and the head unless it is Q8_0
-    assert native.int8_input_projections == 2 * 3 + (embedding != "Q8_0")
+    # every projection takes int8 inputs (tiles_int8.c), Q8_0's down and head included
+    assert native.int8_input_projections == native.quantized_projections
     rows = [decode + prompt for decode, prompt, *_ in compared]
     assert rows.count(1) >= 3 and max(rows) >= 9  # single rows, and more than one tile of rows
     # the kernels sum codes x inputs exactly where PyTorch reads bfloat16-rounded weights and

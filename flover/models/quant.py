@@ -48,8 +48,8 @@ class QuantizedWeight:
     # GGUF file's scales stay its own (bfloat16 would keep 8 of their 11 bits)
     exact_scales: torch.Tensor | None = None
     parts: list["Grid"] | None = None  # file: the output rows' grids, in order (the native step's)
-    # file, codes of up to 6 bits only: inputs are quantized to int8 first (int8_inputs), as the
-    # native step's integer kernels take them
+    # file, codes the native step's integer kernels take (Grid.takes_int8_inputs): inputs are
+    # quantized to int8 first (int8_inputs), as those kernels take them
     int8_inputs: bool = False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,8 +125,14 @@ class Grid:
         return self.bits, self.group, self.low is None, self.supers is None, self.code_range
 
     def small_codes(self) -> bool:
-        """Codes of up to 6 bits (not Q8_0's): the int8-input kernels take them."""
+        """Codes of up to 6 bits (tiles_int8.c stores them below 64)."""
         return self.code_range[1] - self.code_range[0] < 64
+
+    def takes_int8_inputs(self) -> bool:
+        """The int8-input kernels take these codes: up to 6 bits, or signed bytes in groups of 32
+        without minimums (Q8_0's)."""
+        return self.small_codes() or (self.bits == 8 and self.group == 32 and self.low is None
+                                      and self.code_range[0] >= -128 and self.code_range[1] <= 127)
 
     @staticmethod
     def cat(grids: list["Grid"]) -> "Grid":
@@ -143,8 +149,8 @@ def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> 
     gives for them (float32 [out, in]: scale * q + low, bit for bit) -> (the quantized weight,
     neighbours of the same kernel merged into one run; the values in `dtype`)."""
     runs = [Grid.cat(list(same)) for _, same in itertools.groupby(grids, key=Grid.kernel)]
-    small = all(run.small_codes() for run in runs)
-    return QuantizedWeight("file", None, None, 0, parts=runs, int8_inputs=small), values.to(dtype)
+    x8 = all(run.takes_int8_inputs() for run in runs)
+    return QuantizedWeight("file", None, None, 0, parts=runs, int8_inputs=x8), values.to(dtype)
 
 
 def int8_inputs(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from flover.models.quant import Grid, QuantizedWeight
 
 G_INT4, G_INT4_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 8, 9  # native.h
+X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2  # native.h: GridPart.x8
 Q4K_SUPER_BYTES = 384  # native.h
 MAX_PARTS = 4
 GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales", "x8", "offset")  # native.h: GridPart
@@ -28,7 +29,7 @@ class Run:
     lows: int
     shapes: list[tuple[tuple[int, ...], torch.dtype]]  # codes, scales
     fill: Callable[[torch.Tensor, torch.Tensor], None]
-    x8: int = 0  # takes int8 inputs (tiles_int8.c's layouts)
+    x8: int = X8_NONE  # takes int8 inputs (tiles_int8.c's layouts): codes below 64, or signed bytes
     offset: int = 0  # x8 bytes: the stored code that means 0
 
 
@@ -82,7 +83,7 @@ def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: 
         scales_out.copy_(rows_last(torch.stack((scale, zero), dim=-1), blocks))
 
     return Run(G_INT4, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
-               fill, int(x8), 8)
+               fill, X8_SMALL if x8 else X8_NONE, 8)
 
 
 def _int4_k_run(grid: Grid, x8: bool) -> Run:
@@ -100,7 +101,8 @@ def _int4_k_run(grid: Grid, x8: bool) -> Run:
                                     bytes_.contiguous().view(blocks, supers, 256)), dim=-1))
 
     return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
-                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill, int(x8), 8)
+                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill,
+               X8_SMALL if x8 else X8_NONE, 8)
 
 
 def int8_rows_run(quantized: QuantizedWeight) -> Run:
@@ -116,23 +118,26 @@ def int8_rows_run(quantized: QuantizedWeight) -> Run:
 
 
 def _groups_run(grid: Grid, x8: bool) -> Run:
-    """8-bit codes with group scales: codes as block_pairs (x8: q + offset as lanes of four bytes,
-    [n / 16, k / 4, 16, 4]), scales [n / 16, k / group, 1 or 2, 16] (the scales, then the minimums)."""
+    """8-bit codes with group scales: codes as block_pairs (x8: lanes of four bytes [n / 16, k / 4,
+    16, 4], q + offset where the codes are below 64, else q itself), scales [n / 16, k / group,
+    1 or 2, 16] (the scales, then the minimums)."""
     n, k = grid.codes.shape
-    blocks, lows, offset = -(-n // 16), int(grid.low is not None), max(0, -grid.code_range[0])
+    blocks, lows = -(-n // 16), int(grid.low is not None)
+    mode = X8_NONE if not x8 else X8_SMALL if grid.small_codes() else X8_SIGNED
+    offset = max(0, -grid.code_range[0]) if mode == X8_SMALL else 0
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        if x8:
+        if mode == X8_NONE:
+            block_pairs(grid.codes, codes_out)
+        else:
             stored = (grid.codes.to(torch.int16) + offset).to(torch.uint8).view(n, k // 4, 4)
             quads = lanes_of_four(stored, blocks, fill=offset).view(torch.int8)
             codes_out.view(quads.shape).copy_(quads)
-        else:
-            block_pairs(grid.codes, codes_out)
         scales_out.copy_(rows_last(torch.stack([grid.scale] + ([grid.low] if lows else []), dim=-1), blocks))
 
     return Run(G_INT8_GROUPS, n, grid.group, lows,
                [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)], fill,
-               int(x8), offset)
+               mode, offset)
 
 
 def runs_of(quantized: QuantizedWeight) -> list[Run]:

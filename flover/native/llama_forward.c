@@ -59,7 +59,7 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.wide = w.normed + rows * h;
     w.mid = w.wide + rows * widest;
     w.xb = w.mid + rows * inner;
-    w.scores = w.xb + rows * widest; /* the model-dtype copies fit in rows * widest floats */
+    w.scores = w.xb + rows * widest; /* the model-dtype copies (or int8 inputs: 1.375 bytes an input) fit */
     const int64_t decode = md->heads * md->max_seq, prompt = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq) + 6 * md->head_dim;
     w.per_thread = decode > prompt ? decode : prompt;
     w.xsum = w.scores + nt * w.per_thread;

@@ -59,14 +59,16 @@ typedef struct {
  * per 32 inputs (stored, or from Q4_K's super-blocks: G_INT4_K); int8 codes with a scale per row; int8 codes with a scale (and a minimum: lows)
  * per group of 16 or 32 inputs (GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K). */
 enum { G_INT4 = 4, G_INT4_K = 5, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
+enum { X8_NONE = 0, X8_SMALL = 1, X8_SIGNED = 2 };
 #define MAX_PARTS 4
 /* Mirrors GRID_FIELDS: a projection's output rows as up to MAX_PARTS runs of rows (every run but
  * the last a multiple of 16 rows), each in its own codes: a fused q/k/v whose v came in other
  * blocks than q and k (as in GGUF's Q4_K_M files) is three runs, or two. */
 typedef struct {
     int64_t kind, rows, group, lows, codes, scales;
-    /* x8: the run takes int8 inputs (tiles_int8.c: its codes in that file's layouts); offset: the
-     * stored code that means 0 (bytes; 4-bit codes: 8) */
+    /* x8: the run takes int8 inputs (tiles_int8.c: its codes in that file's layouts), X8_SMALL
+     * codes below 64 (offset: the stored code that means 0; 4-bit codes: 8), X8_SIGNED bytes of
+     * the whole int8 range (Q8_0's), groups of 32 without minimums */
     int64_t x8, offset;
 } GridPart;
 typedef struct {
@@ -125,11 +127,12 @@ void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int g
               const float *xsum, float *out);
 /* ---- tiles_int8.c ------------------------------------------------------------------------------ */
 /* rows quantized to int8 per 32 inputs, from a tile's first row: codes [rows][k], d [rows][k / 32]
- * (max |x| / 127), and d times the sum of the codes per 16 inputs [rows][k / 16] and per 32
- * [rows][k / 32] */
+ * (max |x| / 127), d times the sum of the codes per 16 inputs [rows][k / 16] and per 32
+ * [rows][k / 32], and the sums per 32 themselves [rows][k / 32] */
 typedef struct {
     const int8_t *q;
     const float *d, *ds16, *ds32;
+    const int32_t *qs32;
 } Int8Rows;
 /* thread t of T quantizes its share of x's rows [rows, k] into `out`'s arrays (from row 0) */
 void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, int T);

@@ -86,9 +86,9 @@ static void project_groups(const GridPart *part, const void *bias, const float *
     /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's super-blocks) */
     const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : 8 * k;
     const int64_t scale_bytes = kind == G_INT4_K ? (k / 256) * Q4K_SUPER_BYTES : groups * 16 * (1 + lows) * 4;
-    /* int8 inputs: codes and d in xb, d sum(q) per 16 in xsum, per 32 after d */
-    const Int8Rows x8 = {xb, (const float *)((int8_t *)xb + (int64_t)rows * k), xsum,
-                         (const float *)((int8_t *)xb + (int64_t)rows * k) + rows * (k / 32)};
+    /* int8 inputs: codes, d, d sum(q) per 32 and sum(q) per 32 in xb, d sum(q) per 16 in xsum */
+    const float *d = (const float *)((int8_t *)xb + (int64_t)rows * k);
+    const Int8Rows x8 = {xb, d, xsum, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -108,7 +108,7 @@ static void project_groups(const GridPart *part, const void *bias, const float *
                                                             : (const void *)(x + m0 * k);
                 if (part->x8) {
                     const Int8Rows xr = {x8.q + m0 * k, x8.d + m0 * (k / 32), x8.ds16 + m0 * (k / 16),
-                                         x8.ds32 + m0 * (k / 32)};
+                                         x8.ds32 + m0 * (k / 32), x8.qs32 + m0 * (k / 32)};
                     tile_x8(mt, part, (const uint8_t *)c, sc, k, &xr, out);
                 } else if (kind == G_INT8_GROUPS)
                     tile_q8g(mt, (const int8_t *)c, (const float *)sc, k, group, lows, operand, xsum + m0 * groups, out);
@@ -166,8 +166,10 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     const int8_t *c = (const int8_t *)part->codes + block * 16 * k;
     const float *s = (const float *)part->scales;
     for (int64_t i = 0; i < k; i++) {
-        const float q = part->x8 ? (float)(((const uint8_t *)c)[(i / 4) * 64 + lane * 4 + i % 4] - (int)part->offset)
-                                 : (float)c[(i / 2) * 32 + lane * 2 + i % 2];
+        const int64_t at = (i / 4) * 64 + lane * 4 + i % 4; /* tiles_int8.c's lanes of four */
+        const float q = part->x8 == X8_SIGNED ? (float)c[at]
+                        : part->x8 ? (float)(((const uint8_t *)c)[at] - (int)part->offset)
+                                   : (float)c[(i / 2) * 32 + lane * 2 + i % 2];
         if (part->kind == G_INT8_ROWS) {
             out[i] = s[block * 16 + lane] * q;
             continue;

@@ -38,6 +38,27 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
+#if defined(__AVX512VNNI__)
+typedef __m512i s64;
+static inline s64 s_load(const uint8_t *p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(-128)); }
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
+static inline i16 s_done(i16 acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
+#else
+typedef struct {
+    __m512i abs;
+    __mmask64 negative;
+} s64;
+static inline s64 s_load(const uint8_t *p) {
+    const __m512i w = _mm512_loadu_si512(p);
+    return (s64){_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+}
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
+    const __m512i xv = _mm512_set1_epi32(x4_bytes(x));
+    const __m512i pairs = _mm512_maddubs_epi16(w.abs, _mm512_mask_sub_epi8(xv, w.negative, _mm512_setzero_si512(), xv));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
+#endif
 static inline v16 v_from_i(i16 a) { return _mm512_cvtepi32_ps(a); }
 static inline v16 v_round(v16 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline void v_store_i8(int8_t *p, v16 v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(v))); }
@@ -67,6 +88,34 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     const __m256i xv = _mm256_set1_epi32(x4_bytes(x));
     return (i16){dot4_8(acc.lo, w.lo, xv), dot4_8(acc.hi, w.hi, xv)};
 }
+#if defined(__AVXVNNI__)
+typedef q64 s64;
+static inline s64 s_load(const uint8_t *p) {
+    const q64 w = q_load(p);
+    const __m256i flip = _mm256_set1_epi8(-128);
+    return (s64){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
+}
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
+static inline i16 s_done(i16 acc, int32_t xsum) {
+    const __m256i c = _mm256_set1_epi32(128 * xsum);
+    return (i16){_mm256_sub_epi32(acc.lo, c), _mm256_sub_epi32(acc.hi, c)};
+}
+#else
+typedef struct {
+    __m256i abs_lo, abs_hi, lo, hi;
+} s64;
+static inline s64 s_load(const uint8_t *p) {
+    const q64 w = q_load(p);
+    return (s64){_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi), w.lo, w.hi};
+}
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
+    const __m256i xv = _mm256_set1_epi32(x4_bytes(x)), one = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(xv, w.lo));
+    const __m256i hi = _mm256_maddubs_epi16(w.abs_hi, _mm256_sign_epi8(xv, w.hi));
+    return (i16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, one))};
+}
+static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
+#endif
 static inline v16 v_from_i(i16 a) { return (v16){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 static inline v16 v_round(v16 v) {
     return (v16){_mm256_round_ps(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
@@ -110,6 +159,10 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     for (int i = 0; i < 4; i++) acc.q[i] = dot4_4(acc.q[i], w.q[i], xv);
     return acc;
 }
+typedef q64 s64; /* sdot and vmull_s8 take the bytes as signed */
+static inline s64 s_load(const uint8_t *p) { return q_load(p); }
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
+static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
 static inline v16 v_from_i(i16 a) {
     v16 v;
     for (int i = 0; i < 4; i++) v.q[i] = vcvtq_f32_s32(a.q[i]);
@@ -142,6 +195,14 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
         for (int j = 0; j < 4; j++) acc.i[r] += (int32_t)w.b[4 * r + j] * x[j];
     return acc;
 }
+typedef q64 s64;
+static inline s64 s_load(const uint8_t *p) { return q_load(p); }
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 4; j++) acc.i[r] += (int32_t)(int8_t)w.b[4 * r + j] * x[j];
+    return acc;
+}
+static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
 static inline v16 v_from_i(i16 a) { return VG((float)a.i[_i]); }
 static inline v16 v_round(v16 v) { return VG(nearbyintf(v.f[_i])); } /* to even, as the others */
 #define I8_STORE_LOOP

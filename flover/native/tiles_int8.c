@@ -11,7 +11,7 @@
  * Layouts (flover/native/grids.py), per block of 16 output rows, 64 bytes = 16 lanes x 4 codes:
  *   4-bit: per group of 32 inputs 4 x 64 bytes; in the c-th, lane r's byte j holds input
  *          4c + j of row r in its low nibble and input 16 + 4c + j in its high one
- *   bytes: per 4 inputs 64 bytes, lane r's byte j input 4t + j (u = q + offset)
+ *   bytes: per 4 inputs 64 bytes, lane r's byte j input 4t + j (u = q + offset; Q8_0: q itself)
  */
 #include <omp.h>
 
@@ -33,6 +33,7 @@ void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, 
             ((float *)out->d)[m * blocks + b] = d;
             ((float *)out->ds16)[m * 2 * blocks + 2 * b] = d * sa, ((float *)out->ds16)[m * 2 * blocks + 2 * b + 1] = d * sc;
             ((float *)out->ds32)[m * blocks + b] = d * (sa + sc);
+            ((int32_t *)out->qs32)[m * blocks + b] = (int32_t)(sa + sc);
         }
 }
 
@@ -101,6 +102,32 @@ TILE_BYTES_X8(4)
 TILE_BYTES_X8(2)
 TILE_BYTES_X8(1)
 
+/* ---- signed bytes (Q8_0: -128..127), a scale per 32 inputs --------------------------------------- */
+#define TILE_SIGNED_X8(MT)                                                                                 \
+    static void signed_x8_##MT(const uint8_t *codes, const float *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t groups = k / 32;                                                                     \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            i16 dot[MT];                                                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int t = 0; t < 8; t++) {                                                                  \
+                const s64 w = s_load(codes + (g * 32 + 4 * t) * 16);                                       \
+                for (int i = 0; i < MT; i++) dot[i] = s_dot4(dot[i], w, x->q + i * k + g * 32 + 4 * t);    \
+            }                                                                                              \
+            const v16 scale = v_load(scales + g * 16);                                                     \
+            for (int i = 0; i < MT; i++)                                                                   \
+                acc[i] = v_fmadd(v_mul(scale, v_set1(x->d[i * groups + g])),                               \
+                                 v_from_i(s_done(dot[i], x->qs32[i * groups + g])), acc[i]);               \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_SIGNED_X8(12)
+TILE_SIGNED_X8(8)
+TILE_SIGNED_X8(4)
+TILE_SIGNED_X8(2)
+TILE_SIGNED_X8(1)
+
 /* accumulators (v16) and dot sums (i16) of a tile's rows, beside the codes' registers */
 #if defined(V_AVX512)
 #define X8_ROWS 8
@@ -119,6 +146,7 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
              float *out) {
     if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
+    else if (part->x8 == X8_SIGNED) GROUP_TILE(signed_x8, mt, codes, (const float *)scales, k, x, out);
     else GROUP_TILE(bytes_x8, mt, codes, (const float *)scales, k, (int)part->group, (int)part->lows, (int)part->offset, x, out);
 }
 
