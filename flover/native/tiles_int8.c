@@ -128,13 +128,12 @@ TILE_SIGNED_X8(4)
 TILE_SIGNED_X8(2)
 TILE_SIGNED_X8(1)
 
-/* accumulators (v16) and dot sums (i16) of a tile's rows, beside the codes' registers */
+/* accumulators (v16) and dot sums (i16) of a tile's rows, beside the codes' registers (AVX2: 4
+ * rows beat 2: docs/benchmarks.md; NEON's 32 registers hold them too) */
 #if defined(V_AVX512)
 #define X8_ROWS 8
-#elif defined(V_GENERIC)
-#define X8_ROWS 4
 #else
-#define X8_ROWS 2
+#define X8_ROWS 4
 #endif
 
 int x8_tile_rows(int left) {
