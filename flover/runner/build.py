@@ -4,7 +4,6 @@ iterations, or the native CPU step), behind a ModelRunner."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from flover.config import EngineConfig
+from flover.hardware import return_freed_heap
 from flover.models import ModelConfig, load_model, pack_projections, release_projections
 from flover.models.tp_layout import TPLayout
 from flover.native.forward import NativeForward, NativeUnavailable
@@ -60,18 +60,8 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
                  config.max_slots, buffer.max_seq_len,
                  "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
     native = _native_forward(model, buffer, s) if native_wanted else None
-    _return_freed_memory()
+    return_freed_heap()  # loading's dequantized tensors and dense copies
     return ModelRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native)
-
-
-def _return_freed_memory() -> None:
-    """Loading frees most of what it allocates (dequantized tensors, the dense copies the native
-    step blocked and released), but glibc keeps freed heap pages: SmolLM2 from its Q4_1 file
-    held 1.56 GB resident, 0.78 GB after malloc_trim. Elsewhere (another libc) nothing is done."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) -> NativeForward | None:
