@@ -1,5 +1,6 @@
-/* Integer dot products on 16 lanes (the int8 tiles: weights of up to 6 bits times inputs
- * quantized to int8), whatever the instruction set, beside simd.h's float mapping:
+/* Integer dot products on 16 lanes (the int8 tiles: weights of up to 6 bits, or Q8_0's signed
+ * bytes, times inputs quantized to int8), whatever the instruction set, beside simd.h's float
+ * mapping:
  *
  *   q64   64 bytes: 16 lanes (a block's 16 output rows) of 4 unsigned codes, each below 64
  *   i16   16 int32 lanes
@@ -7,6 +8,13 @@
  *                       (x: 4 signed bytes): AVX-512 VNNI / AVX-VNNI vpdpbusd, AVX-512BW / AVX2
  *                       maddubs + madd (no saturation below 64 x 127 x 2), NEON sdot (or
  *                       widening multiplies without dotprod), plain loops
+ *   i_dot4x2(acc, w0, x0, w1, x1)   two of them: maddubs adds both pairs in int16 before
+ *                       widening (at most 4 x 63 x 127), one widening instead of two
+ *   s64   64 bytes of signed codes (-128..127: Q8_0's), as s_load prepares them
+ *   s_dot4(acc, w, x)   i_dot4 for signed codes: VNNI adds (w + 128) x (its first operand is
+ *                       unsigned), which s_done(acc, sum of the group's x) takes back once per
+ *                       group; maddubs takes |w| times x with w's sign (at most 2 x 128 x 127);
+ *                       NEON's sdot is signed already
  *
  * Every sum is exact (integers), so the families differ in no bit here.
  */
@@ -35,6 +43,15 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4_bytes(x)));
 #else
     const __m512i pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4_bytes(x)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
+#if defined(__AVX512VNNI__)
+    return i_dot4(i_dot4(acc, w0, x0), w1, x1);
+#else
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(w0, _mm512_set1_epi32(x4_bytes(x0))),
+                                           _mm512_maddubs_epi16(w1, _mm512_set1_epi32(x4_bytes(x1))));
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
@@ -87,6 +104,16 @@ static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i x) {
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     const __m256i xv = _mm256_set1_epi32(x4_bytes(x));
     return (i16){dot4_8(acc.lo, w.lo, xv), dot4_8(acc.hi, w.hi, xv)};
+}
+static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
+#if defined(__AVXVNNI__)
+    return i_dot4(i_dot4(acc, w0, x0), w1, x1);
+#else
+    const __m256i a = _mm256_set1_epi32(x4_bytes(x0)), b = _mm256_set1_epi32(x4_bytes(x1)), one = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w0.lo, a), _mm256_maddubs_epi16(w1.lo, b));
+    const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w0.hi, a), _mm256_maddubs_epi16(w1.hi, b));
+    return (i16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, one))};
+#endif
 }
 #if defined(__AVXVNNI__)
 typedef q64 s64;
@@ -159,6 +186,9 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     for (int i = 0; i < 4; i++) acc.q[i] = dot4_4(acc.q[i], w.q[i], xv);
     return acc;
 }
+static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
+    return i_dot4(i_dot4(acc, w0, x0), w1, x1);
+}
 typedef q64 s64; /* sdot and vmull_s8 take the bytes as signed */
 static inline s64 s_load(const uint8_t *p) { return q_load(p); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
@@ -194,6 +224,9 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     for (int r = 0; r < 16; r++)
         for (int j = 0; j < 4; j++) acc.i[r] += (int32_t)w.b[4 * r + j] * x[j];
     return acc;
+}
+static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
+    return i_dot4(i_dot4(acc, w0, x0), w1, x1);
 }
 typedef q64 s64;
 static inline s64 s_load(const uint8_t *p) { return q_load(p); }

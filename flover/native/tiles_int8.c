@@ -60,7 +60,7 @@ static inline void add_group_x8(v16 *acc, const i16 *dot, int mt, v16 scale, v16
                 q_nibbles(q_load(codes + g * 256 + c * 64), &lo, &hi);                                     \
                 for (int i = 0; i < MT; i++) {                                                             \
                     const int8_t *xq = x->q + i * k + g * 32 + 4 * c;                                      \
-                    dot[i] = i_dot4(i_dot4(dot[i], lo, xq), hi, xq + 16);                                  \
+                    dot[i] = i_dot4x2(dot[i], lo, xq, hi, xq + 16);                                       \
                 }                                                                                          \
             }                                                                                              \
             v16 scale, zero;                                                                               \
@@ -86,9 +86,12 @@ Q4_X8_TILES(q4k_x8, q4k_group_scales)
         for (int64_t g = 0; g < groups; g++) {                                                             \
             i16 dot[MT];                                                                                   \
             for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            for (int t = 0; t < group / 4; t++) {                                                          \
-                const q64 w = q_load(codes + (g * group + 4 * t) * 16);                                    \
-                for (int i = 0; i < MT; i++) dot[i] = i_dot4(dot[i], w, x->q + i * k + g * group + 4 * t); \
+            for (int t = 0; t < group / 4; t += 2) { /* group / 4: 4 or 8 */                               \
+                const q64 w0 = q_load(codes + (g * group + 4 * t) * 16), w1 = q_load(codes + (g * group + 4 * t + 4) * 16); \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + g * group + 4 * t;                                   \
+                    dot[i] = i_dot4x2(dot[i], w0, xq, w1, xq + 4);                                         \
+                }                                                                                          \
             }                                                                                              \
             const float *s = scales + g * 16 * (1 + lows);                                                 \
             const v16 scale = v_load(s), low = v_fnmadd(v_set1((float)offset), scale, lows ? v_load(s + 16) : v_zero()); \
