@@ -127,7 +127,7 @@ class Linear(nn.Module):
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None  # used for iterations of few rows
-        self.int8_inputs = False  # a file's small codes: inputs quantized as the native step's (quant.py)
+        self.int8_inputs = False  # a file's codes: inputs quantized as the native step's (quant.py)
 
     @property
     def shape(self) -> tuple[int, int]:

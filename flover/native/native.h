@@ -6,7 +6,7 @@
  *                      int8 / int4 weights widened to float32 in registers)
  *   tiles_bf16_dot.c   the same tiles through AVX-512 BF16's dot-product instruction
  *   simd_int8.h        4-byte integer dot products on 16 lanes (the mapping, for int8 inputs)
- *   tiles_int8.c       a GGUF file's codes of up to 6 bits times int8 inputs
+ *   tiles_int8.c       a GGUF file's codes (up to 6 bits, Q8_0's bytes) times int8 inputs
  *   project.c          a whole projection: threads, tiles, bias and rounding of the outputs
  *   row_ops.c          norms, RoPE, residuals, SiLU: a few vector loops per row
  *   attention.c        decode rows over their slot's keys; blocks of prompt rows

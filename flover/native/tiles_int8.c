@@ -1,5 +1,5 @@
 /* Tiles on int8 inputs: a GGUF file's codes of up to 6 bits (Q4_0 / Q4_1 / Q4_K / Q5_* / Q6_K)
- * times the rows quantized to int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in
+ * and Q8_0's signed bytes times the rows quantized to int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in
  * int32 by 4-byte dot products (simd_int8.h), then scaled in float32 once per group.
  *
  * Inputs: each row's 32-input blocks x ~ d q, d = max|x| / 127, q = round-to-even(x / d) in
