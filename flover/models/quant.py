@@ -129,10 +129,9 @@ class Grid:
         return self.code_range[1] - self.code_range[0] < 64
 
     def takes_int8_inputs(self) -> bool:
-        """The int8-input kernels take these codes: up to 6 bits, or signed bytes in groups of 32
-        without minimums (Q8_0's)."""
-        return self.small_codes() or (self.bits == 8 and self.group == 32 and self.low is None
-                                      and self.code_range[0] >= -128 and self.code_range[1] <= 127)
+        """The int8-input kernels take these codes: up to 6 bits, or bytes (int8, so any 8-bit
+        codes) in groups of 32 without minimums (Q8_0's)."""
+        return self.small_codes() or (self.bits == 8 and self.group == 32 and self.low is None)
 
     @staticmethod
     def cat(grids: list["Grid"]) -> "Grid":
