@@ -70,6 +70,33 @@ def test_apply_moves_preserves_every_live_request(seed):
         assert int(length[new_slot[old]]) == n
 
 
+def resident_bytes_at(address: int) -> int:
+    """Resident bytes of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_host_kv_pages_are_taken_as_positions_are_written():
+    """A fresh CPU KV cache is all zeros but resident only where stores wrote (here 1 of 32
+    slots), so an idle server does not hold its whole capacity."""
+    layers, slots, heads, seq, dim = 8, 32, 2, 512, 64  # 64 MiB of bfloat16
+    buf = SlotBuffer(layers, slots, heads, seq, dim, torch.bfloat16, torch.device("cpu"))
+    address = buf.kv.data_ptr()
+    fresh = resident_bytes_at(address)  # the mapping may have merged with a neighbour's pages
+    assert fresh < buf.nbytes // 8
+    buf.kv[:, :, 0, :, :100] = 1.0  # slot 0 writes 100 positions
+    taken = resident_bytes_at(address) - fresh
+    assert buf.kv[:, :, 0, :, :100].numel() * 2 <= taken < buf.nbytes // 16
+    assert int(torch.count_nonzero(buf.kv)) == layers * 2 * heads * 100 * dim  # zeros everywhere else
+
+
 def test_moves_can_copy_only_the_used_positions():
     buf = SlotBuffer(2, 6, 1, 16, 2, torch.float64, torch.device("cpu"))
     buf.kv.copy_(torch.randn_like(buf.kv))

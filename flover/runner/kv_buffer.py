@@ -10,6 +10,8 @@ CUDA; on CPU the KV copies slot by slot, which is faster there).
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -47,6 +49,19 @@ def kv_cache_bytes(num_layers: int, max_slots: int, kv_heads: int, max_seq_len: 
                    head_dim: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return num_layers * 2 * max_slots * kv_heads * max_seq_len * head_dim * elem
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the host it lies in an anonymous mapping: the kernel's zero pages,
+    each taken only when first written, so resident memory follows the positions requests
+    write instead of the whole capacity (torch.zeros writes every page at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a 2 MiB page's first touch costs ~3 ms (docs/benchmarks.md)
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)  # keeps the mapping
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -87,8 +102,8 @@ class SlotBuffer:
                 f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
             )
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
-        self.kv = torch.zeros(num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim,
-                              dtype=dtype, device=device)
+        self.kv = zeroed_tensor((num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim),
+                                dtype, device)
         # Pool rows are only read after a store wrote them: empty is safe, and its pages are taken
         # by the stores that first touch them, inside iterations; a server takes them now instead
         # (docs/design_notes.md, "prefix pool").
