@@ -42,6 +42,9 @@ from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
 
 log = logging.getLogger("flover.serve")
+# On exit the socket waits this long for zmq to hand over what was sent last (linger is 0 while
+# serving, so that nothing ever waits on a client that stopped reading)
+EXIT_FLUSH_MS = 2000
 
 
 @dataclass
@@ -268,7 +271,7 @@ class Daemon:
             self.tokenizing.close()
             self.sock.disable_monitor()
             self.monitor.close(0)
-            self.sock.close(0)
+            self.sock.close(linger=EXIT_FLUSH_MS)  # the last events (a drain's cancelled finals) still go out
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
