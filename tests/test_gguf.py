@@ -231,6 +231,10 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
         assert np.array_equal(np.repeat(d, 8, axis=1) * sc.astype(np.float32), grid.scale)
         assert np.array_equal(np.repeat(neg_dmin, 8, axis=1) * m.astype(np.float32), grid.low)
         assert sc.max() <= 63 and m.max() <= 63
+    if qtype == "Q6_K":
+        d, sc = grid.supers
+        assert sc.dtype == np.int8 and sc.shape == grid.scale.shape
+        assert np.array_equal(np.repeat(d, 16, axis=1) * sc.astype(np.float32), grid.scale)
 
 
 def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(make_model, gguf_mix, tmp_path):
@@ -244,8 +248,8 @@ def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(m
     model = load_model(gguf_mix, torch.bfloat16, torch.device("cpu"), 64, quantization="file", pack=False)
     reader = open_checkpoint(gguf_mix)
     kinds = [(g.bits, g.group, g.low is None, g.supers is not None) for g in model.layers[0].qkv.quantized.parts]
-    # q (Q4_K: its super-blocks' factors too), k (Q4_0), v (Q6_K): three runs of codes
-    assert kinds == [(4, 32, False, True), (4, 32, False, False), (8, 16, True, False)]
+    # q (Q4_K: its super-blocks' factors too), k (Q4_0), v (Q6_K, with its factors): three runs of codes
+    assert kinds == [(4, 32, False, True), (4, 32, False, False), (8, 16, True, True)]
     values = load_model(gguf_mix, torch.float32, torch.device("cpu"), 64, pack=False)
     for got, want in zip(model.modules(), values.modules()):  # the file's values, each rounded to bfloat16 once
         if getattr(got, "quantized", None) is not None:

@@ -285,7 +285,7 @@ class GGUFReader:
             if supers and (source.start % 256 or source.stop % 256):
                 supers = None  # a cut through a super-block: the stored scales serve
             elif supers:
-                per = [256, 256, 32, 32]
+                per = [t.shape[1] // a.shape[1] for a in supers]  # inputs per column: 256, or the group
                 supers = [a[:, source.start // n: source.stop // n] for a, n in zip(supers, per)]
         parts = [a.contiguous() for a in parts]
         supers = tuple(a.contiguous() for a in supers) if supers else None

@@ -35,10 +35,10 @@ class BlockGrid:
     group: int
     bits: int  # 4 or 8
     code_range: tuple[int, int]  # the type's smallest and largest q
-    # Q4_K: the factors of its scales, per 256 inputs d and -dmin (float32 [rows, cols / 256]) and
-    # per group sc and m (uint8 [rows, cols / 32]): scale = d sc, low = -dmin m (the kernels read
-    # these, a quarter of the stored scales' bytes)
-    supers: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    # The factors of the K-quants' scales (the kernels read these, a quarter of the stored
+    # scales' bytes or less), [rows, cols / 256] or [rows, cols / group]: Q4_K's d, -dmin (float32)
+    # and sc, m (uint8): scale = d sc, low = -dmin m; Q6_K's d (float32) and sc (int8): scale = d sc
+    supers: tuple[np.ndarray, ...] | None = None
 
     def values(self) -> np.ndarray:
         """The weights, float32 [rows, cols]."""
@@ -118,8 +118,8 @@ def _q6_k(b):
     ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = ((ql & 0x0F).reshape(n, 8, 32) | ((qh & 0x03).reshape(n, 8, 32) << 4)).astype(np.int8) - np.int8(32)
-    scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    return q.reshape(n, 256), _f16(b, 208) * scales, None
+    sc = b[:, 192:208].view(np.int8)
+    return q.reshape(n, 256), _f16(b, 208) * sc.astype(np.float32), None, (_f16(b, 208), sc)
 
 
 # type -> (bytes per block, values per block, inputs per scale, code bits, unpack)
@@ -145,10 +145,8 @@ def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Bloc
     scale = np.broadcast_to(scale, (blocks.shape[0], groups)).reshape(rows, cols // group)
     low = None if low is None else np.broadcast_to(low, (blocks.shape[0], groups)).reshape(rows, cols // group)
     own = lambda a, dtype=None: np.array(a, dtype=dtype, copy=True, order="C")  # noqa: E731 (not views of the file)
-    if supers:  # per block: d, -dmin [blocks, 1]; sc, m [blocks, 8]
-        d, neg_dmin, sc, mn = supers[0]
-        supers = (own(d.reshape(rows, -1), np.float32), own(neg_dmin.reshape(rows, -1), np.float32),
-                  own(sc.reshape(rows, -1)), own(mn.reshape(rows, -1)))
+    if supers:  # per block: [blocks, 1] (d, -dmin) or [blocks, groups] (sc, m)
+        supers = tuple(own(a.reshape(rows, -1)) for a in supers[0])
     return BlockGrid(own(codes.reshape(rows, cols)), own(scale, np.float32),
                      None if low is None else own(low, np.float32), group, bits, CODE_RANGES[type_name],
                      supers or None)

@@ -1,7 +1,8 @@
 """Quantized projections in the native step's layouts (native.h: Grid, GridPart; tiles.c: the
 tiles that read them). A projection's output rows are one run or a few, each in its own codes:
-int4 (4-bit codes, a scale and a zero per 32 inputs), int8 with a scale per row, or int8 with a
-scale (and a minimum) per group of 16 or 32 inputs (a GGUF file's 5-, 6- and 8-bit blocks)."""
+int4 (4-bit codes, a scale and a zero per 32 inputs), Q6_K's 6-bit codes with its super-blocks'
+scales, int8 with a scale per row, or int8 with a scale (and a minimum) per group of 16 or 32
+inputs (a GGUF file's 5- and 8-bit blocks, and 6-bit ones where unpacking costs more than it saves)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 
 from flover.models.quant import Grid, QuantizedWeight
 
-G_INT4, G_INT4_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 8, 9  # native.h
+G_INT4, G_INT4_K, G_INT6_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 6, 8, 9  # native.h
 X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2  # native.h: GridPart.x8
-Q4K_SUPER_BYTES = 384  # native.h
+Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # native.h
 MAX_PARTS = 4
 GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales", "x8", "offset")  # native.h: GridPart
 
@@ -105,6 +106,32 @@ def _int4_k_run(grid: Grid, x8: bool) -> Run:
                X8_SMALL if x8 else X8_NONE, 8)
 
 
+def _int6_k_run(grid: Grid) -> Run:
+    """Q6_K on int8 inputs: u = q + 32 as codes [n / 16, k / 32, 6, 64] (the low 4 bits as
+    block_nibble_quads, then the high 2 bits of inputs 4c + j and of 16 + 4c + j at bits 2c of
+    lane r's byte j: tiles_int8.c), scales uint8 [n / 16, k / 256, 320]: per block of 16 rows and
+    super-block d[16] float32, then sc[16][16] int8. 6.6 bits a weight (the file: 6.56)."""
+    n, k = grid.codes.shape
+    blocks, supers = -(-n // 16), k // 256
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        u = (grid.codes.to(torch.int16) + 32).to(torch.uint8)  # [n, k]: 0..63
+        out = codes_out.view(blocks, k // 32, 6, 64)
+        nibbles = torch.empty(blocks, k // 32, 4, 16, 4, dtype=torch.uint8)
+        block_nibble_quads(u & 15, nibbles)
+        out[:, :, :4].copy_(nibbles.view(blocks, k // 32, 4, 64))
+        high = (u >> 4).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+        packed = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+        out[:, :, 4:].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64))
+        d, sc = grid.supers
+        factors = rows_last(d, blocks).contiguous().view(torch.uint8).view(blocks, supers, 64)
+        bytes_ = rows_last(sc.view(n, supers, 16), blocks).contiguous().view(torch.uint8).view(blocks, supers, 256)
+        scales_out.copy_(torch.cat((factors, bytes_), dim=-1))
+
+    return Run(G_INT6_K, n, 16, 0, [((blocks, k // 32, 6, 64), torch.uint8),
+                                     ((blocks, supers, Q6K_SUPER_BYTES), torch.uint8)], fill, X8_SMALL, 32)
+
+
 def int8_rows_run(quantized: QuantizedWeight) -> Run:
     """--quantization int8: codes as block_pairs, a float32 scale per row (padded to the blocks)."""
     n, k = quantized.data.shape
@@ -140,8 +167,9 @@ def _groups_run(grid: Grid, x8: bool) -> Run:
                mode, offset)
 
 
-def runs_of(quantized: QuantizedWeight) -> list[Run]:
-    """A quantized projection's runs of output rows, in order."""
+def runs_of(quantized: QuantizedWeight, six_bits: bool = False) -> list[Run]:
+    """A quantized projection's runs of output rows, in order. `six_bits`: Q6_K's codes as 6 bits
+    (on int8 inputs), else as bytes."""
     if quantized.mode == "int8":
         return [int8_rows_run(quantized)]
     if quantized.mode == "int4":  # its codes and unrounded scales, kept for us
@@ -149,7 +177,9 @@ def runs_of(quantized: QuantizedWeight) -> list[Run]:
         return [_int4_run(quantized.codes, exact[..., 0], exact[..., 1], x8=False)]
     runs, x8 = [], quantized.int8_inputs
     for grid in quantized.parts:
-        if grid.bits == 8:
+        if six_bits and x8 and grid.bits == 8 and grid.supers is not None and grid.codes.shape[1] % 256 == 0:
+            runs.append(_int6_k_run(grid))  # Q6_K's
+        elif grid.bits == 8:
             runs.append(_groups_run(grid, x8))
         elif grid.supers is not None and grid.codes.shape[1] % 256 == 0:
             runs.append(_int4_k_run(grid, x8))

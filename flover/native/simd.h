@@ -126,6 +126,9 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
 static inline v16 v_load_u8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+static inline v16 v_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 /* 16 bytes, a pair of 4-bit codes each (low nibble even) -> q - 8 */
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
@@ -270,6 +273,10 @@ static inline v16 v_load_u8(const uint8_t *p) {
     return V2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 }
+static inline v16 v_load_i8(const int8_t *p) {
+    return V2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
+}
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     const __m256i a = _mm256_cvtepu8_epi32(bytes), b = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
@@ -409,6 +416,14 @@ static inline v16 v_load_u8(const uint8_t *p) {
     v.q[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), v.q[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)));
     return v;
 }
+static inline v16 v_load_i8(const int8_t *p) {
+    const int8x16_t b = vld1q_s8(p);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+    v16 v;
+    v.q[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), v.q[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+    v.q[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), v.q[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+    return v;
+}
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     const uint8x16_t b = vld1q_u8(p), eight = vdupq_n_u8(8);
     const int8x16_t e = vreinterpretq_s8_u8(vsubq_u8(vandq_u8(b, vdupq_n_u8(15)), eight));
@@ -497,6 +512,7 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *odd = VG((float)p[2 * _i + 1]);
 }
 static inline v16 v_load_u8(const uint8_t *p) { return VG((float)p[_i]); }
+static inline v16 v_load_i8(const int8_t *p) { return VG((float)p[_i]); }
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     *even = VG((float)((p[_i] & 15) - 8));
     *odd = VG((float)((p[_i] >> 4) - 8));

@@ -10,6 +10,9 @@
  *                       widening multiplies without dotprod), plain loops
  *   i_dot4x2(acc, w0, x0, w1, x1)   two of them: maddubs adds both pairs in int16 before
  *                       widening (at most 4 x 63 x 127), one widening instead of two
+ *   q_high2(&h)         the next 2 bits of each byte of h moved to bits 4-5 (h's lowest two, then
+ *                       h shifts down by 2 for the next call); q_or joins them to 4-bit codes:
+ *                       6-bit codes from nibbles and their high bits
  *   s64   64 bytes of signed codes (-128..127: Q8_0's), as s_load prepares them
  *   s_dot4(acc, w, x)   i_dot4 for signed codes: VNNI adds (w + 128) x (its first operand is
  *                       unsigned), which s_done(acc, sum of the group's x) takes back once per
@@ -37,6 +40,12 @@ static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     const __m512i m = _mm512_set1_epi8(15);
     *lo = _mm512_and_si512(b, m), *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
 }
+static inline q64 q_high2(q64 *h) { /* 16-bit shifts: bits crossing into a neighbour byte are masked off */
+    const q64 r = _mm512_and_si512(_mm512_slli_epi16(*h, 4), _mm512_set1_epi8(0x30));
+    *h = _mm512_srli_epi16(*h, 2);
+    return r;
+}
+static inline q64 q_or(q64 a, q64 b) { return _mm512_or_si512(a, b); }
 static inline i16 i_zero(void) { return _mm512_setzero_si512(); }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
 #if defined(__AVX512VNNI__)
@@ -93,6 +102,13 @@ static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     *lo = (q64){_mm256_and_si256(b.lo, m), _mm256_and_si256(b.hi, m)};
     *hi = (q64){_mm256_and_si256(_mm256_srli_epi16(b.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(b.hi, 4), m)};
 }
+static inline q64 q_high2(q64 *h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const q64 r = {_mm256_and_si256(_mm256_slli_epi16(h->lo, 4), m), _mm256_and_si256(_mm256_slli_epi16(h->hi, 4), m)};
+    *h = (q64){_mm256_srli_epi16(h->lo, 2), _mm256_srli_epi16(h->hi, 2)};
+    return r;
+}
+static inline q64 q_or(q64 a, q64 b) { return (q64){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 static inline i16 i_zero(void) { return (i16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
@@ -165,6 +181,15 @@ static inline q64 q_load(const uint8_t *p) {
 static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     for (int i = 0; i < 4; i++) lo->q[i] = vandq_u8(b.q[i], vdupq_n_u8(15)), hi->q[i] = vshrq_n_u8(b.q[i], 4);
 }
+static inline q64 q_high2(q64 *h) {
+    q64 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vandq_u8(vshlq_n_u8(h->q[i], 4), vdupq_n_u8(0x30)), h->q[i] = vshrq_n_u8(h->q[i], 2);
+    return r;
+}
+static inline q64 q_or(q64 a, q64 b) {
+    for (int i = 0; i < 4; i++) a.q[i] = vorrq_u8(a.q[i], b.q[i]);
+    return a;
+}
 static inline i16 i_zero(void) {
     i16 a;
     for (int i = 0; i < 4; i++) a.q[i] = vdupq_n_s32(0);
@@ -218,6 +243,15 @@ static inline q64 q_load(const uint8_t *p) {
 }
 static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     for (int i = 0; i < 64; i++) lo->b[i] = b.b[i] & 15, hi->b[i] = b.b[i] >> 4;
+}
+static inline q64 q_high2(q64 *h) {
+    q64 r;
+    for (int i = 0; i < 64; i++) r.b[i] = (uint8_t)((h->b[i] & 3) << 4), h->b[i] >>= 2;
+    return r;
+}
+static inline q64 q_or(q64 a, q64 b) {
+    for (int i = 0; i < 64; i++) a.b[i] |= b.b[i];
+    return a;
 }
 static inline i16 i_zero(void) { return (i16){{0}}; }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {

@@ -12,6 +12,9 @@
  *   4-bit: per group of 32 inputs 4 x 64 bytes; in the c-th, lane r's byte j holds input
  *          4c + j of row r in its low nibble and input 16 + 4c + j in its high one
  *   bytes: per 4 inputs 64 bytes, lane r's byte j input 4t + j (u = q + offset; Q8_0: q itself)
+ *   6-bit: per group of 32 inputs the 4-bit layout of the low 4 bits (u = q + 32), then 2 x 64
+ *          bytes of high bits: in the first, lane r's byte j holds those of input 4c + j at bits
+ *          2c, 2c + 1 (c = 0..3); in the second, those of input 16 + 4c + j
  */
 #include <omp.h>
 
@@ -105,6 +108,41 @@ TILE_BYTES_X8(4)
 TILE_BYTES_X8(2)
 TILE_BYTES_X8(1)
 
+/* ---- Q6_K's 6-bit codes (offset 32), a scale per 16 inputs from its super-blocks ------------------- */
+#define TILE_Q6K_X8(MT)                                                                                    \
+    static void q6k_x8_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t groups = k / 32;                                                                     \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            const uint8_t *c = codes + g * 384;                                                            \
+            for (int half = 0; half < 2; half++) { /* inputs 0..15 (low nibbles), 16..31: a scale each */  \
+                q64 high = q_load(c + 256 + 64 * half);                                                    \
+                i16 dot[MT];                                                                               \
+                for (int i = 0; i < MT; i++) dot[i] = i_zero();                                            \
+                for (int q = 0; q < 4; q += 2) {                                                           \
+                    q64 w0, w1, unused;                                                                    \
+                    if (half) q_nibbles(q_load(c + q * 64), &unused, &w0), q_nibbles(q_load(c + q * 64 + 64), &unused, &w1); \
+                    else q_nibbles(q_load(c + q * 64), &w0, &unused), q_nibbles(q_load(c + q * 64 + 64), &w1, &unused); \
+                    w0 = q_or(w0, q_high2(&high)), w1 = q_or(w1, q_high2(&high));                          \
+                    for (int i = 0; i < MT; i++) {                                                         \
+                        const int8_t *xq = x->q + i * k + g * 32 + 16 * half + 4 * q;                      \
+                        dot[i] = i_dot4x2(dot[i], w0, xq, w1, xq + 4);                                     \
+                    }                                                                                      \
+                }                                                                                          \
+                const v16 scale = q6k_group_scale(scales, 2 * g + half);                                   \
+                add_group_x8(acc, dot, MT, scale, v_mul(v_set1(-32.f), scale), x->d + g, x->ds16 + 2 * g + half, \
+                             groups, 2 * groups);                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_Q6K_X8(12)
+TILE_Q6K_X8(8)
+TILE_Q6K_X8(4)
+TILE_Q6K_X8(2)
+TILE_Q6K_X8(1)
+
 /* ---- signed bytes (Q8_0: -128..127), a scale per 32 inputs --------------------------------------- */
 #define TILE_SIGNED_X8(MT)                                                                                 \
     static void signed_x8_##MT(const uint8_t *codes, const float *scales, int64_t k, const Int8Rows *x, float *out) { \
@@ -148,6 +186,7 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
              float *out) {
     if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_INT6_K) GROUP_TILE(q6k_x8, mt, codes, scales, k, x, out);
     else if (part->x8 == X8_SIGNED) GROUP_TILE(signed_x8, mt, codes, (const float *)scales, k, x, out);
     else GROUP_TILE(bytes_x8, mt, codes, (const float *)scales, k, (int)part->group, (int)part->lows, (int)part->offset, x, out);
 }
@@ -161,5 +200,16 @@ const char *int8_dot_name(void) { /* "" where int8 sums take multiply-and-add pa
     return "dotprod";
 #else
     return "";
+#endif
+}
+
+/* Q6_K's codes as 6 bits (G_INT6_K) where unpacking them costs less than the bytes it saves:
+ * AVX-512 (a 1B Q4_K_M's one stream 9-14% faster); on AVX2 15% slower, so bytes there (and on
+ * NEON, unmeasured): docs/benchmarks.md (l) */
+API int flover_six_bit_codes(void) {
+#if defined(V_AVX512)
+    return 1;
+#else
+    return 0;
 #endif
 }
