@@ -83,7 +83,7 @@ static void project_groups(const GridPart *part, const void *bias, const float *
                            int64_t k, float *y, int64_t ldy, int bf, int nt, int x8_ready) {
     const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
     const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
-    /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's super-blocks) */
+    /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's / Q6_K's super-blocks) */
     const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : kind == G_INT6_K ? 12 * k : 8 * k;
     const int64_t scale_bytes = kind == G_INT4_K   ? (k / 256) * Q4K_SUPER_BYTES
                                 : kind == G_INT6_K ? (k / 256) * Q6K_SUPER_BYTES
