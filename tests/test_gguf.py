@@ -226,7 +226,7 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     low, high = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
                  "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}[qtype]
     assert (grid.codes.min(), grid.codes.max()) == (low, high) and grid.bits == (4 if (low, high) == (0, 15) else 8)
-    if qtype == "Q4_K":  # the factors the kernels read give the scales and minimums bit for bit
+    if qtype in ("Q4_K", "Q5_K"):  # the factors the kernels read give the scales and minimums bit for bit
         d, neg_dmin, sc, m = grid.supers
         assert np.array_equal(np.repeat(d, 8, axis=1) * sc.astype(np.float32), grid.scale)
         assert np.array_equal(np.repeat(neg_dmin, 8, axis=1) * m.astype(np.float32), grid.low)

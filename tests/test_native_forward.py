@@ -238,7 +238,7 @@ def test_native_quantized_kernels_give_the_pytorch_quantized_logits(make_model, 
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
 
 
-@pytest.mark.parametrize("embedding", ["Q6_K", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("embedding", ["Q6_K", "Q4_K", "Q5_K", "Q8_0"])
 def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding):
     """--quantization auto on a GGUF file mixing Q4_K, Q4_0, Q6_K, Q5_K, Q5_0, Q5_1 and Q8_0 (q/k
     and v in different codes, as in Q4_K_M files) picks "file": every projection runs the

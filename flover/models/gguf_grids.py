@@ -17,7 +17,8 @@ weight dequantize gives, bit for bit.
 | Q6_K | -32..31 | 16 | d sc | 0 |
 | Q8_0 | -128..127 | 32 | d | 0 |
 
-4-bit codes run the int4 kernels; the others are bytes (int8 kernels with group scales).
+4-bit codes run the int4 kernels; the others are bytes (int8 kernels with group scales), which
+the native step may pack again (Q5_K's in 5 bits, Q6_K's in 6: native/grids.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class BlockGrid:
     bits: int  # 4 or 8
     code_range: tuple[int, int]  # the type's smallest and largest q
     # The factors of the K-quants' scales (the kernels read these, a quarter of the stored
-    # scales' bytes or less), [rows, cols / 256] or [rows, cols / group]: Q4_K's d, -dmin (float32)
-    # and sc, m (uint8): scale = d sc, low = -dmin m; Q6_K's d (float32) and sc (int8): scale = d sc
+    # scales' bytes or less), [rows, cols / 256] or [rows, cols / group]: Q4_K's and Q5_K's d, -dmin
+    # (float32) and sc, m (uint8): scale = d sc, low = -dmin m; Q6_K's d (float32) and sc (int8): scale = d sc
     supers: tuple[np.ndarray, ...] | None = None
 
     def values(self) -> np.ndarray:
@@ -110,7 +111,8 @@ def _q5_k(b):
     qs = b[:, 48:].reshape(n, 4, 32)
     ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
     q = (ql | ((qh & 1) << 4)).reshape(n, 256)
-    return q.astype(np.int8), _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+    return (q.astype(np.int8), _f16(b, 0) * sc, -(_f16(b, 2) * mn),
+            (_f16(b, 0), -_f16(b, 2), sc.astype(np.uint8), mn.astype(np.uint8)))
 
 
 def _q6_k(b):

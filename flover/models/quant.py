@@ -116,8 +116,8 @@ class Grid:
     group: int
     bits: int  # 4 (the int4 kernels) or 8
     code_range: tuple[int, int]  # the block type's smallest and largest q
-    # the K-quants' factors of scale and low (gguf_grids.BlockGrid.supers): Q4_K's d, -dmin
-    # [rows, in / 256] float32, sc, m [rows, in / 32] uint8; Q6_K's d, sc [rows, in / 16] int8
+    # the K-quants' factors of scale and low (gguf_grids.BlockGrid.supers): Q4_K's and Q5_K's d,
+    # -dmin [rows, in / 256] float32, sc, m [rows, in / 32] uint8; Q6_K's d, sc [rows, in / 16] int8
     supers: tuple[torch.Tensor, ...] | None = None
 
     def kernel(self) -> tuple:

@@ -1,8 +1,9 @@
 """Quantized projections in the native step's layouts (native.h: Grid, GridPart; tiles.c: the
 tiles that read them). A projection's output rows are one run or a few, each in its own codes:
-int4 (4-bit codes, a scale and a zero per 32 inputs), Q6_K's 6-bit codes with its super-blocks'
-scales, int8 with a scale per row, or int8 with a scale (and a minimum) per group of 16 or 32
-inputs (a GGUF file's 5- and 8-bit blocks, and 6-bit ones where unpacking costs more than it saves)."""
+int4 (4-bit codes, a scale and a zero per 32 inputs), Q5_K's 5-bit and Q6_K's 6-bit codes with
+their super-blocks' scales, int8 with a scale per row, or int8 with a scale (and a minimum) per
+group of 16 or 32 inputs (a GGUF file's Q5_0 / Q5_1 / Q8_0 blocks, and K-quants' 5- and 6-bit ones
+where unpacking costs more than it saves)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from flover.models.quant import Grid, QuantizedWeight
 
-G_INT4, G_INT4_K, G_INT6_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 6, 8, 9  # native.h
+G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 6, 7, 8, 9  # native.h
 X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2  # native.h: GridPart.x8
 Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # native.h
 MAX_PARTS = 4
@@ -87,23 +88,53 @@ def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: 
                fill, X8_SMALL if x8 else X8_NONE, 8)
 
 
+def k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
+    """Q4_K's / Q5_K's scale factors -> scales_out uint8 [n / 16, k / 256, 384]: per block of 16
+    rows and super-block, d[16] and -dmin[16] in float32, then sc[8][16] and m[8][16] bytes."""
+    (n, k), blocks = grid.codes.shape, scales_out.shape[0]
+    supers = k // 256
+    d, neg_dmin, sc, m = grid.supers
+    factors = rows_last(torch.stack((d, neg_dmin), dim=-1), blocks)  # [blocks, supers, 2, 16]
+    bytes_ = rows_last(torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2), blocks)
+    scales_out.copy_(torch.cat((factors.contiguous().view(torch.uint8).view(blocks, supers, 128),
+                                bytes_.contiguous().view(blocks, supers, 256)), dim=-1))
+
+
 def _int4_k_run(grid: Grid, x8: bool) -> Run:
-    """Q4_K's scale factors -> scales uint8 [n / 16, k / 256, 384]: per block of 16 rows and
-    super-block, d[16] and -dmin[16] in float32, then sc[8][16] and m[8][16] bytes."""
+    """Q4_K: 4-bit codes, scales as k_super_scales."""
     n, k = grid.codes.shape
     blocks, supers = -(-n // 16), k // 256
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
         (block_nibble_quads if x8 else block_nibbles)(grid.codes, codes_out)
-        d, neg_dmin, sc, m = grid.supers
-        factors = rows_last(torch.stack((d, neg_dmin), dim=-1), blocks)  # [blocks, supers, 2, 16]
-        bytes_ = rows_last(torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2), blocks)
-        scales_out.copy_(torch.cat((factors.contiguous().view(torch.uint8).view(blocks, supers, 128),
-                                    bytes_.contiguous().view(blocks, supers, 256)), dim=-1))
+        k_super_scales(grid, scales_out)
 
     return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
                                      ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill,
                X8_SMALL if x8 else X8_NONE, 8)
+
+
+def _int5_k_run(grid: Grid) -> Run:
+    """Q5_K on int8 inputs: codes u (0..31) [n / 16, k / 32, 5, 64] (the low 4 bits as
+    block_nibble_quads, then one byte per lane and input j holding the fifth bits of inputs
+    4c + j at bit c and of 16 + 4c + j at bit 4 + c: tiles_int8.c), scales as k_super_scales.
+    5.75 bits a weight (the file: 5.5)."""
+    n, k = grid.codes.shape
+    blocks, supers = -(-n // 16), k // 256
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        u = grid.codes.to(torch.uint8)  # [n, k]: 0..31
+        out = codes_out.view(blocks, k // 32, 5, 64)
+        nibbles = torch.empty(blocks, k // 32, 4, 16, 4, dtype=torch.uint8)
+        block_nibble_quads(u & 15, nibbles)
+        out[:, :, :4].copy_(nibbles.view(blocks, k // 32, 4, 64))
+        high = (u >> 4).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+        packed = sum(high[:, :, half, c] << (4 * half + c) for half in range(2) for c in range(4))  # [n, group, j]
+        out[:, :, 4].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 64))
+        k_super_scales(grid, scales_out)
+
+    return Run(G_INT5_K, n, 32, 1, [((blocks, k // 32, 5, 64), torch.uint8),
+                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill, X8_SMALL, 0)
 
 
 def _int6_k_run(grid: Grid) -> Run:
@@ -169,7 +200,7 @@ def _groups_run(grid: Grid, x8: bool) -> Run:
 
 def runs_of(quantized: QuantizedWeight, six_bits: bool = False) -> list[Run]:
     """A quantized projection's runs of output rows, in order. `six_bits`: Q6_K's codes as 6 bits
-    (on int8 inputs), else as bytes."""
+    (on int8 inputs), else as bytes; Q5_K's are 5 bits on int8 inputs."""
     if quantized.mode == "int8":
         return [int8_rows_run(quantized)]
     if quantized.mode == "int4":  # its codes and unrounded scales, kept for us
@@ -177,11 +208,14 @@ def runs_of(quantized: QuantizedWeight, six_bits: bool = False) -> list[Run]:
         return [_int4_run(quantized.codes, exact[..., 0], exact[..., 1], x8=False)]
     runs, x8 = [], quantized.int8_inputs
     for grid in quantized.parts:
-        if six_bits and x8 and grid.bits == 8 and grid.supers is not None and grid.codes.shape[1] % 256 == 0:
+        k_quant = grid.supers is not None and grid.codes.shape[1] % 256 == 0
+        if x8 and k_quant and grid.code_range == (0, 31):
+            runs.append(_int5_k_run(grid))  # Q5_K's
+        elif six_bits and x8 and k_quant and grid.code_range == (-32, 31):
             runs.append(_int6_k_run(grid))  # Q6_K's
         elif grid.bits == 8:
             runs.append(_groups_run(grid, x8))
-        elif grid.supers is not None and grid.codes.shape[1] % 256 == 0:
+        elif k_quant:
             runs.append(_int4_k_run(grid, x8))
         else:  # the int4 kernel's zero is the value at q = 8
             low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)

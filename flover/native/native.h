@@ -56,10 +56,11 @@ typedef struct {
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
- * per 32 inputs (stored, or from Q4_K's super-blocks: G_INT4_K); Q6_K's 6-bit codes with its
- * super-blocks' scales (G_INT6_K, int8 inputs only); int8 codes with a scale per row; int8 codes
- * with a scale (and a minimum: lows) per group of 16 or 32 inputs (GGUF's Q8_0, Q5_0, Q5_1, Q5_K). */
-enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
+ * per 32 inputs (stored, or from Q4_K's super-blocks: G_INT4_K); Q6_K's 6-bit and Q5_K's 5-bit
+ * codes with their super-blocks' scales (G_INT6_K, G_INT5_K: int8 inputs only); int8 codes with a
+ * scale per row; int8 codes with a scale (and a minimum: lows) per group of 16 or 32 inputs
+ * (GGUF's Q8_0, Q5_0, Q5_1, and Q5_K / Q6_K where the CPU reads bytes faster). */
+enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT5_K = 7, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
 enum { X8_NONE = 0, X8_SMALL = 1, X8_SIGNED = 2 };
 #define MAX_PARTS 4
 /* Mirrors GRID_FIELDS: a projection's output rows as up to MAX_PARTS runs of rows (every run but
@@ -103,6 +104,12 @@ static inline void q4k_group_scales(const void *scales, int64_t g, v16 *scale, v
     const uint8_t *super = (const uint8_t *)scales + (g / 8) * Q4K_SUPER_BYTES;
     *scale = v_mul(v_load((const float *)super), v_load_u8(super + 128 + (g % 8) * 16));
     *zero = v_fmadd(v_set1(8.f), *scale, v_mul(v_load((const float *)super + 16), v_load_u8(super + 256 + (g % 8) * 16)));
+}
+/* the same super-blocks' scale d sc and minimum -dmin m of group g (Q5_K's w = scale u + low, as the file's) */
+static inline void k_group_scale_low(const void *scales, int64_t g, v16 *scale, v16 *low) {
+    const uint8_t *super = (const uint8_t *)scales + (g / 8) * Q4K_SUPER_BYTES;
+    *scale = v_mul(v_load((const float *)super), v_load_u8(super + 128 + (g % 8) * 16));
+    *low = v_mul(v_load((const float *)super + 16), v_load_u8(super + 256 + (g % 8) * 16));
 }
 #define Q6K_SUPER_BYTES 320 /* per 256 inputs and block of 16 rows: d[16] (float32), sc[16][16] (int8) */
 /* group g (of 16 inputs) of Q6_K's super-blocks: its 16 scales d sc (exact in float32) */

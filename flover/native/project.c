@@ -83,9 +83,9 @@ static void project_groups(const GridPart *part, const void *bias, const float *
                            int64_t k, float *y, int64_t ldy, int bf, int nt, int x8_ready) {
     const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
     const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
-    /* bytes of a block of 16 rows: its codes, and its scales (stored, or Q4_K's / Q6_K's super-blocks) */
-    const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : kind == G_INT6_K ? 12 * k : 8 * k;
-    const int64_t scale_bytes = kind == G_INT4_K   ? (k / 256) * Q4K_SUPER_BYTES
+    /* bytes of a block of 16 rows: its codes, and its scales (stored, or the K-quants' super-blocks) */
+    const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k : 8 * k;
+    const int64_t scale_bytes = kind == G_INT4_K || kind == G_INT5_K ? (k / 256) * Q4K_SUPER_BYTES
                                 : kind == G_INT6_K ? (k / 256) * Q6K_SUPER_BYTES
                                                    : groups * 16 * (1 + lows) * 4;
     /* int8 inputs: codes, d, d sum(q) per 32 and sum(q) per 32 in xb, d sum(q) per 16 in xsum */
@@ -176,6 +176,23 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
                 const uint8_t nibbles = c[g * 384 + quad * 64 + at], high = c[g * 384 + (j < 16 ? 256 : 320) + at];
                 const int u = (j < 16 ? nibbles & 15 : nibbles >> 4) | ((high >> (2 * quad)) & 3) << 4;
                 out[g * 32 + j] = sc[j / 16][lane] * (float)(u - 32);
+            }
+        }
+        return;
+    }
+    if (part->kind == G_INT5_K) {
+        const uint8_t *c = (const uint8_t *)part->codes + block * 10 * k;
+        const char *s = (const char *)part->scales + block * (k / 256) * Q4K_SUPER_BYTES;
+        for (int64_t g = 0; g < k / 32; g++) {
+            v16 scale, low;
+            float sc[16], lw[16];
+            k_group_scale_low(s, g, &scale, &low);
+            v_store(sc, scale), v_store(lw, low);
+            for (int64_t j = 0; j < 32; j++) { /* tiles_int8.c's 5-bit layout */
+                const int64_t quad = (j % 16) / 4, at = lane * 4 + j % 4;
+                const uint8_t nibbles = c[g * 320 + quad * 64 + at], fifth = c[g * 320 + 256 + at];
+                const int u = (j < 16 ? nibbles & 15 : nibbles >> 4) | ((fifth >> (quad + (j < 16 ? 0 : 4))) & 1) << 4;
+                out[g * 32 + j] = sc[lane] * (float)u + lw[lane];
             }
         }
         return;

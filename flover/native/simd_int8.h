@@ -13,6 +13,8 @@
  *   q_high2(&h)         the next 2 bits of each byte of h moved to bits 4-5 (h's lowest two, then
  *                       h shifts down by 2 for the next call); q_or joins them to 4-bit codes:
  *                       6-bit codes from nibbles and their high bits
+ *   q_fifth(&h, &lo, &hi)  5-bit codes from nibbles: h's bit 0 joins lo at bit 4, its bit 4
+ *                       joins hi there, then h shifts down by 1 for the next call
  *   s64   64 bytes of signed codes (-128..127: Q8_0's), as s_load prepares them
  *   s_dot4(acc, w, x)   i_dot4 for signed codes: VNNI adds (w + 128) x (its first operand is
  *                       unsigned), which s_done(acc, sum of the group's x) takes back once per
@@ -46,6 +48,12 @@ static inline q64 q_high2(q64 *h) { /* 16-bit shifts: bits crossing into a neigh
     return r;
 }
 static inline q64 q_or(q64 a, q64 b) { return _mm512_or_si512(a, b); }
+static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) { /* 16-bit shifts: bits 0 and 4 never cross bytes */
+    const __m512i m = _mm512_set1_epi8(0x10);
+    *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(*h, 4), m));
+    *hi = _mm512_or_si512(*hi, _mm512_and_si512(*h, m));
+    *h = _mm512_srli_epi16(*h, 1);
+}
 static inline i16 i_zero(void) { return _mm512_setzero_si512(); }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
 #if defined(__AVX512VNNI__)
@@ -109,6 +117,12 @@ static inline q64 q_high2(q64 *h) {
     return r;
 }
 static inline q64 q_or(q64 a, q64 b) { return (q64){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+static inline __m256i fifth_8(__m256i codes, __m256i bits) { return _mm256_or_si256(codes, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))); }
+static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
+    *lo = (q64){fifth_8(lo->lo, _mm256_slli_epi16(h->lo, 4)), fifth_8(lo->hi, _mm256_slli_epi16(h->hi, 4))};
+    *hi = (q64){fifth_8(hi->lo, h->lo), fifth_8(hi->hi, h->hi)};
+    *h = (q64){_mm256_srli_epi16(h->lo, 1), _mm256_srli_epi16(h->hi, 1)};
+}
 static inline i16 i_zero(void) { return (i16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
@@ -190,6 +204,14 @@ static inline q64 q_or(q64 a, q64 b) {
     for (int i = 0; i < 4; i++) a.q[i] = vorrq_u8(a.q[i], b.q[i]);
     return a;
 }
+static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
+    const uint8x16_t m = vdupq_n_u8(0x10);
+    for (int i = 0; i < 4; i++) {
+        lo->q[i] = vorrq_u8(lo->q[i], vandq_u8(vshlq_n_u8(h->q[i], 4), m));
+        hi->q[i] = vorrq_u8(hi->q[i], vandq_u8(h->q[i], m));
+        h->q[i] = vshrq_n_u8(h->q[i], 1);
+    }
+}
 static inline i16 i_zero(void) {
     i16 a;
     for (int i = 0; i < 4; i++) a.q[i] = vdupq_n_s32(0);
@@ -252,6 +274,9 @@ static inline q64 q_high2(q64 *h) {
 static inline q64 q_or(q64 a, q64 b) {
     for (int i = 0; i < 64; i++) a.b[i] |= b.b[i];
     return a;
+}
+static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
+    for (int i = 0; i < 64; i++) lo->b[i] |= (uint8_t)((h->b[i] & 1) << 4), hi->b[i] |= h->b[i] & 0x10, h->b[i] >>= 1;
 }
 static inline i16 i_zero(void) { return (i16){{0}}; }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {

@@ -15,6 +15,8 @@
  *   6-bit: per group of 32 inputs the 4-bit layout of the low 4 bits (u = q + 32), then 2 x 64
  *          bytes of high bits: in the first, lane r's byte j holds those of input 4c + j at bits
  *          2c, 2c + 1 (c = 0..3); in the second, those of input 16 + 4c + j
+ *   5-bit: per group of 32 inputs the 4-bit layout of the low 4 bits, then 64 bytes: lane r's
+ *          byte j holds the fifth bit of input 4c + j at bit c and of 16 + 4c + j at bit 4 + c
  */
 #include <omp.h>
 
@@ -143,6 +145,37 @@ TILE_Q6K_X8(4)
 TILE_Q6K_X8(2)
 TILE_Q6K_X8(1)
 
+/* ---- Q5_K's 5-bit codes (offset 0), a scale and a minimum per 32 inputs from its super-blocks ----- */
+#define TILE_Q5K_X8(MT)                                                                                    \
+    static void q5k_x8_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t groups = k / 32;                                                                     \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            q64 fifth = q_load(codes + g * 320 + 256);                                                     \
+            i16 dot[MT];                                                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int c = 0; c < 4; c++) {                                                                  \
+                q64 lo, hi;                                                                                \
+                q_nibbles(q_load(codes + g * 320 + c * 64), &lo, &hi);                                     \
+                q_fifth(&fifth, &lo, &hi);                                                                 \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + g * 32 + 4 * c;                                      \
+                    dot[i] = i_dot4x2(dot[i], lo, xq, hi, xq + 16);                                       \
+                }                                                                                          \
+            }                                                                                              \
+            v16 scale, low;                                                                                \
+            k_group_scale_low(scales, g, &scale, &low);                                                    \
+            add_group_x8(acc, dot, MT, scale, low, x->d + g, x->ds32 + g, groups, groups);                 \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_Q5K_X8(12)
+TILE_Q5K_X8(8)
+TILE_Q5K_X8(4)
+TILE_Q5K_X8(2)
+TILE_Q5K_X8(1)
+
 /* ---- signed bytes (Q8_0: -128..127), a scale per 32 inputs --------------------------------------- */
 #define TILE_SIGNED_X8(MT)                                                                                 \
     static void signed_x8_##MT(const uint8_t *codes, const float *scales, int64_t k, const Int8Rows *x, float *out) { \
@@ -187,6 +220,7 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
     if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT6_K) GROUP_TILE(q6k_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_INT5_K) GROUP_TILE(q5k_x8, mt, codes, scales, k, x, out);
     else if (part->x8 == X8_SIGNED) GROUP_TILE(signed_x8, mt, codes, (const float *)scales, k, x, out);
     else GROUP_TILE(bytes_x8, mt, codes, (const float *)scales, k, (int)part->group, (int)part->lows, (int)part->offset, x, out);
 }
