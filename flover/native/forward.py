@@ -194,7 +194,7 @@ def load_library(family: str = "auto") -> ctypes.CDLL:
     lib.flover_check_model.restype = ctypes.c_int
     lib.flover_argmax.argtypes = [p, ctypes.c_int, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.flover_argmax.restype = None
-    lib.flover_six_bit_codes.restype = ctypes.c_int
+    lib.flover_packed_codes.restype = ctypes.c_int
     return lib
 
 
@@ -361,8 +361,8 @@ class NativeForward:
         linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
         # Quantized projections run the kernels of their codes at every row count (no bfloat16
         # copy): id(linear) -> its runs of output rows (native/grids.py)
-        six_bits = bool(self.lib.flover_six_bit_codes())
-        runs = {id(lin): runs_of(lin.quantized, six_bits) for lin in linears + [model.lm_head]
+        packed = bool(self.lib.flover_packed_codes())
+        runs = {id(lin): runs_of(lin.quantized, packed) for lin in linears + [model.lm_head]
                 if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)}
         for lin in linears:
             why = check_runs(runs.get(id(lin), []))

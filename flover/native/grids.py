@@ -198,9 +198,9 @@ def _groups_run(grid: Grid, x8: bool) -> Run:
                mode, offset)
 
 
-def runs_of(quantized: QuantizedWeight, six_bits: bool = False) -> list[Run]:
-    """A quantized projection's runs of output rows, in order. `six_bits`: Q6_K's codes as 6 bits
-    (on int8 inputs), else as bytes; Q5_K's are 5 bits on int8 inputs."""
+def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
+    """A quantized projection's runs of output rows, in order. `packed`: Q5_K's and Q6_K's codes
+    in 5 and 6 bits (on int8 inputs), else as bytes."""
     if quantized.mode == "int8":
         return [int8_rows_run(quantized)]
     if quantized.mode == "int4":  # its codes and unrounded scales, kept for us
@@ -209,9 +209,9 @@ def runs_of(quantized: QuantizedWeight, six_bits: bool = False) -> list[Run]:
     runs, x8 = [], quantized.int8_inputs
     for grid in quantized.parts:
         k_quant = grid.supers is not None and grid.codes.shape[1] % 256 == 0
-        if x8 and k_quant and grid.code_range == (0, 31):
+        if packed and x8 and k_quant and grid.code_range == (0, 31):
             runs.append(_int5_k_run(grid))  # Q5_K's
-        elif six_bits and x8 and k_quant and grid.code_range == (-32, 31):
+        elif packed and x8 and k_quant and grid.code_range == (-32, 31):
             runs.append(_int6_k_run(grid))  # Q6_K's
         elif grid.bits == 8:
             runs.append(_groups_run(grid, x8))

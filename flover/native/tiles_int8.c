@@ -237,10 +237,10 @@ const char *int8_dot_name(void) { /* "" where int8 sums take multiply-and-add pa
 #endif
 }
 
-/* Q6_K's codes as 6 bits (G_INT6_K) where unpacking them costs less than the bytes it saves:
- * AVX-512 (a 1B Q4_K_M's one stream 9-14% faster); on AVX2 15% slower, so bytes there (and on
- * NEON, unmeasured): docs/benchmarks.md (l) */
-API int flover_six_bit_codes(void) {
+/* Q5_K's and Q6_K's codes packed in 5 and 6 bits (G_INT5_K, G_INT6_K) where unpacking them costs
+ * less than the bytes it saves: AVX-512 (a 1B Q4_K_M's one stream 9-14% faster, a Q5_K_M's 37%);
+ * on AVX2 15-19% slower, so bytes there (and on NEON, unmeasured): docs/benchmarks.md (l), (m) */
+API int flover_packed_codes(void) {
 #if defined(V_AVX512)
     return 1;
 #else
