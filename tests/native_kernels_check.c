@@ -141,7 +141,8 @@ static void check_q8_groups(void) {
 
 /* int8 inputs (tiles_int8.c): the rows quantized, and the tiles of every code kind (4-bit with
  * stored scales or Q4_K's, bytes with groups of 16 or 32, with and without minimums, signed bytes
- * of the whole range: Q8_0's, Q6_K's 6-bit and Q5_K's 5-bit codes), each with
+ * of the whole range: Q8_0's, Q6_K's 6-bit and Q5_K's 5-bit codes, and those two as bytes with their
+ * super-blocks' scales), each with
  * its "reference": the sums of its grid_row weights times the dequantized inputs, in double (the
  * test holds every family's tiles to it) */
 static void check_x8(void) {
@@ -152,7 +153,7 @@ static void check_x8(void) {
     static int8_t q[ROWS * K];
     static uint8_t nibbles[GROUPS * 256], bytes[16 * K], signed_bytes[16 * K], supers[SUPERS * Q4K_SUPER_BYTES];
     static uint8_t six_bits[GROUPS * 384], supers6[SUPERS * Q6K_SUPER_BYTES];
-    static uint8_t five_bits[GROUPS * 320];
+    static uint8_t five_bits[GROUPS * 320], bytes5[16 * K];
     fill(x, ROWS * K, 2.f);
     for (int j = 0; j < 32; j++) x[3 * K + 64 + j] = 0.f; /* a block of zeros: d = 0 */
     x[0] = x[1] = -2.f, x[2] = x[3] = 2.f;
@@ -175,6 +176,7 @@ static void check_x8(void) {
         fill(f, 16, 0.01f), fill(f + 16, 16, 0.01f);
         for (int i = 128; i < Q4K_SUPER_BYTES; i++) supers[s * Q4K_SUPER_BYTES + i] = (uint8_t)((uniform() + 1.f) * 31.9f);
     }
+    for (int i = 0; i < 16 * K; i++) bytes5[i] = i < 64 ? 31 : bytes[i] & 31; /* Q5_K's 0..31, u = 31 against row 0's ends */
     for (int i = 0; i < GROUPS * 320; i++) five_bits[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
     for (int i = 0; i < 64; i++) five_bits[i] = 0xff, five_bits[256 + i] = 0xff; /* u = 31 against row 0's ends */
     for (int i = 0; i < GROUPS * 384; i++) six_bits[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
@@ -184,7 +186,7 @@ static void check_x8(void) {
         for (int i = 64; i < Q6K_SUPER_BYTES; i++) supers6[s * Q6K_SUPER_BYTES + i] = (uint8_t)(int)((uniform() + 1.f) * 127.99f);
     }
     fill(flat, GROUPS * 32, 0.1f), fill(scales, (K / 16) * 2 * 16, 0.1f);
-    const GridPart parts[9] = {
+    const GridPart parts[11] = {
         {G_INT4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 8},
         {G_INT4_K, 16, 32, 1, (int64_t)nibbles, (int64_t)supers, 1, 8},
         {G_INT8_GROUPS, 16, 16, 0, (int64_t)bytes, (int64_t)scales, 1, 32},
@@ -194,10 +196,12 @@ static void check_x8(void) {
         {G_INT8_GROUPS, 16, 32, 0, (int64_t)signed_bytes, (int64_t)scales, 2, 0},
         {G_INT6_K, 16, 16, 0, (int64_t)six_bits, (int64_t)supers6, 1, 32},
         {G_INT5_K, 16, 32, 1, (int64_t)five_bits, (int64_t)supers, 1, 0},
+        {G_INT8_K5, 16, 32, 1, (int64_t)bytes5, (int64_t)supers, 1, 0},
+        {G_INT8_K6, 16, 16, 0, (int64_t)bytes, (int64_t)supers6, 1, 32},
     };
     const int mts[5] = {1, 2, 4, 8, 12};
     char name[64];
-    for (int p = 0; p < 9; p++) {
+    for (int p = 0; p < 11; p++) {
         const Grid grid = {1, {parts[p]}};
         for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
         for (int i = 0; i < ROWS; i++)

@@ -1,9 +1,9 @@
 """Quantized projections in the native step's layouts (native.h: Grid, GridPart; tiles.c: the
 tiles that read them). A projection's output rows are one run or a few, each in its own codes:
 int4 (4-bit codes, a scale and a zero per 32 inputs), Q5_K's 5-bit and Q6_K's 6-bit codes with
-their super-blocks' scales, int8 with a scale per row, or int8 with a scale (and a minimum) per
-group of 16 or 32 inputs (a GGUF file's Q5_0 / Q5_1 / Q8_0 blocks, and K-quants' 5- and 6-bit ones
-where unpacking costs more than it saves)."""
+their super-blocks' scales (packed, or as bytes where unpacking costs more than it saves), int8
+with a scale per row, or int8 with a scale (and a minimum) per group of 16 or 32 inputs (a GGUF
+file's Q5_0 / Q5_1 / Q8_0 blocks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from flover.models.quant import Grid, QuantizedWeight
 
-G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS = 4, 5, 6, 7, 8, 9  # native.h
+G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6 = 4, 5, 6, 7, 8, 9, 10, 11  # native.h
 X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2  # native.h: GridPart.x8
 Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # native.h
 MAX_PARTS = 4
@@ -137,11 +137,21 @@ def _int5_k_run(grid: Grid) -> Run:
                                      ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill, X8_SMALL, 0)
 
 
+def q6k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
+    """Q6_K's scale factors -> scales_out uint8 [n / 16, k / 256, 320]: per block of 16 rows and
+    super-block d[16] float32, then sc[16][16] int8."""
+    (n, k), blocks = grid.codes.shape, scales_out.shape[0]
+    supers = k // 256
+    d, sc = grid.supers
+    factors = rows_last(d, blocks).contiguous().view(torch.uint8).view(blocks, supers, 64)
+    bytes_ = rows_last(sc.view(n, supers, 16), blocks).contiguous().view(torch.uint8).view(blocks, supers, 256)
+    scales_out.copy_(torch.cat((factors, bytes_), dim=-1))
+
+
 def _int6_k_run(grid: Grid) -> Run:
     """Q6_K on int8 inputs: u = q + 32 as codes [n / 16, k / 32, 6, 64] (the low 4 bits as
     block_nibble_quads, then the high 2 bits of inputs 4c + j and of 16 + 4c + j at bits 2c of
-    lane r's byte j: tiles_int8.c), scales uint8 [n / 16, k / 256, 320]: per block of 16 rows and
-    super-block d[16] float32, then sc[16][16] int8. 6.6 bits a weight (the file: 6.56)."""
+    lane r's byte j: tiles_int8.c), scales as q6k_super_scales. 6.6 bits a weight (the file: 6.56)."""
     n, k = grid.codes.shape
     blocks, supers = -(-n // 16), k // 256
 
@@ -154,10 +164,7 @@ def _int6_k_run(grid: Grid) -> Run:
         high = (u >> 4).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
         packed = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
         out[:, :, 4:].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64))
-        d, sc = grid.supers
-        factors = rows_last(d, blocks).contiguous().view(torch.uint8).view(blocks, supers, 64)
-        bytes_ = rows_last(sc.view(n, supers, 16), blocks).contiguous().view(torch.uint8).view(blocks, supers, 256)
-        scales_out.copy_(torch.cat((factors, bytes_), dim=-1))
+        q6k_super_scales(grid, scales_out)
 
     return Run(G_INT6_K, n, 16, 0, [((blocks, k // 32, 6, 64), torch.uint8),
                                      ((blocks, supers, Q6K_SUPER_BYTES), torch.uint8)], fill, X8_SMALL, 32)
@@ -175,6 +182,33 @@ def int8_rows_run(quantized: QuantizedWeight) -> Run:
     return Run(G_INT8_ROWS, n, k, 0, [((blocks, k // 2, 16, 2), torch.int8), ((blocks * 16,), torch.float32)], fill)
 
 
+def byte_quads(codes: torch.Tensor, offset: int, codes_out: torch.Tensor) -> None:
+    """int8 codes [n, k] -> codes_out [n / 16, k / 4, 16, 4] as q + offset (tiles_int8.c's lanes
+    of four bytes; padded rows hold the offset: q = 0)."""
+    n, k = codes.shape
+    stored = (codes.to(torch.int16) + offset).to(torch.uint8).view(n, k // 4, 4)
+    quads = lanes_of_four(stored, codes_out.shape[0], fill=offset).view(torch.int8)
+    codes_out.view(quads.shape).copy_(quads)
+
+
+def _bytes_k_run(grid: Grid) -> Run:
+    """Q5_K's or Q6_K's codes as bytes (byte_quads, u = q + 32 for Q6_K's signed ones) with their
+    super-blocks' scales (k_super_scales, q6k_super_scales): 8.75 / 8.6 bits a weight where the
+    stored float32 scales take 10; for CPUs that read bytes faster than they unpack bits."""
+    n, k = grid.codes.shape
+    blocks, supers = -(-n // 16), k // 256
+    q6 = grid.code_range == (-32, 31)
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        byte_quads(grid.codes, 32 if q6 else 0, codes_out)
+        (q6k_super_scales if q6 else k_super_scales)(grid, scales_out)
+
+    return Run(G_INT8_K6 if q6 else G_INT8_K5, n, 16 if q6 else 32, 0 if q6 else 1,
+               [((blocks, k // 4, 16, 4), torch.int8),
+                ((blocks, supers, Q6K_SUPER_BYTES if q6 else Q4K_SUPER_BYTES), torch.uint8)], fill,
+               X8_SMALL, 32 if q6 else 0)
+
+
 def _groups_run(grid: Grid, x8: bool) -> Run:
     """8-bit codes with group scales: codes as block_pairs (x8: lanes of four bytes [n / 16, k / 4,
     16, 4], q + offset where the codes are below 64, else q itself), scales [n / 16, k / group,
@@ -188,9 +222,7 @@ def _groups_run(grid: Grid, x8: bool) -> Run:
         if mode == X8_NONE:
             block_pairs(grid.codes, codes_out)
         else:
-            stored = (grid.codes.to(torch.int16) + offset).to(torch.uint8).view(n, k // 4, 4)
-            quads = lanes_of_four(stored, blocks, fill=offset).view(torch.int8)
-            codes_out.view(quads.shape).copy_(quads)
+            byte_quads(grid.codes, offset, codes_out)
         scales_out.copy_(rows_last(torch.stack([grid.scale] + ([grid.low] if lows else []), dim=-1), blocks))
 
     return Run(G_INT8_GROUPS, n, grid.group, lows,
@@ -199,8 +231,8 @@ def _groups_run(grid: Grid, x8: bool) -> Run:
 
 
 def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
-    """A quantized projection's runs of output rows, in order. `packed`: Q5_K's and Q6_K's codes
-    in 5 and 6 bits (on int8 inputs), else as bytes."""
+    """A quantized projection's runs of output rows, in order. On int8 inputs Q5_K's and Q6_K's
+    codes are in 5 and 6 bits (`packed`) or bytes, with their super-blocks' scales either way."""
     if quantized.mode == "int8":
         return [int8_rows_run(quantized)]
     if quantized.mode == "int4":  # its codes and unrounded scales, kept for us
@@ -209,10 +241,10 @@ def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
     runs, x8 = [], quantized.int8_inputs
     for grid in quantized.parts:
         k_quant = grid.supers is not None and grid.codes.shape[1] % 256 == 0
-        if packed and x8 and k_quant and grid.code_range == (0, 31):
-            runs.append(_int5_k_run(grid))  # Q5_K's
-        elif packed and x8 and k_quant and grid.code_range == (-32, 31):
-            runs.append(_int6_k_run(grid))  # Q6_K's
+        if x8 and k_quant and grid.code_range == (0, 31):  # Q5_K's
+            runs.append(_int5_k_run(grid) if packed else _bytes_k_run(grid))
+        elif x8 and k_quant and grid.code_range == (-32, 31):  # Q6_K's
+            runs.append(_int6_k_run(grid) if packed else _bytes_k_run(grid))
         elif grid.bits == 8:
             runs.append(_groups_run(grid, x8))
         elif k_quant:

@@ -59,8 +59,10 @@ typedef struct {
  * per 32 inputs (stored, or from Q4_K's super-blocks: G_INT4_K); Q6_K's 6-bit and Q5_K's 5-bit
  * codes with their super-blocks' scales (G_INT6_K, G_INT5_K: int8 inputs only); int8 codes with a
  * scale per row; int8 codes with a scale (and a minimum: lows) per group of 16 or 32 inputs
- * (GGUF's Q8_0, Q5_0, Q5_1, and Q5_K / Q6_K where the CPU reads bytes faster). */
-enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT5_K = 7, G_INT8_ROWS = 8, G_INT8_GROUPS = 9 };
+ * (GGUF's Q8_0, Q5_0, Q5_1); and where the CPU reads bytes faster than it unpacks bits, Q5_K's and
+ * Q6_K's codes as bytes with their super-blocks' scales (G_INT8_K5, G_INT8_K6: int8 inputs only). */
+enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT5_K = 7, G_INT8_ROWS = 8, G_INT8_GROUPS = 9, G_INT8_K5 = 10,
+       G_INT8_K6 = 11 };
 enum { X8_NONE = 0, X8_SMALL = 1, X8_SIGNED = 2 };
 #define MAX_PARTS 4
 /* Mirrors GRID_FIELDS: a projection's output rows as up to MAX_PARTS runs of rows (every run but

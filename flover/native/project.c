@@ -84,10 +84,11 @@ static void project_groups(const GridPart *part, const void *bias, const float *
     const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
     const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
     /* bytes of a block of 16 rows: its codes, and its scales (stored, or the K-quants' super-blocks) */
-    const int64_t code_bytes = kind == G_INT8_GROUPS ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k : 8 * k;
-    const int64_t scale_bytes = kind == G_INT4_K || kind == G_INT5_K ? (k / 256) * Q4K_SUPER_BYTES
-                                : kind == G_INT6_K ? (k / 256) * Q6K_SUPER_BYTES
-                                                   : groups * 16 * (1 + lows) * 4;
+    const int bytes = kind == G_INT8_GROUPS || kind == G_INT8_K5 || kind == G_INT8_K6;
+    const int64_t code_bytes = bytes ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k : 8 * k;
+    const int64_t scale_bytes = kind == G_INT4_K || kind == G_INT5_K || kind == G_INT8_K5 ? (k / 256) * Q4K_SUPER_BYTES
+                                : kind == G_INT6_K || kind == G_INT8_K6                ? (k / 256) * Q6K_SUPER_BYTES
+                                                                                       : groups * 16 * (1 + lows) * 4;
     /* int8 inputs: codes, d, d sum(q) per 32 and sum(q) per 32 in xb, d sum(q) per 16 in xsum */
     const float *d = (const float *)((int8_t *)xb + (int64_t)rows * k);
     const Int8Rows x8 = {xb, d, xsum, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
@@ -199,6 +200,22 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     }
     const int8_t *c = (const int8_t *)part->codes + block * 16 * k;
     const float *s = (const float *)part->scales;
+    if (part->kind == G_INT8_K5 || part->kind == G_INT8_K6) { /* bytes with super-block scales: u = q + offset */
+        const int q5 = part->kind == G_INT8_K5, group = q5 ? 32 : 16;
+        const char *supers = (const char *)part->scales + block * (k / 256) * (q5 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES);
+        for (int64_t g = 0; g < k / group; g++) {
+            v16 scale, low = v_zero();
+            float sc[16], lw[16];
+            if (q5) k_group_scale_low(supers, g, &scale, &low);
+            else scale = q6k_group_scale(supers, g);
+            v_store(sc, scale), v_store(lw, low);
+            for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                const float q = (float)(((const uint8_t *)c)[(i / 4) * 64 + lane * 4 + i % 4] - (int)part->offset);
+                out[i] = q5 ? sc[lane] * q + lw[lane] : sc[lane] * q;
+            }
+        }
+        return;
+    }
     for (int64_t i = 0; i < k; i++) {
         const int64_t at = (i / 4) * 64 + lane * 4 + i % 4; /* tiles_int8.c's lanes of four */
         const float q = part->x8 == X8_SIGNED ? (float)c[at]

@@ -11,7 +11,8 @@
  * Layouts (flover/native/grids.py), per block of 16 output rows, 64 bytes = 16 lanes x 4 codes:
  *   4-bit: per group of 32 inputs 4 x 64 bytes; in the c-th, lane r's byte j holds input
  *          4c + j of row r in its low nibble and input 16 + 4c + j in its high one
- *   bytes: per 4 inputs 64 bytes, lane r's byte j input 4t + j (u = q + offset; Q8_0: q itself)
+ *   bytes: per 4 inputs 64 bytes, lane r's byte j input 4t + j (u = q + offset; Q8_0: q itself);
+ *          their scales stored per group, or Q5_K's / Q6_K's super-blocks (native.h)
  *   6-bit: per group of 32 inputs the 4-bit layout of the low 4 bits (u = q + 32), then 2 x 64
  *          bytes of high bits: in the first, lane r's byte j holds those of input 4c + j at bits
  *          2c, 2c + 1 (c = 0..3); in the second, those of input 16 + 4c + j
@@ -80,10 +81,21 @@ static inline void add_group_x8(v16 *acc, const i16 *dot, int mt, v16 scale, v16
 Q4_X8_TILES(q4_x8, q4_group_scales)
 Q4_X8_TILES(q4k_x8, q4k_group_scales)
 
-/* ---- byte codes below 64 (offset 0, 16 or 32), a scale (and a minimum: lows) per 16 or 32 inputs */
-#define TILE_BYTES_X8(MT)                                                                                  \
-    static void bytes_x8_##MT(const uint8_t *codes, const float *scales, int64_t k, int group, int lows,   \
-                              int offset, const Int8Rows *x, float *out) {                                 \
+/* ---- byte codes below 64 (offset 0, 16 or 32), a scale (and a minimum: lows) per 16 or 32 inputs:
+ * stored in float32, or from Q5_K's / Q6_K's super-blocks (w = scale u + low either way) */
+static inline void stored_scales(const void *scales, int64_t g, int lows, int offset, v16 *scale, v16 *low) {
+    const float *s = (const float *)scales + g * 16 * (1 + lows);
+    *scale = v_load(s), *low = v_fnmadd(v_set1((float)offset), *scale, lows ? v_load(s + 16) : v_zero());
+}
+static inline void q5k_scales(const void *scales, int64_t g, int lows, int offset, v16 *scale, v16 *low) {
+    (void)lows, (void)offset, k_group_scale_low(scales, g, scale, low);
+}
+static inline void q6k_scales(const void *scales, int64_t g, int lows, int offset, v16 *scale, v16 *low) {
+    (void)lows, (void)offset, *scale = q6k_group_scale(scales, g), *low = v_mul(v_set1(-32.f), *scale);
+}
+#define TILE_BYTES_X8(NAME, MT, GROUP_SCALES)                                                              \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, int group, int lows,      \
+                            int offset, const Int8Rows *x, float *out) {                                   \
         const int64_t groups = k / group, blocks = k / 32;                                                 \
         const float *ds = group == 16 ? x->ds16 : x->ds32;                                                 \
         v16 acc[MT];                                                                                       \
@@ -98,17 +110,18 @@ Q4_X8_TILES(q4k_x8, q4k_group_scales)
                     dot[i] = i_dot4x2(dot[i], w0, xq, w1, xq + 4);                                         \
                 }                                                                                          \
             }                                                                                              \
-            const float *s = scales + g * 16 * (1 + lows);                                                 \
-            const v16 scale = v_load(s), low = v_fnmadd(v_set1((float)offset), scale, lows ? v_load(s + 16) : v_zero()); \
+            v16 scale, low;                                                                                \
+            GROUP_SCALES(scales, g, lows, offset, &scale, &low);                                           \
             add_group_x8(acc, dot, MT, scale, low, x->d + g * group / 32, ds + g, blocks, groups);          \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-TILE_BYTES_X8(12)
-TILE_BYTES_X8(8)
-TILE_BYTES_X8(4)
-TILE_BYTES_X8(2)
-TILE_BYTES_X8(1)
+#define BYTES_X8_TILES(NAME, GROUP_SCALES)                                                                 \
+    TILE_BYTES_X8(NAME, 12, GROUP_SCALES) TILE_BYTES_X8(NAME, 8, GROUP_SCALES)                             \
+    TILE_BYTES_X8(NAME, 4, GROUP_SCALES) TILE_BYTES_X8(NAME, 2, GROUP_SCALES) TILE_BYTES_X8(NAME, 1, GROUP_SCALES)
+BYTES_X8_TILES(bytes_x8, stored_scales)
+BYTES_X8_TILES(bytes_q5k_x8, q5k_scales)
+BYTES_X8_TILES(bytes_q6k_x8, q6k_scales)
 
 /* ---- Q6_K's 6-bit codes (offset 32), a scale per 16 inputs from its super-blocks ------------------- */
 #define TILE_Q6K_X8(MT)                                                                                    \
@@ -222,7 +235,9 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
     else if (part->kind == G_INT6_K) GROUP_TILE(q6k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT5_K) GROUP_TILE(q5k_x8, mt, codes, scales, k, x, out);
     else if (part->x8 == X8_SIGNED) GROUP_TILE(signed_x8, mt, codes, (const float *)scales, k, x, out);
-    else GROUP_TILE(bytes_x8, mt, codes, (const float *)scales, k, (int)part->group, (int)part->lows, (int)part->offset, x, out);
+    else if (part->kind == G_INT8_K5) GROUP_TILE(bytes_q5k_x8, mt, codes, scales, k, 32, 1, 0, x, out);
+    else if (part->kind == G_INT8_K6) GROUP_TILE(bytes_q6k_x8, mt, codes, scales, k, 16, 0, 32, x, out);
+    else GROUP_TILE(bytes_x8, mt, codes, scales, k, (int)part->group, (int)part->lows, (int)part->offset, x, out);
 }
 
 const char *int8_dot_name(void) { /* "" where int8 sums take multiply-and-add pairs (maddubs, widening) */
