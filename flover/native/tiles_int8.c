@@ -49,7 +49,7 @@ void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, 
  * the codes is harmless: it never faults. */
 #define PREFETCH_AHEAD 4096
 static inline void prefetch_ahead(const uint8_t *group, int bytes) {
-    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(group + PREFETCH_AHEAD + at);
+    for (int at = 0; at < bytes; at += 64) v_prefetch(group + PREFETCH_AHEAD + at);
 }
 
 /* A group's sums done: acc[i] += (scale d_i) dot_i + low (d sum)_i, where w = scale u + low (the
