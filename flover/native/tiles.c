@@ -119,6 +119,7 @@ void tile(const void *w, int64_t nb, int64_t k, const void *x, int64_t m0, int m
             v16 part[MT];                                                                                  \
             for (int i = 0; i < MT; i++) part[i] = v_zero();                                               \
             const uint8_t *c = codes + g * 256;                                                            \
+            prefetch_ahead(c, 256);                                                                        \
             for (int kp = 0; kp < 16; kp++) {                                                              \
                 v16 even, odd;                                                                             \
                 v_widen_q4_pairs(c + kp * 16, &even, &odd);                                                \
@@ -169,6 +170,7 @@ void tile_q4(int mt, int kind, const uint8_t *codes, const void *scales, int64_t
             v16 part[MT];                                                                                  \
             for (int i = 0; i < MT; i++) part[i] = v_zero();                                               \
             const int8_t *c = codes + g * group * 16;                                                      \
+            prefetch_ahead(c, group * 16);                                                                 \
             for (int kp = 0; kp < group / 2; kp++) {                                                       \
                 v16 even, odd;                                                                             \
                 v_widen_q8_pairs(c + kp * 32, &even, &odd);                                                \

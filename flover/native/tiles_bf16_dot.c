@@ -77,6 +77,7 @@ static const uint16_t Q4_VALUES[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0
             __m512 part[MT];                                                                               \
             for (int i = 0; i < MT; i++) part[i] = _mm512_setzero_ps();                                    \
             const uint8_t *c = codes + g * 256;                                                            \
+            prefetch_ahead(c, 256);                                                                        \
             for (int kp = 0; kp < 16; kp++) {                                                              \
                 const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kp * 16)));  \
                 const __m512i pair = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0x0f)),        \
@@ -117,6 +118,7 @@ int tile_q4_bf16_dot(int mt, int kind, const uint8_t *codes, const void *scales,
             __m512 part[MT];                                                                               \
             for (int i = 0; i < MT; i++) part[i] = _mm512_setzero_ps();                                    \
             const int8_t *c = codes + g * group * 16;                                                      \
+            prefetch_ahead(c, group * 16);                                                                 \
             for (int kp = 0; kp < group / 2; kp++) {                                                       \
                 const __m512bh w = q8_pairs(c + kp * 32);                                                  \
                 for (int i = 0; i < MT; i++) part[i] = _mm512_dpbf16_ps(part[i], w, PAIR(x + i * k, g * group / 2 + kp)); \

@@ -43,15 +43,6 @@ void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, 
         }
 }
 
-/* The codes PREFETCH_AHEAD bytes past a group's (`bytes` of them) asked for while it is summed: the
- * hardware's own prefetch leaves the cores waiting (AVX2 one row +9%, 32 rows +7%; AVX-512 at 32
- * rows +15% on a Q4_K_M, +38% on a Q5_K_M: docs/benchmarks.md (m)). A prefetch past the end of
- * the codes is harmless: it never faults. */
-#define PREFETCH_AHEAD 4096
-static inline void prefetch_ahead(const uint8_t *group, int bytes) {
-    for (int at = 0; at < bytes; at += 64) v_prefetch(group + PREFETCH_AHEAD + at);
-}
-
 /* A group's sums done: acc[i] += (scale d_i) dot_i + low (d sum)_i, where w = scale u + low (the
  * code's offset folded into low) */
 static inline void add_group_x8(v16 *acc, const i16 *dot, int mt, v16 scale, v16 low, const float *d, const float *ds,
