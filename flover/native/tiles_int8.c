@@ -52,35 +52,54 @@ static inline void add_group_x8(v16 *acc, const i16 *dot, int mt, v16 scale, v16
                          v_fmadd(low, v_set1(ds[i * stride_ds]), acc[i]));
 }
 
-/* ---- 4-bit codes (offset 8) -------------------------------------------------------------------- */
-#define TILE_Q4_X8(NAME, MT, GROUP_SCALES)                                                                 \
+/* ---- 4-bit codes (offset 8), and Q5_K's 5-bit ones (offset 0: the 4-bit layout and a 64-byte
+ * plane of fifth bits, FIFTH) ------------------------------------------------------------------- */
+/* a group's scale and low (w = scale u + low): the 4-bit codes' zero form (the value at u = 8),
+ * stored or from Q4_K's super-blocks; Q5_K's are k_group_scale_low (native.h) */
+static inline void q4_scale_low(const void *scales, int64_t g, v16 *scale, v16 *low) {
+    v16 zero;
+    q4_group_scales(scales, g, scale, &zero);
+    *low = v_fnmadd(v_set1(8.f), *scale, zero);
+}
+static inline void q4k_scale_low(const void *scales, int64_t g, v16 *scale, v16 *low) {
+    v16 zero;
+    q4k_group_scales(scales, g, scale, &zero);
+    *low = v_fnmadd(v_set1(8.f), *scale, zero);
+}
+#define TILE_NIBBLES_X8(NAME, MT, FIFTH, GROUP_SCALE_LOW)                                                  \
     static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        const int64_t groups = k / 32;                                                                     \
+        const int64_t groups = k / 32, group_bytes = 256 + 64 * (FIFTH);                                   \
         v16 acc[MT];                                                                                       \
         for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
         for (int64_t g = 0; g < groups; g++) {                                                             \
+            const uint8_t *c = codes + g * group_bytes;                                                    \
+            prefetch_ahead(c, (int)group_bytes);                                                           \
+            q64 fifth;                                                                                     \
+            if (FIFTH) fifth = q_load(c + 256);                                                            \
             i16 dot[MT];                                                                                   \
             for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            prefetch_ahead(codes + g * 256, 256);                                                          \
-            for (int c = 0; c < 4; c++) {                                                                  \
+            for (int q = 0; q < 4; q++) {                                                                  \
                 q64 lo, hi;                                                                                \
-                q_nibbles(q_load(codes + g * 256 + c * 64), &lo, &hi);                                     \
+                q_nibbles(q_load(c + q * 64), &lo, &hi);                                                   \
+                if (FIFTH) q_fifth(&fifth, &lo, &hi);                                                      \
                 for (int i = 0; i < MT; i++) {                                                             \
-                    const int8_t *xq = x->q + i * k + g * 32 + 4 * c;                                      \
+                    const int8_t *xq = x->q + i * k + g * 32 + 4 * q;                                      \
                     dot[i] = i_dot4x2(dot[i], lo, xq, hi, xq + 16);                                       \
                 }                                                                                          \
             }                                                                                              \
-            v16 scale, zero;                                                                               \
-            GROUP_SCALES(scales, g, &scale, &zero);                                                        \
-            add_group_x8(acc, dot, MT, scale, v_fnmadd(v_set1(8.f), scale, zero), x->d + g, x->ds32 + g, groups, groups); \
+            v16 scale, low;                                                                                \
+            GROUP_SCALE_LOW(scales, g, &scale, &low);                                                      \
+            add_group_x8(acc, dot, MT, scale, low, x->d + g, x->ds32 + g, groups, groups);                 \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-#define Q4_X8_TILES(NAME, GROUP_SCALES)                                                                    \
-    TILE_Q4_X8(NAME, 12, GROUP_SCALES) TILE_Q4_X8(NAME, 8, GROUP_SCALES) TILE_Q4_X8(NAME, 4, GROUP_SCALES) \
-    TILE_Q4_X8(NAME, 2, GROUP_SCALES) TILE_Q4_X8(NAME, 1, GROUP_SCALES)
-Q4_X8_TILES(q4_x8, q4_group_scales)
-Q4_X8_TILES(q4k_x8, q4k_group_scales)
+#define NIBBLES_X8_TILES(NAME, FIFTH, GROUP_SCALE_LOW)                                                     \
+    TILE_NIBBLES_X8(NAME, 12, FIFTH, GROUP_SCALE_LOW) TILE_NIBBLES_X8(NAME, 8, FIFTH, GROUP_SCALE_LOW)     \
+    TILE_NIBBLES_X8(NAME, 4, FIFTH, GROUP_SCALE_LOW) TILE_NIBBLES_X8(NAME, 2, FIFTH, GROUP_SCALE_LOW)      \
+    TILE_NIBBLES_X8(NAME, 1, FIFTH, GROUP_SCALE_LOW)
+NIBBLES_X8_TILES(q4_x8, 0, q4_scale_low)
+NIBBLES_X8_TILES(q4k_x8, 0, q4k_scale_low)
+NIBBLES_X8_TILES(q5k_x8, 1, k_group_scale_low)
 
 /* ---- byte codes below 64 (offset 0, 16 or 32), a scale (and a minimum: lows) per 16 or 32 inputs:
  * stored in float32, or from Q5_K's / Q6_K's super-blocks (w = scale u + low either way) */
@@ -160,38 +179,6 @@ TILE_Q6K_X8(8)
 TILE_Q6K_X8(4)
 TILE_Q6K_X8(2)
 TILE_Q6K_X8(1)
-
-/* ---- Q5_K's 5-bit codes (offset 0), a scale and a minimum per 32 inputs from its super-blocks ----- */
-#define TILE_Q5K_X8(MT)                                                                                    \
-    static void q5k_x8_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        const int64_t groups = k / 32;                                                                     \
-        v16 acc[MT];                                                                                       \
-        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
-        for (int64_t g = 0; g < groups; g++) {                                                             \
-            prefetch_ahead(codes + g * 320, 320);                                                          \
-            q64 fifth = q_load(codes + g * 320 + 256);                                                     \
-            i16 dot[MT];                                                                                   \
-            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            for (int c = 0; c < 4; c++) {                                                                  \
-                q64 lo, hi;                                                                                \
-                q_nibbles(q_load(codes + g * 320 + c * 64), &lo, &hi);                                     \
-                q_fifth(&fifth, &lo, &hi);                                                                 \
-                for (int i = 0; i < MT; i++) {                                                             \
-                    const int8_t *xq = x->q + i * k + g * 32 + 4 * c;                                      \
-                    dot[i] = i_dot4x2(dot[i], lo, xq, hi, xq + 16);                                       \
-                }                                                                                          \
-            }                                                                                              \
-            v16 scale, low;                                                                                \
-            k_group_scale_low(scales, g, &scale, &low);                                                    \
-            add_group_x8(acc, dot, MT, scale, low, x->d + g, x->ds32 + g, groups, groups);                 \
-        }                                                                                                  \
-        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
-    }
-TILE_Q5K_X8(12)
-TILE_Q5K_X8(8)
-TILE_Q5K_X8(4)
-TILE_Q5K_X8(2)
-TILE_Q5K_X8(1)
 
 /* ---- signed bytes (Q8_0: -128..127), a scale per 32 inputs --------------------------------------- */
 #define TILE_SIGNED_X8(MT)                                                                                 \
