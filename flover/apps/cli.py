@@ -111,18 +111,20 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
     from flover.engine.engine import Engine
     from flover.engine.groups import EngineGroups, serve_group
     from flover.parallel.groups import Mailbox
-    from flover.parallel.launch import launch_groups
+    from flover.parallel.launch import launch_groups, launched_rank
 
+    if launched_rank() != 0:
+        # mpirun forwards SIGTERM/SIGINT/SIGUSR1 to every rank; only world rank 0 decides when to
+        # stop (it drains, then releases the others), so they ignore them from the start: rank 0
+        # serves before the others have built their engines.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
     launch = launch_groups(args.device, args.tp)
     args.comm = launch.world  # a failing rank aborts the whole job
     engine = Engine(engine_config(args), launch.comm)
     if serving:
         engine.prepare_grammars()
     if not engine.is_leader or launch.layout.index > 0:
-        # mpirun forwards SIGTERM/SIGINT to every rank; only world rank 0 decides when to stop
-        # (it drains, then releases the others), so they ignore them.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
         if engine.is_leader:
             serve_group(engine, Mailbox(launch.world), launch.layout.index)
         else:
