@@ -200,11 +200,10 @@ static inline float hsum8(__m256 v) {
 }
 static inline float v_reduce_add(v16 v) { return hsum8(_mm256_add_ps(v.lo, v.hi)); }
 static inline float v_reduce_max(v16 v) {
-    float t[16], m;
-    v_store(t, v_max(v, V2(v.hi, v.lo)));
-    m = t[0];
-    for (int i = 1; i < 8; i++) m = t[i] > m ? t[i] : m;
-    return m;
+    const __m256 m8 = _mm256_max_ps(v.lo, v.hi);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 #define V_CMP(NAME, PRED)                                                                                  \
     static inline m16 NAME(v16 a, v16 b) {                                                                 \

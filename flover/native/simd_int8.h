@@ -178,7 +178,12 @@ static inline v16 v_round(v16 v) {
     return (v16){_mm256_round_ps(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                  _mm256_round_ps(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
-#define I8_STORE_LOOP
+/* lanes holding whole numbers in -127..127 -> bytes (saturating, as AVX-512's) */
+static inline void v_store_i8(int8_t *p, v16 v) {
+    const __m256i w = _mm256_packs_epi32(_mm256_cvttps_epi32(v.lo), _mm256_cvttps_epi32(v.hi)); /* 0-3 8-11 4-7 12-15 */
+    const __m256i o = _mm256_permute4x64_epi64(w, 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi16(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
+}
 
 #elif defined(V_NEON)
 typedef struct {
@@ -249,7 +254,13 @@ static inline v16 v_round(v16 v) {
     for (int i = 0; i < 4; i++) v.q[i] = vrndnq_f32(v.q[i]);
     return v;
 }
-#define I8_STORE_LOOP
+/* lanes holding whole numbers in -127..127 -> bytes (saturating, as AVX-512's) */
+static inline void v_store_i8(int8_t *p, v16 v) {
+    int16x8_t h[2];
+    for (int i = 0; i < 2; i++)
+        h[i] = vcombine_s16(vqmovn_s32(vcvtq_s32_f32(v.q[2 * i])), vqmovn_s32(vcvtq_s32_f32(v.q[2 * i + 1])));
+    vst1q_s8(p, vcombine_s8(vqmovn_s16(h[0]), vqmovn_s16(h[1])));
+}
 
 #else
 typedef struct {
@@ -297,15 +308,9 @@ static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
 static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
 static inline v16 v_from_i(i16 a) { return VG((float)a.i[_i]); }
 static inline v16 v_round(v16 v) { return VG(nearbyintf(v.f[_i])); } /* to even, as the others */
-#define I8_STORE_LOOP
-#endif
-
-#if defined(I8_STORE_LOOP)
 /* lanes holding whole numbers in -127..127 -> bytes */
 static inline void v_store_i8(int8_t *p, v16 v) {
-    float t[16];
-    v_store(t, v);
-    for (int i = 0; i < 16; i++) p[i] = (int8_t)(int32_t)fminf(fmaxf(t[i], -127.f), 127.f);
+    for (int i = 0; i < 16; i++) p[i] = (int8_t)(int32_t)fminf(fmaxf(v.f[i], -127.f), 127.f);
 }
 #endif
 
