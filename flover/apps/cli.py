@@ -102,6 +102,13 @@ def _is_follower_rank() -> bool:
     return launched_ranks() > 1 and launched_rank() != 0
 
 
+def _ignore_stop_signals() -> None:
+    """mpirun forwards SIGTERM/SIGINT/SIGUSR1 to every rank; only world rank 0 decides when to
+    stop (it drains, then releases the others), so the other ranks ignore them."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def start_engine(args: argparse.Namespace, serving: bool = False):
     """This process's engine. Under `mpirun -np N` every rank builds its shard of its group's
     engine (`--tp T`: N / T groups; default one group of N); the followers run their leader's
@@ -113,18 +120,15 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
     from flover.parallel.groups import Mailbox
     from flover.parallel.launch import launch_groups, launched_rank
 
-    if launched_rank() != 0:
-        # mpirun forwards SIGTERM/SIGINT/SIGUSR1 to every rank; only world rank 0 decides when to
-        # stop (it drains, then releases the others), so they ignore them from the start: rank 0
-        # serves before the others have built their engines.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+    if launched_rank() != 0:  # from the start: rank 0 serves before the others have built their engines
+        _ignore_stop_signals()
     launch = launch_groups(args.device, args.tp)
     args.comm = launch.world  # a failing rank aborts the whole job
     engine = Engine(engine_config(args), launch.comm)
     if serving:
         engine.prepare_grammars()
     if not engine.is_leader or launch.layout.index > 0:
+        _ignore_stop_signals()  # (again, should the launcher not have said this rank's number)
         if engine.is_leader:
             serve_group(engine, Mailbox(launch.world), launch.layout.index)
         else:
