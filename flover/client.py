@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.protocol import MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
+from flover.protocol import BAD_MESSAGE, MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, ProtocolError, pack, tcp_keepalive, unpack
 from flover.structured import Structured
 
 TERMINAL = ("final", "error")
@@ -54,6 +54,10 @@ class FloverError(RuntimeError):
 def _generate_message(request_id, prompt, input_ids, messages, stream: bool, params: dict) -> dict:
     if isinstance(params.get("structured"), Structured):  # on the wire: its map
         params = {**params, "structured": dataclasses.asdict(params["structured"])}
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):  # OpenAI's map {id: bias}: on the wire pairs (msgpack map keys are strings)
+        params = {**params, "logit_bias": [[int(k) if isinstance(k, str) and k.isdecimal() else k, v]
+                                           for k, v in bias.items()]}
     tools = params.pop("tools", None) if "tools" in params else None
     message = {"op": "generate", "id": request_id, "stream": stream, "params": params}
     if tools is not None:  # OpenAI's tools, for the chat template: beside the messages
@@ -82,10 +86,16 @@ def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_cl
 
 
 def _encode(message: dict, limit: int) -> bytes:
+    """The message's bytes; FloverError, without sending, for what the server would refuse
+    whole: too large, or not readable as the protocol reads it (its answer could not carry the id)."""
     data = pack(message)
     if len(data) > limit:
         raise FloverError(MESSAGE_TOO_LARGE, f"the message is {len(data)} bytes; the server takes at most {limit}",
                           message.get("id"))
+    try:
+        unpack(data)
+    except ProtocolError as e:
+        raise FloverError(BAD_MESSAGE, f"{e} (map keys must be strings)", message.get("id")) from None
     return data
 
 

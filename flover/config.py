@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
-from flover.structured import Structured
+from flover.structured import GrammarLimits, Structured
 
 
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
@@ -228,6 +228,8 @@ class EngineConfig:
     # with the native step, keep PyTorch's copy of the projections too (twice the weight memory):
     # for comparing the two forwards on one engine (tests)
     keep_pytorch_weights: bool = False
+    # what one request's structure may cost (flover/structured.py GrammarLimits, docs/hardening.md)
+    grammar_limits: GrammarLimits = GrammarLimits()
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -4,6 +4,8 @@ library needs told."""
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from pathlib import Path
 
 # CPU flags (Linux /proc/cpuinfo) of instructions that compute bfloat16 dot products natively:
@@ -58,4 +60,19 @@ def return_freed_heap() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
+        pass
+
+
+# Tokenizer threads yield the cores to the engine: a running iteration's threads wait for one
+# another at every layer, so a tokenizer taking a core from one of them stalls them all.
+TOKENIZER_NICE = int(os.environ.get("FLOVER_TOKENIZER_NICE", "19"))
+
+
+def background_thread() -> None:
+    """A worker thread's initializer: lowest CPU priority (Linux: nice is per thread), and the
+    `tokenizers` library's own thread pool off (it would take every core for one long text)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: full priority
         pass

@@ -62,6 +62,15 @@ def unpack(frame: bytes) -> dict:
     return message
 
 
+def peek_id(frame: bytes):
+    """The `id` of a message that `unpack` refuses or that failed later, read leniently, or None."""
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - garbage, or nested past msgpack's own limits
+        return None
+    return echo_id(message) if isinstance(message, dict) else None
+
+
 def echo_id(message: dict):
     """The `id` to put on an error about this message: exactly as sent if it is a string or an
     integer (even an invalid one, so that the client can match the error), else None."""

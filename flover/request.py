@@ -79,6 +79,7 @@ class Request:
     output_text: str = ""  # the text cut before a stop string, when one ended the request
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # the wire's code for `error` (None: internal_error)
     timings: Timings = field(default_factory=lambda: Timings(arrival=time.perf_counter()))
     stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignored) and stop_token_ids
     detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings and streaming
@@ -107,10 +108,10 @@ class Request:
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
-    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, now: float, error: str | None = None, code: str | None = None) -> None:
         self.state = RequestState.FINISHED
         self.finish_reason = reason
-        self.error = error
+        self.error, self.error_code = error, code
         self.timings.finished = now
 
 
@@ -128,6 +129,7 @@ class RequestOutput:
     logprobs: list[float] | None  # of every generated token, when asked
     timings: dict
     error: str | None = None
+    error_code: str | None = None  # the wire's code for `error` (None: internal_error)
     text_delta: str | None = None  # streaming requests: new text (never part of a stop string)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: [(id, logprob)] of the top k

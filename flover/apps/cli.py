@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flover.config import DTYPES, NATIVE_KERNELS, QUANTIZATIONS, EngineConfig, SamplingParams
 from flover.protocol import MAX_MESSAGE_BYTES
+from flover.structured import GrammarLimits
 
 log = logging.getLogger("flover")
 
@@ -56,6 +57,19 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
                    help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
                         "the same way (LRU; default 256; 0 turns it off)")
+    limits = GrammarLimits()
+    g.add_argument("--grammar-compile-seconds", type=float, default=limits.compile_seconds, metavar="S",
+                   help="structured output: a new grammar compiles first in a child process, killed after S "
+                        "seconds (the request gets a 400 naming the limit; default %(default)g)")
+    g.add_argument("--grammar-compile-mib", type=int, default=limits.compile_mib, metavar="MIB",
+                   help="... and held to MIB of memory (default %(default)d)")
+    g.add_argument("--grammar-cache-mib", type=int, default=limits.cache_mib, metavar="MIB",
+                   help="compiled grammars kept for reuse, least recently used first out (default %(default)d)")
+    g.add_argument("--grammar-mask-ms", type=float, default=limits.mask_ms_per_token, metavar="MS",
+                   help="a request's token masks may take MS a token on average; a request past it ends with an "
+                        "error naming the limit (default %(default)g)")
+    g.add_argument("--grammar-mask-burst-ms", type=float, default=limits.mask_burst_ms, metavar="MS",
+                   help="... with MS in hand at any time (the first masks build the lexer; default %(default)g)")
     g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
                    help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
@@ -79,7 +93,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         prefix_cache_mib=args.prefix_cache,
                         prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
                         cuda_graphs=args.cuda_graphs, native_forward=args.native_forward,
-                        native_kernels=args.native_kernels)
+                        native_kernels=args.native_kernels,
+                        grammar_limits=GrammarLimits(compile_seconds=args.grammar_compile_seconds,
+                                                     compile_mib=args.grammar_compile_mib,
+                                                     cache_mib=args.grammar_cache_mib,
+                                                     mask_ms_per_token=args.grammar_mask_ms,
+                                                     mask_burst_ms=args.grammar_mask_burst_ms))
 
 
 def _resolve_dtype(args) -> str:

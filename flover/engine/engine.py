@@ -196,7 +196,9 @@ class Engine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the checkpoint's tokenizer")
-            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+            # the leader tries each new grammar in a child process first (grammar_sandbox.py)
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                      self.config.grammar_limits, sandboxed=self.is_leader)
         return self._grammars
 
     def prepare_grammars(self) -> None:
@@ -370,6 +372,8 @@ class Engine:
         """Leader: release the followers (their follow() returns). Requests in flight are dropped."""
         if self.channel is not None:
             self.channel.close()
+        if self._grammars is not None:
+            self._grammars.close()  # (the grammar checker's child process)
 
     def _tell_followers_failed(self, request_id: str) -> None:
         """A request failed on the leader alone: the followers retire it at the next boundary."""

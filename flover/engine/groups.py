@@ -22,6 +22,7 @@ from flover.engine.engine import Engine, EngineStats
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import GroupLayout, Mailbox
 from flover.request import Request, RequestOutput
+from flover.structured import Structured
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ SILENT = dict(running=0, waiting=0, kv_tokens=0, kv_use=0.0, iterations=0, last_
 class Router:
     """Least loaded group (tokens still to compute: prompt + max_new_tokens - produced, over its
     requests in flight), unless the prompt starts like a recent one: then the group that has that
-    prefix cached, as long as it has a free slot or no group has one."""
+    prefix cached, as long as it has a free slot or no group has fewer requests in flight
+    (affinity yields to load: a full group's backlog never grows while another's is shorter)."""
 
     groups: int
     slots: int  # per group
@@ -52,7 +54,7 @@ class Router:
     def choose(self, token_ids: list[int], salt: str | None) -> int:
         keys = prefix_keys(token_ids, salt)
         group = next((self._prefixes[k] for k in reversed(keys) if k in self._prefixes), None)
-        if group is None or (self.in_flight[group] >= self.slots and min(self.in_flight) < self.slots):
+        if group is None or (self.in_flight[group] >= self.slots and self.in_flight[group] > min(self.in_flight)):
             group = min(range(self.groups), key=lambda g: (self.load[g], self.in_flight[g], self._last[g]))
         for key in keys:
             self._prefixes[key] = group
@@ -235,21 +237,78 @@ def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:
     """A group leader's life (groups 1..): rank 0's events into its engine, one iteration, the
     outputs back; idle, it waits for rank 0 without spinning. Ends on rank 0's stop."""
     log.info("group %d: serving for rank 0", group)
+    compiling = GrammarWork(engine)
     while True:
         if not engine.has_unfinished():
-            mailbox.wait(0.5, max_sleep=0.005)
+            mailbox.wait(0.005 if compiling.pending else 0.5, max_sleep=0.005)
         for _, message in mailbox.receive():
             if "stop" in message:
+                compiling.close()
                 engine.shutdown()
                 mailbox.flush()
                 return
-            _apply(engine, mailbox, message)
+            if not compiling.hold(message):
+                _apply(engine, mailbox, message)
+        for message, error in compiling.ready():
+            if error is not None:  # (its grammar does not compile, or costs too much: said once)
+                _refuse(mailbox, message["add"][0], message["add"][1], error)
+            else:
+                _apply(engine, mailbox, message)
         if engine.has_unfinished():
             outputs = engine.step()
             timed = engine.timed_iterations()
             if outputs or timed:
                 mailbox.send(0, {"outputs": [_wire(out) for out in outputs], "stats": asdict(engine.stats()),
                                  "iterations": timed})
+
+
+class GrammarWork:
+    """A group leader's structured requests wait here while their grammar compiles on a worker
+    thread (rank 0 compiled it within the limits already: the same time and memory), so that
+    the group's running streams never wait on a compile. A cancel reaches one still waiting."""
+
+    def __init__(self, engine: Engine):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from flover.hardware import background_thread
+
+        self.engine = engine
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flover-grammar",
+                                       initializer=background_thread)
+        self.pending: dict[str, tuple[dict, object]] = {}  # request id -> (its add message, the compile)
+
+    def hold(self, message: dict) -> bool:
+        """Whether `message` waits here (an add whose grammar is not compiled yet, or its cancel)."""
+        if "cancel" in message and message["cancel"] in self.pending:
+            add, future = self.pending[message["cancel"]]
+            add["cancelled"] = True
+            return True
+        structured = message.get("add", [None] * 3)[2].get("structured") if "add" in message else None
+        if structured is None:
+            return False
+        try:
+            structured = Structured.of(structured)
+        except ValueError:
+            return False  # _apply refuses it, naming the problem
+        if self.engine.grammars.cached(structured):
+            return False
+        self.pending[message["add"][0]] = (message, self.pool.submit(self.engine.grammars.compile, structured))
+        return True
+
+    def ready(self) -> list[tuple[dict, Exception | None]]:
+        """(add message, what its compile raised or None) of the compiles that ended, a cancel
+        that came meanwhile after its add."""
+        done = [rid for rid, (_, future) in self.pending.items() if future.done()]
+        out = []
+        for rid in done:
+            message, future = self.pending.pop(rid)
+            out.append((message, future.exception()))
+            if message.pop("cancelled", False) and future.exception() is None:
+                out.append(({"cancel": rid}, None))
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _wire(out: RequestOutput) -> dict:
@@ -275,8 +334,13 @@ def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
         engine.enqueue(engine.make_request(token_ids, SamplingParams(**params), request_id, stream=stream,
                                            cache_salt=salt, arrival_time=time.perf_counter() - age))
     except (ValueError, TypeError) as e:  # rank 0 validated it alike: a mismatch, said, not hidden
-        log.error("group request %s refused: %s", request_id, e)
-        refused = RequestOutput(request_id=request_id, prompt_token_ids=token_ids, new_token_ids=[], token_ids=[],
-                                text=None, finished=True, finish_reason="error", logprobs=None, timings={},
-                                error=f"refused by its group: {e}")
-        mailbox.send(0, {"outputs": [_wire(refused)]})
+        _refuse(mailbox, request_id, token_ids, e)
+
+
+def _refuse(mailbox: Mailbox, request_id: str, token_ids: list[int], e: Exception) -> None:
+    log.error("group request %s refused: %s", request_id, e)
+    refused = RequestOutput(request_id=request_id, prompt_token_ids=token_ids, new_token_ids=[], token_ids=[],
+                            text=None, finished=True, finish_reason="error", logprobs=None, timings={},
+                            error=f"refused by its group: {e}",
+                            error_code="invalid_request" if isinstance(e, ValueError) else None)
+    mailbox.send(0, {"outputs": [_wire(refused)]})

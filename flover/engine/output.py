@@ -28,7 +28,7 @@ class OutputProcessor:
         for update in updates:
             r = update.request
             if r.finish_reason is FinishReason.ERROR:  # its sampling failed (the scheduler ended it)
-                outputs.append(self.fail(r, r.error, now))
+                outputs.append(self.fail(r, r.error, now, r.error_code))
                 continue
             try:
                 outputs.append(self._text(r, update.tokens, now))
@@ -49,15 +49,15 @@ class OutputProcessor:
                 return self.output(r, tokens[:n])
         return self.output(r, tokens)
 
-    def fail(self, r: Request, why: str, now: float) -> RequestOutput:
+    def fail(self, r: Request, why: str, now: float, code: str | None = None) -> RequestOutput:
         """End one request with finish reason `error`; the other ranks retire it with the leader."""
-        r.finish(FinishReason.ERROR, now, error=why)
+        r.finish(FinishReason.ERROR, now, error=why, code=code)
         self.on_fail(r.request_id)
         # Built here rather than by output(): the failure may lie in the text path output() uses.
         return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
                              token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
                              logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why,
-                             cached_tokens=r.cached_tokens)
+                             error_code=code, cached_tokens=r.cached_tokens)
 
     @staticmethod
     def _hit_stop_string(r: Request, delta: str) -> bool:
@@ -81,7 +81,8 @@ class OutputProcessor:
             token_ids=list(r.output_token_ids), text=text, finished=r.finished,
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             logprobs=r.output_logprobs if r.params.logprobs else None,
-            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error, cached_tokens=r.cached_tokens,
+            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error, error_code=r.error_code,
+            cached_tokens=r.cached_tokens,
             top_logprobs=r.output_top_logprobs if r.params.logprobs and r.params.top_logprobs else None,
             **self._prompt_logprobs(r),
         )

@@ -239,7 +239,8 @@ class Scheduler:
         updates = []
         for i, (r, token) in enumerate(zip(result.sampled, result.token_ids)):
             if i in result.failed:
-                r.finish(FinishReason.ERROR, now, error=result.failed[i])
+                why = result.failed[i]
+                r.finish(FinishReason.ERROR, now, error=why, code=getattr(why, "code", None))
                 updates.append(NewTokens(r, []))
                 continue
             if result.logprobs is not None and result.logprobs[i] is not None and r.params.logprobs:

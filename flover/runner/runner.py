@@ -228,6 +228,7 @@ class ModelRunner:
                 return self._broadcast(self.native.greedy(logits), None, {}, prompt_logprobs)
             return self._broadcast(greedy(logits).tolist(), None, {}, prompt_logprobs)
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
+        allowed, failed = self._allowed(rows, logits.shape[-1])  # (a row whose structure failed: that request's)
         st = SamplingTensors(
             temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
             min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
@@ -239,16 +240,16 @@ class ModelRunner:
             frequency_penalty=self._frequency_penalty[slots] if counted else None,
             presence_penalty=self._presence_penalty[slots] if counted else None,
             outputs=[r.output_token_ids for r in sampled] if counted else None,
-            allowed=self._allowed(rows, logits.shape[-1]),
+            allowed=allowed,
             bias=[r.params.logit_bias for r in sampled] if any(r.params.logit_bias for r in sampled) else None,
         )
-        failed: dict[int, str] = {}
         try:
             token_ids, found = sample(logits, st, self._native_sampler(logits))
             logprobs = found.rows() if found is not None else None
         except Exception:  # a request-specific failure: find the rows responsible, sample the rest
             log.exception("sampling %d rows at once failed; sampling them one by one", len(sampled))
-            token_ids, logprobs, failed = self._sample_row_by_row(logits, st, self._native_sampler(logits))
+            token_ids, logprobs, unsampled = self._sample_row_by_row(logits, st, self._native_sampler(logits))
+            failed = {**unsampled, **failed}
         return self._broadcast(token_ids.tolist(), logprobs, failed, prompt_logprobs)
 
     def _broadcast(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> StepResult:
@@ -270,12 +271,12 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _allowed(rows: IterationRows, vocab: int) -> torch.Tensor | None:
-        """[sampled rows, words] int32: the tokens each row's structure allows (a draft's row:
+    def _allowed(rows: IterationRows, vocab: int) -> tuple[torch.Tensor | None, dict]:
+        """([sampled rows, words] int32: the tokens each row's structure allows (a draft's row:
         after the draft tokens before it; every bit set for rows without one), or None when no
-        request has a structure."""
+        request has a structure; {row: why} for the rows whose structure failed)."""
         if all(r.grammar is None for r in rows.sampled):
-            return None
+            return None, {}
         return allowed_bits([r.grammar for r in rows.sampled], vocab, rows.request_drafts())
 
     def _native_sampler(self, logits: torch.Tensor):

@@ -116,11 +116,16 @@ class Daemon:
         self.counters = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "tokens_out": 0,
                          "rejected": 0, "clients_gone": 0, "slow_clients": 0}
         self._last_keepalive = self._last_stats = time.monotonic()
-        # Text prompts and chats are tokenized off the loop, connections taking turns.
+        # Text prompts and chats are tokenized off the loop, connections taking turns; requests with
+        # a structure are compiled (and tokenized) by a worker of their own, so that a costly
+        # grammar never delays a request without one.
         self.tokenizing = FairTokenizer(self._prepare)
+        self.compiling = FairTokenizer(self._prepare)
+        self.workers = (self.tokenizing, self.compiling)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self.tokenizing.wakeup_fd, zmq.POLLIN)
+        for worker in self.workers:
+            self.poller.register(worker.wakeup_fd, zmq.POLLIN)
 
     # -- socket ----------------------------------------------------------------------------
     def _socket(self) -> zmq.Socket:
@@ -218,7 +223,8 @@ class Daemon:
 
     def _client_gone(self, identity: bytes, why: str) -> None:
         self.backlogs.pop(identity, None)
-        self.tokenizing.forget_connection(identity)
+        for worker in self.workers:
+            worker.forget_connection(identity)
         gone = [rid for rid, f in self.inflight.items() if f.identity == identity]
         if gone:
             self.counters["clients_gone"] += 1
@@ -250,9 +256,9 @@ class Daemon:
                 ready = dict(self.poller.poll(0 if busy else 100))
                 if self.sock in ready:
                     self._intake()
-                if len(self.tokenizing):
+                if self._preparing():
                     self._admit_tokenized()
-                unfinished = self.engine.has_unfinished() or len(self.tokenizing)
+                unfinished = self.engine.has_unfinished() or self._preparing()
                 if self.draining and (not unfinished or time.monotonic() > self.drain_deadline):
                     self._cancel_all()
                     break
@@ -267,8 +273,9 @@ class Daemon:
             if self.config.handle_signals:  # exiting: a late signal must not turn a clean exit into a kill
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                     signal.signal(sig, signal.SIG_IGN)
-            self.engine.shutdown()  # releases follower ranks
-            self.tokenizing.close()
+            self.engine.shutdown()  # releases follower ranks (and stops a grammar compile in its child)
+            for worker in self.workers:
+                worker.close()
             self.sock.disable_monitor()
             self.monitor.close(0)
             self.sock.close(linger=EXIT_FLUSH_MS)  # the last events (a drain's cancelled finals) still go out
@@ -314,7 +321,7 @@ class Daemon:
     def _cancel_all(self) -> None:
         """Drain timeout: everyone still in flight gets a `cancelled` final (or, still being
         tokenized, a `shutting_down` error)."""
-        for rid in list(self.tokenizing.jobs):
+        for rid in [rid for worker in self.workers for rid in worker.jobs]:
             if rid in self.inflight:
                 flight = self._forget(rid)
                 self._send(flight.identity, protocol.error_event(protocol.SHUTTING_DOWN, "the server is shutting down",
@@ -369,13 +376,21 @@ class Daemon:
                 self._handle_safely(identity, payload, envelope)
 
     def _handle_safely(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
+        """Every message gets its answer; an error carries the message's id whenever the message
+        has one that can be read, whatever went wrong (a client waits on that id)."""
         try:
             self._handle(identity, payload, envelope)
         except protocol.ProtocolError as e:
+            if e.request_id is None:
+                e.request_id = _peek_id(payload)
             self._reject(identity, e, envelope)
+        except RecursionError:
+            self._reject(identity, protocol.ProtocolError(protocol.INVALID_REQUEST, "the request nests too deeply",
+                                                          _peek_id(payload)), envelope)
         except Exception as e:  # never fall over on a request
             log.exception("internal error on a request")
-            self._reject(identity, protocol.ProtocolError(protocol.INTERNAL, f"internal error: {e!r}"), envelope)
+            self._reject(identity, protocol.ProtocolError(protocol.INTERNAL, f"internal error: {type(e).__name__}",
+                                                          _peek_id(payload)), envelope)
 
     def _reject(self, identity: bytes, error: protocol.ProtocolError, envelope: bool = False) -> None:
         self.counters["rejected"] += 1
@@ -393,7 +408,7 @@ class Daemon:
             if engine_id is None:
                 raise protocol.ProtocolError(protocol.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight",
                                              rid)
-            if not self.tokenizing.cancel(engine_id):  # (a tokenized one is queued, then cancelled)
+            if not any(worker.cancel(engine_id) for worker in self.workers):  # (queued once prepared, then cancelled)
                 self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
             c, e = self.config, self.engine
@@ -415,18 +430,24 @@ class Daemon:
             raise protocol.ProtocolError(protocol.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
-        if not self.engine.can_accept(self.config.max_waiting - len(self.tokenizing)):
+        if not self.engine.can_accept(self.config.max_waiting - self._preparing()):
             raise protocol.ProtocolError(protocol.OVERLOADED, f"{self.config.max_waiting} requests are already "
                                                                "waiting; retry later", req.id)
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
-        if req.messages is not None or isinstance(req.prompt, str) or req.params.structured is not None:
-            self.tokenizing.submit(Job(identity, engine_id, req))  # tokenizer or grammar work: off the loop
+        if req.params.structured is not None:
+            self.compiling.submit(Job(identity, engine_id, req))  # grammar work: off the loop, apart
+        elif req.messages is not None or isinstance(req.prompt, str):
+            self.tokenizing.submit(Job(identity, engine_id, req))  # tokenizer work: off the loop
         else:
             self._queue(engine_id, flight, req, None)  # token ids: checked at once
         self.inflight[engine_id] = flight
         self.by_client[(identity, req.id)] = engine_id
         self.counters["requests"] += 1
+
+    def _preparing(self) -> int:
+        """Requests being tokenized or compiled."""
+        return sum(len(worker) for worker in self.workers)
 
     def _prepare(self, req: protocol.GenerateRequest):
         """On the tokenizing worker: the prompt's tokens (text or chat), and the request's
@@ -449,7 +470,7 @@ class Daemon:
 
     def _admit_tokenized(self) -> None:
         """Queue the requests whose tokenizing ended (or answer the error it found)."""
-        for job in self.tokenizing.finished():
+        for job in [job for worker in self.workers for job in worker.finished()]:
             flight = self.inflight.get(job.engine_id)
             if flight is None:
                 continue  # its client is gone
@@ -492,7 +513,8 @@ class Daemon:
                     flight.client_id), flight.envelope)
             elif out.finish_reason == "error":
                 self.counters["errors"] += 1
-                self._send(flight.identity, protocol.error_event(protocol.INTERNAL, out.error or "internal error",
+                self._send(flight.identity, protocol.error_event(out.error_code or protocol.INTERNAL,
+                                                                 out.error or "internal error",
                                                           flight.client_id), flight.envelope)
             else:
                 self._send(flight.identity, protocol.final_event(flight.client_id, out, flight.stream), flight.envelope)
@@ -514,7 +536,7 @@ class Daemon:
     def stats(self) -> dict:
         e = self.engine.stats()
         return {"in_flight": len(self.inflight), "running": e.running, "waiting": e.waiting,
-                "tokenizing": len(self.tokenizing), "slots_used": e.running, "slots_total": e.slots_total,
+                "tokenizing": self._preparing(), "slots_used": e.running, "slots_total": e.slots_total,
                 "kv_bytes": e.kv_bytes, "kv_tokens": e.kv_tokens, "kv_use": e.kv_use, "iterations": e.iterations,
                 "uptime_s": time.time() - self.started, "draining": self.draining, "shuffle_moves": e.shuffle_moves,
                 "shuffle_bytes": e.shuffle_bytes, "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
@@ -533,10 +555,9 @@ def _refusal(e: Exception, request_id) -> protocol.ProtocolError:
 
 
 def _peek_id(payload: zmq.Frame):
-    try:
-        return protocol.echo_id(protocol.unpack(payload.bytes))
-    except protocol.ProtocolError:
-        return None
+    """The id of a message that could not be taken, to put on its error: read leniently (integer
+    map keys, which the protocol refuses, are allowed here)."""
+    return protocol.peek_id(payload.bytes)
 
 
 def _chosen_routing_id(payload: zmq.Frame) -> bool:

@@ -18,19 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# Tokenizer threads yield the cores to the engine: a running iteration's threads wait for one
-# another at every layer, so a tokenizer taking a core from one of them stalls them all.
-TOKENIZER_NICE = int(os.environ.get("FLOVER_TOKENIZER_NICE", "19"))
-
-
-def background_thread() -> None:
-    """A worker thread's initializer: lowest CPU priority (Linux: nice is per thread), and the
-    `tokenizers` library's own thread pool off (it would take every core for one long text)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: full priority
-        pass
+from flover.hardware import background_thread
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""A child process that tries grammar compiles the server cannot afford to try itself.
+
+llguidance compiles some small schemas for minutes and gigabytes (27 `allOf` string patterns: the
+regex intersection it must prove non-empty grows exponentially), inside one native call that no
+fuel limit stops. Here every new grammar is compiled first in a child whose address space is
+capped (RLIMIT_AS: what it holds after start-up + `memory_mib`) and which is killed after
+`seconds`: only a grammar that compiled there, within both, is compiled by the server, whose own
+compile then costs the same bounded time and memory. The child reports what the compiled grammar
+holds (its resident growth), the size the server's grammar cache counts it at.
+
+Frames both ways: 4-byte little-endian length + msgpack (no pickle).
+
+(GrammarSandbox starts the child: `_serve` below.)
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_now() -> int:
+    """This process's resident bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * PAGE
+
+
+def _write(stream, obj) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def _read(stream):
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (size,) = struct.unpack("<I", head)
+    data = stream.read(size)
+    return msgpack.unpackb(data, raw=False) if len(data) == size else None
+
+
+class GrammarSandbox:
+    """The server's side: `check(grammar)` -> the bytes the compiled grammar holds, or
+    GrammarLimitReached naming the limit, or ValueError with the compiler's message. One check
+    at a time (a lock); the child is started on first use and again after it was killed."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int] | None, seconds: float,
+                 memory_mib: int, lexer_states: int):
+        self.setup = {"tokenizer": tokenizer_json, "vocab": vocab_size, "eos": eos, "memory": memory_mib << 20,
+                      "lexer_states": lexer_states}
+        self.seconds, self.memory_mib = seconds, memory_mib
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self.killed = 0  # children killed for a limit (stats)
+
+    def check(self, grammar: str, kind: str) -> int:
+        from flover.structured import GrammarLimitReached, short
+
+        with self._lock:
+            proc = self._child()
+            started = time.monotonic()
+            try:
+                _write(proc.stdin, {"grammar": grammar})
+            except (BrokenPipeError, OSError):
+                self._kill()
+                raise GrammarLimitReached("structured output: the grammar checker stopped; try again") from None
+            ready, _, _ = select.select([proc.stdout], [], [], self.seconds + 1.0)
+            reply = _read(proc.stdout) if ready else None
+            if reply is None:
+                timed_out = not ready or time.monotonic() - started > self.seconds
+                self._kill()
+                self.killed += 1
+                if timed_out:
+                    raise GrammarLimitReached(f"structured output: compiling the {kind} took longer than the server's "
+                                              f"limit of {self.seconds:g} s (--grammar-compile-seconds)")
+                raise GrammarLimitReached(f"structured output: compiling the {kind} needed more memory than the "
+                                          f"server's limit of {self.memory_mib} MiB (--grammar-compile-mib)")
+            if reply.get("error") is not None:
+                raise ValueError(f"SamplingParams.structured: the {kind} does not compile: {short(reply['error'])}")
+            return int(reply["bytes"])
+
+    def _child(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+            self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from flover.grammar_sandbox import _serve; sys.exit(_serve())"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                                         start_new_session=True)
+            _write(self.proc.stdin, self.setup)
+        return self.proc
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            self.proc = None
+
+    def close(self) -> None:
+        """Kill the child now, also in the middle of a check (which then answers at once)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+def _serve() -> int:
+    """The child: the tokenizer once, then one compile per frame, each answered with its error or
+    the bytes it holds. The lowest CPU priority: it never takes a core from the engine."""
+    import ctypes
+
+    import llguidance
+
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    setup = _read(stdin)
+    if setup is None:
+        return 1
+    tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["vocab"], eos_token=setup["eos"])
+    limits = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=setup["lexer_states"])
+    cap = _address_space() + setup["memory"]
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    words = (setup["vocab"] + 31) // 32
+    mask = ctypes.create_string_buffer(words * 4)
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        trim = None
+    while True:
+        job = _read(stdin)
+        if job is None:
+            return 0
+        before = memory_now()
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, job["grammar"], log_level=0, limits=limits)
+            if not matcher.is_error():  # the first mask builds the lexer's start: part of the cost
+                matcher.unsafe_compute_mask_ptr(ctypes.addressof(mask), words * 4)
+            error = matcher.get_error() if matcher.is_error() else None
+            held = memory_now() - before
+        except MemoryError:
+            return 3  # the parent reads EOF: over the memory limit
+        except Exception as e:  # noqa: BLE001 - the compiler's refusal, said to the parent
+            error, held = str(e) or type(e).__name__, 0
+        matcher = None
+        if trim is not None:
+            trim(0)
+        _write(stdout, {"error": error, "bytes": held})
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())
