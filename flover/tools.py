@@ -17,6 +17,7 @@ from flover.structured import COMPACT
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 MAX_TOOLS = 128
+_NOT_JSON = (ValueError, RecursionError)  # (a model's text can nest past the parser's recursion)
 
 
 @dataclass
@@ -75,7 +76,7 @@ def _arguments_object(arguments) -> dict:
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments)
-        except ValueError:
+        except _NOT_JSON:
             return {"_raw": arguments}
         return value if isinstance(value, dict) else {"_value": value}
     return arguments if isinstance(arguments, dict) else {}
@@ -135,33 +136,49 @@ def prompt_messages(messages: list[dict], tools: list[dict] | None, template_sou
     return out, {}
 
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
+
+
+def _json_values(text: str) -> list:
+    """The JSON values written one after another in `text` (a list's items if it is one list),
+    as far as they are complete: the ones before a value cut off (max_tokens) still count."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+            return value if isinstance(value, list) else [value]
+        except _NOT_JSON:
+            at = 1  # a list cut off: its complete items
+    while at < len(text):
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except _NOT_JSON:
+            break
+        values.append(value)
+    return values
 
 
 def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
-    """(the text before the calls, the calls) from a model's answer; no calls where none parse."""
+    """(the text before the calls, the calls) from a model's answer: every complete call (as
+    vLLM's parsers: a call cut off by max_tokens is left out, the ones before it count); no
+    calls where none parse."""
     found: list[tuple[int, object]] = []
     if syntax == MISTRAL and "[TOOL_CALLS]" in text:
         start = text.index("[TOOL_CALLS]")
-        try:
-            value = json.loads(text[start + len("[TOOL_CALLS]"):].strip())
-        except ValueError:
-            return text, []
-        found = [(start, v) for v in (value if isinstance(value, list) else [value])]
+        found = [(start, v) for v in _json_values(text[start + len("[TOOL_CALLS]"):])]
     elif syntax == LLAMA3:
-        stripped = text.replace("<|python_tag|>", "").strip()
-        try:
-            value = json.loads(stripped)
-        except ValueError:
-            return text, []
-        found = [(0, v) for v in (value if isinstance(value, list) else [value])]
+        found = [(0, v) for v in _json_values(text.replace("<|python_tag|>", ""))]
     else:
-        found = []
         for match in _HERMES_CALL.finditer(text):
             try:
                 found.append((match.start(), json.loads(match.group(1))))
-            except ValueError:
-                return text, []
+            except _NOT_JSON:
+                if match.group(2):  # a closed call that is not JSON: the answer is not calls
+                    return text, []
+                break  # the last call, cut off
     calls = []
     for _, value in found:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -181,7 +198,10 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
     if choice in (None, "auto", "none"):
         return None
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ValueError('tool_choice: expected {"type": "function", "function": {"name": ...}}')
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise ValueError(f"tool_choice: no tool is named {name!r}")

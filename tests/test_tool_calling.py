@@ -149,3 +149,42 @@ def test_a_round_trip_tools_then_a_tool_message_then_an_answer(api):
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER], max_tokens=8,
                                        tool_choice={"type": "function", "function": {"name": "unknown"}})
+
+
+def test_complete_calls_count_when_max_tokens_cuts_the_next_and_parallel_false_keeps_one():
+    from flover.server import openai_api as oa
+
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>'
+    text = f"{call}\n{call}\n<tool_call>\n{{\"name\":\"get_weather\",\"argu"
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "tool_choice": "required"}
+    plan = oa.plan(body, "chat", "m", lambda _: None, tools.HERMES)
+    message, finish = oa.chat_message(plan, text, "length")
+    assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"] * 2
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+    single = oa.plan({**body, "parallel_tool_calls": False}, "chat", "m", lambda _: None, tools.HERMES)
+    assert len(oa.chat_message(single, text, "length")[0]["tool_calls"]) == 1
+    # the other syntaxes: the complete items of a list cut off
+    mistral = '[TOOL_CALLS][{"name":"a","arguments":{}},{"name":"b","arguments":{}},{"name":"c","argu'
+    assert [c.name for c in tools.parse_calls(mistral, tools.MISTRAL)[1]] == ["a", "b"]
+    assert tools.parse_calls('{"name":"a","parameters":{"x":1}}', tools.LLAMA3)[1][0].arguments == '{"x": 1}'
+    assert tools.parse_calls("just prose, 42 of it", tools.LLAMA3)[1] == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # passes isdigit(), fails int()
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 7}}}, "tool_choice"),
+])
+def test_malformed_fields_are_400s_naming_them(body, param):
+    from flover.server import openai_api as oa
+
+    with pytest.raises(oa.ApiError) as e:
+        oa.plan({"messages": [{"role": "user", "content": "hi"}], **body}, "chat", "m", lambda _: None, tools.HERMES)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_call_nesting_past_the_parser_is_content_not_a_crash():
+    text = "<tool_call>\n" + "[" * 1200
+    assert tools.parse_calls(text, tools.HERMES) == (text, [])
+    assert tools.parse_calls("[" * 5000, tools.LLAMA3) == ("[" * 5000, [])
+    assert tools.parse_calls("[TOOL_CALLS]" + "[" * 5000, tools.MISTRAL)[1] == []

@@ -68,6 +68,7 @@ class Plan:
     include_usage: bool
     logprobs: int | None = None  # asked for logprobs, with this many alternatives per token
     tool_syntax: str | None = None  # tools were given: answers are parsed for calls in this syntax
+    parallel_tool_calls: bool = True  # False: an answer's first call only
     echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) before the completion
     score_only: bool = False  # completions with echo and max_tokens 0: the prompt's logprobs, no completion
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -167,7 +168,8 @@ def sampling_params(body: dict, chat: bool) -> dict:
     params: dict = {}
     bias = body.get("logit_bias")
     if bias:  # {"token id": bias}: JSON keys are strings
-        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() and len(k) < 11 for k in bias):
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 11
+                                                 for k in bias):
             raise ApiError(400, "logit_bias: expected a map from token ids to numbers", param="logit_bias")
         params["logit_bias"] = [[int(k), v] for k, v in bias.items()]
     structured = structure_asked(body)
@@ -345,7 +347,8 @@ def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_c
         raise ApiError(400, "stream_options: expected an object", param="stream_options")
     return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream,
                 logprobs=params["top_logprobs"] if params.get("logprobs") else None, echo=echo,
-                score_only=echo and body.get("max_tokens") == 0, tool_syntax=syntax)
+                score_only=echo and body.get("max_tokens") == 0, tool_syntax=syntax,
+                parallel_tool_calls=body.get("parallel_tool_calls") is not False)
 
 
 def _tools_asked(body: dict, sources: list[dict], params: dict, syntax: str) -> str | None:
@@ -403,11 +406,13 @@ def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:
 
 
 def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
-    """A chat answer's message and finish reason: with tools, the calls the text holds become
-    `tool_calls` (finish reason "tool_calls"; the text before them stays the content)."""
+    """A chat answer's message and finish reason: with tools, the complete calls the text holds
+    become `tool_calls` (finish reason "tool_calls"; the text before them stays the content; one
+    call when parallel_tool_calls is false), also when max_tokens cut the answer after them."""
     calls = []
-    if p.tool_syntax is not None and finish_reason == "stop":
+    if p.tool_syntax is not None and finish_reason in ("stop", "length"):
         content, calls = tool_calling.parse_calls(text, p.tool_syntax)
+        calls = calls if p.parallel_tool_calls else calls[:1]
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     return ({"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]},
