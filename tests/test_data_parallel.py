@@ -6,6 +6,7 @@ killed rank ends the job without leaving a client hanging, and prompt files spre
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -49,6 +50,18 @@ def test_router_sends_a_known_prefix_to_its_group_else_the_least_loaded_one():
     router.progressed(first, 50, finished_with=51)
     assert router.load[first] == 0 and router.load[other] == 10 and router.in_flight[first] == 1
     assert len(prefix_keys(list(range(10 * BLOCK_TOKENS)), None)) == 4
+
+
+def test_prefix_affinity_yields_to_load_when_every_group_is_full():
+    """16 requests sharing a prefix on 2 groups of 2 slots: the backlog splits evenly (the
+    affinity rule alone sent 13 of them to one group)."""
+    router = Router(groups=2, slots=2)
+    shared = list(range(2 * BLOCK_TOKENS))
+    for i in range(16):
+        router.started(router.choose(shared + [1000 + i], None), 50)
+    assert sorted(router.in_flight) == [8, 8]
+    router.progressed(0, 0, finished_with=50)  # group 0 frees a slot... but still has a backlog
+    assert router.choose(shared, None) == 0  # fewer in flight there now: the prefix's group wins again
 
 
 def _submit(client, prompt: list[int], **params) -> str:
@@ -293,3 +306,39 @@ def test_every_rank_of_a_job_takes_its_own_gpu_whatever_its_groups_size(monkeypa
     for tp in ("1", "2", "8"):
         args = build_parser().parse_args(["serve", "--model", "m", "--device", "cuda", "--tp", tp])
         assert engine_config(args).device == "cuda:3"
+
+
+def test_a_streamed_http_answer_whose_group_dies_ends_with_an_error_event(llama_dir):
+    """SIGKILL of a group leader mid-stream: the HTTP client gets an error event (never a 200 that
+    just stops, which reads like a finished answer)."""
+    import httpx
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    srv = _serve(llama_dir, 2, 1, "--http", f"127.0.0.1:{port}", "--max-seq-len", "512")
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.Client(timeout=60) as http:
+            with contextlib.ExitStack() as streams:
+                lines = []
+                for i in range(4):  # some land on group 1
+                    r = streams.enter_context(http.stream("POST", url, json={
+                        "prompt": [1 + i, 2, 3], "max_tokens": 500, "ignore_eos": True, "stream": True,
+                        "temperature": 0}))
+                    assert r.status_code == 200
+                    lines.append(r.iter_lines())
+                    next(line for line in lines[-1] if line.startswith("data:"))  # its first token
+                os.kill(_rank_pids(1)[0], signal.SIGSTOP)  # group 1's streams cannot finish now
+                os.kill(_rank_pids(1)[0], signal.SIGKILL)
+                errors = 0
+                for stream in lines:  # each ends with its finish and [DONE], or with an error
+                    data = [json.loads(line[5:]) for line in stream if line.startswith("data:") and "[DONE]" not in line]
+                    finished = data[-1].get("choices") and data[-1]["choices"][0]["finish_reason"] is not None
+                    assert finished or "error" in data[-1], data[-2:]
+                    errors += "error" in data[-1]
+                assert errors >= 1
+        srv.proc.wait(timeout=30)
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()

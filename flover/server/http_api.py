@@ -37,7 +37,7 @@ from flover.server import openai_api as oa
 from flover.server.http_front import CURVE_ENV, HttpLimits, parse_listen
 from flover.server.http_guard import guarded_protocol, usable_connections
 from flover.server.prometheus import render
-from flover.server.tokenizing import background_thread
+from flover.hardware import background_thread
 from flover.tools import syntax_of
 
 log = logging.getLogger("flover.http")
@@ -89,6 +89,7 @@ class Front:
         # how this model writes tool calls (from its chat template: flover/tools.py)
         self.tool_syntax = syntax_of(tokenizer.chat_template_source if tokenizer is not None else None)
         self._background: set[asyncio.Task] = set()
+        self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed answers in flight
         # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run
         # here, never on the event loop (the `tokenizers` library releases the GIL while it works).
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flover-tokenize",
@@ -96,6 +97,12 @@ class Front:
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def end_streams(self, why: str) -> None:
+        """The front is stopping: every streamed answer in flight ends with an error event now (a
+        client must never read a cut answer as a finished one)."""
+        for events in self.streams:
+            events.put_nowait((None, oa.ApiError(503, why, "shutting_down")))
 
     def cancel(self, rids) -> None:
         """Fire-and-forget cancels (also from a generator being torn down by a disconnect)."""
@@ -183,7 +190,7 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            body = await _json(request, front.max_body_bytes)
+            body = await _json(request, front.max_body_bytes, front.off_loop)
             limit = await context_length()
             if "messages" in body:
                 ids = await encode(await render_chat(oa.chat_messages(body["messages"])), limit, "messages", False)
@@ -200,7 +207,7 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = await _json(request, front.max_body_bytes)
+            body = await _json(request, front.max_body_bytes, front.off_loop)
             if front.tokenizer is None:
                 raise oa.ApiError(400, "this checkpoint has no tokenizer", param="tokens")
             ids = body.get("tokens")
@@ -255,8 +262,8 @@ def build_app(front: Front) -> FastAPI:
 
     async def generate(request: Request, kind: str):
         try:
-            plan = oa.plan(await _json(request, front.max_body_bytes), kind, front.model_name, log.warning,
-                           front.tool_syntax)
+            body = await _json(request, front.max_body_bytes, front.off_loop)
+            plan = await front.off_loop(oa.plan, body, kind, front.model_name, log.warning, front.tool_syntax)
             if plan.echo:  # (chats go to the daemon as messages: it renders and bounds them)
                 await tokenize_echoed(plan)
         except oa.ApiError as e:
@@ -298,8 +305,10 @@ def build_app(front: Front) -> FastAPI:
 
         pumps = [asyncio.ensure_future(pump(c.index, rid, c)) for c, rid in zip(plan.choices, rids)]
         finished: set[int] = set()
+        front.streams.add(events)
 
         def stop() -> None:
+            front.streams.discard(events)
             for task in pumps:
                 task.cancel()
             front.cancel([rid for i, rid in enumerate(rids) if i not in finished])
@@ -330,7 +339,7 @@ def build_app(front: Front) -> FastAPI:
             try:
                 while True:
                     index, event = item
-                    if isinstance(event, oa.ApiError):
+                    if isinstance(event, oa.ApiError):  # (index None: the front is stopping)
                         finished.add(index)
                         yield _sse(event.body())
                         break
@@ -373,6 +382,20 @@ def build_app(front: Front) -> FastAPI:
     return app
 
 
+def _server(config, front: Front):
+    """uvicorn's Server, whose stop (SIGTERM, SIGINT, or the daemon gone) first ends every
+    streamed answer with an error event; its graceful shutdown then lets them go out."""
+    import uvicorn
+
+    class StreamEndingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                front.end_streams("the server is shutting down; this answer is incomplete")
+            super().handle_exit(sig, frame)
+
+    return StreamEndingServer(config)
+
+
 async def _stop_when_orphaned(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         await asyncio.sleep(0.5)
@@ -384,9 +407,10 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _json(request: Request, limit: int) -> dict:
+async def _json(request: Request, limit: int, off_loop) -> dict:
     """The body as a JSON object, read up to `limit` bytes: a larger one is refused (413) before it
-    is buffered, whether it declares its length or streams chunks."""
+    is buffered, whether it declares its length or streams chunks. Parsed and checked by
+    `off_loop` (a worker thread): a megabyte body costs the event loop nothing."""
     too_large = oa.ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-message-bytes)",
                             "message_too_large")
     declared = request.headers.get("content-length", "")
@@ -398,8 +422,12 @@ async def _json(request: Request, limit: int) -> dict:
         if size > limit:
             raise too_large
         raw.append(chunk)
+    return await off_loop(_parse_body, b"".join(raw))
+
+
+def _parse_body(raw: bytes) -> dict:
     try:
-        body = json.loads(b"".join(raw))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise oa.ApiError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
@@ -442,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                         usable_connections(args.max_connections))
     config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, timeout_graceful_shutdown=2,
                             http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout, **where)
-    server = uvicorn.Server(config)
+    server = _server(config, front)
     log.info("listening on http://%s:%d (model %r, %s, started in %.1f s; at most %d connections, headers "
              "within %g s, bodies within %g s)", host, port, front.model_name,
              "API key required" if front.api_key else "no API key", time.perf_counter() - started,

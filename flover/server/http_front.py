@@ -73,7 +73,10 @@ def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
                                  "--body-timeout", str(limits.body_timeout),
                                  "--keep-alive", str(limits.keep_alive_timeout),
                                  "--max-connections", str(limits.max_connections)],
-                                env=env, pass_fds=[sock.fileno()])
+                                # its own session: a job launcher that kills the daemon's process group
+                                # (mpirun, when a rank dies) must not cut the front's streams off
+                                # unanswered; it ends them itself once the daemon is gone
+                                env=env, pass_fds=[sock.fileno()], start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
