@@ -152,3 +152,60 @@ def test_a_tokenizer_id_outside_the_model_is_refused_and_nothing_else_fails(make
         finally:
             code, err = server.stop(signal.SIGUSR1 if ranks > 1 else signal.SIGTERM)  # mpirun forwards USR1
         assert code == 0, err[-2000:]
+
+
+def _tensor_bytes(path: Path, name: str) -> tuple[int, int]:
+    """(where tensor `name`'s data starts in the file, where its offset field is in the header)."""
+    from flover.models.gguf_file import parse_gguf
+
+    _, tensors, raw = parse_gguf(path)
+    start = tensors[name].data.__array_interface__["data"][0] - raw.__array_interface__["data"][0]
+    head = path.read_bytes()[:start]
+    key = len(name).to_bytes(8, "little") + name.encode()
+    at = head.index(key) + len(key)
+    n_dims = int.from_bytes(head[at: at + 4], "little")
+    return start, at + 4 + 8 * n_dims + 4
+
+
+def _patched(src: Path, dst: Path, at: int, data: bytes) -> Path:
+    blob = bytearray(src.read_bytes())
+    blob[at: at + len(data)] = data
+    dst.write_bytes(bytes(blob))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def q8_file(make_model, tmp_path_factory) -> Path:
+    from flover.testing.tiny_model import write_gguf
+
+    return Path(write_gguf(make_model("llama"), tmp_path_factory.mktemp("q8") / "m.gguf", "Q8_0"))
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])  # dequantized, and the file's own codes where they run
+def test_non_finite_scales_and_weights_are_refused_at_load_naming_the_tensor(q8_file, tmp_path, quantization):
+    import numpy as np
+
+    start, _ = _tensor_bytes(q8_file, "blk.0.attn_q.weight")
+    nan_scale = _patched(q8_file, tmp_path / "nan.gguf", start, np.float16("nan").tobytes())  # the first block's d
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_q\.weight holds .*not finite"):
+        LLM(str(nan_scale), max_seq_len=64, max_slots=2, quantization=quantization)
+    norm, _ = _tensor_bytes(q8_file, "blk.1.ffn_norm.weight")
+    inf_norm = _patched(q8_file, tmp_path / "inf.gguf", norm + 4, np.float32("inf").tobytes())
+    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_norm\.weight holds values that are not finite"):
+        LLM(str(inf_norm), max_seq_len=64, max_slots=2, quantization=quantization)
+
+
+def test_tensor_offsets_must_be_aligned_in_bounds_and_apart(q8_file, tmp_path):
+    from flover.models.gguf_file import parse_gguf
+
+    _, field = _tensor_bytes(q8_file, "blk.0.attn_k.weight")
+    offset = int.from_bytes(q8_file.read_bytes()[field: field + 8], "little")
+    shifted = _patched(q8_file, tmp_path / "shifted.gguf", field, (offset + 3).to_bytes(8, "little"))
+    with pytest.raises(CheckpointError, match="not a multiple of general.alignment"):
+        LLM(str(shifted), max_seq_len=64, max_slots=2)
+    _, other = _tensor_bytes(q8_file, "blk.0.attn_q.weight")
+    q_offset = int.from_bytes(q8_file.read_bytes()[other: other + 8], "little")
+    aliased = _patched(q8_file, tmp_path / "aliased.gguf", field, q_offset.to_bytes(8, "little"))
+    with pytest.raises(CheckpointError, match="overlap"):
+        LLM(str(aliased), max_seq_len=64, max_slots=2)
+    parse_gguf(q8_file)  # the file as written passes

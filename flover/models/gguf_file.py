@@ -244,6 +244,8 @@ class GGUFReader:
         import torch  # (this module is read without torch by the HTTP front)
 
         weight = torch.from_numpy(t.dequantize())
+        if not torch.isfinite(weight).all():  # (a NaN block scale: every greedy answer token 0)
+            raise CheckpointError(f"{self.dir}: tensor {name} holds values that are not finite (NaN or infinity)")
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
         if source.dim is None:
@@ -270,6 +272,9 @@ class GGUFReader:
             return None
         parts = [torch.from_numpy(a) for a in (found.codes, found.scale, found.low) if a is not None]
         supers = [torch.from_numpy(a) for a in found.supers] if found.supers is not None else None
+        if not all(torch.isfinite(a).all() for a in [*parts[1:], *(supers or ())] if a.is_floating_point()):
+            raise CheckpointError(f"{self.dir}: tensor {name} holds block scales that are not finite (NaN or "
+                                  f"infinity)")
         if heads is not None:
             parts = [_unpermute_rows(a, heads) for a in parts]
             supers = supers and [_unpermute_rows(a, heads) for a in supers]
@@ -428,13 +433,25 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
         raise ValueError(f"general.alignment {alignment!r} is not a positive multiple of 8")
     start = (pos + alignment - 1) // alignment * alignment
     sizes = {t.value: block_and_bytes for t, block_and_bytes in gguf.GGML_QUANT_SIZES.items()}
-    tensors = {}
+    tensors, spans = {}, []
     for name, dims, qtype, offset in infos:
         block, size = sizes.get(qtype, (1, 0))  # an unknown type reads as empty; read() names it
         count = math.prod(dims)
+        if count % block or (dims and dims[0] % block):
+            raise ValueError(f"tensor {name}: its rows of {dims[0] if dims else 0} values are not whole blocks of "
+                             f"{block}")
         nbytes = count // block * size
+        if offset % alignment:  # (the spec aligns every tensor's data; a shifted one reads garbage)
+            raise ValueError(f"tensor {name}: offset {offset} is not a multiple of general.alignment {alignment}")
         begin = start + offset
         if begin + nbytes > raw.size:
             raise ValueError(f"tensor {name} runs past the end of the file")
+        if name in tensors:
+            raise ValueError(f"tensor {name} is listed twice")
+        spans.append((begin, begin + nbytes, name))
         tensors[name] = GGUFTensor(name, tuple(int(d) for d in reversed(dims)), qtype, raw[begin: begin + nbytes])
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:  # another tensor's bytes read as this one's: garbage, not an error, at run time
+            raise ValueError(f"tensors {first} and {second} overlap")
     return metadata, tensors, raw

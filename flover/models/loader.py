@@ -90,12 +90,15 @@ class CheckpointReader:
                     f"{file}: tensor {source.name!r} has shape {list(shape)}, expected {list(source.shape)}"
                 )
             if source.dim is None:
-                return view[:]
-            index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None)
-                          for d in range(len(shape)))
-            return view[index]
+                tensor = view[:]
+            else:
+                tensor = view[tuple(slice(source.start, source.stop) if d == source.dim else slice(None)
+                                    for d in range(len(shape)))]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {source.name!r} ({e})") from None
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{file}: tensor {source.name!r} holds values that are not finite (NaN or infinity)")
+        return tensor
 
 
 def load_weights(reader: CheckpointReader, specs: list[WeightSpec],
