@@ -152,8 +152,14 @@ def build_library(family: str = "auto") -> Path:
     key = hashlib.sha256("\0".join([sources, " ".join(flags), version,
                                     " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
     path = cache_dir() / f"llama_forward-{family}-{key}.so"
+    stamp = path.with_name(f"{path.name}.sha256")  # written after a complete build: what the file must hash to
     if path.is_file():
-        return path
+        if _intact(path, stamp):
+            return path
+        log.warning("the cached native build %s is damaged or unfinished (its checksum does not match): "
+                    "rebuilding it", path)
+        for stale in (path, stamp):
+            stale.unlink(missing_ok=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -169,12 +175,28 @@ def build_library(family: str = "auto") -> Path:
         partial.unlink(missing_ok=True)
         raise NativeUnavailable(f"compiling the native step failed ({compiler} exit {done.returncode}): "
                                 f"{done.stderr.strip()[-2000:]}")
-    try:
+    try:  # the library, then its checksum: a build cut off between the two is rebuilt
         os.replace(partial, path)
+        stamp_partial = stamp.with_name(f"{stamp.name}.{os.getpid()}.partial")
+        stamp_partial.write_text(_sha256(path))
+        os.replace(stamp_partial, stamp)
     except OSError as e:
         raise NativeUnavailable(f"cannot store the build in {path.parent}: {e}") from e
     log.info("native step (%s kernels) compiled in %.1f s: %s", family, time.perf_counter() - started, path)
     return path
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(path: Path, stamp: Path) -> bool:
+    """Whether a cached build is the one its build stamped (a truncated library kills the process
+    with SIGBUS when loaded; a foreign one lacks our symbols)."""
+    try:
+        return stamp.read_text().strip() == _sha256(path)
+    except OSError:
+        return False
 
 
 def load_library(family: str = "auto") -> ctypes.CDLL:
@@ -183,6 +205,13 @@ def load_library(family: str = "auto") -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise NativeUnavailable(f"cannot load {path}: {e}") from e
+    try:
+        return _bind(lib)
+    except AttributeError as e:  # (its checksum matched its stamp: both were replaced by hand)
+        raise NativeUnavailable(f"{path} is not a build of flover's native step ({e}); delete it") from e
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.flover_work_floats.argtypes = [p, ctypes.c_int, ctypes.c_int]
     lib.flover_work_floats.restype = i64
