@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from flover.grammar_sandbox import GrammarSandbox, memory_now
+from flover.hardware import return_freed_heap
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a schema / regex / grammar's text; the HTTP body limit is the other bound
@@ -40,7 +41,15 @@ class GrammarLimits:
     cache_mib: int = 512
     mask_ms_per_token: float = 5.0
     mask_burst_ms: float = 250.0
-    lexer_states: int = 50_000  # llguidance's lexer DFA per grammar (its own default: 250,000)
+    lexer_states: int = 20_000  # llguidance's lexer DFA per grammar (its own default: 250,000)
+    lexer_fuel: int = 50_000  # llguidance's lexer work for one token mask (its own default: 200,000)
+
+
+def parser_limits(limits: GrammarLimits):
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=limits.lexer_states,
+                                     step_lexer_fuel=limits.lexer_fuel)
 
 
 class GrammarLimitReached(ValueError):
@@ -55,6 +64,7 @@ class RowFailure(str):
 
 def short(text: str) -> str:
     """llguidance's message, cut to what a client can read (it can hold kilobytes of state)."""
+    text = text.replace("\n<non-verbose/>", "").strip()
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
 
 
@@ -118,8 +128,9 @@ class Structured:
         if self.kind == "json_schema" and isinstance(self.value, (dict, str)):  # compact text: one cache entry
             try:  # (keys keep their order: the output's properties come in the schema's order)
                 schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-                if _depth(schema) <= MAX_SCHEMA_DEPTH:
+                if _depth(schema) <= MAX_SCHEMA_DEPTH and isinstance(schema, (dict, bool)):
                     object.__setattr__(self, "value", json.dumps(schema, separators=(",", ":")))
+                    object.__setattr__(self, "_checked", True)  # (problem() need not parse it again)
             except (ValueError, TypeError, RecursionError):
                 pass  # problem() names it
         if self.kind == "choice" and isinstance(self.value, list):
@@ -152,7 +163,7 @@ class Structured:
             return f"kind {self.kind} needs a non-empty string"
         if len(self.value) > MAX_SPEC_CHARS:
             return f"the {self.kind} is longer than {MAX_SPEC_CHARS} characters"
-        if self.kind == "json_schema":
+        if self.kind == "json_schema" and not getattr(self, "_checked", False):
             try:
                 schema = json.loads(self.value)
             except ValueError as e:
@@ -198,9 +209,8 @@ class Grammars:
         backend = tokenizer.backend_json()
         self.eos = list(eos_token_ids) or None
         self.tokenizer = llguidance.LLTokenizer(backend, n_vocab=vocab_size, eos_token=self.eos)
-        self.parser_limits = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=limits.lexer_states)
-        self.sandbox = GrammarSandbox(backend, vocab_size, self.eos, limits.compile_seconds,
-                                      limits.compile_mib, limits.lexer_states) if sandboxed else None
+        self.parser_limits = parser_limits(limits)
+        self.sandbox = GrammarSandbox(backend, vocab_size, self.eos, limits) if sandboxed else None
         self._compiled: OrderedDict[Structured, tuple[object, int]] = OrderedDict()  # -> (matcher, bytes)
         self.cached_bytes = 0
         self._lock = threading.Lock()  # the daemon compiles on worker threads
@@ -242,7 +252,19 @@ class Grammars:
         return matcher
 
     def start(self, structured: Structured) -> "GrammarState":
-        return GrammarState(self.compile(structured).deep_copy(), self.vocab_size, self.limits)
+        return GrammarState(self.compile(structured).deep_copy(), self.vocab_size, self.limits,
+                            on_limit=lambda: self.forget(structured))
+
+    def forget(self, structured: Structured) -> None:
+        """Drop a grammar whose request reached a limit: its lexer grew in the cached matcher
+        (copies share it), and what it holds goes back to the system."""
+        with self._lock:
+            entry = self._compiled.pop(structured, None)
+            if entry is not None:
+                self.cached_bytes -= entry[1]
+        if entry is not None:
+            del entry
+            return_freed_heap()
 
     def close(self) -> None:
         if self.sandbox is not None:
@@ -252,8 +274,9 @@ class Grammars:
 class GrammarState:
     """One request's matcher: the tokens allowed next, advanced by each token drawn."""
 
-    def __init__(self, matcher, vocab_size: int, limits: GrammarLimits = GrammarLimits()):
+    def __init__(self, matcher, vocab_size: int, limits: GrammarLimits = GrammarLimits(), on_limit=None):
         self.matcher, self.words, self.limits = matcher, (vocab_size + 31) // 32, limits
+        self.on_limit = on_limit  # called once a limit ends the request (the cache drops the grammar)
         self.mask_budget_ms = limits.mask_burst_ms  # in hand; each token adds mask_ms_per_token
         self.mask_ms = 0.0  # spent, in all
 
@@ -264,8 +287,9 @@ class GrammarState:
         started = time.perf_counter()
         for j in range(len(draft) + 1):
             self.matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self.words * 4)
-            if self.matcher.is_error():
-                raise GrammarLimitReached(f"structured output: {short(self.matcher.get_error())}")
+            if self.matcher.is_error():  # (llguidance's lexer limits: --grammar-lexer-fuel)
+                raise GrammarLimitReached(f"structured output: {short(self.matcher.get_error())} (the grammar "
+                                          f"needs more lexer work than the server allows: --grammar-lexer-fuel)")
             if j < len(draft) and not self.matcher.consume_token(draft[j]):
                 raise ValueError(f"draft token {draft[j]} is not allowed: {short(self.matcher.get_error())}")
         self.matcher.rollback(len(draft))
@@ -318,6 +342,8 @@ def allowed_bits(states: list[GrammarState | None], vocab: int, drafts: list[lis
             except GrammarLimitReached as e:
                 failed[row] = RowFailure(str(e))
                 bits[row: row + 1 + len(draft)] = -1
+                if state.on_limit is not None:
+                    state.on_limit()
             except Exception as e:  # llguidance's own failure: this request's, not the iteration's
                 failed[row] = f"structured output failed: {short(str(e))}"
                 bits[row: row + 1 + len(draft)] = -1

@@ -71,6 +71,7 @@ def test_a_request_whose_masks_overrun_their_budget_ends_naming_the_limit_and_ot
     assert costly.finish_reason == "error" and "--grammar-mask-ms" in costly.error
     assert costly.error_code == "invalid_request"
     assert fused.token_ids == alone
+    assert not llm.engine.grammars.cached(Structured("regex", "[a-z]+"))  # a costly grammar is not kept
 
 
 def test_a_mask_over_budget_through_the_daemon_is_an_invalid_request_not_an_internal_error(llama_dir):
@@ -80,6 +81,22 @@ def test_a_mask_over_budget_through_the_daemon_is_an_invalid_request_not_an_inte
             with pytest.raises(FloverError) as e:
                 c.generate(input_ids=[1, 2], max_new_tokens=20, structured={"kind": "regex", "value": "[a-z]+"})
             assert e.value.code == "invalid_request" and "--grammar-mask-ms" in e.value.message
+    finally:
+        srv.stop()
+
+
+def test_a_grammar_whose_lexer_work_exceeds_the_fuel_is_refused_before_it_runs(llama_dir):
+    """200 overlapping lexemes /[a-z]*c[a-z]{n}/: their lexer states multiply (13-165 ms a mask on
+    SmolLM2's vocabulary); past --grammar-lexer-fuel the compile check refuses the grammar."""
+    lexemes = "\n".join(f"T{i}: /[a-z]*{chr(97 + i % 26)}[a-z]{{{4 + i % 8}}}/" for i in range(200))
+    grammar = "start: item+\nitem: " + " | ".join(f"T{i}" for i in range(200)) + "\n" + lexemes
+    srv = Server(llama_dir, "--grammar-lexer-fuel", "2000")
+    try:
+        with srv.client() as c:
+            with pytest.raises(FloverError) as e:
+                c.generate(input_ids=[1, 2], max_new_tokens=10, structured={"kind": "grammar", "value": grammar})
+            assert e.value.code == "invalid_request" and "lexer" in e.value.message
+            assert len(e.value.message) < 1000  # no parser state dump
     finally:
         srv.stop()
 

@@ -70,6 +70,9 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
                         "error naming the limit (default %(default)g)")
     g.add_argument("--grammar-mask-burst-ms", type=float, default=limits.mask_burst_ms, metavar="MS",
                    help="... with MS in hand at any time (the first masks build the lexer; default %(default)g)")
+    g.add_argument("--grammar-lexer-fuel", type=int, default=limits.lexer_fuel, metavar="N",
+                   help="llguidance's lexer work for one token mask (its step_lexer_fuel; default %(default)d, "
+                        "llguidance's own 200000); a grammar past it ends its request with an error")
     g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
                    help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
     g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
@@ -98,7 +101,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                                      compile_mib=args.grammar_compile_mib,
                                                      cache_mib=args.grammar_cache_mib,
                                                      mask_ms_per_token=args.grammar_mask_ms,
-                                                     mask_burst_ms=args.grammar_mask_burst_ms))
+                                                     mask_burst_ms=args.grammar_mask_burst_ms,
+                                                     lexer_fuel=args.grammar_lexer_fuel))
 
 
 def _resolve_dtype(args) -> str:

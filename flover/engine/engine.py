@@ -206,7 +206,8 @@ class Engine:
         GIL): a server's first structured request would otherwise stall every running one."""
         if self.tokenizer is not None:
             try:
-                self.grammars
+                if self.grammars.sandbox is not None:
+                    self.grammars.sandbox.start()  # (its tokenizer is built while nothing runs yet)
             except Exception as e:  # a structured request will name it; the rest is unaffected
                 log.warning("structured output unavailable: %s", e)
             return_freed_heap()  # parsing the tokenizer's JSON for it left ~30 MiB (SmolLM2) freed
