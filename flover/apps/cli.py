@@ -149,7 +149,7 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
     args.comm = launch.world  # a failing rank aborts the whole job
     engine = Engine(engine_config(args), launch.comm)
     if serving:
-        engine.prepare_grammars()
+        engine.prepare_grammars(checked_elsewhere=launch.layout.index > 0)
     if not engine.is_leader or launch.layout.index > 0:
         _ignore_stop_signals()  # (again, should the launcher not have said this rank's number)
         if engine.is_leader:

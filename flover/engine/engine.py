@@ -97,6 +97,7 @@ class Engine:
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.tokenizer = load_tokenizer(checkpoint)
         self._grammars: Grammars | None = None
+        self.checks_grammars = self.is_leader  # new grammars tried in a child first (a DP group's leader: not)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
             log.warning("the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
                         "vocabulary is refused", self.tokenizer.vocab_size, cfg.vocab_size)
@@ -198,13 +199,16 @@ class Engine:
                 raise ValueError("structured output needs the checkpoint's tokenizer")
             # the leader tries each new grammar in a child process first (grammar_sandbox.py)
             self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-                                      self.config.grammar_limits, sandboxed=self.is_leader)
+                                      self.config.grammar_limits, sandboxed=self.checks_grammars)
         return self._grammars
 
-    def prepare_grammars(self) -> None:
+    def prepare_grammars(self, checked_elsewhere: bool = False) -> None:
         """Build llguidance's view of the tokenizer now (~0.15 s for 49k tokens, holding the
-        GIL): a server's first structured request would otherwise stall every running one."""
+        GIL): a server's first structured request would otherwise stall every running one; and
+        start the child that tries new grammars first, unless they are `checked_elsewhere` (a
+        data-parallel group's leader: world rank 0 tried each one before routing it)."""
         if self.tokenizer is not None:
+            self.checks_grammars = self.checks_grammars and not checked_elsewhere
             try:
                 if self.grammars.sandbox is not None:
                     self.grammars.sandbox.start()  # (its tokenizer is built while nothing runs yet)

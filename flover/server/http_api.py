@@ -94,9 +94,16 @@ class Front:
         # here, never on the event loop (the `tokenizers` library releases the GIL while it works).
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flover-tokenize",
                                        initializer=background_thread)
+        # Request bodies are parsed one at a time: a flood of large bodies takes at most one core
+        # from the engine (two parsing at once doubled the gaps in a running stream).
+        self._bodies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flover-body",
+                                          initializer=background_thread)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def parse_off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._bodies, fn, *args)
 
     def end_streams(self, why: str) -> None:
         """The front is stopping: every streamed answer in flight ends with an error event now (a
@@ -190,7 +197,7 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            body = await _json(request, front.max_body_bytes, front.off_loop)
+            body = await _json(request, front.max_body_bytes, front.parse_off_loop, TOKENIZE_FIELDS)
             limit = await context_length()
             if "messages" in body:
                 ids = await encode(await render_chat(oa.chat_messages(body["messages"])), limit, "messages", False)
@@ -207,7 +214,7 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = await _json(request, front.max_body_bytes, front.off_loop)
+            body = await _json(request, front.max_body_bytes, front.parse_off_loop, {"model", "tokens"})
             if front.tokenizer is None:
                 raise oa.ApiError(400, "this checkpoint has no tokenizer", param="tokens")
             ids = body.get("tokens")
@@ -262,8 +269,8 @@ def build_app(front: Front) -> FastAPI:
 
     async def generate(request: Request, kind: str):
         try:
-            body = await _json(request, front.max_body_bytes, front.off_loop)
-            plan = await front.off_loop(oa.plan, body, kind, front.model_name, log.warning, front.tool_syntax)
+            body = await _json(request, front.max_body_bytes, front.parse_off_loop, oa.NEUTRAL)
+            plan = await front.parse_off_loop(oa.plan, body, kind, front.model_name, log.warning, front.tool_syntax)
             if plan.echo:  # (chats go to the daemon as messages: it renders and bounds them)
                 await tokenize_echoed(plan)
         except oa.ApiError as e:
@@ -407,10 +414,15 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _json(request: Request, limit: int, off_loop) -> dict:
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens"}
+
+
+async def _json(request: Request, limit: int, off_loop, known: set[str]) -> dict:
     """The body as a JSON object, read up to `limit` bytes: a larger one is refused (413) before it
     is buffered, whether it declares its length or streams chunks. Parsed and checked by
-    `off_loop` (a worker thread): a megabyte body costs the event loop nothing."""
+    `off_loop` (one worker thread): a megabyte body costs the event loop nothing but the GIL
+    while `json` parses it. Fields not in `known` are kept as null (never read: warned about,
+    not walked)."""
     too_large = oa.ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-message-bytes)",
                             "message_too_large")
     declared = request.headers.get("content-length", "")
@@ -422,10 +434,10 @@ async def _json(request: Request, limit: int, off_loop) -> dict:
         if size > limit:
             raise too_large
         raw.append(chunk)
-    return await off_loop(_parse_body, b"".join(raw))
+    return await off_loop(_parse_body, b"".join(raw), known)
 
 
-def _parse_body(raw: bytes) -> dict:
+def _parse_body(raw: bytes, known: set[str]) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -434,6 +446,8 @@ def _parse_body(raw: bytes) -> dict:
         raise oa.ApiError(400, f"the request body nests deeper than {oa.MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise oa.ApiError(400, "the request body must be a JSON object")
+    for key in body.keys() - known:
+        body[key] = None
     oa.check_json_values(body)
     return body
 

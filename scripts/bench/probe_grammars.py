@@ -12,8 +12,9 @@ prints one line of JSON:
            innocent streams, one per group): the streams' worst gap
   numbers  6 cities through a {name, country, population_millions: number} schema, greedy: how
            many answers parse, their finish reasons
-  bodies   3 clients posting 1 MB bodies (200,000 [0] items in an unknown field) for 5 s: the
-           longest /health answer and the stream's worst gap
+  bodies   3 clients posting 1 MB bodies (200,000 [0] items in an unknown field) for 5 s, each as
+           soon as its previous one is answered: how many were answered, the /health answers
+           and the stream's gaps
 
     python scripts/bench/probe_grammars.py --model SmolLM2-135M-Instruct.Q4_1.gguf [--src OTHER] [--probes bomb,masks]
 
@@ -256,12 +257,13 @@ def probe_bodies(d: Daemon) -> dict:
     stream.first.wait(60)
     stop = time.monotonic() + 5
     big = json.dumps({"prompt": "hi", "max_tokens": 1, "junk": [[0]] * 200_000}).encode()
-    health = []
+    health, posted = [], []
 
     def poster() -> None:
         with httpx.Client(timeout=60) as http:
             while time.monotonic() < stop:
                 http.post(f"{d.url}/v1/completions", content=big, headers={"content-type": "application/json"})
+                posted.append(1)
 
     posters = [threading.Thread(target=poster, daemon=True) for _ in range(3)]
     for t in posters:
@@ -275,7 +277,7 @@ def probe_bodies(d: Daemon) -> dict:
     for t in posters:
         t.join(60)
     stream.join(120)
-    return {"health_max_ms": round(max(health), 1), "health_p50_ms": round(statistics.median(health), 1),
+    return {"bodies_answered": len(posted), "health_max_ms": round(max(health), 1), "health_p50_ms": round(statistics.median(health), 1),
             **summary(stream.gaps_ms())}
 
 
