@@ -383,13 +383,25 @@ def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, va
     assert ties > 20, ties  # exact ties met, the first index taken
 
 
+def _with_final_norm(make_model, fill: float, tmp_path, **config):
+    """The native step of a model whose final norm is all `fill`: zeros from the file; NaN set in
+    the loaded weights (a file holding NaN is refused at load: tests/test_model_files.py), as a
+    run-time overflow would leave them."""
+    if fill == fill:
+        model_dir = edited_copy(make_model("llama"), tmp_path / "norm",
+                                lambda tensors: tensors["model.norm.weight"].fill_(fill))
+        return Engine(EngineConfig(model_dir, **config)).runner.native
+    engine = Engine(EngineConfig(make_model("llama"), **config))
+    engine.runner.model.norm.fill_(fill)  # (the native step reads this tensor's memory)
+    return engine.runner.native
+
+
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
 def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0) or NaN, 12 bfloat16 greedy rows: the ids are
     torch.argmax's (0: the first maximum, or the first NaN)."""
-    model_dir = edited_copy(make_model("llama"), tmp_path / "norm", lambda tensors: tensors["model.norm.weight"].fill_(fill))
-    native = Engine(EngineConfig(model_dir, dtype="bfloat16", max_slots=4, max_batch_tokens=16,
-                                 max_seq_len=64)).runner.native
+    native = _with_final_norm(make_model, fill, tmp_path, dtype="bfloat16", max_slots=4, max_batch_tokens=16,
+                              max_seq_len=64)
     batch = ForwardBatch(input_ids=torch.arange(5, 17), positions=torch.arange(12),
                          write_slots=torch.zeros(12, dtype=torch.int64), num_decode=0, decode_span=0,
                          decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, 12, 0, 0)],
@@ -397,6 +409,7 @@ def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill
     before = native.full_head_rows
     ids = native.run(batch, greedy=True)
     assert ids == native.run(batch).argmax(-1).tolist() == [0] * 12
+    assert fill == fill or native.run(batch).isnan().all()
     assert native.full_head_rows - before == 12
 
 
@@ -404,13 +417,13 @@ def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill
 def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0: all candidates) or NaN (NaN logits): the rows take the
     whole float32 head, and the ids are still torch.argmax's (0: the first maximum, or NaN)."""
-    model_dir = edited_copy(make_model("llama"), tmp_path / "norm", lambda tensors: tensors["model.norm.weight"].fill_(fill))
-    native = Engine(EngineConfig(model_dir, dtype="float32", max_slots=4, max_batch_tokens=16,
-                                 max_seq_len=64)).runner.native
+    native = _with_final_norm(make_model, fill, tmp_path, dtype="float32", max_slots=4, max_batch_tokens=16,
+                              max_seq_len=64)
     batch = ForwardBatch(input_ids=torch.tensor([5, 6, 7]), positions=torch.arange(3),
                          write_slots=torch.zeros(3, dtype=torch.int64), num_decode=0, decode_span=0,
                          decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, 3, 0, 0)],
                          sample_rows=torch.arange(3))
     ids = native.run(batch, greedy=True)
     assert ids == native.run(batch).argmax(-1).tolist() == [0, 0, 0]
+    assert fill == fill or native.run(batch).isnan().all()
     assert native.full_head_rows == native.screened_rows == 3
