@@ -21,6 +21,7 @@ import select
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -67,6 +68,8 @@ class GrammarSandbox:
                       "lexer_fuel": limits.lexer_fuel}
         self.seconds, self.memory_mib = limits.compile_seconds, limits.compile_mib
         self.proc: subprocess.Popen | None = None
+        self._stderr = None
+        self.last_words = ""  # the end of what the last killed child wrote
         self._lock = threading.Lock()
         self.killed = 0  # children killed for a limit (stats)
 
@@ -90,6 +93,8 @@ class GrammarSandbox:
                 if timed_out:
                     raise GrammarLimitReached(f"structured output: compiling the {kind} took longer than the server's "
                                               f"limit of {self.seconds:g} s (--grammar-compile-seconds)")
+                if "overflowed its stack" in self.last_words:
+                    raise GrammarLimitReached(f"structured output: the {kind} nests too deeply to compile")
                 raise GrammarLimitReached(f"structured output: compiling the {kind} needed more memory than the "
                                           f"server's limit of {self.memory_mib} MiB (--grammar-compile-mib)")
             if reply.get("error") is not None:
@@ -104,16 +109,21 @@ class GrammarSandbox:
     def _child(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+            self._stderr = tempfile.TemporaryFile()  # what a dying child says (Rust: why it aborted)
             self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                                         stdout=subprocess.PIPE, stderr=self._stderr, env=env,
                                          start_new_session=True)
             _write(self.proc.stdin, self.setup)
         return self.proc
 
     def _kill(self) -> None:
+        self.last_words = ""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+            self._stderr.seek(0)
+            self.last_words = self._stderr.read()[-4096:].decode(errors="replace")
+            self._stderr.close()
             for stream in (self.proc.stdin, self.proc.stdout):
                 try:
                     stream.close()
@@ -131,9 +141,13 @@ class GrammarSandbox:
 # The child idles before anything else (SCHED_IDLE: it runs only on a core nothing else wants; at
 # nice 19 its compiles still took slices from the engine's threads at every barrier: iterations of
 # 100-470 ms beside eight 830 KB enum compiles, 56 ms without the child).
+# It also dies with the server (PR_SET_PDEATHSIG): a compile the server no longer times never
+# outlives it.
 _CHILD = ("import os, sys\n"
           "try:\n    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
           "except (AttributeError, OSError):\n    os.nice(19)\n"
+          "try:\n    import ctypes, signal\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
+          "except (OSError, AttributeError):\n    pass\n"
           "from flover.grammar_sandbox import _serve\nsys.exit(_serve())\n")
 
 

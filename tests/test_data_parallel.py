@@ -342,3 +342,29 @@ def test_a_streamed_http_answer_whose_group_dies_ends_with_an_error_event(llama_
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_structured_requests_on_every_group_compile_beside_its_loop_and_match(llama_dir):
+    """Distinct structures spread over 2 groups: a group's leader compiles each on a thread
+    (GrammarWork) while its requests wait, then runs it; every answer matches its structure, a
+    request cancelled while its grammar compiles is cancelled, and one that does not compile is
+    refused on rank 0 before any group sees it."""
+    import re
+
+    from flover.client import FloverError
+
+    with _serving(llama_dir, 2, 1) as srv:
+        with srv.client() as client:
+            patterns = [f"[a-z]{{{2 + i}}}-{i}[0-9]{{2}}" for i in range(8)]
+            ids = [_submit(client, [1 + i, 2, 3], max_new_tokens=40, structured={"kind": "regex", "value": p})
+                   for i, p in enumerate(patterns)]
+            cancelled = _submit(client, [9, 9], max_new_tokens=200,
+                                structured={"kind": "regex", "value": "[a-z]{3}-cancelled-[a-z]{60}"})
+            client.cancel(cancelled)
+            got = [client.wait(i) for i in ids]
+            assert client.wait(cancelled)["finish_reason"] == "cancelled"
+            with pytest.raises(FloverError, match="does not compile"):
+                client.generate(input_ids=[1, 2], max_new_tokens=4, structured={"kind": "regex", "value": "[a-"})
+            routed = [g["routed"] for g in client.stats()["groups"]]
+        assert all(re.fullmatch(p, g["text"]) and g["finish_reason"] == "stop" for p, g in zip(patterns, got)), got
+        assert min(routed) >= 2, routed

@@ -167,15 +167,30 @@ def test_every_message_the_daemon_cannot_take_is_answered_with_its_id(server):
         assert e.value.code == "bad_message"
 
 
-def test_the_grammar_checker_child_is_gone_with_the_daemon(llama_dir):
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_the_grammar_checker_child_is_gone_with_the_daemon(llama_dir, how):
+    import signal
+
     srv = Server(llama_dir)
     with srv.client() as c:
         c.generate(input_ids=[1, 2], max_new_tokens=4, structured={"kind": "regex", "value": "[a-z]+"})
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == srv.proc.pid]
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == srv.proc.pid
+                and b"grammar_sandbox" in _cmdline(p)]
     assert children, "the checker runs as the daemon's child"
-    assert srv.stop()[0] == 0
-    time.sleep(0.5)
-    assert not any(os.path.exists(f"/proc/{p}") and _parent(p) == srv.proc.pid for p in children)
+    code, _ = srv.stop(getattr(signal, how))
+    assert code == (0 if how == "SIGTERM" else -9)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") and b"grammar_sandbox" in _cmdline(p) for p in children):
+        assert time.monotonic() < deadline, "the checker outlived the daemon"
+        time.sleep(0.1)
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _parent(pid: str) -> int | None:
@@ -184,3 +199,33 @@ def _parent(pid: str) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_a_drain_during_a_costly_compile_ends_on_time(llama_dir):
+    """SIGTERM while a grammar compiles for long (here allowed 60 s and 4 GiB): the daemon stops
+    within its drain timeout and a few seconds (the checker child is killed), and the client of
+    the compile is told, not left waiting."""
+    import signal
+    import threading
+
+    srv = Server(llama_dir, "--drain-timeout", "2", "--grammar-compile-seconds", "60", "--grammar-compile-mib", "4096")
+    answers = []
+    try:
+        with srv.client() as c:
+            def bomb():
+                try:
+                    answers.append(c.generate(input_ids=[1, 2], max_new_tokens=4,
+                                              structured={"kind": "json_schema", "value": json.dumps(BOMB)}))
+                except FloverError as e:
+                    answers.append(e)
+            asking = threading.Thread(target=bomb)
+            asking.start()
+            time.sleep(2)
+            stopped = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(timeout=30) == 0
+            assert time.monotonic() - stopped < 10
+            asking.join(30)
+        assert len(answers) == 1 and isinstance(answers[0], FloverError), answers
+    finally:
+        srv.stop()

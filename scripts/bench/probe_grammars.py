@@ -57,7 +57,9 @@ def free_port() -> int:
 class Daemon:
     def __init__(self, src: str, model: str, ranks: int):
         self.port = free_port()
+        self.mark = f"FLOVER_PROBE={os.getpid()}-{self.port}".encode()  # every process of this daemon carries it
         env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+               "FLOVER_PROBE": self.mark.decode().split("=", 1)[1],
                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,sm"}
         args = ["-m", "flover.apps.cli", "serve", "--model", model, "--bind", f"tcp://127.0.0.1:{free_port()}",
                 "--http", f"127.0.0.1:{self.port}", "--max-seq-len", "1024", "--max-slots", "8", "--speculate", "0"]
@@ -91,10 +93,15 @@ class Daemon:
             return float("nan")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, 9)
-        except OSError:
-            pass
+        """Every process it started: mpirun gives each rank a process group of its own, and the
+        HTTP front has a session of its own."""
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if self.mark in f.read().split(b"\0"):
+                        os.kill(int(entry), 9)
+            except (OSError, ValueError):
+                continue
         self.proc.wait()
 
 
