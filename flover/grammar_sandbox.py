@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 
 import msgpack
 
@@ -63,15 +64,12 @@ class GrammarSandbox:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int] | None, limits):
         """`limits`: structured.GrammarLimits."""
-        self.setup = {"tokenizer": tokenizer_json, "vocab": vocab_size, "eos": eos,
-                      "memory": limits.compile_mib << 20, "lexer_states": limits.lexer_states,
-                      "lexer_fuel": limits.lexer_fuel}
+        self.setup = {"tokenizer": tokenizer_json, "vocab": vocab_size, "eos": eos, "limits": asdict(limits)}
         self.seconds, self.memory_mib = limits.compile_seconds, limits.compile_mib
         self.proc: subprocess.Popen | None = None
         self._stderr = None
         self.last_words = ""  # the end of what the last killed child wrote
         self._lock = threading.Lock()
-        self.killed = 0  # children killed for a limit (stats)
 
     def check(self, grammar: str, kind: str) -> int:
         from flover.structured import GrammarLimitReached, short
@@ -89,7 +87,6 @@ class GrammarSandbox:
             if reply is None:
                 timed_out = not ready or time.monotonic() - started > self.seconds
                 self._kill()
-                self.killed += 1
                 if timed_out:
                     raise GrammarLimitReached(f"structured output: compiling the {kind} took longer than the server's "
                                               f"limit of {self.seconds:g} s (--grammar-compile-seconds)")
@@ -157,21 +154,21 @@ def _serve() -> int:
     import ctypes
 
     import llguidance
+
+    from flover.hardware import return_freed_heap
+    from flover.structured import GrammarLimits, parser_limits
+
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = _read(stdin)
     if setup is None:
         return 1
     tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["vocab"], eos_token=setup["eos"])
-    limits = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=setup["lexer_states"],
-                                       step_lexer_fuel=setup["lexer_fuel"])
-    cap = _address_space() + setup["memory"]
+    grammar_limits = GrammarLimits(**setup["limits"])
+    limits = parser_limits(grammar_limits)  # the server's own, so that what passes here passes there
+    cap = _address_space() + (grammar_limits.compile_mib << 20)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     words = (setup["vocab"] + 31) // 32
     mask = ctypes.create_string_buffer(words * 4)
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        trim = None
     while True:
         job = _read(stdin)
         if job is None:
@@ -188,10 +185,5 @@ def _serve() -> int:
         except Exception as e:  # noqa: BLE001 - the compiler's refusal, said to the parent
             error, held = str(e) or type(e).__name__, 0
         matcher = None
-        if trim is not None:
-            trim(0)
+        return_freed_heap()
         _write(stdout, {"error": error, "bytes": held})
-
-
-if __name__ == "__main__":
-    sys.exit(_serve())

@@ -162,7 +162,7 @@ def test_every_message_the_daemon_cannot_take_is_answered_with_its_id(server):
     with server.client() as c:  # the client library sends OpenAI's map form as the wire's pairs
         out = c.generate(input_ids=[1, 2], max_new_tokens=4, ignore_eos=True, logit_bias={7: 100})
         assert out["token_ids"] == [7, 7, 7, 7]
-        with pytest.raises(FloverError) as e:  # what the server could not read is refused before sending
+        with pytest.raises(FloverError) as e:  # what the server cannot read is answered with its id
             c.generate(input_ids=[1, 2], max_new_tokens=4, stop={1: "x"})
         assert e.value.code == "bad_message"
 

@@ -280,8 +280,7 @@ class GrammarWork:
     def hold(self, message: dict) -> bool:
         """Whether `message` waits here (an add whose grammar is not compiled yet, or its cancel)."""
         if "cancel" in message and message["cancel"] in self.pending:
-            add, future = self.pending[message["cancel"]]
-            add["cancelled"] = True
+            self.pending[message["cancel"]][0]["cancelled"] = True
             return True
         structured = message.get("add", [None] * 3)[2].get("structured") if "add" in message else None
         if structured is None:
