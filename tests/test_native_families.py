@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from flover.native.forward import CFLAGS, KERNEL_FAMILIES, SOURCES, kernel_flags, runnable_families
+from flover.native.build import CFLAGS, KERNEL_FAMILIES, SOURCES, c_files, kernel_flags, runnable_families
 
 CHECK = Path(__file__).parent / "native_kernels_check.c"
-NATIVE_DIR = SOURCES[0].parent
+NATIVE_DIR = SOURCES
 CROSS_CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 
 
 def build_check(compiler: str, flags: tuple[str, ...], out: Path) -> Path:
     cflags = [f for f in (*CFLAGS, *flags) if f not in ("-shared", "-fPIC", "-fvisibility=hidden")]
-    done = subprocess.run([compiler, *cflags, f"-I{NATIVE_DIR}", "-o", str(out), str(CHECK), *map(str, SOURCES), "-lm"],
+    done = subprocess.run([compiler, *cflags, f"-I{NATIVE_DIR}", "-o", str(out), str(CHECK), *map(str, c_files()), "-lm"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -19,8 +19,9 @@ from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import Engine
 from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.native.forward import (KERNELS_ENV, X86_V3, X86_V4, NativeUnavailable, argmax, build_library, kernel_flags,
-                                   load_library, runnable_families)
+from flover.native.abi import load_library
+from flover.native.build import KERNELS_ENV, X86_V3, X86_V4, NativeUnavailable, build_library, kernel_flags, runnable_families
+from flover.native.forward import argmax
 from tests.helpers import random_arrival_jobs, run_arrivals
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from flover.native.forward import NativeUnavailable, load_library, runnable_families
+from flover.native.abi import load_library
+from flover.native.build import NativeUnavailable, runnable_families
 from flover.native.sampling import NativeSampler
 from flover.runner.sampler import SamplingTensors, counter_uniform, greedy_ids, sample
 

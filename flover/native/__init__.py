@@ -1,1 +1,3 @@
-"""The native CPU step: `llama_forward.c` and its Python binding, `forward`."""
+"""The native CPU step: C files compiled for this CPU on first use (build.py), loaded and checked
+against Python's declarations of their structs (abi.py), the weights laid out for the kernels
+(weights.py, grids.py), and one fused iteration per call (forward.py)."""

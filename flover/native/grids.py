@@ -13,12 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from flover.models.quant import Grid, QuantizedWeight
-
-G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6 = 4, 5, 6, 7, 8, 9, 10, 11  # native.h
-X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2  # native.h: GridPart.x8
-Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # native.h
-MAX_PARTS = 4
-GRID_FIELDS = ("kind", "rows", "group", "lows", "codes", "scales", "x8", "offset")  # native.h: GridPart
+from flover.native import abi
+from flover.native.abi import (G_INT4, G_INT4_K, G_INT5_K, G_INT6_K, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6, G_INT8_ROWS,
+                               MAX_PARTS, Q4K_SUPER_BYTES, Q6K_SUPER_BYTES, X8_NONE, X8_SIGNED, X8_SMALL)
 
 
 @dataclass
@@ -255,14 +252,14 @@ def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
     return runs
 
 
-def grid_struct(runs: list[Run], tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """native.h's Grid for the runs, placed (codes, scales) in the arena and filled: int64 tensor."""
-    fields = [len(runs)]
-    for run, (codes, scales) in zip(runs, tensors):
+def grid_struct(runs: list[Run], tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> abi.Grid:
+    """native.h's Grid for the runs, placed (codes, scales) in the arena and filled."""
+    grid = abi.Grid(parts=len(runs))
+    for i, (run, (codes, scales)) in enumerate(zip(runs, tensors)):
         run.fill(codes, scales)
-        fields += [run.kind, run.rows, run.group, run.lows, codes.data_ptr(), scales.data_ptr(), run.x8, run.offset]
-    fields += [0] * len(GRID_FIELDS) * (MAX_PARTS - len(runs))
-    return torch.tensor(fields, dtype=torch.int64)
+        grid.part[i] = abi.GridPart(kind=run.kind, rows=run.rows, group=run.group, lows=run.lows,
+                                    codes=codes.data_ptr(), scales=scales.data_ptr(), x8=run.x8, offset=run.offset)
+    return grid
 
 
 def check_runs(runs: list[Run]) -> str | None:

@@ -1,11 +1,14 @@
 /* What the native step's files share: the model as flover/native/forward.py describes it, the
  * kinds of weights, and the functions one file offers the others. Layout of the sources:
  *
- *   simd.h             16 float lanes on every instruction set (the mapping)
+ *   simd.h             16 float lanes on every instruction set (the mapping): a short dispatch
+ *                      header; each family's header under arch/ (x86/avx512.h, x86/avx2.h,
+ *                      arm/neon.h, generic.h: the reference), as ggml-cpu's arch/ split
  *   tiles.c            projection tiles written once on the mapping (float32, and bfloat16 /
  *                      int8 / int4 weights widened to float32 in registers)
  *   tiles_bf16_dot.c   the same tiles through AVX-512 BF16's dot-product instruction
- *   simd_int8.h        4-byte integer dot products on 16 lanes (the mapping, for int8 inputs)
+ *   simd_int8.h        4-byte integer dot products on 16 lanes (the mapping, for int8 inputs;
+ *                      arch/*_int8.h per family)
  *   tiles_int8.c       a GGUF file's codes (up to 6 bits, Q8_0's bytes) times int8 inputs
  *   project.c          a whole projection: threads, tiles, bias and rounding of the outputs
  *   row_ops.c          norms, RoPE, residuals, SiLU: a few vector loops per row
@@ -13,6 +16,10 @@
  *   greedy.c           argmax, and greedy ids through a screen of the LM head
  *   sampling.c         the sampler's filters and draw around PyTorch's softmax
  *   llama_forward.c    one fused iteration, top to bottom
+ *   abi.c              the sizes, offsets and codes below, for flover/native/abi.py to check
+ *
+ * A struct or code changed here changes in flover/native/abi.py too (and in abi.c's table): a
+ * build that differs from Python is refused at load.
  */
 #ifndef FLOVER_NATIVE_H
 #define FLOVER_NATIVE_H
@@ -25,7 +32,7 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-/* Mirrors MODEL_FIELDS in flover/native/forward.py: int64 fields, pointers as addresses. */
+/* abi.py's Model: int64 fields, pointers as addresses. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
     int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
@@ -47,7 +54,7 @@ typedef struct {
     int64_t screen_rows;
 } Model;
 
-/* Mirrors LAYER_FIELDS: weight addresses of one layer, 0 where the model has no such bias; the
+/* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
  * layer's sliding window (0: none); the address of each projection's Grid where its weights are
  * codes (a GGUF file's own, --quantization int4 / int8), else 0 (its weight is the dense one). */
 typedef struct {
@@ -65,7 +72,7 @@ enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT5_K = 7, G_INT8_ROWS = 8, G_
        G_INT8_K6 = 11 };
 enum { X8_NONE = 0, X8_SMALL = 1, X8_SIGNED = 2 };
 #define MAX_PARTS 4
-/* Mirrors GRID_FIELDS: a projection's output rows as up to MAX_PARTS runs of rows (every run but
+/* abi.py's Grid and GridPart: a projection's output rows as up to MAX_PARTS runs of rows (every run but
  * the last a multiple of 16 rows), each in its own codes: a fused q/k/v whose v came in other
  * blocks than q and k (as in GGUF's Q4_K_M files) is three runs, or two. */
 typedef struct {

@@ -8,15 +8,7 @@ import ctypes
 
 import torch
 
-SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c's SAMPLE_SCRATCH_BYTES_PER_TOKEN, per thread
-
-
-def bind(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.flover_sample_scale.argtypes = [p, i32, i64, i64, p, p, p, i64, p, p, p, p, i32]
-    lib.flover_sample_scale.restype = i32
-    lib.flover_sample_draw.argtypes = [p, i32, i64, p, p, p, p, p, p, p, i32]
-    lib.flover_sample_draw.restype = None
+from flover.native.abi import SAMPLE_SCRATCH_BYTES_PER_TOKEN as SCRATCH_BYTES_PER_TOKEN  # per thread
 
 
 class NativeSampler:
@@ -28,7 +20,6 @@ class NativeSampler:
     BLOCK_BYTES = 4 << 20
 
     def __init__(self, lib: ctypes.CDLL, threads: int):
-        bind(lib)
         self.lib, self.threads = lib, threads
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._scaled = self._probs = torch.empty(0)

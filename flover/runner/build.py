@@ -14,7 +14,8 @@ from flover.config import EngineConfig
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig, load_model, pack_projections, release_projections
 from flover.models.tp_layout import TPLayout
-from flover.native.forward import NativeForward, NativeUnavailable
+from flover.native.build import NativeUnavailable
+from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer

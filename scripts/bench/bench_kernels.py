@@ -18,7 +18,7 @@ import statistics
 import time
 
 from flover import Engine, EngineConfig, SamplingParams
-from flover.native.forward import runnable_families
+from flover.native.build import runnable_families
 
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("bfloat16", "int8"),
            "int4": ("bfloat16", "int4")}

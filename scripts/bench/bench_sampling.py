@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from flover import LLM, SamplingParams
-from flover.native.forward import load_library
+from flover.native.abi import load_library
 from flover.native.sampling import NativeSampler
 from flover.runner import sampler
 

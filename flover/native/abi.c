@@ -1,0 +1,40 @@
+/* The native step's binary interface as Python must see it: the size of every struct that
+ * crosses ctypes, each field's offset, and the value of every code both sides name. At load,
+ * flover/native/abi.py compares its own declarations with this table and refuses a build that
+ * differs, naming the first difference: one field added on one side never corrupts memory. */
+#include <stddef.h>
+
+#include "native.h"
+
+typedef struct {
+    const char *name; /* "Model" (its size), "Model.heads" (an offset), "G_INT4_K" (a code); NULL ends */
+    int64_t value;
+} AbiEntry;
+
+#define SIZE(S) {#S, (int64_t)sizeof(S)}
+#define AT(S, F) {#S "." #F, (int64_t)offsetof(S, F)}
+#define CODE(C) {#C, (int64_t)(C)}
+
+static const AbiEntry ABI[] = {
+    SIZE(Model), AT(Model, layers), AT(Model, hidden), AT(Model, heads), AT(Model, kv_heads), AT(Model, head_dim),
+    AT(Model, inter), AT(Model, vocab), AT(Model, dtype), AT(Model, max_seq), AT(Model, kv), AT(Model, kv_layer),
+    AT(Model, kv_kind), AT(Model, kv_slot), AT(Model, kv_head), AT(Model, kv_pos), AT(Model, embed),
+    AT(Model, final_norm), AT(Model, head), AT(Model, head_scales), AT(Model, cos), AT(Model, sin),
+    AT(Model, head_grid), AT(Model, embed_grid), AT(Model, vocab_start), AT(Model, all_reduce),
+    AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows),
+
+    SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
+    AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
+    AT(Layer, window), AT(Layer, qkv_grid), AT(Layer, o_grid), AT(Layer, gate_up_grid), AT(Layer, down_grid),
+
+    SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
+    AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),
+    SIZE(Grid), AT(Grid, parts), AT(Grid, part),
+
+    CODE(DT_F32), CODE(DT_BF16), CODE(G_INT4), CODE(G_INT4_K), CODE(G_INT6_K), CODE(G_INT5_K), CODE(G_INT8_ROWS),
+    CODE(G_INT8_GROUPS), CODE(G_INT8_K5), CODE(G_INT8_K6), CODE(X8_NONE), CODE(X8_SMALL), CODE(X8_SIGNED),
+    CODE(MAX_PARTS), CODE(Q4K_SUPER_BYTES), CODE(Q6K_SUPER_BYTES), CODE(SAMPLE_SCRATCH_BYTES_PER_TOKEN),
+    {NULL, 0},
+};
+
+API const AbiEntry *flover_abi(void) { return ABI; }

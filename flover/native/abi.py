@@ -1,0 +1,140 @@
+"""The native step's binary interface: the structs and codes Python shares with native.h, declared
+once here as ctypes structures, and the library's functions. `load_library` builds (build.py),
+loads, declares the functions and checks this file against the build's own table (abi.c): any
+size, field offset or code that differs refuses the build with a message naming it."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from flover.native.build import SOURCES, NativeUnavailable, build_library
+
+I64 = ctypes.c_int64
+
+# codes (native.h): dtypes, the kinds of codes a run of output rows holds, how a run takes int8 inputs
+DT_F32, DT_BF16 = 0, 1
+G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6 = 4, 5, 6, 7, 8, 9, 10, 11
+X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2
+MAX_PARTS = 4  # runs of codes per projection
+Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # per 256 inputs and block of 16 rows
+SAMPLE_SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c: per thread, per vocabulary entry
+CODES = ("DT_F32", "DT_BF16", "G_INT4", "G_INT4_K", "G_INT6_K", "G_INT5_K", "G_INT8_ROWS", "G_INT8_GROUPS",
+         "G_INT8_K5", "G_INT8_K6", "X8_NONE", "X8_SMALL", "X8_SIGNED", "MAX_PARTS", "Q4K_SUPER_BYTES",
+         "Q6K_SUPER_BYTES", "SAMPLE_SCRATCH_BYTES_PER_TOKEN")
+
+
+def _int64_struct(name: str, fields: str, doc: str) -> type[ctypes.Structure]:
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, I64) for f in fields.split()], "__doc__": doc})
+
+
+Model = _int64_struct("Model", """
+    layers hidden heads kv_heads head_dim inter vocab dtype max_seq
+    kv kv_layer kv_kind kv_slot kv_head kv_pos
+    embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
+    head_screen head_screen_scales head_bounds screen_rows""",
+    "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).")
+Layer = _int64_struct("Layer", """
+    input_norm qkv qkv_bias o o_bias post_norm gate_up gate_up_bias down down_bias window
+    qkv_grid o_grid gate_up_grid down_grid""",
+    "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0.")
+GridPart = _int64_struct("GridPart", "kind rows group lows codes scales x8 offset",
+                         "One run of a projection's output rows in its own codes (native.h: GridPart).")
+
+
+class Grid(ctypes.Structure):
+    """A projection's output rows as up to MAX_PARTS runs of codes (native.h: Grid)."""
+
+    _fields_ = [("parts", I64), ("part", GridPart * MAX_PARTS)]
+
+
+STRUCTS = (Model, Layer, GridPart, Grid)
+
+
+class AbiEntry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", I64)]
+
+
+def expected_abi() -> dict[str, int]:
+    """This file's side of abi.c's table: struct sizes, field offsets, codes."""
+    table = {}
+    for struct in STRUCTS:
+        table[struct.__name__] = ctypes.sizeof(struct)
+        for name, _ in struct._fields_:
+            table[f"{struct.__name__}.{name}"] = getattr(struct, name).offset
+    return table | {code: globals()[code] for code in CODES}
+
+
+def abi_of(lib: ctypes.CDLL) -> dict[str, int]:
+    """The build's side (abi.c), read from the library."""
+    lib.flover_abi.restype = ctypes.POINTER(AbiEntry)
+    entries, table = lib.flover_abi(), {}
+    for i in range(1024):  # (a table without its end is a broken build, not a reason to run on)
+        if entries[i].name is None:
+            return table
+        table[entries[i].name.decode()] = entries[i].value
+    raise NativeUnavailable("the native build's ABI table has no end")
+
+
+def abi_mismatches(ours: dict[str, int], theirs: dict[str, int]) -> list[str]:
+    """Every entry on which the two sides differ, in words."""
+    words = []
+    for name in sorted(ours.keys() | theirs.keys()):
+        if name not in theirs:
+            words.append(f"{name} is declared in flover/native/abi.py but not in the C build")
+        elif name not in ours:
+            words.append(f"{name} is in the C build but not declared in flover/native/abi.py")
+        elif ours[name] != theirs[name]:
+            words.append(f"{name} is {theirs[name]} in the C build, {ours[name]} in flover/native/abi.py")
+    return words
+
+
+def check_abi(lib: ctypes.CDLL, path: Path | str) -> None:
+    differ = abi_mismatches(expected_abi(), abi_of(lib))
+    if differ:
+        raise NativeUnavailable(f"{path} does not match flover/native/abi.py ({len(differ)} differences: "
+                                f"{'; '.join(differ[:5])}): rebuild after changing native.h and abi.py together")
+
+
+def load_library(family: str = "auto", root: Path = SOURCES) -> ctypes.CDLL:
+    """The native step for `family`: built (or from the cache), loaded, its functions declared, its
+    ABI checked."""
+    path = build_library(family, root)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
+    try:
+        _declare(lib)
+    except AttributeError as e:  # (its checksum matched its stamp: both were replaced by hand)
+        raise NativeUnavailable(f"{path} is not a build of flover's native step ({e}); delete it") from e
+    check_abi(lib, path)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, I64, ctypes.c_int
+    lib.flover_abi.restype = ctypes.POINTER(AbiEntry)
+    lib.flover_work_floats.argtypes = [ctypes.POINTER(Model), i32, i32]
+    lib.flover_work_floats.restype = i64
+    lib.flover_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), i32, i32, p, p, p, i32, p, p, p, p,
+                                   ctypes.c_double, i32]
+    lib.flover_forward.restype = i32
+    lib.flover_kernels.restype = ctypes.c_char_p
+    lib.flover_check_model.argtypes = [ctypes.POINTER(Model)]
+    lib.flover_check_model.restype = i32
+    lib.flover_argmax.argtypes = [p, i32, i64, i64, i32, p, i32]
+    lib.flover_argmax.restype = None
+    lib.flover_packed_codes.restype = i32
+    lib.flover_sample_scale.argtypes = [p, i32, i64, i64, p, p, p, i64, p, p, p, p, i32]
+    lib.flover_sample_scale.restype = i32
+    lib.flover_sample_draw.argtypes = [p, i32, i64, p, p, p, p, p, p, p, i32]
+    lib.flover_sample_draw.restype = None
+
+
+ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, I64)  # llama_forward.c: AllReduce
+
+
+def kernels_of(lib: ctypes.CDLL) -> str:
+    """The kernel family a loaded build runs, e.g. "AVX2+FMA" or "AVX-512F, bfloat16 dot products"."""
+    return lib.flover_kernels().decode()

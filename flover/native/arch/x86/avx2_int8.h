@@ -1,0 +1,92 @@
+/* AVX2 (AVX-VNNI where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+#ifndef FLOVER_ARCH_AVX2_INT8_H
+#define FLOVER_ARCH_AVX2_INT8_H
+
+typedef struct {
+    __m256i lo, hi; /* rows 0-7, 8-15 */
+} q64;
+typedef q64 i16;
+static inline q64 q_load(const uint8_t *p) {
+    return (q64){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+}
+static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
+    const __m256i m = _mm256_set1_epi8(15);
+    *lo = (q64){_mm256_and_si256(b.lo, m), _mm256_and_si256(b.hi, m)};
+    *hi = (q64){_mm256_and_si256(_mm256_srli_epi16(b.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(b.hi, 4), m)};
+}
+static inline q64 q_high2(q64 *h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const q64 r = {_mm256_and_si256(_mm256_slli_epi16(h->lo, 4), m), _mm256_and_si256(_mm256_slli_epi16(h->hi, 4), m)};
+    *h = (q64){_mm256_srli_epi16(h->lo, 2), _mm256_srli_epi16(h->hi, 2)};
+    return r;
+}
+static inline q64 q_or(q64 a, q64 b) { return (q64){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+static inline __m256i fifth_8(__m256i codes, __m256i bits) { return _mm256_or_si256(codes, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))); }
+static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
+    *lo = (q64){fifth_8(lo->lo, _mm256_slli_epi16(h->lo, 4)), fifth_8(lo->hi, _mm256_slli_epi16(h->hi, 4))};
+    *hi = (q64){fifth_8(hi->lo, h->lo), fifth_8(hi->hi, h->hi)};
+    *h = (q64){_mm256_srli_epi16(h->lo, 1), _mm256_srli_epi16(h->hi, 1)};
+}
+static inline i16 i_zero(void) { return (i16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
+    const __m256i xv = _mm256_set1_epi32(x4_bytes(x));
+    return (i16){dot4_8(acc.lo, w.lo, xv), dot4_8(acc.hi, w.hi, xv)};
+}
+static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
+#if defined(__AVXVNNI__)
+    return i_dot4(i_dot4(acc, w0, x0), w1, x1);
+#else
+    const __m256i a = _mm256_set1_epi32(x4_bytes(x0)), b = _mm256_set1_epi32(x4_bytes(x1)), one = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w0.lo, a), _mm256_maddubs_epi16(w1.lo, b));
+    const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w0.hi, a), _mm256_maddubs_epi16(w1.hi, b));
+    return (i16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, one))};
+#endif
+}
+#if defined(__AVXVNNI__)
+typedef q64 s64;
+static inline s64 s_load(const uint8_t *p) {
+    const q64 w = q_load(p);
+    const __m256i flip = _mm256_set1_epi8(-128);
+    return (s64){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
+}
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
+static inline i16 s_done(i16 acc, int32_t xsum) {
+    const __m256i c = _mm256_set1_epi32(128 * xsum);
+    return (i16){_mm256_sub_epi32(acc.lo, c), _mm256_sub_epi32(acc.hi, c)};
+}
+#else
+typedef struct {
+    __m256i abs_lo, abs_hi, lo, hi;
+} s64;
+static inline s64 s_load(const uint8_t *p) {
+    const q64 w = q_load(p);
+    return (s64){_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi), w.lo, w.hi};
+}
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
+    const __m256i xv = _mm256_set1_epi32(x4_bytes(x)), one = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(xv, w.lo));
+    const __m256i hi = _mm256_maddubs_epi16(w.abs_hi, _mm256_sign_epi8(xv, w.hi));
+    return (i16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, one))};
+}
+static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
+#endif
+static inline v16 v_from_i(i16 a) { return (v16){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+static inline v16 v_round(v16 v) {
+    return (v16){_mm256_round_ps(v.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                 _mm256_round_ps(v.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+/* lanes holding whole numbers in -127..127 -> bytes (saturating, as AVX-512's) */
+static inline void v_store_i8(int8_t *p, v16 v) {
+    const __m256i w = _mm256_packs_epi32(_mm256_cvttps_epi32(v.lo), _mm256_cvttps_epi32(v.hi)); /* 0-3 8-11 4-7 12-15 */
+    const __m256i o = _mm256_permute4x64_epi64(w, 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi16(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1)));
+}
+
+#endif

@@ -1,0 +1,67 @@
+/* AVX-512 (VNNI where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+#ifndef FLOVER_ARCH_AVX512_INT8_H
+#define FLOVER_ARCH_AVX512_INT8_H
+
+typedef __m512i q64;
+typedef __m512i i16;
+static inline q64 q_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
+    const __m512i m = _mm512_set1_epi8(15);
+    *lo = _mm512_and_si512(b, m), *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
+}
+static inline q64 q_high2(q64 *h) { /* 16-bit shifts: bits crossing into a neighbour byte are masked off */
+    const q64 r = _mm512_and_si512(_mm512_slli_epi16(*h, 4), _mm512_set1_epi8(0x30));
+    *h = _mm512_srli_epi16(*h, 2);
+    return r;
+}
+static inline q64 q_or(q64 a, q64 b) { return _mm512_or_si512(a, b); }
+static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) { /* 16-bit shifts: bits 0 and 4 never cross bytes */
+    const __m512i m = _mm512_set1_epi8(0x10);
+    *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(*h, 4), m));
+    *hi = _mm512_or_si512(*hi, _mm512_and_si512(*h, m));
+    *h = _mm512_srli_epi16(*h, 1);
+}
+static inline i16 i_zero(void) { return _mm512_setzero_si512(); }
+static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4_bytes(x)));
+#else
+    const __m512i pairs = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4_bytes(x)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
+#if defined(__AVX512VNNI__)
+    return i_dot4(i_dot4(acc, w0, x0), w1, x1);
+#else
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(w0, _mm512_set1_epi32(x4_bytes(x0))),
+                                           _mm512_maddubs_epi16(w1, _mm512_set1_epi32(x4_bytes(x1))));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+#if defined(__AVX512VNNI__)
+typedef __m512i s64;
+static inline s64 s_load(const uint8_t *p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(-128)); }
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
+static inline i16 s_done(i16 acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
+#else
+typedef struct {
+    __m512i abs;
+    __mmask64 negative;
+} s64;
+static inline s64 s_load(const uint8_t *p) {
+    const __m512i w = _mm512_loadu_si512(p);
+    return (s64){_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+}
+static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
+    const __m512i xv = _mm512_set1_epi32(x4_bytes(x));
+    const __m512i pairs = _mm512_maddubs_epi16(w.abs, _mm512_mask_sub_epi8(xv, w.negative, _mm512_setzero_si512(), xv));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }
+#endif
+static inline v16 v_from_i(i16 a) { return _mm512_cvtepi32_ps(a); }
+static inline v16 v_round(v16 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void v_store_i8(int8_t *p, v16 v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(v))); }
+
+#endif
