@@ -17,7 +17,8 @@ from typing import Iterable, Iterator
 
 from flover.client import FloverError
 from flover.config import SamplingParams
-from flover.engine.engine import Engine, PromptTooLong
+from flover.engine.interface import ServingEngine
+from flover.engine.intake import PromptTooLong
 from flover.apps.prompt_file import PromptRecord
 from flover.request import RequestOutput
 from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
@@ -141,7 +142,7 @@ def error_record(record: PromptRecord, code: str, message: str) -> dict:
 class BatchRunner:
     """Feeds records into an engine as they arrive and slots free, writes results as they finish."""
 
-    def __init__(self, engine: Engine, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
+    def __init__(self, engine: ServingEngine, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
                  token_ids: bool = False, max_waiting: int | None = None, progress: Progress | None = None,
                  on_step=None, max_held: int = MAX_HELD):
         """`max_held` (ordered): finished records kept behind a running earlier one, at most."""

@@ -108,7 +108,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def _resolve_dtype(args) -> str:
     """`--dtype auto` as the engine resolves it: bfloat16 where the device has it, or where the
     native step's kernels widen it for this model (the checkpoint's architecture decides)."""
-    from flover.engine.engine import native_step_may_run
+    from flover.engine.settings import native_step_may_run
     from flover.hardware import resolve_dtype
     from flover.models import open_checkpoint
 

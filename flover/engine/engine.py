@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,16 +27,17 @@ from flover.engine.output import OutputProcessor
 from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
-from flover.hardware import resolve_dtype, return_freed_heap
-from flover.models import LLAMA_FAMILY, ModelConfig, file_quantization, open_checkpoint
-from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens, load_tokenizer
+from flover.engine.intake import Intake
+from flover.engine.interface import ServingEngine
+from flover.engine.settings import resolve_config, resolve_max_seq_len
+from flover.models import file_quantization, open_checkpoint
+from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
 from flover.parallel.launch import local_ranks
 from flover.parallel.plan import AddEvent
-from flover.structured import Grammars
-from flover.request import Request, RequestOutput, StepResult, Timings
+from flover.request import Request, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
@@ -51,17 +51,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float64": torch.float64}
 
 
-def native_step_may_run(native_forward: str, cfg: ModelConfig) -> bool:
-    """Whether the native step may run this model (it can still decline: no compiler, ...): what
-    `--dtype auto` and `--quantization auto` decide by, here and in the CLI."""
-    return native_forward == "auto" and cfg.architecture in LLAMA_FAMILY
-
-
-class PromptTooLong(ValueError):
-    """prompt + max_new_tokens does not fit in max_seq_len (refused, never truncated)."""
-
-
-class Engine:
+class Engine(ServingEngine):
     """One persistent inference instance: model weights, the slot buffer and the scheduler."""
 
     def __init__(self, config: EngineConfig, comm: Communicator | None = None):
@@ -70,34 +60,23 @@ class Engine:
         config.validate()
         checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
         self.model_config = cfg = checkpoint.model_config()
-        asked = config.dtype
-        native_step = native_step_may_run(config.native_forward, cfg)
-        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, native_step))  # no "auto" past here
-        if config.quantization == "auto":
-            native_bf16 = native_step and config.dtype == "bfloat16" and config.device == "cpu"
-            config = dataclasses.replace(config, quantization=file_quantization(checkpoint) if native_bf16 else "none")
-            if config.quantization != "none":
-                log.info("weights: the file's %s projections keep their codes (%s; --quantization none "
-                         "dequantizes them)", "/".join(sorted(checkpoint.projection_types())), config.quantization)
-        if config.quantization != "none" and (config.dtype != "bfloat16" or config.device != "cpu"):
-            chose = " (dtype auto: this CPU has no bfloat16 kernels for this model)" if asked == "auto" else ""
-            raise ValueError(f"quantization={config.quantization!r} runs on CPU with dtype bfloat16 "
-                             f"(got dtype={config.dtype!r}{chose}, device={config.device!r})")
-        self.config = config
+        asked = config.quantization
+        self.config = config = resolve_config(config, cfg, file_quantization(checkpoint))
+        if asked == "auto" and config.quantization != "none":
+            log.info("weights: the file's %s projections keep their codes (%s; --quantization none "
+                     "dequantizes them)", "/".join(sorted(checkpoint.projection_types())), config.quantization)
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.is_leader = self.comm is None or self.comm.rank == 0
+        self.groups = 1
         ranks = self.comm.size if self.comm else 1
         torch.set_num_threads(config.num_threads or threads_per_rank(local_ranks() or ranks))  # the node's ranks share it
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
-        self.max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, 2048)
-        if self.max_seq_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        max_seq_len = resolve_max_seq_len(config, cfg)
         self.tokenizer = load_tokenizer(checkpoint)
-        self._grammars: Grammars | None = None
-        self.checks_grammars = self.is_leader  # new grammars tried in a child first (a DP group's leader: not)
+        # new grammars are tried in a child first (a data-parallel group's leader: not, prepare_grammars)
+        self.intake = Intake(self.tokenizer, cfg, max_seq_len, config.grammar_limits, checks_grammars=self.is_leader)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
             log.warning("the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
                         "vocabulary is refused", self.tokenizer.vocab_size, cfg.vocab_size)
@@ -106,7 +85,7 @@ class Engine:
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
         self.runner = build_runner(checkpoint, RankSetup(config, cfg, self.tp, self.dtype, self.device,
-                                                         self.max_seq_len, prefix_blocks, BLOCK_TOKENS, self.comm,
+                                                         max_seq_len, prefix_blocks, BLOCK_TOKENS, self.comm,
                                                          self.is_leader))
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
@@ -153,68 +132,12 @@ class Engine:
                      request_id: str | None = None, arrival_time: float | None = None,
                      stream: bool = False, messages: list | None = None, cache_salt: str | None = None,
                      tokenized: tuple[list[int], str | None] | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
-        `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
-        `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
-        latencies count from it. `stream`: report text deltas with every new token. `cache_salt`:
-        the request shares cached prompt prefixes only with requests of the same salt. `tokenized`:
-        what `tokenize(prompt, messages)` already gave (the daemon tokenizes off its loop)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        """Validate and tokenize (Intake.build: ValueError naming what is wrong), under an id not
+        in flight (the next free number if None). Queues nothing."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        token_ids, text = tokenized if tokenized is not None else self.tokenize(prompt, messages)
-        limit = self.max_seq_len
-        if params.max_new_tokens is None:  # the rest of the context (OpenAI's chat default)
-            params = params.with_updates(max_new_tokens=max(1, limit - len(token_ids)))
-        if len(token_ids) + params.max_new_tokens > limit:
-            raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
-                             f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
-        if (params.stop or stream) and self.tokenizer is None:
-            raise ValueError("stop strings and streamed text need the checkpoint's tokenizer")
-        if any(token >= self.model_config.vocab_size for token, _ in params.logit_bias):
-            raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size "
-                             f"{self.model_config.vocab_size}")
-        eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
-        grammar = self.grammars.start(params.structured) if params.structured is not None else None
-        request = Request(
-            request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
-            stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
-            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
-            timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
-            cache_salt=cache_salt, grammar=grammar,
-        )
-        if params.stop:
-            request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
-            request.stop_holdback = max(map(len, params.stop)) - 1
-        return request
-
-    @property
-    def grammars(self) -> Grammars:
-        """This model's structured-output grammars (built on the first request that has one)."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs the checkpoint's tokenizer")
-            # the leader tries each new grammar in a child process first (grammar_sandbox.py)
-            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-                                      self.config.grammar_limits, sandboxed=self.checks_grammars)
-        return self._grammars
-
-    def prepare_grammars(self, checked_elsewhere: bool = False) -> None:
-        """Build llguidance's view of the tokenizer now (~0.15 s for 49k tokens, holding the
-        GIL): a server's first structured request would otherwise stall every running one; and
-        start the child that tries new grammars first, unless they are `checked_elsewhere` (a
-        data-parallel group's leader: world rank 0 tried each one before routing it)."""
-        if self.tokenizer is not None:
-            self.checks_grammars = self.checks_grammars and not checked_elsewhere
-            try:
-                if self.grammars.sandbox is not None:
-                    self.grammars.sandbox.start()  # (its tokenizer is built while nothing runs yet)
-            except Exception as e:  # a structured request will name it; the rest is unaffected
-                log.warning("structured output unavailable: %s", e)
-            return_freed_heap()  # parsing the tokenizer's JSON for it left ~30 MiB (SmolLM2) freed
+        return self.intake.build(request_id, prompt, params, arrival_time, stream, messages, cache_salt, tokenized)
 
     def enqueue(self, request: Request) -> str:
         self.scheduler.add(request)  # (refuses an id in flight)
@@ -222,70 +145,6 @@ class Engine:
             self.channel.added(AddEvent(request.request_id, request.prompt_token_ids, request.params,
                                         request.cache_salt))
         return request.request_id
-
-    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
-                 ) -> tuple[list[int], str | None]:
-        """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
-        `tools`: OpenAI's, with `messages`, for the chat template. Touches no engine state, so it
-        may run on another thread."""
-        return self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages, tools), None)
-
-    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need the checkpoint's tokenizer; pass token ids")
-            self._check_text_size(prompt)
-            ids = self._checked(self._encode(prompt, True))
-            text = prompt
-        elif isinstance(prompt, (list, tuple)):
-            if len(prompt) > self.max_seq_len:  # before looking at a million ids one by one
-                raise PromptTooLong(f"prompt of {len(prompt)} tokens exceeds max_seq_len={self.max_seq_len}")
-            ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        else:
-            raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids, text
-
-    def _check_text_size(self, text: str) -> None:
-        """Refuse, without tokenizing it, a text that cannot fit (Tokenizer.cannot_fit): bounds the
-        tokenizer work one request can cost."""
-        if self.tokenizer.cannot_fit(text, self.max_seq_len):
-            size = len(text.encode("utf-8", "surrogatepass"))
-            longest = self.tokenizer.max_token_bytes
-            raise PromptTooLong(f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
-                                f"(no token is longer than {longest} bytes); refused before tokenizing")
-
-    def _chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("messages need the checkpoint's tokenizer")
-        if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
-            self._check_text_size("".join(m["content"] for m in messages
-                                          if isinstance(m, dict) and isinstance(m.get("content"), str)))
-        text = self.tokenizer.render_chat(messages, tools)
-        self._check_text_size(text)
-        ids = self._checked(self._encode(text, False))
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
-
-    def _encode(self, text: str, special: bool) -> list[int]:
-        try:
-            return self.tokenizer.encode(text, special, max_tokens=self.max_seq_len)
-        except TooManyTokens as e:
-            raise PromptTooLong(f"prompt of {e.count} tokens exceeds max_seq_len={self.max_seq_len}") from None
-
-    def _checked(self, ids: list[int]) -> list[int]:
-        """The tokenizer's ids, which a careless checkpoint may let outside the model's vocabulary."""
-        vocab, largest = self.model_config.vocab_size, max(ids, default=-1)
-        if largest >= vocab:
-            raise ValueError(f"the tokenizer gave token id {largest}, outside the model's vocabulary of {vocab}: "
-                             f"the checkpoint's tokenizer does not match its model")
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its final output comes with the next step(). False if unknown/done."""
@@ -335,7 +194,7 @@ class Engine:
         """Logits [len, vocab] for every position of `token_ids` (teacher forcing), through the
         same forward pass as step(), in a slot above the live range: running requests are not
         disturbed. For evaluation and reference checks."""
-        ids, _ = self._prompt_ids(token_ids)
+        ids, _ = self.intake.tokenize(token_ids)
         if self.scheduler.num_live >= self.config.max_slots and self.comm is None:
             self.runner.execute(self.scheduler.release())  # requests that finished still hold their slots
         slot = self.scheduler.num_live
@@ -377,8 +236,7 @@ class Engine:
         """Leader: release the followers (their follow() returns). Requests in flight are dropped."""
         if self.channel is not None:
             self.channel.close()
-        if self._grammars is not None:
-            self._grammars.close()  # (the grammar checker's child process)
+        self.intake.close()
 
     def _tell_followers_failed(self, request_id: str) -> None:
         """A request failed on the leader alone: the followers retire it at the next boundary."""

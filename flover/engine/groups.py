@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from flover.config import SamplingParams
 from flover.engine.engine import Engine, EngineStats
+from flover.engine.interface import ServingEngine
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import GroupLayout, Mailbox
 from flover.request import Request, RequestOutput
@@ -99,21 +100,23 @@ class Routed:
     logprobs: dict[str, list] = field(default_factory=dict)  # "logprobs" / "top_logprobs" so far, when asked
 
 
-class EngineGroups:
-    """World rank 0's engine and the links to the other groups' leaders, with an Engine's face
-    for the front ends (make_request validates on rank 0's engine; enqueue routes)."""
+class EngineGroups(ServingEngine):
+    """World rank 0's engine and the links to the other groups' leaders, as one ServingEngine for
+    the front ends: requests are made by rank 0's engine's intake (the same model and limits
+    everywhere), enqueue routes them."""
 
     def __init__(self, engine: Engine, mailbox: Mailbox, layout: GroupLayout, world):
         self.engine, self.mailbox, self.layout, self.comm = engine, mailbox, layout, world
+        self.intake, self.groups = engine.intake, layout.count
         self.config = dataclasses.replace(engine.config, max_slots=engine.config.max_slots * layout.count)
         self.router = Router(layout.count, engine.config.max_slots)
         self.routed: dict[str, Routed] = {}
         self.group_stats: list[dict | None] = [None] * layout.count  # the latest each leader sent
         self._timed: deque[tuple[float, int]] = deque(maxlen=1024)  # the other groups' iterations, not yet read
 
-    # -- an Engine's face ----------------------------------------------------------------
-    def __getattr__(self, name):  # tokenizer, max_seq_len, tokenize, grammars, make_request, ...
-        return getattr(self.engine, name)
+    def make_request(self, *args, **kwargs) -> Request:
+        """Rank 0's engine makes it (its ids: unique across the groups, which never make their own)."""
+        return self.engine.make_request(*args, **kwargs)
 
     def enqueue(self, request: Request) -> str:
         group = self.router.choose(request.prompt_token_ids, request.cache_salt)

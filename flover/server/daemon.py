@@ -35,7 +35,8 @@ from pathlib import Path
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.engine.engine import Engine, PromptTooLong
+from flover.engine.interface import ServingEngine
+from flover.engine.intake import PromptTooLong
 from flover.request import RequestOutput
 from flover import protocol
 from flover.server.metrics import ServingMetrics
@@ -99,7 +100,7 @@ class Backlog:
 
 
 class Daemon:
-    def __init__(self, engine: Engine, config: ServeConfig, model_name: str = ""):
+    def __init__(self, engine: ServingEngine, config: ServeConfig, model_name: str = ""):
         self.engine, self.config, self.model_name = engine, config, model_name
         self.ctx = zmq.Context()
         self.auth = None  # ZAP authenticator thread when CURVE is on
@@ -245,8 +246,7 @@ class Daemon:
         if self.config.handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, self._begin_drain)
-        layout = getattr(self.engine, "layout", None)  # data-parallel groups (EngineGroups)
-        groups = f" in {layout.count} groups" if layout is not None else ""
+        groups = f" in {self.engine.groups} groups" if self.engine.groups > 1 else ""
         print(f"flover serve: ready on {self.config.bind} ({self.model_name}, "
               f"{self.engine.comm.size if self.engine.comm else 1} rank(s){groups}, {self.engine.config.max_slots} "
               f"slots)", flush=True)

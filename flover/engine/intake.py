@@ -1,0 +1,166 @@
+"""A request's way in, before it is queued: validation, tokenizing, chat rendering, limits, the
+grammar of its structured output. One Intake per engine; the daemon's workers, the HTTP front's
+/tokenize (through the daemon), prompt files and the offline API all come through it. Nothing
+here touches the engine's state, so tokenizing may run on another thread."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Sequence
+
+from flover.config import SamplingParams
+from flover.hardware import return_freed_heap
+from flover.models import ModelConfig
+from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens
+from flover.request import Request, Timings
+from flover.structured import GrammarLimits, Grammars
+
+log = logging.getLogger(__name__)
+
+
+class PromptTooLong(ValueError):
+    """prompt + max_new_tokens does not fit in max_seq_len (refused, never truncated)."""
+
+
+class Intake:
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, max_seq_len: int,
+                 grammar_limits: GrammarLimits, checks_grammars: bool):
+        """`checks_grammars`: try each new grammar in a child process first (grammar_sandbox.py;
+        the leader of the engine does, a data-parallel group's leader need not)."""
+        self.tokenizer, self.model_config, self.max_seq_len = tokenizer, model_config, max_seq_len
+        self.grammar_limits, self.checks_grammars = grammar_limits, checks_grammars
+        self._grammars: Grammars | None = None
+
+    def build(self, request_id: str, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
+              arrival_time: float | None = None, stream: bool = False, messages: list | None = None,
+              cache_salt: str | None = None, tokenized: tuple[list[int], str | None] | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
+        `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
+        `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
+        latencies count from it. `stream`: report text deltas with every new token. `cache_salt`:
+        the request shares cached prompt prefixes only with requests of the same salt. `tokenized`:
+        what `tokenize(prompt, messages)` already gave (the daemon tokenizes off its loop)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        token_ids, text = tokenized if tokenized is not None else self.tokenize(prompt, messages)
+        limit = self.max_seq_len
+        if params.max_new_tokens is None:  # the rest of the context (OpenAI's chat default)
+            params = params.with_updates(max_new_tokens=max(1, limit - len(token_ids)))
+        if len(token_ids) + params.max_new_tokens > limit:
+            raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
+                             f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
+        if (params.stop or stream) and self.tokenizer is None:
+            raise ValueError("stop strings and streamed text need the checkpoint's tokenizer")
+        if any(token >= self.model_config.vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size "
+                             f"{self.model_config.vocab_size}")
+        eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
+        grammar = self.grammars.start(params.structured) if params.structured is not None else None
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
+            stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
+            timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
+            cache_salt=cache_salt, grammar=grammar,
+        )
+        if params.stop:
+            request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
+            request.stop_holdback = max(map(len, params.stop)) - 1
+        return request
+
+    @property
+    def grammars(self) -> Grammars:
+        """This model's structured-output grammars (built on the first request that has one)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the checkpoint's tokenizer")
+            # the leader tries each new grammar in a child process first (grammar_sandbox.py)
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                      self.grammar_limits, sandboxed=self.checks_grammars)
+        return self._grammars
+
+    def prepare_grammars(self, checked_elsewhere: bool = False) -> None:
+        """Build llguidance's view of the tokenizer now (~0.15 s for 49k tokens, holding the
+        GIL): a server's first structured request would otherwise stall every running one; and
+        start the child that tries new grammars first, unless they are `checked_elsewhere` (a
+        data-parallel group's leader: world rank 0 tried each one before routing it)."""
+        if self.tokenizer is not None:
+            self.checks_grammars = self.checks_grammars and not checked_elsewhere
+            try:
+                if self.grammars.sandbox is not None:
+                    self.grammars.sandbox.start()  # (its tokenizer is built while nothing runs yet)
+            except Exception as e:  # a structured request will name it; the rest is unaffected
+                log.warning("structured output unavailable: %s", e)
+            return_freed_heap()  # parsing the tokenizer's JSON for it left ~30 MiB (SmolLM2) freed
+
+    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
+                 ) -> tuple[list[int], str | None]:
+        """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
+        `tools`: OpenAI's, with `messages`, for the chat template. Touches no engine state, so it
+        may run on another thread."""
+        return self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages, tools), None)
+
+    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need the checkpoint's tokenizer; pass token ids")
+            self._check_text_size(prompt)
+            ids = self._checked(self._encode(prompt, True))
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            if len(prompt) > self.max_seq_len:  # before looking at a million ids one by one
+                raise PromptTooLong(f"prompt of {len(prompt)} tokens exceeds max_seq_len={self.max_seq_len}")
+            ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids, text
+
+    def _check_text_size(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text that cannot fit (Tokenizer.cannot_fit): bounds the
+        tokenizer work one request can cost."""
+        if self.tokenizer.cannot_fit(text, self.max_seq_len):
+            size = len(text.encode("utf-8", "surrogatepass"))
+            longest = self.tokenizer.max_token_bytes
+            raise PromptTooLong(f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
+                                f"(no token is longer than {longest} bytes); refused before tokenizing")
+
+    def _chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("messages need the checkpoint's tokenizer")
+        if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
+            self._check_text_size("".join(m["content"] for m in messages
+                                          if isinstance(m, dict) and isinstance(m.get("content"), str)))
+        text = self.tokenizer.render_chat(messages, tools)
+        self._check_text_size(text)
+        ids = self._checked(self._encode(text, False))
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, special, max_tokens=self.max_seq_len)
+        except TooManyTokens as e:
+            raise PromptTooLong(f"prompt of {e.count} tokens exceeds max_seq_len={self.max_seq_len}") from None
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        """The tokenizer's ids, which a careless checkpoint may let outside the model's vocabulary."""
+        vocab, largest = self.model_config.vocab_size, max(ids, default=-1)
+        if largest >= vocab:
+            raise ValueError(f"the tokenizer gave token id {largest}, outside the model's vocabulary of {vocab}: "
+                             f"the checkpoint's tokenizer does not match its model")
+        return ids
+
+    def close(self) -> None:
+        """End the grammar checker's child process, if one started."""
+        if self._grammars is not None:
+            self._grammars.close()

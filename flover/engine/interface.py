@@ -1,0 +1,82 @@
+"""What the front ends (the daemon, prompt files, benchmarks) use of an engine, written down: one
+`Engine`, or `EngineGroups` (data-parallel groups behind world rank 0) both implement it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Sequence
+
+from flover.config import EngineConfig, SamplingParams
+from flover.engine.intake import Intake
+from flover.parallel.comm import Communicator
+from flover.request import Request, RequestOutput
+from flover.structured import Grammars
+
+if TYPE_CHECKING:
+    from flover.engine.engine import EngineStats
+
+
+class ServingEngine(ABC):
+    config: EngineConfig  # resolved: no "auto" left
+    comm: Communicator | None  # every rank behind it (None: one rank alone)
+    intake: Intake
+    groups: int  # data-parallel groups behind it (1: one engine)
+    iterations: int  # iterations run (with groups: every group's)
+
+    # -- intake (Intake's, shared) ----------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        return self.intake.max_seq_len
+
+    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
+                 ) -> tuple[list[int], str | None]:
+        return self.intake.tokenize(prompt, messages, tools)
+
+    @property
+    def grammars(self) -> Grammars:
+        return self.intake.grammars
+
+    def prepare_grammars(self, checked_elsewhere: bool = False) -> None:
+        self.intake.prepare_grammars(checked_elsewhere)
+
+    @abstractmethod
+    def make_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
+                     request_id: str | None = None, arrival_time: float | None = None, stream: bool = False,
+                     messages: list | None = None, cache_salt: str | None = None,
+                     tokenized: tuple[list[int], str | None] | None = None) -> Request:
+        """Validated and tokenized, not queued; ValueError naming what is wrong."""
+
+    # -- requests in flight -----------------------------------------------------------------------
+    @abstractmethod
+    def enqueue(self, request: Request) -> str:
+        """Queue a made request; it joins the running batch at the next iteration."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Cancel; its final output comes with a later step(). False if unknown or done."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """One iteration (every group's outputs since the last call)."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def num_in_flight(self) -> int: ...
+
+    @abstractmethod
+    def can_accept(self, max_waiting: int) -> bool:
+        """Whether fewer than `max_waiting` requests wait for a slot."""
+
+    # -- figures and the end ----------------------------------------------------------------------
+    @abstractmethod
+    def timed_iterations(self) -> list[tuple[float, int]]:
+        """(seconds, rows) of each iteration since the last call."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
