@@ -476,6 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flover", description="temporal-fusion LLM inference")
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
+    add_generate_command(sub)
+    add_run_command(sub)
+    add_serve_command(sub)
+    add_chat_command(sub)
+    add_keygen_command(sub)
+    add_bench_command(sub)
+    add_demo_command(sub)
+    return ap
+
+
+def add_generate_command(sub) -> None:
     gen = sub.add_parser("generate", help="generate from prompts given on the command line")
     add_engine_args(gen, model_required=False)
     add_sampling_args(gen)
@@ -485,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+")
     gen.set_defaults(func=cmd_generate)
 
+
+def add_run_command(sub) -> None:
     run = sub.add_parser("run", help="run every prompt of a file; resumable JSONL output",
                          description="Run a prompt file through the engine. Re-running the same command "
                                      "resumes: ids already in --out are skipped.")
@@ -505,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines (no TTY)")
     run.set_defaults(func=cmd_run)
 
+
+def add_serve_command(sub) -> None:
     serve = sub.add_parser("serve", help="the daemon: a ZeroMQ socket in front of the engine")
     add_engine_args(serve)
     d = serve.add_argument_group("daemon")
@@ -543,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "then cost no page faults inside iterations: ~1.5%% of a fresh daemon's time)")
     serve.set_defaults(func=cmd_serve)
 
+
+def add_chat_command(sub) -> None:
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")
     add_engine_args(chat, model_required=False)
     add_sampling_args(chat)
@@ -550,11 +567,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message that starts every conversation")
     chat.set_defaults(func=cmd_chat, max_new_tokens=512)
 
+
+def add_keygen_command(sub) -> None:
     keygen = sub.add_parser("keygen", help="make a CURVE key pair (zmq.auth certificate files)")
     keygen.add_argument("dir")
     keygen.add_argument("--name", default="server", help="file name stem: NAME.key and NAME.key_secret")
     keygen.set_defaults(func=cmd_keygen)
 
+
+def add_bench_command(sub) -> None:
     bench = sub.add_parser("bench", help="the same seeded workload through fused / serial / window / instances / hf, "
                                           "or against any OpenAI-compatible server (--endpoint)")
     add_engine_args(bench, model_required=False)
@@ -583,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--docs", default="docs/benchmarks.md", help="--suite: the page to write the results into")
     bench.set_defaults(func=cmd_bench)
 
+
+def add_demo_command(sub) -> None:
     demo = sub.add_parser("demo", help="see temporal fusion at work (makes a small random model if needed)")
     demo.add_argument("--model", default=None, help="a GGUF file, checkpoint directory or hub id (default: "
                                                     "SmolLM2-135M-Instruct, fetched once into --models-dir)")
@@ -594,7 +617,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=DTYPES, default="auto")
     demo.add_argument("--threads", type=int, default=None)
     demo.set_defaults(func=cmd_demo)
-    return ap
 
 
 # How long an idle OpenMP worker spins before it sleeps (libgomp, which PyTorch and the native
