@@ -38,8 +38,12 @@ from flover.structured import Structured
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
 HANDSHAKE_FAILED = "handshake_failed"  # client-side code: the server refused this client (CURVE)
-_LOST_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
+_LOST_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 # The monitor also reports each (re)connection: requests sent while the connection is down get
 # their `connection_lost` at once instead of waiting for a reply that cannot come.
 _MONITORED = _LOST_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -56,8 +60,10 @@ def _generate_message(request_id, prompt, input_ids, messages, stream: bool, par
         params = {**params, "structured": dataclasses.asdict(params["structured"])}
     bias = params.get("logit_bias")
     if isinstance(bias, dict):  # OpenAI's map {id: bias}: on the wire pairs (msgpack map keys are strings)
-        params = {**params, "logit_bias": [[int(k) if isinstance(k, str) and k.isdecimal() else k, v]
-                                           for k, v in bias.items()]}
+        params = {
+            **params,
+            "logit_bias": [[int(k) if isinstance(k, str) and k.isdecimal() else k, v] for k, v in bias.items()],
+        }
     tools = params.pop("tools", None) if "tools" in params else None
     message = {"op": "generate", "id": request_id, "stream": stream, "params": params}
     if tools is not None:  # OpenAI's tools, for the chat template: beside the messages
@@ -77,8 +83,9 @@ def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_cl
     if curve_server_key is not None:
         from zmq.auth import load_certificate
 
-        public, secret = curve_client_cert if isinstance(curve_client_cert, tuple) else \
-            load_certificate(curve_client_cert)
+        public, secret = (
+            curve_client_cert if isinstance(curve_client_cert, tuple) else load_certificate(curve_client_cert)
+        )
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, curve_server_key
     monitor = sock.get_monitor_socket(_MONITORED)
     sock.connect(addr)
@@ -90,8 +97,9 @@ def _encode(message: dict, limit: int) -> bytes:
     large. (One it cannot read, say with integer map keys, is answered `bad_message` with its id.)"""
     data = pack(message)
     if len(data) > limit:
-        raise FloverError(MESSAGE_TOO_LARGE, f"the message is {len(data)} bytes; the server takes at most {limit}",
-                          message.get("id"))
+        raise FloverError(
+            MESSAGE_TOO_LARGE, f"the message is {len(data)} bytes; the server takes at most {limit}", message.get("id")
+        )
     return data
 
 
@@ -104,8 +112,14 @@ def _lost_event(request_id, monitor_event: dict, addr: str) -> dict:
 
 
 class Client:
-    def __init__(self, addr: str, timeout: float | None = None, curve_server_key: bytes | None = None,
-                 curve_client_cert: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(
+        self,
+        addr: str,
+        timeout: float | None = None,
+        curve_server_key: bytes | None = None,
+        curve_client_cert: str | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
         """`timeout`: seconds to wait for any event before raising TimeoutError (None: forever;
         a dead server is still noticed within seconds)."""
         self.addr = addr
@@ -227,8 +241,15 @@ class Client:
             if not self._receive(wait) and deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def stream(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
-               messages: list | None = None, request_id=None, **params) -> Iterator[dict]:
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        messages: list | None = None,
+        request_id=None,
+        **params,
+    ) -> Iterator[dict]:
         """Token events ({"event": "token", "token_ids", "text"}) and then the final event.
         An error event raises FloverError."""
         rid = self.new_id() if request_id is None else request_id
@@ -241,8 +262,15 @@ class Client:
             if event["event"] == "final":
                 return
 
-    def generate(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
-                 messages: list | None = None, request_id=None, **params) -> dict:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        messages: list | None = None,
+        request_id=None,
+        **params,
+    ) -> dict:
         """The final event: text, token_ids, finish_reason, usage, timings."""
         rid = self.new_id() if request_id is None else request_id
         self.send(_generate_message(rid, prompt, input_ids, messages, False, params))
@@ -283,8 +311,13 @@ class Client:
 class AsyncClient:
     """The same operations for asyncio; many requests may run concurrently on one client."""
 
-    def __init__(self, addr: str, curve_server_key: bytes | None = None, curve_client_cert: str | tuple | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(
+        self,
+        addr: str,
+        curve_server_key: bytes | None = None,
+        curve_client_cert: str | tuple | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ):
         self.addr = addr
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -384,14 +417,16 @@ class AsyncClient:
     def _new_id(self, request_id):
         return f"{self._prefix}-{next(self._ids)}" if request_id is None else request_id
 
-    async def stream(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
-                     **params) -> AsyncIterator[dict]:
+    async def stream(
+        self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None, **params
+    ) -> AsyncIterator[dict]:
         rid = self._new_id(request_id)
         async for event in self._events(_generate_message(rid, prompt, input_ids, messages, True, params)):
             yield event
 
-    async def generate(self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None,
-                       **params) -> dict:
+    async def generate(
+        self, prompt: str | None = None, *, input_ids=None, messages=None, request_id=None, **params
+    ) -> dict:
         rid = self._new_id(request_id)
         async for event in self._events(_generate_message(rid, prompt, input_ids, messages, False, params)):
             if event["event"] == "final":

@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields, replace
 
 from flover.structured import GrammarLimits, Structured
 
-
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
 # float32) and keep the sampler's arithmetic finite; the per-token stop check must stay cheap.
 # docs/protocol.md lists these limits.
@@ -84,8 +83,10 @@ class SamplingParams:
         if self.max_new_tokens is not None and not _int_in(self.max_new_tokens, 1, MAX_INT32):
             bad("max_new_tokens", f"must be an integer in [1, {MAX_INT32}] or null (the rest of the context)")
         if not _number_in(self.temperature, 0, MAX_TEMPERATURE):
-            bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy; below "
-                               f"{GREEDY_BELOW:g}: greedy too)")
+            bad(
+                "temperature",
+                f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy; below {GREEDY_BELOW:g}: greedy too)",
+            )
         if not _int_in(self.top_k, 0, MAX_INT32):
             bad("top_k", f"must be an integer in [0, {MAX_INT32}] (0 disables it)")
         if not _number_in(self.top_p, 0, 1) or self.top_p == 0:
@@ -119,18 +120,31 @@ class SamplingParams:
             bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
             bad("top_logprobs", "needs logprobs or prompt_logprobs set to true")
-        if (not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS
-                or not all(isinstance(pair, tuple) and len(pair) == 2 and _int_in(pair[0], 0, MAX_INT32)
-                           and _number_in(pair[1], -100, 100) for pair in self.logit_bias)
-                or len({pair[0] for pair in self.logit_bias}) != len(self.logit_bias)):
+        if (
+            not isinstance(self.logit_bias, tuple)
+            or len(self.logit_bias) > MAX_LOGIT_BIAS
+            or not all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and _int_in(pair[0], 0, MAX_INT32)
+                and _number_in(pair[1], -100, 100)
+                for pair in self.logit_bias
+            )
+            or len({pair[0] for pair in self.logit_bias}) != len(self.logit_bias)
+        ):
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} distinct token ids to numbers in [-100, 100]")
 
     @property
     def may_draft(self) -> bool:
         """Greedy without penalties or log-probabilities: each row's id is the largest of its own
         logits (masked by the structure, biased), so a speculative draft can be checked."""
-        return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.frequency_penalty
-                and not self.presence_penalty and not self.logprobs)
+        return (
+            self.temperature == 0
+            and self.repetition_penalty == 1.0
+            and not self.frequency_penalty
+            and not self.presence_penalty
+            and not self.logprobs
+        )
 
     @property
     def plain_greedy(self) -> bool:
@@ -248,16 +262,18 @@ class EngineConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len}: must be >= 2")
         if self.max_batch_tokens < self.max_slots:
             # Every running request must be able to decode one token in every iteration.
-            raise ValueError(
-                f"max_batch_tokens={self.max_batch_tokens} must be >= max_slots={self.max_slots}"
-            )
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= max_slots={self.max_slots}")
         if self.prompt_first_iterations < 0 or self.prompt_first_tokens < 1:
-            raise ValueError(f"prompt_first_iterations={self.prompt_first_iterations}, prompt_first_tokens="
-                             f"{self.prompt_first_tokens}: must be >= 0 and >= 1")
+            raise ValueError(
+                f"prompt_first_iterations={self.prompt_first_iterations}, prompt_first_tokens="
+                f"{self.prompt_first_tokens}: must be >= 0 and >= 1"
+            )
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
         if self.speculate is not None and not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:
-            raise ValueError(f"speculate={self.speculate}, speculate_ngram={self.speculate_ngram}: draft tokens must "
-                             f"be in [0, 64] (0: off), the n-gram in [1, 64]")
+            raise ValueError(
+                f"speculate={self.speculate}, speculate_ngram={self.speculate_ngram}: draft tokens must "
+                f"be in [0, 64] (0: off), the n-gram in [1, 64]"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}: must be >= 1")

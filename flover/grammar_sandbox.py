@@ -88,12 +88,16 @@ class GrammarSandbox:
                 timed_out = not ready or time.monotonic() - started > self.seconds
                 self._kill()
                 if timed_out:
-                    raise GrammarLimitReached(f"structured output: compiling the {kind} took longer than the server's "
-                                              f"limit of {self.seconds:g} s (--grammar-compile-seconds)")
+                    raise GrammarLimitReached(
+                        f"structured output: compiling the {kind} took longer than the server's "
+                        f"limit of {self.seconds:g} s (--grammar-compile-seconds)"
+                    )
                 if "overflowed its stack" in self.last_words:
                     raise GrammarLimitReached(f"structured output: the {kind} nests too deeply to compile")
-                raise GrammarLimitReached(f"structured output: compiling the {kind} needed more memory than the "
-                                          f"server's limit of {self.memory_mib} MiB (--grammar-compile-mib)")
+                raise GrammarLimitReached(
+                    f"structured output: compiling the {kind} needed more memory than the "
+                    f"server's limit of {self.memory_mib} MiB (--grammar-compile-mib)"
+                )
             if reply.get("error") is not None:
                 raise ValueError(f"SamplingParams.structured: the {kind} does not compile: {short(reply['error'])}")
             return int(reply["bytes"])
@@ -107,9 +111,14 @@ class GrammarSandbox:
         if self.proc is None or self.proc.poll() is not None:
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
             self._stderr = tempfile.TemporaryFile()  # what a dying child says (Rust: why it aborted)
-            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=self._stderr, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=env,
+                start_new_session=True,
+            )
             _write(self.proc.stdin, self.setup)
         return self.proc
 
@@ -140,12 +149,14 @@ class GrammarSandbox:
 # 100-470 ms beside eight 830 KB enum compiles, 56 ms without the child).
 # It also dies with the server (PR_SET_PDEATHSIG): a compile the server no longer times never
 # outlives it.
-_CHILD = ("import os, sys\n"
-          "try:\n    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-          "except (AttributeError, OSError):\n    os.nice(19)\n"
-          "try:\n    import ctypes, signal\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
-          "except (OSError, AttributeError):\n    pass\n"
-          "from flover.grammar_sandbox import _serve\nsys.exit(_serve())\n")
+_CHILD = (
+    "import os, sys\n"
+    "try:\n    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "except (AttributeError, OSError):\n    os.nice(19)\n"
+    "try:\n    import ctypes, signal\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\n"
+    "except (OSError, AttributeError):\n    pass\n"
+    "from flover.grammar_sandbox import _serve\nsys.exit(_serve())\n"
+)
 
 
 def _serve() -> int:
@@ -182,7 +193,7 @@ def _serve() -> int:
             held = memory_now() - before
         except MemoryError:
             return 3  # the parent reads EOF: over the memory limit
-        except Exception as e:  # noqa: BLE001 - the compiler's refusal, said to the parent
+        except Exception as e:
             error, held = str(e) or type(e).__name__, 0
         matcher = None
         return_freed_heap()

@@ -66,7 +66,7 @@ def peek_id(frame: bytes):
     """The `id` of a message that `unpack` refuses or that failed later, read leniently, or None."""
     try:
         message = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - garbage, or nested past msgpack's own limits
+    except Exception:
         return None
     return echo_id(message) if isinstance(message, dict) else None
 
@@ -101,8 +101,11 @@ def parse_generate(message: dict) -> GenerateRequest:
     one place that knows their limits). Raises ProtocolError naming the first problem."""
     rid = request_id_of(message)
     if rid is None:
-        raise ProtocolError(INVALID_REQUEST, f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} "
-                                             f"characters or an integer", echo_id(message))
+        raise ProtocolError(
+            INVALID_REQUEST,
+            f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters or an integer",
+            echo_id(message),
+        )
     bad = lambda why: ProtocolError(INVALID_REQUEST, why, rid)  # noqa: E731
     unknown = sorted(str(k) for k in set(message) - GENERATE_KEYS)
     if unknown:
@@ -158,7 +161,6 @@ def tcp_keepalive(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
 
-
 # -- events -------------------------------------------------------------------------------
 def error_event(code: str, message: str, request_id: str | int | None = None) -> dict:
     return {"event": "error", "id": request_id, "code": code, "message": message}
@@ -170,9 +172,9 @@ def token_event(request_id: str | int, out) -> dict:
     event = {"event": "token", "id": request_id, "token_ids": out.new_token_ids, "text": out.text_delta}
     new = len(out.new_token_ids)
     if out.logprobs is not None:
-        event["logprobs"] = out.logprobs[len(out.logprobs) - new:]
+        event["logprobs"] = out.logprobs[len(out.logprobs) - new :]
     if out.top_logprobs is not None:
-        event["top_logprobs"] = _pairs(out.top_logprobs[len(out.top_logprobs) - new:])
+        event["top_logprobs"] = _pairs(out.top_logprobs[len(out.top_logprobs) - new :])
     if new and len(out.token_ids) == new:
         event.update(_prompt_logprobs(out))
     return event
@@ -180,8 +182,13 @@ def token_event(request_id: str | int, out) -> dict:
 
 def final_event(request_id: str | int, out, streamed: bool) -> dict:
     t = out.timings
-    event = {"event": "final", "id": request_id, "finish_reason": out.finish_reason, "usage": out.usage,
-             "timings": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]}}
+    event = {
+        "event": "final",
+        "id": request_id,
+        "finish_reason": out.finish_reason,
+        "usage": out.usage,
+        "timings": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]},
+    }
     if not streamed:  # a stream already carried every token, all the text and the logprobs
         event["text"], event["token_ids"] = out.text, out.token_ids
         if out.logprobs is not None:

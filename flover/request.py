@@ -139,8 +139,11 @@ class RequestOutput:
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids),
-                "cached_tokens": self.cached_tokens}
+        return {
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": len(self.token_ids),
+            "cached_tokens": self.cached_tokens,
+        }
 
 
 # -- what one iteration gives back (the runner's result, read by the scheduler and the text half) --

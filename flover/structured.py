@@ -48,8 +48,9 @@ class GrammarLimits:
 def parser_limits(limits: GrammarLimits):
     import llguidance
 
-    return llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=limits.lexer_states,
-                                     step_lexer_fuel=limits.lexer_fuel)
+    return llguidance.LLParserLimits(
+        verbose_errors=False, max_lexer_states=limits.lexer_states, step_lexer_fuel=limits.lexer_fuel
+    )
 
 
 class GrammarLimitReached(ValueError):
@@ -108,11 +109,22 @@ def _depth(value) -> int:
 
 
 # kind "json": any object whose numbers are bounded as above (llguidance's own "any JSON" is not)
-ANY_JSON = {"$defs": {"v": {"anyOf": [
-    {"type": "null"}, {"type": "boolean"}, {"type": "string"}, {"type": "number"},
-    {"type": "array", "items": {"$ref": "#/$defs/v"}},
-    {"type": "object", "additionalProperties": {"$ref": "#/$defs/v"}}]}},
-    "type": "object", "additionalProperties": {"$ref": "#/$defs/v"}}
+ANY_JSON = {
+    "$defs": {
+        "v": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "boolean"},
+                {"type": "string"},
+                {"type": "number"},
+                {"type": "array", "items": {"$ref": "#/$defs/v"}},
+                {"type": "object", "additionalProperties": {"$ref": "#/$defs/v"}},
+            ]
+        }
+    },
+    "type": "object",
+    "additionalProperties": {"$ref": "#/$defs/v"},
+}
 
 
 @dataclass(frozen=True)
@@ -155,8 +167,11 @@ class Structured:
         if self.kind == "json":
             return None if self.value is None else "kind json takes no value"
         if self.kind == "choice":
-            if (not isinstance(self.value, tuple) or not 0 < len(self.value) <= MAX_CHOICES
-                    or not all(isinstance(c, str) and c for c in self.value)):
+            if (
+                not isinstance(self.value, tuple)
+                or not 0 < len(self.value) <= MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in self.value)
+            ):
                 return f"kind choice needs 1 to {MAX_CHOICES} non-empty strings"
             return None if sum(map(len, self.value)) <= MAX_SPEC_CHARS else "the choices are too long"
         if not isinstance(self.value, str) or not self.value:
@@ -185,8 +200,9 @@ class Structured:
             return match.grammar_from_json_schema(bound_numbers(ANY_JSON), defaults=COMPACT)
         if self.kind == "json_schema":
             schema = json.loads(self.value)
-            return match.grammar_from_json_schema(json.dumps(bound_numbers(schema)) if isinstance(schema, dict)
-                                                  else self.value, defaults=COMPACT)
+            return match.grammar_from_json_schema(
+                json.dumps(bound_numbers(schema)) if isinstance(schema, dict) else self.value, defaults=COMPACT
+            )
         if self.kind == "regex":
             return match.grammar_from_regex(self.value)
         if self.kind == "choice":  # Lark string literals take JSON's escapes
@@ -201,8 +217,14 @@ class Grammars:
     first in a child process held to the compile limits (grammar_sandbox.py): only one that
     compiles there within them is compiled here."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 limits: GrammarLimits = GrammarLimits(), sandboxed: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        limits: GrammarLimits = GrammarLimits(),
+        sandboxed: bool = False,
+    ):
         import llguidance
 
         self.vocab_size, self.limits = vocab_size, limits
@@ -238,8 +260,9 @@ class Grammars:
         before = memory_now()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.parser_limits)
         if matcher.is_error():
-            raise ValueError(f"SamplingParams.structured: the {structured.kind} does not compile: "
-                             f"{short(matcher.get_error())}")
+            raise ValueError(
+                f"SamplingParams.structured: the {structured.kind} does not compile: {short(matcher.get_error())}"
+            )
         cost = max(measured, memory_now() - before, len(grammar))
         budget = self.limits.cache_mib << 20
         with self._lock:
@@ -252,8 +275,9 @@ class Grammars:
         return matcher
 
     def start(self, structured: Structured) -> "GrammarState":
-        return GrammarState(self.compile(structured).deep_copy(), self.vocab_size, self.limits,
-                            on_limit=lambda: self.forget(structured))
+        return GrammarState(
+            self.compile(structured).deep_copy(), self.vocab_size, self.limits, on_limit=lambda: self.forget(structured)
+        )
 
     def forget(self, structured: Structured) -> None:
         """Drop a grammar whose request reached a limit: its lexer grew in the cached matcher
@@ -288,8 +312,10 @@ class GrammarState:
         for j in range(len(draft) + 1):
             self.matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), self.words * 4)
             if self.matcher.is_error():  # (llguidance's lexer limits: --grammar-lexer-fuel)
-                raise GrammarLimitReached(f"structured output: {short(self.matcher.get_error())} (the grammar "
-                                          f"needs more lexer work than the server allows: --grammar-lexer-fuel)")
+                raise GrammarLimitReached(
+                    f"structured output: {short(self.matcher.get_error())} (the grammar "
+                    f"needs more lexer work than the server allows: --grammar-lexer-fuel)"
+                )
             if j < len(draft) and not self.matcher.consume_token(draft[j]):
                 raise ValueError(f"draft token {draft[j]} is not allowed: {short(self.matcher.get_error())}")
         self.matcher.rollback(len(draft))
@@ -300,7 +326,8 @@ class GrammarState:
             raise GrammarLimitReached(
                 f"structured output: the grammar's token masks took {self.mask_ms:.0f} ms, more than the server "
                 f"allows ({self.limits.mask_ms_per_token:g} ms a token, {self.limits.mask_burst_ms:g} ms at once: "
-                f"--grammar-mask-ms, --grammar-mask-burst-ms)")
+                f"--grammar-mask-ms, --grammar-mask-burst-ms)"
+            )
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (none where it leaves a choice)."""
@@ -338,15 +365,15 @@ def allowed_bits(states: list[GrammarState | None], vocab: int, drafts: list[lis
     for state, draft in zip(states, drafts):
         if state is not None:
             try:
-                state.fill_allowed(bits[row: row + 1 + len(draft)], draft)
+                state.fill_allowed(bits[row : row + 1 + len(draft)], draft)
             except GrammarLimitReached as e:
                 failed[row] = RowFailure(str(e))
-                bits[row: row + 1 + len(draft)] = -1
+                bits[row : row + 1 + len(draft)] = -1
                 if state.on_limit is not None:
                     state.on_limit()
             except Exception as e:  # llguidance's own failure: this request's, not the iteration's
                 failed[row] = f"structured output failed: {short(str(e))}"
-                bits[row: row + 1 + len(draft)] = -1
+                bits[row : row + 1 + len(draft)] = -1
         row += 1 + len(draft)
     return bits, failed
 

@@ -96,14 +96,17 @@ def call_text(name: str, arguments, syntax: str) -> str:
 def system_prompt(tools: list[dict]) -> str:
     """The tools as a Hermes-style system prompt, for templates that do not render them."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to assist with the user query. The functions are listed "
-            f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a "
-            "JSON object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "You may call one or more functions to assist with the user query. The functions are listed "
+        f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a "
+        "JSON object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
-def prompt_messages(messages: list[dict], tools: list[dict] | None, template_source: str | None
-                    ) -> tuple[list[dict], dict]:
+def prompt_messages(
+    messages: list[dict], tools: list[dict] | None, template_source: str | None
+) -> tuple[list[dict], dict]:
     """(messages, extra template variables) to render: with a template that renders tools, the
     messages as HF templates take them (call arguments as mappings) and `tools`; else the tools
     as a system prompt, and calls and results as plain text in the model's syntax."""
@@ -112,17 +115,22 @@ def prompt_messages(messages: list[dict], tools: list[dict] | None, template_sou
         out = []
         for m in messages:
             if m.get("tool_calls"):
-                m = {**m, "tool_calls": [{**c, "function": {**c["function"],
-                                                            "arguments": _arguments_object(c["function"]["arguments"])}}
-                                         for c in m["tool_calls"]]}
+                m = {
+                    **m,
+                    "tool_calls": [
+                        {**c, "function": {**c["function"], "arguments": _arguments_object(c["function"]["arguments"])}}
+                        for c in m["tool_calls"]
+                    ],
+                }
             out.append(m)
         return out, ({"tools": tools} if tools else {})
     out = []
     for m in messages:
         content = m.get("content") or ""
         if m.get("tool_calls"):
-            calls = "\n".join(call_text(c["function"]["name"], c["function"]["arguments"], syntax)
-                              for c in m["tool_calls"])
+            calls = "\n".join(
+                call_text(c["function"]["name"], c["function"]["arguments"], syntax) for c in m["tool_calls"]
+            )
             content = f"{content}\n{calls}" if content else calls
         if m["role"] == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -168,7 +176,7 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
     found: list[tuple[int, object]] = []
     if syntax == MISTRAL and "[TOOL_CALLS]" in text:
         start = text.index("[TOOL_CALLS]")
-        found = [(start, v) for v in _json_values(text[start + len("[TOOL_CALLS]"):])]
+        found = [(start, v) for v in _json_values(text[start + len("[TOOL_CALLS]") :])]
     elif syntax == LLAMA3:
         found = [(0, v) for v in _json_values(text.replace("<|python_tag|>", ""))]
     else:
@@ -184,8 +192,11 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return text, []
         arguments = value.get("arguments", value.get("parameters", {}))
-        calls.append(ToolCall(value["name"], arguments if isinstance(arguments, str)
-                              else json.dumps(arguments, ensure_ascii=False)))
+        calls.append(
+            ToolCall(
+                value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            )
+        )
     if not calls:
         return text, []
     return text[: found[0][0]].strip(), calls
@@ -207,17 +218,30 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
             raise ValueError(f"tool_choice: no tool is named {name!r}")
         parallel = False
     elif choice != "required":
-        raise ValueError('tool_choice: expected "none", "auto", "required" or {"type": "function", '
-                         '"function": {"name": ...}}')
+        raise ValueError(
+            'tool_choice: expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
     key = "parameters" if syntax == LLAMA3 else "arguments"
-    one_of = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                  key: t["function"].get("parameters", {"type": "object"})},
-               "required": ["name", key], "additionalProperties": False} for t in tools]
+    one_of = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                key: t["function"].get("parameters", {"type": "object"}),
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema = {**({"anyOf": one_of} if len(one_of) > 1 else one_of[0]), "x-guidance": COMPACT}
     body = "%json " + json.dumps(schema)
     if syntax == MISTRAL:
-        grammar = f'start: "[TOOL_CALLS][" call ("," call)* "]"\ncall: {body}' if parallel \
+        grammar = (
+            f'start: "[TOOL_CALLS][" call ("," call)* "]"\ncall: {body}'
+            if parallel
             else f'start: "[TOOL_CALLS][" call "]"\ncall: {body}'
+        )
     elif syntax == LLAMA3:
         grammar = f"start: call\ncall: {body}"
     else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from flover.testing.tiny_model import make_tiny_model, write_gguf

@@ -13,25 +13,43 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from flover import LLM, Engine, EngineConfig, SamplingParams
 from flover.client import Client
 
-
 # Small enough that a whole reference comparison takes well under a second.
-TEST_PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                   vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
+TEST_PRESET = dict(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 # name -> (arch, config overrides[, preset overrides]): every supported architecture and the
 # features that vary.
 VARIANTS = {
     "llama": ("llama", {}),
-    "llama-mqa-bias-tied-llama3": ("llama", dict(
-        num_key_value_heads=1, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama-mqa-bias-tied-llama3": (
+        "llama",
+        dict(
+            num_key_value_heads=1,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "mistral-window8": ("mistral", dict(sliding_window=8)),
     "qwen2": ("qwen2", {}),
     "gptj": ("gptj", {}),
@@ -46,12 +64,24 @@ VARIANTS = {
 
 # GGUF name ending -> block type: a file mixing every type whose codes the native step runs, as
 # Q4_K_M files mix Q4_K and Q6_K within a layer (a fused q/k/v of two kinds of codes)
-GGUF_MIX = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q4_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
-            "ffn_gate.weight": "Q5_0", "ffn_up.weight": "Q5_1", "ffn_down.weight": "Q8_0", "token_embd.weight": "Q6_K"}
+GGUF_MIX = {
+    "attn_q.weight": "Q4_K",
+    "attn_k.weight": "Q4_0",
+    "attn_v.weight": "Q6_K",
+    "attn_output.weight": "Q5_K",
+    "ffn_gate.weight": "Q5_0",
+    "ffn_up.weight": "Q5_1",
+    "ffn_down.weight": "Q8_0",
+    "token_embd.weight": "Q6_K",
+}
 
 
-PROMPTS = ["Hello the cat runs fast", "A", "数据 模型 over the river and far away 12345 " * 3,
-           "one two three four five six seven eight nine ten"]
+PROMPTS = [
+    "Hello the cat runs fast",
+    "A",
+    "数据 模型 over the river and far away 12345 " * 3,
+    "one two three four five six seven eight nine ten",
+]
 
 
 def rewrite_config(model_dir, **changes) -> None:
@@ -72,12 +102,22 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: str, *extra: str, ranks: int = 1, script: str | None = None,
-                 addr: str | None = None):
+    def __init__(self, model_dir: str, *extra: str, ranks: int = 1, script: str | None = None, addr: str | None = None):
         """`script`: a file that runs flover's command line (e.g. with a fault injected)."""
         self.addr = addr or f"tcp://127.0.0.1:{free_port()}"
-        args = [*([script] if script else ["-m", "flover.apps.cli"]), "serve", "--model", model_dir, "--bind", self.addr, "--dtype", "float64",
-                "--max-seq-len", "256", *extra]
+        args = [
+            *([script] if script else ["-m", "flover.apps.cli"]),
+            "serve",
+            "--model",
+            model_dir,
+            "--bind",
+            self.addr,
+            "--dtype",
+            "float64",
+            "--max-seq-len",
+            "256",
+            *extra,
+        ]
         if ranks > 1:
             cmd, env = mpirun_cmd(ranks, *args), MPI_ENV
         else:
@@ -111,8 +151,14 @@ def expected_outputs(model_dir: str, n_tokens: list[int], **params):
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 
 
-MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_btl": "self,sm", "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONUNBUFFERED": "1"}
+MPI_ENV = {
+    **os.environ,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_btl": "self,sm",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def mpirun_cmd(ranks: int, *args: str) -> list[str]:
@@ -120,16 +166,38 @@ def mpirun_cmd(ranks: int, *args: str) -> list[str]:
 
 
 def flover_run_cmd(ranks: int, model_dir: str, prompts, out, *extra: str) -> list[str]:
-    args = ["-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts), "--out", str(out),
-            "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet", *extra]
+    args = [
+        "-m",
+        "flover.apps.cli",
+        "run",
+        "--model",
+        model_dir,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--dtype",
+        "float64",
+        "--max-seq-len",
+        "128",
+        "--token-ids",
+        "--ignore-eos",
+        "--quiet",
+        *extra,
+    ]
     return mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
 
 
 def flover_run_ok(ranks: int, model_dir: str, prompts, out, *extra: str, timeout: int = 240):
     """`flover run` on `ranks` ranks (mpirun beyond one; flover_run_cmd's defaults), asserted to
     succeed: the finished process (its stderr holds the start-up lines and the summary)."""
-    run = subprocess.run(flover_run_cmd(ranks, model_dir, prompts, out, *extra), capture_output=True, text=True,
-                         timeout=timeout, env=MPI_ENV)
+    run = subprocess.run(
+        flover_run_cmd(ranks, model_dir, prompts, out, *extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=MPI_ENV,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -139,13 +207,32 @@ def tokens_by_id(path) -> dict[str, list[int]]:
         return {r["id"]: r["token_ids"] for r in map(json.loads, f)}
 
 
-REQUESTS = [{"id": f"r{i}", "input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)],
-             "max_new_tokens": 8 + 6 * (i % 4)} for i in range(7)]
+REQUESTS = [
+    {
+        "id": f"r{i}",
+        "input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)],
+        "max_new_tokens": 8 + 6 * (i % 4),
+    }
+    for i in range(7)
+]
 
 
 def flover_run(model_dir, prompts, out, *extra, stdin=None, timeout=300):
-    cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", model_dir, "--prompts", str(prompts),
-           "--out", str(out), "--max-seq-len", "128", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flover.apps.cli",
+        "run",
+        "--model",
+        model_dir,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-seq-len",
+        "128",
+        *extra,
+    ]
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
 
 
@@ -158,8 +245,9 @@ def write_jsonl(path, objs) -> None:
     path.write_text("".join(json.dumps(o) + "\n" for o in objs))
 
 
-def random_arrival_jobs(seed: int, vocab: int = 512, score_prompts: bool = False,
-                        max_new_tokens: int = 40) -> list[tuple]:
+def random_arrival_jobs(
+    seed: int, vocab: int = 512, score_prompts: bool = False, max_new_tokens: int = 40
+) -> list[tuple]:
     """14 requests of every length (greedy and seeded sampled) as (arrival iteration, prompt,
     params); prompts of up to 60 tokens. `score_prompts`: about a third also score their prompts
     (prompt_logprobs)."""
@@ -167,9 +255,13 @@ def random_arrival_jobs(seed: int, vocab: int = 512, score_prompts: bool = False
     jobs = []
     for _ in range(14):
         arrives, prompt = rng.randrange(40), [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
-        params = SamplingParams(max_new_tokens=rng.randint(1, max_new_tokens), ignore_eos=True,
-                                temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000),
-                                prompt_logprobs=score_prompts and rng.random() < 0.3)
+        params = SamplingParams(
+            max_new_tokens=rng.randint(1, max_new_tokens),
+            ignore_eos=True,
+            temperature=rng.choice([0.0, 0.9]),
+            seed=rng.randrange(1000),
+            prompt_logprobs=score_prompts and rng.random() < 0.3,
+        )
         jobs.append((arrives, prompt, params))
     return jobs
 
@@ -190,6 +282,15 @@ def run_arrivals(engine: Engine, jobs: list[tuple]) -> dict:
 def run_random_arrivals(model_dir: str, seed: int, cuda_graphs: str, device: str = "cpu") -> tuple[dict, Engine]:
     """random_arrival_jobs into 6 slots of 110 positions, float64: (request id -> tokens, the
     engine). The workload of the static-decode tests here and of the CUDA-graph test in test_cuda.py."""
-    engine = Engine(EngineConfig(model_dir, dtype="float64", device=device, max_slots=6, max_batch_tokens=24,
-                                 max_seq_len=110, cuda_graphs=cuda_graphs))
+    engine = Engine(
+        EngineConfig(
+            model_dir,
+            dtype="float64",
+            device=device,
+            max_slots=6,
+            max_batch_tokens=24,
+            max_seq_len=110,
+            cuda_graphs=cuda_graphs,
+        )
+    )
     return run_arrivals(engine, random_arrival_jobs(seed)), engine

@@ -21,13 +21,37 @@ from tests.helpers import flover_run, read_records, write_jsonl
 
 def test_sigkill_at_random_moments_then_resume_gives_every_record_once(llama_dir, tmp_path):
     rng = random.Random(7)
-    jobs = [{"id": f"p{i}", "input_ids": [rng.randrange(1, 512) for _ in range(rng.randint(1, 20))],
-             "max_new_tokens": rng.randint(1, 40)} for i in range(300)]
+    jobs = [
+        {
+            "id": f"p{i}",
+            "input_ids": [rng.randrange(1, 512) for _ in range(rng.randint(1, 20))],
+            "max_new_tokens": rng.randint(1, 40),
+        }
+        for i in range(300)
+    ]
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(prompts, jobs)
-    cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", llama_dir, "--prompts", str(prompts),
-           "--out", str(out), "--max-seq-len", "128", "--dtype", "float64", "--ignore-eos", "--token-ids",
-           "--max-slots", "8", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flover.apps.cli",
+        "run",
+        "--model",
+        llama_dir,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-seq-len",
+        "128",
+        "--dtype",
+        "float64",
+        "--ignore-eos",
+        "--token-ids",
+        "--max-slots",
+        "8",
+        "--quiet",
+    ]
     kills = 0
     for _ in range(6):
         before = len(out.read_bytes().splitlines()) if out.exists() else 0
@@ -53,8 +77,10 @@ def test_sigkill_at_random_moments_then_resume_gives_every_record_once(llama_dir
     assert sorted(ids) == sorted(j["id"] for j in jobs)  # no loss, no duplicate
     # the records written before the kills are the same as an uninterrupted run's
     llm = LLM(llama_dir, dtype="float64", max_seq_len=128, max_slots=8)
-    expected = llm.generate([j["input_ids"] for j in jobs],
-                            [SamplingParams(max_new_tokens=j["max_new_tokens"], ignore_eos=True) for j in jobs])
+    expected = llm.generate(
+        [j["input_ids"] for j in jobs],
+        [SamplingParams(max_new_tokens=j["max_new_tokens"], ignore_eos=True) for j in jobs],
+    )
     by_id = {r["id"]: r for r in records}
     for job, exp in zip(jobs, expected):
         assert by_id[job["id"]]["token_ids"] == exp.token_ids, job["id"]
@@ -92,9 +118,15 @@ def test_bad_lines_get_error_records_and_the_rest_runs(llama_dir, tmp_path):
     assert by_id["ok1"]["finish_reason"] == "length" and by_id["ok1"]["usage"]["completion_tokens"] == 4
     assert by_id["ok2"]["usage"]["completion_tokens"] == 3
     errors = {rid: (r["error"]["code"], r["line"]) for rid, r in by_id.items() if "error" in r}
-    assert errors == {"2": ("malformed_line", 2), "3": ("malformed_line", 3), "none": ("invalid_request", 4),
-                      "typo": ("invalid_request", 5), "vocab": ("invalid_request", 6),
-                      "long": ("prompt_too_long", 7), "temp": ("invalid_request", 8)}
+    assert errors == {
+        "2": ("malformed_line", 2),
+        "3": ("malformed_line", 3),
+        "none": ("invalid_request", 4),
+        "typo": ("invalid_request", 5),
+        "vocab": ("invalid_request", 6),
+        "long": ("prompt_too_long", 7),
+        "temp": ("invalid_request", 8),
+    }
     assert "exceeds max_seq_len=128" in by_id["long"]["error"]["message"]
     assert "max_tokens" in by_id["typo"]["error"]["message"]
     assert "7 errors" in run.stderr
@@ -121,8 +153,17 @@ def test_txt_stdin_and_ordered_output_equal_the_offline_api(llama_dir, tmp_path)
 
     txt, out_txt, out_stdin = tmp_path / "in.txt", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     txt.write_text("\n".join(texts) + "\n")
-    common = ("--dtype", "float64", "--max-new-tokens", "12", "--ignore-eos", "--max-slots", "8",
-              "--token-ids", "--ordered")
+    common = (
+        "--dtype",
+        "float64",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--max-slots",
+        "8",
+        "--token-ids",
+        "--ordered",
+    )
     run = flover_run(llama_dir, txt, out_txt, *common)
     assert run.returncode == 0, run.stderr
     stdin = flover_run(llama_dir, "-", out_stdin, *common, stdin=txt.read_text())
@@ -136,8 +177,13 @@ def test_txt_stdin_and_ordered_output_equal_the_offline_api(llama_dir, tmp_path)
 
 def test_unordered_output_streams_results_as_they_finish(llama_dir, tmp_path):
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_jsonl(prompts, [{"id": "long", "input_ids": [1, 2], "max_new_tokens": 40},
-                          {"id": "short", "input_ids": [3, 4], "max_new_tokens": 2}])
+    write_jsonl(
+        prompts,
+        [
+            {"id": "long", "input_ids": [1, 2], "max_new_tokens": 40},
+            {"id": "short", "input_ids": [3, 4], "max_new_tokens": 2},
+        ],
+    )
     assert flover_run(llama_dir, prompts, out, "--ignore-eos").returncode == 0
     assert [r["id"] for r in read_records(out)] == ["short", "long"]
     out.unlink()
@@ -148,7 +194,8 @@ def test_unordered_output_streams_results_as_they_finish(llama_dir, tmp_path):
 def test_chat_messages_use_the_checkpoint_template(llama_dir, tmp_path):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     ids = transformers.AutoTokenizer.from_pretrained(llama_dir).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        messages, add_generation_prompt=True, tokenize=True
+    )["input_ids"]
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(prompts, [{"id": "chat", "messages": messages}, {"id": "ids", "input_ids": ids}])
     assert flover_run(llama_dir, prompts, out, "--token-ids", "--max-new-tokens", "6").returncode == 0
@@ -192,9 +239,27 @@ def test_options_are_checked(llama_dir, tmp_path):
 
 
 def test_demo_makes_its_model_and_compares_fused_with_one_at_a_time(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "demo", "--preset", "tiny", "--models-dir",
-                          str(tmp_path), "--rate", "400", "--max-new-tokens", "12", "--max-slots", "8"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "demo",
+            "--preset",
+            "tiny",
+            "--models-dir",
+            str(tmp_path),
+            "--rate",
+            "400",
+            "--max-new-tokens",
+            "12",
+            "--max-slots",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "tiny" / "config.json").is_file()
     out = run.stdout
@@ -209,7 +274,9 @@ def test_demo_makes_its_model_and_compares_fused_with_one_at_a_time(tmp_path):
                 arrived, in_flight = int(fields[fields.index("arrived") + 1]), int(fields[fields.index("flight") + 1])
                 waiting, finished = int(fields[fields.index("waiting") + 1]), int(fields[fields.index("finished") + 1])
                 assert in_flight + waiting + finished == arrived, line
-    table = {line.split()[0]: line.split()[-2:] for line in out.splitlines() if line.startswith(("makespan", "iterations"))}
+    table = {
+        line.split()[0]: line.split()[-2:] for line in out.splitlines() if line.startswith(("makespan", "iterations"))
+    }
     fused_iters, serial_iters = map(float, table["iterations"])
     assert serial_iters == 32 * 12  # one request at a time: one token per iteration
     assert fused_iters < serial_iters  # requests shared iterations
@@ -221,10 +288,16 @@ def test_records_carry_the_logprobs_a_line_asks_for(llama_dir, tmp_path):
 
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     ids = [5, 17, 250, 3, 99]
-    write_jsonl(prompts, [{"id": "scored", "input_ids": ids, "prompt_logprobs": True, "logprobs": True,
-                           "top_logprobs": 2}, {"id": "plain", "input_ids": ids}])
-    run = flover_run(llama_dir, prompts, out, "--dtype", "float64", "--max-new-tokens", "3", "--ignore-eos",
-                     "--token-ids")
+    write_jsonl(
+        prompts,
+        [
+            {"id": "scored", "input_ids": ids, "prompt_logprobs": True, "logprobs": True, "top_logprobs": 2},
+            {"id": "plain", "input_ids": ids},
+        ],
+    )
+    run = flover_run(
+        llama_dir, prompts, out, "--dtype", "float64", "--max-new-tokens", "3", "--ignore-eos", "--token-ids"
+    )
     assert run.returncode == 0, run.stderr
     by_id = {r["id"]: r for r in read_records(out)}
     assert not {"logprobs", "prompt_logprobs", "top_logprobs"} & set(by_id["plain"])
@@ -233,8 +306,9 @@ def test_records_carry_the_logprobs_a_line_asks_for(llama_dir, tmp_path):
     logp = torch.log_softmax(engine.score(ids + scored["token_ids"]), dim=-1)
     assert scored["prompt_logprobs"][0] is None
     assert scored["prompt_logprobs"][1:] == pytest.approx([float(logp[p - 1, ids[p]]) for p in range(1, 5)], abs=1e-9)
-    assert [[t for t, _ in top] for top in scored["prompt_top_logprobs"][1:]] == \
-        [logp[p - 1].topk(2).indices.tolist() for p in range(1, 5)]
+    assert [[t for t, _ in top] for top in scored["prompt_top_logprobs"][1:]] == [
+        logp[p - 1].topk(2).indices.tolist() for p in range(1, 5)
+    ]
     assert len(scored["logprobs"]) == len(scored["top_logprobs"]) == 3
 
 
@@ -247,13 +321,22 @@ def test_ordered_output_holds_a_bounded_number_of_records_behind_a_long_first_on
     from flover.apps.results_file import ResultsFile
 
     llm = LLM(llama_dir, dtype="float64", max_seq_len=128, max_slots=4)
-    records = [PromptRecord(index=i, line=i + 1, id=str(i), prompt=[1 + i, 2, 3],
-                            sampling={"max_new_tokens": 100 if i == 0 else 1})
-               for i in range(41)]
+    records = [
+        PromptRecord(
+            index=i, line=i + 1, id=str(i), prompt=[1 + i, 2, 3], sampling={"max_new_tokens": 100 if i == 0 else 1}
+        )
+        for i in range(41)
+    ]
     out = ResultsFile(str(tmp_path / "out.jsonl"))
     held = []
-    runner = BatchRunner(llm.engine, out, SamplingParams(ignore_eos=True), ordered=True, max_held=4,
-                         on_step=lambda r, _: held.append(r.writer.held))
+    runner = BatchRunner(
+        llm.engine,
+        out,
+        SamplingParams(ignore_eos=True),
+        ordered=True,
+        max_held=4,
+        on_step=lambda r, _: held.append(r.writer.held),
+    )
     runner.run(records)
     out.close()
     assert 4 <= max(held) <= 4 + 4 + 4  # the bound, plus what was in flight (slots, queue) when it was reached

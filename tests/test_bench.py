@@ -48,17 +48,43 @@ def test_workloads_are_seeded_and_shaped_as_asked():
 
 
 def test_quick_bench_runs_every_mode(llama_dir, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "bench", "--model", llama_dir, "--quick",
-                          "--out", str(tmp_path), "--window-ms", "100"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "bench",
+            "--model",
+            llama_dir,
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--window-ms",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((tmp_path / "bench.json").read_text())
     results = data["results"]
     assert list(results) == ["fused", "serial", "window", "instances", "hf"]
     for mode, r in results.items():
         s = r["summary"]
-        for key in ("makespan_s", "output_tok_s", "requests_s", "ttft_p50_s", "tpot_p99_s", "itl_p90_s",
-                    "e2e_p99_s", "queue_p50_s", "iterations", "overlap_share", "speedup_makespan"):
+        for key in (
+            "makespan_s",
+            "output_tok_s",
+            "requests_s",
+            "ttft_p50_s",
+            "tpot_p99_s",
+            "itl_p90_s",
+            "e2e_p99_s",
+            "queue_p50_s",
+            "iterations",
+            "overlap_share",
+            "speedup_makespan",
+        ):
             assert key in s, (mode, key)
         assert s["requests"] == 4 and len(r["requests"]) == 4
         for req in r["requests"]:
@@ -80,8 +106,15 @@ def test_quick_paper_suite_writes_its_section(llama_dir, tmp_path):
     doc.write_text("# Benchmarks\n\nearlier sections stay\n")
     settings = ModeSettings(model=llama_dir, window_ms=50, window_batch=8)
     for _ in range(2):  # the second run replaces the section instead of appending another
-        run_suite(llama_dir, tmp_path / "raw", doc, settings, quick=True, modes=["fused", "serial", "window"],
-                  log=lambda _: None)
+        run_suite(
+            llama_dir,
+            tmp_path / "raw",
+            doc,
+            settings,
+            quick=True,
+            modes=["fused", "serial", "window"],
+            log=lambda _: None,
+        )
     text = doc.read_text()
     assert text.count(START) == 1 and text.count(END) == 1 and "earlier sections stay" in text
     for heading in ("### 1.", "### 2.", "### 3.", "### 4.", "### 6."):

@@ -12,8 +12,19 @@ def flover(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_prints_results_and_kv_figure(llama_dir):
-    run = flover("generate", "--model", llama_dir, "--max-new-tokens", "5", "--ignore-eos", "--json",
-                 "--max-seq-len", "64", "Hello", "the cat")
+    run = flover(
+        "generate",
+        "--model",
+        llama_dir,
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+        "--max-seq-len",
+        "64",
+        "Hello",
+        "the cat",
+    )
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == ["Hello", "the cat"]
@@ -33,15 +44,18 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
     load); a caller's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone."""
     import os
 
-    probe = ("import os, sys, flover.apps.cli\n"
-             "torch_before = 'torch' in sys.modules\n"
-             "try:\n    flover.apps.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-             "print(os.environ.get('GOMP_SPINCOUNT'), torch_before)")
+    probe = (
+        "import os, sys, flover.apps.cli\n"
+        "torch_before = 'torch' in sys.modules\n"
+        "try:\n    flover.apps.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'), torch_before)"
+    )
 
     def run(**env) -> str:
         base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                              env={**base, **env})
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env={**base, **env}
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()[-1].split()  # after --help's usage text
 

@@ -9,8 +9,9 @@ import transformers
 from flover import LLM, SamplingParams
 from tests.helpers import PROMPTS
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device on this machine (the CUDA path runs on GPU hosts)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine (the CUDA path runs on GPU hosts)"
+)
 
 
 @pytest.mark.parametrize("variant", ["llama", "gptj"])
@@ -23,13 +24,14 @@ def test_cuda_logits_and_greedy_tokens_match_transformers(make_model, variant):
         ids = llm.tokenizer.encode(prompt)
         with torch.no_grad():
             expected_logits = ref(torch.tensor([ids], device="cuda")).logits[0]
-            expected = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, min_new_tokens=32,
-                                    do_sample=False)
+            expected = ref.generate(
+                torch.tensor([ids], device="cuda"), max_new_tokens=32, min_new_tokens=32, do_sample=False
+            )
         # Not 1e-9 as on CPU: both normalise in float32 (as LlamaRMSNorm does, even for float64
         # models), and on CUDA our fused RMSNorm kernel and transformers' pow/mean/rsqrt sum in
         # different orders, in float32: ~1e-8 here. A wrong position, head or mask is >1e-2.
         assert (llm.engine.score(ids) - expected_logits).abs().max() <= 1e-6
-        assert out.token_ids == expected[0, len(ids):].tolist()
+        assert out.token_ids == expected[0, len(ids) :].tolist()
     assert llm.engine.runner.graphs.replays > 0  # the decode steps replayed captured graphs
 
 

@@ -56,8 +56,9 @@ def test_async_client_runs_requests_concurrently(server, llama_dir):
 
     async def main():
         async with AsyncClient(server.addr) as c:
-            finals = await asyncio.gather(*(c.generate(input_ids=p, max_new_tokens=6, ignore_eos=True)
-                                            for p in ID_PROMPTS))
+            finals = await asyncio.gather(
+                *(c.generate(input_ids=p, max_new_tokens=6, ignore_eos=True) for p in ID_PROMPTS)
+            )
             streamed = [e async for e in c.stream(input_ids=ID_PROMPTS[3], max_new_tokens=6, ignore_eos=True)]
             return finals, streamed, await c.health()
 
@@ -89,13 +90,17 @@ def test_cancel_mid_stream_frees_the_slot(llama_dir):
 
 def test_a_killed_client_has_its_requests_cancelled(llama_dir):
     server = Server(llama_dir, "--keepalive-interval", "0.1", "--max-seq-len", "512")
-    script = (f"from flover.client import Client\n"
-              f"c = Client({server.addr!r})\n"
-              f"for e in c.stream(input_ids=[1, 2, 3], max_new_tokens=500, ignore_eos=True): print('tok', flush=True)\n")
-    script_slow = (f"import time\nfrom flover.client import Client\n"
-                   f"c = Client({server.addr!r})\n"
-                   f"c.send({{'op': 'generate', 'id': 'x', 'input_ids': [4, 5], 'params': {{'max_new_tokens': 500, "
-                   f"'ignore_eos': True}}}})\nprint('sent', flush=True)\ntime.sleep(60)\n")
+    script = (
+        f"from flover.client import Client\n"
+        f"c = Client({server.addr!r})\n"
+        f"for e in c.stream(input_ids=[1, 2, 3], max_new_tokens=500, ignore_eos=True): print('tok', flush=True)\n"
+    )
+    script_slow = (
+        f"import time\nfrom flover.client import Client\n"
+        f"c = Client({server.addr!r})\n"
+        f"c.send({{'op': 'generate', 'id': 'x', 'input_ids': [4, 5], 'params': {{'max_new_tokens': 500, "
+        f"'ignore_eos': True}}}})\nprint('sent', flush=True)\ntime.sleep(60)\n"
+    )
     try:
         for code in (script, script_slow):  # a streaming client, and one waiting for a non-streamed reply
             proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -120,10 +125,25 @@ def test_a_killed_client_has_its_requests_cancelled(llama_dir):
 def hostile_frames(rng: random.Random) -> list[list[bytes]]:
     """Frames a broken or malicious client might send (each a list of frames after the identity)."""
     nan, inf = float("nan"), float("inf")
-    bad_params = [{"temperature": nan}, {"temperature": -1}, {"top_p": inf}, {"top_p": 0}, {"top_k": -5},
-                  {"max_new_tokens": 0}, {"max_new_tokens": 10**9}, {"max_new_tokens": "many"},
-                  {"seed": -1}, {"seed": 2**64 - 1}, {"stop": 5}, {"stop": [""]}, {"stop_token_ids": ["a"]},
-                  {"repetition_penalty": 0}, {"min_p": 2}, {"nonsense": 1}, {"logprobs": "yes"}]
+    bad_params = [
+        {"temperature": nan},
+        {"temperature": -1},
+        {"top_p": inf},
+        {"top_p": 0},
+        {"top_k": -5},
+        {"max_new_tokens": 0},
+        {"max_new_tokens": 10**9},
+        {"max_new_tokens": "many"},
+        {"seed": -1},
+        {"seed": 2**64 - 1},
+        {"stop": 5},
+        {"stop": [""]},
+        {"stop_token_ids": ["a"]},
+        {"repetition_penalty": 0},
+        {"min_p": 2},
+        {"nonsense": 1},
+        {"logprobs": "yes"},
+    ]
     frames = []
     for _ in range(3000):
         kind = rng.randrange(9)
@@ -134,16 +154,33 @@ def hostile_frames(rng: random.Random) -> list[list[bytes]]:
         elif kind == 2:
             frames.append([msgpack.packb({"op": rng.choice(["gen", None, 5, "generate "])})])
         elif kind == 3:
-            frames.append([msgpack.packb({"op": "generate", "id": rng.randrange(10**6), "prompt": "x",
-                                          "params": rng.choice(bad_params)})])
+            frames.append(
+                [
+                    msgpack.packb(
+                        {"op": "generate", "id": rng.randrange(10**6), "prompt": "x", "params": rng.choice(bad_params)}
+                    )
+                ]
+            )
         elif kind == 4:
-            frames.append([msgpack.packb({"op": "generate", "id": f"v{rng.randrange(10**6)}",
-                                          "input_ids": rng.choice([[-1], [10**9], ["a"], [], [1.5], list(range(300))])})])
+            frames.append(
+                [
+                    msgpack.packb(
+                        {
+                            "op": "generate",
+                            "id": f"v{rng.randrange(10**6)}",
+                            "input_ids": rng.choice([[-1], [10**9], ["a"], [], [1.5], list(range(300))]),
+                        }
+                    )
+                ]
+            )
         elif kind == 5:
-            frames.append([msgpack.packb({"op": "generate", "id": rng.choice([None, "", "x" * 1000, [1], True]),
-                                          "prompt": "x"})])
+            frames.append(
+                [msgpack.packb({"op": "generate", "id": rng.choice([None, "", "x" * 1000, [1], True]), "prompt": "x"})]
+            )
         elif kind == 6:
-            frames.append([msgpack.packb({"op": "generate", "id": "m", "messages": rng.choice(["hi", [1], [{"role": 1}]])})])
+            frames.append(
+                [msgpack.packb({"op": "generate", "id": "m", "messages": rng.choice(["hi", [1], [{"role": 1}]])})]
+            )
         elif kind == 7:
             frames.append([b"", b"", msgpack.packb({"op": "health"})])  # wrong framing
         else:
@@ -190,7 +227,10 @@ def test_fuzz_malformed_frames_while_valid_requests_run(server, llama_dir):
     assert all(isinstance(r.get("message"), str) for r in replies if r.get("event") == "error")
     with server.client() as c:
         assert c.health()["status"] == "ok"
-        assert c.generate(input_ids=ID_PROMPTS[0], max_new_tokens=10, ignore_eos=True)["token_ids"] == expected[0].token_ids
+        assert (
+            c.generate(input_ids=ID_PROMPTS[0], max_new_tokens=10, ignore_eos=True)["token_ids"]
+            == expected[0].token_ids
+        )
 
 
 def test_oversize_messages_are_dropped_and_the_daemon_lives(llama_dir):
@@ -217,8 +257,14 @@ def test_overloaded_when_the_waiting_queue_is_full(llama_dir):
         with srv.client() as c:
             ids = [f"r{i}" for i in range(8)]
             for rid in ids:
-                c.send({"op": "generate", "id": rid, "input_ids": [1, 2], "params": {"max_new_tokens": 50,
-                                                                                     "ignore_eos": True}})
+                c.send(
+                    {
+                        "op": "generate",
+                        "id": rid,
+                        "input_ids": [1, 2],
+                        "params": {"max_new_tokens": 50, "ignore_eos": True},
+                    }
+                )
             outcomes = {}
             for rid in ids:
                 try:
@@ -242,8 +288,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(llama_dir):
     srv = Server(llama_dir, "--drain-timeout", "30", "--max-seq-len", "512")
     try:
         with srv.client() as c:
-            c.send({"op": "generate", "id": "a", "input_ids": [1, 2],
-                    "params": {"max_new_tokens": 500, "ignore_eos": True}})
+            c.send(
+                {
+                    "op": "generate",
+                    "id": "a",
+                    "input_ids": [1, 2],
+                    "params": {"max_new_tokens": 500, "ignore_eos": True},
+                }
+            )
             assert c.stats()["in_flight"] == 1
             srv.proc.send_signal(signal.SIGTERM)
             deadline = time.time() + 10
@@ -262,8 +314,9 @@ def test_drain_timeout_cancels_what_is_left(llama_dir):
     srv = Server(llama_dir, "--drain-timeout", "0.1", "--max-seq-len", "512")
     try:
         with srv.client() as c:
-            c.send({"op": "generate", "id": "a", "input_ids": [1],
-                    "params": {"max_new_tokens": 500, "ignore_eos": True}})
+            c.send(
+                {"op": "generate", "id": "a", "input_ids": [1], "params": {"max_new_tokens": 500, "ignore_eos": True}}
+            )
             assert c.stats()["in_flight"] == 1
             srv.proc.send_signal(signal.SIGTERM)
             assert c.wait("a")["finish_reason"] == "cancelled"
@@ -275,20 +328,56 @@ def test_drain_timeout_cancels_what_is_left(llama_dir):
 
 def test_cli_generate_and_run_through_the_daemon(server, llama_dir, tmp_path):
     cli = [sys.executable, "-m", "flover.apps.cli"]
-    gen = subprocess.run([*cli, "generate", "--connect", server.addr, "--max-new-tokens", "5", "--ignore-eos",
-                          "--json", "Hello the cat"], capture_output=True, text=True, timeout=60)
+    gen = subprocess.run(
+        [
+            *cli,
+            "generate",
+            "--connect",
+            server.addr,
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+            "Hello the cat",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert gen.returncode == 0, gen.stderr
     assert json.loads(gen.stdout)["usage"]["completion_tokens"] == 5
-    stream = subprocess.run([*cli, "generate", "--connect", server.addr, "--max-new-tokens", "5", "--stream",
-                             "Hello the cat"], capture_output=True, text=True, timeout=60)
+    stream = subprocess.run(
+        [*cli, "generate", "--connect", server.addr, "--max-new-tokens", "5", "--stream", "Hello the cat"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert stream.returncode == 0 and "[length, 5 tokens" in stream.stderr
 
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(ID_PROMPTS))
-                       + "{broken\n")
-    run = subprocess.run([*cli, "run", "--connect", server.addr, "--prompts", str(prompts), "--out", str(out),
-                          "--max-new-tokens", "7", "--ignore-eos", "--token-ids", "--ordered"],
-                         capture_output=True, text=True, timeout=120)
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(ID_PROMPTS)) + "{broken\n"
+    )
+    run = subprocess.run(
+        [
+            *cli,
+            "run",
+            "--connect",
+            server.addr,
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "7",
+            "--ignore-eos",
+            "--token-ids",
+            "--ordered",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     expected = expected_outputs(llama_dir, [7] * len(ID_PROMPTS))
@@ -302,26 +391,47 @@ def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
     for name, where in (("server", "server"), ("client", "clients"), ("stranger", "other")):
         subprocess.run([*cli, "keygen", str(tmp_path / where), "--name", name], check=True, capture_output=True)
     http_port = free_port()
-    srv = Server(llama_dir, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                 "--curve-allowed-clients", str(tmp_path / "clients"), "--http", f"127.0.0.1:{http_port}")
+    srv = Server(
+        llama_dir,
+        "--curve-secret-key",
+        str(tmp_path / "server" / "server.key_secret"),
+        "--curve-allowed-clients",
+        str(tmp_path / "clients"),
+        "--http",
+        f"127.0.0.1:{http_port}",
+    )
     try:
         import httpx
 
         # the HTTP front reaches the CURVE socket with a key pair of its own, allowed by the daemon
-        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions",
-                            json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=30)
+        answer = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=30
+        )
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.text
         from zmq.auth import load_certificate
+
         server_key, _ = load_certificate(str(tmp_path / "server" / "server.key"))
-        with Client(srv.addr, timeout=10, curve_server_key=server_key,
-                    curve_client_cert=str(tmp_path / "clients" / "client.key_secret")) as c:
+        with Client(
+            srv.addr,
+            timeout=10,
+            curve_server_key=server_key,
+            curve_client_cert=str(tmp_path / "clients" / "client.key_secret"),
+        ) as c:
             assert c.health()["status"] == "ok"
-        with Client(srv.addr, timeout=2, curve_server_key=server_key,
-                    curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")) as c:
+        with Client(
+            srv.addr,
+            timeout=2,
+            curve_server_key=server_key,
+            curve_client_cert=str(tmp_path / "other" / "stranger.key_secret"),
+        ) as c:
             with pytest.raises(FloverError, match="handshake_failed"):
                 c.health(timeout=5)  # not on the allow list: the handshake is refused, and the client says so
-        with Client(srv.addr, timeout=2, curve_server_key=server_key,
-                    curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")) as c:
+        with Client(
+            srv.addr,
+            timeout=2,
+            curve_server_key=server_key,
+            curve_client_cert=str(tmp_path / "other" / "stranger.key_secret"),
+        ) as c:
             assert c.monitor.poll(10_000)  # the refusal is reported before anything is sent
             with pytest.raises(FloverError, match="handshake_failed"):
                 c.health(timeout=5)
@@ -332,8 +442,9 @@ def test_curve_encryption_and_client_allow_list(llama_dir, tmp_path):
             assert not cancels.is_alive(), "cancel() blocked on a refused connection"
 
         async def refused_async() -> None:
-            async with AsyncClient(srv.addr, curve_server_key=server_key,
-                                   curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")) as c:
+            async with AsyncClient(
+                srv.addr, curve_server_key=server_key, curve_client_cert=str(tmp_path / "other" / "stranger.key_secret")
+            ) as c:
                 with pytest.raises(FloverError, match="handshake_failed"):
                     await c.health(timeout=5)
                 for i in range(3):  # each returns at once (the connection is known lost), none blocks
@@ -357,8 +468,14 @@ def test_daemon_under_mpirun_two_ranks(llama_dir):
     try:
         with srv.client() as c:
             for i, p in enumerate(ID_PROMPTS):
-                c.send({"op": "generate", "id": str(i), "input_ids": p,
-                        "params": {"max_new_tokens": 8, "ignore_eos": True}})
+                c.send(
+                    {
+                        "op": "generate",
+                        "id": str(i),
+                        "input_ids": p,
+                        "params": {"max_new_tokens": 8, "ignore_eos": True},
+                    }
+                )
             got = [c.wait(str(i))["token_ids"] for i in range(len(ID_PROMPTS))]
             assert got == [e.token_ids for e in expected]
             assert c.health()["status"] == "ok"

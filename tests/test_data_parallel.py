@@ -20,8 +20,17 @@ from flover.engine.groups import Router, prefix_keys
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import group_of_ranks
 from flover.server.prometheus import render
-from tests.helpers import ID_PROMPTS, MPI_ENV, Server, expected_outputs, flover_run_cmd, flover_run_ok, \
-    free_port, tokens_by_id, write_jsonl
+from tests.helpers import (
+    ID_PROMPTS,
+    MPI_ENV,
+    Server,
+    expected_outputs,
+    flover_run_cmd,
+    flover_run_ok,
+    free_port,
+    tokens_by_id,
+    write_jsonl,
+)
 from tests.test_tensor_parallel import _rank_pids
 
 
@@ -94,9 +103,16 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
     expected = expected_outputs(llama_dir, n_tokens)
     with _serving(llama_dir, ranks, tp) as srv:
         with srv.client() as client:
-            ids = [_submit(client, p, max_new_tokens=n, ignore_eos=True, **({"logprobs": True, "top_logprobs": 2}
-                                                                             if i % 2 else {}))
-                   for i, (p, n) in enumerate(zip(ID_PROMPTS, n_tokens))]
+            ids = [
+                _submit(
+                    client,
+                    p,
+                    max_new_tokens=n,
+                    ignore_eos=True,
+                    **({"logprobs": True, "top_logprobs": 2} if i % 2 else {}),
+                )
+                for i, (p, n) in enumerate(zip(ID_PROMPTS, n_tokens))
+            ]
             got = [client.wait(i) for i in ids]
             stats = client.stats()
         groups = stats["groups"]
@@ -104,8 +120,9 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
         with_logprobs = expected_outputs(llama_dir, n_tokens, logprobs=True, top_logprobs=2)
         for i in range(1, len(got), 2):  # every token's logprob and top 2 came back, wherever it ran
             assert got[i]["logprobs"] == pytest.approx(with_logprobs[i].logprobs, abs=1e-9)
-            assert [[t for t, _ in top] for top in got[i]["top_logprobs"]] == \
-                [[t for t, _ in top] for top in with_logprobs[i].top_logprobs]
+            assert [[t for t, _ in top] for top in got[i]["top_logprobs"]] == [
+                [t for t, _ in top] for top in with_logprobs[i].top_logprobs
+            ]
         assert [g.get("logprobs") for g in got[::2]] == [None] * len(got[::2])
         assert [g["group"] for g in groups] == [0, 1] and all(g["routed"] >= 3 for g in groups), groups
         assert sum(g["iterations"] > 0 for g in groups) == 2, groups
@@ -114,8 +131,12 @@ def test_every_group_serves_and_every_request_gets_a_single_engines_tokens(llama
         assert sum(timed) == stats["iterations"]  # the iteration histogram holds every group's
         assert [(g["running"], g["waiting"]) for g in groups] == [(0, 0), (0, 0)], groups  # idle now, each says so
         metrics = render(stats, "m").decode()  # /metrics: a `group` label
-        routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-                  if s.name == "flover:group_requests_routed_total"}
+        routed = {
+            s.labels["group"]: s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "flover:group_requests_routed_total"
+        }
         assert routed == {str(g["group"]): g["routed"] for g in groups}
     assert "group=1" in srv.log and "group=0" in srv.log  # the log line per request names its group
 
@@ -142,16 +163,22 @@ def test_the_http_front_serves_every_group_streamed_and_not(llama_dir):
             answers = list(pool.map(both, prompts))
         assert all(whole == streamed for whole, streamed in answers), answers
         metrics = httpx.get(f"{url}/metrics").text
-        routed = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-                  if s.name == "flover:group_requests_routed_total"}
+        routed = {
+            s.labels["group"]: s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "flover:group_requests_routed_total"
+        }
         assert set(routed) == {"0", "1"} and min(routed.values()) >= 2 and sum(routed.values()) == 16, routed
 
 
 def test_streams_on_both_groups_arrive_token_by_token_and_cancel(llama_dir):
     with _serving(llama_dir, 2, 1) as srv:
         with srv.client() as client:
-            streams = [client.stream(input_ids=[1 + i, 2, 3], request_id=f"s{i}", max_new_tokens=200,
-                                     ignore_eos=True) for i in range(2)]
+            streams = [
+                client.stream(input_ids=[1 + i, 2, 3], request_id=f"s{i}", max_new_tokens=200, ignore_eos=True)
+                for i in range(2)
+            ]
             # the second is sent while the first runs: it goes to group 1
             firsts = [[next(s) for _ in range(3)] for s in streams]
             assert all(e["event"] == "token" for events in firsts for e in events)
@@ -171,14 +198,29 @@ def test_with_curve_a_client_owns_its_requests_on_every_group_and_its_prefix_par
     from flover.client import Client
 
     for name, where in (("server", "server"), ("alice", "clients"), ("mallory", "clients")):
-        subprocess.run([sys.executable, "-m", "flover.apps.cli", "keygen", str(tmp_path / where), "--name", name],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "flover.apps.cli", "keygen", str(tmp_path / where), "--name", name],
+            check=True,
+            capture_output=True,
+        )
     server_key, _ = load_certificate(str(tmp_path / "server" / "server.key"))
-    with _serving(llama_dir, 2, 1, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                  "--curve-allowed-clients", str(tmp_path / "clients")) as srv:
+    with _serving(
+        llama_dir,
+        2,
+        1,
+        "--curve-secret-key",
+        str(tmp_path / "server" / "server.key_secret"),
+        "--curve-allowed-clients",
+        str(tmp_path / "clients"),
+    ) as srv:
+
         def client(name: str) -> Client:
-            return Client(srv.addr, timeout=60, curve_server_key=server_key,
-                          curve_client_cert=str(tmp_path / "clients" / f"{name}.key_secret"))
+            return Client(
+                srv.addr,
+                timeout=60,
+                curve_server_key=server_key,
+                curve_client_cert=str(tmp_path / "clients" / f"{name}.key_secret"),
+            )
 
         with client("alice") as alice, client("mallory") as mallory:
             ids = [_submit(alice, [1 + i, 2, 3], max_new_tokens=150, ignore_eos=True) for i in range(2)]
@@ -189,8 +231,10 @@ def test_with_curve_a_client_owns_its_requests_on_every_group_and_its_prefix_par
             assert all(alice.wait(rid)["usage"]["completion_tokens"] == 150 for rid in ids)
             assert [g["routed"] for g in alice.stats()["groups"]] == [1, 1]
             prompt = [(13 * i) % 500 + 1 for i in range(40)]  # each key a prefix-cache partition, on any group
-            cached = [c.generate(input_ids=prompt, max_new_tokens=2)["usage"]["cached_tokens"]
-                      for c in (alice, alice, mallory, mallory)]
+            cached = [
+                c.generate(input_ids=prompt, max_new_tokens=2)["usage"]["cached_tokens"]
+                for c in (alice, alice, mallory, mallory)
+            ]
         assert cached == [0, 32, 0, 32], cached
 
 
@@ -199,8 +243,10 @@ def test_turns_of_a_conversation_land_where_their_prefix_is_cached(llama_dir):
         with srv.client() as client:
             firsts = [[100 + 7 * c + t for t in range(2 * BLOCK_TOKENS + 3)] for c in range(4)]
             answers = [client.generate(input_ids=p, max_new_tokens=6, ignore_eos=True)["token_ids"] for p in firsts]
-            seconds = [client.generate(input_ids=p + a + [5, 6, 7], max_new_tokens=4, ignore_eos=True)
-                       for p, a in zip(firsts, answers)]
+            seconds = [
+                client.generate(input_ids=p + a + [5, 6, 7], max_new_tokens=4, ignore_eos=True)
+                for p, a in zip(firsts, answers)
+            ]
             routed = [g["routed"] for g in client.stats()["groups"]]
         assert all(s["usage"]["cached_tokens"] >= 2 * BLOCK_TOKENS for s in seconds), [s["usage"] for s in seconds]
         assert min(routed) >= 2, routed  # the conversations were spread, not all on one group
@@ -210,8 +256,7 @@ def test_a_killed_rank_of_another_group_ends_the_job_and_no_client_hangs(llama_d
     srv = _serve(llama_dir, 2, 1)
     try:
         with srv.client() as client:
-            ids = [_submit(client, [1 + i, 2, 3], max_new_tokens=200, ignore_eos=True)
-                   for i in range(6)]
+            ids = [_submit(client, [1 + i, 2, 3], max_new_tokens=200, ignore_eos=True) for i in range(6)]
             deadline = time.time() + 60
             while client.stats()["groups"][1]["running"] == 0 and time.time() < deadline:
                 time.sleep(0.05)
@@ -231,8 +276,21 @@ def test_a_killed_rank_of_another_group_ends_the_job_and_no_client_hangs(llama_d
 def test_a_client_that_never_reads_is_cancelled_on_every_group_and_told_so(llama_dir, tmp_path):
     from tests.test_hardening import _stream_without_reading
 
-    srv = Server(llama_dir, "--max-slots", "8", "--tp", "1", "--threads", "1", "--max-seq-len", "512",
-                 "--max-client-backlog", "100000", ranks=2, addr=f"ipc://{tmp_path}/s")
+    srv = Server(
+        llama_dir,
+        "--max-slots",
+        "8",
+        "--tp",
+        "1",
+        "--threads",
+        "1",
+        "--max-seq-len",
+        "512",
+        "--max-client-backlog",
+        "100000",
+        ranks=2,
+        addr=f"ipc://{tmp_path}/s",
+    )
     try:
         results = _stream_without_reading(srv, 24, 6)
         assert {end["code"] for _, end in results.values()} == {"slow_client"}
@@ -240,17 +298,20 @@ def test_a_client_that_never_reads_is_cancelled_on_every_group_and_told_so(llama
         with srv.client() as client:
             stats = client.stats()
         assert stats["slow_clients"] == 1 and stats["in_flight"] == 0, stats
-        assert all(g["routed"] > 0 and g["in_flight"] == 0 and g["running"] == 0 for g in stats["groups"]), \
-            stats["groups"]  # both groups served it and both cancelled its requests ...
+        assert all(g["routed"] > 0 and g["in_flight"] == 0 and g["running"] == 0 for g in stats["groups"]), stats[
+            "groups"
+        ]  # both groups served it and both cancelled its requests ...
         assert all(g["iterations"] < 480 for g in stats["groups"]), stats["groups"]  # ... long before their end
     finally:
         assert srv.stop(signal.SIGUSR1)[0] == 0
 
 
-@pytest.mark.parametrize("drain_timeout, reason, per_group, tokens", [("30", "length", 1, 300),
-                                                                      ("0.1", "cancelled", 8, 500)])
-def test_a_drain_finishes_or_cancels_the_requests_of_every_group_then_exits_0(llama_dir, drain_timeout, reason,
-                                                                              per_group, tokens):
+@pytest.mark.parametrize(
+    "drain_timeout, reason, per_group, tokens", [("30", "length", 1, 300), ("0.1", "cancelled", 8, 500)]
+)
+def test_a_drain_finishes_or_cancels_the_requests_of_every_group_then_exits_0(
+    llama_dir, drain_timeout, reason, per_group, tokens
+):
     srv = _serve(llama_dir, 2, 1, "--drain-timeout", drain_timeout, "--max-seq-len", "512")
     try:
         with srv.client() as client:
@@ -275,15 +336,23 @@ def test_a_drain_finishes_or_cancels_the_requests_of_every_group_then_exits_0(ll
 
 def test_a_prompt_file_spreads_over_groups_into_one_output_and_resumes_exactly_once(llama_dir, tmp_path):
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_jsonl(prompts, [{"id": f"p{i}", "input_ids": p, "max_new_tokens": 3 + i % 5}
-                          for i, p in enumerate(ID_PROMPTS)])
-    expected = {f"p{i}": o.token_ids for i, o in
-                enumerate(expected_outputs(llama_dir, [3 + i % 5 for i in range(len(ID_PROMPTS))]))}
+    write_jsonl(
+        prompts, [{"id": f"p{i}", "input_ids": p, "max_new_tokens": 3 + i % 5} for i, p in enumerate(ID_PROMPTS)]
+    )
+    expected = {
+        f"p{i}": o.token_ids
+        for i, o in enumerate(expected_outputs(llama_dir, [3 + i % 5 for i in range(len(ID_PROMPTS))]))
+    }
     run = flover_run_ok(2, llama_dir, prompts, out, "--tp", "1", "--max-slots", "4", "--threads", "1")
     assert tokens_by_id(out) == expected
     assert "2 groups" in run.stderr or "data parallel: 2 groups" in run.stderr, run.stderr[-2000:]
-    again = subprocess.run(flover_run_cmd(2, llama_dir, prompts, out, "--tp", "1", "--threads", "1"),
-                           capture_output=True, text=True, timeout=240, env=MPI_ENV)
+    again = subprocess.run(
+        flover_run_cmd(2, llama_dir, prompts, out, "--tp", "1", "--threads", "1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=MPI_ENV,
+    )
     assert again.returncode == 0 and f"{len(ID_PROMPTS)} already done" in again.stderr, again.stderr[-2000:]
     assert len(out.read_text().splitlines()) == len(ID_PROMPTS)
 
@@ -291,8 +360,13 @@ def test_a_prompt_file_spreads_over_groups_into_one_output_and_resumes_exactly_o
 def test_tp_that_does_not_divide_the_ranks_is_refused(llama_dir, tmp_path):
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(prompts, [{"id": "a", "input_ids": [1, 2]}])
-    run = subprocess.run(flover_run_cmd(3, llama_dir, prompts, out, "--tp", "2"), capture_output=True, text=True,
-                         timeout=120, env=MPI_ENV)
+    run = subprocess.run(
+        flover_run_cmd(3, llama_dir, prompts, out, "--tp", "2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=MPI_ENV,
+    )
     assert run.returncode != 0 and "groups of --tp ranks" in run.stderr, run.stderr[-2000:]
     assert not out.exists() or not out.read_text().strip()
 
@@ -323,9 +397,19 @@ def test_a_streamed_http_answer_whose_group_dies_ends_with_an_error_event(llama_
             with contextlib.ExitStack() as streams:
                 lines = []
                 for i in range(4):  # some land on group 1
-                    r = streams.enter_context(http.stream("POST", url, json={
-                        "prompt": [1 + i, 2, 3], "max_tokens": 500, "ignore_eos": True, "stream": True,
-                        "temperature": 0}))
+                    r = streams.enter_context(
+                        http.stream(
+                            "POST",
+                            url,
+                            json={
+                                "prompt": [1 + i, 2, 3],
+                                "max_tokens": 500,
+                                "ignore_eos": True,
+                                "stream": True,
+                                "temperature": 0,
+                            },
+                        )
+                    )
                     assert r.status_code == 200
                     lines.append(r.iter_lines())
                     next(line for line in lines[-1] if line.startswith("data:"))  # its first token
@@ -333,7 +417,9 @@ def test_a_streamed_http_answer_whose_group_dies_ends_with_an_error_event(llama_
                 os.kill(_rank_pids(1)[0], signal.SIGKILL)
                 errors = 0
                 for stream in lines:  # each ends with its finish and [DONE], or with an error
-                    data = [json.loads(line[5:]) for line in stream if line.startswith("data:") and "[DONE]" not in line]
+                    data = [
+                        json.loads(line[5:]) for line in stream if line.startswith("data:") and "[DONE]" not in line
+                    ]
                     finished = data[-1].get("choices") and data[-1]["choices"][0]["finish_reason"] is not None
                     assert finished or "error" in data[-1], data[-2:]
                     errors += "error" in data[-1]
@@ -356,10 +442,16 @@ def test_structured_requests_on_every_group_compile_beside_its_loop_and_match(ll
     with _serving(llama_dir, 2, 1) as srv:
         with srv.client() as client:
             patterns = [f"[a-z]{{{2 + i}}}-{i}[0-9]{{2}}" for i in range(8)]
-            ids = [_submit(client, [1 + i, 2, 3], max_new_tokens=40, structured={"kind": "regex", "value": p})
-                   for i, p in enumerate(patterns)]
-            cancelled = _submit(client, [9, 9], max_new_tokens=200,
-                                structured={"kind": "regex", "value": "[a-z]{3}-cancelled-[a-z]{60}"})
+            ids = [
+                _submit(client, [1 + i, 2, 3], max_new_tokens=40, structured={"kind": "regex", "value": p})
+                for i, p in enumerate(patterns)
+            ]
+            cancelled = _submit(
+                client,
+                [9, 9],
+                max_new_tokens=200,
+                structured={"kind": "regex", "value": "[a-z]{3}-cancelled-[a-z]{60}"},
+            )
             client.cancel(cancelled)
             got = [client.wait(i) for i in ids]
             assert client.wait(cancelled)["finish_reason"] == "cancelled"

@@ -11,8 +11,9 @@ from flover import LLM, Engine, EngineConfig, SamplingParams
 from tests.helpers import run_random_arrivals
 
 
-def solo_tokens(model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64",
-                quantization: str = "none") -> list[int]:
+def solo_tokens(
+    model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64", quantization: str = "none"
+) -> list[int]:
     llm = LLM(model_dir, dtype=dtype, max_slots=1, max_seq_len=128, quantization=quantization)
     return llm.generate([prompt], params)[0].token_ids
 
@@ -21,19 +22,36 @@ def random_params(rng: random.Random) -> SamplingParams:
     n = rng.randint(1, 24)
     if rng.random() < 0.5:
         return SamplingParams(max_new_tokens=n, ignore_eos=True)
-    return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=rng.choice([0.7, 1.0, 1.5]),
-                          top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9]),
-                          min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**40),
-                          frequency_penalty=rng.choice([0.0, 0.5]), presence_penalty=rng.choice([0.0, -0.5, 1.0]))
+    return SamplingParams(
+        max_new_tokens=n,
+        ignore_eos=True,
+        temperature=rng.choice([0.7, 1.0, 1.5]),
+        top_k=rng.choice([0, 5, 50]),
+        top_p=rng.choice([1.0, 0.9]),
+        min_p=rng.choice([0.0, 0.05]),
+        seed=rng.randrange(2**40),
+        frequency_penalty=rng.choice([0.0, 0.5]),
+        presence_penalty=rng.choice([0.0, -0.5, 1.0]),
+    )
 
 
-@pytest.mark.parametrize("variant,seed,dtype,quantization", [
-    ("llama", 0, "float64", "none"), ("llama", 1, "float64", "none"), ("mistral-window8", 2, "float64", "none"),
-    ("gptj", 3, "float64", "none"),
-    # the native step (CPU): every output summed in the same order whatever rows share the
-    # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
-    ("llama", 4, "float32", "none"), ("qwen2", 5, "float32", "none"), ("llama", 6, "bfloat16", "none"),
-    ("mistral-window8", 7, "bfloat16", "none"), ("llama", 8, "bfloat16", "int4"), ("qwen2", 9, "bfloat16", "int8")])
+@pytest.mark.parametrize(
+    "variant,seed,dtype,quantization",
+    [
+        ("llama", 0, "float64", "none"),
+        ("llama", 1, "float64", "none"),
+        ("mistral-window8", 2, "float64", "none"),
+        ("gptj", 3, "float64", "none"),
+        # the native step (CPU): every output summed in the same order whatever rows share the
+        # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
+        ("llama", 4, "float32", "none"),
+        ("qwen2", 5, "float32", "none"),
+        ("llama", 6, "bfloat16", "none"),
+        ("mistral-window8", 7, "bfloat16", "none"),
+        ("llama", 8, "bfloat16", "int4"),
+        ("qwen2", 9, "bfloat16", "int8"),
+    ],
+)
 def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed, dtype, quantization):
     """Many requests, random arrival iterations, random prompt and output lengths, fewer slots
     than requests and a small token budget (so prompts are chunked and holes appear in the
@@ -46,8 +64,11 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
         jobs.append((rng.randint(0, 30), str(i), prompt, random_params(rng)))
     jobs.sort(key=lambda j: j[0])
 
-    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=4, max_seq_len=128, max_batch_tokens=12,
-                                 quantization=quantization))
+    engine = Engine(
+        EngineConfig(
+            model_dir, dtype=dtype, max_slots=4, max_seq_len=128, max_batch_tokens=12, quantization=quantization
+        )
+    )
     assert (engine.runner.native is not None) == (dtype != "float64")
     finals, it, moves_seen, live_seen = {}, 0, 0, set()
     pending = list(jobs)
@@ -90,8 +111,15 @@ def test_the_native_steps_sampler_draws_what_the_pytorch_sampler_draws(llama_dir
     for i in range(16):
         params = random_params(rng)
         if i % 4 == 0:
-            params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.95, top_k=40,
-                                    repetition_penalty=1.1, seed=i)
+            params = SamplingParams(
+                max_new_tokens=20,
+                ignore_eos=True,
+                temperature=0.8,
+                top_p=0.95,
+                top_k=40,
+                repetition_penalty=1.1,
+                seed=i,
+            )
         engine.add_request([rng.randrange(1, 512) for _ in range(rng.randint(1, 30))], params, str(i))
     finals = {}
     while engine.has_unfinished():
@@ -105,8 +133,11 @@ def test_one_fused_forward_per_iteration(llama_dir, native):
     """Decode tokens of running requests and the prompt of a newly arrived request go through
     the model (PyTorch's forward, or the native step) in ONE call over one token matrix (every
     iteration decoding: prompt_first_iterations=0)."""
-    engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64, native_forward=native,
-                                 prompt_first_iterations=0))
+    engine = Engine(
+        EngineConfig(
+            llama_dir, dtype="float32", max_slots=4, max_seq_len=64, native_forward=native, prompt_first_iterations=0
+        )
+    )
     calls = []
     if native == "off":
         forward = engine.model.forward
@@ -130,8 +161,16 @@ def test_prompts_first_defer_decoding_a_bounded_number_of_iterations_and_change_
     in the same call); every request's tokens are those of the same run decoding every iteration."""
     outputs = {}
     for iterations in (0, 3):
-        engine = Engine(EngineConfig(llama_dir, dtype="float32", max_slots=4, max_seq_len=64,
-                                     prompt_first_iterations=iterations, prompt_first_tokens=8))
+        engine = Engine(
+            EngineConfig(
+                llama_dir,
+                dtype="float32",
+                max_slots=4,
+                max_seq_len=64,
+                prompt_first_iterations=iterations,
+                prompt_first_tokens=8,
+            )
+        )
         calls = []
         run = engine.runner.native.run
         engine.runner.native.run = lambda batch, **kw: calls.append(batch.input_ids.shape[0]) or run(batch, **kw)
@@ -169,9 +208,12 @@ def test_seeded_sampling_is_reproducible_across_batches(llama_dir):
     params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
     llm = LLM(llama_dir, dtype="float32", max_slots=8, max_seq_len=64)
     alone = llm.generate([[7, 8, 9]], params)[0].token_ids
-    crowd = llm.generate([[1, 2]] * 3 + [[7, 8, 9]] + [[3]] * 3,
-                         [SamplingParams(max_new_tokens=9, temperature=1.2, ignore_eos=True)] * 3
-                         + [params] + [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 3)
+    crowd = llm.generate(
+        [[1, 2]] * 3 + [[7, 8, 9]] + [[3]] * 3,
+        [SamplingParams(max_new_tokens=9, temperature=1.2, ignore_eos=True)] * 3
+        + [params]
+        + [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 3,
+    )
     assert crowd[3].token_ids == alone
     other = llm.generate([[7, 8, 9]], params.with_updates(seed=99))[0].token_ids
     assert other != alone
@@ -196,7 +238,7 @@ def test_stop_strings_end_generation_and_are_not_returned(llama_dir):
     full = llm.generate(["Hello the cat"], SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
     text = full.text
     assert len(text) > 10
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     out = llm.generate(["Hello the cat"], SamplingParams(max_new_tokens=60, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == text[: text.index(stop)]
@@ -266,9 +308,15 @@ def test_prompt_and_output_logprobs_equal_engine_score_whatever_the_batch(llama_
         prompt = [rng.randrange(512) for _ in range(rng.choice([1, 2, 7, 23, 40]))]
         asks = n % 3 != 2
         k = rng.choice([0, 1, 5]) if asks else 0
-        params = SamplingParams(max_new_tokens=rng.randint(1, 6), ignore_eos=True, prompt_logprobs=asks,
-                                logprobs=asks and n % 2 == 0, top_logprobs=k, temperature=rng.choice([0.0, 0.8]),
-                                seed=n)
+        params = SamplingParams(
+            max_new_tokens=rng.randint(1, 6),
+            ignore_eos=True,
+            prompt_logprobs=asks,
+            logprobs=asks and n % 2 == 0,
+            top_logprobs=k,
+            temperature=rng.choice([0.0, 0.8]),
+            seed=n,
+        )
         pending.append((rng.randrange(8), prompt, params))
     finals, iteration = {}, 0
     while len(finals) < len(pending):
@@ -298,8 +346,9 @@ def test_prompt_and_output_logprobs_equal_engine_score_whatever_the_batch(llama_
             want = [float(logp[r, t]) for r, t in zip(rows, out.token_ids)]
             assert out.logprobs == pytest.approx(want, abs=1e-9), i
             if params.top_logprobs:
-                assert [[t for t, _ in top] for top in out.top_logprobs] == \
-                    [logp[r].topk(params.top_logprobs).indices.tolist() for r in rows]
+                assert [[t for t, _ in top] for top in out.top_logprobs] == [
+                    logp[r].topk(params.top_logprobs).indices.tolist() for r in rows
+                ]
         else:
             assert out.logprobs is None and out.top_logprobs is None
 
@@ -322,13 +371,25 @@ def test_prefix_cache_gives_exactly_the_tokens_without_it(llama_dir, seed):
     jobs = []
     for n in range(16):
         prompt = rng.choice(stems) + [rng.randrange(512) for _ in range(rng.randint(0, 30))]
-        params = SamplingParams(max_new_tokens=rng.randint(1, 8), ignore_eos=True,
-                                temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(1000))
+        params = SamplingParams(
+            max_new_tokens=rng.randint(1, 8),
+            ignore_eos=True,
+            temperature=rng.choice([0.0, 0.9]),
+            seed=rng.randrange(1000),
+        )
         jobs.append((rng.randrange(12), prompt, params))
 
     def run(prefix_cache_mib: float):
-        engine = Engine(EngineConfig(llama_dir, dtype="float64", max_slots=4, max_batch_tokens=32, max_seq_len=192,
-                                     prefix_cache_mib=prefix_cache_mib))
+        engine = Engine(
+            EngineConfig(
+                llama_dir,
+                dtype="float64",
+                max_slots=4,
+                max_batch_tokens=32,
+                max_seq_len=192,
+                prefix_cache_mib=prefix_cache_mib,
+            )
+        )
         finals, iteration, turns = {}, 0, []
         while len(finals) < len(jobs) + len(turns) or iteration < 12:
             for i, (arrives, prompt, params) in enumerate(jobs):

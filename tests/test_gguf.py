@@ -15,7 +15,7 @@ import torch
 from flover import LLM, SamplingParams
 from flover.models import CheckpointError, load_model, load_model_config, open_checkpoint
 from flover.testing.tiny_model import make_tiny_model, write_gguf
-from tests.helpers import MPI_ENV, MPIRUN, mpirun_cmd, PROMPTS, TEST_PRESET
+from tests.helpers import MPI_ENV, MPIRUN, PROMPTS, TEST_PRESET, mpirun_cmd
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -49,14 +49,22 @@ def reference(path: str, dtype: torch.dtype):
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("variant,qtype,dtype", [
-    ("llama", "F32", "float64"), ("llama", "Q8_0", "float64"), ("llama", "Q4_0", "float64"),
-    ("llama", "Q8_0", "float32"), ("llama", "Q4_1", "float32"), ("llama", "F16", "float32"),
-    ("qwen2", "Q8_0", "float64"), ("llama-vocab509-kv4", "Q4_0", "float32"),
-])
+@pytest.mark.parametrize(
+    "variant,qtype,dtype",
+    [
+        ("llama", "F32", "float64"),
+        ("llama", "Q8_0", "float64"),
+        ("llama", "Q4_0", "float64"),
+        ("llama", "Q8_0", "float32"),
+        ("llama", "Q4_1", "float32"),
+        ("llama", "F16", "float32"),
+        ("qwen2", "Q8_0", "float64"),
+        ("llama-vocab509-kv4", "Q4_0", "float32"),
+    ],
+)
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(gguf_file, variant, qtype, dtype):
     path = gguf_file(variant, qtype)
     torch_dtype = getattr(torch, dtype)
@@ -79,8 +87,14 @@ def test_llama3_rope_from_the_files_frequency_factors_equals_transformers(tmp_pa
     written by llama.cpp's converter); flover divides its frequencies by them and gives the
     logits transformers gives on the Hugging Face directory with rope_type llama3, at positions
     where the scaling matters."""
-    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=16)
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    )
     model_dir = make_tiny_model("llama", TEST_PRESET, tmp_path / "llama3", rope_parameters=rope)
     path = write_gguf(model_dir, tmp_path / "llama3.gguf", "F32")
     assert "rope_freqs.weight" in open_checkpoint(path).tensors
@@ -91,8 +105,12 @@ def test_llama3_rope_from_the_files_frequency_factors_equals_transformers(tmp_pa
         expected = ref(torch.tensor([ids])).logits[0]
     got = LLM(str(path), dtype="float32", max_slots=2, max_seq_len=128).engine.score(ids)
     assert (got - expected).abs().max().item() < 1e-5
-    plain = LLM(str(write_gguf(make_tiny_model("llama", TEST_PRESET, tmp_path / "plain"), tmp_path / "p.gguf", "F32")),
-                dtype="float32", max_slots=2, max_seq_len=128).engine.score(ids)
+    plain = LLM(
+        str(write_gguf(make_tiny_model("llama", TEST_PRESET, tmp_path / "plain"), tmp_path / "p.gguf", "F32")),
+        dtype="float32",
+        max_slots=2,
+        max_seq_len=128,
+    ).engine.score(ids)
     assert (plain - expected).abs().max().item() > 1e-3  # the scaling changes these logits
 
 
@@ -114,8 +132,10 @@ def test_the_files_pages_leave_the_process_once_the_weights_are_copied(gguf_file
     load_model(checkpoint, torch.float32, torch.device("cpu"), 64)
     assert sum(t.data.size for t in checkpoint.tensors.values()) > 64 * 1024  # loading read more than that
     assert resident_kib() <= 16, resident_kib()
-    assert torch.equal(torch.from_numpy(checkpoint.tensors["blk.0.ffn_down.weight"].dequantize()),
-                       load_model(checkpoint, torch.float32, torch.device("cpu"), 64, pack=False).layers[0].down.weight)
+    assert torch.equal(
+        torch.from_numpy(checkpoint.tensors["blk.0.ffn_down.weight"].dequantize()),
+        load_model(checkpoint, torch.float32, torch.device("cpu"), 64, pack=False).layers[0].down.weight,
+    )
 
 
 def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_file):
@@ -138,8 +158,11 @@ def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_fil
 def test_k_quant_tensors_dequantize_as_transformers_does(tmp_path, qtype):
     """The gguf package cannot quantize to K-quants, so the tensors hold random blocks with sane
     scales; flover and transformers must read the same weights out of them."""
-    model_dir = make_tiny_model("llama", {**TEST_PRESET, "hidden_size": 256, "intermediate_size": 512,
-                                          "num_heads": 4, "num_kv_heads": 2}, tmp_path / "m")
+    model_dir = make_tiny_model(
+        "llama",
+        {**TEST_PRESET, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2},
+        tmp_path / "m",
+    )
     path = write_gguf(model_dir, tmp_path / f"k-{qtype}.gguf", qtype)  # every 2-D tensor: random blocks
     ref, _ = reference(str(path), torch.float32)
     llm = LLM(str(path), dtype="float32", max_slots=2, max_seq_len=64)
@@ -168,9 +191,26 @@ def test_tp2_on_a_gguf_file_gives_the_tp1_tokens(gguf_file, tmp_path):
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
-        args = ["-m", "flover.apps.cli", "run", "--model", path, "--prompts", str(prompts), "--out", str(out),
-                "--dtype", "float64", "--max-seq-len", "128", "--token-ids", "--ignore-eos", "--quiet",
-                "--max-new-tokens", "8"]
+        args = [
+            "-m",
+            "flover.apps.cli",
+            "run",
+            "--model",
+            path,
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--dtype",
+            "float64",
+            "--max-seq-len",
+            "128",
+            "--token-ids",
+            "--ignore-eos",
+            "--quiet",
+            "--max-new-tokens",
+            "8",
+        ]
         cmd = mpirun_cmd(ranks, *args) if ranks > 1 else [sys.executable, *args]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=MPI_ENV)
         assert run.returncode == 0, run.stderr[-3000:]
@@ -198,8 +238,12 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
 
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"GGUF" + bytes(range(200)))
-    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(garbage), "x"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(garbage), "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr
 
 
@@ -218,13 +262,21 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     raw = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
     scales = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])
     for at in scales:
-        raw[:, at: at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+        raw[:, at : at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
     grid = block_grid(qtype, raw.reshape(-1), (rows, cols))
     expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])
     assert np.array_equal(grid.values(), expected)
     assert grid.group == group and grid.scale.shape == (rows, cols // group)
-    low, high = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
-                 "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}[qtype]
+    low, high = {
+        "Q4_0": (0, 15),
+        "Q4_1": (0, 15),
+        "Q4_K": (0, 15),
+        "Q5_0": (-16, 15),
+        "Q5_1": (0, 31),
+        "Q5_K": (0, 31),
+        "Q6_K": (-32, 31),
+        "Q8_0": (-128, 127),
+    }[qtype]
     assert (grid.codes.min(), grid.codes.max()) == (low, high) and grid.bits == (4 if (low, high) == (0, 15) else 8)
     if qtype in ("Q4_K", "Q5_K"):  # the factors the kernels read give the scales and minimums bit for bit
         d, neg_dmin, sc, m = grid.supers
@@ -242,7 +294,6 @@ def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(m
     projection among them means none (dequantized), and asking for "file" there, or on a
     Hugging Face directory, is refused naming the tensor."""
     from flover import Engine, EngineConfig
-
     from tests.helpers import GGUF_MIX
 
     model = load_model(gguf_mix, torch.bfloat16, torch.device("cpu"), 64, quantization="file", pack=False)
@@ -259,8 +310,11 @@ def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(m
     write_gguf(make_model("llama-256"), with_f16, "Q4_K", types={**GGUF_MIX, "ffn_up.weight": "F16"})
     engine = Engine(EngineConfig(str(with_f16), dtype="bfloat16", max_slots=2, max_seq_len=64))
     assert engine.config.quantization == "none"
-    with pytest.raises(CheckpointError, match=r"--quantization file: model.layers.0.mlp.up_proj.weight is not in "
-                                              r"blocks whose codes flover runs"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"--quantization file: model.layers.0.mlp.up_proj.weight is not in "
+        r"blocks whose codes flover runs",
+    ):
         Engine(EngineConfig(str(with_f16), dtype="bfloat16", quantization="file", max_slots=2, max_seq_len=64))
     with pytest.raises(CheckpointError, match="keeps a GGUF file's codes"):
         Engine(EngineConfig(make_model("llama"), dtype="bfloat16", quantization="file", max_slots=2, max_seq_len=64))
@@ -271,7 +325,7 @@ def file_codes(path: str, name: str) -> torch.Tensor:
     low nibbles are its first 16 values, high nibbles the next 16)."""
     t = open_checkpoint(path).tensors[name]
     q4_0 = t.type_name == "Q4_0"
-    blocks = t.data.reshape(-1, 18 if q4_0 else 20)[:, 2 if q4_0 else 4:]  # 2 (+ 2) bytes of scale (and minimum)
+    blocks = t.data.reshape(-1, 18 if q4_0 else 20)[:, 2 if q4_0 else 4 :]  # 2 (+ 2) bytes of scale (and minimum)
     codes = np.concatenate([blocks & 0x0F, blocks >> 4], axis=1)
     return torch.from_numpy(codes.reshape(t.shape).astype(np.uint8))
 
@@ -306,24 +360,37 @@ def test_a_4bit_file_runs_on_its_own_codes_where_the_native_step_runs_bfloat16(m
     assert engine.runner.native is not None and engine.runner.native.quantized_projections == 2 * 4 + 1
     assert not engine.runner.native.screens_greedy
     model = load_model(path, torch.bfloat16, torch.device("cpu"), 64, quantization="int4", pack=False)
-    for layer, name in ((model.layers[0].down, "blk.0.ffn_down.weight"), (model.layers[1].o, "blk.1.attn_output.weight")):
+    for layer, name in (
+        (model.layers[0].down, "blk.0.ffn_down.weight"),
+        (model.layers[1].o, "blk.1.attn_output.weight"),
+    ):
         assert torch.equal(layer.quantized.codes, file_codes(path, name)), name
         t = open_checkpoint(path).tensors[name]
-        d = torch.from_numpy(t.data.reshape(-1, 18 if qtype == "Q4_0" else 20)[:, :2].copy().view(np.float16).astype(np.float32))
+        d = torch.from_numpy(
+            t.data.reshape(-1, 18 if qtype == "Q4_0" else 20)[:, :2].copy().view(np.float16).astype(np.float32)
+        )
         assert torch.equal(layer.quantized.exact_scales[..., 0].t().reshape(-1), d.reshape(-1)), name  # its own scales
     # Q and K rows un-permuted with their codes, every projection: the values the file holds
     values = load_model(path, torch.float32, torch.device("cpu"), 64, pack=False)
     for got, want in zip(model.modules(), values.modules()):
         if getattr(got, "quantized", None) is not None and got is not model.lm_head:
-            assert torch.allclose(got.weight.float(), want.weight, rtol=2 ** -7, atol=1e-6)
+            assert torch.allclose(got.weight.float(), want.weight, rtol=2**-7, atol=1e-6)
     # and the model they make (the plain test model's file: bfloat16 against float32)
     plain, ids = gguf_file("llama", qtype), [5, 6, 7, 8, 9, 10]
     exact = Engine(EngineConfig(plain, dtype="float32", max_slots=2, max_seq_len=64)).score(ids)
     int4 = Engine(EngineConfig(plain, dtype="bfloat16", max_slots=2, max_seq_len=64))
     assert int4.config.quantization == "file"
     assert (int4.score(ids).float() - exact).abs().max() < 0.05 * exact.abs().max()
-    assert Engine(EngineConfig(path, dtype="bfloat16", quantization="none", max_slots=2,
-                               max_seq_len=64)).config.quantization == "none"
-    assert Engine(EngineConfig(gguf_file("llama", "F16"), dtype="bfloat16", max_slots=2,
-                               max_seq_len=64)).config.quantization == "none"
+    assert (
+        Engine(
+            EngineConfig(path, dtype="bfloat16", quantization="none", max_slots=2, max_seq_len=64)
+        ).config.quantization
+        == "none"
+    )
+    assert (
+        Engine(
+            EngineConfig(gguf_file("llama", "F16"), dtype="bfloat16", max_slots=2, max_seq_len=64)
+        ).config.quantization
+        == "none"
+    )
     assert Engine(EngineConfig(path, dtype="float32", max_slots=2, max_seq_len=64)).config.quantization == "none"

@@ -39,18 +39,25 @@ def small_limits_server(llama_dir):
     srv.stop()
 
 
-def test_a_schema_whose_compile_explodes_is_refused_naming_the_limit_and_costs_the_daemon_nothing(
-        small_limits_server):
+def test_a_schema_whose_compile_explodes_is_refused_naming_the_limit_and_costs_the_daemon_nothing(small_limits_server):
     srv = small_limits_server
     with srv.client() as c:
         before = _rss_mib(srv.proc.pid)
         innocent = c.new_id()
-        c.send({"op": "generate", "id": innocent, "stream": False, "input_ids": [1, 2, 3],
-                "params": {"max_new_tokens": 40, "ignore_eos": True}})
+        c.send(
+            {
+                "op": "generate",
+                "id": innocent,
+                "stream": False,
+                "input_ids": [1, 2, 3],
+                "params": {"max_new_tokens": 40, "ignore_eos": True},
+            }
+        )
         started = time.monotonic()
         with pytest.raises(FloverError) as refused:
-            c.generate(input_ids=[1, 2], max_new_tokens=8,
-                       structured={"kind": "json_schema", "value": json.dumps(BOMB)})
+            c.generate(
+                input_ids=[1, 2], max_new_tokens=8, structured={"kind": "json_schema", "value": json.dumps(BOMB)}
+            )
         assert refused.value.code == "invalid_request"
         assert "grammar-compile" in refused.value.message  # names the limit (memory or time)
         assert time.monotonic() - started < 30
@@ -66,8 +73,9 @@ def test_a_request_whose_masks_overrun_their_budget_ends_naming_the_limit_and_ot
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64, grammar_limits=limits)
     plain = SamplingParams(max_new_tokens=12, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], plain)[0].token_ids
-    costly, fused = llm.generate([[1, 2], [5, 6, 7]], [
-        SamplingParams(max_new_tokens=12, structured=Structured("regex", "[a-z]+")), plain])
+    costly, fused = llm.generate(
+        [[1, 2], [5, 6, 7]], [SamplingParams(max_new_tokens=12, structured=Structured("regex", "[a-z]+")), plain]
+    )
     assert costly.finish_reason == "error" and "--grammar-mask-ms" in costly.error
     assert costly.error_code == "invalid_request"
     assert fused.token_ids == alone
@@ -103,8 +111,7 @@ def test_a_grammar_whose_lexer_work_exceeds_the_fuel_is_refused_before_it_runs(l
 
 def test_the_grammar_cache_is_bounded_by_bytes(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
-    grammars = Grammars(llm.engine.tokenizer, llm.engine.model_config.vocab_size, (0,),
-                        GrammarLimits(cache_mib=2))
+    grammars = Grammars(llm.engine.tokenizer, llm.engine.model_config.vocab_size, (0,), GrammarLimits(cache_mib=2))
     for n in range(12):  # ~30 KB of text each, ~0.5 MB compiled
         choices = [f"word{n}-{i}-" + "x" * 20 for i in range(1000)]
         grammars.compile(Structured("json_schema", json.dumps({"enum": choices})))
@@ -116,9 +123,15 @@ def test_the_grammar_cache_is_bounded_by_bytes(llama_dir):
 def test_numbers_cannot_run_away_but_bounded_ones_keep_their_own_bounds(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
     tok, grammars = llm.engine.tokenizer, llm.engine.grammars
-    schema = {"type": "object", "properties": {"n": {"type": "number"}, "i": {"type": "integer"},
-                                               "big": {"type": "integer", "maximum": 10**18}},
-              "required": ["n", "i", "big"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "number"},
+            "i": {"type": "integer"},
+            "big": {"type": "integer", "maximum": 10**18},
+        },
+        "required": ["n", "i", "big"],
+    }
     grammar = Structured("json_schema", json.dumps(schema)).grammar()
 
     def takes(text: str) -> bool:
@@ -151,13 +164,31 @@ def _raw(addr: str, message: bytes) -> dict:
 
 def test_every_message_the_daemon_cannot_take_is_answered_with_its_id(server):
     deep = "[" * 5000 + "]" * 5000  # a schema as text nesting past any parser's recursion
-    answer = _raw(server.addr, msgpack.packb({"op": "generate", "id": "deep", "input_ids": [1, 2], "params": {
-        "max_new_tokens": 4, "structured": {"kind": "json_schema", "value": deep}}}))
+    answer = _raw(
+        server.addr,
+        msgpack.packb(
+            {
+                "op": "generate",
+                "id": "deep",
+                "input_ids": [1, 2],
+                "params": {"max_new_tokens": 4, "structured": {"kind": "json_schema", "value": deep}},
+            }
+        ),
+    )
     assert answer["event"] == "error" and answer["id"] == "deep" and answer["code"] == "invalid_request"
     assert "nests deeper" in answer["message"]
     # integer map keys: msgpack's strict reading refuses the message, its id is still read
-    answer = _raw(server.addr, msgpack.packb({"op": "generate", "id": "keys", "input_ids": [1, 2],
-                                             "params": {"max_new_tokens": 4, "logit_bias": {1: 2.0}}}))
+    answer = _raw(
+        server.addr,
+        msgpack.packb(
+            {
+                "op": "generate",
+                "id": "keys",
+                "input_ids": [1, 2],
+                "params": {"max_new_tokens": 4, "logit_bias": {1: 2.0}},
+            }
+        ),
+    )
     assert answer["event"] == "error" and answer["id"] == "keys" and answer["code"] == "bad_message"
     with server.client() as c:  # the client library sends OpenAI's map form as the wire's pairs
         out = c.generate(input_ids=[1, 2], max_new_tokens=4, ignore_eos=True, logit_bias={7: 100})
@@ -174,8 +205,11 @@ def test_the_grammar_checker_child_is_gone_with_the_daemon(llama_dir, how):
     srv = Server(llama_dir)
     with srv.client() as c:
         c.generate(input_ids=[1, 2], max_new_tokens=4, structured={"kind": "regex", "value": "[a-z]+"})
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == srv.proc.pid
-                and b"grammar_sandbox" in _cmdline(p)]
+    children = [
+        p
+        for p in os.listdir("/proc")
+        if p.isdigit() and _parent(p) == srv.proc.pid and b"grammar_sandbox" in _cmdline(p)
+    ]
     assert children, "the checker runs as the daemon's child"
     code, _ = srv.stop(getattr(signal, how))
     assert code == (0 if how == "SIGTERM" else -9)
@@ -212,12 +246,19 @@ def test_a_drain_during_a_costly_compile_ends_on_time(llama_dir):
     answers = []
     try:
         with srv.client() as c:
+
             def bomb():
                 try:
-                    answers.append(c.generate(input_ids=[1, 2], max_new_tokens=4,
-                                              structured={"kind": "json_schema", "value": json.dumps(BOMB)}))
+                    answers.append(
+                        c.generate(
+                            input_ids=[1, 2],
+                            max_new_tokens=4,
+                            structured={"kind": "json_schema", "value": json.dumps(BOMB)},
+                        )
+                    )
                 except FloverError as e:
                     answers.append(e)
+
             asking = threading.Thread(target=bomb)
             asking.start()
             time.sleep(2)

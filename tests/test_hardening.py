@@ -16,22 +16,39 @@ import zmq
 
 from flover import LLM, SamplingParams
 from flover.client import Client, FloverError
+from tests.helpers import ID_PROMPTS, MPIRUN, Server, expected_outputs
 from tests.poisoned_serve import POISON_SEED
-from tests.helpers import expected_outputs, ID_PROMPTS, MPIRUN, Server
 
 # Each of these was accepted once and then failed inside the iteration, or was silently coerced.
 HOSTILE_PARAMS = [
-    {"top_k": 2**63}, {"top_k": 2**64 - 1}, {"temperature": 2**63}, {"temperature": 2**64 - 1},
-    {"repetition_penalty": 2**63}, {"repetition_penalty": 1e-30}, {"max_new_tokens": 2**63},
-    {"seed": 2**64 - 1}, {"ignore_eos": "false"}, {"ignore_eos": 0}, {"logprobs": "no"}, {"logprobs": [[[[1]]]]},
-    {"stop": {"zz": 1}}, {"stop": [["a"]]}, {"stop_token_ids": "abc"}, {"stop_token_ids": [2**63]},
-    {"eos_token_ids": {"a": 1}}, {"stop": ["x"] * 40_000}, {"stop": ["y" * 10_000]}, {"temperature": "0.5"},
-    {"top_p": True}, {"min_p": [0.1]},
+    {"top_k": 2**63},
+    {"top_k": 2**64 - 1},
+    {"temperature": 2**63},
+    {"temperature": 2**64 - 1},
+    {"repetition_penalty": 2**63},
+    {"repetition_penalty": 1e-30},
+    {"max_new_tokens": 2**63},
+    {"seed": 2**64 - 1},
+    {"ignore_eos": "false"},
+    {"ignore_eos": 0},
+    {"logprobs": "no"},
+    {"logprobs": [[[[1]]]]},
+    {"stop": {"zz": 1}},
+    {"stop": [["a"]]},
+    {"stop_token_ids": "abc"},
+    {"stop_token_ids": [2**63]},
+    {"eos_token_ids": {"a": 1}},
+    {"stop": ["x"] * 40_000},
+    {"stop": ["y" * 10_000]},
+    {"temperature": "0.5"},
+    {"top_p": True},
+    {"min_p": [0.1]},
 ]
 
 
-@pytest.mark.parametrize("params", HOSTILE_PARAMS + [{"top_k": 10**400}, {"temperature": 10**400}],
-                         ids=lambda p: next(iter(p)))
+@pytest.mark.parametrize(
+    "params", HOSTILE_PARAMS + [{"top_k": 10**400}, {"temperature": 10**400}], ids=lambda p: next(iter(p))
+)
 def test_every_sampling_field_is_checked_strictly_and_against_its_limit(params):
     with pytest.raises(ValueError, match=f"SamplingParams.{next(iter(params))}"):
         SamplingParams(**params)
@@ -46,19 +63,24 @@ def test_limits_accept_their_edges_and_tiny_temperatures_are_greedy(llama_dir):
         p = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=t, seed=1)
         assert p.temperature == 0.0
         assert llm.generate(prompt, p)[0].token_ids == greedy
-    huge = llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True, top_k=2**31 - 1,
-                                               temperature=2**13, repetition_penalty=100, seed=3))[0]
+    huge = llm.generate(
+        prompt,
+        SamplingParams(
+            max_new_tokens=8, ignore_eos=True, top_k=2**31 - 1, temperature=2**13, repetition_penalty=100, seed=3
+        ),
+    )[0]
     assert len(huge.token_ids) == 8 and all(0 <= t < 512 for t in huge.token_ids)
 
 
 def test_a_failure_of_one_request_inside_the_iteration_ends_that_request_alone(llama_dir, monkeypatch):
-    import tests.poisoned_serve as poison
     import flover.runner.runner
+    import tests.poisoned_serve as poison
 
     monkeypatch.setattr(flover.runner.runner, "sample", poison.poisoned_sample)
     llm = LLM(llama_dir, dtype="float64", max_seq_len=64, max_slots=4)
-    params = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=s)
-              for s in (1, POISON_SEED, 2)] + [SamplingParams(max_new_tokens=6, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, seed=s) for s in (1, POISON_SEED, 2)
+    ] + [SamplingParams(max_new_tokens=6, ignore_eos=True)]
     outs = llm.generate(ID_PROMPTS[:4], params)
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
     assert "injected failure" in outs[1].error
@@ -114,11 +136,23 @@ def test_tp2_job_survives_hostile_values_and_a_failing_request(llama_dir):
         _send_hostile_while_streaming(server, llama_dir)
         expected = expected_outputs(llama_dir, [8] * len(ID_PROMPTS))
         with server.client() as c:
-            c.send({"op": "generate", "id": "poison", "input_ids": ID_PROMPTS[1],
-                    "params": {"max_new_tokens": 8, "temperature": 0.5, "seed": POISON_SEED}})
+            c.send(
+                {
+                    "op": "generate",
+                    "id": "poison",
+                    "input_ids": ID_PROMPTS[1],
+                    "params": {"max_new_tokens": 8, "temperature": 0.5, "seed": POISON_SEED},
+                }
+            )
             for i in range(4):
-                c.send({"op": "generate", "id": i, "input_ids": ID_PROMPTS[i], "params": {"max_new_tokens": 8,
-                                                                                      "ignore_eos": True}})
+                c.send(
+                    {
+                        "op": "generate",
+                        "id": i,
+                        "input_ids": ID_PROMPTS[i],
+                        "params": {"max_new_tokens": 8, "ignore_eos": True},
+                    }
+                )
             with pytest.raises(FloverError, match="internal_error.*injected failure"):
                 c.wait("poison")
             assert [c.wait(i)["token_ids"] for i in range(4)] == [e.token_ids for e in expected[:4]]
@@ -132,10 +166,22 @@ def test_the_poisoned_request_fails_alone_in_a_single_process_daemon(llama_dir):
     server = Server(llama_dir, "--max-slots", "4", script="tests/poisoned_serve.py")
     try:
         with server.client() as c:
-            c.send({"op": "generate", "id": "poison", "input_ids": ID_PROMPTS[1],
-                    "params": {"max_new_tokens": 8, "temperature": 0.5, "seed": POISON_SEED}})
-            c.send({"op": "generate", "id": "ok", "input_ids": ID_PROMPTS[2], "params": {"max_new_tokens": 8,
-                                                                                      "ignore_eos": True}})
+            c.send(
+                {
+                    "op": "generate",
+                    "id": "poison",
+                    "input_ids": ID_PROMPTS[1],
+                    "params": {"max_new_tokens": 8, "temperature": 0.5, "seed": POISON_SEED},
+                }
+            )
+            c.send(
+                {
+                    "op": "generate",
+                    "id": "ok",
+                    "input_ids": ID_PROMPTS[2],
+                    "params": {"max_new_tokens": 8, "ignore_eos": True},
+                }
+            )
             with pytest.raises(FloverError, match="internal_error"):
                 c.wait("poison")
             assert c.wait("ok")["token_ids"] == expected_outputs(llama_dir, [8] * len(ID_PROMPTS))[2].token_ids
@@ -206,8 +252,16 @@ def test_req_sockets_get_exactly_one_reply_per_request(server, llama_dir):
     expected = expected_outputs(llama_dir, [5] * len(ID_PROMPTS))[3]
     ctx, sock = raw_socket(server.addr, zmq.REQ)
     try:
-        sock.send(msgpack.packb({"op": "generate", "id": "q", "input_ids": ID_PROMPTS[3],
-                                 "params": {"max_new_tokens": 5, "ignore_eos": True}}))
+        sock.send(
+            msgpack.packb(
+                {
+                    "op": "generate",
+                    "id": "q",
+                    "input_ids": ID_PROMPTS[3],
+                    "params": {"max_new_tokens": 5, "ignore_eos": True},
+                }
+            )
+        )
         final = recv_event(sock)
         assert final["event"] == "final" and final["token_ids"] == expected.token_ids
         sock.send(msgpack.packb({"op": "health"}))
@@ -227,9 +281,17 @@ def test_a_chosen_routing_id_is_refused_and_cannot_take_over_requests(llama_dir,
     cli = [sys.executable, "-m", "flover.apps.cli"]
     for name, where in (("server", "server"), ("alice", "clients"), ("mallory", "clients")):
         subprocess.run([*cli, "keygen", str(tmp_path / where), "--name", name], check=True, capture_output=True)
-    srv = Server(llama_dir, "--curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                 "--curve-allowed-clients", str(tmp_path / "clients"), "--max-seq-len", "512")
+    srv = Server(
+        llama_dir,
+        "--curve-secret-key",
+        str(tmp_path / "server" / "server.key_secret"),
+        "--curve-allowed-clients",
+        str(tmp_path / "clients"),
+        "--max-seq-len",
+        "512",
+    )
     from zmq.auth import load_certificate
+
     server_key, _ = load_certificate(str(tmp_path / "server" / "server.key"))
 
     def curve_socket(name: str, routing_id: bytes | None):
@@ -244,10 +306,20 @@ def test_a_chosen_routing_id_is_refused_and_cannot_take_over_requests(llama_dir,
         return ctx, sock
 
     try:
-        alice = Client(srv.addr, timeout=30, curve_server_key=server_key,
-                       curve_client_cert=str(tmp_path / "clients" / "alice.key_secret"))
-        alice.send({"op": "generate", "id": "secret", "input_ids": [1, 2],
-                    "params": {"max_new_tokens": 400, "ignore_eos": True}})
+        alice = Client(
+            srv.addr,
+            timeout=30,
+            curve_server_key=server_key,
+            curve_client_cert=str(tmp_path / "clients" / "alice.key_secret"),
+        )
+        alice.send(
+            {
+                "op": "generate",
+                "id": "secret",
+                "input_ids": [1, 2],
+                "params": {"max_new_tokens": 400, "ignore_eos": True},
+            }
+        )
         assert alice.stats()["in_flight"] == 1
         for claimed in (b"alice", b"\x00\x00\x00\x00\x01", b"\x00" + bytes(4)):
             ctx, mallory = curve_socket("mallory", claimed)
@@ -265,8 +337,12 @@ def test_a_chosen_routing_id_is_refused_and_cannot_take_over_requests(llama_dir,
         params = {"max_new_tokens": 2}
         assert alice.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 0
         assert alice.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 32
-        mallory_client = Client(srv.addr, timeout=30, curve_server_key=server_key,
-                                curve_client_cert=str(tmp_path / "clients" / "mallory.key_secret"))
+        mallory_client = Client(
+            srv.addr,
+            timeout=30,
+            curve_server_key=server_key,
+            curve_client_cert=str(tmp_path / "clients" / "mallory.key_secret"),
+        )
         assert mallory_client.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 0
         assert mallory_client.generate(input_ids=prompt, **params)["usage"]["cached_tokens"] == 32
         mallory_client.close()
@@ -278,8 +354,17 @@ def test_a_chosen_routing_id_is_refused_and_cannot_take_over_requests(llama_dir,
 def test_a_new_connection_never_receives_events_of_an_earlier_one(server):
     ctx, sock = raw_socket(server.addr)
     try:
-        sock.send(msgpack.packb({"op": "generate", "id": "old", "input_ids": [1, 2],
-                                 "params": {"max_new_tokens": 200, "ignore_eos": True}, "stream": True}))
+        sock.send(
+            msgpack.packb(
+                {
+                    "op": "generate",
+                    "id": "old",
+                    "input_ids": [1, 2],
+                    "params": {"max_new_tokens": 200, "ignore_eos": True},
+                    "stream": True,
+                }
+            )
+        )
         assert recv_event(sock)["event"] == "token"
         sock.disconnect(server.addr)  # the same socket, a new connection
         while sock.poll(0):
@@ -307,8 +392,17 @@ def _stream_without_reading(server: Server, n: int, pause: float) -> dict:
     sock.setsockopt(zmq.RCVHWM, 1)
     try:
         for i in range(n):
-            sock.send(msgpack.packb({"op": "generate", "id": i, "input_ids": [i + 1], "stream": True,
-                                     "params": {"max_new_tokens": 480, "ignore_eos": True}}))
+            sock.send(
+                msgpack.packb(
+                    {
+                        "op": "generate",
+                        "id": i,
+                        "input_ids": [i + 1],
+                        "stream": True,
+                        "params": {"max_new_tokens": 480, "ignore_eos": True},
+                    }
+                )
+            )
         time.sleep(pause)
         tokens, ends = {i: [] for i in range(n)}, {}
         while len(ends) < n:
@@ -335,8 +429,16 @@ def test_a_client_that_reads_late_gets_every_event(llama_dir, tmp_path):
 
 
 def test_a_client_that_never_reads_is_cancelled_and_told_so(llama_dir, tmp_path):
-    server = Server(llama_dir, "--max-seq-len", "512", "--max-slots", "40", "--max-client-backlog", "100000",
-                    addr=f"ipc://{tmp_path}/s")
+    server = Server(
+        llama_dir,
+        "--max-seq-len",
+        "512",
+        "--max-slots",
+        "40",
+        "--max-client-backlog",
+        "100000",
+        addr=f"ipc://{tmp_path}/s",
+    )
     try:
         results = _stream_without_reading(server, 40, 6)
         assert {end["event"] for _, end in results.values()} == {"error"}
@@ -352,8 +454,7 @@ def test_a_client_that_never_reads_is_cancelled_and_told_so(llama_dir, tmp_path)
 def test_the_client_notices_a_dead_server_within_seconds(llama_dir):
     server = Server(llama_dir, "--max-seq-len", "512")
     with Client(server.addr) as c:  # no timeout: the lost connection alone must end the wait
-        c.send({"op": "generate", "id": "a", "input_ids": [1], "params": {"max_new_tokens": 480,
-                                                                           "ignore_eos": True}})
+        c.send({"op": "generate", "id": "a", "input_ids": [1], "params": {"max_new_tokens": 480, "ignore_eos": True}})
         assert c.stats()["in_flight"] == 1
         server.proc.kill()
         start = time.time()
@@ -387,11 +488,13 @@ def test_a_dead_rank_ends_the_job_and_the_client_is_told(llama_dir):
 
     server = Server(llama_dir, "--max-seq-len", "512", ranks=2)
     with Client(server.addr) as c:
-        c.send({"op": "generate", "id": "a", "input_ids": [1], "params": {"max_new_tokens": 480,
-                                                                           "ignore_eos": True}})
+        c.send({"op": "generate", "id": "a", "input_ids": [1], "params": {"max_new_tokens": 480, "ignore_eos": True}})
         assert c.stats()["in_flight"] == 1
-        ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                 if p.environ().get("OMPI_COMM_WORLD_RANK") == "1"]
+        ranks = [
+            p
+            for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if p.environ().get("OMPI_COMM_WORLD_RANK") == "1"
+        ]
         assert len(ranks) == 1
         ranks[0].kill()
         with pytest.raises(FloverError, match="connection_lost"):
@@ -402,8 +505,12 @@ def test_a_dead_rank_ends_the_job_and_the_client_is_told(llama_dir):
 def test_port_in_use_is_one_line(llama_dir):
     server = Server(llama_dir)
     try:
-        run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "serve", "--model", llama_dir, "--bind",
-                              server.addr], capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [sys.executable, "-m", "flover.apps.cli", "serve", "--model", llama_dir, "--bind", server.addr],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
         error = [line for line in run.stderr.splitlines() if "error" in line]
         assert error == [f"flover: error: cannot listen on {server.addr}: Address already in use"]
@@ -415,8 +522,9 @@ def test_a_second_sigint_stops_at_once_with_cancelled_finals(llama_dir):
     server = Server(llama_dir, "--max-seq-len", "512", "--drain-timeout", "120")
     with server.client() as c:
         for rid in ("a", "b"):
-            c.send({"op": "generate", "id": rid, "input_ids": [1], "params": {"max_new_tokens": 480,
-                                                                               "ignore_eos": True}})
+            c.send(
+                {"op": "generate", "id": rid, "input_ids": [1], "params": {"max_new_tokens": 480, "ignore_eos": True}}
+            )
         assert c.stats()["in_flight"] == 2
         server.proc.send_signal(signal.SIGINT)
         deadline = time.time() + 10

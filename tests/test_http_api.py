@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import free_port, MPIRUN, Server
+from tests.helpers import MPIRUN, Server, free_port
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,16 @@ def test_streamed_text_equals_the_answer_and_finish_reason_comes_last(api, sampl
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     model = model_id(url)
     whole = client.completions.create(model=model, prompt="Hello the cat", max_tokens=12, **sampling)
-    chunks = list(client.completions.create(model=model, prompt="Hello the cat", max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True}, **sampling))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Hello the cat",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampling,
+        )
+    )
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
@@ -53,10 +61,14 @@ def test_streamed_text_equals_the_answer_and_finish_reason_comes_last(api, sampl
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi there"}],
-                                          max_tokens=8, **sampling)
-    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi there"}],
-                                                   max_tokens=8, stream=True, **sampling))
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=8, **sampling
+    )
+    streamed = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=8, stream=True, **sampling
+        )
+    )
     assert chat.choices[0].message.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
     assert streamed[0].choices[0].delta.role == "assistant"
@@ -64,8 +76,9 @@ def test_streamed_text_equals_the_answer_and_finish_reason_comes_last(api, sampl
     assert all(c.choices[0].finish_reason is None for c in streamed[:-1])
     assert not any(c.usage for c in streamed)  # no usage chunk unless asked
     # Without max_tokens a chat answers up to the context's end (OpenAI's default), not 16 tokens.
-    long = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                          extra_body={"ignore_eos": True}, **sampling)
+    long = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}, **sampling
+    )
     assert long.usage.prompt_tokens + long.usage.completion_tokens == 512
 
 
@@ -78,8 +91,10 @@ def test_n_samples_and_every_prompt_form(api):
     assert len({c.text for c in three.choices}) > 1  # different samples (seeds 3, 4, 5)
     again = client.completions.create(model=model, prompt="one two", max_tokens=6, n=3, temperature=1.0, seed=3)
     assert [c.text for c in again.choices] == [c.text for c in three.choices]  # each reproducible
-    assert three.usage.prompt_tokens == client.completions.create(model=model, prompt="one two",
-                                                                  max_tokens=1).usage.prompt_tokens
+    assert (
+        three.usage.prompt_tokens
+        == client.completions.create(model=model, prompt="one two", max_tokens=1).usage.prompt_tokens
+    )
     ids = httpx.post(f"{url}/tokenize", json={"prompt": "one two"}).json()["tokens"]
     by_text = client.completions.create(model=model, prompt="one two", max_tokens=5, temperature=0)
     for prompt in (ids, [ids, ids], ["one two", "one two"]):
@@ -97,8 +112,12 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=model, prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="tools"):  # tools are taken, a malformed one is not
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {}}}])
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {}}}],
+        )
     with pytest.raises(openai.BadRequestError, match="prompt_too_long|max_seq_len|too long"):
         client.completions.create(model=model, prompt=[1] * 600, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
@@ -112,8 +131,9 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(api):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model=model, prompt="x", max_tokens=2, presence_penalty=3.0)
     plain = client.completions.create(model=model, prompt="x", max_tokens=40, temperature=0)
-    penalised = client.completions.create(model=model, prompt="x", max_tokens=40, temperature=0, presence_penalty=2.0,
-                                          frequency_penalty=1.0)
+    penalised = client.completions.create(
+        model=model, prompt="x", max_tokens=40, temperature=0, presence_penalty=2.0, frequency_penalty=1.0
+    )
     assert penalised.choices[0].text != plain.choices[0].text  # honoured, not ignored
     ok = client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"no_such_field": 1})
     assert ok.choices[0].finish_reason == "length"
@@ -127,8 +147,10 @@ def test_a_body_over_the_message_bound_is_a_413_before_it_is_read(api):
     _, url = api
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # declares 5 MB, sends none of it
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 5000000\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000000\r\n\r\n"
+        )
         answer = b""
         while b"}}" not in answer:  # the status line and headers, then the JSON error
             got = sock.recv(65536)
@@ -161,8 +183,9 @@ def test_the_async_client_streams_many_at_once(api):
         model = model_id(url)
 
         async def one(i: int) -> tuple[str, str]:
-            stream = await client.completions.create(model=model, prompt=f"number {i}", max_tokens=10,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=model, prompt=f"number {i}", max_tokens=10, temperature=0, stream=True
+            )
             streamed = "".join([c.choices[0].text async for c in stream if c.choices])
             whole = await client.completions.create(model=model, prompt=f"number {i}", max_tokens=10, temperature=0)
             return streamed, whole.choices[0].text
@@ -229,9 +252,23 @@ def test_http_port_in_use_is_one_line(make_model):
         import subprocess
         import sys
 
-        run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "serve", "--model", make_model("llama"), "--bind",
-                              f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}"],
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flover.apps.cli",
+                "serve",
+                "--model",
+                make_model("llama"),
+                "--bind",
+                f"tcp://127.0.0.1:{free_port()}",
+                "--http",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1].startswith(f"flover: error: cannot serve HTTP on 127.0.0.1:{port}")
 
@@ -275,24 +312,35 @@ def test_metrics_parse_and_count_what_was_sent(api):
     wait_idle(server)
     before = scrape(url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    answers = [client.completions.create(model=model_id(url), prompt=f"count {i}", max_tokens=5 + i, temperature=0,
-                                         extra_body={"ignore_eos": True}) for i in range(4)]
+    answers = [
+        client.completions.create(
+            model=model_id(url), prompt=f"count {i}", max_tokens=5 + i, temperature=0, extra_body={"ignore_eos": True}
+        )
+        for i in range(4)
+    ]
     after = scrape(url)
     delta = lambda name, labels=(): after[(name, labels)] - before.get((name, labels), 0)  # noqa: E731
     assert delta("flover:prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
     assert delta("flover:generation_tokens_total") == sum(a.usage.completion_tokens for a in answers) == 5 + 6 + 7 + 8
     assert delta("flover:request_success_total", (("finished_reason", "length"),)) == 4
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "time_per_output_token_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "time_per_output_token_seconds",
+    ):
         assert delta(f"flover:{name}_count") == 4
         assert after[(f"flover:{name}_bucket", (("le", "+Inf"),))] == after[(f"flover:{name}_count", ())]
     # one decode token per iteration after the first: 4 + 5 + 6 + 7 gaps between successive tokens
     assert delta("flover:inter_token_latency_seconds_count") == 4 + 5 + 6 + 7
     assert delta("flover:iteration_time_seconds_count") == delta("flover:iterations_total") > 0
-    assert delta("flover:iteration_tokens_sum") == sum(a.usage.prompt_tokens + a.usage.completion_tokens - 1
-                                                       for a in answers)
+    assert delta("flover:iteration_tokens_sum") == sum(
+        a.usage.prompt_tokens + a.usage.completion_tokens - 1 for a in answers
+    )
     assert after[("flover:num_requests_running", ())] == 0 and after[("flover:kv_slots_total", ())] == 8
-    assert delta("flover:spec_decode_num_draft_tokens_total") == delta("flover:spec_decode_num_accepted_tokens_total") == 0
+    assert (
+        delta("flover:spec_decode_num_draft_tokens_total") == delta("flover:spec_decode_num_accepted_tokens_total") == 0
+    )
     with server.client() as c:  # the same numbers over the socket
         stats = c.stats()
     assert stats["metrics"]["generation_tokens"] == after[("flover:generation_tokens_total", ())]
@@ -303,7 +351,9 @@ def test_metrics_parse_and_count_what_was_sent(api):
 
     assert stats["native_kernels"] is None and not any(name == "flover:native_kernels_info" for name, _ in after)
     text = render({**stats, "native_kernels": "AVX2+FMA"}, "m").decode()
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "flover:native_kernels_info"]
+    samples = [
+        s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "flover:native_kernels_info"
+    ]
     assert [(s.labels["kernels"], s.value) for s in samples] == [("AVX2+FMA", 1.0)]
 
 
@@ -316,10 +366,35 @@ def test_flover_bench_measures_any_openai_endpoint(api, tmp_path):
 
     server, url = api
     before = stats(server)["completed"]
-    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "bench", "--endpoint", f"{url}/v1", "--requests", "4",
-                          "--prompt-len", "8", "--gen-len", "6", "--arrival", "interval", "--interval-ms", "20",
-                          "--vocab-size", "500", "--out", str(tmp_path), "--name", "ep"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "bench",
+            "--endpoint",
+            f"{url}/v1",
+            "--requests",
+            "4",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "6",
+            "--arrival",
+            "interval",
+            "--interval-ms",
+            "20",
+            "--vocab-size",
+            "500",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "ep",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "ep.json").read_text())
     summary = result["results"]["endpoint"]["summary"]
@@ -362,31 +437,48 @@ def test_echo_and_logprobs_equal_engine_score(api, make_model):
         assert lp.top_logprobs[p] == pytest.approx(expected, abs=1e-9)
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
 
-    both = client.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=5,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    both = client.completions.create(
+        model=model, prompt=ids, echo=True, logprobs=2, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     lp = both.choices[0].logprobs
     assert both.choices[0].text == llm.tokenizer.decode(ids) + llm.tokenizer.decode(generated)
     rows = range(len(ids) - 1, len(ids) - 1 + len(generated))
     assert lp.tokens == [piece(t) for t in ids + generated]
-    assert lp.token_logprobs[1:] == pytest.approx(want + [float(logp[r, t]) for r, t in zip(rows, generated)],
-                                                  abs=1e-9)
+    assert lp.token_logprobs[1:] == pytest.approx(want + [float(logp[r, t]) for r, t in zip(rows, generated)], abs=1e-9)
     # lm-evaluation-harness: max_tokens 1, the continuation's logprobs are [ctxlen:-1]
     context = llm.tokenizer.encode("Hello the cat")
     harness = client.completions.create(model=model, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)
-    continuation = harness.choices[0].logprobs.token_logprobs[len(context):-1]
-    assert sum(continuation) == pytest.approx(float(sum(logp[p - 1, ids[p]] for p in range(len(context), len(ids)))),
-                                              abs=1e-9)
+    continuation = harness.choices[0].logprobs.token_logprobs[len(context) : -1]
+    assert sum(continuation) == pytest.approx(
+        float(sum(logp[p - 1, ids[p]] for p in range(len(context), len(ids)))), abs=1e-9
+    )
 
-    streamed = list(client.completions.create(model=model, prompt=ids, echo=True, logprobs=2, max_tokens=5,
-                                              temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    streamed = list(
+        client.completions.create(
+            model=model,
+            prompt=ids,
+            echo=True,
+            logprobs=2,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     pieces = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
     assert [t for piece_ in pieces for t in piece_.tokens] == lp.tokens
     assert [v for piece_ in pieces for v in piece_.token_logprobs] == lp.token_logprobs
     assert [o for piece_ in pieces for o in piece_.text_offset] == lp.text_offset
     assert "".join(c.choices[0].text for c in streamed) == both.choices[0].text
 
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
     assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-12 for entry in content)  # greedy: the best
@@ -395,18 +487,29 @@ def test_echo_and_logprobs_equal_engine_score(api, make_model):
     assert [bytes(entry.bytes) for entry in content] == [llm.tokenizer.token_bytes(t) for t in answer]
     chat_logp = torch.log_softmax(llm.engine.score(chat_ids + answer), dim=-1)
     assert [e.logprob for e in content] == pytest.approx(
-        [float(chat_logp[len(chat_ids) - 1 + i, t]) for i, t in enumerate(answer)], abs=1e-9)
-    stream = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=4, temperature=0, logprobs=True, stream=True))
-    assert [e.logprob for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == \
-        pytest.approx([e.logprob for e in content], abs=1e-12)
+        [float(chat_logp[len(chat_ids) - 1 + i, t]) for i, t in enumerate(answer)], abs=1e-9
+    )
+    stream = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            stream=True,
+        )
+    )
+    assert [e.logprob for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == pytest.approx(
+        [e.logprob for e in content], abs=1e-12
+    )
 
     for bad in (dict(logprobs=21), dict(logprobs=True), dict(max_tokens=0), dict(extra_body={"top_logprobs": 2})):
         with pytest.raises(openai.BadRequestError, match="logprobs|max_tokens"):
             client.completions.create(model=model, prompt=prompt, **{"max_tokens": 2, **bad})
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                       top_logprobs=2)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=2
+        )
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens_and_the_metrics_count_them(api):
@@ -431,10 +534,12 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_metrics_count_them(
 def test_the_http_front_never_imports_torch(llama_dir):
     """The front is a process of its own beside the engine: what it imports is what it holds
     resident (torch alone ~150 MB). It reads the checkpoint's tokenizer without torch."""
-    code = ("import sys; import flover.server.http_api as h; from flover.models import open_checkpoint; "
-            "from flover.models.tokenizer import load_tokenizer; "
-            f"t = load_tokenizer(open_checkpoint({llama_dir!r})); assert t.encode('hi'); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; import flover.server.http_api as h; from flover.models import open_checkpoint; "
+        "from flover.models.tokenizer import load_tokenizer; "
+        f"t = load_tokenizer(open_checkpoint({llama_dir!r})); assert t.encode('hi'); "
+        "print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"

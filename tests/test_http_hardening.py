@@ -22,9 +22,23 @@ BIG = 2**64 + 5
 @pytest.fixture(scope="module")
 def front(make_model):
     port = free_port()
-    server = Server(make_model("llama"), "--max-slots", "2", "--max-waiting", "6", "--max-seq-len", "512",
-                    "--http", f"127.0.0.1:{port}", "--http-header-timeout", "1.5", "--http-body-timeout", "1.5",
-                    "--http-max-connections", "24")
+    server = Server(
+        make_model("llama"),
+        "--max-slots",
+        "2",
+        "--max-waiting",
+        "6",
+        "--max-seq-len",
+        "512",
+        "--http",
+        f"127.0.0.1:{port}",
+        "--http-header-timeout",
+        "1.5",
+        "--http-body-timeout",
+        "1.5",
+        "--http-max-connections",
+        "24",
+    )
     yield server, f"http://127.0.0.1:{port}", port
     server.stop(signal.SIGKILL)
 
@@ -49,8 +63,11 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "a \ud800 b", "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": ["\udfff"]}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}], "max_tokens": 2}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
-     "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+        "messages",
+    ),
     ("/tokenize", {"prompt": "\ud800"}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "top_p": 10**400}, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 10**30}, "temperature"),
@@ -100,8 +117,10 @@ def test_tokenize_is_bounded_like_completions_and_never_stalls_the_front(front):
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "prompt_too_long"
     # Texts that fit are tokenized off the event loop: /health answers while several run.
     fits = {"prompt": "12 34 " * 300}
-    results, threads = [], [threading.Thread(target=lambda: results.append(post(url, "/tokenize", fits)))
-                            for _ in range(6)]
+    results, threads = (
+        [],
+        [threading.Thread(target=lambda: results.append(post(url, "/tokenize", fits))) for _ in range(6)],
+    )
     for t in threads:
         t.start()
     health = httpx.get(f"{url}/health", timeout=10)
@@ -133,8 +152,10 @@ def test_half_sent_requests_are_closed_and_connections_are_capped(front):
     half_headers = socket.create_connection(("127.0.0.1", port))
     half_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
     half_body = socket.create_connection(("127.0.0.1", port))
-    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 200\r\n\r\n{\"prompt\": ")
+    half_body.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 200\r\n\r\n{"prompt": '
+    )
     silent = socket.create_connection(("127.0.0.1", port))
     for sock in (half_headers, half_body, silent):
         _, waited = _recv_until_closed(sock, 8.0)
@@ -175,14 +196,14 @@ def test_half_sent_requests_are_closed_and_connections_are_capped(front):
 def slow_front(tmp_path_factory):
     """A model slow enough (~5 ms a step) that 2 requests of 500 tokens hold both slots for seconds."""
     from flover.testing.tiny_model import make_tiny_model
-
     from tests.helpers import TEST_PRESET
 
     out = tmp_path_factory.mktemp("slow")
     make_tiny_model("llama", {**TEST_PRESET, "hidden_size": 512, "num_layers": 6, "intermediate_size": 2048}, out)
     port = free_port()
-    server = Server(str(out), "--max-slots", "2", "--max-waiting", "6", "--max-seq-len", "512",
-                    "--http", f"127.0.0.1:{port}")
+    server = Server(
+        str(out), "--max-slots", "2", "--max-waiting", "6", "--max-seq-len", "512", "--http", f"127.0.0.1:{port}"
+    )
     yield server, f"http://127.0.0.1:{port}"
     server.stop(signal.SIGKILL)
 
@@ -198,8 +219,9 @@ def test_a_streamed_client_that_hangs_up_while_queued_leaves_the_queue(slow_fron
     assert in_flight(server)["running"] == 2, "the two slots should be busy"
     for _ in range(4):
         with pytest.raises(httpx.ReadTimeout):  # waits in the queue; the client gives up after 0.3 s
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=0.3,
-                              json={"prompt": "y", "max_tokens": 5, "stream": True}) as r:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", timeout=0.3, json={"prompt": "y", "max_tokens": 5, "stream": True}
+            ) as r:
                 r.read()
     time.sleep(0.4)  # within a poll (50 ms) and an iteration
     now = in_flight(server)

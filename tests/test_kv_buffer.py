@@ -129,14 +129,21 @@ def test_a_prefaulted_pool_is_resident_from_the_start_and_a_lazy_one_is_not():
     def grows_by(prefault: bool) -> int:
         """In a fresh process: in a long test run, freed memory that is still resident would be
         reused by the pool, and a prefaulted pool would not seem to grow the process."""
-        code = ("import torch\nfrom flover.runner.kv_buffer import SlotBuffer\n"
-                "from tests.test_kv_buffer import resident_kib\nbefore = resident_kib()\n"
-                "buf = SlotBuffer(num_layers=4, max_slots=2, kv_heads=2, max_seq_len=64, head_dim=64, "
-                "dtype=torch.float32, device=torch.device('cpu'), prefix_blocks=768, block_tokens=16, "
-                f"prefault_pool={prefault})\n"
-                "print(resident_kib() - before)\n")
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             cwd=Path(__file__).resolve().parent.parent)
+        code = (
+            "import torch\nfrom flover.runner.kv_buffer import SlotBuffer\n"
+            "from tests.test_kv_buffer import resident_kib\nbefore = resident_kib()\n"
+            "buf = SlotBuffer(num_layers=4, max_slots=2, kv_heads=2, max_seq_len=64, head_dim=64, "
+            "dtype=torch.float32, device=torch.device('cpu'), prefix_blocks=768, block_tokens=16, "
+            f"prefault_pool={prefault})\n"
+            "print(resident_kib() - before)\n"
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         assert run.returncode == 0, run.stderr
         return int(run.stdout.split()[-1])
 

@@ -47,8 +47,11 @@ def test_shape_mismatch_names_tensor_and_file(copy_of):
     tensors = load_file(copy_of / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
     save_file(tensors, copy_of / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' "
-                                              r"has shape \[3, 64\], expected \[32, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' "
+        r"has shape \[3, 64\], expected \[32, 64\]",
+    ):
         LLM(str(copy_of))
 
 

@@ -64,8 +64,12 @@ def test_malformed_config_json_is_one_error_naming_the_file_and_field(make_model
 
 def test_a_refused_model_is_one_line_on_the_command_line(make_model, tmp_path):
     model = edited_copy(make_model("llama"), tmp_path / "kv5", num_key_value_heads=5)
-    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(model), "x"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(model), "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert f"{model}/config.json" in run.stderr and "key/value heads" in run.stderr
 
@@ -73,9 +77,15 @@ def test_a_refused_model_is_one_line_on_the_command_line(make_model, tmp_path):
 def metadata_only_gguf(path: Path, fields: dict, block_count=2, head_count=4, embedding_length=64) -> Path:
     """A GGUF file of the llama architecture with these header fields and no tensors."""
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("llama.block_count", block_count), ("llama.attention.head_count", head_count),
-                       ("llama.embedding_length", embedding_length), ("llama.feed_forward_length", 128),
-                       ("llama.context_length", 512), ("llama.vocab_size", 512), *fields.items()):
+    for key, value in (
+        ("llama.block_count", block_count),
+        ("llama.attention.head_count", head_count),
+        ("llama.embedding_length", embedding_length),
+        ("llama.feed_forward_length", 128),
+        ("llama.context_length", 512),
+        ("llama.vocab_size", 512),
+        *fields.items(),
+    ):
         if isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
@@ -109,8 +119,12 @@ def test_malformed_gguf_headers_are_refused_before_anything_is_built(tmp_path):
             LLM(str(path), max_seq_len=64, max_slots=2)
         assert str(path) in str(refused.value) and time.monotonic() - started < 20
     # the command line: one line, no traceback, for the 300-million-layer header
-    run = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(tmp_path / "bad0.gguf"), "x"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "flover.apps.cli", "generate", "--model", str(tmp_path / "bad0.gguf"), "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "Traceback" not in run.stderr and "block_count" in run.stderr, run.stderr[-2000:]
     with pytest.raises(CheckpointError, match="block_count"):
         load_model_config(tmp_path / "bad0.gguf")
@@ -134,8 +148,17 @@ def test_a_tokenizer_id_outside_the_model_is_refused_and_nothing_else_fails(make
     refused at intake on every path; a request beside it is served."""
     model = Path(shutil.copytree(make_model("llama"), tmp_path / "big-tokenizer"))
     spec = json.loads((model / "tokenizer.json").read_text())
-    spec["added_tokens"].append({"id": 700, "content": "<extra>", "single_word": False, "lstrip": False,
-                                 "rstrip": False, "normalized": False, "special": False})
+    spec["added_tokens"].append(
+        {
+            "id": 700,
+            "content": "<extra>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": False,
+        }
+    )
     (model / "tokenizer.json").write_text(json.dumps(spec))
     for dtype in ("float32", "float64"):
         llm = LLM(str(model), dtype=dtype, max_seq_len=64, max_slots=2)
@@ -163,13 +186,13 @@ def _tensor_bytes(path: Path, name: str) -> tuple[int, int]:
     head = path.read_bytes()[:start]
     key = len(name).to_bytes(8, "little") + name.encode()
     at = head.index(key) + len(key)
-    n_dims = int.from_bytes(head[at: at + 4], "little")
+    n_dims = int.from_bytes(head[at : at + 4], "little")
     return start, at + 4 + 8 * n_dims + 4
 
 
 def _patched(src: Path, dst: Path, at: int, data: bytes) -> Path:
     blob = bytearray(src.read_bytes())
-    blob[at: at + len(data)] = data
+    blob[at : at + len(data)] = data
     dst.write_bytes(bytes(blob))
     return dst
 
@@ -199,12 +222,12 @@ def test_tensor_offsets_must_be_aligned_in_bounds_and_apart(q8_file, tmp_path):
     from flover.models.gguf_file import parse_gguf
 
     _, field = _tensor_bytes(q8_file, "blk.0.attn_k.weight")
-    offset = int.from_bytes(q8_file.read_bytes()[field: field + 8], "little")
+    offset = int.from_bytes(q8_file.read_bytes()[field : field + 8], "little")
     shifted = _patched(q8_file, tmp_path / "shifted.gguf", field, (offset + 3).to_bytes(8, "little"))
     with pytest.raises(CheckpointError, match="not a multiple of general.alignment"):
         LLM(str(shifted), max_seq_len=64, max_slots=2)
     _, other = _tensor_bytes(q8_file, "blk.0.attn_q.weight")
-    q_offset = int.from_bytes(q8_file.read_bytes()[other: other + 8], "little")
+    q_offset = int.from_bytes(q8_file.read_bytes()[other : other + 8], "little")
     aliased = _patched(q8_file, tmp_path / "aliased.gguf", field, q_offset.to_bytes(8, "little"))
     with pytest.raises(CheckpointError, match="overlap"):
         LLM(str(aliased), max_seq_len=64, max_slots=2)

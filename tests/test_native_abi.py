@@ -33,14 +33,17 @@ def changed_build(tmp_path, monkeypatch, old: str, new: str):
     return lambda: abi.load_library(root=root)
 
 
-@pytest.mark.parametrize("old, new, named", [
-    # two fields swapped in C only: every size still agrees, two offsets do not
-    ("input_norm, qkv, qkv_bias, o, o_bias,", "input_norm, qkv, qkv_bias, o_bias, o,", "Layer.o is"),
-    # a field added to C only: the struct's size and the fields after it
-    ("int64_t screen_rows;", "int64_t screen_rows, experts;", "Model is"),
-    # a code renumbered in C only
-    ("G_INT4_K = 5,", "G_INT4_K = 12,", "G_INT4_K is 12 in the C build, 5 in"),
-])
+@pytest.mark.parametrize(
+    "old, new, named",
+    [
+        # two fields swapped in C only: every size still agrees, two offsets do not
+        ("input_norm, qkv, qkv_bias, o, o_bias,", "input_norm, qkv, qkv_bias, o_bias, o,", "Layer.o is"),
+        # a field added to C only: the struct's size and the fields after it
+        ("int64_t screen_rows;", "int64_t screen_rows, experts;", "Model is"),
+        # a code renumbered in C only
+        ("G_INT4_K = 5,", "G_INT4_K = 12,", "G_INT4_K is 12 in the C build, 5 in"),
+    ],
+)
 def test_a_build_that_differs_from_python_is_refused_naming_the_difference(tmp_path, monkeypatch, old, new, named):
     load = changed_build(tmp_path, monkeypatch, old, new)
     with pytest.raises(NativeUnavailable, match="does not match flover/native/abi.py") as refused:
@@ -53,5 +56,7 @@ def test_a_field_python_declares_that_c_lacks_is_named(monkeypatch):
     extended = type("Layer", (abi.ctypes.Structure,), {"_fields_": [*abi.Layer._fields_, ("experts", abi.I64)]})
     monkeypatch.setattr(abi, "STRUCTS", (abi.Model, extended, abi.GridPart, abi.Grid))
     differ = abi.abi_mismatches(abi.expected_abi(), abi.abi_of(lib))
-    assert differ == ["Layer is 120 in the C build, 128 in flover/native/abi.py",
-                      "Layer.experts is declared in flover/native/abi.py but not in the C build"]
+    assert differ == [
+        "Layer is 120 in the C build, 128 in flover/native/abi.py",
+        "Layer.experts is declared in flover/native/abi.py but not in the C build",
+    ]

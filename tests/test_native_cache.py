@@ -15,8 +15,11 @@ def test_a_damaged_or_foreign_cached_build_is_rebuilt_not_loaded(tmp_path):
     a damaged one is rebuilt, with a warning, and the process runs; one without our symbols is a
     NativeUnavailable naming it."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), KERNELS_ENV: "generic"}  # (the quickest build)
-    probe = [sys.executable, "-c", "from flover.native.abi import load_library, kernels_of; "
-                                   "print(kernels_of(load_library()))"]
+    probe = [
+        sys.executable,
+        "-c",
+        "from flover.native.abi import load_library, kernels_of; print(kernels_of(load_library()))",
+    ]
     first = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     (built,) = (tmp_path / "flover" / "native").glob("*.so")

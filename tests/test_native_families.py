@@ -23,15 +23,21 @@ CROSS_CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64
 
 def build_check(compiler: str, flags: tuple[str, ...], out: Path) -> Path:
     cflags = [f for f in (*CFLAGS, *flags) if f not in ("-shared", "-fPIC", "-fvisibility=hidden")]
-    done = subprocess.run([compiler, *cflags, f"-I{NATIVE_DIR}", "-o", str(out), str(CHECK), *map(str, c_files()), "-lm"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [compiler, *cflags, f"-I{NATIVE_DIR}", "-o", str(out), str(CHECK), *map(str, c_files()), "-lm"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 def printout(command: list[str]) -> dict[str, list[float]]:
     """native_kernels_check's output: section name -> numbers."""
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     sections: dict[str, list[float]] = {}
     for line in done.stdout.splitlines():
@@ -84,7 +90,7 @@ def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None
             assert abs(a - b) <= 1e-5 * scale, (name, i, a, b, scale)
     codes = sections["int8 codes"]
     assert min(codes) == -127 and max(codes) == 127 and all(c == int(c) for c in codes)
-    per_block = [sum(codes[i: i + 32]) for i in range(0, len(codes), 32)]
+    per_block = [sum(codes[i : i + 32]) for i in range(0, len(codes), 32)]
     assert sections["int8 sums of 32"] == per_block
 
 
@@ -95,9 +101,11 @@ def test_every_kernel_of_a_family_this_cpu_runs_agrees_with_the_portable_ones(fa
     assert_tiles_match_their_reference(got)
 
 
-@pytest.mark.skipif(shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None or not Path(SYSROOT).is_dir(),
-                    reason=f"the NEON kernels are checked under emulation: needs {CROSS_CC} and {QEMU} "
-                           "(Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
+@pytest.mark.skipif(
+    shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None or not Path(SYSROOT).is_dir(),
+    reason=f"the NEON kernels are checked under emulation: needs {CROSS_CC} and {QEMU} "
+    "(Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)",
+)
 @pytest.mark.parametrize("extra,name", [((), "NEON"), (("-march=armv8.2-a+dotprod",), "NEON, dotprod dot products")])
 def test_neon_kernels_under_qemu_agree_with_the_portable_ones(portable, tmp_path, extra, name):
     """armv8-a, and armv8.2-a with the dot-product extension (Graviton 2+, Ampere, Apple M)."""

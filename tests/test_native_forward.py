@@ -15,15 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
 from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import Engine
 from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.native.abi import load_library
-from flover.native.build import KERNELS_ENV, X86_V3, X86_V4, NativeUnavailable, build_library, kernel_flags, runnable_families
+from flover.native.build import (
+    KERNELS_ENV,
+    X86_V3,
+    X86_V4,
+    NativeUnavailable,
+    build_library,
+    kernel_flags,
+    runnable_families,
+)
 from flover.native.forward import argmax
 from tests.helpers import random_arrival_jobs, run_arrivals
-
 
 FAMILIES = runnable_families()
 
@@ -38,16 +46,26 @@ def kernel_family(request, monkeypatch) -> str:
 Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max |difference|, max |logit|, same argmax
 
 
-def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
-                               quantization: str = "none") -> tuple[list[Compared], Engine]:
+def compare_on_random_arrivals(
+    model_dir: str, dtype: str, seed: int = 0, quantization: str = "none"
+) -> tuple[list[Compared], Engine]:
     """random_arrival_jobs (some scoring their prompts) into 6 slots, in iterations of up to 24
     tokens. Every iteration the native step takes is also run through the
     PyTorch model first, on the same KV state (the native step then rewrites the iteration's K/V
     itself, so that later iterations read its own cache)."""
-    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
-                                 prompt_first_iterations=0,  # mixed iterations are what is compared
-                                 speculate=0,  # draft rows: the PyTorch forward cannot run them
-                                 quantization=quantization, keep_pytorch_weights=True))
+    engine = Engine(
+        EngineConfig(
+            model_dir,
+            dtype=dtype,
+            max_slots=6,
+            max_batch_tokens=24,
+            max_seq_len=110,
+            prompt_first_iterations=0,  # mixed iterations are what is compared
+            speculate=0,  # draft rows: the PyTorch forward cannot run them
+            quantization=quantization,
+            keep_pytorch_weights=True,
+        )
+    )
     runner, native = engine.runner, engine.runner.native
     assert native is not None, "the native step should be available on this machine (a C compiler, x86-64 Linux)"
     with torch.no_grad():  # random checkpoints have zero biases: make them count (both paths read these tensors)
@@ -78,8 +96,14 @@ def compare_on_random_arrivals(model_dir: str, dtype: str, seed: int = 0,
     return compared, engine
 
 
-VARIANTS = ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "qwen2", "llama-vocab509-kv4",
-            "llama-head80-group6"]
+VARIANTS = [
+    "llama",
+    "llama-mqa-bias-tied-llama3",
+    "mistral-window8",
+    "qwen2",
+    "llama-vocab509-kv4",
+    "llama-head80-group6",
+]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -118,8 +142,14 @@ def test_every_kernel_family_of_this_cpu_is_built_and_named(llama_dir, kernel_fa
         assert "avx512vnni" in FAMILIES
     if X86_V4 | {"avx512_vnni", "avx512_bf16"} <= flags:
         assert "avx512bf16" in FAMILIES
-    names = {"avx512bf16": "AVX-512F, VNNI and bfloat16 dot products", "avx512vnni": "AVX-512F, VNNI dot products",
-             "avx512": "AVX-512F", "avx2": "AVX2+FMA", "neon": "NEON", "generic": "generic C"}
+    names = {
+        "avx512bf16": "AVX-512F, VNNI and bfloat16 dot products",
+        "avx512vnni": "AVX-512F, VNNI dot products",
+        "avx512": "AVX-512F",
+        "avx2": "AVX2+FMA",
+        "neon": "NEON",
+        "generic": "generic C",
+    }
     with caplog.at_level(logging.INFO):
         engine = Engine(EngineConfig(llama_dir, dtype="bfloat16", max_slots=2))
     assert engine.runner.native.kernels == names[kernel_family]
@@ -152,10 +182,10 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
     assert len(finals[0].token_ids) == 5
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4"),
-                                                ("bfloat16", "int8")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])
 def test_the_native_step_alone_holds_the_projections_and_scores_long_sequences_in_chunks(
-        llama_dir, dtype, quantization):
+    llama_dir, dtype, quantization
+):
     """With the native step on, PyTorch keeps no copy of any projection (one copy of the weights
     in memory), and Engine.score of a sequence longer than an iteration's token budget runs in
     chunks: the logits of the PyTorch engine (float32: up to summation order)."""
@@ -181,8 +211,10 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
     assert off.runner.model.layers[0].qkv.weight is None  # no dense copy kept when off
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
-                                                ("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "file")])
+@pytest.mark.parametrize(
+    "dtype,quantization",
+    [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "file")],
+)
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(request, dtype, quantization):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
@@ -191,8 +223,17 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(request,
     and bfloat16 (test_engine.py), however a prompt is chunked. "file": a GGUF file's own codes
     of every block type (GGUF_MIX)."""
     model = request.getfixturevalue("gguf_mix" if quantization == "file" else "llama_dir")
-    engine = Engine(EngineConfig(model, dtype=dtype, max_slots=8, max_batch_tokens=40, max_seq_len=128,
-                                 prompt_first_iterations=0, quantization=quantization))  # mixed iterations
+    engine = Engine(
+        EngineConfig(
+            model,
+            dtype=dtype,
+            max_slots=8,
+            max_batch_tokens=40,
+            max_seq_len=128,
+            prompt_first_iterations=0,
+            quantization=quantization,
+        )
+    )  # mixed iterations
     native = engine.runner.native
     run, checked = native.run, {"decode": 0, "mixed": 0}
 
@@ -204,18 +245,29 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(request,
             for out, row in enumerate(batch.sample_rows.tolist()):
                 decode = row < batch.num_decode
                 prefills = [] if decode else [PrefillSpan(0, 1, int(batch.write_slots[row]), int(batch.positions[row]))]
-                alone = ForwardBatch(input_ids=batch.input_ids[row: row + 1], positions=batch.positions[row: row + 1],
-                                     write_slots=batch.write_slots[row: row + 1], num_decode=int(decode),
-                                     decode_span=0, decode_rows=None, span_lens=None, max_decode_len=0,
-                                     prefills=prefills, sample_rows=torch.zeros(1, dtype=torch.int64))
+                alone = ForwardBatch(
+                    input_ids=batch.input_ids[row : row + 1],
+                    positions=batch.positions[row : row + 1],
+                    write_slots=batch.write_slots[row : row + 1],
+                    num_decode=int(decode),
+                    decode_span=0,
+                    decode_rows=None,
+                    span_lens=None,
+                    max_decode_len=0,
+                    prefills=prefills,
+                    sample_rows=torch.zeros(1, dtype=torch.int64),
+                )
                 assert torch.equal(run(alone)[0], logits[out]), (kind, row)
         return logits
 
     native.run = run_and_check
     rng = random.Random(0)
     for i in range(8):
-        engine.add_request([rng.randrange(500) for _ in range(rng.randint(5, 30))],
-                           SamplingParams(max_new_tokens=rng.randint(8, 20), ignore_eos=True), request_id=str(i))
+        engine.add_request(
+            [rng.randrange(500) for _ in range(rng.randint(5, 30))],
+            SamplingParams(max_new_tokens=rng.randint(8, 20), ignore_eos=True),
+            request_id=str(i),
+        )
         engine.step()
     while engine.has_unfinished():
         engine.step()
@@ -322,8 +374,9 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
     reorders, and in exact ties, every iteration's ids equal the first argmax of the whole head's
     logits on the same state."""
     model_dir = edited_copy(make_model(variant), tmp_path / "near-ties", near_tied_head)
-    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110,
-                                 speculate=0))  # one row per request: the screen's row counts
+    engine = Engine(
+        EngineConfig(model_dir, dtype=dtype, max_slots=6, max_batch_tokens=24, max_seq_len=110, speculate=0)
+    )  # one row per request: the screen's row counts
     native = engine.runner.native
     assert native.screens_greedy
     run, compared = native.run, []
@@ -336,8 +389,10 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
         return out
 
     native.run = run_and_check
-    jobs = [(at, prompt, dataclasses.replace(params, temperature=0.0))
-            for at, prompt, params in random_arrival_jobs(0, vocab=500, max_new_tokens=30)]
+    jobs = [
+        (at, prompt, dataclasses.replace(params, temperature=0.0))
+        for at, prompt, params in random_arrival_jobs(0, vocab=500, max_new_tokens=30)
+    ]
     run_arrivals(engine, jobs)
     rows = sum(len(ids) for ids, _ in compared)
     assert rows > 100 and native.screened_rows == rows
@@ -347,7 +402,7 @@ def test_greedy_through_the_screened_head_gives_the_argmax_of_every_logit(make_m
         assert ids == logits.argmax(-1).tolist()
         for row, i in enumerate(ids):  # the winner's pair partner within bfloat16's resolution of it
             top, partner = logits[row, i].item(), logits[row, i ^ 1].item() if (i ^ 1) < logits.shape[1] else 0.0
-            near += 0 <= abs(top - partner) < 2 ** -6 * abs(top)
+            near += 0 <= abs(top - partner) < 2**-6 * abs(top)
     assert near > 20, near  # decided by the exact sums of the candidates, not by the screen
 
 
@@ -358,8 +413,9 @@ def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, va
     "greedy through the whole head"), no logits stored: on the near-tied head, every such
     iteration's ids equal the first argmax of its logits (exact ties: the first index)."""
     model_dir = edited_copy(make_model(variant), tmp_path / "near-ties", near_tied_head)
-    engine = Engine(EngineConfig(model_dir, dtype="bfloat16", max_slots=16, max_batch_tokens=48, max_seq_len=110,
-                                 speculate=0))
+    engine = Engine(
+        EngineConfig(model_dir, dtype="bfloat16", max_slots=16, max_batch_tokens=48, max_seq_len=110, speculate=0)
+    )
     native = engine.runner.native
     run, compared = native.run, []
 
@@ -371,16 +427,20 @@ def test_greedy_beyond_the_screen_gives_the_argmax_of_every_logit(make_model, va
         return out
 
     native.run = run_and_check
-    jobs = [(at // 4, prompt, dataclasses.replace(params, temperature=0.0)) for seed in (0, 1)
-            for at, prompt, params in random_arrival_jobs(seed, vocab=500, max_new_tokens=30)]
+    jobs = [
+        (at // 4, prompt, dataclasses.replace(params, temperature=0.0))
+        for seed in (0, 1)
+        for at, prompt, params in random_arrival_jobs(seed, vocab=500, max_new_tokens=30)
+    ]
     run_arrivals(engine, jobs)
     rows = sum(len(ids) for ids, _ in compared)
     assert len(compared) > 10 and rows > 150 and native.full_head_rows >= rows
     ties = 0
     for ids, logits in compared:
         assert ids == logits.argmax(-1).tolist()
-        ties += sum(logits[row, i].item() == logits[row, i ^ 1].item() for row, i in enumerate(ids)
-                    if (i ^ 1) < logits.shape[1])
+        ties += sum(
+            logits[row, i].item() == logits[row, i ^ 1].item() for row, i in enumerate(ids) if (i ^ 1) < logits.shape[1]
+        )
     assert ties > 20, ties  # exact ties met, the first index taken
 
 
@@ -389,8 +449,9 @@ def _with_final_norm(make_model, fill: float, tmp_path, **config):
     the loaded weights (a file holding NaN is refused at load: tests/test_model_files.py), as a
     run-time overflow would leave them."""
     if fill == fill:
-        model_dir = edited_copy(make_model("llama"), tmp_path / "norm",
-                                lambda tensors: tensors["model.norm.weight"].fill_(fill))
+        model_dir = edited_copy(
+            make_model("llama"), tmp_path / "norm", lambda tensors: tensors["model.norm.weight"].fill_(fill)
+        )
         return Engine(EngineConfig(model_dir, **config)).runner.native
     engine = Engine(EngineConfig(make_model("llama"), **config))
     engine.runner.model.norm.fill_(fill)  # (the native step reads this tensor's memory)
@@ -401,12 +462,21 @@ def _with_final_norm(make_model, fill: float, tmp_path, **config):
 def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0) or NaN, 12 bfloat16 greedy rows: the ids are
     torch.argmax's (0: the first maximum, or the first NaN)."""
-    native = _with_final_norm(make_model, fill, tmp_path, dtype="bfloat16", max_slots=4, max_batch_tokens=16,
-                              max_seq_len=64)
-    batch = ForwardBatch(input_ids=torch.arange(5, 17), positions=torch.arange(12),
-                         write_slots=torch.zeros(12, dtype=torch.int64), num_decode=0, decode_span=0,
-                         decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, 12, 0, 0)],
-                         sample_rows=torch.arange(12))
+    native = _with_final_norm(
+        make_model, fill, tmp_path, dtype="bfloat16", max_slots=4, max_batch_tokens=16, max_seq_len=64
+    )
+    batch = ForwardBatch(
+        input_ids=torch.arange(5, 17),
+        positions=torch.arange(12),
+        write_slots=torch.zeros(12, dtype=torch.int64),
+        num_decode=0,
+        decode_span=0,
+        decode_rows=None,
+        span_lens=None,
+        max_decode_len=0,
+        prefills=[PrefillSpan(0, 12, 0, 0)],
+        sample_rows=torch.arange(12),
+    )
     before = native.full_head_rows
     ids = native.run(batch, greedy=True)
     assert ids == native.run(batch).argmax(-1).tolist() == [0] * 12
@@ -418,12 +488,21 @@ def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill
 def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_model, fill, tmp_path):
     """A final norm of zeros (every logit 0: all candidates) or NaN (NaN logits): the rows take the
     whole float32 head, and the ids are still torch.argmax's (0: the first maximum, or NaN)."""
-    native = _with_final_norm(make_model, fill, tmp_path, dtype="float32", max_slots=4, max_batch_tokens=16,
-                              max_seq_len=64)
-    batch = ForwardBatch(input_ids=torch.tensor([5, 6, 7]), positions=torch.arange(3),
-                         write_slots=torch.zeros(3, dtype=torch.int64), num_decode=0, decode_span=0,
-                         decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, 3, 0, 0)],
-                         sample_rows=torch.arange(3))
+    native = _with_final_norm(
+        make_model, fill, tmp_path, dtype="float32", max_slots=4, max_batch_tokens=16, max_seq_len=64
+    )
+    batch = ForwardBatch(
+        input_ids=torch.tensor([5, 6, 7]),
+        positions=torch.arange(3),
+        write_slots=torch.zeros(3, dtype=torch.int64),
+        num_decode=0,
+        decode_span=0,
+        decode_rows=None,
+        span_lens=None,
+        max_decode_len=0,
+        prefills=[PrefillSpan(0, 3, 0, 0)],
+        sample_rows=torch.arange(3),
+    )
     ids = native.run(batch, greedy=True)
     assert ids == native.run(batch).argmax(-1).tolist() == [0, 0, 0]
     assert fill == fill or native.run(batch).isnan().all()

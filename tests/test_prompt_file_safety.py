@@ -11,15 +11,33 @@ import time
 
 import pytest
 
-from tests.helpers import expected_outputs, flover_run, ID_PROMPTS, read_records, Server, write_jsonl
+from tests.helpers import ID_PROMPTS, Server, expected_outputs, flover_run, read_records, write_jsonl
 
 CLI = [sys.executable, "-m", "flover.apps.cli"]
 
 
 def run_connect(addr: str, prompts, out, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, "run", "--connect", addr, "--prompts", str(prompts), "--out", str(out),
-                           "--max-new-tokens", "6", "--ignore-eos", "--token-ids", "--quiet", *extra],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            *CLI,
+            "run",
+            "--connect",
+            addr,
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--token-ids",
+            "--quiet",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bad_ids_and_oversize_prompts_get_records_and_the_rest_runs(llama_dir, tmp_path):
@@ -27,8 +45,11 @@ def test_bad_ids_and_oversize_prompts_get_records_and_the_rest_runs(llama_dir, t
     try:
         prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         lines = [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(ID_PROMPTS[:4])]
-        lines += [{"id": "x" * 300, "input_ids": [1]}, {"id": "", "input_ids": [2]},
-                  {"id": "huge", "prompt": "y" * 30_000}]
+        lines += [
+            {"id": "x" * 300, "input_ids": [1]},
+            {"id": "", "input_ids": [2]},
+            {"id": "huge", "prompt": "y" * 30_000},
+        ]
         write_jsonl(prompts, lines)
         run = run_connect(server.addr, prompts, out, "--timeout", "30")
         assert run.returncode == 0, run.stderr
@@ -46,8 +67,22 @@ def test_a_killed_daemon_ends_the_run_and_a_resume_completes_it(llama_dir, tmp_p
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(prompts, [{"id": f"p{i}", "input_ids": [i + 1], "max_new_tokens": 400} for i in range(12)])
     server = Server(llama_dir, "--max-seq-len", "512", "--max-slots", "2")
-    proc = subprocess.Popen([*CLI, "run", "--connect", server.addr, "--prompts", str(prompts), "--out", str(out),
-                             "--ignore-eos", "--quiet"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "run",
+            "--connect",
+            server.addr,
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--ignore-eos",
+            "--quiet",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while not (out.exists() and out.read_text().count("\n") >= 2) and time.time() < deadline:
         time.sleep(0.02)
@@ -60,8 +95,23 @@ def test_a_killed_daemon_ends_the_run_and_a_resume_completes_it(llama_dir, tmp_p
 
     server = Server(llama_dir, "--max-seq-len", "512")
     try:
-        again = subprocess.run([*CLI, "run", "--connect", server.addr, "--prompts", str(prompts), "--out", str(out),
-                                "--ignore-eos", "--quiet"], capture_output=True, text=True, timeout=120)
+        again = subprocess.run(
+            [
+                *CLI,
+                "run",
+                "--connect",
+                server.addr,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--ignore-eos",
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert again.returncode == 0, again.stderr
         ids = [r["id"] for r in read_records(out)]
         assert sorted(ids) == sorted(f"p{i}" for i in range(12))  # each exactly once
@@ -73,8 +123,11 @@ def test_sigterm_to_the_daemon_leaves_no_cancelled_records(llama_dir, tmp_path):
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(prompts, [{"id": f"p{i}", "input_ids": [i + 1], "max_new_tokens": 480} for i in range(10)])
     server = Server(llama_dir, "--max-seq-len", "512", "--max-slots", "2", "--drain-timeout", "0.2")
-    command = lambda addr: [*CLI, "run", "--connect", addr, "--prompts", str(prompts), "--out", str(out),  # noqa
-                            "--ignore-eos", "--quiet", "--max-in-flight", "4"]
+
+    def command(addr: str) -> list[str]:
+        flags = ["--prompts", str(prompts), "--out", str(out), "--ignore-eos", "--quiet", "--max-in-flight", "4"]
+        return [*CLI, "run", "--connect", addr, *flags]
+
     proc = subprocess.Popen(command(server.addr), stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not (out.exists() and out.read_text().count("\n") >= 1) and time.time() < deadline:
@@ -98,7 +151,10 @@ def test_resume_refuses_other_inputs_and_a_second_writer(llama_dir, tmp_path):
     prompts.write_text("one\ntwo\n")
     other.write_text("three\nfour\n")
     assert flover_run(llama_dir, prompts, out, "--max-new-tokens", "3", "--quiet").returncode == 0
-    for what, args in (("prompts_sha256", (other, "--max-new-tokens", "3")), ("params", (prompts, "--max-new-tokens", "4"))):
+    for what, args in (
+        ("prompts_sha256", (other, "--max-new-tokens", "3")),
+        ("params", (prompts, "--max-new-tokens", "4")),
+    ):
         run = flover_run(llama_dir, args[0], out, *args[1:], "--quiet")
         assert run.returncode == 2 and f"changed: {what}" in run.stderr and "another --out" in run.stderr
     assert len(read_records(out)) == 2  # untouched
@@ -113,8 +169,10 @@ def test_resume_refuses_other_inputs_and_a_second_writer(llama_dir, tmp_path):
     for tampered in ("[]", "null", '"x"', "7", '{"parts": [1, 2]}', '{"sha256": "0", "parts": "x"}', "[" * 100000):
         sidecar.write_text(tampered)  # valid JSON (but the last) that is not a fingerprint: refused, no traceback
         run = flover_run(llama_dir, prompts, out, "--max-new-tokens", "3", "--quiet")
-        assert run.returncode == 2 and "not what produced them" in run.stderr and "Traceback" not in run.stderr, \
-            (tampered[:20], run.stderr[-1500:])
+        assert run.returncode == 2 and "not what produced them" in run.stderr and "Traceback" not in run.stderr, (
+            tampered[:20],
+            run.stderr[-1500:],
+        )
 
 
 def test_invalid_utf8_and_carriage_returns(llama_dir, tmp_path):
@@ -128,9 +186,29 @@ def test_invalid_utf8_and_carriage_returns(llama_dir, tmp_path):
     assert [r["id"] for r in records] == ["1", "2", "3", "4"]  # the lone \r did not split line 3
     assert records[1]["error"]["code"] == "malformed_line"
     assert "line 2: not valid UTF-8 (byte 0xff at column 5)" in records[1]["error"]["message"]
-    stdin = subprocess.run([*CLI, "run", "--model", llama_dir, "--prompts", "-", "--format", "txt", "--out",
-                            str(from_stdin), "--max-new-tokens", "2", "--quiet", "--ordered", "--max-seq-len", "128"],
-                           input=data, capture_output=True, timeout=120)
+    stdin = subprocess.run(
+        [
+            *CLI,
+            "run",
+            "--model",
+            llama_dir,
+            "--prompts",
+            "-",
+            "--format",
+            "txt",
+            "--out",
+            str(from_stdin),
+            "--max-new-tokens",
+            "2",
+            "--quiet",
+            "--ordered",
+            "--max-seq-len",
+            "128",
+        ],
+        input=data,
+        capture_output=True,
+        timeout=120,
+    )
     assert stdin.returncode == 0, stdin.stderr
     assert [(r["id"], r.get("text")) for r in read_records(from_stdin)] == [(r["id"], r.get("text")) for r in records]
 
@@ -147,10 +225,15 @@ def test_an_unwritable_output_is_one_clear_line(llama_dir, tmp_path, target):
 
 def test_out_of_range_values_in_a_local_prompt_file_are_error_records(llama_dir, tmp_path):
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_jsonl(prompts, [{"id": "a", "input_ids": [1, 2], "top_k": 2**63, "temperature": 1.0},
-                          {"id": "b", "input_ids": [3, 4], "repetition_penalty": 2**63},
-                          {"id": "c", "input_ids": [5, 6], "ignore_eos": "false"},
-                          {"id": "d", "input_ids": [7, 8]}])
+    write_jsonl(
+        prompts,
+        [
+            {"id": "a", "input_ids": [1, 2], "top_k": 2**63, "temperature": 1.0},
+            {"id": "b", "input_ids": [3, 4], "repetition_penalty": 2**63},
+            {"id": "c", "input_ids": [5, 6], "ignore_eos": "false"},
+            {"id": "d", "input_ids": [7, 8]},
+        ],
+    )
     run = flover_run(llama_dir, prompts, out, "--max-new-tokens", "3", "--quiet", "--ordered")
     assert run.returncode == 0, run.stderr
     records = read_records(out)
@@ -164,8 +247,24 @@ def test_a_frozen_daemon_ends_the_run_within_its_timeout(llama_dir, tmp_path):
     write_jsonl(prompts, [{"id": f"p{i}", "input_ids": [i + 1], "max_new_tokens": 400} for i in range(6)])
     server = Server(llama_dir, "--max-seq-len", "512", "--max-slots", "2")
     try:
-        proc = subprocess.Popen([*CLI, "run", "--connect", server.addr, "--prompts", str(prompts), "--out", str(out),
-                                 "--ignore-eos", "--quiet", "--timeout", "3"], stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                *CLI,
+                "run",
+                "--connect",
+                server.addr,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--ignore-eos",
+                "--quiet",
+                "--timeout",
+                "3",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         with server.client() as c:  # stop it once the run's requests are in flight
             deadline = time.time() + 60
             while c.stats()["in_flight"] == 0 and time.time() < deadline:

@@ -13,8 +13,9 @@ from flover.hardware import cpu_flags, resolve_dtype
 from flover.models.layers import Linear
 from flover.models.quant import INT4_GROUP, MAX_ROWS, quantize
 
-needs_kernels = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
-                                   reason="this torch build has no CPU int4 kernel")
+needs_kernels = pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="this torch build has no CPU int4 kernel"
+)
 
 
 def linear_with(weight: torch.Tensor, mode: str) -> Linear:
@@ -75,7 +76,7 @@ def test_a_quantized_engine_stays_close_to_bfloat16_and_decodes_like_it_scores(l
     # same tokens (many rows) gives: both kernels compute one model.
     result = quant_llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True))[0]
     scored = torch.log_softmax(quant.score(prompt + result.token_ids[:-1]).float(), -1)
-    rows = scored[len(prompt) - 1:]
+    rows = scored[len(prompt) - 1 :]
     expected = rows.gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(result.logprobs), expected, atol=0.15)
 
@@ -86,16 +87,34 @@ def test_quantization_needs_bfloat16_on_cpu(llama_dir):
             Engine(EngineConfig(llama_dir, dtype=dtype, quantization="int4"))
     with pytest.raises(ValueError, match="quantization=.int2.: choose one of auto, none, int8, int4, file"):
         Engine(EngineConfig(llama_dir, dtype="bfloat16", quantization="int2"))
-    done = subprocess.run([sys.executable, "-m", "flover.apps.cli", "generate", "--model", llama_dir, "--dtype", "float32",
-                           "--quantization", "int8", "hi"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "generate",
+            "--model",
+            llama_dir,
+            "--dtype",
+            "float32",
+            "--quantization",
+            "int8",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith("flover: error: quantization='int8' runs on CPU")
 
 
 def test_dtype_auto_picks_bfloat16_where_the_cpu_computes_it_or_the_native_step_widens_it(tmp_path):
     with_bf16 = tmp_path / "zen4"
-    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n\n"
-                         "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    with_bf16.write_text(
+        "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n\n"
+        "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+    )
     without = tmp_path / "zen2"
     without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
     assert "avx512_bf16" in cpu_flags(str(with_bf16))

@@ -33,8 +33,11 @@ LOGIT_BOUNDS = {
     "bfloat16": lambda scale: 0.03 * scale,  # a few ulps of bfloat16
     "float16": lambda scale: 0.03 * scale,
 }
-LOGIT_CASES = ([(v, "float64") for v in VARIANTS] + [(v, "float32") for v in VARIANTS]
-               + [("llama", "bfloat16"), ("llama", "float16")])
+LOGIT_CASES = (
+    [(v, "float64") for v in VARIANTS]
+    + [(v, "float32") for v in VARIANTS]
+    + [("llama", "bfloat16"), ("llama", "float16")]
+)
 
 
 @pytest.mark.parametrize("variant,dtype", LOGIT_CASES)
@@ -58,12 +61,12 @@ def test_float64_greedy_generation_matches_transformers(make_model, variant):
     for prompt, out in zip(PROMPTS, outputs):
         ids = llm.tokenizer.encode(prompt)
         expected = ref.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
-        assert out.token_ids == expected[0, len(ids):].tolist(), (variant, prompt)
+        assert out.token_ids == expected[0, len(ids) :].tolist(), (variant, prompt)
         assert out.finish_reason == "length"
         # The decode path's log-probabilities equal the reference's for every generated token.
         with torch.no_grad():
             logp = torch.log_softmax(ref(expected).logits[0], dim=-1)
-        want = logp[len(ids) - 1: -1].gather(1, expected[0, len(ids):, None]).squeeze(1)
+        want = logp[len(ids) - 1 : -1].gather(1, expected[0, len(ids) :, None]).squeeze(1)
         assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-8), variant
 
 
@@ -88,8 +91,13 @@ def test_transformers_v4_config_layout(make_model, tmp_path):
     v4 = tmp_path / "v4"
     shutil.copytree(v5, v4)
     params = load_model_config(v5)
-    rewrite_config(v4, rope_parameters=None, rope_theta=params.rope_theta,
-                   rope_scaling={k: v for k, v in params.rope_scaling.items()}, torch_dtype="float32")
+    rewrite_config(
+        v4,
+        rope_parameters=None,
+        rope_theta=params.rope_theta,
+        rope_scaling={k: v for k, v in params.rope_scaling.items()},
+        torch_dtype="float32",
+    )
     cfg = load_model_config(v4)
     assert cfg == params.__class__(**{**params.__dict__, "checkpoint_dtype": "float32"})
     ids = [5, 6, 7, 8, 9]

@@ -31,15 +31,32 @@ def draw(request):
         pytest.skip(f"the native step cannot be built here: {e}")
 
 
-def tensors(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0, seed=0,
-            counter=None, history=None, logprobs=False) -> SamplingTensors:
+def tensors(
+    rows: int,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    penalty=1.0,
+    seed=0,
+    counter=None,
+    history=None,
+    logprobs=False,
+) -> SamplingTensors:
     full = lambda v, dt: torch.full((rows,), v, dtype=dt)  # noqa: E731
     return SamplingTensors(
-        temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int64),
-        top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
-        repetition_penalty=full(penalty, torch.float32), seed=full(seed, torch.int64),
+        temperature=full(temperature, torch.float32),
+        top_k=full(top_k, torch.int64),
+        top_p=full(top_p, torch.float32),
+        min_p=full(min_p, torch.float32),
+        repetition_penalty=full(penalty, torch.float32),
+        seed=full(seed, torch.int64),
         counter=torch.arange(rows) if counter is None else counter,
-        all_greedy=temperature == 0, history=history, want_logprobs=logprobs)
+        all_greedy=temperature == 0,
+        history=history,
+        want_logprobs=logprobs,
+    )
 
 
 def test_counter_uniform_is_deterministic_and_uniform():
@@ -99,7 +116,7 @@ def test_repetition_penalty_matches_transformers(draw):
     expected = logits.clone()
     for row, penalty in enumerate((1.3, 0.7)):
         proc = transformers.RepetitionPenaltyLogitsProcessor(penalty)
-        expected[row] = proc(torch.tensor([history[row]]), logits[row: row + 1].clone())[0]
+        expected[row] = proc(torch.tensor([history[row]]), logits[row : row + 1].clone())[0]
     st = tensors(2, temperature=0.0, history=history, logprobs=True)
     st.repetition_penalty.copy_(torch.tensor([1.3, 0.7]))
     st.top_logprobs = 3
@@ -169,15 +186,15 @@ def reference_sample(logits: torch.Tensor, st: SamplingTensors, filtered: bool =
             if tokens and float(st.repetition_penalty[row]) != 1.0:
                 ids = torch.tensor(sorted(set(tokens)))
                 seen = logits[row, ids]
-                logits[row, ids] = torch.where(seen < 0, seen * st.repetition_penalty[row],
-                                               seen / st.repetition_penalty[row])
+                logits[row, ids] = torch.where(
+                    seen < 0, seen * st.repetition_penalty[row], seen / st.repetition_penalty[row]
+                )
     if st.outputs is not None:
         counts = torch.zeros_like(logits)
         for row, tokens in enumerate(st.outputs):
             for j in tokens:
                 counts[row, j] += 1
-        logits -= (st.frequency_penalty.to(work)[:, None] * counts
-                   + st.presence_penalty.to(work)[:, None] * (counts > 0))
+        logits -= st.frequency_penalty.to(work)[:, None] * counts + st.presence_penalty.to(work)[:, None] * (counts > 0)
     greedy = logits.argmax(-1)
     temperature = torch.where(st.temperature == 0, 1.0, st.temperature).to(work)
     scaled = logits / temperature[:, None]
@@ -215,17 +232,33 @@ def shaped_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 SAMPLING_SETTINGS = [
-    dict(top_p=0.95), dict(top_p=0.5), dict(top_p=0.999999), dict(top_p=0.95, top_k=40),
-    dict(top_p=0.9, min_p=0.05), dict(top_k=1), dict(top_k=40), dict(min_p=0.1),
-    dict(top_p=0.95, top_k=40, penalty=1.1), dict(top_p=0.95, frequency=0.5, presence=0.3),
-    dict(top_k=100_000, top_p=0.8), dict(),
+    dict(top_p=0.95),
+    dict(top_p=0.5),
+    dict(top_p=0.999999),
+    dict(top_p=0.95, top_k=40),
+    dict(top_p=0.9, min_p=0.05),
+    dict(top_k=1),
+    dict(top_k=40),
+    dict(min_p=0.1),
+    dict(top_p=0.95, top_k=40, penalty=1.1),
+    dict(top_p=0.95, frequency=0.5, presence=0.3),
+    dict(top_k=100_000, top_p=0.8),
+    dict(),
 ]
 
 
 def setting_tensors(rows: int, kw: dict, temperature: float, seed: int, history=None) -> SamplingTensors:
     """One of SAMPLING_SETTINGS on every row, row 5 greedy."""
-    st = tensors(rows, temperature=temperature, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
-                 min_p=kw.get("min_p", 0.0), penalty=kw.get("penalty", 1.0), seed=seed, history=history)
+    st = tensors(
+        rows,
+        temperature=temperature,
+        top_k=kw.get("top_k", 0),
+        top_p=kw.get("top_p", 1.0),
+        min_p=kw.get("min_p", 0.0),
+        penalty=kw.get("penalty", 1.0),
+        seed=seed,
+        history=history,
+    )
     st.temperature[5] = 0.0  # a greedy row
     st.all_greedy = False
     return st
@@ -241,8 +274,10 @@ def test_sampled_tokens_equal_the_full_sort_definition(vocab, temperature, setti
     rows = 24
     logits = shaped_logits(rows, vocab, seed=vocab + setting)
     generator = torch.Generator().manual_seed(setting)
-    history = [torch.randint(0, vocab, (int(n),), generator=generator).tolist()
-               for n in torch.randint(0, 40, (rows,), generator=generator)]
+    history = [
+        torch.randint(0, vocab, (int(n),), generator=generator).tolist()
+        for n in torch.randint(0, 40, (rows,), generator=generator)
+    ]
     st = setting_tensors(rows, kw, temperature, seed=setting, history=history if "penalty" in kw else None)
     if "frequency" in kw:
         st.frequency_penalty = torch.full((rows,), kw["frequency"])
@@ -302,12 +337,12 @@ def test_the_nucleus_at_exact_edges_and_ties_across_the_candidates():
     vocab = 32768  # wide enough for a second try (2048 candidates) before the sort
     edge = torch.zeros(vocab)
     edge[[7, 900, 4000]] = 0.25
-    edge[5000:6024] = 2.0 ** -12  # 1024 x 2^-12 = the last quarter
+    edge[5000:6024] = 2.0**-12  # 1024 x 2^-12 = the last quarter
     ties = torch.zeros(vocab)
     order = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
     n = NUCLEUS_CANDIDATES - 14  # distinct values first, 0.595 of the mass ...
     ties[order[:n]] = torch.linspace(2.0, 1.0, n) * (0.595 / torch.linspace(2.0, 1.0, n).sum())
-    ties[order[n:n + 1000]] = (1 - ties.sum()) / 1000  # ... then 1000 equal tokens at scattered ids
+    ties[order[n : n + 1000]] = (1 - ties.sum()) / 1000  # ... then 1000 equal tokens at scattered ids
     for probs, top_p in ((edge, 0.5), (edge, 0.75), (ties, 0.6), (ties, 0.7), (ties, 0.9)):
         rows = probs[None].repeat(2, 1)
         p = torch.tensor([top_p, top_p])
@@ -350,7 +385,7 @@ def test_rows_with_different_filters_in_one_batch_draw_what_each_draws_alone(dra
     st.all_greedy = False
     ids, _ = draw(logits, st)
     assert torch.equal(ids, reference_sample(logits, st))
-    alone = torch.cat([draw(logits[row: row + 1], st.row(row))[0] for row in range(rows)])
+    alone = torch.cat([draw(logits[row : row + 1], st.row(row))[0] for row in range(rows)])
     assert torch.equal(ids, alone)
 
 
@@ -392,7 +427,7 @@ def test_a_structure_bitmask_draws_what_the_definition_draws_on_the_masked_logit
     vocab, rows = 49152, 12
     logits = shaped_logits(rows, vocab, seed=31)
     generator = torch.Generator().manual_seed(2)
-    bits = torch.randint(-2**31, 2**31, (rows, vocab // 32), generator=generator, dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31, (rows, vocab // 32), generator=generator, dtype=torch.int64).to(torch.int32)
     bits[3] = -1  # a row without a structure
     bits[4] = 0
     bits[4, 100] = 1 << 7  # one token allowed: id 100 * 32 + 7

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from flover.config import SamplingParams
-from flover.request import FinishReason, Request, StepResult
 from flover.engine.scheduler import PromptFirst, Scheduler
+from flover.request import FinishReason, Request, StepResult
 
 
 def req(rid: str, prompt_len: int) -> Request:
@@ -134,7 +134,7 @@ def test_random_workload_invariants(seed):
             assert plan.num_tokens <= first.tokens
         live = s.slots[: s.num_live]
         assert all(r is not None for r in live)  # live range is contiguous
-        assert all(r is None for r in s.slots[s.num_live:])
+        assert all(r is None for r in s.slots[s.num_live :])
         assert all(r.slot == i for i, r in enumerate(live))
         assert plan.num_tokens <= s.max_batch_tokens
         assert [r.slot for r in plan.decode] == sorted(r.slot for r in plan.decode)

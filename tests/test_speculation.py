@@ -11,11 +11,16 @@ import pytest
 from flover import LLM, SamplingParams
 from flover.config import EngineConfig
 from flover.engine.output import OutputProcessor
-from flover.request import Request
-from flover.request import StepResult
 from flover.engine.scheduler import Scheduler, StepPlan
-from flover.engine.speculation import (DEFAULT_DRAFT_TOKENS, Drafting, IterationCost, NgramLookup, Speculation,
-                                       drafts_for)
+from flover.engine.speculation import (
+    DEFAULT_DRAFT_TOKENS,
+    Drafting,
+    IterationCost,
+    NgramLookup,
+    Speculation,
+    drafts_for,
+)
+from flover.request import Request, StepResult
 from flover.runner.runner import verify
 
 
@@ -37,12 +42,12 @@ def test_appending_keeps_the_lookup_as_if_built_at_once():
     tokens = [rng.randrange(4) for _ in range(200)]
     grown = NgramLookup(3, tokens[:10])
     for t in range(10, len(tokens)):
-        grown.extend(tokens[t: t + 1])
+        grown.extend(tokens[t : t + 1])
         whole = NgramLookup(3, tokens[: t + 1])
         assert grown.draft(4) == whole.draft(4)
         # and the draft follows the definition: the latest earlier occurrence of the last 3 tokens
-        seq, suffix = tokens[: t + 1], tokens[t - 2: t + 1]
-        starts = [s for s in range(len(seq) - 3) if seq[s: s + 3] == suffix]
+        seq, suffix = tokens[: t + 1], tokens[t - 2 : t + 1]
+        starts = [s for s in range(len(seq) - 3) if seq[s : s + 3] == suffix]
         if starts:
             after = starts[-1] + 3
             assert whole.draft(1) == [seq[after]]
@@ -69,8 +74,13 @@ def request(i: int, prompt: list[int], outputs: list[int], max_new: int, **param
 
 def test_drafts_stay_within_the_budget_and_what_each_request_may_still_produce():
     loop = [1, 2, 3] * 5
-    requests = [request(0, loop, [1], 50), request(1, loop, [1], 3), request(2, loop, [1], 50, temperature=0.7),
-                request(3, loop, [1], 50, logprobs=True), request(4, loop, [1], 50)]
+    requests = [
+        request(0, loop, [1], 50),
+        request(1, loop, [1], 3),
+        request(2, loop, [1], 50, temperature=0.7),
+        request(3, loop, [1], 50, logprobs=True),
+        request(4, loop, [1], 50),
+    ]
     drafts = drafts_for(requests, Speculation(tokens=4, ngram=2), budget=6, min_acceptance=0.01)
     assert drafts[0] == [2, 3, 1, 2]
     assert drafts[1] == [2]  # 3 new tokens at most, 1 made: the verifier's own token is the third
@@ -180,8 +190,9 @@ def test_stops_end_a_speculating_request_where_they_would_have(llama_dir, prompt
         without, _ = generate(llama_dir, prompts, params, speculate=0)
         with_drafts, llm = generate(llama_dir, prompts, params, speculate=6, speculate_ngram=1)
         assert llm.engine.accepted_tokens > 0
-        assert [(o.token_ids, o.text, o.finish_reason) for o in with_drafts] == \
-            [(o.token_ids, o.text, o.finish_reason) for o in without]
+        assert [(o.token_ids, o.text, o.finish_reason) for o in with_drafts] == [
+            (o.token_ids, o.text, o.finish_reason) for o in without
+        ]
     assert len(without[1].token_ids) < 60
 
 
@@ -194,9 +205,11 @@ def test_a_stop_inside_the_accepted_tokens_ends_the_request_there(llama_dir, sto
     engine = LLM(llama_dir).engine
     tokenizer = engine.tokenizer
     text = tokenizer.decode([40, 41, 42])
-    params = {"token": SamplingParams(max_new_tokens=50, stop_token_ids=(42,)),
-              "string": SamplingParams(max_new_tokens=50, stop=(tokenizer.decode([41, 42]),)),
-              "length": SamplingParams(max_new_tokens=3)}[stop]
+    params = {
+        "token": SamplingParams(max_new_tokens=50, stop_token_ids=(42,)),
+        "string": SamplingParams(max_new_tokens=50, stop=(tokenizer.decode([41, 42]),)),
+        "length": SamplingParams(max_new_tokens=3),
+    }[stop]
     r = engine.make_request([1, 2, 3], params)
     result = StepResult(sampled=[r], token_ids=[40], accepted={0: [41, 42, 43, 44]})
     out = OutputProcessor(tokenizer).emit(engine.scheduler.update(StepPlan(), result, now=1.0), now=1.0)[0]
@@ -210,9 +223,14 @@ def test_sampled_and_logprob_requests_share_iterations_with_drafting_ones(llama_
     """Only plain greedy requests draft; seeded sampling and log-probabilities beside them give
     what they give without speculation."""
     greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    params = {0: greedy, 2: greedy, 3: greedy.with_updates(temperature=0.8, seed=7),
-              4: greedy.with_updates(logprobs=True, top_logprobs=2), 5: greedy.with_updates(prompt_logprobs=True),
-              1: greedy.with_updates(repetition_penalty=1.3)}
+    params = {
+        0: greedy,
+        2: greedy,
+        3: greedy.with_updates(temperature=0.8, seed=7),
+        4: greedy.with_updates(logprobs=True, top_logprobs=2),
+        5: greedy.with_updates(prompt_logprobs=True),
+        1: greedy.with_updates(repetition_penalty=1.3),
+    }
     order = [3, 0, 4, 1, 5, 2]  # the drafting requests (0, 2) share iterations with the others
     ps, pp = [prompts[i] for i in order], [params[i] for i in order]
     without, _ = generate(llama_dir, ps, pp, speculate=0)
@@ -276,8 +294,15 @@ def test_a_speculating_daemon_streams_the_tokens_of_one_at_a_time(llama_dir, pro
     try:
         with server.client() as c:
             for i, prompt in enumerate(prompts):
-                c.send({"op": "generate", "id": str(i), "input_ids": prompt, "stream": True,
-                        "params": {"max_new_tokens": 60, "ignore_eos": True}})
+                c.send(
+                    {
+                        "op": "generate",
+                        "id": str(i),
+                        "input_ids": prompt,
+                        "stream": True,
+                        "params": {"max_new_tokens": 60, "ignore_eos": True},
+                    }
+                )
             streamed, finals = {}, {}
             while len(finals) < len(prompts):
                 event = c.next_any(timeout=60)

@@ -19,18 +19,29 @@ def token(text: str) -> dict:
 
 
 def final(reason: str = "stop", completion: int = 2) -> dict:
-    return {"event": "final", "finish_reason": reason, "text": "", "token_ids": [7] * completion,
-            "usage": {"prompt_tokens": 3, "completion_tokens": completion}}
+    return {
+        "event": "final",
+        "finish_reason": reason,
+        "text": "",
+        "token_ids": [7] * completion,
+        "usage": {"prompt_tokens": 3, "completion_tokens": completion},
+    }
 
 
 def payloads(frames: list[str]) -> list:
     assert all(f.startswith("data: ") and f.endswith("\n\n") for f in frames)
-    return [f if f == DONE else json.loads(f[len("data: "):]) for f in frames]
+    return [f if f == DONE else json.loads(f[len("data: ") :]) for f in frames]
 
 
 def test_a_chat_of_two_choices_frames_role_first_finish_last_usage_then_done():
-    f = framer({"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True,
-                "stream_options": {"include_usage": True}})
+    f = framer(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     first = payloads(f.frames(0, token("Hel")))
     assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
     assert payloads(f.frames(0, token("lo")))[0]["choices"][0]["delta"] == {"content": "lo"}

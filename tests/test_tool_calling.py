@@ -17,22 +17,49 @@ from flover import tools
 from flover.models.tokenizer import Tokenizer
 from tests.helpers import Server, free_port
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
-@pytest.mark.parametrize("syntax, text, content", [
-    (tools.HERMES, 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
-                   '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', "Sure."),
-    (tools.LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}', ""),
-    (tools.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]', ""),
-])
+@pytest.mark.parametrize(
+    "syntax, text, content",
+    [
+        (
+            tools.HERMES,
+            'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+            "Sure.",
+        ),
+        (tools.LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}', ""),
+        (tools.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]', ""),
+    ],
+)
 def test_each_syntax_is_parsed_into_calls(syntax, text, content):
     found_content, calls = tools.parse_calls(text, syntax)
     assert found_content == content and calls[0].name == "get_weather"
@@ -56,19 +83,35 @@ def test_tools_reach_the_prompt_with_and_without_the_templates_help(llama_dir):
     """A template without `tools` (like SmolLM2's) gets them as a system prompt and earlier calls
     and results as text; a template that renders `tools` gets them, and call arguments as
     mappings (what Hugging Face templates index)."""
-    messages = [{"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_weather",
-                                                                  "arguments": '{"city": "Oslo", "days": 2}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
     plain = tokenizer_with("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}", llama_dir)
     text = plain.render_chat(messages, [WEATHER])
     assert text.startswith("[system]You may call one or more functions") and '"name": "get_weather"' in text
-    assert '[assistant]<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>' in text
+    assert (
+        '[assistant]<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+        in text
+    )
     assert "[tool]<tool_response>\nsunny\n</tool_response>" in text
-    aware = tokenizer_with("{{ tools | map(attribute='function.name') | join(',') }}|{% for m in messages %}"
-                           "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
-                           "{% endfor %}{% endfor %}", llama_dir)
+    aware = tokenizer_with(
+        "{{ tools | map(attribute='function.name') | join(',') }}|{% for m in messages %}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+        "{% endfor %}{% endfor %}",
+        llama_dir,
+    )
     assert aware.render_chat(messages, [WEATHER, TIME]) == "get_weather,get_time|get_weather(Oslo)"
 
 
@@ -91,8 +134,9 @@ def api(tmp_path_factory):
     from flover.testing.tiny_model import make_tiny_model
     from tests.helpers import TEST_PRESET
 
-    model_dir = make_tiny_model("llama", {**TEST_PRESET, "max_position_embeddings": 2048},
-                                tmp_path_factory.mktemp("llama-2k"))
+    model_dir = make_tiny_model(
+        "llama", {**TEST_PRESET, "max_position_embeddings": 2048}, tmp_path_factory.mktemp("llama-2k")
+    )
     port = free_port()
     server = Server(str(model_dir), "--max-slots", "4", "--max-seq-len", "2048", "--http", f"127.0.0.1:{port}")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -113,19 +157,40 @@ def test_required_and_named_calls_always_parse_streamed_and_not(api):
     ask = [{"role": "user", "content": "What is the weather in Oslo for 3 days?"}]
     for seed in range(4):
         # (one call each: random weights could go on writing parallel calls until max_tokens)
-        answer = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, TIME], tool_choice="required",
-                                                parallel_tool_calls=False, max_tokens=200, temperature=0.8,
-                                                seed=seed).choices[0]
+        answer = client.chat.completions.create(
+            model=model,
+            messages=ask,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            temperature=0.8,
+            seed=seed,
+        ).choices[0]
         assert answer.finish_reason == "tool_calls" and answer.message.tool_calls, answer
         for call in answer.message.tool_calls:
             check_call(call, [WEATHER, TIME])
-    named = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, TIME], max_tokens=200,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           parallel_tool_calls=False).choices[0]
+    named = client.chat.completions.create(
+        model=model,
+        messages=ask,
+        tools=[WEATHER, TIME],
+        max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+    ).choices[0]
     assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
     assert check_call(named.message.tool_calls[0], [TIME])["zone"] in ("UTC", "CET")
-    chunks = list(client.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice="required",
-                                                 parallel_tool_calls=False, max_tokens=200, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=ask,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            stream=True,
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [call for d in deltas for call in (d.tool_calls or [])]
     assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -135,27 +200,48 @@ def test_required_and_named_calls_always_parse_streamed_and_not(api):
 def test_a_round_trip_tools_then_a_tool_message_then_an_answer(api):
     client, model = api
     messages = [{"role": "user", "content": "Weather in Lima for 2 days?"}]
-    first = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=200).choices[0].message
+    first = (
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+        )
+        .choices[0]
+        .message
+    )
     call = first.tool_calls[0]
-    messages += [{"role": "assistant", "content": first.content, "tool_calls": [call.model_dump()]},
-                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "rain"})}]
-    final = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=12,
-                                           temperature=0).choices[0]
-    assert final.finish_reason in ("stop", "length", "tool_calls") and (final.message.content or final.message.tool_calls)
-    plain = client.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER], tool_choice="none",
-                                           max_tokens=8).choices[0]
+    messages += [
+        {"role": "assistant", "content": first.content, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "rain"})},
+    ]
+    final = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], max_tokens=12, temperature=0
+    ).choices[0]
+    assert final.finish_reason in ("stop", "length", "tool_calls") and (
+        final.message.content or final.message.tool_calls
+    )
+    plain = client.chat.completions.create(
+        model=model, messages=messages[:1], tools=[WEATHER], tool_choice="none", max_tokens=8
+    ).choices[0]
     assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER], max_tokens=8,
-                                       tool_choice={"type": "function", "function": {"name": "unknown"}})
+        client.chat.completions.create(
+            model=model,
+            messages=messages[:1],
+            tools=[WEATHER],
+            max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "unknown"}},
+        )
 
 
 def test_complete_calls_count_when_max_tokens_cuts_the_next_and_parallel_false_keeps_one():
     from flover.server import openai_api as oa
 
     call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>'
-    text = f"{call}\n{call}\n<tool_call>\n{{\"name\":\"get_weather\",\"argu"
+    text = f'{call}\n{call}\n<tool_call>\n{{"name":"get_weather","argu'
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "tool_choice": "required"}
     plan = oa.plan(body, "chat", "m", lambda _: None, tools.HERMES)
     message, finish = oa.chat_message(plan, text, "length")
@@ -170,11 +256,14 @@ def test_complete_calls_count_when_max_tokens_cuts_the_next_and_parallel_false_k
     assert tools.parse_calls("just prose, 42 of it", tools.LLAMA3)[1] == []
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # passes isdigit(), fails int()
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 7}}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # passes isdigit(), fails int()
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 7}}}, "tool_choice"),
+    ],
+)
 def test_malformed_fields_are_400s_naming_them(body, param):
     from flover.server import openai_api as oa
 

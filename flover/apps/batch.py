@@ -15,20 +15,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
+from flover.apps.prompt_file import PromptRecord
+from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
 from flover.client import FloverError
 from flover.config import SamplingParams
-from flover.engine.interface import ServingEngine
 from flover.engine.intake import PromptTooLong
-from flover.apps.prompt_file import PromptRecord
-from flover.request import RequestOutput
-from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
+from flover.engine.interface import ServingEngine
 from flover.protocol import PERMANENT
+from flover.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-def arrival_offsets(arrival: str | None, rate: float | None = None, interval_ms: float | None = None,
-                    seed: int = 0) -> Iterator[float] | None:
+def arrival_offsets(
+    arrival: str | None, rate: float | None = None, interval_ms: float | None = None, seed: int = 0
+) -> Iterator[float] | None:
     """Seconds after the start at which each successive prompt arrives; None: no schedule (a
     prompt arrives when the engine has room for it)."""
     if arrival in (None, "none"):
@@ -70,9 +71,11 @@ class BatchSummary:
         return self.completion_tokens / self.wall_s if self.wall_s else 0.0
 
     def line(self) -> str:
-        return (f"{self.prompts} prompts: {self.completed} completed, {self.errors} errors, {self.skipped} already "
-                f"done; {self.prompt_tokens} tokens in, {self.completion_tokens} out in {self.wall_s:.1f} s "
-                f"({self.tokens_per_s:.1f} tok/s, {self.iterations} iterations)")
+        return (
+            f"{self.prompts} prompts: {self.completed} completed, {self.errors} errors, {self.skipped} already "
+            f"done; {self.prompt_tokens} tokens in, {self.completion_tokens} out in {self.wall_s:.1f} s "
+            f"({self.tokens_per_s:.1f} tok/s, {self.iterations} iterations)"
+        )
 
     def count_incomplete(self, why: str) -> None:
         self.incomplete[why] = self.incomplete.get(why, 0) + 1
@@ -83,8 +86,10 @@ class BatchSummary:
             return None
         reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.incomplete.items()))
         stopped = f"; stopped: {self.stopped}" if self.stopped else ""
-        return (f"incomplete: {self.not_done} prompt(s) have no record ({reasons or 'not sent'}{stopped}); "
-                f"re-run the same command to retry them")
+        return (
+            f"incomplete: {self.not_done} prompt(s) have no record ({reasons or 'not sent'}{stopped}); "
+            f"re-run the same command to retry them"
+        )
 
 
 class Progress:
@@ -98,6 +103,7 @@ class Progress:
         self.enabled = enabled
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
+
             self.bar = tqdm(total=total, unit="prompt", file=sys.stderr, dynamic_ncols=True)
 
     def update(self, finished: int, tokens: int, in_flight: int) -> None:
@@ -124,8 +130,13 @@ LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_log
 
 def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
     t = out.timings
-    record = {"id": out.request_id, "text": out.text, "finish_reason": out.finish_reason, "usage": out.usage,
-              "latency": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]}}
+    record = {
+        "id": out.request_id,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "usage": out.usage,
+        "latency": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]},
+    }
     if with_token_ids:
         record["token_ids"] = out.token_ids
     for key in LOGPROB_FIELDS:
@@ -135,16 +146,25 @@ def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
 
 
 def error_record(record: PromptRecord, code: str, message: str) -> dict:
-    return {"id": record.id, "finish_reason": "error", "line": record.line,
-            "error": {"code": code, "message": message}}
+    return {"id": record.id, "finish_reason": "error", "line": record.line, "error": {"code": code, "message": message}}
 
 
 class BatchRunner:
     """Feeds records into an engine as they arrive and slots free, writes results as they finish."""
 
-    def __init__(self, engine: ServingEngine, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
-                 token_ids: bool = False, max_waiting: int | None = None, progress: Progress | None = None,
-                 on_step=None, max_held: int = MAX_HELD):
+    def __init__(
+        self,
+        engine: ServingEngine,
+        out: ResultsFile,
+        defaults: SamplingParams,
+        *,
+        ordered: bool = False,
+        token_ids: bool = False,
+        max_waiting: int | None = None,
+        progress: Progress | None = None,
+        on_step=None,
+        max_held: int = MAX_HELD,
+    ):
         """`max_held` (ordered): finished records kept behind a running earlier one, at most."""
         self.engine = engine
         self.writer = OrderedWriter(out, max_held) if ordered else UnorderedWriter(out)
@@ -168,8 +188,7 @@ class BatchRunner:
         nxt, due = next(todo, None), next(offsets)
         while nxt is not None or engine.has_unfinished():
             now = time.perf_counter() - start
-            while (nxt is not None and due <= now and engine.can_accept(self.max_waiting)
-                   and not self.writer.full):
+            while nxt is not None and due <= now and engine.can_accept(self.max_waiting) and not self.writer.full:
                 self._submit(nxt, arrival_time=start + due if scheduled else None)
                 nxt, due = next(todo, None), next(offsets)
             if not engine.has_unfinished():
@@ -198,8 +217,9 @@ class BatchRunner:
             return self._fail(record, record.code or "malformed_line", record.error)
         try:
             params = self.defaults.with_updates(**record.sampling) if record.sampling else self.defaults
-            request = self.engine.make_request(record.prompt, params, request_id=record.id,
-                                               arrival_time=arrival_time, messages=record.messages)
+            request = self.engine.make_request(
+                record.prompt, params, request_id=record.id, arrival_time=arrival_time, messages=record.messages
+            )
         except PromptTooLong as e:
             return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")
         except (ValueError, TypeError) as e:
@@ -229,8 +249,13 @@ class BatchRunner:
 
 
 def remote_result_record(event: dict, with_token_ids: bool) -> dict:
-    record = {"id": event["id"], "text": event.get("text"), "finish_reason": event["finish_reason"],
-              "usage": event["usage"], "latency": event["timings"]}
+    record = {
+        "id": event["id"],
+        "text": event.get("text"),
+        "finish_reason": event["finish_reason"],
+        "usage": event["usage"],
+        "latency": event["timings"],
+    }
     if with_token_ids:
         record["token_ids"] = event.get("token_ids")
     record.update({key: event[key] for key in LOGPROB_FIELDS if key in event})
@@ -243,9 +268,18 @@ class RemoteBatchRunner:
     ends with a record, or the run stops (the server shuts down, the connection is lost, nothing
     is heard for `timeout` seconds) and the prompts without a record are left for a resume."""
 
-    def __init__(self, client, out: ResultsFile, defaults: SamplingParams, *, ordered: bool = False,
-                 token_ids: bool = False, max_in_flight: int = 64, progress: Progress | None = None,
-                 timeout: float | None = None):
+    def __init__(
+        self,
+        client,
+        out: ResultsFile,
+        defaults: SamplingParams,
+        *,
+        ordered: bool = False,
+        token_ids: bool = False,
+        max_in_flight: int = 64,
+        progress: Progress | None = None,
+        timeout: float | None = None,
+    ):
         self.client, self.token_ids = client, token_ids
         self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
         self.max_in_flight = max_in_flight
@@ -266,8 +300,13 @@ class RemoteBatchRunner:
             now = time.perf_counter() - start
             while s.stopped is None and retry and retry[0][0] <= now and len(in_flight) < self.max_in_flight:
                 self._send(retry.pop(0)[1], in_flight)
-            while (s.stopped is None and nxt is not None and due <= now and len(in_flight) < self.max_in_flight
-                   and not self.writer.full):
+            while (
+                s.stopped is None
+                and nxt is not None
+                and due <= now
+                and len(in_flight) < self.max_in_flight
+                and not self.writer.full
+            ):
                 self.writer.expect(nxt.index)
                 if nxt.error is not None:
                     self._fail(nxt, nxt.code or "malformed_line", nxt.error)
@@ -307,8 +346,7 @@ class RemoteBatchRunner:
             self._fail(record, event["code"], f"line {record.line}: {event['message']}")
         else:  # cancelled, shutting_down, internal_error, slow_client, connection_lost, ...: no record
             why = event.get("code") or event.get("finish_reason")
-            log.warning("line %d (id %s): %s; no record written", record.line, record.id,
-                        event.get("message") or why)
+            log.warning("line %d (id %s): %s; no record written", record.line, record.id, event.get("message") or why)
             s.count_incomplete(why)
             self.writer.write(record.index, None)
             if why in ("shutting_down", "connection_lost", "handshake_failed") and s.stopped is None:

@@ -16,7 +16,6 @@ from typing import Callable, Iterator
 from flover.config import SamplingParams
 
 
-
 class LocalReplies:
     """Replies from an engine in this process."""
 
@@ -65,8 +64,9 @@ class RemoteReplies:
                 self.client.cancel(rid)
 
 
-def chat_loop(reply, system: str | None = None, read: Callable[[str], str] = input, out=sys.stdout,
-              err=sys.stderr) -> int:
+def chat_loop(
+    reply, system: str | None = None, read: Callable[[str], str] = input, out=sys.stdout, err=sys.stderr
+) -> int:
     """Read user turns until end of input; stream each reply. Returns the exit code."""
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
@@ -106,5 +106,8 @@ def chat_loop(reply, system: str | None = None, read: Callable[[str], str] = inp
         if reply.last is not None:
             finish, prompt_tokens, tokens = reply.last
             elapsed = time.perf_counter() - start
-            print(f"[{finish}, {tokens} tokens, prompt {prompt_tokens} tokens, {tokens / elapsed:.1f} tok/s]",
-                  file=err, flush=True)
+            print(
+                f"[{finish}, {tokens} tokens, prompt {prompt_tokens} tokens, {tokens / elapsed:.1f} tok/s]",
+                file=err,
+                flush=True,
+            )

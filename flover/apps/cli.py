@@ -22,87 +22,185 @@ log = logging.getLogger("flover")
 
 def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = ap.add_argument_group("engine")
-    g.add_argument("--model", required=model_required,
-                   help="a GGUF file, a Hugging Face checkpoint directory, or a hub id ORG/NAME (from the local "
-                        "hub cache, downloaded where a hub is reachable)")
-    g.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32")
+    g.add_argument(
+        "--model",
+        required=model_required,
+        help="a GGUF file, a Hugging Face checkpoint directory, or a hub id ORG/NAME (from the local "
+        "hub cache, downloaded where a hub is reachable)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32",
+    )
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                   help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16); file: a GGUF "
-                        "file's projections keep their own codes (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
-                        "auto (default): file where the native step runs in bfloat16 and the file allows, else "
-                        "none (none: dequantized to the dtype)")
+    g.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="weight-only int8/int4 projections for fast single streams (CPU, bfloat16); file: a GGUF "
+        "file's projections keep their own codes (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
+        "auto (default): file where the native step runs in bfloat16 and the file allows, else "
+        "none (none: dequantized to the dtype)",
+    )
     g.add_argument("--max-slots", type=int, default=32, help="requests in flight at once")
-    g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)")
+    g.add_argument(
+        "--max-seq-len", type=int, default=None, help="prompt + output tokens (default: model limit, <= 2048)"
+    )
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one iteration")
-    g.add_argument("--prompt-first", type=int, default=3, metavar="N",
-                   help="while prompts wait, up to N iterations in a row run prompt tokens alone before the running "
-                        "requests decode again (lower time to first token under bursts; default 3; 0: every "
-                        "iteration decodes)")
-    g.add_argument("--prompt-first-tokens", type=int, default=192, help="prompt tokens of one such iteration (default 192)")
-    g.add_argument("--speculate", type=int, default=None, metavar="K",
-                   help="prompt-lookup speculation: greedy requests draft up to K tokens per iteration from where "
-                        "their last tokens occurred before (prompt or output), checked by the same forward: the "
-                        "same tokens in fewer iterations (default: 8 where the native CPU step runs, on every "
-                        "rank under TP; else off; 0: off)")
-    g.add_argument("--speculate-ngram", type=int, default=3, metavar="N",
-                   help="the last N tokens are looked up for a draft (default 3)")
-    g.add_argument("--tp", type=int, default=None, metavar="T",
-                   help="under mpirun -np N: ranks per engine (tensor parallel inside it); N / T engine groups "
-                        "(data parallel) behind world rank 0 (default: one engine of all N ranks)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores available, shared by the ranks on this node)")
+    g.add_argument(
+        "--prompt-first",
+        type=int,
+        default=3,
+        metavar="N",
+        help="while prompts wait, up to N iterations in a row run prompt tokens alone before the running "
+        "requests decode again (lower time to first token under bursts; default 3; 0: every "
+        "iteration decodes)",
+    )
+    g.add_argument(
+        "--prompt-first-tokens", type=int, default=192, help="prompt tokens of one such iteration (default 192)"
+    )
+    g.add_argument(
+        "--speculate",
+        type=int,
+        default=None,
+        metavar="K",
+        help="prompt-lookup speculation: greedy requests draft up to K tokens per iteration from where "
+        "their last tokens occurred before (prompt or output), checked by the same forward: the "
+        "same tokens in fewer iterations (default: 8 where the native CPU step runs, on every "
+        "rank under TP; else off; 0: off)",
+    )
+    g.add_argument(
+        "--speculate-ngram",
+        type=int,
+        default=3,
+        metavar="N",
+        help="the last N tokens are looked up for a draft (default 3)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="T",
+        help="under mpirun -np N: ranks per engine (tensor parallel inside it); N / T engine groups "
+        "(data parallel) behind world rank 0 (default: one engine of all N ranks)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the cores available, shared by the ranks on this node)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
-    g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
-                   help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
-                        "the same way (LRU; default 256; 0 turns it off)")
+    g.add_argument(
+        "--prefix-cache",
+        type=float,
+        default=256,
+        metavar="MIB",
+        help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
+        "the same way (LRU; default 256; 0 turns it off)",
+    )
     limits = GrammarLimits()
-    g.add_argument("--grammar-compile-seconds", type=float, default=limits.compile_seconds, metavar="S",
-                   help="structured output: a new grammar compiles first in a child process, killed after S "
-                        "seconds (the request gets a 400 naming the limit; default %(default)g)")
-    g.add_argument("--grammar-compile-mib", type=int, default=limits.compile_mib, metavar="MIB",
-                   help="... and held to MIB of memory (default %(default)d)")
-    g.add_argument("--grammar-cache-mib", type=int, default=limits.cache_mib, metavar="MIB",
-                   help="compiled grammars kept for reuse, least recently used first out (default %(default)d)")
-    g.add_argument("--grammar-mask-ms", type=float, default=limits.mask_ms_per_token, metavar="MS",
-                   help="a request's token masks may take MS a token on average; a request past it ends with an "
-                        "error naming the limit (default %(default)g)")
-    g.add_argument("--grammar-mask-burst-ms", type=float, default=limits.mask_burst_ms, metavar="MS",
-                   help="... with MS in hand at any time (the first masks build the lexer; default %(default)g)")
-    g.add_argument("--grammar-lexer-fuel", type=int, default=limits.lexer_fuel, metavar="N",
-                   help="llguidance's lexer work for one token mask (its step_lexer_fuel; default %(default)d, "
-                        "llguidance's own 200000); a grammar past it ends its request with an error")
-    g.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
-                   help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up")
-    g.add_argument("--native-forward", choices=("auto", "off"), default="auto",
-                   help="auto (default): on CPU (float32/bfloat16, quantized or not; each rank's shard under TP), iterations run as "
-                        "one native call compiled for this CPU on first use (needs a C compiler)")
-    g.add_argument("--native-kernels", choices=NATIVE_KERNELS,
-                   default="auto", help="the native step's kernel family: auto (default) = the widest this CPU "
-                   "runs; another forces it where the CPU can run it (side-by-side runs with llama.cpp built for "
-                   "the same instruction set). The FLOVER_NATIVE_KERNELS variable overrides auto")
+    g.add_argument(
+        "--grammar-compile-seconds",
+        type=float,
+        default=limits.compile_seconds,
+        metavar="S",
+        help="structured output: a new grammar compiles first in a child process, killed after S "
+        "seconds (the request gets a 400 naming the limit; default %(default)g)",
+    )
+    g.add_argument(
+        "--grammar-compile-mib",
+        type=int,
+        default=limits.compile_mib,
+        metavar="MIB",
+        help="... and held to MIB of memory (default %(default)d)",
+    )
+    g.add_argument(
+        "--grammar-cache-mib",
+        type=int,
+        default=limits.cache_mib,
+        metavar="MIB",
+        help="compiled grammars kept for reuse, least recently used first out (default %(default)d)",
+    )
+    g.add_argument(
+        "--grammar-mask-ms",
+        type=float,
+        default=limits.mask_ms_per_token,
+        metavar="MS",
+        help="a request's token masks may take MS a token on average; a request past it ends with an "
+        "error naming the limit (default %(default)g)",
+    )
+    g.add_argument(
+        "--grammar-mask-burst-ms",
+        type=float,
+        default=limits.mask_burst_ms,
+        metavar="MS",
+        help="... with MS in hand at any time (the first masks build the lexer; default %(default)g)",
+    )
+    g.add_argument(
+        "--grammar-lexer-fuel",
+        type=int,
+        default=limits.lexer_fuel,
+        metavar="N",
+        help="llguidance's lexer work for one token mask (its step_lexer_fuel; default %(default)d, "
+        "llguidance's own 200000); a grammar past it ends its request with an error",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up",
+    )
+    g.add_argument(
+        "--native-forward",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (default): on CPU (float32/bfloat16, quantized or not; each rank's shard under TP), iterations "
+        "run as one native call compiled for this CPU on first use (needs a C compiler)",
+    )
+    g.add_argument(
+        "--native-kernels",
+        choices=NATIVE_KERNELS,
+        default="auto",
+        help="the native step's kernel family: auto (default) = the widest this CPU "
+        "runs; another forces it where the CPU can run it (side-by-side runs with llama.cpp built for "
+        "the same instruction set). The FLOVER_NATIVE_KERNELS variable overrides auto",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     from flover.parallel.launch import rank_device
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=rank_device(args.device),
-                        quantization=args.quantization,
-                        max_slots=args.max_slots, max_seq_len=args.max_seq_len,
-                        max_batch_tokens=args.max_batch_tokens, prompt_first_iterations=args.prompt_first,
-                        prompt_first_tokens=args.prompt_first_tokens, num_threads=args.threads, seed=args.seed,
-                        speculate=args.speculate, speculate_ngram=args.speculate_ngram,
-                        prefix_cache_mib=args.prefix_cache,
-                        prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
-                        cuda_graphs=args.cuda_graphs, native_forward=args.native_forward,
-                        native_kernels=args.native_kernels,
-                        grammar_limits=GrammarLimits(compile_seconds=args.grammar_compile_seconds,
-                                                     compile_mib=args.grammar_compile_mib,
-                                                     cache_mib=args.grammar_cache_mib,
-                                                     mask_ms_per_token=args.grammar_mask_ms,
-                                                     mask_burst_ms=args.grammar_mask_burst_ms,
-                                                     lexer_fuel=args.grammar_lexer_fuel))
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=rank_device(args.device),
+        quantization=args.quantization,
+        max_slots=args.max_slots,
+        max_seq_len=args.max_seq_len,
+        max_batch_tokens=args.max_batch_tokens,
+        prompt_first_iterations=args.prompt_first,
+        prompt_first_tokens=args.prompt_first_tokens,
+        num_threads=args.threads,
+        seed=args.seed,
+        speculate=args.speculate,
+        speculate_ngram=args.speculate_ngram,
+        prefix_cache_mib=args.prefix_cache,
+        prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
+        cuda_graphs=args.cuda_graphs,
+        native_forward=args.native_forward,
+        native_kernels=args.native_kernels,
+        grammar_limits=GrammarLimits(
+            compile_seconds=args.grammar_compile_seconds,
+            compile_mib=args.grammar_compile_mib,
+            cache_mib=args.grammar_cache_mib,
+            mask_ms_per_token=args.grammar_mask_ms,
+            mask_burst_ms=args.grammar_mask_burst_ms,
+            lexer_fuel=args.grammar_lexer_fuel,
+        ),
+    )
 
 
 def _resolve_dtype(args) -> str:
@@ -158,8 +256,12 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
             engine.follow()
         return None
     if launch.layout.count > 1:
-        log.info("data parallel: %d groups of %d rank(s), leaders at world ranks %s", launch.layout.count,
-                 args.tp, list(launch.layout.leaders))
+        log.info(
+            "data parallel: %d groups of %d rank(s), leaders at world ranks %s",
+            launch.layout.count,
+            args.tp,
+            list(launch.layout.leaders),
+        )
         return EngineGroups(engine, Mailbox(launch.world), launch.layout, launch.world)
     return engine
 
@@ -181,10 +283,18 @@ def add_sampling_args(ap: argparse.ArgumentParser) -> None:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
 
 
 def add_connect_args(ap: argparse.ArgumentParser) -> None:
@@ -201,9 +311,11 @@ def connect(args: argparse.Namespace):
     server_key = None
     if args.curve_server_key:
         import zmq.auth
+
         server_key, _ = zmq.auth.load_certificate(args.curve_server_key)
-    return Client(args.connect, timeout=args.timeout, curve_server_key=server_key,
-                  curve_client_cert=args.curve_client_cert)
+    return Client(
+        args.connect, timeout=args.timeout, curve_server_key=server_key, curve_client_cert=args.curve_client_cert
+    )
 
 
 def require_model(args: argparse.Namespace) -> None:
@@ -222,15 +334,19 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
                     if event["event"] == "token":
                         print(event["text"] or "", end="", flush=True)
                     else:
-                        print(f"\n[{event['finish_reason']}, {event['usage']['completion_tokens']} tokens, "
-                              f"ttft {1000 * event['timings']['ttft_s']:.0f} ms]", file=sys.stderr)
+                        print(
+                            f"\n[{event['finish_reason']}, {event['usage']['completion_tokens']} tokens, "
+                            f"ttft {1000 * event['timings']['ttft_s']:.0f} ms]",
+                            file=sys.stderr,
+                        )
             else:
                 event = client.generate(prompt, **params)
                 if args.json:
                     print(json.dumps({"prompt": prompt, **event}))
                 else:
-                    print(f"{prompt!r} -> {event['text']!r} [{event['finish_reason']}, "
-                          f"{len(event['token_ids'])} tokens]")
+                    print(
+                        f"{prompt!r} -> {event['text']!r} [{event['finish_reason']}, {len(event['token_ids'])} tokens]"
+                    )
     return 0
 
 
@@ -253,14 +369,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "usage": out.usage,
-                              "logprobs": out.logprobs, "timings": out.timings}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                        "usage": out.usage,
+                        "logprobs": out.logprobs,
+                        "timings": out.timings,
+                    }
+                )
+            )
         else:
             print(f"{prompt!r} -> {out.text!r} [{out.finish_reason}, {len(out.token_ids)} tokens]")
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"{len(outputs)} prompts, {tokens} tokens in {wall:.2f} s ({tokens / wall:.1f} tok/s, "
-          f"{engine.iterations} iterations)", file=sys.stderr)
+    print(
+        f"{len(outputs)} prompts, {tokens} tokens in {wall:.2f} s ({tokens / wall:.1f} tok/s, "
+        f"{engine.iterations} iterations)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -268,9 +397,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from flover.apps.batch import BatchRunner, RemoteBatchRunner, arrival_offsets
-    from flover.client import FloverError
     from flover.apps.prompt_file import check_unique_ids, detect_format, iter_records
     from flover.apps.results_file import file_sha256, open_results
+    from flover.client import FloverError
 
     require_model(args)
     if _is_follower_rank():  # only the leader touches the files; the others serve its iterations
@@ -292,6 +421,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         def read():
             with open(args.prompts, "rb") as f:  # split on b"\n" only, decoded line by line
                 yield from iter_records(f, fmt)
+
         digest = file_sha256(args.prompts)
     ids = check_unique_ids(read())  # before any work: duplicate ids are an error
     params = sampling_params(args)
@@ -306,19 +436,40 @@ def cmd_run(args: argparse.Namespace) -> int:
             client.max_message_bytes = health.get("max_message_bytes", client.max_message_bytes)
             out, done = open_results(args.out, {**parts, "model": health.get("model")})
             try:
-                summary = _run_records(args, read, ids, done, offsets, lambda progress: RemoteBatchRunner(
-                    client, out, params, ordered=args.ordered, token_ids=args.token_ids,
-                    max_in_flight=args.max_in_flight, progress=progress, timeout=args.timeout))
+                summary = _run_records(
+                    args,
+                    read,
+                    ids,
+                    done,
+                    offsets,
+                    lambda progress: RemoteBatchRunner(
+                        client,
+                        out,
+                        params,
+                        ordered=args.ordered,
+                        token_ids=args.token_ids,
+                        max_in_flight=args.max_in_flight,
+                        progress=progress,
+                        timeout=args.timeout,
+                    ),
+                )
             finally:
                 out.close()
     else:
-        out, done = open_results(args.out, {**parts, "model": str(Path(args.model).resolve()),
-                                            "dtype": args.dtype})
+        out, done = open_results(args.out, {**parts, "model": str(Path(args.model).resolve()), "dtype": args.dtype})
         engine = None
         try:
             engine = start_engine(args)
-            summary = _run_records(args, read, ids, done, offsets, lambda progress: BatchRunner(
-                engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress))
+            summary = _run_records(
+                args,
+                read,
+                ids,
+                done,
+                offsets,
+                lambda progress: BatchRunner(
+                    engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress
+                ),
+            )
         finally:
             out.close()
             if engine is not None:
@@ -355,22 +506,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         server_public, _ = zmq.auth.load_certificate(args.curve_secret_key)
         front_curve = (server_public, *zmq.curve_keypair())
-    config = ServeConfig(bind=args.bind, max_waiting=args.max_waiting, max_message_bytes=args.max_message_bytes,
-                         max_client_backlog_bytes=args.max_client_backlog,
-                         drain_timeout=args.drain_timeout, stats_interval=args.stats_interval,
-                         keepalive_interval=args.keepalive_interval,
-                         curve_secret_key=args.curve_secret_key, curve_allowed_clients=args.curve_allowed_clients,
-                         curve_extra_clients=(front_curve[1],) if front_curve else ())
+    config = ServeConfig(
+        bind=args.bind,
+        max_waiting=args.max_waiting,
+        max_message_bytes=args.max_message_bytes,
+        max_client_backlog_bytes=args.max_client_backlog,
+        drain_timeout=args.drain_timeout,
+        stats_interval=args.stats_interval,
+        keepalive_interval=args.keepalive_interval,
+        curve_secret_key=args.curve_secret_key,
+        curve_allowed_clients=args.curve_allowed_clients,
+        curve_extra_clients=(front_curve[1],) if front_curve else (),
+    )
     http = None
     try:
         daemon = Daemon(engine, config, model_name=args.model)
         if args.http:
             from flover.server.http_front import HttpLimits, start_http_front
 
-            http = start_http_front(args.bind, args.http, args.model, args.api_key or os.environ.get("FLOVER_API_KEY"),
-                                    curve=front_curve, max_body_bytes=args.max_message_bytes,
-                                    limits=HttpLimits(args.http_header_timeout, args.http_body_timeout,
-                                                      args.http_keep_alive, args.http_max_connections))
+            http = start_http_front(
+                args.bind,
+                args.http,
+                args.model,
+                args.api_key or os.environ.get("FLOVER_API_KEY"),
+                curve=front_curve,
+                max_body_bytes=args.max_message_bytes,
+                limits=HttpLimits(
+                    args.http_header_timeout, args.http_body_timeout, args.http_keep_alive, args.http_max_connections
+                ),
+            )
     except BaseException:
         engine.shutdown()
         raise
@@ -406,9 +570,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
-    settings = ModeSettings(model=args.model, dtype=args.dtype, threads=args.threads, max_slots=args.max_slots,
-                            max_seq_len=args.max_seq_len, window_ms=args.window_ms,
-                            window_batch=args.window_batch, instances=args.instances)
+    settings = ModeSettings(
+        model=args.model,
+        dtype=args.dtype,
+        threads=args.threads,
+        max_slots=args.max_slots,
+        max_seq_len=args.max_seq_len,
+        window_ms=args.window_ms,
+        window_batch=args.window_batch,
+        instances=args.instances,
+    )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     if args.suite == "paper":
         docs = None if args.quick else args.docs
@@ -418,8 +589,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.quick:
         workload = Workload(4, (4, 12), (4, 8), "interval", 30, args.bench_seed)
     else:
-        workload = Workload(args.requests, parse_range(args.prompt_len), parse_range(args.gen_len), args.arrival,
-                            args.interval_ms, args.bench_seed)
+        workload = Workload(
+            args.requests,
+            parse_range(args.prompt_len),
+            parse_range(args.gen_len),
+            args.arrival,
+            args.interval_ms,
+            args.bench_seed,
+        )
     result = run_benchmark(args.model, workload, modes, settings, args.out, args.name, log=say)
     print(Path(result["files"]["json"]).with_suffix(".md").read_text())
     return 0
@@ -436,13 +613,26 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
         from flover.models import load_model_config
 
         vocab, served = vocab or load_model_config(args.model).vocab_size, None
-    workload = Workload(args.requests, parse_range(args.prompt_len), parse_range(args.gen_len), args.arrival,
-                        args.interval_ms, args.bench_seed)
+    workload = Workload(
+        args.requests,
+        parse_range(args.prompt_len),
+        parse_range(args.gen_len),
+        args.arrival,
+        args.interval_ms,
+        args.bench_seed,
+    )
     if args.quick:
         workload = Workload(4, (4, 12), (4, 8), "interval", 30, args.bench_seed)
-    result = run_endpoint_benchmark(args.endpoint, served, workload, vocab or 32000, args.out, args.name,
-                                    api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-                                    log=lambda text: print(text, file=sys.stderr, flush=True))
+    result = run_endpoint_benchmark(
+        args.endpoint,
+        served,
+        workload,
+        vocab or 32000,
+        args.out,
+        args.name,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        log=lambda text: print(text, file=sys.stderr, flush=True),
+    )
     print(Path(result["files"]["json"]).with_suffix(".md").read_text())
     return 0
 
@@ -467,8 +657,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from flover.apps.demo import run_demo
 
-    run_demo(args.model, args.preset, args.models_dir, args.rate, args.max_new_tokens, args.max_slots,
-             args.dtype, args.threads)
+    run_demo(
+        args.model,
+        args.preset,
+        args.models_dir,
+        args.rate,
+        args.max_new_tokens,
+        args.max_slots,
+        args.dtype,
+        args.threads,
+    )
     return 0
 
 
@@ -498,9 +696,12 @@ def add_generate_command(sub) -> None:
 
 
 def add_run_command(sub) -> None:
-    run = sub.add_parser("run", help="run every prompt of a file; resumable JSONL output",
-                         description="Run a prompt file through the engine. Re-running the same command "
-                                     "resumes: ids already in --out are skipped.")
+    run = sub.add_parser(
+        "run",
+        help="run every prompt of a file; resumable JSONL output",
+        description="Run a prompt file through the engine. Re-running the same command "
+        "resumes: ids already in --out are skipped.",
+    )
     add_engine_args(run, model_required=False)
     add_sampling_args(run)
     add_connect_args(run)
@@ -510,8 +711,12 @@ def add_run_command(sub) -> None:
     run.add_argument("--out", required=True, help="JSONL results file (appended; - for stdout)")
     run.add_argument("--ordered", action="store_true", help="write results in input order")
     run.add_argument("--token-ids", action="store_true", help="include token ids in each record")
-    run.add_argument("--arrival", choices=("none", "poisson", "interval"), default="none",
-                     help="make prompts arrive over time (experiments)")
+    run.add_argument(
+        "--arrival",
+        choices=("none", "poisson", "interval"),
+        default="none",
+        help="make prompts arrive over time (experiments)",
+    )
     run.add_argument("--rate", type=float, help="poisson arrivals per second")
     run.add_argument("--interval", type=float, help="ms between arrivals")
     run.add_argument("--quiet", action="store_true", help="no progress output")
@@ -525,37 +730,78 @@ def add_serve_command(sub) -> None:
     d = serve.add_argument_group("daemon")
     d.add_argument("--bind", default="tcp://127.0.0.1:5555", help="tcp://HOST:PORT or ipc://PATH (loopback default)")
     d.add_argument("--max-waiting", type=int, default=256, help="queued requests before `overloaded`")
-    d.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
-                   help="largest message, all frames together (a larger single frame drops the connection)")
-    d.add_argument("--max-client-backlog", type=int, default=64 << 20, metavar="BYTES",
-                   help="unread events kept for one client; beyond, its requests are cancelled (slow_client)")
+    d.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=MAX_MESSAGE_BYTES,
+        help="largest message, all frames together (a larger single frame drops the connection)",
+    )
+    d.add_argument(
+        "--max-client-backlog",
+        type=int,
+        default=64 << 20,
+        metavar="BYTES",
+        help="unread events kept for one client; beyond, its requests are cancelled (slow_client)",
+    )
     d.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     d.add_argument("--stats-interval", type=float, default=60.0, help="seconds between summary log lines")
-    d.add_argument("--keepalive-interval", type=float, default=1.0,
-                   help="seconds between keepalive events to clients waiting for a non-streamed reply "
-                        "(how fast a vanished client's work is cancelled)")
+    d.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=1.0,
+        help="seconds between keepalive events to clients waiting for a non-streamed reply "
+        "(how fast a vanished client's work is cancelled)",
+    )
     d.add_argument("--curve-secret-key", help="server secret certificate: enables CURVE encryption + auth")
     d.add_argument("--curve-allowed-clients", help="directory of allowed client public certificates")
     from flover.server.http_front import HttpLimits
 
     HTTP_LIMITS = HttpLimits()
     h = serve.add_argument_group("OpenAI-compatible HTTP API (its own process, a client of the socket)")
-    h.add_argument("--http", metavar="HOST:PORT", default=None,
-                   help="also serve the OpenAI HTTP API, e.g. 127.0.0.1:8000 (loopback unless you say otherwise)")
-    h.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every HTTP endpoint but /health "
-                        "(or set FLOVER_API_KEY)")
-    h.add_argument("--http-header-timeout", type=float, default=HTTP_LIMITS.header_timeout, metavar="SECONDS",
-                   help="a request's headers must arrive within this (from the connection or its previous answer)")
-    h.add_argument("--http-body-timeout", type=float, default=HTTP_LIMITS.body_timeout, metavar="SECONDS",
-                   help="a request's body must arrive within this after its headers")
-    h.add_argument("--http-keep-alive", type=float, default=HTTP_LIMITS.keep_alive_timeout, metavar="SECONDS",
-                   help="an idle connection between requests is closed after this")
-    h.add_argument("--http-max-connections", type=int, default=HTTP_LIMITS.max_connections,
-                   help="open HTTP connections at once; more are closed as they arrive")
-    d.add_argument("--prefault-prefix-cache", action="store_true",
-                   help="take the prefix cache's memory at start-up instead of as it fills (its first stores "
-                        "then cost no page faults inside iterations: ~1.5%% of a fresh daemon's time)")
+    h.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        default=None,
+        help="also serve the OpenAI HTTP API, e.g. 127.0.0.1:8000 (loopback unless you say otherwise)",
+    )
+    h.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every HTTP endpoint but /health (or set FLOVER_API_KEY)",
+    )
+    h.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=HTTP_LIMITS.header_timeout,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this (from the connection or its previous answer)",
+    )
+    h.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=HTTP_LIMITS.body_timeout,
+        metavar="SECONDS",
+        help="a request's body must arrive within this after its headers",
+    )
+    h.add_argument(
+        "--http-keep-alive",
+        type=float,
+        default=HTTP_LIMITS.keep_alive_timeout,
+        metavar="SECONDS",
+        help="an idle connection between requests is closed after this",
+    )
+    h.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=HTTP_LIMITS.max_connections,
+        help="open HTTP connections at once; more are closed as they arrive",
+    )
+    d.add_argument(
+        "--prefault-prefix-cache",
+        action="store_true",
+        help="take the prefix cache's memory at start-up instead of as it fills (its first stores "
+        "then cost no page faults inside iterations: ~1.5%% of a fresh daemon's time)",
+    )
     serve.set_defaults(func=cmd_serve)
 
 
@@ -576,8 +822,11 @@ def add_keygen_command(sub) -> None:
 
 
 def add_bench_command(sub) -> None:
-    bench = sub.add_parser("bench", help="the same seeded workload through fused / serial / window / instances / hf, "
-                                          "or against any OpenAI-compatible server (--endpoint)")
+    bench = sub.add_parser(
+        "bench",
+        help="the same seeded workload through fused / serial / window / instances / hf, "
+        "or against any OpenAI-compatible server (--endpoint)",
+    )
     add_engine_args(bench, model_required=False)
     w = bench.add_argument_group("workload (seeded)")
     w.add_argument("--requests", type=int, default=32)
@@ -592,9 +841,13 @@ def add_bench_command(sub) -> None:
     m.add_argument("--window-batch", type=int, default=32, help="window / hf: largest batch")
     m.add_argument("--instances", type=int, default=2, help="instances: model processes")
     e = bench.add_argument_group("any OpenAI-compatible server instead of local modes")
-    e.add_argument("--endpoint", metavar="URL", help="e.g. http://127.0.0.1:8000 (flover serve --http, llama-server, "
-                                                     "vLLM); --model then names the served model (default: the first "
-                                                     "it lists) or a local checkpoint for the vocabulary size")
+    e.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="e.g. http://127.0.0.1:8000 (flover serve --http, llama-server, "
+        "vLLM); --model then names the served model (default: the first "
+        "it lists) or a local checkpoint for the vocabulary size",
+    )
     e.add_argument("--api-key", default=None, help="Bearer token for --endpoint (default: $OPENAI_API_KEY)")
     e.add_argument("--vocab-size", type=int, default=None, help="--endpoint: random prompt ids below this (32000)")
     bench.add_argument("--out", default="results", help="directory for JSON, Markdown and PNG files")
@@ -607,8 +860,12 @@ def add_bench_command(sub) -> None:
 
 def add_demo_command(sub) -> None:
     demo = sub.add_parser("demo", help="see temporal fusion at work (makes a small random model if needed)")
-    demo.add_argument("--model", default=None, help="a GGUF file, checkpoint directory or hub id (default: "
-                                                    "SmolLM2-135M-Instruct, fetched once into --models-dir)")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file, checkpoint directory or hub id (default: "
+        "SmolLM2-135M-Instruct, fetched once into --models-dir)",
+    )
     demo.add_argument("--preset", default=None, help="a random demo model instead: bench-124m or tiny (quicker)")
     demo.add_argument("--models-dir", default="models", help="where the demo model is made")
     demo.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
@@ -640,20 +897,27 @@ def main(argv: list[str] | None = None) -> int:
         print("flover: error: flover demo runs in one process; use flover run/generate under mpirun", file=sys.stderr)
         return 2
     prefix = f"flover[rank {launched_rank()}]" if ranks > 1 else "flover"
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format=f"{prefix}: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format=f"{prefix}: %(message)s", stream=sys.stderr
+    )
     try:
         _resolve_hub_id(args)
         if getattr(args, "dtype", None) == "auto":  # concrete from here on: logs, results files, bench tables
             args.dtype = _resolve_dtype(args)
         return args.func(args)
-    except (ValueError, MemoryError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError, FetchError a RuntimeError
+    except (
+        ValueError,
+        MemoryError,
+        OSError,
+        RuntimeError,
+    ) as e:  # CheckpointError is a ValueError, FetchError a RuntimeError
         print(f"{prefix}: error: {e or type(e).__name__}", file=sys.stderr, flush=True)
         code = 2
     except BaseException as e:  # anything else: say which rank failed and why
         if ranks <= 1:
             raise
         import traceback
+
         print(f"{prefix}: failed: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = 1
     if ranks > 1:
@@ -672,6 +936,7 @@ def _resolve_hub_id(args: argparse.Namespace) -> None:
 def _abort_job(comm, code: int) -> None:
     if comm is None:
         from mpi4py import MPI
+
         MPI.COMM_WORLD.Abort(code)
     comm.abort(code)
 

@@ -1,6 +1,6 @@
 """docs/cli.md, written from the parser itself (a test fails when the page is stale):
 
-    python -m flover.apps.cli_docs > docs/cli.md
+python -m flover.apps.cli_docs > docs/cli.md
 """
 
 from __future__ import annotations

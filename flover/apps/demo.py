@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 from flover.apps.batch import BatchRunner, BatchSummary, arrival_offsets
-from flover.config import EngineConfig, SamplingParams
-from flover.engine.engine import Engine
 from flover.apps.prompt_file import iter_records
 from flover.apps.results_file import ResultsFile
+from flover.config import EngineConfig, SamplingParams
+from flover.engine.engine import Engine
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "demo_prompts.txt"
 
@@ -70,8 +70,10 @@ class LiveView:
         width = min(self.slots, 32)
         filled = round(width * running / self.slots)
         bar = "█" * filled + "·" * (width - filled)
-        line = (f"iter {runner.summary.iterations:5d} | arrived {runner.arrived:3d}/{self.total} | "
-                f"in flight {running:3d} ▕{bar}▏ waiting {waiting:3d} | finished {finished:3d}")
+        line = (
+            f"iter {runner.summary.iterations:5d} | arrived {runner.arrived:3d}/{self.total} | "
+            f"in flight {running:3d} ▕{bar}▏ waiting {waiting:3d} | finished {finished:3d}"
+        )
         if self.tty:
             self.stream.write("\r" + line)
             self.stream.flush()
@@ -92,8 +94,9 @@ def read_prompts(path: Path, chat: bool) -> list:
     return records
 
 
-def run_once(engine: Engine, records: list, params: SamplingParams, rate: float, seed: int,
-             view=None) -> tuple[BatchSummary, list[dict]]:
+def run_once(
+    engine: Engine, records: list, params: SamplingParams, rate: float, seed: int, view=None
+) -> tuple[BatchSummary, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = f"{tmp}/out.jsonl"
         out = ResultsFile(out_path)
@@ -106,14 +109,26 @@ def run_once(engine: Engine, records: list, params: SamplingParams, rate: float,
     return summary, results
 
 
-def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float, max_new_tokens: int,
-             max_slots: int, dtype: str, threads: int | None, seed: int = 0, stream=sys.stdout,
-             show: int = 4) -> dict:
+def run_demo(
+    model: str | None,
+    preset: str | None,
+    models_dir: str,
+    rate: float,
+    max_new_tokens: int,
+    max_slots: int,
+    dtype: str,
+    threads: int | None,
+    seed: int = 0,
+    stream=sys.stdout,
+    show: int = 4,
+) -> dict:
     say = lambda text: print(text, file=stream, flush=True)  # noqa: E731
     model_path, real = ensure_model(model, preset, models_dir, say)
     if not real:
-        say("  (for real text: flover demo without --preset fetches a real model, or --model PATH: a GGUF "
-            "file or a Llama, Mistral, Qwen2 or GPT-J checkpoint directory)")
+        say(
+            "  (for real text: flover demo without --preset fetches a real model, or --model PATH: a GGUF "
+            "file or a Llama, Mistral, Qwen2 or GPT-J checkpoint directory)"
+        )
     # fusion alone (no speculation): one token per request and iteration in both runs
     fused_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads, speculate=0))
     # Real models stop at their end-of-turn token; random ones would stop anywhere, so they run to the length.
@@ -122,8 +137,10 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
     chat = real and tokenizer is not None and tokenizer.chat_template is not None
     records = read_prompts(DEMO_PROMPTS, chat)
     n = len(records)
-    say(f"\n{n} prompts{' (as chat messages)' if chat else ''} arriving at random (Poisson, {rate:g} per second), "
-        f"up to {max_new_tokens} tokens each.")
+    say(
+        f"\n{n} prompts{' (as chat messages)' if chat else ''} arriving at random (Poisson, {rate:g} per second), "
+        f"up to {max_new_tokens} tokens each."
+    )
     say("\n== temporal fusion: every arrival joins the running batch at the next iteration ==")
     view = LiveView(n, max_slots, stream)
     fused, fused_results = run_once(fused_engine, records, params, rate, seed, view)
@@ -141,12 +158,14 @@ def run_demo(model: str | None, preset: str | None, models_dir: str, rate: float
     view.close()
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 
-    rows = [("makespan (s)", fused.wall_s, serial.wall_s, "{:.2f}"),
-            ("output tokens/s", fused.tokens_per_s, serial.tokens_per_s, "{:.0f}"),
-            ("latency p50 (s)", *_pct(fused_results, serial_results, "e2e_s", 50), "{:.2f}"),
-            ("latency p90 (s)", *_pct(fused_results, serial_results, "e2e_s", 90), "{:.2f}"),
-            ("time to first token p50 (s)", *_pct(fused_results, serial_results, "ttft_s", 50), "{:.3f}"),
-            ("iterations", fused.iterations, serial.iterations, "{:.0f}")]
+    rows = [
+        ("makespan (s)", fused.wall_s, serial.wall_s, "{:.2f}"),
+        ("output tokens/s", fused.tokens_per_s, serial.tokens_per_s, "{:.0f}"),
+        ("latency p50 (s)", *_pct(fused_results, serial_results, "e2e_s", 50), "{:.2f}"),
+        ("latency p90 (s)", *_pct(fused_results, serial_results, "e2e_s", 90), "{:.2f}"),
+        ("time to first token p50 (s)", *_pct(fused_results, serial_results, "ttft_s", 50), "{:.3f}"),
+        ("iterations", fused.iterations, serial.iterations, "{:.0f}"),
+    ]
     say(f"\n{'':30s}{'fused':>12s}{'one at a time':>16s}")
     for name, a, b, fmt in rows:
         say(f"{name:30s}{fmt.format(a):>12s}{fmt.format(b):>16s}")
@@ -158,4 +177,5 @@ def _pct(a: list[dict], b: list[dict], key: str, q: int) -> tuple[float, float]:
     def pct(results):
         values = sorted(r["latency"][key] for r in results)
         return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
     return pct(a), pct(b)

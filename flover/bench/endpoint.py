@@ -53,8 +53,15 @@ class Endpoint:
 
 
 def stream_one(endpoint: Endpoint, model: str, req: BenchRequest, t0: float, trace: RequestTrace) -> None:
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.new_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt_ids,
+        "max_tokens": req.new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     conn, r = endpoint.request("POST", "/v1/completions", body)
     try:
         if r.status != 200:

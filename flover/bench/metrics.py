@@ -36,9 +36,13 @@ def request_metrics(t: RequestTrace) -> dict:
     first, last = t.token_times[0], t.token_times[-1]
     n = len(t.token_times)
     return {
-        "id": t.id, "arrival_s": t.arrival, "prompt_tokens": t.prompt_len, "output_tokens": n,
+        "id": t.id,
+        "arrival_s": t.arrival,
+        "prompt_tokens": t.prompt_len,
+        "output_tokens": n,
         "queue_s": None if t.start is None else max(0.0, t.start - t.arrival),
-        "ttft_s": first - t.arrival, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
+        "ttft_s": first - t.arrival,
+        "tpot_s": (last - first) / (n - 1) if n > 1 else None,
         "e2e_s": last - t.arrival,
         "itl_s": [b - a for a, b in zip(t.token_times, t.token_times[1:])],
     }
@@ -61,11 +65,21 @@ def run_summary(trace: RunTrace) -> dict:
     per = [request_metrics(t) for t in trace.requests]
     makespan = max(t.token_times[-1] for t in trace.requests) - min(t.arrival for t in trace.requests)
     tokens = sum(p["output_tokens"] for p in per)
-    summary = {"mode": trace.mode, "note": trace.note, "kernels": trace.kernels, "requests": len(per), "output_tokens": tokens,
-               "makespan_s": makespan, "output_tok_s": tokens / makespan, "requests_s": len(per) / makespan,
-               "iterations": trace.iterations, "overlap_share": overlap_share(trace),
-               "shuffle_moves": trace.shuffle_moves, "shuffle_s": trace.shuffle_s,
-               "mean_e2e_s": statistics.fmean(p["e2e_s"] for p in per)}
+    summary = {
+        "mode": trace.mode,
+        "note": trace.note,
+        "kernels": trace.kernels,
+        "requests": len(per),
+        "output_tokens": tokens,
+        "makespan_s": makespan,
+        "output_tok_s": tokens / makespan,
+        "requests_s": len(per) / makespan,
+        "iterations": trace.iterations,
+        "overlap_share": overlap_share(trace),
+        "shuffle_moves": trace.shuffle_moves,
+        "shuffle_s": trace.shuffle_s,
+        "mean_e2e_s": statistics.fmean(p["e2e_s"] for p in per),
+    }
     for key in ("queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s"):
         values = [v for p in per for v in (p[key] if key == "itl_s" else [p[key]]) if v is not None]
         for q in (50, 90, 99):

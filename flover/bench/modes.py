@@ -69,8 +69,16 @@ def _traces(reqs: list[BenchRequest]) -> dict[str, RequestTrace]:
 def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
     """fused, serial (the same engine with one slot) and window, on flover's engine."""
     slots = 1 if mode == "serial" else s.max_slots
-    engine = Engine(EngineConfig(s.model, dtype=s.dtype, max_slots=slots, max_seq_len=s.max_seq_len,
-                                 num_threads=s.threads, max_batch_tokens=max(512, slots)))
+    engine = Engine(
+        EngineConfig(
+            s.model,
+            dtype=s.dtype,
+            max_slots=slots,
+            max_seq_len=s.max_seq_len,
+            num_threads=s.threads,
+            max_batch_tokens=max(512, slots),
+        )
+    )
     _warm_up(engine)
     trace = RunTrace(mode, list(_traces(reqs).values()))
     by_id = {t.id: t for t in trace.requests}
@@ -94,7 +102,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
                 submit(r)
         if mode == "window" and held and not running_batch:
             if len(held) >= s.window_batch or now - held[0].arrival_s >= s.window_ms / 1000:
-                batch, held[:] = held[: s.window_batch], held[s.window_batch:]
+                batch, held[:] = held[: s.window_batch], held[s.window_batch :]
                 for r in batch:
                     submit(r)
                     running_batch.add(r.id)
@@ -108,8 +116,14 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
         started = time.perf_counter()
         outputs = engine.step()
         end = time.perf_counter() - t0
-        trace.iteration_log.append((end, engine.num_running + sum(o.finished for o in outputs),
-                                    time.perf_counter() - started, engine.last_step_tokens))
+        trace.iteration_log.append(
+            (
+                end,
+                engine.num_running + sum(o.finished for o in outputs),
+                time.perf_counter() - started,
+                engine.last_step_tokens,
+            )
+        )
         for out in outputs:
             t = by_id[out.request_id]
             if t.start is None and out.timings["queue_time"] is not None:
@@ -133,8 +147,11 @@ def _warm_up(engine: Engine) -> None:
 
 # -- instances: K processes, one request at a time each ---------------------------------------
 def _instance_worker(settings: ModeSettings, threads: int, inbox, outbox) -> None:
-    engine = Engine(EngineConfig(settings.model, dtype=settings.dtype, max_slots=1, num_threads=threads,
-                                 max_seq_len=settings.max_seq_len))
+    engine = Engine(
+        EngineConfig(
+            settings.model, dtype=settings.dtype, max_slots=1, num_threads=threads, max_seq_len=settings.max_seq_len
+        )
+    )
     _warm_up(engine)
     outbox.put(("ready", None))
     while (item := inbox.get()) is not None:
@@ -152,16 +169,18 @@ def run_instances(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     threads = max(1, (s.threads or default_num_threads()) // s.instances)
-    workers = [ctx.Process(target=_instance_worker, args=(s, threads, inbox, outbox), daemon=True)
-               for _ in range(s.instances)]
+    workers = [
+        ctx.Process(target=_instance_worker, args=(s, threads, inbox, outbox), daemon=True) for _ in range(s.instances)
+    ]
     for w in workers:
         w.start()
     try:
         for _ in workers:
             kind, _ = outbox.get(timeout=300)
             assert kind == "ready"
-        trace = RunTrace("instances", list(_traces(reqs).values()),
-                         note=f"{s.instances} processes x {threads} thread(s)")
+        trace = RunTrace(
+            "instances", list(_traces(reqs).values()), note=f"{s.instances} processes x {threads} thread(s)"
+        )
         by_id = {t.id: t for t in trace.requests}
         t0 = time.perf_counter()  # CLOCK_MONOTONIC: the workers' perf_counter shares it
         for r in sorted(reqs, key=lambda r: r.arrival_s):
@@ -207,19 +226,29 @@ def run_hf(reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
         return run_hf_window(reqs, s, model, reason=f"continuous batching failed: {e!r}")
 
 
-def run_hf_continuous(reqs: list[BenchRequest], s: ModeSettings, model, GenerationConfig,
-                      ContinuousBatchingConfig) -> RunTrace:
+def run_hf_continuous(
+    reqs: list[BenchRequest], s: ModeSettings, model, GenerationConfig, ContinuousBatchingConfig
+) -> RunTrace:
     page = 64
     longest = max(len(r.prompt_ids) + r.new_tokens for r in reqs)
     blocks = (s.max_slots + 1) * -(-longest // page)  # room for every slot at the longest length
-    config = ContinuousBatchingConfig(num_blocks=blocks, page_size=page, max_batch_tokens=512,
-                                      max_requests_per_batch=s.max_slots, auto_switch_to_flash=False)
+    config = ContinuousBatchingConfig(
+        num_blocks=blocks,
+        page_size=page,
+        max_batch_tokens=512,
+        max_requests_per_batch=s.max_slots,
+        auto_switch_to_flash=False,
+    )
     manager = model.init_continuous_batching(
         generation_config=GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=8),
-        continuous_batching_config=config)
+        continuous_batching_config=config,
+    )
     manager.start()
-    trace = RunTrace("hf", list(_traces(reqs).values()),
-                     note="transformers continuous-batching manager (requests added as they arrive)")
+    trace = RunTrace(
+        "hf",
+        list(_traces(reqs).values()),
+        note="transformers continuous-batching manager (requests added as they arrive)",
+    )
     by_id = {t.id: t for t in trace.requests}
     try:
         manager.add_request([1, 2, 3], request_id="warm-up", max_new_tokens=2, eos_token_id=-1)
@@ -234,8 +263,9 @@ def run_hf_continuous(reqs: list[BenchRequest], s: ModeSettings, model, Generati
             now = time.perf_counter() - t0
             while pending and pending[0].arrival_s <= now:
                 q = pending.popleft()
-                manager.add_request(q.prompt_ids, request_id=q.id, max_new_tokens=q.new_tokens,
-                                    record_timestamps=True, eos_token_id=-1)
+                manager.add_request(
+                    q.prompt_ids, request_id=q.id, max_new_tokens=q.new_tokens, record_timestamps=True, eos_token_id=-1
+                )
             wait = pending[0].arrival_s - now if pending else 60.0
             result = manager.get_result(timeout=max(0.001, wait))
             if result is not None and result.is_finished() and result.request_id in by_id:
@@ -252,9 +282,12 @@ def run_hf_window(reqs: list[BenchRequest], s: ModeSettings, model, reason: str 
     import torch
     import transformers
 
-    trace = RunTrace("hf", list(_traces(reqs).values()),
-                     note="transformers batched generate per dynamic-batching window "
-                          f"({s.window_ms:g} ms / {s.window_batch} requests){'; ' + reason if reason else ''}")
+    trace = RunTrace(
+        "hf",
+        list(_traces(reqs).values()),
+        note="transformers batched generate per dynamic-batching window "
+        f"({s.window_ms:g} ms / {s.window_batch} requests){'; ' + reason if reason else ''}",
+    )
     by_id = {t.id: t for t in trace.requests}
     step_times: list[float] = []
 
@@ -290,8 +323,15 @@ def run_hf_window(reqs: list[BenchRequest], s: ModeSettings, model, reason: str 
         step_times.clear()
         start = time.perf_counter() - t0
         with torch.inference_mode():
-            model.generate(input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0, logits_processor=[StepClock()])
+            model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=[StepClock()],
+            )
         trace.iterations += len(step_times)
         for r in batch:
             by_id[r.id].start = start

@@ -5,10 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = [("mode", "{}"), ("makespan_s", "{:.2f}"), ("output_tok_s", "{:.0f}"), ("requests_s", "{:.2f}"),
-           ("ttft_p50_s", "{:.3f}"), ("ttft_p99_s", "{:.3f}"), ("tpot_p50_s", "{:.4f}"), ("itl_p99_s", "{:.4f}"),
-           ("e2e_p50_s", "{:.2f}"), ("e2e_p99_s", "{:.2f}"), ("iterations", "{}"), ("overlap_share", "{:.0%}"),
-           ("speedup_makespan", "{:.2f}x"), ("speedup_mean_latency", "{:.2f}x")]
+COLUMNS = [
+    ("mode", "{}"),
+    ("makespan_s", "{:.2f}"),
+    ("output_tok_s", "{:.0f}"),
+    ("requests_s", "{:.2f}"),
+    ("ttft_p50_s", "{:.3f}"),
+    ("ttft_p99_s", "{:.3f}"),
+    ("tpot_p50_s", "{:.4f}"),
+    ("itl_p99_s", "{:.4f}"),
+    ("e2e_p50_s", "{:.2f}"),
+    ("e2e_p99_s", "{:.2f}"),
+    ("iterations", "{}"),
+    ("overlap_share", "{:.0%}"),
+    ("speedup_makespan", "{:.2f}x"),
+    ("speedup_mean_latency", "{:.2f}x"),
+]
 
 
 def fmt(value, pattern: str) -> str:
@@ -27,9 +39,11 @@ def roofline_line(roof: dict, fused: dict | None) -> str:
     from flover.bench.roofline import Roofline
 
     r = Roofline(**roof)
-    text = (f"Roofline: memory read bandwidth {r.bandwidth_gb_s:.1f} GB/s (copy {r.copy_gb_s:.1f} GB/s read+write), "
-            f"float32 matmul {r.matmul_gflop_s:.0f} GFLOP/s (measured in this run); "
-            f"{r.params / 1e6:.0f}M parameters ({r.weight_bytes / 1e6:.0f} MB) read per decode iteration")
+    text = (
+        f"Roofline: memory read bandwidth {r.bandwidth_gb_s:.1f} GB/s (copy {r.copy_gb_s:.1f} GB/s read+write), "
+        f"float32 matmul {r.matmul_gflop_s:.0f} GFLOP/s (measured in this run); "
+        f"{r.params / 1e6:.0f}M parameters ({r.weight_bytes / 1e6:.0f} MB) read per decode iteration"
+    )
     if fused and fused.get("iteration_ms_by_batch"):
         parts = []
         for batch, ms in sorted(fused["iteration_ms_by_batch"].items(), key=lambda kv: int(kv[0])):

@@ -20,8 +20,9 @@ class Roofline:
     def floor_ms(self, batch: int) -> float:
         """One decode iteration can be no faster than reading every weight once, nor than doing
         its 2 x params x batch FLOPs."""
-        return 1000 * max(self.weight_bytes / (self.bandwidth_gb_s * 1e9),
-                          2 * self.params * batch / (self.matmul_gflop_s * 1e9))
+        return 1000 * max(
+            self.weight_bytes / (self.bandwidth_gb_s * 1e9), 2 * self.params * batch / (self.matmul_gflop_s * 1e9)
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -48,8 +49,13 @@ def measure(weight_bytes: int, params: int, threads: int | None = None) -> Roofl
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     mm = _best_of(lambda: torch.mm(a, b))
     nbytes = src.numel() * 4
-    return Roofline(bandwidth_gb_s=nbytes / read / 1e9, matmul_gflop_s=2 * 2048**3 / mm / 1e9,
-                    weight_bytes=weight_bytes, params=params, copy_gb_s=2 * nbytes / copy / 1e9)
+    return Roofline(
+        bandwidth_gb_s=nbytes / read / 1e9,
+        matmul_gflop_s=2 * 2048**3 / mm / 1e9,
+        weight_bytes=weight_bytes,
+        params=params,
+        copy_gb_s=2 * nbytes / copy / 1e9,
+    )
 
 
 def model_size(model_dir: str) -> tuple[int, int]:
@@ -58,7 +64,10 @@ def model_size(model_dir: str) -> tuple[int, int]:
 
     cfg = load_model_config(model_dir)
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    per_layer = h * (cfg.num_heads * d + 2 * cfg.num_kv_heads * d) + cfg.num_heads * d * h + (
-        3 if not cfg.is_gptj else 2) * h * i
+    per_layer = (
+        h * (cfg.num_heads * d + 2 * cfg.num_kv_heads * d)
+        + cfg.num_heads * d * h
+        + (3 if not cfg.is_gptj else 2) * h * i
+    )
     params = cfg.num_layers * per_layer + v * h  # + the LM head (the embedding lookup reads a few rows)
     return 4 * params, params

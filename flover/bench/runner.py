@@ -39,12 +39,22 @@ def cpu_name() -> str:
 
 
 def machine_text(threads: int) -> str:
-    return (f"{cpu_name()} ({platform.machine()}), {default_num_threads()} cores available, {threads} threads, "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
+    return (
+        f"{cpu_name()} ({platform.machine()}), {default_num_threads()} cores available, {threads} threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
 
 
-def run_benchmark(model: str, workload: Workload, modes: list[str], settings: ModeSettings, out_dir: str | Path,
-                  name: str = "bench", roof: roofline.Roofline | None = None, log=print) -> dict:
+def run_benchmark(
+    model: str,
+    workload: Workload,
+    modes: list[str],
+    settings: ModeSettings,
+    out_dir: str | Path,
+    name: str = "bench",
+    roof: roofline.Roofline | None = None,
+    log=print,
+) -> dict:
     vocab = load_model_config(model).vocab_size
     requests = workload.build(vocab)
     threads = settings.threads or default_num_threads()
@@ -59,18 +69,35 @@ def run_benchmark(model: str, workload: Workload, modes: list[str], settings: Mo
         if mode == "fused":
             results[mode]["summary"]["iteration_ms_by_batch"] = iteration_ms_by_batch(trace)
         s = results[mode]["summary"]
-        log(f"[{name}] {mode}: makespan {s['makespan_s']:.2f} s, {s['output_tok_s']:.0f} tok/s, "
-            f"e2e p50 {s['e2e_p50_s']:.2f} s, {s['iterations']} iterations")
+        log(
+            f"[{name}] {mode}: makespan {s['makespan_s']:.2f} s, {s['output_tok_s']:.0f} tok/s, "
+            f"e2e p50 {s['e2e_p50_s']:.2f} s, {s['iterations']} iterations"
+        )
     add_speedups(results)
-    meta = {"model": model, "workload": workload.as_dict(), "workload_text": workload.describe(),
-            "modes": modes, "settings": settings.__dict__, "roofline": roof.as_dict(),
-            "machine": machine_text(threads), "date": datetime.date.today().isoformat()}
+    meta = {
+        "model": model,
+        "workload": workload.as_dict(),
+        "workload_text": workload.describe(),
+        "modes": modes,
+        "settings": settings.__dict__,
+        "roofline": roof.as_dict(),
+        "machine": machine_text(threads),
+        "date": datetime.date.today().isoformat(),
+    }
     files = write_results(Path(out_dir), name, meta, results, traces)
     return {"meta": meta, "results": results, "files": files, "traces": traces}
 
 
-def run_endpoint_benchmark(url: str, model: str | None, workload: Workload, vocab: int, out_dir: str | Path,
-                           name: str = "bench", api_key: str | None = None, log=print) -> dict:
+def run_endpoint_benchmark(
+    url: str,
+    model: str | None,
+    workload: Workload,
+    vocab: int,
+    out_dir: str | Path,
+    name: str = "bench",
+    api_key: str | None = None,
+    log=print,
+) -> dict:
     """The workload against an OpenAI-compatible server: the same summary, files and plots."""
     from flover.bench.endpoint import Endpoint, run_endpoint
 
@@ -80,10 +107,19 @@ def run_endpoint_benchmark(url: str, model: str | None, workload: Workload, voca
     trace = run_endpoint(workload.build(vocab), endpoint, model)
     results = {"endpoint": run_summary(trace)}
     s = results["endpoint"]["summary"]
-    log(f"[{name}] endpoint: makespan {s['makespan_s']:.2f} s, {s['output_tok_s']:.0f} tok/s, "
-        f"TTFT p50 {s['ttft_p50_s'] * 1000:.0f} ms, e2e p50 {s['e2e_p50_s']:.2f} s")
-    meta = {"model": model, "endpoint": url, "workload": workload.as_dict(), "workload_text": workload.describe(),
-            "modes": ["endpoint"], "roofline": None, "machine": machine_text(default_num_threads()),
-            "date": datetime.date.today().isoformat()}
+    log(
+        f"[{name}] endpoint: makespan {s['makespan_s']:.2f} s, {s['output_tok_s']:.0f} tok/s, "
+        f"TTFT p50 {s['ttft_p50_s'] * 1000:.0f} ms, e2e p50 {s['e2e_p50_s']:.2f} s"
+    )
+    meta = {
+        "model": model,
+        "endpoint": url,
+        "workload": workload.as_dict(),
+        "workload_text": workload.describe(),
+        "modes": ["endpoint"],
+        "roofline": None,
+        "machine": machine_text(default_num_threads()),
+        "date": datetime.date.today().isoformat(),
+    }
     files = write_results(Path(out_dir), name, meta, results, {"endpoint": trace})
     return {"meta": meta, "results": results, "files": files, "traces": {"endpoint": trace}}

@@ -39,10 +39,15 @@ class Workload:
 
     def describe(self) -> str:
         rng_text = lambda r: str(r[0]) if r[0] == r[1] else f"U({r[0]}, {r[1]})"  # noqa: E731
-        when = {"all": "all at once", "interval": f"every {self.interval_ms:g} ms",
-                "poisson": f"Poisson, mean interval {self.interval_ms:g} ms"}[self.arrival]
-        return (f"{self.requests} requests, prompt {rng_text(self.prompt_len)} tokens, "
-                f"{rng_text(self.gen_len)} new tokens, arrivals {when}, seed {self.seed}")
+        when = {
+            "all": "all at once",
+            "interval": f"every {self.interval_ms:g} ms",
+            "poisson": f"Poisson, mean interval {self.interval_ms:g} ms",
+        }[self.arrival]
+        return (
+            f"{self.requests} requests, prompt {rng_text(self.prompt_len)} tokens, "
+            f"{rng_text(self.gen_len)} new tokens, arrivals {when}, seed {self.seed}"
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from flover.config import EngineConfig, SamplingParams, threads_per_rank
+from flover.engine.intake import Intake
+from flover.engine.interface import ServingEngine
 from flover.engine.output import OutputProcessor
 from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
-from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
-from flover.engine.intake import Intake
-from flover.engine.interface import ServingEngine
 from flover.engine.settings import resolve_config, resolve_max_seq_len
+from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
@@ -47,8 +47,12 @@ if TYPE_CHECKING:  # a type only: the runner holds it
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "float64": torch.float64}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 class Engine(ServingEngine):
@@ -63,13 +67,18 @@ class Engine(ServingEngine):
         asked = config.quantization
         self.config = config = resolve_config(config, cfg, file_quantization(checkpoint))
         if asked == "auto" and config.quantization != "none":
-            log.info("weights: the file's %s projections keep their codes (%s; --quantization none "
-                     "dequantizes them)", "/".join(sorted(checkpoint.projection_types())), config.quantization)
+            log.info(
+                "weights: the file's %s projections keep their codes (%s; --quantization none dequantizes them)",
+                "/".join(sorted(checkpoint.projection_types())),
+                config.quantization,
+            )
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.is_leader = self.comm is None or self.comm.rank == 0
         self.groups = 1
         ranks = self.comm.size if self.comm else 1
-        torch.set_num_threads(config.num_threads or threads_per_rank(local_ranks() or ranks))  # the node's ranks share it
+        torch.set_num_threads(
+            config.num_threads or threads_per_rank(local_ranks() or ranks)
+        )  # the node's ranks share it
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
@@ -78,20 +87,40 @@ class Engine(ServingEngine):
         # new grammars are tried in a child first (a data-parallel group's leader: not, prepare_grammars)
         self.intake = Intake(self.tokenizer, cfg, max_seq_len, config.grammar_limits, checks_grammars=self.is_leader)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
-            log.warning("the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
-                        "vocabulary is refused", self.tokenizer.vocab_size, cfg.vocab_size)
+            log.warning(
+                "the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
+                "vocabulary is refused",
+                self.tokenizer.vocab_size,
+                cfg.vocab_size,
+            )
         # Per rank; the same block count on every rank (kv heads split evenly), which keeps their
         # prefix indexes making the same decisions (docs/prefix_cache.md).
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
-        self.runner = build_runner(checkpoint, RankSetup(config, cfg, self.tp, self.dtype, self.device,
-                                                         max_seq_len, prefix_blocks, BLOCK_TOKENS, self.comm,
-                                                         self.is_leader))
+        self.runner = build_runner(
+            checkpoint,
+            RankSetup(
+                config,
+                cfg,
+                self.tp,
+                self.dtype,
+                self.device,
+                max_seq_len,
+                prefix_blocks,
+                BLOCK_TOKENS,
+                self.comm,
+                self.is_leader,
+            ),
+        )
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
-        self.scheduler = Scheduler(config.max_slots, config.max_batch_tokens, self.prefix_cache,
-                                   PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
-                                   self._speculation(self.runner.native, self.runner.graphs))
+        self.scheduler = Scheduler(
+            config.max_slots,
+            config.max_batch_tokens,
+            self.prefix_cache,
+            PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
+            self._speculation(self.runner.native, self.runner.graphs),
+        )
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
         self.channel = PlanChannel(self.comm) if self.comm is not None else None  # TP: the leader's intake
@@ -117,21 +146,32 @@ class Engine(ServingEngine):
                 log.warning("speculation off: draft rows need the native CPU step (%s)", why)
             return Speculation()
         tokens = DEFAULT_DRAFT_TOKENS if config.speculate is None else config.speculate
-        log.info("speculation: greedy requests draft up to %d tokens by prompt lookup (%d-grams; --speculate 0: "
-                 "off)", tokens, config.speculate_ngram)
+        log.info(
+            "speculation: greedy requests draft up to %d tokens by prompt lookup (%d-grams; --speculate 0: off)",
+            tokens,
+            config.speculate_ngram,
+        )
         return Speculation(tokens, config.speculate_ngram)
 
     # -- intake ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue a request; it joins the running batch at the next iteration. Raises
         ValueError (and changes nothing) when the request cannot be served."""
         return self.enqueue(self.make_request(prompt, params, request_id))
 
-    def make_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
-                     request_id: str | None = None, arrival_time: float | None = None,
-                     stream: bool = False, messages: list | None = None, cache_salt: str | None = None,
-                     tokenized: tuple[list[int], str | None] | None = None) -> Request:
+    def make_request(
+        self,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        stream: bool = False,
+        messages: list | None = None,
+        cache_salt: str | None = None,
+        tokenized: tuple[list[int], str | None] | None = None,
+    ) -> Request:
         """Validate and tokenize (Intake.build: ValueError naming what is wrong), under an id not
         in flight (the next free number if None). Queues nothing."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -142,8 +182,9 @@ class Engine(ServingEngine):
     def enqueue(self, request: Request) -> str:
         self.scheduler.add(request)  # (refuses an id in flight)
         if self.channel is not None:
-            self.channel.added(AddEvent(request.request_id, request.prompt_token_ids, request.params,
-                                        request.cache_salt))
+            self.channel.added(
+                AddEvent(request.request_id, request.prompt_token_ids, request.params, request.cache_salt)
+            )
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -178,16 +219,29 @@ class Engine(ServingEngine):
         kv_tokens = sum(r.kv_len for r in running)
         buffer, cache = self.runner.buffer, self.prefix_cache
         return EngineStats(
-            running=len(running), waiting=len(self.scheduler.waiting), slots_total=self.config.max_slots,
-            kv_bytes=buffer.nbytes, kv_tokens=kv_tokens,
-            kv_use=kv_tokens / (self.config.max_slots * self.max_seq_len), iterations=self.iterations,
-            last_step_tokens=self.last_step_tokens, shuffle_moves=buffer.moves_done,
-            shuffle_bytes=buffer.bytes_moved, shuffle_seconds=buffer.move_seconds, draft_tokens=self.draft_tokens,
+            running=len(running),
+            waiting=len(self.scheduler.waiting),
+            slots_total=self.config.max_slots,
+            kv_bytes=buffer.nbytes,
+            kv_tokens=kv_tokens,
+            kv_use=kv_tokens / (self.config.max_slots * self.max_seq_len),
+            iterations=self.iterations,
+            last_step_tokens=self.last_step_tokens,
+            shuffle_moves=buffer.moves_done,
+            shuffle_bytes=buffer.bytes_moved,
+            shuffle_seconds=buffer.move_seconds,
+            draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
-            prefix_cache=None if cache is None else {
-                **dataclasses.asdict(cache.stats), "blocks_used": cache.used_blocks,
-                "blocks_total": cache.num_blocks, "block_tokens": cache.block_tokens},
-            native_kernels=self.runner.native.kernels if self.runner.native is not None else None)
+            prefix_cache=None
+            if cache is None
+            else {
+                **dataclasses.asdict(cache.stats),
+                "blocks_used": cache.used_blocks,
+                "blocks_total": cache.num_blocks,
+                "block_tokens": cache.block_tokens,
+            },
+            native_kernels=self.runner.native.kernels if self.runner.native is not None else None,
+        )
 
     @torch.inference_mode()
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -219,8 +273,9 @@ class Engine(ServingEngine):
             self.scheduler.iteration_cost.leader_knee = message.knee
             for event in message.events:
                 if isinstance(event, AddEvent):
-                    self.enqueue(self.make_request(event.token_ids, event.params, event.request_id,
-                                                   cache_salt=event.cache_salt))
+                    self.enqueue(
+                        self.make_request(event.token_ids, event.params, event.request_id, cache_salt=event.cache_salt)
+                    )
                 else:
                     self.abort(event)
             self._pending.clear()  # only the leader reports
@@ -314,8 +369,11 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt through the engine (fused, as slots allow) and return the final
         outputs in prompt order. `params` is one SamplingParams for all or one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):

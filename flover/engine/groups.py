@@ -29,8 +29,20 @@ log = logging.getLogger(__name__)
 
 AFFINITY_BLOCKS = 4  # prompt prefixes of 1..4 blocks are remembered with the group that cached them
 REMEMBERED = 4096  # prefixes remembered (least recently routed forgotten first)
-SILENT = dict(running=0, waiting=0, kv_tokens=0, kv_use=0.0, iterations=0, last_step_tokens=0, shuffle_moves=0,
-              shuffle_bytes=0, shuffle_seconds=0.0, draft_tokens=0, accepted_tokens=0, prefix_cache=None)
+SILENT = dict(
+    running=0,
+    waiting=0,
+    kv_tokens=0,
+    kv_use=0.0,
+    iterations=0,
+    last_step_tokens=0,
+    shuffle_moves=0,
+    shuffle_bytes=0,
+    shuffle_seconds=0.0,
+    draft_tokens=0,
+    accepted_tokens=0,
+    prefix_cache=None,
+)
 
 
 @dataclass
@@ -84,7 +96,7 @@ def prefix_keys(token_ids: list[int], salt: str | None) -> list[bytes]:
     what the prefix cache could reuse."""
     digest, keys = hashlib.blake2b((salt or "").encode(), digest_size=16), []
     for b in range(min(AFFINITY_BLOCKS, len(token_ids) // BLOCK_TOKENS)):
-        digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids[b * BLOCK_TOKENS: (b + 1) * BLOCK_TOKENS]))
+        digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]))
         keys.append(digest.copy().digest())
     return keys
 
@@ -125,9 +137,19 @@ class EngineGroups(ServingEngine):
             self.engine.enqueue(request)
         else:
             age = time.perf_counter() - request.timings.arrival  # (clocks differ across nodes)
-            self.mailbox.send(self.layout.leaders[group], {"add": [
-                request.request_id, request.prompt_token_ids, asdict(request.params), request.cache_salt,
-                request.stream, age]})
+            self.mailbox.send(
+                self.layout.leaders[group],
+                {
+                    "add": [
+                        request.request_id,
+                        request.prompt_token_ids,
+                        asdict(request.params),
+                        request.cache_salt,
+                        request.stream,
+                        age,
+                    ]
+                },
+            )
         self.router.started(group, to_go)
         self.routed[request.request_id] = Routed(group, request.prompt_token_ids, to_go)
         return request.request_id
@@ -150,8 +172,11 @@ class EngineGroups(ServingEngine):
             group = self.layout.leaders.index(source)
             self.group_stats[group] = message.get("stats") or self.group_stats[group]
             self._timed.extend(message.get("iterations", ()))
-            outputs += [_output(wire, self.routed[wire["request_id"]]) for wire in message.get("outputs", ())
-                        if wire["request_id"] in self.routed]
+            outputs += [
+                _output(wire, self.routed[wire["request_id"]])
+                for wire in message.get("outputs", ())
+                if wire["request_id"] in self.routed
+            ]
         for out in outputs:
             self._account(out)
         return outputs
@@ -198,16 +223,33 @@ class EngineGroups(ServingEngine):
         unheard = {**mine, **SILENT}  # a group that has sent nothing yet: rank 0's sizes, no activity
         per_group = [mine] + [s or unheard for s in self.group_stats[1:]]
         total = dict(mine)
-        for key in ("running", "waiting", "slots_total", "kv_bytes", "kv_tokens", "iterations", "shuffle_moves",
-                    "shuffle_bytes", "shuffle_seconds", "draft_tokens", "accepted_tokens"):
+        for key in (
+            "running",
+            "waiting",
+            "slots_total",
+            "kv_bytes",
+            "kv_tokens",
+            "iterations",
+            "shuffle_moves",
+            "shuffle_bytes",
+            "shuffle_seconds",
+            "draft_tokens",
+            "accepted_tokens",
+        ):
             total[key] = sum(s[key] for s in per_group)
         total["kv_use"] = sum(s["kv_use"] for s in per_group) / len(per_group)
         total["prefix_cache"] = _sum_prefix_caches([s["prefix_cache"] for s in per_group])
         stats = EngineStats(**total)
-        stats.groups = [{"group": g, "routed": self.router.routed[g], "in_flight": self.router.in_flight[g],
-                         "load_tokens": self.router.load[g], **{k: s[k] for k in ("running", "waiting", "iterations",
-                                                                                  "kv_tokens", "draft_tokens")}}
-                        for g, s in enumerate(per_group)]
+        stats.groups = [
+            {
+                "group": g,
+                "routed": self.router.routed[g],
+                "in_flight": self.router.in_flight[g],
+                "load_tokens": self.router.load[g],
+                **{k: s[k] for k in ("running", "waiting", "iterations", "kv_tokens", "draft_tokens")},
+            }
+            for g, s in enumerate(per_group)
+        ]
         return stats
 
     def shutdown(self) -> None:
@@ -261,8 +303,10 @@ def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:
             outputs = engine.step()
             timed = engine.timed_iterations()
             if outputs or timed:
-                mailbox.send(0, {"outputs": [_wire(out) for out in outputs], "stats": asdict(engine.stats()),
-                                 "iterations": timed})
+                mailbox.send(
+                    0,
+                    {"outputs": [_wire(out) for out in outputs], "stats": asdict(engine.stats()), "iterations": timed},
+                )
 
 
 class GrammarWork:
@@ -276,8 +320,9 @@ class GrammarWork:
         from flover.hardware import background_thread
 
         self.engine = engine
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flover-grammar",
-                                       initializer=background_thread)
+        self.pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="flover-grammar", initializer=background_thread
+        )
         self.pending: dict[str, tuple[dict, object]] = {}  # request id -> (its add message, the compile)
 
     def hold(self, message: dict) -> bool:
@@ -320,7 +365,7 @@ def _wire(out: RequestOutput) -> dict:
     new = len(out.new_token_ids)
     for name in ("logprobs", "top_logprobs"):  # (one per token: the new tokens' are the last)
         if sent[name] is not None:
-            sent[name] = sent[name][len(sent[name]) - new:]
+            sent[name] = sent[name][len(sent[name]) - new :]
     return sent
 
 
@@ -333,16 +378,33 @@ def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
         return
     request_id, token_ids, params, salt, stream, age = message["add"]
     try:
-        engine.enqueue(engine.make_request(token_ids, SamplingParams(**params), request_id, stream=stream,
-                                           cache_salt=salt, arrival_time=time.perf_counter() - age))
+        engine.enqueue(
+            engine.make_request(
+                token_ids,
+                SamplingParams(**params),
+                request_id,
+                stream=stream,
+                cache_salt=salt,
+                arrival_time=time.perf_counter() - age,
+            )
+        )
     except (ValueError, TypeError) as e:  # rank 0 validated it alike: a mismatch, said, not hidden
         _refuse(mailbox, request_id, token_ids, e)
 
 
 def _refuse(mailbox: Mailbox, request_id: str, token_ids: list[int], e: Exception) -> None:
     log.error("group request %s refused: %s", request_id, e)
-    refused = RequestOutput(request_id=request_id, prompt_token_ids=token_ids, new_token_ids=[], token_ids=[],
-                            text=None, finished=True, finish_reason="error", logprobs=None, timings={},
-                            error=f"refused by its group: {e}",
-                            error_code="invalid_request" if isinstance(e, ValueError) else None)
+    refused = RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=token_ids,
+        new_token_ids=[],
+        token_ids=[],
+        text=None,
+        finished=True,
+        finish_reason="error",
+        logprobs=None,
+        timings={},
+        error=f"refused by its group: {e}",
+        error_code="invalid_request" if isinstance(e, ValueError) else None,
+    )
     mailbox.send(0, {"outputs": [_wire(refused)]})

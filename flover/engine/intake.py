@@ -25,17 +25,31 @@ class PromptTooLong(ValueError):
 
 
 class Intake:
-    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, max_seq_len: int,
-                 grammar_limits: GrammarLimits, checks_grammars: bool):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        model_config: ModelConfig,
+        max_seq_len: int,
+        grammar_limits: GrammarLimits,
+        checks_grammars: bool,
+    ):
         """`checks_grammars`: try each new grammar in a child process first (grammar_sandbox.py;
         the leader of the engine does, a data-parallel group's leader need not)."""
         self.tokenizer, self.model_config, self.max_seq_len = tokenizer, model_config, max_seq_len
         self.grammar_limits, self.checks_grammars = grammar_limits, checks_grammars
         self._grammars: Grammars | None = None
 
-    def build(self, request_id: str, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
-              arrival_time: float | None = None, stream: bool = False, messages: list | None = None,
-              cache_salt: str | None = None, tokenized: tuple[list[int], str | None] | None = None) -> Request:
+    def build(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        stream: bool = False,
+        messages: list | None = None,
+        cache_salt: str | None = None,
+        tokenized: tuple[list[int], str | None] | None = None,
+    ) -> Request:
         """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
         `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
         `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
@@ -50,21 +64,29 @@ class Intake:
         if params.max_new_tokens is None:  # the rest of the context (OpenAI's chat default)
             params = params.with_updates(max_new_tokens=max(1, limit - len(token_ids)))
         if len(token_ids) + params.max_new_tokens > limit:
-            raise PromptTooLong(f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
-                             f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens")
+            raise PromptTooLong(
+                f"prompt of {len(token_ids)} tokens + max_new_tokens={params.max_new_tokens} "
+                f"exceeds max_seq_len={limit}; shorten the prompt or lower max_new_tokens"
+            )
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streamed text need the checkpoint's tokenizer")
         if any(token >= self.model_config.vocab_size for token, _ in params.logit_bias):
-            raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size "
-                             f"{self.model_config.vocab_size}")
+            raise ValueError(
+                f"SamplingParams.logit_bias: token ids must be below the vocabulary size {self.model_config.vocab_size}"
+            )
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.model_config.eos_token_ids
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
         request = Request(
-            request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            prompt=text,
             stop_token_set=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos)),
-            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None, stream=stream,
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None,
+            stream=stream,
             timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
-            cache_salt=cache_salt, grammar=grammar,
+            cache_salt=cache_salt,
+            grammar=grammar,
         )
         if params.stop:
             request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
@@ -78,8 +100,13 @@ class Intake:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the checkpoint's tokenizer")
             # the leader tries each new grammar in a child process first (grammar_sandbox.py)
-            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-                                      self.grammar_limits, sandboxed=self.checks_grammars)
+            self._grammars = Grammars(
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.model_config.eos_token_ids,
+                self.grammar_limits,
+                sandboxed=self.checks_grammars,
+            )
         return self._grammars
 
     def prepare_grammars(self, checked_elsewhere: bool = False) -> None:
@@ -96,8 +123,9 @@ class Intake:
                 log.warning("structured output unavailable: %s", e)
             return_freed_heap()  # parsing the tokenizer's JSON for it left ~30 MiB (SmolLM2) freed
 
-    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
-                 ) -> tuple[list[int], str | None]:
+    def tokenize(
+        self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
+    ) -> tuple[list[int], str | None]:
         """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
         `tools`: OpenAI's, with `messages`, for the chat template. Touches no engine state, so it
         may run on another thread."""
@@ -130,15 +158,18 @@ class Intake:
         if self.tokenizer.cannot_fit(text, self.max_seq_len):
             size = len(text.encode("utf-8", "surrogatepass"))
             longest = self.tokenizer.max_token_bytes
-            raise PromptTooLong(f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
-                                f"(no token is longer than {longest} bytes); refused before tokenizing")
+            raise PromptTooLong(
+                f"prompt of {size} bytes cannot fit in max_seq_len={self.max_seq_len} tokens "
+                f"(no token is longer than {longest} bytes); refused before tokenizing"
+            )
 
     def _chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("messages need the checkpoint's tokenizer")
         if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
-            self._check_text_size("".join(m["content"] for m in messages
-                                          if isinstance(m, dict) and isinstance(m.get("content"), str)))
+            self._check_text_size(
+                "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            )
         text = self.tokenizer.render_chat(messages, tools)
         self._check_text_size(text)
         ids = self._checked(self._encode(text, False))
@@ -156,8 +187,10 @@ class Intake:
         """The tokenizer's ids, which a careless checkpoint may let outside the model's vocabulary."""
         vocab, largest = self.model_config.vocab_size, max(ids, default=-1)
         if largest >= vocab:
-            raise ValueError(f"the tokenizer gave token id {largest}, outside the model's vocabulary of {vocab}: "
-                             f"the checkpoint's tokenizer does not match its model")
+            raise ValueError(
+                f"the tokenizer gave token id {largest}, outside the model's vocabulary of {vocab}: "
+                f"the checkpoint's tokenizer does not match its model"
+            )
         return ids
 
     def close(self) -> None:

@@ -28,8 +28,9 @@ class ServingEngine(ABC):
     def max_seq_len(self) -> int:
         return self.intake.max_seq_len
 
-    def tokenize(self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
-                 ) -> tuple[list[int], str | None]:
+    def tokenize(
+        self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
+    ) -> tuple[list[int], str | None]:
         return self.intake.tokenize(prompt, messages, tools)
 
     @property
@@ -40,10 +41,17 @@ class ServingEngine(ABC):
         self.intake.prepare_grammars(checked_elsewhere)
 
     @abstractmethod
-    def make_request(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
-                     request_id: str | None = None, arrival_time: float | None = None, stream: bool = False,
-                     messages: list | None = None, cache_salt: str | None = None,
-                     tokenized: tuple[list[int], str | None] | None = None) -> Request:
+    def make_request(
+        self,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        stream: bool = False,
+        messages: list | None = None,
+        cache_salt: str | None = None,
+        tokenized: tuple[list[int], str | None] | None = None,
+    ) -> Request:
         """Validated and tokenized, not queued; ValueError naming what is wrong."""
 
     # -- requests in flight -----------------------------------------------------------------------

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flover.request import FinishReason, NewTokens, Request, RequestOutput
 from flover.models.tokenizer import Tokenizer
+from flover.request import FinishReason, NewTokens, Request, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,13 @@ class OutputProcessor:
         first whose text completes a stop string is the request's last."""
         for n, token in enumerate(tokens, 1):
             delta = r.detokenizer.add(token) if r.detokenizer is not None else ""
-            if token not in r.stop_token_set and delta and r.stop_pattern is not None \
-                    and self._hit_stop_string(r, delta):
-                del r.output_token_ids[len(r.output_token_ids) - len(tokens) + n:]  # those after it
+            if (
+                token not in r.stop_token_set
+                and delta
+                and r.stop_pattern is not None
+                and self._hit_stop_string(r, delta)
+            ):
+                del r.output_token_ids[len(r.output_token_ids) - len(tokens) + n :]  # those after it
                 r.finish(FinishReason.STOP, now)
                 return self.output(r, tokens[:n])
         return self.output(r, tokens)
@@ -54,10 +58,20 @@ class OutputProcessor:
         r.finish(FinishReason.ERROR, now, error=why, code=code)
         self.on_fail(r.request_id)
         # Built here rather than by output(): the failure may lie in the text path output() uses.
-        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=[],
-                             token_ids=list(r.output_token_ids), text=None, finished=True, finish_reason="error",
-                             logprobs=None, timings=r.timings.as_dict(len(r.output_token_ids)), error=why,
-                             error_code=code, cached_tokens=r.cached_tokens)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            new_token_ids=[],
+            token_ids=list(r.output_token_ids),
+            text=None,
+            finished=True,
+            finish_reason="error",
+            logprobs=None,
+            timings=r.timings.as_dict(len(r.output_token_ids)),
+            error=why,
+            error_code=code,
+            cached_tokens=r.cached_tokens,
+        )
 
     @staticmethod
     def _hit_stop_string(r: Request, delta: str) -> bool:
@@ -72,16 +86,26 @@ class OutputProcessor:
     def output(self, r: Request, new_tokens: list[int]) -> RequestOutput:
         text = None
         if r.finished and self.tokenizer is not None:
-            stopped_by_string = r.params.stop and r.finish_reason is FinishReason.STOP \
-                and r.output_token_ids and r.output_token_ids[-1] not in r.stop_token_set
+            stopped_by_string = (
+                r.params.stop
+                and r.finish_reason is FinishReason.STOP
+                and r.output_token_ids
+                and r.output_token_ids[-1] not in r.stop_token_set
+            )
             text = r.output_text if stopped_by_string else self.tokenizer.decode(r.output_token_ids)
         return RequestOutput(
             text_delta=self._text_delta(r, text) if r.stream else None,
-            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, new_token_ids=new_tokens,
-            token_ids=list(r.output_token_ids), text=text, finished=r.finished,
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            new_token_ids=new_tokens,
+            token_ids=list(r.output_token_ids),
+            text=text,
+            finished=r.finished,
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             logprobs=r.output_logprobs if r.params.logprobs else None,
-            timings=r.timings.as_dict(len(r.output_token_ids)), error=r.error, error_code=r.error_code,
+            timings=r.timings.as_dict(len(r.output_token_ids)),
+            error=r.error,
+            error_code=r.error_code,
             cached_tokens=r.cached_tokens,
             top_logprobs=r.output_top_logprobs if r.params.logprobs and r.params.top_logprobs else None,
             **self._prompt_logprobs(r),
@@ -93,8 +117,10 @@ class OutputProcessor:
             return {}
         if not r.prompt_logprobs:  # a one-token prompt: nothing was scored
             return {"prompt_logprobs": [None], "prompt_top_logprobs": [None]}
-        return {"prompt_logprobs": r.prompt_logprobs,
-                "prompt_top_logprobs": r.prompt_top_logprobs if r.params.top_logprobs else None}
+        return {
+            "prompt_logprobs": r.prompt_logprobs,
+            "prompt_top_logprobs": r.prompt_top_logprobs if r.params.top_logprobs else None,
+        }
 
     @staticmethod
     def _text_delta(r: Request, final_text: str | None) -> str:
@@ -102,9 +128,9 @@ class OutputProcessor:
         are held back: they might be the start of a stop string, which is never emitted."""
         if r.finished:
             end = len(final_text or "")
-            delta = (final_text or "")[r.emitted:]
+            delta = (final_text or "")[r.emitted :]
         else:
             end = max(r.emitted, len(r.detokenizer.text) - r.stop_holdback)
-            delta = r.detokenizer.text[r.emitted:end]
+            delta = r.detokenizer.text[r.emitted : end]
         r.emitted = end
         return delta

@@ -91,7 +91,7 @@ class PrefixCache:
             if index is None:
                 break
             parent = chain[-1].uid if chain else _root(salt)
-            block = _Block(next(self._uids), index, (parent, tuple(tokens[start: start + t])))
+            block = _Block(next(self._uids), index, (parent, tuple(tokens[start : start + t])))
             self._by_key[block.key] = block
             self._lru[index] = block
             keep.add(index)
@@ -105,7 +105,7 @@ class PrefixCache:
         """The cached blocks spelling tokens[:length] from the start, up to the first missing."""
         t, parent, found = self.block_tokens, _root(salt), []
         for start in range(0, length - t + 1, t):
-            block = self._by_key.get((parent, tuple(tokens[start: start + t])))
+            block = self._by_key.get((parent, tuple(tokens[start : start + t])))
             if block is None:
                 break
             found.append(block)

@@ -25,10 +25,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from flover.runner.kv_buffer import Move, plan_compaction
 from flover.engine.prefix_cache import BlockCopy, PrefixCache
-from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
 from flover.engine.speculation import IterationCost, Speculation, drafts_for
+from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
+from flover.runner.kv_buffer import Move, plan_compaction
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_batch_tokens: int, prefix: PrefixCache | None = None,
-                 prompt_first: PromptFirst = PromptFirst(iterations=0), speculation: Speculation = Speculation()):
+    def __init__(
+        self,
+        max_slots: int,
+        max_batch_tokens: int,
+        prefix: PrefixCache | None = None,
+        prompt_first: PromptFirst = PromptFirst(iterations=0),
+        speculation: Speculation = Speculation(),
+    ):
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
@@ -161,8 +167,9 @@ class Scheduler:
             self.num_live += 1
             plan.admitted.append(request)
             if self.prefix is not None and not request.params.prompt_logprobs:  # scoring needs every prompt row
-                loads = self.prefix.lookup(request.prompt_token_ids, request.prompt_len - 1, request.slot,
-                                           request.cache_salt)
+                loads = self.prefix.lookup(
+                    request.prompt_token_ids, request.prompt_len - 1, request.slot, request.cache_salt
+                )
                 request.num_computed = request.cached_tokens = len(loads) * self.prefix.block_tokens
                 plan.loads += loads
             self._prefilling.append(request)
@@ -208,8 +215,9 @@ class Scheduler:
         for request in self.slots[: self.num_live]:
             if request is not None and not request.prefilling and not request.prompt_saved:
                 request.prompt_saved = True
-                plan.saves += self.prefix.store(request.prompt_token_ids, request.prompt_len, request.slot,
-                                                request.cache_salt)
+                plan.saves += self.prefix.store(
+                    request.prompt_token_ids, request.prompt_len, request.slot, request.cache_salt
+                )
 
     def _compact(self, plan: StepPlan) -> None:
         occupied = [r is not None for r in self.slots[: self.num_live]]

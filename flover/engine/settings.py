@@ -29,8 +29,10 @@ def resolve_config(config: EngineConfig, cfg: ModelConfig, file_quantization: st
         config = dataclasses.replace(config, quantization=file_quantization if native_bf16 else "none")
     if config.quantization != "none" and (config.dtype != "bfloat16" or config.device != "cpu"):
         chose = " (dtype auto: this CPU has no bfloat16 kernels for this model)" if asked == "auto" else ""
-        raise ValueError(f"quantization={config.quantization!r} runs on CPU with dtype bfloat16 "
-                         f"(got dtype={config.dtype!r}{chose}, device={config.device!r})")
+        raise ValueError(
+            f"quantization={config.quantization!r} runs on CPU with dtype bfloat16 "
+            f"(got dtype={config.dtype!r}{chose}, device={config.device!r})"
+        )
     return config
 
 
@@ -39,6 +41,7 @@ def resolve_max_seq_len(config: EngineConfig, cfg: ModelConfig) -> int:
     than the model knows."""
     max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
+        raise ValueError(
+            f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
+        )
     return max_seq_len

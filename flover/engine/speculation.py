@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
 DEFAULT_DRAFT_TOKENS = 8  # where the engine speculates unless told otherwise
 # A constrained request's n-gram draft rows each need a mask too (~40 us): they pay where rows are
 # cheap (a few requests: +10% for one JSON stream), not in a full iteration (-5% at 32; the tokens
@@ -76,7 +75,7 @@ class NgramLookup:
         seq = self.tokens
         if k <= 0 or len(seq) <= self.n:
             return []
-        start = self._after.get(tuple(seq[-self.n:]))
+        start = self._after.get(tuple(seq[-self.n :]))
         if start is None:
             return []
         period = len(seq) - start
@@ -158,9 +157,10 @@ def drafts_for(requests, speculation: Speculation, budget: int, min_acceptance: 
         if state is None:
             state = r.drafting = Drafting(NgramLookup(speculation.ngram, r.prompt_token_ids))
         outputs = len(r.output_token_ids)
-        room = min(state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1,
-                   budget - used)
-        state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len:])
+        room = min(
+            state.length(min_acceptance, speculation.tokens), r.params.max_new_tokens - outputs - 1, budget - used
+        )
+        state.lookup.extend(r.output_token_ids[len(state.lookup.tokens) - r.prompt_len :])
         if r.grammar is not None:
             draft = r.grammar.forced()[:room] if room > 0 else []
             if not draft and min_acceptance < STRUCTURED_NGRAMS_BELOW:

@@ -19,27 +19,52 @@ X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2
 MAX_PARTS = 4  # runs of codes per projection
 Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # per 256 inputs and block of 16 rows
 SAMPLE_SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c: per thread, per vocabulary entry
-CODES = ("DT_F32", "DT_BF16", "G_INT4", "G_INT4_K", "G_INT6_K", "G_INT5_K", "G_INT8_ROWS", "G_INT8_GROUPS",
-         "G_INT8_K5", "G_INT8_K6", "X8_NONE", "X8_SMALL", "X8_SIGNED", "MAX_PARTS", "Q4K_SUPER_BYTES",
-         "Q6K_SUPER_BYTES", "SAMPLE_SCRATCH_BYTES_PER_TOKEN")
+CODES = (
+    "DT_F32",
+    "DT_BF16",
+    "G_INT4",
+    "G_INT4_K",
+    "G_INT6_K",
+    "G_INT5_K",
+    "G_INT8_ROWS",
+    "G_INT8_GROUPS",
+    "G_INT8_K5",
+    "G_INT8_K6",
+    "X8_NONE",
+    "X8_SMALL",
+    "X8_SIGNED",
+    "MAX_PARTS",
+    "Q4K_SUPER_BYTES",
+    "Q6K_SUPER_BYTES",
+    "SAMPLE_SCRATCH_BYTES_PER_TOKEN",
+)
 
 
 def _int64_struct(name: str, fields: str, doc: str) -> type[ctypes.Structure]:
     return type(name, (ctypes.Structure,), {"_fields_": [(f, I64) for f in fields.split()], "__doc__": doc})
 
 
-Model = _int64_struct("Model", """
+Model = _int64_struct(
+    "Model",
+    """
     layers hidden heads kv_heads head_dim inter vocab dtype max_seq
     kv kv_layer kv_kind kv_slot kv_head kv_pos
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
     head_screen head_screen_scales head_bounds screen_rows""",
-    "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).")
-Layer = _int64_struct("Layer", """
+    "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
+)
+Layer = _int64_struct(
+    "Layer",
+    """
     input_norm qkv qkv_bias o o_bias post_norm gate_up gate_up_bias down down_bias window
     qkv_grid o_grid gate_up_grid down_grid""",
-    "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0.")
-GridPart = _int64_struct("GridPart", "kind rows group lows codes scales x8 offset",
-                         "One run of a projection's output rows in its own codes (native.h: GridPart).")
+    "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0.",
+)
+GridPart = _int64_struct(
+    "GridPart",
+    "kind rows group lows codes scales x8 offset",
+    "One run of a projection's output rows in its own codes (native.h: GridPart).",
+)
 
 
 class Grid(ctypes.Structure):
@@ -92,8 +117,10 @@ def abi_mismatches(ours: dict[str, int], theirs: dict[str, int]) -> list[str]:
 def check_abi(lib: ctypes.CDLL, path: Path | str) -> None:
     differ = abi_mismatches(expected_abi(), abi_of(lib))
     if differ:
-        raise NativeUnavailable(f"{path} does not match flover/native/abi.py ({len(differ)} differences: "
-                                f"{'; '.join(differ[:5])}): rebuild after changing native.h and abi.py together")
+        raise NativeUnavailable(
+            f"{path} does not match flover/native/abi.py ({len(differ)} differences: "
+            f"{'; '.join(differ[:5])}): rebuild after changing native.h and abi.py together"
+        )
 
 
 def load_library(family: str = "auto", root: Path = SOURCES) -> ctypes.CDLL:
@@ -117,8 +144,22 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.flover_abi.restype = ctypes.POINTER(AbiEntry)
     lib.flover_work_floats.argtypes = [ctypes.POINTER(Model), i32, i32]
     lib.flover_work_floats.restype = i64
-    lib.flover_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Layer), i32, i32, p, p, p, i32, p, p, p, p,
-                                   ctypes.c_double, i32]
+    lib.flover_forward.argtypes = [
+        ctypes.POINTER(Model),
+        ctypes.POINTER(Layer),
+        i32,
+        i32,
+        p,
+        p,
+        p,
+        i32,
+        p,
+        p,
+        p,
+        p,
+        ctypes.c_double,
+        i32,
+    ]
     lib.flover_forward.restype = i32
     lib.flover_kernels.restype = ctypes.c_char_p
     lib.flover_check_model.argtypes = [ctypes.POINTER(Model)]

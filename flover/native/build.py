@@ -44,10 +44,14 @@ class KernelFamily:
 
 
 KERNEL_FAMILIES = {
-    "avx512bf16": KernelFamily(("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=native"),
-                               frozenset(X86_V4 | {"avx512_vnni", "avx512_bf16"}), "x86_64"),  # Zen 4+, SPR+
-    "avx512vnni": KernelFamily(("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
-                               frozenset(X86_V4 | {"avx512_vnni"}), "x86_64"),  # Cascade Lake, Ice Lake
+    "avx512bf16": KernelFamily(
+        ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=native"),
+        frozenset(X86_V4 | {"avx512_vnni", "avx512_bf16"}),
+        "x86_64",
+    ),  # Zen 4+, SPR+
+    "avx512vnni": KernelFamily(
+        ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"), frozenset(X86_V4 | {"avx512_vnni"}), "x86_64"
+    ),  # Cascade Lake, Ice Lake
     "avx512": KernelFamily(("-march=x86-64-v4", "-mtune=native"), frozenset(X86_V4), "x86_64"),  # Skylake-SP
     "avx2": KernelFamily(("-march=x86-64-v3", "-mtune=native"), frozenset(X86_V3), "x86_64"),
     "neon": KernelFamily(("-march=armv8-a",), frozenset({"asimd"}), "aarch64"),
@@ -75,8 +79,11 @@ def kernel_flags(family: str) -> tuple[str, ...]:
     kind = KERNEL_FAMILIES[family]
     missing = sorted(kind.needs - cpu_flags())
     if kind.machine and platform.machine() != kind.machine or missing:
-        why = f"lacks {', '.join(missing)}" if missing and platform.machine() == kind.machine else \
-            f"is {platform.machine()}"
+        why = (
+            f"lacks {', '.join(missing)}"
+            if missing and platform.machine() == kind.machine
+            else f"is {platform.machine()}"
+        )
         raise NativeUnavailable(f"kernel family {family} cannot run here: this CPU {why}")
     return kind.flags
 
@@ -105,15 +112,17 @@ def build_library(family: str = "auto", root: Path = SOURCES) -> Path:
     compiler = os.environ.get("CC", "cc")
     version = _compiler_version(compiler)
     sources = "\0".join(f"{p.relative_to(root)}\0{p.read_text()}" for p in source_files(root))
-    key = hashlib.sha256("\0".join([sources, " ".join(flags), version,
-                                    " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([sources, " ".join(flags), version, " ".join(sorted(cpu_flags()))]).encode()
+    ).hexdigest()[:16]
     path = cache_dir() / f"llama_forward-{family}-{key}.so"
     stamp = path.with_name(f"{path.name}.sha256")  # written after a complete build: what the file must hash to
     if path.is_file():
         if _intact(path, stamp):
             return path
-        log.warning("the cached native build %s is damaged or unfinished (its checksum does not match): "
-                    "rebuilding it", path)
+        log.warning(
+            "the cached native build %s is damaged or unfinished (its checksum does not match): rebuilding it", path
+        )
         for stale in (path, stamp):
             stale.unlink(missing_ok=True)
     started = time.perf_counter()
@@ -140,14 +149,19 @@ def _compile(compiler: str, flags: tuple[str, ...], sources: list[Path], path: P
         raise NativeUnavailable(f"cannot create the build cache {path.parent}: {e}") from e
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
-        done = subprocess.run([compiler, *flags, "-o", str(partial), *map(str, sources), "-lm"], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [compiler, *flags, "-o", str(partial), *map(str, sources), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"compiling the native step failed: {e}") from e
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise NativeUnavailable(f"compiling the native step failed ({compiler} exit {done.returncode}): "
-                                f"{done.stderr.strip()[-2000:]}")
+        raise NativeUnavailable(
+            f"compiling the native step failed ({compiler} exit {done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
     try:
         os.replace(partial, path)
         stamp_partial = stamp.with_name(f"{stamp.name}.{os.getpid()}.partial")

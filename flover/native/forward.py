@@ -40,9 +40,13 @@ DTYPE_CODES = {torch.float32: abi.DT_F32, torch.bfloat16: abi.DT_BF16}
 SCREEN_INT8_ROWS = 8  # a bfloat16 model's greedy rows go through its int8 head screen up to this many
 
 # flover_check_model's codes
-SHAPE_CHECKS = {1: "every size must be positive", 2: "heads must be a multiple of kv_heads",
-                3: "head_dim must be even and at most 512", 4: "hidden and intermediate sizes must be even",
-                5: "the KV cache's strides overlap"}
+SHAPE_CHECKS = {
+    1: "every size must be positive",
+    2: "heads must be a multiple of kv_heads",
+    3: "head_dim must be even and at most 512",
+    4: "hidden and intermediate sizes must be even",
+    5: "the KV cache's strides overlap",
+}
 
 
 def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> list[int]:
@@ -52,8 +56,9 @@ def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> li
     rows = logits.shape[0]
     out = (ctypes.c_int64 * rows)() if out is None else out
     assert logits.dtype in DTYPE_CODES and logits.device.type == "cpu" and logits.stride(1) == 1 and len(out) >= rows
-    lib.flover_argmax(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), DTYPE_CODES[logits.dtype], out,
-                      threads)
+    lib.flover_argmax(
+        logits.data_ptr(), rows, logits.shape[1], logits.stride(0), DTYPE_CODES[logits.dtype], out, threads
+    )
     return out[:rows]
 
 
@@ -69,13 +74,21 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return f"activation {cfg.hidden_act!r} (silu only)"
     if model.rotary.interleaved or model.rotary.rotary_dim != cfg.head_dim or cfg.head_dim > 512:
         return "rotary embedding other than rotate-half over whole heads of at most 512 dims"
-    sizes = {"hidden size": cfg.hidden_size, "attention width": model.tp.heads * cfg.head_dim,
-             "intermediate size": model.tp.intermediate}
+    sizes = {
+        "hidden size": cfg.hidden_size,
+        "attention width": model.tp.heads * cfg.head_dim,
+        "intermediate size": model.tp.intermediate,
+    }
     odd = [f"{name} {size}" for name, size in sizes.items() if size % 2]
     if odd:
         return f"{', '.join(odd)} odd (input pairs feed the bfloat16 kernel)"
-    missing = [name for name, m in model.named_modules() if hasattr(m, "packed") and m.weight is None
-               and not (name == "lm_head" and cfg.tie_word_embeddings and m.quantized is None)]
+    missing = [
+        name
+        for name, m in model.named_modules()
+        if hasattr(m, "packed")
+        and m.weight is None
+        and not (name == "lm_head" and cfg.tie_word_embeddings and m.quantized is None)
+    ]
     if missing:
         return f"dense weights were not kept ({missing[0]}, ...)"
     return None
@@ -98,8 +111,11 @@ class WeightPlan:
         tied = model.cfg.tie_word_embeddings and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight
         linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
-        runs = {id(lin): runs_of(lin.quantized, packed) for lin in linears + [model.lm_head]
-                if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)}
+        runs = {
+            id(lin): runs_of(lin.quantized, packed)
+            for lin in linears + [model.lm_head]
+            if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)
+        }
         for lin in linears:
             why = check_runs(runs.get(id(lin), []))
             if why is not None:
@@ -120,8 +136,17 @@ class WeightPlan:
 
 
 class NativeForward:
-    def __init__(self, model: LlamaForCausalLM, buffer: "SlotBuffer", dtype: torch.dtype, threads: int,
-                 max_rows: int, release: bool = False, comm=None, kernels: str = "auto"):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        buffer: "SlotBuffer",
+        dtype: torch.dtype,
+        threads: int,
+        max_rows: int,
+        release: bool = False,
+        comm=None,
+        kernels: str = "auto",
+    ):
         """Reads the model's dense (row-major) weights once, into blocked copies of its own.
         `release`: release each projection (Linear.release) as soon as its copy is made, so that
         memory never holds two copies of the model (every NativeUnavailable comes before the
@@ -190,7 +215,7 @@ class NativeForward:
             fields["head_grid"] = self._projection(plan, lm_head)[1]
             fields["embed_grid"] = fields["head_grid"] if tied else 0  # looked up in the same codes
         elif id(lm_head) in plan.runs:
-            (codes, scales), = self._placed(plan.runs[id(lm_head)])
+            ((codes, scales),) = self._placed(plan.runs[id(lm_head)])
             plan.runs[id(lm_head)][0].fill(codes, scales)
             fields.update(head=codes.data_ptr(), head_scales=scales.data_ptr())
         else:
@@ -203,13 +228,30 @@ class NativeForward:
         model, cfg = self.model, self.model.cfg
         assert kv.is_contiguous() and kv.dtype == self.dtype  # [layers, 2, slots, kv_heads, seq, head_dim]
         struct = abi.Model(
-            layers=cfg.num_layers, hidden=cfg.hidden_size, heads=model.tp.heads, kv_heads=model.tp.kv_heads,
-            head_dim=cfg.head_dim, inter=model.tp.intermediate, vocab=self.vocab, dtype=DTYPE_CODES[self.dtype],
-            max_seq=kv.shape[4], kv=kv.data_ptr(), kv_layer=kv.stride(0), kv_kind=kv.stride(1),
-            kv_slot=kv.stride(2), kv_head=kv.stride(3), kv_pos=kv.stride(4), embed=model.embed.data_ptr(),
-            final_norm=model.norm.data_ptr(), cos=model.rotary.cos.data_ptr(), sin=model.rotary.sin.data_ptr(),
-            vocab_start=model.tp.vocab_start, all_reduce=self._all_reduce_hook(comm), screen_rows=self.screen_rows,
-            **self._head_fields(plan))
+            layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            heads=model.tp.heads,
+            kv_heads=model.tp.kv_heads,
+            head_dim=cfg.head_dim,
+            inter=model.tp.intermediate,
+            vocab=self.vocab,
+            dtype=DTYPE_CODES[self.dtype],
+            max_seq=kv.shape[4],
+            kv=kv.data_ptr(),
+            kv_layer=kv.stride(0),
+            kv_kind=kv.stride(1),
+            kv_slot=kv.stride(2),
+            kv_head=kv.stride(3),
+            kv_pos=kv.stride(4),
+            embed=model.embed.data_ptr(),
+            final_norm=model.norm.data_ptr(),
+            cos=model.rotary.cos.data_ptr(),
+            sin=model.rotary.sin.data_ptr(),
+            vocab_start=model.tp.vocab_start,
+            all_reduce=self._all_reduce_hook(comm),
+            screen_rows=self.screen_rows,
+            **self._head_fields(plan),
+        )
         failed = self.lib.flover_check_model(struct)
         if failed:
             shape = ", ".join(f"{name}={getattr(struct, name)}" for name, _ in abi.Model._fields_[:9])
@@ -225,12 +267,19 @@ class NativeForward:
                 for name in PROJECTIONS:
                     getattr(layer, name).release()
             layers[i] = abi.Layer(
-                input_norm=self._address(layer.input_norm), qkv=blocked["qkv"][0],
-                qkv_bias=self._address(layer.qkv.bias), o=blocked["o"][0], o_bias=self._address(layer.o_bias),
-                post_norm=self._address(layer.post_norm), gate_up=blocked["gate_up"][0],
-                gate_up_bias=self._address(layer.gate_up.bias), down=blocked["down"][0],
-                down_bias=self._address(layer.down_bias), window=window or 0,
-                **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS})
+                input_norm=self._address(layer.input_norm),
+                qkv=blocked["qkv"][0],
+                qkv_bias=self._address(layer.qkv.bias),
+                o=blocked["o"][0],
+                o_bias=self._address(layer.o_bias),
+                post_norm=self._address(layer.post_norm),
+                gate_up=blocked["gate_up"][0],
+                gate_up_bias=self._address(layer.gate_up.bias),
+                down=blocked["down"][0],
+                down_bias=self._address(layer.down_bias),
+                window=window or 0,
+                **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
+            )
         return layers
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
@@ -259,11 +308,14 @@ class NativeForward:
         elif self.quantization == "file" and self.int8_input_projections == self.quantized_projections:
             weights = "the file's own codes on int8 inputs"
         elif self.quantization == "file":  # Q8_0's bytes meet the 16-bit inputs
-            weights = (f"the file's own codes ({self.int8_input_projections} of {self.quantized_projections} "
-                       f"projections on int8 inputs, the others {'in dot products' if dot else 'widened to float32'})")
+            weights = (
+                f"the file's own codes ({self.int8_input_projections} of {self.quantized_projections} "
+                f"projections on int8 inputs, the others {'in dot products' if dot else 'widened to float32'})"
+            )
         else:
-            weights = (f"{self.quantization or 'bfloat16'} weights"
-                       + (" in dot products" if dot else " widened to float32"))
+            weights = f"{self.quantization or 'bfloat16'} weights" + (
+                " in dot products" if dot else " widened to float32"
+            )
         return f"{self.kernels} kernels, {weights}"
 
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor | list[int] | None:
@@ -286,10 +338,22 @@ class NativeForward:
             if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
                 self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
             logits = self._screen_scores
-        full = self.lib.flover_forward(self._model_struct, self._layer_structs, rows,
-                                       batch.num_decode, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                       n_out, out_rows.data_ptr(), logits.data_ptr(),
-                                       self._ids if ids_back else None, self._work.data_ptr(), self.eps, self.threads)
+        full = self.lib.flover_forward(
+            self._model_struct,
+            self._layer_structs,
+            rows,
+            batch.num_decode,
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            n_out,
+            out_rows.data_ptr(),
+            logits.data_ptr(),
+            self._ids if ids_back else None,
+            self._work.data_ptr(),
+            self.eps,
+            self.threads,
+        )
         if full < 0:
             raise RuntimeError("native step: a row's position or token id is out of range")
         self.iterations += 1

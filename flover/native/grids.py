@@ -14,8 +14,22 @@ import torch
 
 from flover.models.quant import Grid, QuantizedWeight
 from flover.native import abi
-from flover.native.abi import (G_INT4, G_INT4_K, G_INT5_K, G_INT6_K, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6, G_INT8_ROWS,
-                               MAX_PARTS, Q4K_SUPER_BYTES, Q6K_SUPER_BYTES, X8_NONE, X8_SIGNED, X8_SMALL)
+from flover.native.abi import (
+    G_INT4,
+    G_INT4_K,
+    G_INT5_K,
+    G_INT6_K,
+    G_INT8_GROUPS,
+    G_INT8_K5,
+    G_INT8_K6,
+    G_INT8_ROWS,
+    MAX_PARTS,
+    Q4K_SUPER_BYTES,
+    Q6K_SUPER_BYTES,
+    X8_NONE,
+    X8_SIGNED,
+    X8_SMALL,
+)
 
 
 @dataclass
@@ -81,8 +95,16 @@ def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: 
         (block_nibble_quads if x8 else block_nibbles)(codes, codes_out)
         scales_out.copy_(rows_last(torch.stack((scale, zero), dim=-1), blocks))
 
-    return Run(G_INT4, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
-               fill, X8_SMALL if x8 else X8_NONE, 8)
+    return Run(
+        G_INT4,
+        n,
+        32,
+        1,
+        [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
+        fill,
+        X8_SMALL if x8 else X8_NONE,
+        8,
+    )
 
 
 def k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
@@ -93,8 +115,15 @@ def k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
     d, neg_dmin, sc, m = grid.supers
     factors = rows_last(torch.stack((d, neg_dmin), dim=-1), blocks)  # [blocks, supers, 2, 16]
     bytes_ = rows_last(torch.stack((sc.view(n, supers, 8), m.view(n, supers, 8)), dim=2), blocks)
-    scales_out.copy_(torch.cat((factors.contiguous().view(torch.uint8).view(blocks, supers, 128),
-                                bytes_.contiguous().view(blocks, supers, 256)), dim=-1))
+    scales_out.copy_(
+        torch.cat(
+            (
+                factors.contiguous().view(torch.uint8).view(blocks, supers, 128),
+                bytes_.contiguous().view(blocks, supers, 256),
+            ),
+            dim=-1,
+        )
+    )
 
 
 def _int4_k_run(grid: Grid, x8: bool) -> Run:
@@ -106,9 +135,16 @@ def _int4_k_run(grid: Grid, x8: bool) -> Run:
         (block_nibble_quads if x8 else block_nibbles)(grid.codes, codes_out)
         k_super_scales(grid, scales_out)
 
-    return Run(G_INT4_K, n, 32, 1, [((blocks, k // 32, 16, 16), torch.uint8),
-                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill,
-               X8_SMALL if x8 else X8_NONE, 8)
+    return Run(
+        G_INT4_K,
+        n,
+        32,
+        1,
+        [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)],
+        fill,
+        X8_SMALL if x8 else X8_NONE,
+        8,
+    )
 
 
 def _int5_k_run(grid: Grid) -> Run:
@@ -130,8 +166,16 @@ def _int5_k_run(grid: Grid) -> Run:
         out[:, :, 4].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 64))
         k_super_scales(grid, scales_out)
 
-    return Run(G_INT5_K, n, 32, 1, [((blocks, k // 32, 5, 64), torch.uint8),
-                                     ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)], fill, X8_SMALL, 0)
+    return Run(
+        G_INT5_K,
+        n,
+        32,
+        1,
+        [((blocks, k // 32, 5, 64), torch.uint8), ((blocks, supers, Q4K_SUPER_BYTES), torch.uint8)],
+        fill,
+        X8_SMALL,
+        0,
+    )
 
 
 def q6k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
@@ -163,8 +207,16 @@ def _int6_k_run(grid: Grid) -> Run:
         out[:, :, 4:].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64))
         q6k_super_scales(grid, scales_out)
 
-    return Run(G_INT6_K, n, 16, 0, [((blocks, k // 32, 6, 64), torch.uint8),
-                                     ((blocks, supers, Q6K_SUPER_BYTES), torch.uint8)], fill, X8_SMALL, 32)
+    return Run(
+        G_INT6_K,
+        n,
+        16,
+        0,
+        [((blocks, k // 32, 6, 64), torch.uint8), ((blocks, supers, Q6K_SUPER_BYTES), torch.uint8)],
+        fill,
+        X8_SMALL,
+        32,
+    )
 
 
 def int8_rows_run(quantized: QuantizedWeight) -> Run:
@@ -200,10 +252,19 @@ def _bytes_k_run(grid: Grid) -> Run:
         byte_quads(grid.codes, 32 if q6 else 0, codes_out)
         (q6k_super_scales if q6 else k_super_scales)(grid, scales_out)
 
-    return Run(G_INT8_K6 if q6 else G_INT8_K5, n, 16 if q6 else 32, 0 if q6 else 1,
-               [((blocks, k // 4, 16, 4), torch.int8),
-                ((blocks, supers, Q6K_SUPER_BYTES if q6 else Q4K_SUPER_BYTES), torch.uint8)], fill,
-               X8_SMALL, 32 if q6 else 0)
+    return Run(
+        G_INT8_K6 if q6 else G_INT8_K5,
+        n,
+        16 if q6 else 32,
+        0 if q6 else 1,
+        [
+            ((blocks, k // 4, 16, 4), torch.int8),
+            ((blocks, supers, Q6K_SUPER_BYTES if q6 else Q4K_SUPER_BYTES), torch.uint8),
+        ],
+        fill,
+        X8_SMALL,
+        32 if q6 else 0,
+    )
 
 
 def _groups_run(grid: Grid, x8: bool) -> Run:
@@ -222,9 +283,16 @@ def _groups_run(grid: Grid, x8: bool) -> Run:
             byte_quads(grid.codes, offset, codes_out)
         scales_out.copy_(rows_last(torch.stack([grid.scale] + ([grid.low] if lows else []), dim=-1), blocks))
 
-    return Run(G_INT8_GROUPS, n, grid.group, lows,
-               [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)], fill,
-               mode, offset)
+    return Run(
+        G_INT8_GROUPS,
+        n,
+        grid.group,
+        lows,
+        [((blocks, k // 2, 16, 2), torch.int8), ((blocks, k // grid.group, 1 + lows, 16), torch.float32)],
+        fill,
+        mode,
+        offset,
+    )
 
 
 def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
@@ -257,8 +325,16 @@ def grid_struct(runs: list[Run], tensors: list[tuple[torch.Tensor, torch.Tensor]
     grid = abi.Grid(parts=len(runs))
     for i, (run, (codes, scales)) in enumerate(zip(runs, tensors)):
         run.fill(codes, scales)
-        grid.part[i] = abi.GridPart(kind=run.kind, rows=run.rows, group=run.group, lows=run.lows,
-                                    codes=codes.data_ptr(), scales=scales.data_ptr(), x8=run.x8, offset=run.offset)
+        grid.part[i] = abi.GridPart(
+            kind=run.kind,
+            rows=run.rows,
+            group=run.group,
+            lows=run.lows,
+            codes=codes.data_ptr(),
+            scales=scales.data_ptr(),
+            x8=run.x8,
+            offset=run.offset,
+        )
     return grid
 
 

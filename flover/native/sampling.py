@@ -24,9 +24,17 @@ class NativeSampler:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._scaled = self._probs = torch.empty(0)
 
-    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        seed: torch.Tensor,
+        counter: torch.Tensor,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """logits [B, vocab] float32 (rows may be apart) -> token ids [B] int64; raises
         FloatingPointError for a sampled row holding NaN or +inf, or no finite value. `allowed`:
         [B, words] int32, structured output's bitmask (a clear bit: that token is -inf)."""
@@ -35,7 +43,13 @@ class NativeSampler:
         f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (no copies when they are already)
         i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731
         temperature, top_k, top_p, min_p, seed, counter = (
-            f32(temperature), i64(top_k), f32(top_p), f32(min_p), i64(seed), i64(counter))
+            f32(temperature),
+            i64(top_k),
+            f32(top_p),
+            f32(min_p),
+            i64(seed),
+            i64(counter),
+        )
         need = self.threads * vocab * SCRATCH_BYTES_PER_TOKEN
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
@@ -48,19 +62,38 @@ class NativeSampler:
         for first in range(0, rows, block):  # each call sees the block as its batch
             size = min(block, rows - first)
             n = self.lib.flover_sample_scale(
-                address(logits, first * logits.stride(0)), size, vocab, logits.stride(0),
-                address(temperature, first), address(top_k, first),
+                address(logits, first * logits.stride(0)),
+                size,
+                vocab,
+                logits.stride(0),
+                address(temperature, first),
+                address(top_k, first),
                 None if allowed is None else address(allowed, first * allowed.shape[1]),
-                0 if allowed is None else allowed.shape[1], self._scaled.data_ptr(), at.data_ptr(),
-                address(ids, first), self._scratch.data_ptr(), self.threads)
+                0 if allowed is None else allowed.shape[1],
+                self._scaled.data_ptr(),
+                at.data_ptr(),
+                address(ids, first),
+                self._scratch.data_ptr(),
+                self.threads,
+            )
             if n < 0:
-                raise FloatingPointError(f"row {first - 1 - n}: the logits hold NaN or +inf, or no finite value: "
-                                         "nothing to sample from")
+                raise FloatingPointError(
+                    f"row {first - 1 - n}: the logits hold NaN or +inf, or no finite value: nothing to sample from"
+                )
             if n:  # the definition's probabilities: PyTorch's softmax, into a buffer of our own
                 probs = self._probs[: n * vocab].view(n, vocab)
                 torch.ops.aten._softmax.out(self._scaled[: n * vocab].view(n, vocab), -1, False, out=probs)
                 self.lib.flover_sample_draw(
-                    probs.data_ptr(), n, vocab, at.data_ptr(), address(top_p, first), address(min_p, first),
-                    address(seed, first), address(counter, first), address(ids, first), self._scratch.data_ptr(),
-                    self.threads)
+                    probs.data_ptr(),
+                    n,
+                    vocab,
+                    at.data_ptr(),
+                    address(top_p, first),
+                    address(min_p, first),
+                    address(seed, first),
+                    address(counter, first),
+                    address(ids, first),
+                    self._scratch.data_ptr(),
+                    self.threads,
+                )
         return ids

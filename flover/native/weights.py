@@ -48,21 +48,24 @@ class HeadScreen:
     def of(cls, head: torch.Tensor) -> "HeadScreen":
         vocab, k = head.shape
         head = head.detach()
-        gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
-        margin = 1 + 2.0 ** -12
+        gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+        margin = 1 + 2.0**-12
         if head.dtype == torch.float32:
             copy = head.to(torch.bfloat16)
-            factor = (2.0 ** -7 + 2.0 ** -16 + 2 * gamma * (1 + 2.0 ** -7)) * margin
+            factor = (2.0**-7 + 2.0**-16 + 2 * gamma * (1 + 2.0**-7)) * margin
             bounds = torch.linalg.vector_norm(head, dim=1) * factor
-            return cls([(blocked_shape(copy), torch.bfloat16), ((vocab,), torch.float32)],
-                       lambda out: block_weight(copy, out[0]), bounds)
+            return cls(
+                [(blocked_shape(copy), torch.bfloat16), ((vocab,), torch.float32)],
+                lambda out: block_weight(copy, out[0]),
+                bounds,
+            )
         codes, scales, bounds = [], [], []
         for part in head.split(2048):  # a part at a time: its float32 temporaries stay in cache (0.1 s, not 0.7)
             quantized, _ = quantize(part, "int8")
             w, scale = part.float(), quantized.scales.float()
             error = (w - quantized.data.float() * scale[:, None]).abs().amax(1)
             largest = torch.maximum(w.abs().amax(1), quantized.data.abs().amax(1).float() * scale)
-            bounds.append((error + (2 * gamma + 2.0 ** -23) * largest) * margin)
+            bounds.append((error + (2 * gamma + 2.0**-23) * largest) * margin)
             codes.append(quantized.data)
             scales.append(quantized.scales)
         run = int8_rows_run(QuantizedWeight("int8", torch.cat(codes), torch.cat(scales), 0))
@@ -91,11 +94,11 @@ class WeightArena:
         start = -whole.data_ptr() % self.HUGE  # the first 2 MiB boundary inside the mapping
         if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-        self._bytes, self._used = whole[start: start + nbytes], 0
+        self._bytes, self._used = whole[start : start + nbytes], 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = math.prod(shape) * dtype.itemsize
-        chunk = self._bytes[self._used: self._used + size]
+        chunk = self._bytes[self._used : self._used + size]
         self._used += self._pages(shape, dtype)
         return chunk.view(dtype).view(shape)
 

@@ -36,7 +36,7 @@ def group_of_ranks(nodes: list[str], tp: int) -> list[int]:
     for rank, node in enumerate(nodes):
         by_node.setdefault(node, []).append(rank)
     if all(len(ranks) % tp == 0 for ranks in by_node.values()):
-        teams = [ranks[i: i + tp] for ranks in by_node.values() for i in range(0, len(ranks), tp)]
+        teams = [ranks[i : i + tp] for ranks in by_node.values() for i in range(0, len(ranks), tp)]
     else:  # a node with a part of a group: consecutive ranks, some groups across nodes
         teams = [list(range(i, i + tp)) for i in range(0, size, tp)]
     teams.sort(key=min)

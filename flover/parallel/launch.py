@@ -71,6 +71,7 @@ def launch_groups(device: str, tp: int | None) -> Launch:
         import torch
 
         from flover.parallel.nccl import NCCLCommunicator
+
         return Launch(NCCLCommunicator(group, torch.device(rank_device(device))), world, layout)
     return Launch(group, world, layout)
 

@@ -31,8 +31,11 @@ class NCCLCommunicator:
         mpi.comm.Bcast(uid, root=0)
         with torch.cuda.device(device):
             self.comm = nccl.NcclCommunicator(self.size, tuple(int(x) for x in uid), self.rank)
-        self._types = {torch.float32: nccl.NCCL_FLOAT32, torch.float64: nccl.NCCL_FLOAT64,
-                       torch.float16: nccl.NCCL_FLOAT16}
+        self._types = {
+            torch.float32: nccl.NCCL_FLOAT32,
+            torch.float64: nccl.NCCL_FLOAT64,
+            torch.float16: nccl.NCCL_FLOAT16,
+        }
         if hasattr(nccl, "NCCL_BFLOAT16"):
             self._types[torch.bfloat16] = nccl.NCCL_BFLOAT16
         self._sum = nccl.NCCL_SUM
@@ -51,8 +54,7 @@ class NCCLCommunicator:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         assert tensor.is_cuda and tensor.is_contiguous()
         stream = torch.cuda.current_stream(tensor.device).cuda_stream
-        self.comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._type(tensor),
-                            self._sum, stream)
+        self.comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._type(tensor), self._sum, stream)
 
     def gather_to_root(self, tensor: torch.Tensor) -> torch.Tensor | None:
         tensor = tensor.contiguous()

@@ -37,8 +37,10 @@ class StepPlanMessage:
         self.events.append(request_id)
 
     def encode(self) -> bytes:
-        wire = [["a", e.request_id, e.token_ids, asdict(e.params), e.cache_salt] if isinstance(e, AddEvent) else ["c", e]
-                for e in self.events]
+        wire = [
+            ["a", e.request_id, e.token_ids, asdict(e.params), e.cache_salt] if isinstance(e, AddEvent) else ["c", e]
+            for e in self.events
+        ]
         return msgpack.packb({"events": wire, "shutdown": self.shutdown, "knee": self.knee})
 
     @classmethod

@@ -42,24 +42,51 @@ class RankSetup:
 
 def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
     config, cfg = s.config, s.cfg
-    native_wanted = (config.native_forward == "auto" and s.device.type == "cpu"
-                     and s.dtype in (torch.float32, torch.bfloat16))
-    model = load_model(checkpoint, s.dtype, s.device, s.max_seq_len, cfg, tp=s.tp, comm=s.comm,
-                       pack_hint=config.max_slots, quantization=config.quantization, pack=not native_wanted)
+    native_wanted = (
+        config.native_forward == "auto" and s.device.type == "cpu" and s.dtype in (torch.float32, torch.bfloat16)
+    )
+    model = load_model(
+        checkpoint,
+        s.dtype,
+        s.device,
+        s.max_seq_len,
+        cfg,
+        tp=s.tp,
+        comm=s.comm,
+        pack_hint=config.max_slots,
+        quantization=config.quantization,
+        pack=not native_wanted,
+    )
     # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
-    static_decode = s.comm is None and (config.cuda_graphs == "eager" or
-                                        (config.cuda_graphs == "auto" and s.device.type == "cuda"))
-    buffer = SlotBuffer(cfg.num_layers, config.max_slots, s.tp.kv_heads, s.max_seq_len, cfg.head_dim, s.dtype,
-                        s.device, prefix_blocks=s.prefix_blocks, block_tokens=s.block_tokens,
-                        scratch_slots=1 if static_decode else 0, prefault_pool=config.prefault_prefix_cache)
+    static_decode = s.comm is None and (
+        config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda")
+    )
+    buffer = SlotBuffer(
+        cfg.num_layers,
+        config.max_slots,
+        s.tp.kv_heads,
+        s.max_seq_len,
+        cfg.head_dim,
+        s.dtype,
+        s.device,
+        prefix_blocks=s.prefix_blocks,
+        block_tokens=s.block_tokens,
+        scratch_slots=1 if static_decode else 0,
+        prefault_pool=config.prefault_prefix_cache,
+    )
     if s.is_leader:
         _log_memory(s, buffer)
     graphs = None
     if static_decode:
         graphs = DecodeGraphs(model, buffer, capture=config.cuda_graphs == "auto")
-        log.info("CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s", graphs.count,
-                 config.max_slots, buffer.max_seq_len,
-                 "captured" if config.cuda_graphs == "auto" else "prepared (eager)", graphs.capture_s)
+        log.info(
+            "CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s",
+            graphs.count,
+            config.max_slots,
+            buffer.max_seq_len,
+            "captured" if config.cuda_graphs == "auto" else "prepared (eager)",
+            graphs.capture_s,
+        )
     native = _native_forward(model, buffer, s) if native_wanted else None
     return_freed_heap()  # loading's dequantized tensors and dense copies
     return ModelRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native)
@@ -72,8 +99,16 @@ def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) ->
     the model packs them for PyTorch."""
     config, started = s.config, time.perf_counter()
     try:
-        native = NativeForward(model, buffer, s.dtype, torch.get_num_threads(), config.max_batch_tokens,
-                               release=not config.keep_pytorch_weights, comm=s.comm, kernels=config.native_kernels)
+        native = NativeForward(
+            model,
+            buffer,
+            s.dtype,
+            torch.get_num_threads(),
+            config.max_batch_tokens,
+            release=not config.keep_pytorch_weights,
+            comm=s.comm,
+            kernels=config.native_kernels,
+        )
     except NativeUnavailable as e:
         log.warning("native step off, iterations run on PyTorch only: %s", e)
         pack_projections(model, config.max_slots)
@@ -82,17 +117,31 @@ def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) ->
         pack_projections(model, config.max_slots)
     else:
         release_projections(model)
-    log.info("native step: %s (iterations run as one native call, ready in %.2f s)", native.describe(),
-             time.perf_counter() - started)
+    log.info(
+        "native step: %s (iterations run as one native call, ready in %.2f s)",
+        native.describe(),
+        time.perf_counter() - started,
+    )
     return native
 
 
 def _log_memory(s: RankSetup, buffer: SlotBuffer) -> None:
     config, ranks = s.config, s.comm.size if s.comm else 1
     per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
-    log.info("KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)", buffer.nbytes / 2**20, per_rank,
-             config.max_slots, s.max_seq_len, config.dtype,
-             f", weights {config.quantization}" if config.quantization != "none" else "")
-    log.info("prefix cache: %s", f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {s.prefix_blocks} blocks of "
-             f"{s.block_tokens} tokens ({s.prefix_blocks * s.block_tokens} tokens), LRU"
-             f"{', taken at start-up' if config.prefault_prefix_cache else ''}" if s.prefix_blocks else "off")
+    log.info(
+        "KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)",
+        buffer.nbytes / 2**20,
+        per_rank,
+        config.max_slots,
+        s.max_seq_len,
+        config.dtype,
+        f", weights {config.quantization}" if config.quantization != "none" else "",
+    )
+    log.info(
+        "prefix cache: %s",
+        f"{buffer.pool_nbytes / 2**20:.1f} MiB{per_rank}, {s.prefix_blocks} blocks of "
+        f"{s.block_tokens} tokens ({s.prefix_blocks * s.block_tokens} tokens), LRU"
+        f"{', taken at start-up' if config.prefault_prefix_cache else ''}"
+        if s.prefix_blocks
+        else "off",
+    )

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flover.runner.kv_buffer import SlotBuffer
 from flover.models.attention import ForwardBatch
+from flover.runner.kv_buffer import SlotBuffer
 
 MIN_KEYS_BUCKET = 64
 
@@ -76,9 +76,17 @@ class DecodeGraphs:
 
     def _static_batch(self, rows: int, keys: int) -> ForwardBatch:
         return ForwardBatch(
-            input_ids=self.input_ids[:rows], positions=self.positions[:rows], write_slots=self.write_slots[:rows],
-            num_decode=rows, decode_span=rows, decode_rows=None, span_lens=self.span_lens[:rows],
-            max_decode_len=keys, prefills=[], sample_rows=self.sample_rows[:rows])
+            input_ids=self.input_ids[:rows],
+            positions=self.positions[:rows],
+            write_slots=self.write_slots[:rows],
+            num_decode=rows,
+            decode_span=rows,
+            decode_rows=None,
+            span_lens=self.span_lens[:rows],
+            max_decode_len=keys,
+            prefills=[],
+            sample_rows=self.sample_rows[:rows],
+        )
 
     def _capture(self, rows: int, keys: int, pool) -> _Captured:
         if pool is None:
@@ -101,8 +109,13 @@ class DecodeGraphs:
         iteration has another shape (the caller then runs it eagerly). The result is a view of a
         buffer that the next replay overwrites. (`greedy`: the backends' common signature.)"""
         n = batch.num_decode
-        if (batch.prefills or batch.decode_rows is not None or n == 0 or n > self.row_buckets[-1]
-                or batch.max_decode_len > self.key_buckets[-1]):
+        if (
+            batch.prefills
+            or batch.decode_rows is not None
+            or n == 0
+            or n > self.row_buckets[-1]
+            or batch.max_decode_len > self.key_buckets[-1]
+        ):
             return None
         rows = next(r for r in self.row_buckets if r >= n)
         keys = next(k for k in self.key_buckets if k >= batch.max_decode_len)

@@ -45,8 +45,9 @@ def plan_compaction(occupied: Sequence[bool]) -> list[Move]:
     return [Move(src, dst) for src, dst in zip(sources, holes)]
 
 
-def kv_cache_bytes(num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int,
-                   head_dim: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes(
+    num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype
+) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return num_layers * 2 * max_slots * kv_heads * max_seq_len * head_dim * elem
 
@@ -83,9 +84,20 @@ class SlotBuffer:
     the KV rows, so everything about slot i is always found at index i.
     """
 
-    def __init__(self, num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, prefix_blocks: int = 0,
-                 block_tokens: int = 16, scratch_slots: int = 0, prefault_pool: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        max_slots: int,
+        kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix_blocks: int = 0,
+        block_tokens: int = 16,
+        scratch_slots: int = 0,
+        prefault_pool: bool = False,
+    ):
         """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none).
         `scratch_slots`: KV slots past the last real one that padding rows may write (CUDA graphs).
         `prefault_pool`: write the pool once now, so that its host memory is taken at start-up."""
@@ -102,13 +114,17 @@ class SlotBuffer:
                 f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
             )
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
-        self.kv = zeroed_tensor((num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim),
-                                dtype, device)
+        self.kv = zeroed_tensor(
+            (num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim), dtype, device
+        )
         # Pool rows are only read after a store wrote them: empty is safe, and its pages are taken
         # by the stores that first touch them, inside iterations; a server takes them now instead
         # (docs/design_notes.md, "prefix pool").
-        self.pool = torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim,
-                                dtype=dtype, device=device) if prefix_blocks else None
+        self.pool = (
+            torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim, dtype=dtype, device=device)
+            if prefix_blocks
+            else None
+        )
         if self.pool is not None and prefault_pool:
             self.pool.zero_()
         self.block_tokens = block_tokens
@@ -186,5 +202,8 @@ class SlotBuffer:
 
     def _index(self, copies: Sequence[BlockCopy]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
-        return (as_tensor([c.slot for c in copies]), as_tensor([c.position // self.block_tokens for c in copies]),
-                as_tensor([c.block for c in copies]))
+        return (
+            as_tensor([c.slot for c in copies]),
+            as_tensor([c.position // self.block_tokens for c in copies]),
+            as_tensor([c.block for c in copies]),
+        )

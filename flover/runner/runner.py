@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the plan it carries out (a type only: the engine's schedule
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class IterationRows:
     """Which rows of the forward's logits are for what: first the sampled requests' rows (one
@@ -69,9 +70,17 @@ class PyTorchForward:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, buffer: SlotBuffer, vocab_size: int, device: torch.device,
-                 comm: Communicator | None, seed: int, graphs: DecodeGraphs | None = None,
-                 native: NativeForward | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buffer: SlotBuffer,
+        vocab_size: int,
+        device: torch.device,
+        comm: Communicator | None,
+        seed: int,
+        graphs: DecodeGraphs | None = None,
+        native: NativeForward | None = None,
+    ):
         """`comm`: the tensor-parallel communicator of several ranks (rank 0 samples), or None.
         `graphs`: decode-only iterations replayed from CUDA graphs (others run eagerly).
         `native`: iterations as one native call (CPU; it declines some, which run on PyTorch)."""
@@ -159,7 +168,7 @@ class ModelRunner:
         for chunk in plan.prefill:
             r = chunk.request
             prefills.append(PrefillSpan(row, chunk.length, r.slot, chunk.start))
-            ids += r.prompt_token_ids[chunk.start: chunk.start + chunk.length]
+            ids += r.prompt_token_ids[chunk.start : chunk.start + chunk.length]
             positions += range(chunk.start, chunk.start + chunk.length)
             slots += [r.slot] * chunk.length
             scored = min(chunk.length, r.prompt_len - 1 - chunk.start)  # rows that predict a prompt token
@@ -172,11 +181,17 @@ class ModelRunner:
                 rows_of.sampled.append(r)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
         batch = ForwardBatch(
-            input_ids=as_tensor(ids), positions=as_tensor(positions), write_slots=as_tensor(slots),
-            num_decode=num_decode, decode_span=span,
+            input_ids=as_tensor(ids),
+            positions=as_tensor(positions),
+            write_slots=as_tensor(slots),
+            num_decode=num_decode,
+            decode_span=span,
             decode_rows=None if span == num_decode else as_tensor(slots[:num_decode]),  # None: slots 0..n-1
-            span_lens=as_tensor(span_lens), max_decode_len=max(span_lens, default=0), prefills=prefills,
-            sample_rows=as_tensor(sample_rows + score_rows), draft_rows=draft_rows,
+            span_lens=as_tensor(span_lens),
+            max_decode_len=max(span_lens, default=0),
+            prefills=prefills,
+            sample_rows=as_tensor(sample_rows + score_rows),
+            draft_rows=draft_rows,
         )
         return batch, rows_of
 
@@ -200,8 +215,9 @@ class ModelRunner:
         owner = rows.owners()  # the request index of each row
         result.token_ids = firsts
         if result.logprobs is not None:  # requests with drafts ask for none: one entry each
-            result.logprobs = [entry for row, entry in enumerate(result.logprobs)
-                               if row == 0 or owner[row - 1] != owner[row]]
+            result.logprobs = [
+                entry for row, entry in enumerate(result.logprobs) if row == 0 or owner[row - 1] != owner[row]
+            ]
         result.failed = {owner[row]: why for row, why in result.failed.items()}
         return result
 
@@ -216,7 +232,7 @@ class ModelRunner:
             return StepResult(token_ids=self.comm.broadcast_ids(None, len(sampled)))
         prompt_logprobs = []
         if rows.scoring:
-            prompt_logprobs = self._score_prompts(logits[len(sampled):], rows.scoring)
+            prompt_logprobs = self._score_prompts(logits[len(sampled) :], rows.scoring)
             logits = logits[: len(sampled)]  # [sampled, vocab]
         penalised = any(r.params.repetition_penalty != 1.0 for r in sampled)
         counted = any(r.params.frequency_penalty or r.params.presence_penalty for r in sampled)
@@ -230,8 +246,12 @@ class ModelRunner:
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.int64, device=self.device)
         allowed, failed = self._allowed(rows, logits.shape[-1])  # (a row whose structure failed: that request's)
         st = SamplingTensors(
-            temperature=self._temperature[slots], top_k=self._top_k[slots], top_p=self._top_p[slots],
-            min_p=self._min_p[slots], repetition_penalty=self._rep_penalty[slots], seed=self._seed[slots],
+            temperature=self._temperature[slots],
+            top_k=self._top_k[slots],
+            top_p=self._top_p[slots],
+            min_p=self._min_p[slots],
+            repetition_penalty=self._rep_penalty[slots],
+            seed=self._seed[slots],
             counter=torch.tensor([len(r.output_token_ids) for r in sampled], dtype=torch.int64, device=self.device),
             all_greedy=all_greedy,
             history=[r.prompt_token_ids + r.output_token_ids for r in sampled] if penalised else None,
@@ -261,12 +281,12 @@ class ModelRunner:
     @staticmethod
     def _score_prompts(logits: torch.Tensor, scoring: list[PromptRows]) -> list[list[Logprob]]:
         """logits [scoring rows, vocab] -> per PromptRows, each row's (logprob, top k)."""
-        targets = [t for s in scoring for t in s.request.prompt_token_ids[s.first_target: s.first_target + s.count]]
+        targets = [t for s in scoring for t in s.request.prompt_token_ids[s.first_target : s.first_target + s.count]]
         k = max(s.request.params.top_logprobs for s in scoring)
         found = token_logprobs(logits, torch.tensor(targets, device=logits.device), k).rows()
         out, start = [], 0
         for s in scoring:
-            out.append(found[start: start + s.count])
+            out.append(found[start : start + s.count])
             start += s.count
         return out
 
@@ -291,7 +311,7 @@ class ModelRunner:
         failed = {}
         for row in range(logits.shape[0]):
             try:
-                row_ids, row_logprobs = sample(logits[row: row + 1], st.row(row), native)
+                row_ids, row_logprobs = sample(logits[row : row + 1], st.row(row), native)
             except Exception as e:
                 failed[row] = f"sampling failed: {e!r}"
                 continue
@@ -309,10 +329,17 @@ class ModelRunner:
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             batch = ForwardBatch(
-                input_ids=torch.tensor(ids[start:end], device=dev), positions=torch.arange(start, end, device=dev),
-                write_slots=torch.full((end - start,), slot, device=dev), num_decode=0, decode_span=0,
-                decode_rows=None, span_lens=None, max_decode_len=0, prefills=[PrefillSpan(0, end - start, slot, start)],
-                sample_rows=torch.arange(end - start, device=dev))
+                input_ids=torch.tensor(ids[start:end], device=dev),
+                positions=torch.arange(start, end, device=dev),
+                write_slots=torch.full((end - start,), slot, device=dev),
+                num_decode=0,
+                decode_span=0,
+                decode_rows=None,
+                span_lens=None,
+                max_decode_len=0,
+                prefills=[PrefillSpan(0, end - start, slot, start)],
+                sample_rows=torch.arange(end - start, device=dev),
+            )
             logits.append(self.forward(batch))
         return torch.cat(logits)
 
@@ -324,12 +351,12 @@ def verify(drafts: list[list[int]], row_ids: list[int], requests: int) -> tuple[
     firsts, more, row = [], {}, 0
     for i in range(requests):
         draft = drafts[i] if i < len(drafts) else ()
-        ids = row_ids[row: row + 1 + len(draft)]
+        ids = row_ids[row : row + 1 + len(draft)]
         firsts.append(ids[0])
         accepted = 0
         while accepted < len(draft) and draft[accepted] == ids[accepted]:
             accepted += 1
         if accepted:
-            more[i] = ids[1: accepted + 1]
+            more[i] = ids[1 : accepted + 1]
         row += 1 + len(draft)
     return firsts, more

@@ -70,19 +70,33 @@ class SamplingTensors:
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         take = lambda rows_of: None if rows_of is None else [rows_of[i] for i in rows.tolist()]  # noqa: E731
         return SamplingTensors(
-            temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
-            min_p=pick(self.min_p), repetition_penalty=pick(self.repetition_penalty), seed=pick(self.seed),
-            counter=pick(self.counter), all_greedy=bool((self.temperature[rows] == 0).all()),
-            history=take(self.history), want_logprobs=self.want_logprobs, top_logprobs=self.top_logprobs,
-            frequency_penalty=pick(self.frequency_penalty), presence_penalty=pick(self.presence_penalty),
-            outputs=take(self.outputs), allowed=pick(self.allowed), bias=take(self.bias))
+            temperature=pick(self.temperature),
+            top_k=pick(self.top_k),
+            top_p=pick(self.top_p),
+            min_p=pick(self.min_p),
+            repetition_penalty=pick(self.repetition_penalty),
+            seed=pick(self.seed),
+            counter=pick(self.counter),
+            all_greedy=bool((self.temperature[rows] == 0).all()),
+            history=take(self.history),
+            want_logprobs=self.want_logprobs,
+            top_logprobs=self.top_logprobs,
+            frequency_penalty=pick(self.frequency_penalty),
+            presence_penalty=pick(self.presence_penalty),
+            outputs=take(self.outputs),
+            allowed=pick(self.allowed),
+            bias=take(self.bias),
+        )
 
 
 def _seen(logits: torch.Tensor, tokens_of_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every (row, token) pair the rows' lists hold, once: (rows [n], tokens [n], times seen [n])."""
     vocab = logits.shape[-1]
-    flat = torch.tensor([row * vocab + t for row, tokens in enumerate(tokens_of_rows) for t in tokens],
-                        dtype=torch.int64, device=logits.device)
+    flat = torch.tensor(
+        [row * vocab + t for row, tokens in enumerate(tokens_of_rows) for t in tokens],
+        dtype=torch.int64,
+        device=logits.device,
+    )
     pairs, counts = flat.unique(return_counts=True)
     return pairs // vocab, pairs % vocab, counts
 
@@ -95,13 +109,13 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, histor
     logits[rows, ids] = torch.where(seen < 0, seen * by, seen / by)
 
 
-def apply_frequency_presence(logits: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                             outputs: list[list[int]]) -> None:
+def apply_frequency_presence(
+    logits: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor, outputs: list[list[int]]
+) -> None:
     """OpenAI's definition: logit[j] -= frequency x count[j] + presence x (count[j] > 0), counts
     over the tokens generated so far (not the prompt). Only the generated tokens are touched."""
     rows, ids, counts = _seen(logits, outputs)
-    logits[rows, ids] -= (frequency.to(logits.dtype)[rows] * counts.to(logits.dtype)
-                          + presence.to(logits.dtype)[rows])
+    logits[rows, ids] -= frequency.to(logits.dtype)[rows] * counts.to(logits.dtype) + presence.to(logits.dtype)[rows]
 
 
 @dataclass
@@ -124,8 +138,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TokenL
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [R, vocab]
     top = logp.topk(k, dim=-1) if k else None
     empty = torch.empty(logp.shape[0], 0, device=logp.device)
-    return TokenLogprobs(chosen=logp.gather(1, tokens[:, None]).squeeze(1),
-                         top_ids=top.indices if top else empty.long(), top_values=top.values if top else empty)
+    return TokenLogprobs(
+        chosen=logp.gather(1, tokens[:, None]).squeeze(1),
+        top_ids=top.indices if top else empty.long(),
+        top_values=top.values if top else empty,
+    )
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -180,7 +197,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     full = vocab // ARGMAX_CHUNK
     maxima = logits[:, : full * ARGMAX_CHUNK].reshape(rows, full, ARGMAX_CHUNK).amax(-1)  # [B, chunks]
     if full * ARGMAX_CHUNK < vocab:
-        maxima = torch.cat([maxima, logits[:, full * ARGMAX_CHUNK:].amax(-1, keepdim=True)], 1)
+        maxima = torch.cat([maxima, logits[:, full * ARGMAX_CHUNK :].amax(-1, keepdim=True)], 1)
     chunk = maxima.argmax(-1)  # [B]: the first chunk whose maximum is the row's
     # the last chunk may be short: its columns past the vocabulary repeat the last one, which
     # comes first, so argmax never picks a repeat

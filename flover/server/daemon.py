@@ -24,8 +24,8 @@ in flight get a `keepalive` event every second so that this is noticed within a 
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -35,10 +35,10 @@ from pathlib import Path
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.engine.interface import ServingEngine
-from flover.engine.intake import PromptTooLong
-from flover.request import RequestOutput
 from flover import protocol
+from flover.engine.intake import PromptTooLong
+from flover.engine.interface import ServingEngine
+from flover.request import RequestOutput
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
 
@@ -95,6 +95,7 @@ class InFlight:
 @dataclass
 class Backlog:
     """Events for one client that its connection could not take yet, in order."""
+
     frames: deque
     bytes: int = 0
 
@@ -114,8 +115,16 @@ class Daemon:
         self.drain_deadline = float("inf")
         self.started = time.time()
         self.metrics = ServingMetrics()
-        self.counters = {"requests": 0, "completed": 0, "errors": 0, "cancelled": 0, "tokens_out": 0,
-                         "rejected": 0, "clients_gone": 0, "slow_clients": 0}
+        self.counters = {
+            "requests": 0,
+            "completed": 0,
+            "errors": 0,
+            "cancelled": 0,
+            "tokens_out": 0,
+            "rejected": 0,
+            "clients_gone": 0,
+            "slow_clients": 0,
+        }
         self._last_keepalive = self._last_stats = time.monotonic()
         # Text prompts and chats are tokenized off the loop, connections taking turns; requests with
         # a structure are compiled (and tokenized) by a worker of their own, so that a costly
@@ -205,8 +214,12 @@ class Daemon:
         flights = [(rid, f) for rid, f in self.inflight.items() if f.identity == identity and not f.overflowed]
         if flights:
             self.counters["slow_clients"] += 1
-            log.warning("client %s left %.1f MiB of events unread: cancelling its %d request(s)",
-                        identity.hex(), backlog.bytes / 2**20, len(flights))
+            log.warning(
+                "client %s left %.1f MiB of events unread: cancelling its %d request(s)",
+                identity.hex(),
+                backlog.bytes / 2**20,
+                len(flights),
+            )
         for rid, flight in flights:
             flight.overflowed = True
             self.engine.abort(rid)
@@ -247,9 +260,12 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, self._begin_drain)
         groups = f" in {self.engine.groups} groups" if self.engine.groups > 1 else ""
-        print(f"flover serve: ready on {self.config.bind} ({self.model_name}, "
-              f"{self.engine.comm.size if self.engine.comm else 1} rank(s){groups}, {self.engine.config.max_slots} "
-              f"slots)", flush=True)
+        print(
+            f"flover serve: ready on {self.config.bind} ({self.model_name}, "
+            f"{self.engine.comm.size if self.engine.comm else 1} rank(s){groups}, {self.engine.config.max_slots} "
+            f"slots)",
+            flush=True,
+        )
         try:
             while True:
                 busy = self.engine.has_unfinished()
@@ -303,19 +319,26 @@ class Daemon:
                 flight = self._forget(rid)
                 self.engine.abort(rid)
                 self.counters["errors"] += 1
-                self._send(flight.identity, protocol.error_event(protocol.INTERNAL, f"internal error: {e!r}",
-                                                                 flight.client_id), flight.envelope)
+                self._send(
+                    flight.identity,
+                    protocol.error_event(protocol.INTERNAL, f"internal error: {e!r}", flight.client_id),
+                    flight.envelope,
+                )
             return []
 
     def _begin_drain(self, signum, _frame) -> None:
         if not self.draining:
-            log.info("%s: draining (up to %.0f s), no new requests; again to stop at once",
-                     signal.Signals(signum).name, self.config.drain_timeout)
+            log.info(
+                "%s: draining (up to %.0f s), no new requests; again to stop at once",
+                signal.Signals(signum).name,
+                self.config.drain_timeout,
+            )
             self.draining = True
             self.drain_deadline = time.monotonic() + self.config.drain_timeout
         else:  # a second signal: cancel what is left and stop
-            log.info("%s again: cancelling the %d request(s) in flight", signal.Signals(signum).name,
-                     len(self.inflight))
+            log.info(
+                "%s again: cancelling the %d request(s) in flight", signal.Signals(signum).name, len(self.inflight)
+            )
             self.drain_deadline = 0.0
 
     def _cancel_all(self) -> None:
@@ -324,8 +347,11 @@ class Daemon:
         for rid in [rid for worker in self.workers for rid in worker.jobs]:
             if rid in self.inflight:
                 flight = self._forget(rid)
-                self._send(flight.identity, protocol.error_event(protocol.SHUTTING_DOWN, "the server is shutting down",
-                                                          flight.client_id), flight.envelope)
+                self._send(
+                    flight.identity,
+                    protocol.error_event(protocol.SHUTTING_DOWN, "the server is shutting down", flight.client_id),
+                    flight.envelope,
+                )
         for rid in list(self.inflight):
             self.engine.abort(rid)
         while self.inflight and self.engine.has_unfinished():
@@ -362,16 +388,31 @@ class Daemon:
             envelope = len(frames) == 3 and len(frames[1]) == 0  # a REQ socket's empty delimiter
             size = sum(len(f) for f in frames[1:])
             if _chosen_routing_id(payload):
-                self._reject(identity, protocol.ProtocolError(
-                    protocol.ROUTING_ID_NOT_ALLOWED, "connection identities are assigned by the server: do not set "
-                                              "ZMQ_ROUTING_ID on your socket", _peek_id(payload)), envelope)
+                self._reject(
+                    identity,
+                    protocol.ProtocolError(
+                        protocol.ROUTING_ID_NOT_ALLOWED,
+                        "connection identities are assigned by the server: do not set ZMQ_ROUTING_ID on your socket",
+                        _peek_id(payload),
+                    ),
+                    envelope,
+                )
             elif size > self.config.max_message_bytes:
-                self._reject(identity, protocol.ProtocolError(
-                    protocol.MESSAGE_TOO_LARGE, f"a message of {size} bytes exceeds the server's limit of "
-                                         f"{self.config.max_message_bytes} bytes"), envelope)
+                self._reject(
+                    identity,
+                    protocol.ProtocolError(
+                        protocol.MESSAGE_TOO_LARGE,
+                        f"a message of {size} bytes exceeds the server's limit of "
+                        f"{self.config.max_message_bytes} bytes",
+                    ),
+                    envelope,
+                )
             elif len(frames) != 2 and not envelope:
-                self._reject(identity, protocol.ProtocolError(protocol.BAD_MESSAGE, f"expected one message frame, got "
-                                                                      f"{len(frames) - 1}"), envelope)
+                self._reject(
+                    identity,
+                    protocol.ProtocolError(protocol.BAD_MESSAGE, f"expected one message frame, got {len(frames) - 1}"),
+                    envelope,
+                )
             else:
                 self._handle_safely(identity, payload, envelope)
 
@@ -385,12 +426,18 @@ class Daemon:
                 e.request_id = _peek_id(payload)
             self._reject(identity, e, envelope)
         except RecursionError:
-            self._reject(identity, protocol.ProtocolError(protocol.INVALID_REQUEST, "the request nests too deeply",
-                                                          _peek_id(payload)), envelope)
+            self._reject(
+                identity,
+                protocol.ProtocolError(protocol.INVALID_REQUEST, "the request nests too deeply", _peek_id(payload)),
+                envelope,
+            )
         except Exception as e:  # never fall over on a request
             log.exception("internal error on a request")
-            self._reject(identity, protocol.ProtocolError(protocol.INTERNAL, f"internal error: {type(e).__name__}",
-                                                          _peek_id(payload)), envelope)
+            self._reject(
+                identity,
+                protocol.ProtocolError(protocol.INTERNAL, f"internal error: {type(e).__name__}", _peek_id(payload)),
+                envelope,
+            )
 
     def _reject(self, identity: bytes, error: protocol.ProtocolError, envelope: bool = False) -> None:
         self.counters["rejected"] += 1
@@ -406,33 +453,49 @@ class Daemon:
         if op == "cancel":
             engine_id = self.by_client.get((identity, rid))
             if engine_id is None:
-                raise protocol.ProtocolError(protocol.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight",
-                                             rid)
+                raise protocol.ProtocolError(
+                    protocol.UNKNOWN_ID, f"no request {rid!r} of this connection is in flight", rid
+                )
             if not any(worker.cancel(engine_id) for worker in self.workers):  # (queued once prepared, then cancelled)
                 self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
             c, e = self.config, self.engine
-            self._send(identity, {"event": "health", "id": rid, "status": "draining" if self.draining else "ok",
-                                  "model": self.model_name, "max_message_bytes": c.max_message_bytes,
-                                  "max_seq_len": e.max_seq_len, "max_slots": e.config.max_slots}, envelope)
+            self._send(
+                identity,
+                {
+                    "event": "health",
+                    "id": rid,
+                    "status": "draining" if self.draining else "ok",
+                    "model": self.model_name,
+                    "max_message_bytes": c.max_message_bytes,
+                    "max_seq_len": e.max_seq_len,
+                    "max_slots": e.config.max_slots,
+                },
+                envelope,
+            )
         elif op == "stats":
             self._send(identity, {"event": "stats", "id": rid, **self.stats()}, envelope)
         else:
-            raise protocol.ProtocolError(protocol.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(protocol.OPS)}",
-                                         rid)
+            raise protocol.ProtocolError(
+                protocol.UNKNOWN_OP, f"unknown op {op!r}; one of {', '.join(protocol.OPS)}", rid
+            )
 
     def _generate(self, identity: bytes, message: dict, envelope: bool, fd: int, user: str | None) -> None:
         req = protocol.parse_generate(message)
         if req.stream and envelope:
-            raise protocol.ProtocolError(protocol.INVALID_REQUEST, "a REQ socket takes one reply per request: send "
-                                                     "`stream: false`, or use a DEALER socket to stream", req.id)
+            raise protocol.ProtocolError(
+                protocol.INVALID_REQUEST,
+                "a REQ socket takes one reply per request: send `stream: false`, or use a DEALER socket to stream",
+                req.id,
+            )
         if self.draining:
             raise protocol.ProtocolError(protocol.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
         if not self.engine.can_accept(self.config.max_waiting - self._preparing()):
-            raise protocol.ProtocolError(protocol.OVERLOADED, f"{self.config.max_waiting} requests are already "
-                                                               "waiting; retry later", req.id)
+            raise protocol.ProtocolError(
+                protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; retry later", req.id
+            )
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
         flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
         if req.params.structured is not None:
@@ -461,9 +524,16 @@ class Daemon:
     def _queue(self, engine_id: str, flight: InFlight, req: protocol.GenerateRequest, tokenized) -> None:
         try:
             # With CURVE, each client key is a prefix-cache partition of its own (prefix_cache.py).
-            request = self.engine.make_request(req.prompt, req.params, engine_id, stream=req.stream,
-                                               messages=req.messages, cache_salt=flight.user,
-                                               arrival_time=flight.arrived, tokenized=tokenized)
+            request = self.engine.make_request(
+                req.prompt,
+                req.params,
+                engine_id,
+                stream=req.stream,
+                messages=req.messages,
+                cache_salt=flight.user,
+                arrival_time=flight.arrived,
+                tokenized=tokenized,
+            )
         except (ValueError, TypeError) as e:
             raise _refusal(e, req.id) from None
         self.engine.enqueue(request)
@@ -507,15 +577,25 @@ class Daemon:
             self._forget(out.request_id)
             if flight.overflowed:
                 self.counters["cancelled"] += 1
-                self._send(flight.identity, protocol.error_event(
-                    protocol.SLOW_CLIENT, f"cancelled after {flight.tokens_sent} tokens: more than "
-                                   f"{self.config.max_client_backlog_bytes} bytes of events were waiting to be read",
-                    flight.client_id), flight.envelope)
+                self._send(
+                    flight.identity,
+                    protocol.error_event(
+                        protocol.SLOW_CLIENT,
+                        f"cancelled after {flight.tokens_sent} tokens: more than "
+                        f"{self.config.max_client_backlog_bytes} bytes of events were waiting to be read",
+                        flight.client_id,
+                    ),
+                    flight.envelope,
+                )
             elif out.finish_reason == "error":
                 self.counters["errors"] += 1
-                self._send(flight.identity, protocol.error_event(out.error_code or protocol.INTERNAL,
-                                                                 out.error or "internal error",
-                                                          flight.client_id), flight.envelope)
+                self._send(
+                    flight.identity,
+                    protocol.error_event(
+                        out.error_code or protocol.INTERNAL, out.error or "internal error", flight.client_id
+                    ),
+                    flight.envelope,
+                )
             else:
                 self._send(flight.identity, protocol.final_event(flight.client_id, out, flight.stream), flight.envelope)
                 self._account(flight, out)
@@ -527,21 +607,45 @@ class Daemon:
         t = out.timings
         self.metrics.request_finished(out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), t)
         ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"  # noqa: E731
-        log.info("request id=%r client=%s%s%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
-                 flight.client_id, flight.identity.hex(), f" key={flight.user}" if flight.user else "",
-                 f" group={out.group}" if out.group is not None else "",
-                 len(out.prompt_token_ids), len(out.token_ids),
-                 ms(t["queue_time"]), ms(t["ttft"]), ms(t["tpot"]), out.finish_reason)
+        log.info(
+            "request id=%r client=%s%s%s in=%d out=%d queue_ms=%s ttft_ms=%s tpot_ms=%s finish=%s",
+            flight.client_id,
+            flight.identity.hex(),
+            f" key={flight.user}" if flight.user else "",
+            f" group={out.group}" if out.group is not None else "",
+            len(out.prompt_token_ids),
+            len(out.token_ids),
+            ms(t["queue_time"]),
+            ms(t["ttft"]),
+            ms(t["tpot"]),
+            out.finish_reason,
+        )
 
     def stats(self) -> dict:
         e = self.engine.stats()
-        return {"in_flight": len(self.inflight), "running": e.running, "waiting": e.waiting,
-                "tokenizing": self._preparing(), "slots_used": e.running, "slots_total": e.slots_total,
-                "kv_bytes": e.kv_bytes, "kv_tokens": e.kv_tokens, "kv_use": e.kv_use, "iterations": e.iterations,
-                "uptime_s": time.time() - self.started, "draining": self.draining, "shuffle_moves": e.shuffle_moves,
-                "shuffle_bytes": e.shuffle_bytes, "draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
-                "prefix_cache": e.prefix_cache, "native_kernels": e.native_kernels, "groups": e.groups,
-                **self.counters, "metrics": self.metrics.snapshot()}
+        return {
+            "in_flight": len(self.inflight),
+            "running": e.running,
+            "waiting": e.waiting,
+            "tokenizing": self._preparing(),
+            "slots_used": e.running,
+            "slots_total": e.slots_total,
+            "kv_bytes": e.kv_bytes,
+            "kv_tokens": e.kv_tokens,
+            "kv_use": e.kv_use,
+            "iterations": e.iterations,
+            "uptime_s": time.time() - self.started,
+            "draining": self.draining,
+            "shuffle_moves": e.shuffle_moves,
+            "shuffle_bytes": e.shuffle_bytes,
+            "draft_tokens": e.draft_tokens,
+            "accepted_tokens": e.accepted_tokens,
+            "prefix_cache": e.prefix_cache,
+            "native_kernels": e.native_kernels,
+            "groups": e.groups,
+            **self.counters,
+            "metrics": self.metrics.snapshot(),
+        }
 
 
 def _refusal(e: Exception, request_id) -> protocol.ProtocolError:

@@ -52,8 +52,9 @@ async def lifespan(app: FastAPI):
     """The client to the daemon, for the app's life; and a watch on the daemon that started it."""
     front: Front = app.state.front
     curve = front.curve
-    front.client = AsyncClient(front.engine_addr, curve_server_key=curve[0] if curve else None,
-                               curve_client_cert=curve[1:] if curve else None)
+    front.client = AsyncClient(
+        front.engine_addr, curve_server_key=curve[0] if curve else None, curve_client_cert=curve[1:] if curve else None
+    )
     watch = asyncio.ensure_future(_stop_when_orphaned(front.parent_pid)) if front.parent_pid else None
     try:
         yield
@@ -113,19 +114,42 @@ def main(argv: list[str] | None = None) -> int:
     host, port = parse_listen(args.listen)
     tokenizer = load_tokenizer(open_checkpoint(args.model))
     keys = [os.environ.get(name, "").encode() for name in CURVE_ENV]
-    front = Front(args.engine, args.served_model_name or args.model, tokenizer, os.environ.get("FLOVER_API_KEY"),
-                  args.parent, curve=tuple(keys) if all(keys) else None, max_body_bytes=args.max_body_bytes)
+    front = Front(
+        args.engine,
+        args.served_model_name or args.model,
+        tokenizer,
+        os.environ.get("FLOVER_API_KEY"),
+        args.parent,
+        curve=tuple(keys) if all(keys) else None,
+        max_body_bytes=args.max_body_bytes,
+    )
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
-    limits = HttpLimits(args.header_timeout, args.body_timeout, args.keep_alive,
-                        usable_connections(args.max_connections))
-    config = uvicorn.Config(build_app(front), log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                            http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_timeout, **where)
+    limits = HttpLimits(
+        args.header_timeout, args.body_timeout, args.keep_alive, usable_connections(args.max_connections)
+    )
+    config = uvicorn.Config(
+        build_app(front),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,
+        **where,
+    )
     server = _server(config, front)
-    log.info("listening on http://%s:%d (model %r, %s, started in %.1f s; at most %d connections, headers "
-             "within %g s, bodies within %g s)", host, port, front.model_name,
-             "API key required" if front.api_key else "no API key", time.perf_counter() - started,
-             limits.max_connections, limits.header_timeout, limits.body_timeout)
+    log.info(
+        "listening on http://%s:%d (model %r, %s, started in %.1f s; at most %d connections, headers "
+        "within %g s, bodies within %g s)",
+        host,
+        port,
+        front.model_name,
+        "API key required" if front.api_key else "no API key",
+        time.perf_counter() - started,
+        limits.max_connections,
+        limits.header_timeout,
+        limits.body_timeout,
+    )
     server.run()
     return 0 if server.started else 2
 

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-
 from dataclasses import dataclass
 
 from flover.protocol import MAX_MESSAGE_BYTES
@@ -23,7 +22,7 @@ def engine_address(bind: str) -> str:
     """Where a local client reaches a daemon bound to `bind` (a wildcard bind is reached on loopback)."""
     for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
         if bind.startswith(wildcard):
-            return "tcp://127.0.0.1:" + bind[len(wildcard):]
+            return "tcp://127.0.0.1:" + bind[len(wildcard) :]
     return bind
 
 
@@ -37,6 +36,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 @dataclass(frozen=True)
 class HttpLimits:
     """What one HTTP connection may take (enforced by http_guard.GuardedH11Protocol)."""
+
     header_timeout: float = 10.0  # seconds from a connection's start (or its previous answer) to whole headers
     body_timeout: float = 30.0  # seconds from the headers to the whole body
     keep_alive_timeout: float = 5.0  # an idle connection between requests is closed after this
@@ -46,10 +46,16 @@ class HttpLimits:
 CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE_SECRET_KEY")
 
 
-def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
-                     curve: tuple[bytes, bytes, bytes] | None = None, timeout: float = 120.0,
-                     max_body_bytes: int = MAX_MESSAGE_BYTES,
-                     limits: HttpLimits = HttpLimits()) -> subprocess.Popen:
+def start_http_front(
+    bind: str,
+    listen: str,
+    model: str,
+    api_key: str | None,
+    curve: tuple[bytes, bytes, bytes] | None = None,
+    timeout: float = 120.0,
+    max_body_bytes: int = MAX_MESSAGE_BYTES,
+    limits: HttpLimits = HttpLimits(),
+) -> subprocess.Popen:
     """The front's process, once it answers HTTP; OSError naming the address if it cannot.
     `curve`: (the daemon's public key, the front's public and secret keys), z85.
     `max_body_bytes`: the largest request body it reads (the daemon's --max-message-bytes)."""
@@ -66,17 +72,39 @@ def start_http_front(bind: str, listen: str, model: str, api_key: str | None,
     if curve:
         env.update({name: key.decode() for name, key in zip(CURVE_ENV, curve)})
     with sock:
-        proc = subprocess.Popen([sys.executable, "-m", "flover.server.http_api", "--engine", engine_address(bind),
-                                 "--fd", str(sock.fileno()), "--listen", listen, "--model", model,
-                                 "--parent", str(os.getpid()), "--max-body-bytes", str(max_body_bytes),
-                                 "--header-timeout", str(limits.header_timeout),
-                                 "--body-timeout", str(limits.body_timeout),
-                                 "--keep-alive", str(limits.keep_alive_timeout),
-                                 "--max-connections", str(limits.max_connections)],
-                                # its own session: a job launcher that kills the daemon's process group
-                                # (mpirun, when a rank dies) must not cut the front's streams off
-                                # unanswered; it ends them itself once the daemon is gone
-                                env=env, pass_fds=[sock.fileno()], start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flover.server.http_api",
+                "--engine",
+                engine_address(bind),
+                "--fd",
+                str(sock.fileno()),
+                "--listen",
+                listen,
+                "--model",
+                model,
+                "--parent",
+                str(os.getpid()),
+                "--max-body-bytes",
+                str(max_body_bytes),
+                "--header-timeout",
+                str(limits.header_timeout),
+                "--body-timeout",
+                str(limits.body_timeout),
+                "--keep-alive",
+                str(limits.keep_alive_timeout),
+                "--max-connections",
+                str(limits.max_connections),
+            ],
+            # its own session: a job launcher that kills the daemon's process group
+            # (mpirun, when a rank dies) must not cut the front's streams off
+            # unanswered; it ends them itself once the daemon is gone
+            env=env,
+            pass_fds=[sock.fileno()],
+            start_new_session=True,
+        )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

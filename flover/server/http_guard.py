@@ -80,8 +80,13 @@ class GuardedH11Protocol(H11Protocol):
         """Keep one deadline for what the client owes now: headers (h11 IDLE after data came or a
         connection began), or the body (SEND_BODY); none while the answer is being made."""
         state = self.conn.their_state
-        owes = "headers" if state is h11.IDLE and not self._between_requests() else \
-            "body" if state is h11.SEND_BODY else None
+        owes = (
+            "headers"
+            if state is h11.IDLE and not self._between_requests()
+            else "body"
+            if state is h11.SEND_BODY
+            else None
+        )
         if owes == self._waiting_for:
             return
         self._disarm()

@@ -14,8 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import FloverError
 from flover.server import openai_api as oa
-from flover.server.http_state import (TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json,
-                                      wait_watching)
+from flover.server.http_state import TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json, wait_watching
 from flover.server.prometheus import render
 from flover.server.sse import StreamFramer
 
@@ -44,8 +43,18 @@ async def metrics(request: Request):
 async def models(request: Request):
     front = front_of(request)
     await context_length(front)
-    return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": 0,
-                                        "owned_by": "flover", "max_model_len": front.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": front.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "flover",
+                "max_model_len": front.max_model_len,
+            }
+        ],
+    }
 
 
 async def completions(request: Request):
@@ -82,17 +91,24 @@ async def detokenize(request: Request):
         if front.tokenizer is None:
             raise oa.ApiError(400, "this checkpoint has no tokenizer", param="tokens")
         ids, vocab = body.get("tokens"), front.tokenizer.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                for t in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+        ):
             raise oa.ApiError(400, f"tokens: expected a list of token ids in [0, {vocab})", param="tokens")
     except oa.ApiError as e:
         return error_response(e)
     return {"prompt": await front.off_loop(front.tokenizer.decode, ids)}
 
 
-ROUTES = [("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
-          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
-          ("POST", "/tokenize", tokenize), ("POST", "/detokenize", detokenize)]
+ROUTES = [
+    ("GET", "/health", health),
+    ("GET", "/metrics", metrics),
+    ("GET", "/v1/models", models),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+]
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -156,8 +172,10 @@ async def generate(request: Request, kind: str):
 
 async def answer(request: Request, front: Front, plan: oa.Plan, rids: list[str]):
     """One JSON answer once every choice has finished; a client that leaves frees its slots."""
-    tasks = [asyncio.ensure_future(front.client.generate(**c.source, request_id=rid, **c.params))
-             for c, rid in zip(plan.choices, rids)]
+    tasks = [
+        asyncio.ensure_future(front.client.generate(**c.source, request_id=rid, **c.params))
+        for c, rid in zip(plan.choices, rids)
+    ]
     try:
         while True:
             failed = [t for t in tasks if t.done() and t.exception() is not None]

@@ -53,9 +53,16 @@ async def wait_watching(request: Request, tasks) -> bool:
 class Front:
     """The app's state: one AsyncClient to the daemon, the tokenizer, the served name."""
 
-    def __init__(self, engine_addr: str, model_name: str, tokenizer, api_key: str | None,
-                 parent_pid: int | None = None, curve: tuple[bytes, bytes, bytes] | None = None,
-                 max_body_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(
+        self,
+        engine_addr: str,
+        model_name: str,
+        tokenizer,
+        api_key: str | None,
+        parent_pid: int | None = None,
+        curve: tuple[bytes, bytes, bytes] | None = None,
+        max_body_bytes: int = MAX_MESSAGE_BYTES,
+    ):
         """`parent_pid`: the daemon that started this front; the front stops when it is gone
         (also when it was killed and could not stop the front itself). `curve`: (the daemon's
         public key, this front's public and secret keys) when the socket uses CURVE.
@@ -70,12 +77,14 @@ class Front:
         self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed answers in flight
         # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run
         # here, never on the event loop (the `tokenizers` library releases the GIL while it works).
-        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flover-tokenize",
-                                       initializer=background_thread)
+        self._cpu = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="flover-tokenize", initializer=background_thread
+        )
         # Request bodies are parsed one at a time: a flood of large bodies takes at most one core
         # from the engine (two parsing at once doubled the gaps in a running stream).
-        self._bodies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flover-body",
-                                          initializer=background_thread)
+        self._bodies = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="flover-body", initializer=background_thread
+        )
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
@@ -131,8 +140,9 @@ async def read_json(request: Request, limit: int, off_loop, known: set[str]) -> 
     `off_loop` (one worker thread): a megabyte body costs the event loop nothing but the GIL
     while `json` parses it. Fields not in `known` are kept as null (never read: warned about,
     not walked)."""
-    too_large = oa.ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-message-bytes)",
-                            "message_too_large")
+    too_large = oa.ApiError(
+        413, f"the request body is larger than {limit} bytes (the server's --max-message-bytes)", "message_too_large"
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large

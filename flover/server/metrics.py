@@ -9,8 +9,27 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # name -> (buckets, help)
@@ -57,14 +76,23 @@ class ServingMetrics:
         self.finished[reason] += 1
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += output_tokens
-        for name, key in (("time_to_first_token_seconds", "ttft"), ("time_per_output_token_seconds", "tpot"),
-                          ("e2e_request_latency_seconds", "e2e"), ("request_queue_time_seconds", "queue_time")):
+        for name, key in (
+            ("time_to_first_token_seconds", "ttft"),
+            ("time_per_output_token_seconds", "tpot"),
+            ("e2e_request_latency_seconds", "e2e"),
+            ("request_queue_time_seconds", "queue_time"),
+        ):
             if timings.get(key) is not None:
                 self.histograms[name].observe(timings[key])
 
     def snapshot(self) -> dict:
         """Plain data for the wire (msgpack)."""
-        return {"histograms": {name: {"buckets": list(h.buckets), "counts": list(h.counts), "sum": h.sum}
-                               for name, h in self.histograms.items()},
-                "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
-                "finished": dict(self.finished)}
+        return {
+            "histograms": {
+                name: {"buckets": list(h.buckets), "counts": list(h.counts), "sum": h.sum}
+                for name, h in self.histograms.items()
+            },
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "finished": dict(self.finished),
+        }

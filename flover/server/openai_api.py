@@ -18,16 +18,58 @@ from dataclasses import dataclass, field
 from flover import tools as tool_calling
 
 # Daemon error code -> HTTP status. Client input is never a 500.
-STATUS = {"invalid_request": 400, "prompt_too_long": 400, "bad_message": 400, "unknown_id": 400,
-          "message_too_large": 413, "overloaded": 429, "shutting_down": 503, "connection_lost": 503,
-          "handshake_failed": 503}
+STATUS = {
+    "invalid_request": 400,
+    "prompt_too_long": 400,
+    "bad_message": 400,
+    "unknown_id": 400,
+    "message_too_large": 413,
+    "overloaded": 429,
+    "shutting_down": 503,
+    "connection_lost": 503,
+    "handshake_failed": 503,
+}
 
 # Fields of OpenAI's completion / chat APIs that need no action here.
-NEUTRAL = {"model", "prompt", "messages", "stream", "stream_options", "user", "n", "max_tokens",
-           "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-           "ignore_eos", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "echo", "tools",
-           "tool_choice", "response_format", "best_of", "suffix", "logit_bias", "stop_token_ids", "parallel_tool_calls",
-           "metadata", "store", "service_tier", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+NEUTRAL = {
+    "model",
+    "prompt",
+    "messages",
+    "stream",
+    "stream_options",
+    "user",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "best_of",
+    "suffix",
+    "logit_bias",
+    "stop_token_ids",
+    "parallel_tool_calls",
+    "metadata",
+    "store",
+    "service_tier",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+}
 MAX_CHOICES = 64  # prompts × n of one HTTP request
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; the legacy API allowed 5)
 MAX_JSON_DEPTH = 64  # nesting of a request body (OpenAI's own bodies need < 10; a JSON schema a few more)
@@ -40,8 +82,13 @@ class ApiError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict:
-        kind = "server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429 \
+        kind = (
+            "server_error"
+            if self.status >= 500
+            else "rate_limit_error"
+            if self.status == 429
             else "invalid_request_error"
+        )
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -168,8 +215,9 @@ def sampling_params(body: dict, chat: bool) -> dict:
     params: dict = {}
     bias = body.get("logit_bias")
     if bias:  # {"token id": bias}: JSON keys are strings
-        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 11
-                                                 for k in bias):
+        if not isinstance(bias, dict) or not all(
+            isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 11 for k in bias
+        ):
             raise ApiError(400, "logit_bias: expected a map from token ids to numbers", param="logit_bias")
         params["logit_bias"] = [[int(k), v] for k, v in bias.items()]
     structured = structure_asked(body)
@@ -207,8 +255,12 @@ def sampling_params(body: dict, chat: bool) -> dict:
     return params
 
 
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}  # vLLM's fields -> Structured kinds
+GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # vLLM's fields -> Structured kinds
 
 
 def structure_asked(body: dict) -> dict | None:
@@ -217,8 +269,11 @@ def structure_asked(body: dict) -> dict | None:
     the problem when it cannot)."""
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")):
-        raise ApiError(400, 'response_format: expected {"type": "text" | "json_object" | "json_schema", ...}',
-                       param="response_format")
+        raise ApiError(
+            400,
+            'response_format: expected {"type": "text" | "json_object" | "json_schema", ...}',
+            param="response_format",
+        )
     asked = [key for key in GUIDED if body.get(key) is not None]
     if fmt is not None and fmt["type"] != "text":
         asked.append("response_format")
@@ -231,8 +286,9 @@ def structure_asked(body: dict) -> dict | None:
             return {"kind": "json"}
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-            raise ApiError(400, "response_format.json_schema: expected {\"name\": ..., \"schema\": {...}}",
-                           param="response_format")
+            raise ApiError(
+                400, 'response_format.json_schema: expected {"name": ..., "schema": {...}}', param="response_format"
+            )
         return {"kind": "json_schema", "value": spec["schema"]}
     key = asked[0]
     value = body[key]
@@ -280,14 +336,23 @@ def chat_messages(messages) -> list[dict]:
         calls = m.get("tool_calls")
         if calls:  # an assistant's earlier calls: {"id", "type": "function", "function": {"name", "arguments"}}
             if not isinstance(calls, list) or not all(
-                    isinstance(c, dict) and isinstance(c.get("function"), dict)
-                    and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
-                    for c in calls):
-                raise ApiError(400, f"messages[{i}].tool_calls: expected calls with function name and arguments",
-                               param="messages")
-            message["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
-                                      "function": {"name": c["function"]["name"],
-                                                   "arguments": c["function"]["arguments"]}} for c in calls]
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), str)
+                for c in calls
+            ):
+                raise ApiError(
+                    400, f"messages[{i}].tool_calls: expected calls with function name and arguments", param="messages"
+                )
+            message["tool_calls"] = [
+                {
+                    "id": str(c.get("id", "")),
+                    "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                }
+                for c in calls
+            ]
         if m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
                 raise ApiError(400, f"messages[{i}].tool_call_id: expected a string", param="messages")
@@ -305,11 +370,13 @@ def _prompts(prompt) -> list[dict]:
             return [{"prompt": p} for p in prompt]
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [{"input_ids": prompt}]
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
+        ):
             return [{"input_ids": p} for p in prompt]
-    raise ApiError(400, "prompt: expected a string, a list of strings, a list of token ids or a list of such lists",
-                   param="prompt")
+    raise ApiError(
+        400, "prompt: expected a string, a list of strings, a list of token ids or a list of such lists", param="prompt"
+    )
 
 
 def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_calling.HERMES) -> Plan:
@@ -318,8 +385,9 @@ def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_c
     writes tool calls (flover/tools.py, from its chat template)."""
     model = body.get("model")
     if model is not None and model != model_name:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}",
-                       "model_not_found", "model")
+        raise ApiError(
+            404, f"model {model!r} does not exist; this server serves {model_name!r}", "model_not_found", "model"
+        )
     unknown = sorted(set(body) - NEUTRAL)
     if unknown:
         warn(f"ignoring unknown field(s) {', '.join(unknown)}")
@@ -337,18 +405,26 @@ def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_c
             p = dict(params)
             if n > 1 and p.get("seed") is not None and isinstance(p["seed"], int):
                 p["seed"] = p["seed"] + sample  # n different samples, each reproducible
-            choices.append(Choice(len(choices), source, p, counts_prompt=sample == 0,
-                                  echo=source.get("prompt") if echo else None))
+            choices.append(
+                Choice(len(choices), source, p, counts_prompt=sample == 0, echo=source.get("prompt") if echo else None)
+            )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream: expected a boolean", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options: expected an object", param="stream_options")
-    return Plan(kind, choices, stream, bool(options.get("include_usage")) and stream,
-                logprobs=params["top_logprobs"] if params.get("logprobs") else None, echo=echo,
-                score_only=echo and body.get("max_tokens") == 0, tool_syntax=syntax,
-                parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+    return Plan(
+        kind,
+        choices,
+        stream,
+        bool(options.get("include_usage")) and stream,
+        logprobs=params["top_logprobs"] if params.get("logprobs") else None,
+        echo=echo,
+        score_only=echo and body.get("max_tokens") == 0,
+        tool_syntax=syntax,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+    )
 
 
 def _tools_asked(body: dict, sources: list[dict], params: dict, syntax: str) -> str | None:
@@ -370,8 +446,11 @@ def _tools_asked(body: dict, sources: list[dict], params: dict, syntax: str) -> 
         return None  # the model is not shown the tools and is not parsed for calls
     if structure is not None:
         if "structured" in params:
-            raise ApiError(400, "tool_choice: a required call cannot be combined with response_format or "
-                                "guided_*", param="tool_choice")
+            raise ApiError(
+                400,
+                "tool_choice: a required call cannot be combined with response_format or guided_*",
+                param="tool_choice",
+            )
         params["structured"] = structure
     for source in sources:
         source["tools"] = tools
@@ -383,8 +462,12 @@ def usage(p: Plan, finals: list[dict]) -> dict:
     counted = [f["usage"] for c, f in zip(p.choices, finals) if c.counts_prompt]
     prompt = sum(u["prompt_tokens"] for u in counted)
     completion = 0 if p.score_only else sum(f["usage"]["completion_tokens"] for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.get("cached_tokens", 0) for u in counted)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(u.get("cached_tokens", 0) for u in counted)},
+    }
 
 
 def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:
@@ -394,15 +477,39 @@ def response(p: Plan, model: str, finals: list[dict], token_bytes) -> dict:
         choices = []
         for c, f in zip(p.choices, finals):
             message, finish = chat_message(p, f["text"], f["finish_reason"])
-            choices.append({"index": c.index, "message": message, "finish_reason": finish,
-                            "logprobs": _logprobs(p, c, f, token_bytes)})
-        return {"id": f"chatcmpl-{p.id}", "object": "chat.completion", "created": p.created, "model": model,
-                "choices": choices, "usage": usage(p, finals)}
-    choices = [{"index": c.index, "text": (c.echo or "") + ("" if p.score_only else f["text"]),
-                "finish_reason": f["finish_reason"], "logprobs": _logprobs(p, c, f, token_bytes)}
-               for c, f in zip(p.choices, finals)]
-    return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
-            "choices": choices, "usage": usage(p, finals)}
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": _logprobs(p, c, f, token_bytes),
+                }
+            )
+        return {
+            "id": f"chatcmpl-{p.id}",
+            "object": "chat.completion",
+            "created": p.created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(p, finals),
+        }
+    choices = [
+        {
+            "index": c.index,
+            "text": (c.echo or "") + ("" if p.score_only else f["text"]),
+            "finish_reason": f["finish_reason"],
+            "logprobs": _logprobs(p, c, f, token_bytes),
+        }
+        for c, f in zip(p.choices, finals)
+    ]
+    return {
+        "id": f"cmpl-{p.id}",
+        "object": "text_completion",
+        "created": p.created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(p, finals),
+    }
 
 
 def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
@@ -415,8 +522,7 @@ def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
         calls = calls if p.parallel_tool_calls else calls[:1]
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
-    return ({"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]},
-            "tool_calls")
+    return ({"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, "tool_calls")
 
 
 def tool_call_chunks(p: Plan, model: str, index: int, text: str, finish_reason: str) -> list[dict]:
@@ -432,17 +538,34 @@ def tool_call_chunks(p: Plan, model: str, index: int, text: str, finish_reason: 
     return out
 
 
-def chunk(p: Plan, model: str, index: int, text: str | None, finish_reason: str | None,
-          first: bool = False, logprobs: dict | None = None) -> dict:
+def chunk(
+    p: Plan,
+    model: str,
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    first: bool = False,
+    logprobs: dict | None = None,
+) -> dict:
     """One streamed chunk of choice `index` (`finish_reason` only in its last chunk)."""
     if p.kind == "chat":
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-        return {"id": f"chatcmpl-{p.id}", "object": "chat.completion.chunk", "created": p.created, "model": model,
-                "choices": [choice]}
+        return {
+            "id": f"chatcmpl-{p.id}",
+            "object": "chat.completion.chunk",
+            "created": p.created,
+            "model": model,
+            "choices": [choice],
+        }
     choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
-    return {"id": f"cmpl-{p.id}", "object": "text_completion", "created": p.created, "model": model,
-            "choices": [choice]}
+    return {
+        "id": f"cmpl-{p.id}",
+        "object": "text_completion",
+        "created": p.created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def stream_piece(p: Plan, c: Choice, event: dict, first: bool, offset: int, token_bytes) -> tuple[str, dict | None]:
@@ -474,8 +597,13 @@ def _logprobs(p: Plan, c: Choice, f: dict, token_bytes, offset: int = 0, prompt:
     text = lambda t: pieces[t].decode("utf-8", errors="replace")  # noqa: E731
     if p.kind == "chat":
         entry = lambda t, v: {"token": text(t), "logprob": v, "bytes": list(pieces[t])}  # noqa: E731
-        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, w) for a, w in top or []]}
-                            for t, v, top in zip(ids, values, tops)], "refusal": None}
+        return {
+            "content": [
+                {**entry(t, v), "top_logprobs": [entry(a, w) for a, w in top or []]}
+                for t, v, top in zip(ids, values, tops)
+            ],
+            "refusal": None,
+        }
     offsets, dicts = [], []
     for t, v, top in zip(ids, values, tops):
         offsets.append(offset)
@@ -492,5 +620,11 @@ def _logprobs(p: Plan, c: Choice, f: dict, token_bytes, offset: int = 0, prompt:
 def usage_chunk(p: Plan, model: str, finals: list[dict]) -> dict:
     obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
     prefix = "chatcmpl" if p.kind == "chat" else "cmpl"
-    return {"id": f"{prefix}-{p.id}", "object": obj, "created": p.created, "model": model, "choices": [],
-            "usage": usage(p, finals)}
+    return {
+        "id": f"{prefix}-{p.id}",
+        "object": obj,
+        "created": p.created,
+        "model": model,
+        "choices": [],
+        "usage": usage(p, finals),
+    }

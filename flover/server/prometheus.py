@@ -19,55 +19,94 @@ class _Snapshot:
 
     def collect(self):
         s, m, names = self.stats, self.stats["metrics"], ["model_name"]
-        yield from self._one_each(GaugeMetricFamily, (
-            ("num_requests_running", "Requests in a slot", s["running"]),
-            ("num_requests_waiting", "Requests waiting for a slot", s["waiting"]),
-            ("kv_cache_usage_perc", "Share of the KV buffer's positions in use (0-1)", s["kv_use"]),
-            ("kv_slots_used", "Slots of the contiguous KV buffer in use", s["slots_used"]),
-            ("kv_slots_total", "Slots of the contiguous KV buffer", s["slots_total"])))
-        yield from self._one_each(CounterMetricFamily, (
-            ("prompt_tokens", "Prompt tokens of finished requests", m["prompt_tokens"]),
-            ("generation_tokens", "Generated tokens of finished requests", m["generation_tokens"]),
-            ("iterations", "Engine iterations", s["iterations"]),
-            ("shuffle_moves", "Slots moved by the memory shuffle", s["shuffle_moves"]),
-            ("shuffle_bytes", "KV bytes copied by the memory shuffle", s["shuffle_bytes"]),
-            ("spec_decode_num_draft_tokens", "Speculative draft tokens verified (rows computed for them)",
-             s["draft_tokens"]),
-            ("spec_decode_num_accepted_tokens", "Draft tokens accepted (each a token without an iteration of its own)",
-             s["accepted_tokens"]),
-            ("request_errors", "Requests that ended with an error", s["errors"]),
-            ("requests_rejected", "Requests refused before running (invalid, overloaded, ...)", s["rejected"])))
+        yield from self._one_each(
+            GaugeMetricFamily,
+            (
+                ("num_requests_running", "Requests in a slot", s["running"]),
+                ("num_requests_waiting", "Requests waiting for a slot", s["waiting"]),
+                ("kv_cache_usage_perc", "Share of the KV buffer's positions in use (0-1)", s["kv_use"]),
+                ("kv_slots_used", "Slots of the contiguous KV buffer in use", s["slots_used"]),
+                ("kv_slots_total", "Slots of the contiguous KV buffer", s["slots_total"]),
+            ),
+        )
+        yield from self._one_each(
+            CounterMetricFamily,
+            (
+                ("prompt_tokens", "Prompt tokens of finished requests", m["prompt_tokens"]),
+                ("generation_tokens", "Generated tokens of finished requests", m["generation_tokens"]),
+                ("iterations", "Engine iterations", s["iterations"]),
+                ("shuffle_moves", "Slots moved by the memory shuffle", s["shuffle_moves"]),
+                ("shuffle_bytes", "KV bytes copied by the memory shuffle", s["shuffle_bytes"]),
+                (
+                    "spec_decode_num_draft_tokens",
+                    "Speculative draft tokens verified (rows computed for them)",
+                    s["draft_tokens"],
+                ),
+                (
+                    "spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted (each a token without an iteration of its own)",
+                    s["accepted_tokens"],
+                ),
+                ("request_errors", "Requests that ended with an error", s["errors"]),
+                ("requests_rejected", "Requests refused before running (invalid, overloaded, ...)", s["rejected"]),
+            ),
+        )
         p = s.get("prefix_cache")
         if p is not None:  # None: --prefix-cache 0. vLLM's names: queries and hits count prompt tokens
-            yield from self._one_each(CounterMetricFamily, (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks)",
-                 p["queried_tokens"]),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)", p["cached_tokens"]),
-                ("prefix_cache_lookups", "Admitted requests that looked up their prompt", p["lookups"]),
-                ("prefix_cache_lookup_hits", "... and found at least one block", p["hits"]),
-                ("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache (LRU)", p["evicted_blocks"])))
-            yield from self._one_each(GaugeMetricFamily, (
-                ("prefix_cache_usage_perc", "Share of the prefix cache's blocks in use (0-1)",
-                 p["blocks_used"] / max(1, p["blocks_total"])),))
+            yield from self._one_each(
+                CounterMetricFamily,
+                (
+                    (
+                        "prefix_cache_queries",
+                        "Prompt tokens looked up in the prefix cache (whole blocks)",
+                        p["queried_tokens"],
+                    ),
+                    (
+                        "prefix_cache_hits",
+                        "Prompt tokens found in the prefix cache (not prefilled)",
+                        p["cached_tokens"],
+                    ),
+                    ("prefix_cache_lookups", "Admitted requests that looked up their prompt", p["lookups"]),
+                    ("prefix_cache_lookup_hits", "... and found at least one block", p["hits"]),
+                    ("prefix_cache_evicted_blocks", "Blocks evicted from the prefix cache (LRU)", p["evicted_blocks"]),
+                ),
+            )
+            yield from self._one_each(
+                GaugeMetricFamily,
+                (
+                    (
+                        "prefix_cache_usage_perc",
+                        "Share of the prefix cache's blocks in use (0-1)",
+                        p["blocks_used"] / max(1, p["blocks_total"]),
+                    ),
+                ),
+            )
         if s.get("native_kernels"):  # an info metric: which kernels the native step runs
-            info = GaugeMetricFamily(PREFIX + "native_kernels_info", "The native step's kernel family",
-                                     labels=[*names, "kernels"])
+            info = GaugeMetricFamily(
+                PREFIX + "native_kernels_info", "The native step's kernel family", labels=[*names, "kernels"]
+            )
             info.add_metric([self.model, s["native_kernels"]], 1)
             yield info
         if s.get("groups"):  # data-parallel groups: each one's figures under a `group` label
             for name, help_text, key, kind in (
-                    ("group_requests_routed", "Requests the front door sent to each group", "routed", CounterMetricFamily),
-                    ("group_requests_running", "Requests in a slot, per group", "running", GaugeMetricFamily),
-                    ("group_requests_waiting", "Requests waiting for a slot, per group", "waiting", GaugeMetricFamily),
-                    ("group_load_tokens", "Tokens still to compute for the requests routed to each group",
-                     "load_tokens", GaugeMetricFamily),
-                    ("group_iterations", "Engine iterations, per group", "iterations", CounterMetricFamily)):
+                ("group_requests_routed", "Requests the front door sent to each group", "routed", CounterMetricFamily),
+                ("group_requests_running", "Requests in a slot, per group", "running", GaugeMetricFamily),
+                ("group_requests_waiting", "Requests waiting for a slot, per group", "waiting", GaugeMetricFamily),
+                (
+                    "group_load_tokens",
+                    "Tokens still to compute for the requests routed to each group",
+                    "load_tokens",
+                    GaugeMetricFamily,
+                ),
+                ("group_iterations", "Engine iterations, per group", "iterations", CounterMetricFamily),
+            ):
                 family = kind(PREFIX + name, help_text, labels=[*names, "group"])
                 for g in s["groups"]:
                     family.add_metric([self.model, str(g["group"])], g[key])
                 yield family
-        finished = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason",
-                                       labels=[*names, "finished_reason"])
+        finished = CounterMetricFamily(
+            PREFIX + "request_success", "Finished requests by finish reason", labels=[*names, "finished_reason"]
+        )
         for reason, count in sorted(m["finished"].items()):
             finished.add_metric([self.model, reason], count)
         yield finished

@@ -51,8 +51,9 @@ class StreamFramer:
         if plan.tool_syntax is not None:
             self.held[index] += event.get("text") or ""
             return []
-        text, logprobs = oa.stream_piece(plan, plan.choices[index], event, is_first, self.offsets[index],
-                                         self.token_bytes)
+        text, logprobs = oa.stream_piece(
+            plan, plan.choices[index], event, is_first, self.offsets[index], self.token_bytes
+        )
         if not (text or logprobs or is_first):
             return []
         self.started.add(index)
@@ -67,10 +68,16 @@ class StreamFramer:
         if plan.tool_syntax is not None:
             pieces = oa.tool_call_chunks(plan, self.model_name, index, self.held[index], event["finish_reason"])
         else:
-            pieces = [oa.chunk(plan, self.model_name, index, None, None, first=True)] \
-                if plan.kind == "chat" and is_first else []
-            pieces.append(oa.chunk(plan, self.model_name, index, None, event["finish_reason"],
-                                   first=is_first and plan.kind != "chat"))
+            pieces = (
+                [oa.chunk(plan, self.model_name, index, None, None, first=True)]
+                if plan.kind == "chat" and is_first
+                else []
+            )
+            pieces.append(
+                oa.chunk(
+                    plan, self.model_name, index, None, event["finish_reason"], first=is_first and plan.kind != "chat"
+                )
+            )
         self.started.add(index)
         self.finished.add(index)
         self.finals[index] = event

@@ -10,9 +10,8 @@ another client's prompt by at most one job per worker.
 
 from __future__ import annotations
 
-import os
 import itertools
-import threading
+import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,8 +34,9 @@ class Job:
 class FairTokenizer:
     def __init__(self, work: Callable[[Any], Any], workers: int = 1):
         self.work, self.workers = work, workers
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flover-tokenize",
-                                       initializer=background_thread)
+        self.pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="flover-tokenize", initializer=background_thread
+        )
         self.waiting: dict[bytes, deque[Job]] = {}
         self.served: dict[bytes, int] = {}  # connection -> the turn it last had (its jobs wait -> kept)
         self._turns = itertools.count()

@@ -36,7 +36,7 @@ def corpus(num_sentences: int = 3000, seed: int = 0) -> list[str]:
     lines = []
     for _ in range(num_sentences):
         words = rng.choices(_WORDS, k=rng.randint(4, 16))
-        number = str(rng.randint(0, 10**rng.randint(1, 6)))
+        number = str(rng.randint(0, 10 ** rng.randint(1, 6)))
         lines.append(" ".join(words).capitalize() + f" {number}{rng.choice('.,!?;:')}")
     return lines
 
@@ -49,8 +49,12 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
@@ -73,24 +77,37 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
     import transformers
 
     p = preset
-    common = dict(vocab_size=p["vocab_size"], bos_token_id=eos_id, eos_token_id=eos_id,
-                  tie_word_embeddings=p.get("tie_word_embeddings", False))
+    common = dict(
+        vocab_size=p["vocab_size"],
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=p.get("tie_word_embeddings", False),
+    )
     if arch == "gptj":
-        kw = dict(n_embd=p["hidden_size"], n_layer=p["num_layers"], n_head=p["num_heads"],
-                  n_inner=p["intermediate_size"], n_positions=p["max_position_embeddings"],
-                  rotary_dim=p.get("rotary_dim", p["hidden_size"] // p["num_heads"] // 2))
+        kw = dict(
+            n_embd=p["hidden_size"],
+            n_layer=p["num_layers"],
+            n_head=p["num_heads"],
+            n_inner=p["intermediate_size"],
+            n_positions=p["max_position_embeddings"],
+            rotary_dim=p.get("rotary_dim", p["hidden_size"] // p["num_heads"] // 2),
+        )
         return transformers.GPTJConfig(**{**common, **kw, **overrides})
-    kw = dict(hidden_size=p["hidden_size"], num_hidden_layers=p["num_layers"],
-              num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"],
-              intermediate_size=p["intermediate_size"],
-              max_position_embeddings=p["max_position_embeddings"])
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
+    kw = dict(
+        hidden_size=p["hidden_size"],
+        num_hidden_layers=p["num_layers"],
+        num_attention_heads=p["num_heads"],
+        num_key_value_heads=p["num_kv_heads"],
+        intermediate_size=p["intermediate_size"],
+        max_position_embeddings=p["max_position_embeddings"],
+    )
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[
+        arch
+    ]
     return cls(**{**common, **kw, **overrides})
 
 
-def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 0,
-                    **config_overrides) -> Path:
+def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 0, **config_overrides) -> Path:
     """Write a checkpoint directory (config, safetensors, tokenizer) and return its path."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -124,8 +141,9 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
 RANDOM_BLOCK_SCALES = {"Q4_K": 0.0004, "Q5_K": 0.0002, "Q6_K": 0.0001}
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", types: dict[str, str] | None = None,
-               seed: int = 0) -> Path:
+def write_gguf(
+    model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", types: dict[str, str] | None = None, seed: int = 0
+) -> Path:
     """Write a Hugging Face directory (Llama family) as one GGUF file the way llama.cpp's
     convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation for llama, 1-D
     tensors kept in F32), with 2-D tensors stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
@@ -148,8 +166,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", type
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    layers, theta = config["num_hidden_layers"], (config.get("rope_parameters") or {}).get(
-        "rope_theta", config.get("rope_theta", 10000.0))
+    layers, theta = (
+        config["num_hidden_layers"],
+        (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)),
+    )
 
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """The daemon measured from outside, on loopback only, bounded in count and time.
 
-    python scripts/bench/bench_daemon.py overhead --model models/bench-124m --repeats 3
-        latency of the socket path against the offline API, 1 and 32 concurrent requests
-    python scripts/bench/bench_daemon.py soak --model models/bench-124m --rate 4 --duration 120
-        Poisson traffic (streaming, non-streaming, cancels, bad input) against one daemon; reports
-        requests, errors, slots free at the end, daemon memory at start and end
-    python scripts/bench/bench_daemon.py errors --model models/tiny
-        what a client sees for each kind of bad input (a Markdown table)
+python scripts/bench/bench_daemon.py overhead --model models/bench-124m --repeats 3
+    latency of the socket path against the offline API, 1 and 32 concurrent requests
+python scripts/bench/bench_daemon.py soak --model models/bench-124m --rate 4 --duration 120
+    Poisson traffic (streaming, non-streaming, cancels, bad input) against one daemon; reports
+    requests, errors, slots free at the end, daemon memory at start and end
+python scripts/bench/bench_daemon.py errors --model models/tiny
+    what a client sees for each kind of bad input (a Markdown table)
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ def free_port() -> int:
 
 def start_daemon(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind", addr, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind", addr, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert "ready on" in proc.stdout.readline()
     return proc, addr
 
@@ -68,8 +72,14 @@ def overhead(args) -> None:
                     start = time.perf_counter()
                     ids = [c.new_id() for _ in ps]
                     for rid, p in zip(ids, ps):
-                        c.send({"op": "generate", "id": rid, "input_ids": p,
-                                "params": {"max_new_tokens": args.new_tokens, "ignore_eos": True}})
+                        c.send(
+                            {
+                                "op": "generate",
+                                "id": rid,
+                                "input_ids": p,
+                                "params": {"max_new_tokens": args.new_tokens, "ignore_eos": True},
+                            }
+                        )
                     for rid in ids:
                         c.wait(rid)
                     socket_path.append(time.perf_counter() - start)
@@ -78,8 +88,10 @@ def overhead(args) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    print(f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.repeats}; wall time "
-          "until every request's final result\n")
+    print(
+        f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.repeats}; wall time "
+        "until every request's final result\n"
+    )
     print("| concurrent requests | offline API (s) | through the socket (s) | overhead |\n|---:|---:|---:|---:|")
     for n, (a, b) in rows.items():
         print(f"| {n} | {a:.3f} | {b:.3f} | {100 * (b - a) / a:+.1f}% |")
@@ -90,8 +102,15 @@ def soak(args) -> None:
     time.sleep(1.0)
     rss_start = resident_mib(proc.pid)
     rng = random.Random(0)
-    counts = {"sent": 0, "final": 0, "cancelled": 0, "errors_expected": 0, "errors_unexpected": 0,
-              "overloaded": 0, "timeouts": 0}
+    counts = {
+        "sent": 0,
+        "final": 0,
+        "cancelled": 0,
+        "errors_expected": 0,
+        "errors_unexpected": 0,
+        "overloaded": 0,
+        "timeouts": 0,
+    }
     lock = threading.Lock()
 
     def one(kind: str, p: list[int]) -> None:
@@ -144,13 +163,27 @@ def soak(args) -> None:
     rss_end = resident_mib(proc.pid)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
-    print(json.dumps({"duration_s": round(wall, 1), "rate_per_s": args.rate, **counts,
-                      "slots_used_at_end": stats["slots_used"], "in_flight_at_end": stats["in_flight"],
-                      "waiting_at_end": stats["waiting"], "daemon_counters": {k: stats[k] for k in (
-                          "requests", "completed", "cancelled", "rejected", "clients_gone", "tokens_out")},
-                      "rss_mib_start": round(rss_start), "rss_mib_end": round(rss_end),
-                      "rss_mib_every_eighth_of_the_run": rss_series, "exit_code": code},
-                     indent=1))
+    print(
+        json.dumps(
+            {
+                "duration_s": round(wall, 1),
+                "rate_per_s": args.rate,
+                **counts,
+                "slots_used_at_end": stats["slots_used"],
+                "in_flight_at_end": stats["in_flight"],
+                "waiting_at_end": stats["waiting"],
+                "daemon_counters": {
+                    k: stats[k]
+                    for k in ("requests", "completed", "cancelled", "rejected", "clients_gone", "tokens_out")
+                },
+                "rss_mib_start": round(rss_start),
+                "rss_mib_end": round(rss_end),
+                "rss_mib_every_eighth_of_the_run": rss_series,
+                "exit_code": code,
+            },
+            indent=1,
+        )
+    )
 
 
 def errors(args) -> None:
@@ -164,12 +197,18 @@ def errors(args) -> None:
         ("no prompt", [msgpack.packb({"op": "generate", "id": "a"})]),
         ("unknown field", [msgpack.packb({"op": "generate", "id": "a", "prompt": "x", "colour": 1})]),
         ("prompt of wrong type", [msgpack.packb({"op": "generate", "id": "a", "prompt": 5})]),
-        ("NaN temperature", [msgpack.packb({"op": "generate", "id": "a", "prompt": "x",
-                                            "params": {"temperature": float("nan")}})]),
-        ("negative max_new_tokens", [msgpack.packb({"op": "generate", "id": "a", "prompt": "x",
-                                                    "params": {"max_new_tokens": -3}})]),
-        ("unknown sampling parameter", [msgpack.packb({"op": "generate", "id": "a", "prompt": "x",
-                                                       "params": {"max_tokens": 3}})]),
+        (
+            "NaN temperature",
+            [msgpack.packb({"op": "generate", "id": "a", "prompt": "x", "params": {"temperature": float("nan")}})],
+        ),
+        (
+            "negative max_new_tokens",
+            [msgpack.packb({"op": "generate", "id": "a", "prompt": "x", "params": {"max_new_tokens": -3}})],
+        ),
+        (
+            "unknown sampling parameter",
+            [msgpack.packb({"op": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 3}})],
+        ),
         ("token id out of vocabulary", [msgpack.packb({"op": "generate", "id": "a", "input_ids": [1, 10**9]})]),
         ("empty prompt", [msgpack.packb({"op": "generate", "id": "a", "input_ids": []})]),
         ("prompt too long", [msgpack.packb({"op": "generate", "id": "a", "input_ids": list(range(1, 200))})]),
@@ -195,8 +234,10 @@ def errors(args) -> None:
             c.send({"op": "generate", "id": "d", "input_ids": [1], "params": {"max_new_tokens": 100}})
             c.send({"op": "generate", "id": "d", "input_ids": [1], "params": {"max_new_tokens": 100}})
             first = c.next_event("d")
-            print(f"| same id twice in flight | `{first['event']}` `{first.get('code')}`: {first.get('message')} "
-                  f"(the first request completes) |")
+            print(
+                f"| same id twice in flight | `{first['event']}` `{first.get('code')}`: {first.get('message')} "
+                f"(the first request completes) |"
+            )
             print(f"| (afterwards) health | `{c.health()['status']}` |")
     finally:
         ctx.term()

@@ -27,29 +27,68 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_llamacpp import QUESTIONS  # noqa: E402
+from bench_vs_llamacpp import QUESTIONS
 
-MPI_ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_btl": "self,sm", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+MPI_ENV = {
+    **os.environ,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_btl": "self,sm",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+}
 
 
 def layouts(groups: int, cores: int) -> dict[str, list[str]]:
-    mpirun = [shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun", "-np", str(groups),
-              "--oversubscribe", "--bind-to", "none"]
+    mpirun = [
+        shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun",
+        "-np",
+        str(groups),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ]
     run = [sys.executable, "-m", "flover.apps.cli", "run"]
-    return {f"1 engine x {cores} threads": [*run, "--threads", str(cores)],
-            f"{groups} groups x {cores // groups} thread(s)": [*mpirun, *run, "--tp", "1", "--threads",
-                                                             str(cores // groups)],
-            f"TP={groups} x {cores // groups} thread(s)": [*mpirun, *run, "--threads", str(cores // groups)]}
+    return {
+        f"1 engine x {cores} threads": [*run, "--threads", str(cores)],
+        f"{groups} groups x {cores // groups} thread(s)": [
+            *mpirun,
+            *run,
+            "--tp",
+            "1",
+            "--threads",
+            str(cores // groups),
+        ],
+        f"TP={groups} x {cores // groups} thread(s)": [*mpirun, *run, "--threads", str(cores // groups)],
+    }
 
 
 def run_once(cmd: list[str], model: str, prompts: Path, args) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.jsonl"
-        done = subprocess.run([*cmd, "--model", model, "--prompts", str(prompts), "--out", str(out), "--quiet",
-                               "--max-new-tokens", str(args.gen_len), "--arrival", "poisson", "--rate",
-                               str(1000 / args.interval_ms), "--max-seq-len", "1024"],
-                              capture_output=True, text=True, env=MPI_ENV, timeout=1200)
+        done = subprocess.run(
+            [
+                *cmd,
+                "--model",
+                model,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--quiet",
+                "--max-new-tokens",
+                str(args.gen_len),
+                "--arrival",
+                "poisson",
+                "--rate",
+                str(1000 / args.interval_ms),
+                "--max-seq-len",
+                "1024",
+            ],
+            capture_output=True,
+            text=True,
+            env=MPI_ENV,
+            timeout=1200,
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-3000:])
         return float(re.search(r"\(([\d.]+) tok/s", done.stderr).group(1))
@@ -72,8 +111,10 @@ def routing_cost(requests: int = 20000) -> None:
         msgpack.packb({"add": [str(i), prompt, params, None, True, 0.0]})
         router.progressed(group, 128, finished_with=512)
     per = (time.perf_counter() - started) / requests
-    print(f"routing, per request of 512 prompt tokens over 8 groups (choice + its message): {per * 1e6:.1f} us "
-          f"= {1 / per:,.0f} requests/s on one core")
+    print(
+        f"routing, per request of 512 prompt tokens over 8 groups (choice + its message): {per * 1e6:.1f} us "
+        f"= {1 / per:,.0f} requests/s on one core"
+    )
 
 
 def main() -> None:
@@ -88,8 +129,13 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "chat.jsonl"
-        prompts.write_text("".join(json.dumps({"id": str(i), "messages": [
-            {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}) + "\n" for i in range(args.requests)))
+        prompts.write_text(
+            "".join(
+                json.dumps({"id": str(i), "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]})
+                + "\n"
+                for i in range(args.requests)
+            )
+        )
         results: dict[str, list[float]] = {}
         todo = layouts(args.groups, args.cores)
         for run in range(args.runs):
@@ -102,8 +148,10 @@ def main() -> None:
                     continue
                 results.setdefault(name, []).append(tps)
                 print(f"run {run + 1}/{args.runs} {name}: {tps:.1f} tok/s", flush=True)
-    print(f"\n{args.requests} chat requests, Poisson {args.interval_ms:g} ms, at most {args.gen_len} tokens, "
-          f"medians of {args.runs} alternating runs:")
+    print(
+        f"\n{args.requests} chat requests, Poisson {args.interval_ms:g} ms, at most {args.gen_len} tokens, "
+        f"medians of {args.runs} alternating runs:"
+    )
     for name, values in results.items():
         print(f"| {name} | {statistics.median(values):.1f} tok/s | {' / '.join(f'{v:.1f}' for v in values)} |")
     routing_cost()

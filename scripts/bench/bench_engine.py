@@ -36,8 +36,14 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     wall = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + new_tokens
     return len(prompts) * new_tokens / wall
@@ -59,8 +65,13 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, max_slots=max(batches), num_threads=args.threads,
-              max_seq_len=args.prompt_len + args.new_tokens)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_slots=max(batches),
+        num_threads=args.threads,
+        max_seq_len=args.prompt_len + args.new_tokens,
+    )
     ref = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     vocab = llm.engine.model_config.vocab_size
     results = {}
@@ -72,12 +83,17 @@ def main() -> None:
             ours.append(run_flover(llm, prompts, args.new_tokens))
             theirs.append(run_transformers(ref, prompts, args.new_tokens))
         results[b] = {"flover": ours, "transformers": theirs}
-        print(f"B={b}: flover {statistics.median(ours):.0f} tok/s, transformers {statistics.median(theirs):.0f} "
-              f"tok/s, ratio {statistics.median(ours) / statistics.median(theirs):.2f}x", flush=True)
+        print(
+            f"B={b}: flover {statistics.median(ours):.0f} tok/s, transformers {statistics.median(theirs):.0f} "
+            f"tok/s, ratio {statistics.median(ours) / statistics.median(theirs):.2f}x",
+            flush=True,
+        )
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
-          f"{torch.__version__}, transformers {transformers.__version__}; model {args.model} ({args.dtype}); "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; median of {args.repeats}\n")
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
+        f"{torch.__version__}, transformers {transformers.__version__}; model {args.model} ({args.dtype}); "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; median of {args.repeats}\n"
+    )
     print("| concurrent requests | flover tok/s | transformers generate tok/s | flover / transformers |")
     print("|---:|---:|---:|---:|")
     for b, r in results.items():

@@ -47,10 +47,25 @@ class InstantEngine:
         self.running: dict[str, Request] = {}
         self.text = OutputProcessor(None)
 
-    def make_request(self, prompt, params, request_id, stream=False, messages=None, cache_salt=None,
-                     arrival_time=None, tokenized=None) -> Request:
-        return Request(request_id, list(prompt), params, stream=False, cache_salt=cache_salt,
-                       timings=Timings(arrival=arrival_time or time.perf_counter()))
+    def make_request(
+        self,
+        prompt,
+        params,
+        request_id,
+        stream=False,
+        messages=None,
+        cache_salt=None,
+        arrival_time=None,
+        tokenized=None,
+    ) -> Request:
+        return Request(
+            request_id,
+            list(prompt),
+            params,
+            stream=False,
+            cache_salt=cache_salt,
+            timings=Timings(arrival=arrival_time or time.perf_counter()),
+        )
 
     def enqueue(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,8 +92,9 @@ class InstantEngine:
                 r.timings.first_token = r.timings.first_token or now
                 if len(r.output_token_ids) >= r.params.max_new_tokens:
                     r.finish(FinishReason.LENGTH, now)
-            outputs.append(self.text.output(r, r.output_token_ids[-1:] if r.finish_reason is not FinishReason.CANCELLED
-                                            else []))
+            outputs.append(
+                self.text.output(r, r.output_token_ids[-1:] if r.finish_reason is not FinishReason.CANCELLED else [])
+            )
             if r.finished:
                 del self.running[r.request_id]
         self.iterations += 1
@@ -89,11 +105,23 @@ class InstantEngine:
         return []
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.running), waiting=len(self.waiting), slots_total=self.config.max_slots,
-                           kv_bytes=0, kv_tokens=0, kv_use=0.0, iterations=self.iterations,
-                           last_step_tokens=self.last_step_tokens, shuffle_moves=0, shuffle_bytes=0,
-                           shuffle_seconds=0.0, draft_tokens=0, accepted_tokens=0, prefix_cache=None,
-                           native_kernels=None)
+        return EngineStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            slots_total=self.config.max_slots,
+            kv_bytes=0,
+            kv_tokens=0,
+            kv_use=0.0,
+            iterations=self.iterations,
+            last_step_tokens=self.last_step_tokens,
+            shuffle_moves=0,
+            shuffle_bytes=0,
+            shuffle_seconds=0.0,
+            draft_tokens=0,
+            accepted_tokens=0,
+            prefix_cache=None,
+            native_kernels=None,
+        )
 
     def shutdown(self) -> None:
         pass
@@ -137,7 +165,8 @@ class InProcessLeaders:
 CLIENT = r"""
 import json, sys, time, msgpack, zmq
 addr, clients, in_flight, new_tokens, seconds, stream = sys.argv[1:7]
-clients, in_flight, new_tokens, seconds, stream = int(clients), int(in_flight), int(new_tokens), float(seconds), stream == "1"
+clients, in_flight, new_tokens = int(clients), int(in_flight), int(new_tokens)
+seconds, stream = float(seconds), stream == "1"
 ctx = zmq.Context()
 socks = [ctx.socket(zmq.DEALER) for _ in range(clients)]
 poller = zmq.Poller()
@@ -181,22 +210,44 @@ def run(args, stream: bool) -> dict:
     with socket.socket() as probe:  # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    daemon = Daemon(front, ServeConfig(bind=f"tcp://127.0.0.1:{port}", handle_signals=False,
-                                       max_waiting=args.groups * slots * 2), model_name="instant")
+    daemon = Daemon(
+        front,
+        ServeConfig(bind=f"tcp://127.0.0.1:{port}", handle_signals=False, max_waiting=args.groups * slots * 2),
+        model_name="instant",
+    )
     server = threading.Thread(target=daemon.serve_forever, daemon=True)
     server.start()
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    client = subprocess.run([sys.executable, "-c", CLIENT, f"tcp://127.0.0.1:{port}", str(args.clients),
-                             str(args.groups * slots), str(args.new_tokens), str(args.seconds), "1" if stream else "0"],
-                            capture_output=True, text=True, check=True)
+    client = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLIENT,
+            f"tcp://127.0.0.1:{port}",
+            str(args.clients),
+            str(args.groups * slots),
+            str(args.new_tokens),
+            str(args.seconds),
+            "1" if stream else "0",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     daemon.draining = True
     server.join(10)
     got = json.loads(client.stdout)
     loop_cpu = cpu - leaders.leader_seconds
-    return {"stream": stream, "tokens/s": got["tokens"] / got["seconds"], "requests/s": got["finals"] / got["seconds"],
-            "events": got["events"], "cpu_us_per_token": 1e6 * loop_cpu / got["tokens"],
-            "cpu_busy": loop_cpu / wall, "leaders_us_per_token": 1e6 * leaders.leader_seconds / got["tokens"]}
+    return {
+        "stream": stream,
+        "tokens/s": got["tokens"] / got["seconds"],
+        "requests/s": got["finals"] / got["seconds"],
+        "events": got["events"],
+        "cpu_us_per_token": 1e6 * loop_cpu / got["tokens"],
+        "cpu_busy": loop_cpu / wall,
+        "leaders_us_per_token": 1e6 * leaders.leader_seconds / got["tokens"],
+    }
 
 
 def main() -> None:
@@ -212,11 +263,13 @@ def main() -> None:
     for stream in (True, False):
         mine = sorted((r for r in rows if r["stream"] is stream), key=lambda r: r["tokens/s"])
         median = mine[len(mine) // 2]
-        print(f"{'streamed' if stream else 'not streamed'}: {median['tokens/s']:,.0f} tokens/s delivered "
-              f"({median['requests/s']:,.0f} requests/s of {args.new_tokens} tokens), daemon process "
-              f"{median['cpu_us_per_token']:.2f} µs CPU a token ({100 * median['cpu_busy']:.0f}% of a core), "
-              f"in-process leaders {median['leaders_us_per_token']:.2f} µs a token (left out); runs: "
-              + ", ".join(f"{r['tokens/s']:,.0f}" for r in mine))
+        print(
+            f"{'streamed' if stream else 'not streamed'}: {median['tokens/s']:,.0f} tokens/s delivered "
+            f"({median['requests/s']:,.0f} requests/s of {args.new_tokens} tokens), daemon process "
+            f"{median['cpu_us_per_token']:.2f} µs CPU a token ({100 * median['cpu_busy']:.0f}% of a core), "
+            f"in-process leaders {median['leaders_us_per_token']:.2f} µs a token (left out); runs: "
+            + ", ".join(f"{r['tokens/s']:,.0f}" for r in mine)
+        )
 
 
 if __name__ == "__main__":

@@ -30,12 +30,21 @@ import torch
 
 from flover import Engine, EngineConfig, SamplingParams
 
-SMOLLM2_SHAPE = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
-                     vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
 
 
 def make_model(out: str) -> str:
     from flover.testing.tiny_model import make_tiny_model
+
     return str(make_tiny_model("llama", SMOLLM2_SHAPE, out, rope_theta=100000.0))
 
 
@@ -115,16 +124,16 @@ def hf_batch(model, prompts: list[list[int]], gen: int) -> float:
     ids = torch.tensor(prompts, device="cuda")  # equal lengths: no padding
     sync()
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen, min_new_tokens=gen,
-                         do_sample=False)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen, min_new_tokens=gen, do_sample=False
+    )
     sync()
     return (out.shape[1] - ids.shape[1]) * len(prompts) / (time.perf_counter() - t0)
 
 
 def hf_greedy(model, prompt: list[int], gen: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=gen, min_new_tokens=gen,
-                         do_sample=False)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
+    return out[0, len(prompt) :].tolist()
 
 
 def main() -> None:
@@ -151,15 +160,27 @@ def main() -> None:
     engines = {}
     for graphs in args.graphs.split(","):
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(model_dir, dtype=args.dtype, device="cuda", max_slots=args.requests,
-                                     max_seq_len=max_len, prefix_cache_mib=0, cuda_graphs="auto" if graphs == "on" else "off"))
+        engine = Engine(
+            EngineConfig(
+                model_dir,
+                dtype=args.dtype,
+                device="cuda",
+                max_slots=args.requests,
+                max_seq_len=max_len,
+                prefix_cache_mib=0,
+                cuda_graphs="auto" if graphs == "on" else "off",
+            )
+        )
         start = time.perf_counter() - t0
         flover_one(engine, prompt(), 8)  # warm-up
         flover_batch(engine, [prompt() for _ in range(args.requests)], 8)
         engines[f"flover graphs {graphs}"] = (engine, start)
         captured = engine.runner.graphs
-        print(f"flover graphs {graphs}: ready in {start:.1f} s"
-              + (f" ({captured.count} graphs captured in {captured.capture_s:.2f} s)" if captured else ""), flush=True)
+        print(
+            f"flover graphs {graphs}: ready in {start:.1f} s"
+            + (f" ({captured.count} graphs captured in {captured.capture_s:.2f} s)" if captured else ""),
+            flush=True,
+        )
     hf = None
     if not args.no_hf:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
@@ -197,22 +218,39 @@ def main() -> None:
                 agree[name] = sum(finals[r] == ref for r, ref in zip(rids, refs))
 
     device = torch.cuda.get_device_name()
-    print(f"\n{device}, {args.dtype}, median of {args.runs} alternating runs; prompt {args.prompt_len}, "
-          f"{args.gen_len} out, {args.requests} requests")
+    print(
+        f"\n{device}, {args.dtype}, median of {args.runs} alternating runs; prompt {args.prompt_len}, "
+        f"{args.gen_len} out, {args.requests} requests"
+    )
     keys = sorted({k for f in figures.values() for k in f})
     print("| engine | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
     summary = {}
     for name, f in figures.items():
         summary[name] = {k: statistics.median(v) for k, v in f.items()}
-        print(f"| {name} | " + " | ".join(f"{summary[name][k]:.1f}" if k in summary[name] else "-" for k in keys) + " |")
+        print(
+            f"| {name} | " + " | ".join(f"{summary[name][k]:.1f}" if k in summary[name] else "-" for k in keys) + " |"
+        )
     for name, (engine, start) in engines.items():
-        print(f"{name}: engine start {start:.1f} s; greedy 32 tokens equal to transformers for "
-              f"{agree.get(name, '-')} of 8 requests")
+        print(
+            f"{name}: engine start {start:.1f} s; greedy 32 tokens equal to transformers for "
+            f"{agree.get(name, '-')} of 8 requests"
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=device, dtype=args.dtype, args=vars(args), runs=figures, medians=summary,
-                           starts={n: s for n, (_, s) in engines.items()}, greedy_equal_of_8=agree), f, indent=1)
+            json.dump(
+                dict(
+                    device=device,
+                    dtype=args.dtype,
+                    args=vars(args),
+                    runs=figures,
+                    medians=summary,
+                    starts={n: s for n, (_, s) in engines.items()},
+                    greedy_equal_of_8=agree,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def free_port() -> int:
 
 async def via_socket(addr: str, prompts, gen_len: int):
     async with AsyncClient(addr) as client:
+
         async def one(ids):
             start, first, n = time.perf_counter(), None, 0
             async for event in client.stream(input_ids=ids, max_new_tokens=gen_len, ignore_eos=True):
@@ -44,15 +45,23 @@ async def via_socket(addr: str, prompts, gen_len: int):
                 if event["event"] == "final":
                     n = event["usage"]["completion_tokens"]
             return first, n
+
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
 async def via_http(url: str, prompts, gen_len: int):
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as h:
+
         async def one(ids):
             start, first, n = time.perf_counter(), None, 0
-            body = {"prompt": ids, "max_tokens": gen_len, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": ids,
+                "max_tokens": gen_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             async with h.stream("POST", f"{url}/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -63,6 +72,7 @@ async def via_http(url: str, prompts, gen_len: int):
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
             return first, n
+
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
@@ -76,9 +86,23 @@ def main() -> int:
     ap.add_argument("--serve-args", default="", help="more flover serve arguments, e.g. '--dtype float32'")
     args = ap.parse_args()
     addr, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    cmd = [sys.executable, "-m", "flover.apps.cli", "serve", "--model", args.model, "--bind", addr, "--http",
-           f"127.0.0.1:{port}", "--max-slots", str(args.concurrency), "--max-seq-len",
-           str(args.prompt_len + args.gen_len + 8), *args.serve_args.split()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flover.apps.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--bind",
+        addr,
+        "--http",
+        f"127.0.0.1:{port}",
+        "--max-slots",
+        str(args.concurrency),
+        "--max-seq-len",
+        str(args.prompt_len + args.gen_len + 8),
+        *args.serve_args.split(),
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert "ready on" in server.stdout.readline()
@@ -89,26 +113,38 @@ def main() -> int:
         for run in range(args.runs):
             for n in (1, args.concurrency):
                 prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(n)]
-                paths = [("ZeroMQ socket", lambda: via_socket(addr, prompts, args.gen_len)),
-                         ("HTTP /v1/completions", lambda: via_http(url, prompts, args.gen_len))]
-                for name, send in (paths if run % 2 == 0 else paths[::-1]):
+                paths = [
+                    ("ZeroMQ socket", lambda: via_socket(addr, prompts, args.gen_len)),
+                    ("HTTP /v1/completions", lambda: via_http(url, prompts, args.gen_len)),
+                ]
+                for name, send in paths if run % 2 == 0 else paths[::-1]:
                     start = time.perf_counter()
                     got = asyncio.run(send())
                     wall = time.perf_counter() - start
                     r = {"tok_s": sum(t for _, t in got) / wall, "ttft_p50": statistics.median(f for f, _ in got)}
                     results.setdefault((n, name), []).append(r)
-                    print(f"[run {run + 1}] {n:3d} at once, {name:22s}: {r['tok_s']:7.1f} tok/s, "
-                          f"TTFT p50 {r['ttft_p50'] * 1000:5.0f} ms", file=sys.stderr, flush=True)
-        print(f"\nmedians of {args.runs} alternating runs, {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
-              f"greedy, streamed\n\n| requests at once | path | out tok/s | TTFT p50 | HTTP / socket tok/s |\n"
-              f"|---:|---|---:|---:|---:|")
+                    print(
+                        f"[run {run + 1}] {n:3d} at once, {name:22s}: {r['tok_s']:7.1f} tok/s, "
+                        f"TTFT p50 {r['ttft_p50'] * 1000:5.0f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        print(
+            f"\nmedians of {args.runs} alternating runs, {args.prompt_len}-token prompts, {args.gen_len} tokens out, "
+            f"greedy, streamed\n\n| requests at once | path | out tok/s | TTFT p50 | HTTP / socket tok/s |\n"
+            f"|---:|---|---:|---:|---:|"
+        )
         for n in (1, args.concurrency):
-            med = {name: medians(results[(n, name)], ("tok_s", "ttft_p50"))
-                   for name in ("ZeroMQ socket", "HTTP /v1/completions")}
+            med = {
+                name: medians(results[(n, name)], ("tok_s", "ttft_p50"))
+                for name in ("ZeroMQ socket", "HTTP /v1/completions")
+            }
             ratio = med["HTTP /v1/completions"]["tok_s"] / med["ZeroMQ socket"]["tok_s"]
             for name, m in med.items():
-                print(f"| {n} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
-                      f"{f'{ratio:.3f}' if name.startswith('HTTP') else ''} |")
+                print(
+                    f"| {n} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
+                    f"{f'{ratio:.3f}' if name.startswith('HTTP') else ''} |"
+                )
     finally:
         server.terminate()
         server.wait(60)

@@ -20,9 +20,18 @@ import time
 from flover import Engine, EngineConfig, SamplingParams
 from flover.native.build import runnable_families
 
-FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("bfloat16", "int8"),
-           "int4": ("bfloat16", "int4")}
-BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 576, "int4": 0.5 + 8 / 32}  # int4: float32 scale and zero per 32
+FORMATS = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
+BYTES_PER_WEIGHT = {
+    "float32": 4,
+    "bfloat16": 2,
+    "int8": 1 + 4 / 576,
+    "int4": 0.5 + 8 / 32,
+}  # int4: float32 scale and zero per 32
 
 
 def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -52,10 +61,18 @@ def main() -> None:
     for family in args.families.split(","):
         for fmt in args.formats.split(","):
             dtype, quantization = FORMATS[fmt]
-            engines[family, fmt] = Engine(EngineConfig(args.model, dtype=dtype, quantization=quantization,
-                                                       max_slots=args.batch, max_seq_len=160, speculate=0,
-                                                       max_batch_tokens=max(512, 32 * args.batch),
-                                                       native_kernels=family))
+            engines[family, fmt] = Engine(
+                EngineConfig(
+                    args.model,
+                    dtype=dtype,
+                    quantization=quantization,
+                    max_slots=args.batch,
+                    max_seq_len=160,
+                    speculate=0,
+                    max_batch_tokens=max(512, 32 * args.batch),
+                    native_kernels=family,
+                )
+            )
             assert engines[family, fmt].runner.native is not None, (family, fmt)
     one: dict = {key: [] for key in engines}
     many: dict = {key: [] for key in engines}
@@ -65,15 +82,24 @@ def main() -> None:
             many[key].append(decode_rate(engine, prompts, args.new_tokens))
     cfg = next(iter(engines.values())).runner.model.cfg  # the weights one token reads: projections and head
     width = cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
-    params = cfg.num_layers * (cfg.hidden_size * width + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-                               + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.vocab_size * cfg.hidden_size
+    params = (
+        cfg.num_layers
+        * (
+            cfg.hidden_size * width
+            + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        )
+        + cfg.vocab_size * cfg.hidden_size
+    )
     print(f"| family | weights | 1 stream tok/s | GB/s read | {args.batch} streams tok/s |")
     print("|---|---|---:|---:|---:|")
     for (family, fmt), engine in engines.items():
         rate = statistics.median(one[family, fmt])
         gbs = rate * params * BYTES_PER_WEIGHT[fmt] / 1e9
-        print(f"| {engine.runner.native.kernels} | {fmt} | {rate:.1f} | {gbs:.1f} | "
-              f"{statistics.median(many[family, fmt]):.0f} |")
+        print(
+            f"| {engine.runner.native.kernels} | {fmt} | {rate:.1f} | {gbs:.1f} | "
+            f"{statistics.median(many[family, fmt]):.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -33,14 +33,15 @@ from pathlib import Path
 from flover.bench.metrics import medians as median_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_llamacpp import converted, hf_directory, launch_flover, launch_llama, llama_server, log  # noqa: E402
+from bench_vs_llamacpp import converted, hf_directory, launch_flover, launch_llama, llama_server, log
 
 
 def start_flover(model: Path, slots: int, seq_len: int, threads: int, prefix_mib: float):
     from flover.client import Client
 
-    server, addr = launch_flover(model, ["--dtype", "bfloat16", "--prefix-cache", str(prefix_mib)], slots, threads,
-                                 seq_len)
+    server, addr = launch_flover(
+        model, ["--dtype", "bfloat16", "--prefix-cache", str(prefix_mib)], slots, threads, seq_len
+    )
 
     def send(ids: list[int], n: int) -> tuple[float, list[int], int]:
         start, first, out, cached = time.perf_counter(), None, [], 0
@@ -62,8 +63,15 @@ def start_llama(binary: Path, model: Path, slots: int, seq_len: int, threads: in
     def send(ids: list[int], n: int) -> tuple[float, list[int], int]:
         start = time.perf_counter()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
-                "cache_prompt": True, "return_tokens": True}
+        body = {
+            "prompt": ids,
+            "n_predict": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "cache_prompt": True,
+            "return_tokens": True,
+        }
         conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
         response, first, out, cached = conn.getresponse(), None, [], 0
         for line in response:
@@ -113,11 +121,16 @@ def run_workload(send, system: list[int], convs, gen_len: int) -> dict:
         t.join()
     wall = time.perf_counter() - start
     later = [t[1] for t in turns if t[0] > 0]
-    return {"tok_s": sum(t[4] for t in turns) / wall, "ttft_p50": statistics.median(t[1] for t in turns),
-            "ttft_p50_first_turns": statistics.median(t[1] for t in turns if t[0] == 0),
-            "ttft_p50_later_turns": statistics.median(later), "ttft_p90": statistics.quantiles(
-                [t[1] for t in turns], n=10)[-1], "cached_share": sum(t[3] for t in turns) / sum(t[2] for t in turns),
-            "turns": len(turns), "wall_s": wall}
+    return {
+        "tok_s": sum(t[4] for t in turns) / wall,
+        "ttft_p50": statistics.median(t[1] for t in turns),
+        "ttft_p50_first_turns": statistics.median(t[1] for t in turns if t[0] == 0),
+        "ttft_p50_later_turns": statistics.median(later),
+        "ttft_p90": statistics.quantiles([t[1] for t in turns], n=10)[-1],
+        "cached_share": sum(t[3] for t in turns) / sum(t[2] for t in turns),
+        "turns": len(turns),
+        "wall_s": wall,
+    }
 
 
 def main() -> int:
@@ -159,20 +172,28 @@ def main() -> int:
             finally:
                 server.stop()
             table.setdefault(name, []).append(r)
-            log(f"run {run + 1}/{args.runs} {name:22s} {r['tok_s']:.1f} tok/s, TTFT p50 {1000 * r['ttft_p50']:.0f} ms "
+            log(
+                f"run {run + 1}/{args.runs} {name:22s} {r['tok_s']:.1f} tok/s, TTFT p50 {1000 * r['ttft_p50']:.0f} ms "
                 f"(first turns {1000 * r['ttft_p50_first_turns']:.0f}, later {1000 * r['ttft_p50_later_turns']:.0f}), "
-                f"p90 {1000 * r['ttft_p90']:.0f} ms, cached {100 * r['cached_share']:.0f}% of prompt tokens")
+                f"p90 {1000 * r['ttft_p90']:.0f} ms, cached {100 * r['cached_share']:.0f}% of prompt tokens"
+            )
     keys = ("tok_s", "ttft_p50", "ttft_p50_first_turns", "ttft_p50_later_turns", "ttft_p90", "cached_share")
     medians = {name: median_of(runs, keys) for name, runs in table.items()}
     Path(args.out).write_text(json.dumps({"args": vars(args), "medians": medians, "runs": table}, indent=1))
-    print(f"\nmedians of {args.runs} alternating run(s): {args.conversations} conversations of 3-5 turns, "
-          f"{args.system_len}-token shared system prompt, {args.user_len}-token user turns, {args.gen_len} tokens out\n")
-    print("| engine | out tok/s | TTFT p50 | TTFT p50, first turns | TTFT p50, later turns | TTFT p90 | "
-          "prompt tokens reused |\n|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"\nmedians of {args.runs} alternating run(s): {args.conversations} conversations of 3-5 turns, "
+        f"{args.system_len}-token shared system prompt, {args.user_len}-token user turns, {args.gen_len} tokens out\n"
+    )
+    print(
+        "| engine | out tok/s | TTFT p50 | TTFT p50, first turns | TTFT p50, later turns | TTFT p90 | "
+        "prompt tokens reused |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     for name, m in medians.items():
-        print(f"| {name} | {m['tok_s']:.1f} | {1000 * m['ttft_p50']:.0f} ms | {1000 * m['ttft_p50_first_turns']:.0f} ms "
-              f"| {1000 * m['ttft_p50_later_turns']:.0f} ms | {1000 * m['ttft_p90']:.0f} ms | "
-              f"{100 * m['cached_share']:.0f}% |")
+        print(
+            f"| {name} | {m['tok_s']:.1f} | {1000 * m['ttft_p50']:.0f} ms | {1000 * m['ttft_p50_first_turns']:.0f} ms "
+            f"| {1000 * m['ttft_p50_later_turns']:.0f} ms | {1000 * m['ttft_p90']:.0f} ms | "
+            f"{100 * m['cached_share']:.0f}% |"
+        )
     return 0
 
 

@@ -32,9 +32,24 @@ def make_prompt_file(path: Path, count: int, seed: int) -> None:
 
 def flover_run(model: str, prompts: Path, slots: int, new_tokens: int, threads: int | None) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--model", model, "--prompts", str(prompts),
-               "--out", f"{tmp}/out.jsonl", "--max-slots", str(slots), "--max-new-tokens", str(new_tokens),
-               "--ignore-eos", "--quiet"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "run",
+            "--model",
+            model,
+            "--prompts",
+            str(prompts),
+            "--out",
+            f"{tmp}/out.jsonl",
+            "--max-slots",
+            str(slots),
+            "--max-new-tokens",
+            str(new_tokens),
+            "--ignore-eos",
+            "--quiet",
+        ]
         if threads:
             cmd += ["--threads", str(threads)]
         run = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -36,9 +36,14 @@ from flover.native.sampling import NativeSampler
 from flover.runner import sampler
 
 QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
-    "How do I reverse a list in Python?", "What causes the seasons on Earth?", "Give me three tips for a job interview.",
-    "What is the difference between a virus and a bacterium?", "Tell me a short story about a robot who learns to paint.",
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give me three tips for a job interview.",
+    "What is the difference between a virus and a bacterium?",
+    "Tell me a short story about a robot who learns to paint.",
 ]
 
 SETTINGS = {
@@ -78,14 +83,17 @@ def padded_model(gguf: Path, vocab: int, cache: Path) -> Path:
 
 
 def engine_rates(llm: LLM, rows: int, new_tokens: int, runs: int) -> dict[str, list[float]]:
-    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-               for i in range(rows)]
+    prompts = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(rows)
+    ]
     rates: dict[str, list[float]] = {name: [] for name in SETTINGS}
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     for run in range(runs):
         for name, kw in SETTINGS.items():
-            params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=run * 1000 + i, **kw)
-                      for i in range(rows)]
+            params = [
+                SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=run * 1000 + i, **kw)
+                for i in range(rows)
+            ]
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - start
@@ -105,17 +113,25 @@ def sampler_ms(rows: int, vocab: int, peak: float, repeats: int) -> dict[str, fl
     logits = model_like_logits(rows, vocab, peak, seed=vocab)
     full = lambda v, dt: torch.full((rows,), v, dtype=dt)  # noqa: E731
     st = sampler.SamplingTensors(
-        temperature=full(0.8, torch.float32), top_k=full(0, torch.int64), top_p=full(0.95, torch.float32),
-        min_p=full(0.0, torch.float32), repetition_penalty=full(1.0, torch.float32), seed=full(1, torch.int64),
-        counter=torch.arange(rows), all_greedy=False)
+        temperature=full(0.8, torch.float32),
+        top_k=full(0, torch.int64),
+        top_p=full(0.95, torch.float32),
+        min_p=full(0.0, torch.float32),
+        repetition_penalty=full(1.0, torch.float32),
+        seed=full(1, torch.int64),
+        counter=torch.arange(rows),
+        all_greedy=False,
+    )
     probs = torch.softmax(logits / 0.8, dim=-1)
     kept = (sampler.nucleus(probs, st.top_p) > 0).sum(-1).float()
     native = NativeSampler(load_library(), torch.get_num_threads())
-    calls = {"greedy argmax": lambda: sampler.greedy(logits),
-             "sample(), top_p 0.95": lambda: sampler.sample(logits, st),
-             "sample(), native": lambda: sampler.sample(logits, st, native),
-             "top-p alone (nucleus)": lambda: sampler.nucleus(probs, st.top_p),
-             "top-p alone by sorting": lambda: sampler.nucleus_by_sort(probs, st.top_p)}
+    calls = {
+        "greedy argmax": lambda: sampler.greedy(logits),
+        "sample(), top_p 0.95": lambda: sampler.sample(logits, st),
+        "sample(), native": lambda: sampler.sample(logits, st, native),
+        "top-p alone (nucleus)": lambda: sampler.nucleus(probs, st.top_p),
+        "top-p alone by sorting": lambda: sampler.nucleus_by_sort(probs, st.top_p),
+    }
     out = {"nucleus tokens (median)": float(kept.median())}
     for name, call in calls.items():
         call()
@@ -141,8 +157,10 @@ def main() -> None:
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "bench-sampling"))
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     print(f"machine: {cpu}, {torch.get_num_threads()} threads")
     result = {"machine": cpu}
     if not args.skip_engine:
@@ -152,19 +170,26 @@ def main() -> None:
         llm = LLM(model, dtype=args.dtype, max_slots=args.rows, max_seq_len=256, speculate=0)
         rates = engine_rates(llm, args.rows, args.new_tokens, args.runs)
         greedy = statistics.median(rates["greedy"])
-        print(f"\n{args.rows} rows x {args.new_tokens} tokens, medians of {args.runs}:\n"
-              "| sampling | tok/s | of greedy |\n|---|---:|---:|")
+        print(
+            f"\n{args.rows} rows x {args.new_tokens} tokens, medians of {args.runs}:\n"
+            "| sampling | tok/s | of greedy |\n|---|---:|---:|"
+        )
         for name, values in rates.items():
             print(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) / greedy:.0%} |")
         result["engine"] = rates
-    print(f"\nsampler alone, {args.rows} rows, ms per call (median of 15), temperature 0.8:\n"
-          "| vocabulary | nucleus tokens | greedy argmax | sample(), top_p 0.95 | the same, native | top-p alone "
-          "| top-p by sorting |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"\nsampler alone, {args.rows} rows, ms per call (median of 15), temperature 0.8:\n"
+        "| vocabulary | nucleus tokens | greedy argmax | sample(), top_p 0.95 | the same, native | top-p alone "
+        "| top-p by sorting |\n|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for vocab in (49152, 128256):
         ms = sampler_ms(args.rows, vocab, args.peak, 15)
         result[f"sampler {vocab}"] = ms
-        print(f"| {vocab} | {ms['nucleus tokens (median)']:.0f} | {ms['greedy argmax']:.2f} | "
-              f"{ms['sample(), top_p 0.95']:.2f} | {ms['sample(), native']:.2f} | {ms['top-p alone (nucleus)']:.2f} | {ms['top-p alone by sorting']:.2f} |")
+        print(
+            f"| {vocab} | {ms['nucleus tokens (median)']:.0f} | {ms['greedy argmax']:.2f} | "
+            f"{ms['sample(), top_p 0.95']:.2f} | {ms['sample(), native']:.2f} | "
+            f"{ms['top-p alone (nucleus)']:.2f} | {ms['top-p alone by sorting']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -19,8 +19,13 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "OMPI_MCA_btl": "self,sm", "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **os.environ,
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_btl": "self,sm",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def run(ranks: int, args, threads: int | None, extra: list[str]) -> list[dict]:
@@ -63,17 +68,23 @@ def main() -> None:
                     results.setdefault((n, line["batch"]), []).append(line)
                     print(n, line, flush=True)
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
-    print(f"\n{cores} cores; TP=1 with {cores} threads vs TP={ranks} with {max(1, cores // ranks)} thread(s) per "
-          f"rank; {args.new_tokens} new tokens; median of {args.repeats}\n")
-    print("| batch | TP=1 tok/s | TP=%d tok/s | TP=%d/TP=1 | TP=%d iteration ms | all-reduce ms/iteration "
-          "(calls) | all-reduce share |" % (ranks, ranks, ranks))
+    print(
+        f"\n{cores} cores; TP=1 with {cores} threads vs TP={ranks} with {max(1, cores // ranks)} thread(s) per "
+        f"rank; {args.new_tokens} new tokens; median of {args.repeats}\n"
+    )
+    print(
+        "| batch | TP=1 tok/s | TP=%d tok/s | TP=%d/TP=1 | TP=%d iteration ms | all-reduce ms/iteration "
+        "(calls) | all-reduce share |" % (ranks, ranks, ranks)
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for b in sorted({b for _, b in results}):
         one, many = results[(1, b)], results[(ranks, b)]
         it, ar = med(many, "iter_ms"), med(many, "allreduce_ms_per_iter")
-        print(f"| {b} | {med(one, 'tok_s'):.0f} | {med(many, 'tok_s'):.0f} | "
-              f"{med(many, 'tok_s') / med(one, 'tok_s'):.2f}x | {it:.1f} | {ar:.2f} "
-              f"({med(many, 'allreduce_calls_per_iter'):.0f}) | {100 * ar / it:.0f}% |")
+        print(
+            f"| {b} | {med(one, 'tok_s'):.0f} | {med(many, 'tok_s'):.0f} | "
+            f"{med(many, 'tok_s') / med(one, 'tok_s'):.2f}x | {it:.1f} | {ar:.2f} "
+            f"({med(many, 'allreduce_calls_per_iter'):.0f}) | {100 * ar / it:.0f}% |"
+        )
 
 
 if __name__ == "__main__":

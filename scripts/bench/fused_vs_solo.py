@@ -61,8 +61,10 @@ def main() -> None:
     n = len(prompts)
     where = f", first difference at token {statistics.median(first_diff):.0f} (median)" if first_diff else ""
     weights = f" ({args.quantization} weights)" if args.quantization != "none" else ""
-    print(f"{args.dtype}{weights}: {len(first_diff)} of {n} requests ({100 * len(first_diff) / n:.0f}%) differ between "
-          f"fused and solo{where}")
+    print(
+        f"{args.dtype}{weights}: {len(first_diff)} of {n} requests ({100 * len(first_diff) / n:.0f}%) differ between "
+        f"fused and solo{where}"
+    )
 
 
 if __name__ == "__main__":

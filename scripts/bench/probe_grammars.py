@@ -58,19 +58,53 @@ class Daemon:
     def __init__(self, src: str, model: str, ranks: int):
         self.port = free_port()
         self.mark = f"FLOVER_PROBE={os.getpid()}-{self.port}".encode()  # every process of this daemon carries it
-        env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-               "FLOVER_PROBE": self.mark.decode().split("=", 1)[1],
-               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,sm"}
-        args = ["-m", "flover.apps.cli", "serve", "--model", model, "--bind", f"tcp://127.0.0.1:{free_port()}",
-                "--http", f"127.0.0.1:{self.port}", "--max-seq-len", "1024", "--max-slots", "8", "--speculate", "0"]
+        env = {
+            **os.environ,
+            "PYTHONPATH": src,
+            "PYTHONUNBUFFERED": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "FLOVER_PROBE": self.mark.decode().split("=", 1)[1],
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "OMPI_MCA_btl": "self,sm",
+        }
+        args = [
+            "-m",
+            "flover.apps.cli",
+            "serve",
+            "--model",
+            model,
+            "--bind",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--http",
+            f"127.0.0.1:{self.port}",
+            "--max-seq-len",
+            "1024",
+            "--max-slots",
+            "8",
+            "--speculate",
+            "0",
+        ]
         if ranks > 1:
             mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-            cmd = [mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, *args,
-                   "--tp", "1", "--threads", "1"]
+            cmd = [
+                mpirun,
+                "-np",
+                str(ranks),
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                sys.executable,
+                *args,
+                "--tp",
+                "1",
+                "--threads",
+                "1",
+            ]
         else:
             cmd = [sys.executable, *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                     cwd=src, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=src, start_new_session=True
+        )
         assert "ready" in self.proc.stdout.readline()
         self.pid = self._rank0() if ranks > 1 else self.proc.pid
         self.url = f"http://127.0.0.1:{self.port}"
@@ -126,8 +160,7 @@ class Stream(threading.Thread):
         self.first = threading.Event()
 
     def run(self) -> None:
-        body = {"prompt": self.prompt, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {"prompt": self.prompt, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=600) as http, http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
@@ -140,8 +173,15 @@ class Stream(threading.Thread):
 
 
 def summary(gaps: list[float]) -> dict:
-    return {"gap_p50_ms": round(statistics.median(gaps), 1), "gap_max_ms": round(max(gaps), 1),
-            "gaps_over_100ms": sum(g > 100 for g in gaps)} if gaps else {}
+    return (
+        {
+            "gap_p50_ms": round(statistics.median(gaps), 1),
+            "gap_max_ms": round(max(gaps), 1),
+            "gaps_over_100ms": sum(g > 100 for g in gaps),
+        }
+        if gaps
+        else {}
+    )
 
 
 def chat(url: str, body: dict, timeout: float) -> tuple[int | str, float, dict | None]:
@@ -172,8 +212,11 @@ def probe_bomb(d: Daemon) -> dict:
     def bomb() -> None:
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": BOMB}}
         status, seconds, body = chat(d.url, ask("Say a's", response_format=fmt, max_tokens=20), 90)
-        out.update(bomb_status=status, bomb_seconds=round(seconds, 1),
-                   bomb_error=(body or {}).get("error", {}).get("message", "")[:120])
+        out.update(
+            bomb_status=status,
+            bomb_seconds=round(seconds, 1),
+            bomb_error=(body or {}).get("error", {}).get("message", "")[:120],
+        )
 
     threading.Thread(target=sample, daemon=True).start()
     hostile = threading.Thread(target=bomb, daemon=True)
@@ -238,9 +281,16 @@ def probe_enums(d: Daemon) -> dict:
 
 
 CITIES = ["Tokyo", "Paris", "Lagos", "Lima", "Mumbai", "Toronto"]
-CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
-                                         "population_millions": {"type": "number"}},
-        "required": ["name", "country", "population_millions"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "country": {"type": "string"},
+        "population_millions": {"type": "number"},
+    },
+    "required": ["name", "country", "population_millions"],
+    "additionalProperties": False,
+}
 
 
 def probe_numbers(d: Daemon) -> dict:
@@ -284,12 +334,22 @@ def probe_bodies(d: Daemon) -> dict:
     for t in posters:
         t.join(60)
     stream.join(120)
-    return {"bodies_answered": len(posted), "health_max_ms": round(max(health), 1), "health_p50_ms": round(statistics.median(health), 1),
-            **summary(stream.gaps_ms())}
+    return {
+        "bodies_answered": len(posted),
+        "health_max_ms": round(max(health), 1),
+        "health_p50_ms": round(statistics.median(health), 1),
+        **summary(stream.gaps_ms()),
+    }
 
 
-PROBES = {"bomb": probe_bomb, "masks": probe_masks, "cache": probe_cache, "enums": probe_enums,
-          "numbers": probe_numbers, "bodies": probe_bodies}
+PROBES = {
+    "bomb": probe_bomb,
+    "masks": probe_masks,
+    "cache": probe_cache,
+    "enums": probe_enums,
+    "numbers": probe_numbers,
+    "bodies": probe_bodies,
+}
 
 
 def main() -> None:

@@ -33,9 +33,28 @@ class Daemon:
     def __init__(self, src: str, model: str, *extra: str):
         self.addr = f"tcp://127.0.0.1:{free_port()}"
         env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind",
-                                      self.addr, "--max-seq-len", "512", "--max-slots", "40", *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=src)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flover.apps.cli",
+                "serve",
+                "--model",
+                model,
+                "--bind",
+                self.addr,
+                "--max-seq-len",
+                "512",
+                "--max-slots",
+                "40",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=src,
+        )
         assert "ready" in self.proc.stdout.readline()
 
     def stop(self) -> None:
@@ -103,7 +122,7 @@ def probe(name, daemon, action) -> None:
     time.sleep(0.05)
     try:
         seen = action(daemon.addr)
-    except Exception as e:  # noqa: BLE001 - a probe reports, it does not stop
+    except Exception as e:
         seen = f"probe failed: {e!r}"
     print(f"| {name} | {seen} | {victim.result()} |", flush=True)
 
@@ -111,8 +130,13 @@ def probe(name, daemon, action) -> None:
 def hostile_values(addr):
     sock = dealer(addr)
     out = []
-    for rid, params in (("k", {"top_k": 2**63}), ("t", {"temperature": 2**63}), ("e", {"ignore_eos": "false"}),
-                        ("l", {"logprobs": [[[[1]]]]}), ("s", {"stop": {"zz": 1}})):
+    for rid, params in (
+        ("k", {"top_k": 2**63}),
+        ("t", {"temperature": 2**63}),
+        ("e", {"ignore_eos": "false"}),
+        ("l", {"logprobs": [[[[1]]]]}),
+        ("s", {"stop": {"zz": 1}}),
+    ):
         send(sock, rid, {**params, "max_new_tokens": 4})
         out.append(f"{next(iter(params))}: {describe(first_reply(sock))}")
     return "; ".join(out)
@@ -161,8 +185,10 @@ def id_reuse_and_types(addr):
     integer = first_reply(sock)
     send(sock, "", {"max_new_tokens": 2})
     empty = describe(first_reply(sock))
-    return (f"id 'a' then again: {first}, then {again}; id 7 comes back as {integer and integer.get('id')!r}; "
-            f"empty id: {empty}")
+    return (
+        f"id 'a' then again: {first}, then {again}; id 7 comes back as {integer and integer.get('id')!r}; "
+        f"empty id: {empty}"
+    )
 
 
 def req_socket(addr):
@@ -195,10 +221,17 @@ def slow_reader(addr):
     return f"40 x 480 tokens, 6 s unread: {tokens} of 19200 token events, ends {kinds}, {40 - len(ends)} missing"
 
 
-PROBES = [("out-of-range / wrongly typed values", hostile_values), ("subnormal temperature", subnormal_temperature),
-          ("1 MB prompts", big_prompts), ("40,000 stop strings", many_stop_strings), ("multipart", multipart),
-          ("ids", id_reuse_and_types), ("REQ socket", req_socket), ("chosen routing id", routing_id),
-          ("slow reader", slow_reader)]
+PROBES = [
+    ("out-of-range / wrongly typed values", hostile_values),
+    ("subnormal temperature", subnormal_temperature),
+    ("1 MB prompts", big_prompts),
+    ("40,000 stop strings", many_stop_strings),
+    ("multipart", multipart),
+    ("ids", id_reuse_and_types),
+    ("REQ socket", req_socket),
+    ("chosen routing id", routing_id),
+    ("slow reader", slow_reader),
+]
 
 
 def main() -> None:

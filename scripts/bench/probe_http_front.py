@@ -39,17 +39,39 @@ def free_port() -> int:
 def start(src: str, model: str, max_seq_len: int) -> tuple[subprocess.Popen, str, int]:
     zport, hport = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flover.apps.cli", "serve", "--model", model, "--bind",
-                             f"tcp://127.0.0.1:{zport}", "--http", f"127.0.0.1:{hport}", "--max-seq-len",
-                             str(max_seq_len), "--max-slots", "8", "--speculate", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=src)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flover.apps.cli",
+            "serve",
+            "--model",
+            model,
+            "--bind",
+            f"tcp://127.0.0.1:{zport}",
+            "--http",
+            f"127.0.0.1:{hport}",
+            "--max-seq-len",
+            str(max_seq_len),
+            "--max-slots",
+            "8",
+            "--speculate",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=src,
+    )
     assert "ready" in proc.stdout.readline()
     return proc, f"tcp://127.0.0.1:{zport}", hport
 
 
 def post(port: int, path: str, body: dict, timeout: float = 120) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status
@@ -76,8 +98,17 @@ def probe_intake(addr: str, text_bytes: int) -> str:
     innocent, hostile = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     innocent.connect(addr)
     hostile.connect(addr)
-    innocent.send(msgpack.packb({"op": "generate", "id": "i", "stream": True, "prompt": "Tell me a story",
-                                 "params": {"max_new_tokens": 300, "ignore_eos": True}}))
+    innocent.send(
+        msgpack.packb(
+            {
+                "op": "generate",
+                "id": "i",
+                "stream": True,
+                "prompt": "Tell me a story",
+                "params": {"max_new_tokens": 300, "ignore_eos": True},
+            }
+        )
+    )
     gaps, last, sent = [], None, False
     while True:
         event = msgpack.unpackb(innocent.recv())
@@ -87,15 +118,20 @@ def probe_intake(addr: str, text_bytes: int) -> str:
         last = now
         if event["event"] == "token" and not sent and len(gaps) == 0:
             for i in range(10):
-                hostile.send(msgpack.packb({"op": "generate", "id": i, "prompt": "1" * text_bytes,
-                                            "params": {"max_new_tokens": 1}}))
+                hostile.send(
+                    msgpack.packb(
+                        {"op": "generate", "id": i, "prompt": "1" * text_bytes, "params": {"max_new_tokens": 1}}
+                    )
+                )
             sent = True
         if event["event"] in ("final", "error"):
             break
     answers = [msgpack.unpackb(hostile.recv())["event"] for _ in range(10)]
     ctx.destroy(0)
-    return (f"intake     longest token gap of a stream while 10 x {text_bytes} B prompts arrived: "
-            f"{1000 * max(gaps):.0f} ms (their answers: {sorted(set(answers))})")
+    return (
+        f"intake     longest token gap of a stream while 10 x {text_bytes} B prompts arrived: "
+        f"{1000 * max(gaps):.0f} ms (their answers: {sorted(set(answers))})"
+    )
 
 
 def probe_slowloris(port: int) -> str:
@@ -117,8 +153,10 @@ def probe_slowloris(port: int) -> str:
                 open_.discard(i)
     for s in socks:
         s.close()
-    return (f"slowloris  200 half-sent requests: {200 - len(open_)} closed by the server within "
-            f"{time.monotonic() - started:.1f} s, {len(open_)} still open after 30 s")
+    return (
+        f"slowloris  200 half-sent requests: {200 - len(open_)} closed by the server within "
+        f"{time.monotonic() - started:.1f} s, {len(open_)} still open after 30 s"
+    )
 
 
 def probe_legit(addr: str, rounds: int = 6) -> str:
@@ -130,13 +168,22 @@ def probe_legit(addr: str, rounds: int = 6) -> str:
     ttfts = []
     for k in range(rounds):
         for i in range(7):
-            background.send(msgpack.packb({"op": "generate", "id": f"{k}-{i}", "prompt": f"Story {k} {i}",
-                                           "params": {"max_new_tokens": 300, "ignore_eos": True}}))
+            background.send(
+                msgpack.packb(
+                    {
+                        "op": "generate",
+                        "id": f"{k}-{i}",
+                        "prompt": f"Story {k} {i}",
+                        "params": {"max_new_tokens": 300, "ignore_eos": True},
+                    }
+                )
+            )
         time.sleep(0.3)
         text = " ".join(words[(j * 7 + k) % len(words)] for j in range(1500))
         started = time.perf_counter()
-        client.send(msgpack.packb({"op": "generate", "id": k, "stream": True, "prompt": text,
-                                   "params": {"max_new_tokens": 2}}))
+        client.send(
+            msgpack.packb({"op": "generate", "id": k, "stream": True, "prompt": text, "params": {"max_new_tokens": 2}})
+        )
         first = None
         while True:
             event = msgpack.unpackb(client.recv())

@@ -45,8 +45,12 @@ def main() -> None:
             timer["n"] += 1
 
         comm.all_reduce = timed_all_reduce
-    engine = Engine(EngineConfig(args.model, max_slots=max(batches), num_threads=args.threads,
-                                 max_seq_len=args.prompt_len + args.new_tokens), comm)
+    engine = Engine(
+        EngineConfig(
+            args.model, max_slots=max(batches), num_threads=args.threads, max_seq_len=args.prompt_len + args.new_tokens
+        ),
+        comm,
+    )
     rank = comm.rank if comm else 0
     print(json.dumps({"rank": rank, "ranks": comm.size if comm else 1, "rss_mib": rss_mib()}), flush=True)
     if not engine.is_leader:
@@ -71,12 +75,19 @@ def main() -> None:
                 reduce_time += timer["t"]
                 reduce_calls += timer["n"]
         wall = time.perf_counter() - start
-        print(json.dumps({
-            "rank": 0, "batch": b, "tok_s": b * args.new_tokens / wall,
-            "iter_ms": 1000 * decode_time / max(decode_iters, 1),
-            "allreduce_ms_per_iter": 1000 * reduce_time / max(decode_iters, 1),
-            "allreduce_calls_per_iter": reduce_calls / max(decode_iters, 1),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "rank": 0,
+                    "batch": b,
+                    "tok_s": b * args.new_tokens / wall,
+                    "iter_ms": 1000 * decode_time / max(decode_iters, 1),
+                    "allreduce_ms_per_iter": 1000 * reduce_time / max(decode_iters, 1),
+                    "allreduce_calls_per_iter": reduce_calls / max(decode_iters, 1),
+                }
+            ),
+            flush=True,
+        )
     engine.shutdown()
 
 

@@ -30,8 +30,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default="none", help="none, int8, int4 (with --dtype bfloat16)")
     args = ap.parse_args()
-    engine = Engine(EngineConfig(args.model, dtype=args.dtype, max_slots=args.live, num_threads=args.threads,
-                                 max_seq_len=512, quantization=args.quantization, native_forward="off"))
+    engine = Engine(
+        EngineConfig(
+            args.model,
+            dtype=args.dtype,
+            max_slots=args.live,
+            num_threads=args.threads,
+            max_seq_len=512,
+            quantization=args.quantization,
+            native_forward="off",
+        )
+    )
     spent = defaultdict(float)
     active = {"on": False}
 
@@ -44,6 +53,7 @@ def main() -> None:
                 return fn(*a, **kw)
             finally:
                 spent[name] += time.perf_counter() - start
+
         return wrapper
 
     engine.scheduler.schedule = timed("scheduling", engine.scheduler.schedule)
@@ -72,8 +82,11 @@ def main() -> None:
 
     forward = spent.pop("forward")
     gemm, attention = spent.pop("forward: projection GEMMs"), spent.pop("forward: attention")
-    rows = [("forward: projection GEMMs (incl. LM head)", gemm), ("forward: attention", attention),
-            ("forward: norms, RoPE, KV writes, residuals, embedding", forward - gemm - attention)]
+    rows = [
+        ("forward: projection GEMMs (incl. LM head)", gemm),
+        ("forward: attention", attention),
+        ("forward: norms, RoPE, KV writes, residuals, embedding", forward - gemm - attention),
+    ]
     rows += sorted(spent.items(), key=lambda kv: -kv[1])
     rows.append(("step() glue (Python)", total - forward - sum(spent.values())))
     n = args.iterations

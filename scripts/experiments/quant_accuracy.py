@@ -20,19 +20,32 @@ import torch
 from flover import Engine, EngineConfig, SamplingParams
 
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about autumn leaves.", "Explain photosynthesis simply.",
-    "List three uses of a paperclip.", "How do I boil an egg?", "What is 17 times 23?",
-    "Give me a tip for learning to code.", "Why is the sky blue?", "Describe a cat to someone who never saw one.",
-    "What should I pack for a beach trip?", "Summarize the plot of Cinderella.", "Translate 'good morning' to Spanish.",
-    "Name a famous painter and one of their works.", "What is a prime number?", "How does a bicycle stay upright?",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis simply.",
+    "List three uses of a paperclip.",
+    "How do I boil an egg?",
+    "What is 17 times 23?",
+    "Give me a tip for learning to code.",
+    "Why is the sky blue?",
+    "Describe a cat to someone who never saw one.",
+    "What should I pack for a beach trip?",
+    "Summarize the plot of Cinderella.",
+    "Translate 'good morning' to Spanish.",
+    "Name a famous painter and one of their works.",
+    "What is a prime number?",
+    "How does a bicycle stay upright?",
     "Suggest a name for a pet goldfish.",
 ]
 MODES = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
 
 
 def engine(model: str, dtype: str, quantization: str, threads: int | None) -> Engine:
-    return Engine(EngineConfig(model, dtype=dtype, quantization=quantization, max_slots=len(PROMPTS),
-                               max_seq_len=512, num_threads=threads))
+    return Engine(
+        EngineConfig(
+            model, dtype=dtype, quantization=quantization, max_slots=len(PROMPTS), max_seq_len=512, num_threads=threads
+        )
+    )
 
 
 def greedy(e: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -55,7 +68,9 @@ def main() -> None:
     base = engine(args.model, "float32", "none", args.threads)
     prompts = [base.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     reference = greedy(base, prompts, args.new_tokens)
-    ref_logprobs = [torch.log_softmax(base.score(p + r)[len(p) - 1: -1].double(), -1) for p, r in zip(prompts, reference)]
+    ref_logprobs = [
+        torch.log_softmax(base.score(p + r)[len(p) - 1 : -1].double(), -1) for p, r in zip(prompts, reference)
+    ]
     del base
     print(f"{len(PROMPTS)} chat prompts, {args.new_tokens} greedy tokens each (float32's continuation scored)\n")
     print("| dtype | weights | top-1 agreement | mean KL(f32 ‖ mode) | perplexity | greedy runs equal to float32 |")
@@ -65,14 +80,17 @@ def main() -> None:
         agree = total = 0
         kl = nll = 0.0
         for p, r, ref in zip(prompts, reference, ref_logprobs):
-            lp = torch.log_softmax(e.score(p + r)[len(p) - 1: -1].double(), -1)  # [new, vocab]
+            lp = torch.log_softmax(e.score(p + r)[len(p) - 1 : -1].double(), -1)  # [new, vocab]
             agree += int((lp.argmax(-1) == ref.argmax(-1)).sum())
             total += len(r)
             kl += float((ref.exp() * (ref - lp)).sum())
             nll -= float(lp.gather(1, torch.tensor(r)[:, None]).sum())
         same = sum(g == r for g, r in zip(greedy(e, prompts, args.new_tokens), reference))
-        print(f"| {dtype} | {quantization} | {agree / total:.1%} | {kl / total:.5f} | {math.exp(nll / total):.3f} "
-              f"| {same}/{len(prompts)} |", flush=True)
+        print(
+            f"| {dtype} | {quantization} | {agree / total:.1%} | {kl / total:.5f} | {math.exp(nll / total):.3f} "
+            f"| {same}/{len(prompts)} |",
+            flush=True,
+        )
         del e
 
 

@@ -54,14 +54,14 @@ def replay(prompt: list[int], output: list[int], n: int, k: int) -> tuple[int, i
         if len(history) > n:
             key = history[-n:]
             for start in range(len(history) - n - 1, -1, -1):  # the latest earlier occurrence
-                if history[start:start + n] == key:
-                    draft = history[start + n:start + n + k]
+                if history[start : start + n] == key:
+                    draft = history[start + n : start + n + k]
                     break
         accepted = 0
         while accepted < len(draft) and done + accepted < len(output) and draft[accepted] == output[done + accepted]:
             accepted += 1
         step = min(accepted + 1, len(output) - done)
-        history += output[done:done + step]
+        history += output[done : done + step]
         done += step
         iterations += 1
         rows += 1 + len(draft)
@@ -81,10 +81,12 @@ def main() -> None:
     sets = {
         "random ids, EOS ignored": (
             [[rng.randrange(1000, 40000) for _ in range(64)] for _ in range(args.requests)],
-            SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)),
+            SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True),
+        ),
         "chat questions": (
             [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS],
-            SamplingParams(max_new_tokens=args.gen_len)),
+            SamplingParams(max_new_tokens=args.gen_len),
+        ),
     }
     print("| prompts | n | k | tokens / request | iterations / request | tokens / iteration | rows / token |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -95,8 +97,10 @@ def main() -> None:
             counts = [replay(p, o, n, k) for p, o in zip(prompts, outputs)]
             iterations = sum(c[0] for c in counts)
             rows = sum(c[1] for c in counts)
-            print(f"| {name} | {n} | {k} | {tokens / len(outputs):.0f} | "
-                  f"{statistics.mean(c[0] for c in counts):.1f} | {tokens / iterations:.2f} | {rows / tokens:.2f} |")
+            print(
+                f"| {name} | {n} | {k} | {tokens / len(outputs):.0f} | "
+                f"{statistics.mean(c[0] for c in counts):.1f} | {tokens / iterations:.2f} | {rows / tokens:.2f} |"
+            )
 
 
 if __name__ == "__main__":
