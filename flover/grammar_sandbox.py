@@ -145,8 +145,8 @@ class GrammarSandbox:
 
 
 # The child idles before anything else (SCHED_IDLE: it runs only on a core nothing else wants; at
-# nice 19 its compiles still took slices from the engine's threads at every barrier: iterations of
-# 100-470 ms beside eight 830 KB enum compiles, 56 ms without the child).
+# nice 19 its compiles still took slices from the engine's threads at every barrier: figures in
+# docs/hardening.md).
 # It also dies with the server (PR_SET_PDEATHSIG): a compile the server no longer times never
 # outlives it.
 _CHILD = (

@@ -37,7 +37,7 @@ class GrammarLimits:
     average, with `mask_burst_ms` in hand (the first masks build the lexer)."""
 
     compile_seconds: float = 5.0
-    compile_mib: int = 256  # (an 830 KB enum of 30,000 strings: ~50 ms and ~18 MiB on SmolLM2)
+    compile_mib: int = 256  # far above a large real schema's (docs/hardening.md)
     cache_mib: int = 512
     mask_ms_per_token: float = 5.0
     mask_burst_ms: float = 250.0

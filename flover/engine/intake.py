@@ -121,7 +121,7 @@ class Intake:
                     self.grammars.sandbox.start()  # (its tokenizer is built while nothing runs yet)
             except Exception as e:  # a structured request will name it; the rest is unaffected
                 log.warning("structured output unavailable: %s", e)
-            return_freed_heap()  # parsing the tokenizer's JSON for it left ~30 MiB (SmolLM2) freed
+            return_freed_heap()  # parsing the tokenizer's JSON for it left tens of MiB freed
 
     def tokenize(
         self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None

@@ -39,9 +39,9 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_DRAFT_TOKENS = 8  # where the engine speculates unless told otherwise
-# A constrained request's n-gram draft rows each need a mask too (~40 us): they pay where rows are
-# cheap (a few requests: +10% for one JSON stream), not in a full iteration (-5% at 32; the tokens
-# its grammar forces are drafted at any size). docs/benchmarks.md, "(h)".
+# A constrained request's n-gram draft rows each need a mask too: they pay where rows are cheap (a
+# few requests), not in a full iteration (the tokens its grammar forces are drafted at any size).
+# Figures: docs/journal.md, "(h)".
 STRUCTURED_NGRAMS_BELOW = 0.25
 
 

@@ -58,7 +58,7 @@ class AttentionOptions:
     scores_dtype: torch.dtype | None = None  # None = the model dtype; GPT-J forces float32
     window: int | None = None  # sliding-window size, None = full causal attention
     # Decode attention entirely in float32 for 16-bit models: on CPU a bfloat16 batched matmul of
-    # decode shapes costs ~2x its float32 twin (the K/V slices are small to widen), and the
+    # decode shapes costs more than its float32 twin (the K/V slices are small to widen), and the
     # result is the more exact one. Prefill keeps the model dtype. (Not on CUDA: there the
     # widening would double the KV bytes read.)
     decode_in_float32: bool = False
@@ -94,8 +94,8 @@ def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, head_dim: int, q_
 
 def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool) -> bool:
     """PyTorch's fused attention (scaled_dot_product_attention) in place of the matmul / softmax /
-    matmul sequence. On CPU (its flash kernel, float32 inside as the sequence) 2-5x faster for one
-    decode row and for prompt chunks on the 2-core dev machine. On CUDA for prompt chunks only:
+    matmul sequence. On CPU (its flash kernel, float32 inside as the sequence) faster for one decode
+    row and for prompt chunks (docs/design_notes.md, "measured choices"). On CUDA for prompt chunks only:
     eager decode iterations, whose key length changes every time, ran slower with it there. Not
     for GPT-J, whose scores are float32 on 16-bit inputs."""
     return opts.scores_dtype is None and (q.device.type == "cpu" or not decode)

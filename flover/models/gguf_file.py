@@ -347,7 +347,7 @@ class GGUFTensor:
 
 
 # The common block types in one vectorised pass over all blocks (the gguf package walks row groups,
-# ~4x slower here); the same float32 arithmetic, so the same values bit for bit (tested).
+# slower); the same float32 arithmetic, so the same values bit for bit (tested).
 def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[:, at: at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
 

@@ -115,9 +115,8 @@ class Linear(nn.Module):
     """y = x W^T + b over the whole token matrix.
 
     On CPU in float32/bfloat16 the weight is repacked once, after loading, into oneDNN's blocked
-    layout (`pack`): small-M GEMMs such as a decode iteration's then run 2-4x faster than with the
-    plain row-major weight (measured on the 2-core dev machines: [32x768]@[768x4096] 1.7 -> 0.45 ms).
-    The dense weight is dropped after packing to keep one copy in memory.
+    layout (`pack`): small-M GEMMs such as a decode iteration's then run several times faster than
+    with the plain row-major weight (docs/design_notes.md, "measured choices"). The dense weight is dropped after packing to keep one copy in memory.
     """
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,

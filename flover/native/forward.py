@@ -285,8 +285,7 @@ class NativeForward:
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Greedy ids of the iteration's logits [B, vocab] (the sampler's `greedy`), through a
         buffer of its own: after a forward has streamed the weights through the caches, every
-        first tensor operation pays ~0.1 ms of cache misses (a few % of a single stream's
-        token), so none runs here."""
+        first tensor operation pays cache misses, so none runs here."""
         return argmax(self.lib, logits, self.threads, self._ids)
 
     def _all_reduce_hook(self, comm) -> int:

@@ -3,9 +3,9 @@
  * and position. The forward reads top to bottom (flover_forward, at the end); the kernels it
  * calls live beside it (native.h lists the files).
  *
- * In eager PyTorch an iteration is ~1,000 operations (norms, RoPE, KV writes, residuals, the
- * decode attention's casts and masks): ~8 ms a token for SmolLM2-135M on 2 cores, as much as
- * reading its weights. Here each projection is one pass over a blocked weight layout (tiles.c:
+ * In eager PyTorch an iteration is hundreds of small operations (norms, RoPE, KV writes,
+ * residuals, the decode attention's casts and masks) that cost as much as reading the weights on
+ * a small model (docs/design_notes.md). Here each projection is one pass over a blocked weight layout (tiles.c:
  * one row streams the weights at the read bandwidth, many rows share each load), and everything
  * else is a few vector loops per row; attention runs per (row, kv head) over the row's own slot
  * and length, so no padding to the longest sequence.

@@ -127,9 +127,8 @@ static inline v16 q6k_group_scale(const void *scales, int64_t g) {
     return v_mul(v_load((const float *)super), v_load_i8((const int8_t *)super + 64 + (g % 16) * 16));
 }
 /* The codes PREFETCH_AHEAD bytes past a group's (`bytes` of them) asked for while the grouped tiles
- * sum it: the hardware's own prefetch leaves the cores waiting (int8 inputs: AVX2 one row +9%, 32
- * rows +7%; AVX-512 at 32 rows +15% on a Q4_K_M, +38% on a Q5_K_M; int4 on bfloat16 inputs at 32
- * rows +14%: docs/benchmarks.md (m)). A prefetch past the end of the codes never faults. */
+ * sum it: the hardware's own prefetch leaves the cores waiting (figures: docs/design_notes.md,
+ * "measured choices"). A prefetch past the end of the codes never faults. */
 #define PREFETCH_AHEAD 4096
 static inline void prefetch_ahead(const void *group, int bytes) {
     for (int at = 0; at < bytes; at += 64) v_prefetch((const char *)group + PREFETCH_AHEAD + at);

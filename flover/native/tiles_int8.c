@@ -208,7 +208,7 @@ TILE_SIGNED_X8(2)
 TILE_SIGNED_X8(1)
 
 /* accumulators (v16) and dot sums (i16) of a tile's rows, beside the codes' registers (AVX2: 4
- * rows beat 2: docs/benchmarks.md; NEON's 32 registers hold them too) */
+ * rows beat 2: docs/journal.md; NEON's 32 registers hold them too) */
 #if defined(V_AVX512)
 #define X8_ROWS 8
 #else
@@ -245,8 +245,8 @@ const char *int8_dot_name(void) { /* "" where int8 sums take multiply-and-add pa
 }
 
 /* Q5_K's and Q6_K's codes packed in 5 and 6 bits (G_INT5_K, G_INT6_K) where unpacking them costs
- * less than the bytes it saves: AVX-512 (a 1B Q4_K_M's one stream 9-14% faster, a Q5_K_M's 37%);
- * on AVX2 15-19% slower, so bytes there (and on NEON, unmeasured): docs/benchmarks.md (l), (m) */
+ * less than the bytes it saves: on AVX-512; as bytes on AVX2 and NEON (docs/design_notes.md,
+ * "measured choices") */
 API int flover_packed_codes(void) {
 #if defined(V_AVX512)
     return 1;

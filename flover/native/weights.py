@@ -82,8 +82,8 @@ class HeadScreen:
 
 class WeightArena:
     """One anonymous mapping for all blocked weights, advised to use 2 MiB pages: a token of one
-    request streams every weight once, and with 4 KiB pages that is ~65,000 TLB misses for
-    SmolLM2-135M (2 MiB pages read 4-5% faster on the dev machine)."""
+    request streams every weight once, and 4 KiB pages cost a TLB miss every 4 KiB of it
+    (docs/design_notes.md, "measured choices")."""
 
     HUGE = 2 << 20
 

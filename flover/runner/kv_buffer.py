@@ -60,7 +60,7 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a 2 MiB page's first touch costs ~3 ms (docs/benchmarks.md)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a 2 MiB page's first touch costs ~3 ms (docs/journal.md)
         mapping.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)  # keeps the mapping
 
@@ -155,7 +155,7 @@ class SlotBuffer:
         src = torch.tensor([m.src for m in moves], device=self.device)
         dst = torch.tensor([m.dst for m in moves], device=self.device)
         kv = self.kv if positions is None else self.kv[..., :positions, :]  # [layers, 2, slots, heads, pos, dim]
-        if kv.device.type == "cpu":  # a strided copy per slot: ~5x faster than gather then scatter
+        if kv.device.type == "cpu":  # a strided copy per slot: faster than gather then scatter
             for m in moves:
                 kv[:, :, m.dst].copy_(kv[:, :, m.src])
         else:
@@ -176,7 +176,7 @@ class SlotBuffer:
         """Slot positions -> pool rows (before the shuffle moves the slots)."""
         if not copies:
             return
-        if self.kv.device.type == "cpu":  # a strided copy per block: ~10x faster than gathering them first
+        if self.kv.device.type == "cpu":  # a strided copy per block: faster than gathering them first
             for in_slot, in_pool in self._block_views(copies):
                 in_pool.copy_(in_slot)
             return

@@ -149,7 +149,7 @@ class ModelRunner:
         """The iteration's token matrix: decode tokens in slot order, then the prefill chunks.
         Built from the requests (a decode row's input is its last sampled token, at position
         kv_len) as lists, then one tensor per field: after a native forward every first tensor
-        operation pays ~0.1 ms of cache misses, so as few kinds as possible."""
+        operation pays cache misses, so as few kinds as possible."""
         decode = plan.decode
         span = decode[-1].slot + 1 if decode else 0  # decode rows lie in slots [0, span)
         span_lens = [1] * span  # the slots in the span that are prefilling attend to nothing here

@@ -187,10 +187,9 @@ ARGMAX_CHUNK = 1024
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) ([B, vocab] -> [B]), the same ids (the first maximum; NaN counts as the
-    maximum). On CPU in two steps: PyTorch's argmax over a large vocabulary is a scalar loop
-    (~1.2 ms for 32 rows of 49152 on 2 cores, a few % of a decode iteration), while amax is
-    vectorised: the maximum of every chunk of 1024, the first chunk holding the row's maximum,
-    then argmax inside that chunk only (~0.2 ms)."""
+    maximum). On CPU in two steps: PyTorch's argmax over a large vocabulary is a scalar loop,
+    while amax is vectorised: the maximum of every chunk of 1024, the first chunk holding the row's
+    maximum, then argmax inside that chunk only (docs/design_notes.md, "measured choices")."""
     rows, vocab = logits.shape
     if logits.device.type != "cpu" or rows < 4 or vocab < 4 * ARGMAX_CHUNK:  # few rows: argmax is as fast
         return logits.argmax(dim=-1)

@@ -8,7 +8,7 @@ cost): scheduling, memory shuffle, token-matrix build, the forward pass split in
 GEMMs / attention / everything else in the model (norms, RoPE, KV writes, residuals), sampling,
 per-request bookkeeping, and the rest of step() (Python glue). It profiles the PyTorch forward
 (`native_forward="off"`): the native step runs an iteration as one call, with nothing to wrap
-here (its profile is in docs/benchmarks.md).
+here (its profile is in docs/journal.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python scripts/experiments/speculation_potential.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
 This sized flover's speculation (flover/engine/speculation.py) before it was built; it replays fixed
-drafts of k tokens, not the engine's rule (docs/benchmarks.md (h)). Each request is generated
+drafts of k tokens, not the engine's rule (docs/journal.md (h)). Each request is generated
 greedily without speculation, then replayed: at every iteration the draft is the k tokens that
 followed the latest earlier occurrence of the last n tokens (prompt and output so far), the
 verification accepts the draft's longest prefix that equals the real output, and the iteration
