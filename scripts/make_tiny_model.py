@@ -4,7 +4,7 @@
     python scripts/make_tiny_model.py --arch llama --preset tiny --out models/tiny
     python scripts/make_tiny_model.py --arch llama --preset bench-124m --out models/bench-124m
 
-Presets live in models/presets/*.json. Same arguments => the same files (fixed seed).
+Presets live in flover/presets/*.json. Same arguments => the same files (fixed seed).
 """
 
 import argparse
@@ -16,7 +16,7 @@ from flover.testing.tiny_model import ARCHS, make_tiny_model
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=ARCHS, default="llama")
-    ap.add_argument("--preset", default="tiny", help="name in models/presets or a JSON file")
+    ap.add_argument("--preset", default="tiny", help="name in flover/presets or a JSON file")
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

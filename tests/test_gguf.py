@@ -168,7 +168,7 @@ def test_k_quant_tensors_dequantize_as_transformers_does(tmp_path, qtype):
     llm = LLM(str(path), dtype="float32", max_slots=2, max_seq_len=64)
     ckpt = open_checkpoint(path)
     reader = ckpt.reader(ckpt.model_config())
-    from flover.models.loader import Source
+    from flover.models.safetensors_reader import Source
 
     state = ref.state_dict()
     compared = 0

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from flover import LLM, SamplingParams
-from flover.models.config import load_model_config
+from flover.models.model_config import load_model_config
 from tests.helpers import PROMPTS, VARIANTS, rewrite_config
 
 

@@ -1,6 +1,6 @@
 """Architectures and checkpoints: `open_checkpoint(path)` reads a Hugging Face directory or a
 GGUF file (models/checkpoint.py, no torch); `load_model(checkpoint, ...)` returns a ready model
-(models/loading.py, imported when first asked for, so that the HTTP front never loads torch)."""
+(models/build.py, imported when first asked for, so that the HTTP front never loads torch)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib
 
 from flover.models.checkpoint import (HFDirectory, file_quantization, load_model_config,
                                       open_checkpoint)
-from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
 from flover.models.gguf_file import GGUFFile
 
 __all__ = ["CheckpointError", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile",
@@ -19,5 +19,5 @@ _LOADING = {"load_model", "model_class", "pack_projections", "release_projection
 
 def __getattr__(name: str):
     if name in _LOADING:
-        return getattr(importlib.import_module("flover.models.loading"), name)
+        return getattr(importlib.import_module("flover.models.build"), name)
     raise AttributeError(f"module 'flover.models' has no attribute {name!r}")

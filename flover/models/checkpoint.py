@@ -7,13 +7,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flover.models.config import CheckpointError, ModelConfig
-from flover.models.config import load_model_config as _load_directory_config
+from flover.models.model_config import CheckpointError, ModelConfig
+from flover.models.model_config import load_model_config as _load_directory_config
 from flover.models.gguf_file import GGUFFile, is_gguf
 from flover.models.gguf_grids import BLOCK_TYPES
 
 if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
-    from flover.models.loader import CheckpointReader
+    from flover.models.safetensors_reader import CheckpointReader
 
 
 class HFDirectory:
@@ -26,7 +26,7 @@ class HFDirectory:
         return _load_directory_config(self.path)
 
     def reader(self, cfg: ModelConfig) -> CheckpointReader:
-        from flover.models.loader import CheckpointReader
+        from flover.models.safetensors_reader import CheckpointReader
 
         return CheckpointReader(self.path)
 

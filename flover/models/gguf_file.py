@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flover.models.config import CheckpointError, ModelConfig, check_sizes, validate_model_config
+from flover.models.model_config import CheckpointError, ModelConfig, check_sizes, validate_model_config
 from flover.models.gguf_grids import block_grid
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flover.models.attention import AttentionOptions, ForwardBatch, attention, write_kv
-from flover.models.config import ModelConfig
+from flover.models.model_config import ModelConfig
 from flover.models.layers import (Linear, Rotary, activation, all_reduce, cols, new_param, rows,
                                   vocab_embedding, whole)
-from flover.models.loader import WeightSpec
+from flover.models.safetensors_reader import WeightSpec
 from flover.models.tp_layout import TPLayout
 
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flover.models.config import CheckpointError, ModelConfig
-from flover.models.loader import Source
+from flover.models.model_config import CheckpointError, ModelConfig
+from flover.models.safetensors_reader import Source
 from flover.models.quant import QuantizedWeight, file_weight, int4_weight, int8_inputs, quantize
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from flover.models.config import CheckpointError
+from flover.models.model_config import CheckpointError
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
 from flover.tools import prompt_messages
 

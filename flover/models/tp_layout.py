@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flover.models.config import ModelConfig
+from flover.models.model_config import ModelConfig
 
 
 def _divisors(n: int) -> str:

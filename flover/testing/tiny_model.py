@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # a link to models/presets
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
 ARCHS = ("llama", "mistral", "qwen2", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.

@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from flover.models.checkpoint import GGUFFile, HFDirectory, open_checkpoint
-from flover.models.config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
 from flover.models.gguf_grids import BLOCK_TYPES
 from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
-from flover.models.loader import load_weights
+from flover.models.safetensors_reader import load_weights
 from flover.models.quant import can_quantize
 from flover.models.tp_layout import TPLayout
 

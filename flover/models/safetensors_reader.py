@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from flover.models.config import CheckpointError
+from flover.models.model_config import CheckpointError
 
 
 @dataclass(frozen=True)
