@@ -32,11 +32,16 @@ class Intake:
         max_seq_len: int,
         grammar_limits: GrammarLimits,
         checks_grammars: bool,
+        refuse_over_context: bool = True,
     ):
         """`checks_grammars`: try each new grammar in a child process first (grammar_sandbox.py;
-        the leader of the engine does, a data-parallel group's leader need not)."""
+        the leader of the engine does, a data-parallel group's leader need not).
+        `refuse_over_context`: a text of more tokens than max_seq_len is PromptTooLong (requests);
+        else it is tokenized whole (the HTTP front's /tokenize counts it), as long as it could fit
+        by its size at all (Tokenizer.cannot_fit: the bound on the work either way)."""
         self.tokenizer, self.model_config, self.max_seq_len = tokenizer, model_config, max_seq_len
         self.grammar_limits, self.checks_grammars = grammar_limits, checks_grammars
+        self.refuse_over_context = refuse_over_context
         self._grammars: Grammars | None = None
 
     def build(
@@ -124,19 +129,26 @@ class Intake:
             return_freed_heap()  # parsing the tokenizer's JSON for it left tens of MiB freed
 
     def tokenize(
-        self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
+        self,
+        prompt: str | Sequence[int] | None,
+        messages: list | None = None,
+        tools: list | None = None,
+        special: bool = True,
     ) -> tuple[list[int], str | None]:
         """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
-        `tools`: OpenAI's, with `messages`, for the chat template. Touches no engine state, so it
-        may run on another thread."""
-        return self._prompt_ids(prompt) if messages is None else (self._chat_ids(messages, tools), None)
+        `tools`: OpenAI's, with `messages`, for the chat template. `special`: a text prompt's
+        special tokens (BOS) added as the tokenizer says. Touches no engine state, so it may run
+        on another thread."""
+        if messages is not None:
+            return self._chat_ids(messages, tools), None
+        return self._prompt_ids(prompt, special)
 
-    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
+    def _prompt_ids(self, prompt, special: bool = True) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need the checkpoint's tokenizer; pass token ids")
             self._check_text_size(prompt)
-            ids = self._checked(self._encode(prompt, True))
+            ids = self._checked(self._encode(prompt, special))
             text = prompt
         elif isinstance(prompt, (list, tuple)):
             if len(prompt) > self.max_seq_len:  # before looking at a million ids one by one
@@ -179,7 +191,9 @@ class Intake:
 
     def _encode(self, text: str, special: bool) -> list[int]:
         try:
-            return self.tokenizer.encode(text, special, max_tokens=self.max_seq_len)
+            return self.tokenizer.encode(
+                text, special, max_tokens=self.max_seq_len if self.refuse_over_context else None
+            )
         except TooManyTokens as e:
             raise PromptTooLong(f"prompt of {e.count} tokens exceeds max_seq_len={self.max_seq_len}") from None
 

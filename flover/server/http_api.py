@@ -112,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
     host, port = parse_listen(args.listen)
-    tokenizer = load_tokenizer(open_checkpoint(args.model))
+    checkpoint = open_checkpoint(args.model)
+    tokenizer = load_tokenizer(checkpoint)
     keys = [os.environ.get(name, "").encode() for name in CURVE_ENV]
     front = Front(
         args.engine,
         args.served_model_name or args.model,
         tokenizer,
+        checkpoint.model_config(),
         os.environ.get("FLOVER_API_KEY"),
         args.parent,
         curve=tuple(keys) if all(keys) else None,

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import FloverError
+from flover.engine.intake import PromptTooLong
 from flover.server import openai_api as oa
 from flover.server.http_state import TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json, wait_watching
 from flover.server.prometheus import render
@@ -66,18 +67,25 @@ async def chat_completions(request: Request):
 
 
 async def tokenize(request: Request):
+    """The ids a request with this prompt (or these messages) would run, through the engine's own
+    intake: the same chat template, bounds and refusals."""
     front = front_of(request)
     try:
         body = await read_json(request, front.max_body_bytes, front.parse_off_loop, TOKENIZE_FIELDS)
-        limit = await context_length(front)
         if "messages" in body:
-            text = await render_chat(front, oa.chat_messages(body["messages"]))
-            ids = await encode(front, text, limit, "messages", False)
+            param, job = "messages", (None, oa.chat_messages(body["messages"]))
         elif isinstance(body.get("prompt"), str):
             special = oa._boolean(body, "add_special_tokens")
-            ids = await encode(front, body["prompt"], limit, "prompt", True if special is None else special)
+            param, job = "prompt", (body["prompt"], None, None, True if special is None else special)
         else:
             raise oa.ApiError(400, "expected prompt (a string) or messages", param="prompt")
+        intake = front.intake(await context_length(front))
+        try:
+            ids, _ = await front.off_loop(intake.tokenize, *job)
+        except PromptTooLong as e:
+            raise oa.ApiError(400, f"{param}: {e}", "prompt_too_long", param) from None
+        except ValueError as e:  # no tokenizer, no chat template, ids outside the vocabulary
+            raise oa.ApiError(400, f"{param}: {e}", param=param) from None
     except oa.ApiError as e:
         return error_response(e)
     answer = {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
@@ -126,16 +134,6 @@ async def encode(front: Front, text: str, limit: int | None, param: str, special
     if limit is not None and front.tokenizer.cannot_fit(text, limit):
         raise oa.ApiError(400, f"{param}: too long for the context of {limit} tokens", "prompt_too_long", param)
     return await front.off_loop(front.tokenizer.encode, text, special)
-
-
-async def render_chat(front: Front, messages: list[dict]) -> str:
-    """The chat template, off the loop (a template may loop over thousands of messages)."""
-    if front.tokenizer is None:
-        raise oa.ApiError(400, "messages: this checkpoint has no tokenizer", param="messages")
-    try:
-        return await front.off_loop(front.tokenizer.render_chat, messages)
-    except ValueError as e:  # no chat template, a template error
-        raise oa.ApiError(400, str(e), param="messages") from None
 
 
 async def tokenize_echoed(front: Front, plan: oa.Plan) -> None:

@@ -13,9 +13,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from flover.client import AsyncClient, FloverError
+from flover.engine.intake import Intake
 from flover.hardware import background_thread
+from flover.models.model_config import ModelConfig
 from flover.protocol import MAX_MESSAGE_BYTES
 from flover.server import openai_api as oa
+from flover.structured import GrammarLimits
 from flover.tools import syntax_of
 
 log = logging.getLogger("flover.http")
@@ -58,6 +61,7 @@ class Front:
         engine_addr: str,
         model_name: str,
         tokenizer,
+        model_config: ModelConfig,
         api_key: str | None,
         parent_pid: int | None = None,
         curve: tuple[bytes, bytes, bytes] | None = None,
@@ -71,6 +75,8 @@ class Front:
         self.parent_pid, self.curve, self.max_body_bytes = parent_pid, curve, max_body_bytes
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
+        self.model_config = model_config
+        self._intake: Intake | None = None
         # how this model writes tool calls (from its chat template: flover/tools.py)
         self.tool_syntax = syntax_of(tokenizer.chat_template_source if tokenizer is not None else None)
         self._background: set[asyncio.Task] = set()
@@ -109,6 +115,22 @@ class Front:
         health = await self.client.health(timeout=2.0)
         self.max_model_len = health.get("max_seq_len", self.max_model_len)
         return health
+
+    def intake(self, limit: int | None) -> Intake:
+        """The engine's own intake (engine/intake.py) for /tokenize: the same chat rendering,
+        bounds and refusals as a request, for the daemon's context length (`limit`, else the
+        model's)."""
+        max_seq_len = limit or self.model_config.max_position_embeddings
+        if self._intake is None or self._intake.max_seq_len != max_seq_len:
+            self._intake = Intake(
+                self.tokenizer,
+                self.model_config,
+                max_seq_len,
+                GrammarLimits(),
+                checks_grammars=False,
+                refuse_over_context=False,
+            )
+        return self._intake
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else f"token_id:{token_id}".encode()
