@@ -31,6 +31,7 @@ from flover.native.build import (
     runnable_families,
 )
 from flover.native.forward import argmax
+from flover.testing.tiny_model import write_gguf
 from tests.helpers import random_arrival_jobs, run_arrivals
 
 FAMILIES = runnable_families()
@@ -101,6 +102,7 @@ VARIANTS = [
     "llama-mqa-bias-tied-llama3",
     "mistral-window8",
     "qwen2",
+    "qwen3",
     "llama-vocab509-kv4",
     "llama-head80-group6",
 ]
@@ -119,7 +121,9 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
         assert diff <= 2e-6 * max(1.0, scale), (decode, prompt, diff, scale)
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "llama-head80-group6"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "llama-head80-group6", "qwen3"]
+)
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     """bfloat16 rounds every intermediate at the points PyTorch does: the logits stay within a
     few bfloat16 steps of the PyTorch forward's, and the greedy choice almost always agrees."""
@@ -212,17 +216,32 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization",
-    [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "file")],
+    "dtype,quantization,family",
+    [
+        ("float32", "none", "llama"),
+        ("bfloat16", "none", "llama"),
+        ("bfloat16", "int4", "llama"),
+        ("bfloat16", "int8", "llama"),
+        ("bfloat16", "file", "llama"),
+        ("float32", "none", "qwen3"),
+        ("bfloat16", "none", "qwen3"),
+        ("bfloat16", "file", "qwen3"),
+    ],
 )
-def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(request, dtype, quantization):
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(
+    request, make_model, tmp_path, dtype, quantization, family
+):
     """Bit for bit: every sampled row of fused iterations (decode-only, and decode mixed with
     prompt chunks), recomputed alone right after on the cache the iteration left (a decode row
     as a decode row, a prompt row as a one-token prompt chunk: the two kinds have kernels of
     their own), gives the same logits. This is what makes fused and solo runs agree in float32
     and bfloat16 (test_engine.py), however a prompt is chunked. "file": a GGUF file's own codes
-    of every block type (GGUF_MIX)."""
-    model = request.getfixturevalue("gguf_mix" if quantization == "file" else "llama_dir")
+    of every block type (GGUF_MIX); qwen3: its q/k norms, a head_dim of its own, a Q8_0 file."""
+    if family == "qwen3":
+        model = make_model("qwen3")
+        model = str(write_gguf(model, tmp_path / "qwen3-Q8_0.gguf", "Q8_0")) if quantization == "file" else model
+    else:
+        model = request.getfixturevalue("gguf_mix" if quantization == "file" else "llama_dir")
     engine = Engine(
         EngineConfig(
             model,

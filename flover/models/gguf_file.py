@@ -32,7 +32,11 @@ if TYPE_CHECKING:
     import torch
 
 # general.architecture -> (our architecture, Q/K rows permuted by llama.cpp's converter)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 # Hugging Face name -> GGUF name (per layer: {i})
@@ -44,6 +48,7 @@ GGUF_LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
 
@@ -149,7 +154,7 @@ class GGUFFile:
             rotary_dim=head_dim, qkv_bias=qwen, o_bias=False, mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None)
+            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None, qk_norm=a == "qwen3")
         validate_model_config(cfg, where)
         return cfg
 

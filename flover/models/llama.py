@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2 (GQA, RoPE, optional QKV/MLP biases, sliding window).
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3 (GQA, RoPE, optional QKV/MLP biases, sliding window,
+Qwen3's RMSNorm over each head of q and k).
 
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
@@ -28,6 +29,7 @@ class LlamaLayer(nn.Module):
         lin = lambda out, inp, bias: Linear(out, inp, bias, dtype, device)  # noqa: E731
         self.input_norm = p(h)
         self.qkv = lin(self.q_size + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
+        self.q_norm, self.k_norm = (p(d), p(d)) if cfg.qk_norm else (None, None)  # per head, before RoPE
         self.o = lin(h, self.q_size, False)
         self.o_bias = p(h) if cfg.o_bias else None
         self.post_norm = p(h)
@@ -64,6 +66,9 @@ class LlamaLayer(nn.Module):
         ]
         if self.qkv.bias is not None:
             specs.append(WeightSpec(self.qkv.bias, qkv("bias")))
+        if self.q_norm is not None:
+            specs.append(WeightSpec(self.q_norm, (whole(f"{att}.q_norm.weight", (d,)),)))
+            specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", (d,)),)))
         if self.o_bias is not None:
             specs.append(WeightSpec(self.o_bias, (whole(f"{att}.o_proj.bias", (h,)),)))
         if self.gate_up.bias is not None:
@@ -109,9 +114,11 @@ class LlamaForCausalLM(nn.Module):
         for n, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, cfg.norm_eps)
             qkv = layer.qkv(x)  # [T, q + 2 kv]
-            # q and k rotated together: [T, heads + kv_heads, head_dim]
-            qk = self.rotary(qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim),
-                             batch.positions, tables)
+            qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
+            if layer.q_norm is not None:  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
+                qk = torch.cat((rms_norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
+                                rms_norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps)), dim=1)
+            qk = self.rotary(qk, batch.positions, tables)  # q and k rotated together: [T, heads + kv_heads, head_dim]
             q, k = qk[:, : tp.heads], qk[:, tp.heads:]
             v = qkv[:, layer.q_size + layer.kv_size:]
             write_kv(kv[n, 0], kv[n, 1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), batch)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
 
@@ -86,6 +86,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     checkpoint_dtype: str | None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3), weights [head_dim]
 
     @property
     def is_gptj(self) -> bool:
@@ -163,7 +164,7 @@ def _parse_llama(raw: dict, arch: str) -> dict:
     layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         windows = (None,) * layers
@@ -194,6 +195,7 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
         mlp_bias=raw.get("mlp_bias", False),
         sliding_windows=windows,
+        qk_norm=arch == "Qwen3ForCausalLM",
     )
 
 

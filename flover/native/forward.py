@@ -278,6 +278,8 @@ class NativeForward:
                 down=blocked["down"][0],
                 down_bias=self._address(layer.down_bias),
                 window=window or 0,
+                q_norm=self._address(layer.q_norm),
+                k_norm=self._address(layer.k_norm),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
             )
         return layers

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "gptj")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -101,9 +101,10 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         intermediate_size=p["intermediate_size"],
         max_position_embeddings=p["max_position_embeddings"],
     )
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[
-        arch
-    ]
+    if arch == "qwen3":  # (its own head_dim, 128 by default: the preset's unless overridden)
+        kw["head_dim"] = p["hidden_size"] // p["num_heads"]
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    cls = getattr(transformers, classes[arch])
     return cls(**{**common, **kw, **overrides})
 
 
@@ -133,7 +134,12 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     return out
 
 
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
 # K-quants the `gguf` package cannot make: random blocks, with this super-block scale (d, dmin)
@@ -182,7 +188,11 @@ def write_gguf(
     w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(config["vocab_size"])
-    w.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if head_dim != config["hidden_size"] // heads:  # as the converter: only a head_dim of its own
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     _write_gguf_tokenizer(w, model_dir)
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     if rope.get("rope_type") == "llama3":  # as convert_hf_to_gguf.py: per-dimension divisors
