@@ -54,6 +54,8 @@ VARIANTS = {
     "qwen2": ("qwen2", {}),
     # q/k norms; a head_dim of its own (24: q is 96 wide beside a hidden size of 64)
     "qwen3": ("qwen3", dict(head_dim=24)),
+    # 4 layers, the 4th without RoPE (SmolLM3's default interval, the one llama.cpp assumes)
+    "smollm3": ("smollm3", {}, dict(num_layers=4)),
     "gptj": ("gptj", {}),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),

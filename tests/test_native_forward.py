@@ -103,6 +103,7 @@ VARIANTS = [
     "mistral-window8",
     "qwen2",
     "qwen3",
+    "smollm3",
     "llama-vocab509-kv4",
     "llama-head80-group6",
 ]
@@ -226,6 +227,7 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
         ("float32", "none", "qwen3"),
         ("bfloat16", "none", "qwen3"),
         ("bfloat16", "file", "qwen3"),
+        ("bfloat16", "none", "smollm3"),
     ],
 )
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(
@@ -236,10 +238,11 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(
     as a decode row, a prompt row as a one-token prompt chunk: the two kinds have kernels of
     their own), gives the same logits. This is what makes fused and solo runs agree in float32
     and bfloat16 (test_engine.py), however a prompt is chunked. "file": a GGUF file's own codes
-    of every block type (GGUF_MIX); qwen3: its q/k norms, a head_dim of its own, a Q8_0 file."""
-    if family == "qwen3":
-        model = make_model("qwen3")
-        model = str(write_gguf(model, tmp_path / "qwen3-Q8_0.gguf", "Q8_0")) if quantization == "file" else model
+    of every block type (GGUF_MIX); qwen3: its q/k norms, a head_dim of its own, a Q8_0 file;
+    smollm3: a layer without RoPE."""
+    if family != "llama":
+        model = make_model(family)
+        model = str(write_gguf(model, tmp_path / f"{family}-Q8_0.gguf", "Q8_0")) if quantization == "file" else model
     else:
         model = request.getfixturevalue("gguf_mix" if quantization == "file" else "llama_dir")
     engine = Engine(

@@ -36,7 +36,9 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "smollm3": ("SmolLM3ForCausalLM", True),
 }
+NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 # Hugging Face name -> GGUF name (per layer: {i})
@@ -154,7 +156,8 @@ class GGUFFile:
             rotary_dim=head_dim, qkv_bias=qwen, o_bias=False, mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None, qk_norm=a == "qwen3")
+            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None, qk_norm=a == "qwen3",
+            nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0))
         validate_model_config(cfg, where)
         return cfg
 

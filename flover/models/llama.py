@@ -1,5 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3 (GQA, RoPE, optional QKV/MLP biases, sliding window,
-Qwen3's RMSNorm over each head of q and k).
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3 (GQA, RoPE, optional QKV/MLP biases, sliding
+window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE).
 
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
@@ -20,7 +20,7 @@ from flover.models.tp_layout import TPLayout
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPLayout, window: int | None, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, tp: TPLayout, index: int, window: int | None, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -30,6 +30,7 @@ class LlamaLayer(nn.Module):
         self.input_norm = p(h)
         self.qkv = lin(self.q_size + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
         self.q_norm, self.k_norm = (p(d), p(d)) if cfg.qk_norm else (None, None)  # per head, before RoPE
+        self.rope = index not in cfg.nope_layers  # (SmolLM3's NoPE layers: positions only through the causal mask)
         self.o = lin(h, self.q_size, False)
         self.o_bias = p(h) if cfg.o_bias else None
         self.post_norm = p(h)
@@ -84,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.tp, self.comm = cfg, tp, comm
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         self.embed = p(tp.vocab, cfg.hidden_size)  # this rank's vocabulary block
-        self.layers = nn.ModuleList(LlamaLayer(cfg, tp, w, dtype, device) for w in cfg.sliding_windows)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, tp, n, w, dtype, device) for n, w in enumerate(cfg.sliding_windows))
         self.norm = p(cfg.hidden_size)
         self.lm_head = Linear(tp.vocab, cfg.hidden_size, False, dtype, device)
         self.rotary = Rotary(cfg, max_len, dtype, device)
@@ -118,7 +119,8 @@ class LlamaForCausalLM(nn.Module):
             if layer.q_norm is not None:  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
                 qk = torch.cat((rms_norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
                                 rms_norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps)), dim=1)
-            qk = self.rotary(qk, batch.positions, tables)  # q and k rotated together: [T, heads + kv_heads, head_dim]
+            if layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
+                qk = self.rotary(qk, batch.positions, tables)
             q, k = qk[:, : tp.heads], qk[:, tp.heads:]
             v = qkv[:, layer.q_size + layer.kv_size:]
             write_kv(kv[n, 0], kv[n, 1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), batch)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
 
@@ -87,6 +87,7 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: str | None
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3), weights [head_dim]
+    nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
 
     @property
     def is_gptj(self) -> bool:
@@ -164,7 +165,7 @@ def _parse_llama(raw: dict, arch: str) -> dict:
     layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM") and not raw.get("use_sliding_window"):
         window = None
     if window is None:
         windows = (None,) * layers
@@ -196,7 +197,22 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         mlp_bias=raw.get("mlp_bias", False),
         sliding_windows=windows,
         qk_norm=arch == "Qwen3ForCausalLM",
+        nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else frozenset(),
     )
+
+
+def _nope_layers(raw: dict, layers: int) -> frozenset[int]:
+    """SmolLM3's layers without RoPE: `no_rope_layers` (1: RoPE, 0: none, one per layer), else
+    every `no_rope_layer_interval`-th layer (4 by default), as transformers builds the list."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise ValueError(f"no_rope_layers must list 0 or 1 for each of the {layers} layers")
+    return frozenset(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _parse_gptj(raw: dict) -> dict:

@@ -280,6 +280,7 @@ class NativeForward:
                 window=window or 0,
                 q_norm=self._address(layer.q_norm),
                 k_norm=self._address(layer.k_norm),
+                no_rope=int(not layer.rope),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
             )
         return layers

@@ -156,7 +156,8 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             if (ly->q_norm) /* (Qwen3) each head of q, then of k, alone: in place */
                 for (int64_t hh = 0; hh < heads + kvh; hh++)
                     rms_norm(row + hh * d, (const void *)(hh < heads ? ly->q_norm : ly->k_norm), eps, d, bf, row + hh * d);
-            for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, d, bf);
+            if (!ly->no_rope)
+                for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, d, bf);
             for (int64_t g = 0; g < kvh; g++) {
                 to_model_dtype(row + q_size + g * d, kv_head_base(md, kv_layer, 0, slots[r], g) + p * md->kv_pos * es,
                                d, bf);

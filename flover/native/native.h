@@ -61,6 +61,7 @@ typedef struct {
     int64_t input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, window;
     int64_t qkv_grid, o_grid, gate_up_grid, down_grid;
     int64_t q_norm, k_norm; /* RMSNorm weights [head_dim] over each head of q and k before RoPE (Qwen3), else 0 */
+    int64_t no_rope;        /* 1: the layer skips RoPE (SmolLM3's NoPE layers) */
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero

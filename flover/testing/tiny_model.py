@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gptj")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -103,7 +103,15 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
     )
     if arch == "qwen3":  # (its own head_dim, 128 by default: the preset's unless overridden)
         kw["head_dim"] = p["hidden_size"] // p["num_heads"]
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    if arch == "smollm3":  # (its default pad id, 128004, lies outside a small vocabulary)
+        kw["pad_token_id"] = eos_id
+    classes = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+        "smollm3": "SmolLM3Config",
+    }
     cls = getattr(transformers, classes[arch])
     return cls(**{**common, **kw, **overrides})
 
@@ -139,6 +147,7 @@ GGUF_ARCH = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 
@@ -208,9 +217,9 @@ def write_gguf(
             continue
         name = names[hf_name]
         data = data.astype(np.float32)
-        if arch == "llama" and name.endswith("attn_q.weight"):
+        if arch in ("llama", "smollm3") and name.endswith("attn_q.weight"):
             data = permute(data, heads)
-        elif arch == "llama" and name.endswith("attn_k.weight"):
+        elif arch in ("llama", "smollm3") and name.endswith("attn_k.weight"):
             data = permute(data, kv_heads)
         kind = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
         qt = gguf.GGMLQuantizationType[kind]
