@@ -64,10 +64,10 @@ def _generate_message(request_id, prompt, input_ids, messages, stream: bool, par
             **params,
             "logit_bias": [[int(k) if isinstance(k, str) and k.isdecimal() else k, v] for k, v in bias.items()],
         }
-    tools = params.pop("tools", None) if "tools" in params else None
+    beside = {key: params.pop(key) for key in ("tools", "chat_template_kwargs") if key in params}
     message = {"op": "generate", "id": request_id, "stream": stream, "params": params}
-    if tools is not None:  # OpenAI's tools, for the chat template: beside the messages
-        message["tools"] = tools
+    # OpenAI's tools and the template's variables, for the chat template: beside the messages
+    message.update((key, value) for key, value in beside.items() if value is not None)
     given = [(k, v) for k, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages)) if v is not None]
     if len(given) != 1:
         raise ValueError("pass exactly one of prompt, input_ids, messages")

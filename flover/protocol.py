@@ -10,6 +10,7 @@ Events to clients: "token", "final", "error", "health", "stats" (see the event h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgpack
@@ -21,7 +22,7 @@ from flover.tools import check_tools
 OPS = ("generate", "cancel", "health", "stats")
 MAX_MESSAGE_BYTES = 1 << 20  # the server's default bound on one message (--max-message-bytes)
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
-GENERATE_KEYS = frozenset({"op", "id", "params", "stream", "tools", *PROMPT_KEYS})
+GENERATE_KEYS = frozenset({"op", "id", "params", "stream", "tools", "chat_template_kwargs", *PROMPT_KEYS})
 MAX_ID_LENGTH = MAX_REQUEST_ID_LENGTH  # characters of a string id
 
 # Error codes a client can act on.
@@ -94,6 +95,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     tools: list | None = None  # with messages: OpenAI's tools, for the chat template (flover/tools.py)
+    chat_template_kwargs: dict | None = None  # with messages: more variables for the chat template
 
 
 def parse_generate(message: dict) -> GenerateRequest:
@@ -146,7 +148,52 @@ def parse_generate(message: dict) -> GenerateRequest:
             check_tools(tools)
         except ValueError as e:
             raise bad(str(e)) from None
-    return GenerateRequest(rid, prompt, messages, params, stream, tools)
+    template_kwargs = message.get("chat_template_kwargs")
+    if template_kwargs is not None:
+        if messages is None:
+            raise bad("`chat_template_kwargs` go with `messages`")
+        try:
+            check_template_kwargs(template_kwargs)
+        except ValueError as e:
+            raise bad(str(e)) from None
+    return GenerateRequest(rid, prompt, messages, params, stream, tools, template_kwargs)
+
+
+# chat_template_kwargs: names the template reads from flover itself are not the client's to set
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_NAME, MAX_TEMPLATE_TEXT = 16, 64, 4096
+
+
+def check_template_kwargs(kwargs) -> None:
+    """`chat_template_kwargs` (vLLM's): a map of at most 16 names (identifiers, not flover's own
+    template variables) to booleans, numbers, short strings or null; ValueError naming the problem."""
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"chat_template_kwargs: expected a map of at most {MAX_TEMPLATE_KWARGS} names")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not name.isidentifier() or len(name) > MAX_TEMPLATE_NAME:
+            raise ValueError(f"chat_template_kwargs: {str(name)[:80]!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_NAMES or name.startswith("_"):
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the server")
+        scalar = (
+            value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value))
+        )
+        if not scalar or (isinstance(value, str) and len(value) > MAX_TEMPLATE_TEXT):
+            raise ValueError(
+                f"chat_template_kwargs.{name}: expected a boolean, a number, null or a string of at "
+                f"most {MAX_TEMPLATE_TEXT} characters"
+            )
 
 
 # -- both ends ----------------------------------------------------------------------------

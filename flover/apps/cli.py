@@ -531,6 +531,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.api_key or os.environ.get("FLOVER_API_KEY"),
                 curve=front_curve,
                 max_body_bytes=args.max_message_bytes,
+                reasoning_format=args.reasoning_format,
                 limits=HttpLimits(
                     args.http_header_timeout, args.http_body_timeout, args.http_keep_alive, args.http_max_connections
                 ),
@@ -795,6 +796,13 @@ def add_serve_command(sub) -> None:
         type=int,
         default=HTTP_LIMITS.max_connections,
         help="open HTTP connections at once; more are closed as they arrive",
+    )
+    h.add_argument(
+        "--reasoning-format",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: a chat answer's opening <think>...</think> block comes back as reasoning_content, apart "
+        "from content, where the model's chat template knows such blocks (Qwen3, SmolLM3); none: left in content",
     )
     d.add_argument(
         "--prefault-prefix-cache",

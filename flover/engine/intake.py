@@ -134,13 +134,14 @@ class Intake:
         messages: list | None = None,
         tools: list | None = None,
         special: bool = True,
+        template_kwargs: dict | None = None,
     ) -> tuple[list[int], str | None]:
         """(the prompt's token ids, its text if it came as text); ValueError naming what is wrong.
         `tools`: OpenAI's, with `messages`, for the chat template. `special`: a text prompt's
         special tokens (BOS) added as the tokenizer says. Touches no engine state, so it may run
-        on another thread."""
+        on another thread. `template_kwargs`: more variables for the chat template."""
         if messages is not None:
-            return self._chat_ids(messages, tools), None
+            return self._chat_ids(messages, tools, template_kwargs), None
         return self._prompt_ids(prompt, special)
 
     def _prompt_ids(self, prompt, special: bool = True) -> tuple[list[int], str | None]:
@@ -175,14 +176,14 @@ class Intake:
                 f"(no token is longer than {longest} bytes); refused before tokenizing"
             )
 
-    def _chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
+    def _chat_ids(self, messages: list, tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("messages need the checkpoint's tokenizer")
         if isinstance(messages, list):  # refused before rendering when the contents alone cannot fit
             self._check_text_size(
                 "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
             )
-        text = self.tokenizer.render_chat(messages, tools)
+        text = self.tokenizer.render_chat(messages, tools, template_kwargs)
         self._check_text_size(text)
         ids = self._checked(self._encode(text, False))
         if not ids:

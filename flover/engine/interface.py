@@ -29,9 +29,13 @@ class ServingEngine(ABC):
         return self.intake.max_seq_len
 
     def tokenize(
-        self, prompt: str | Sequence[int] | None, messages: list | None = None, tools: list | None = None
+        self,
+        prompt: str | Sequence[int] | None,
+        messages: list | None = None,
+        tools: list | None = None,
+        template_kwargs: dict | None = None,
     ) -> tuple[list[int], str | None]:
-        return self.intake.tokenize(prompt, messages, tools)
+        return self.intake.tokenize(prompt, messages, tools, template_kwargs=template_kwargs)
 
     @property
     def grammars(self) -> Grammars:

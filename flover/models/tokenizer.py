@@ -97,10 +97,13 @@ class Tokenizer:
             raise TooManyTokens(len(encoding))
         return encoding.ids
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> str:
         """`messages` in the checkpoint's chat template, with the assistant prompt added; with
         `tools` (OpenAI's), or earlier calls and results among the messages, as flover/tools.py
-        puts them for this template."""
+        puts them for this template. `template_kwargs`: more variables for the template (e.g.
+        Qwen3's enable_thinking; checked by protocol.check_template_kwargs)."""
         if self.chat_template_error is not None:
             raise ValueError(f"this checkpoint's chat template is broken ({self.chat_template_error}); "
                              f"chat is off, send a plain prompt instead")
@@ -113,8 +116,8 @@ class Tokenizer:
         if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages, extra = prompt_messages(messages, tools, self.chat_template_source)
         try:
-            return self.chat_template.render(messages=messages, add_generation_prompt=True, **self.special_tokens,
-                                             **extra)
+            variables = {**(template_kwargs or {}), **self.special_tokens, **extra}
+            return self.chat_template.render(messages=messages, add_generation_prompt=True, **variables)
         except Exception as e:  # the template's own raise_exception, or a template bug
             raise ValueError(f"the chat template refused these messages: {e}") from None
 

@@ -518,7 +518,7 @@ class Daemon:
         if req.params.structured is not None:
             self.engine.grammars.compile(req.params.structured)
         if req.messages is not None or isinstance(req.prompt, str):
-            return self.engine.tokenize(req.prompt, req.messages, req.tools)
+            return self.engine.tokenize(req.prompt, req.messages, req.tools, req.chat_template_kwargs)
         return None
 
     def _queue(self, engine_id: str, flight: InFlight, req: protocol.GenerateRequest, tokenized) -> None:

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--body-timeout", type=float, default=defaults.body_timeout)
     ap.add_argument("--keep-alive", type=float, default=defaults.keep_alive_timeout)
     ap.add_argument("--max-connections", type=int, default=defaults.max_connections)
+    ap.add_argument("--reasoning-format", choices=("auto", "none"), default="auto")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
     host, port = parse_listen(args.listen)
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         args.parent,
         curve=tuple(keys) if all(keys) else None,
         max_body_bytes=args.max_body_bytes,
+        reasoning_format=args.reasoning_format,
     )
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)

@@ -55,6 +55,7 @@ def start_http_front(
     timeout: float = 120.0,
     max_body_bytes: int = MAX_MESSAGE_BYTES,
     limits: HttpLimits = HttpLimits(),
+    reasoning_format: str = "auto",
 ) -> subprocess.Popen:
     """The front's process, once it answers HTTP; OSError naming the address if it cannot.
     `curve`: (the daemon's public key, the front's public and secret keys), z85.
@@ -97,6 +98,8 @@ def start_http_front(
                 str(limits.keep_alive_timeout),
                 "--max-connections",
                 str(limits.max_connections),
+                "--reasoning-format",
+                reasoning_format,
             ],
             # its own session: a job launcher that kills the daemon's process group
             # (mpirun, when a rank dies) must not cut the front's streams off

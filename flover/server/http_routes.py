@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import FloverError
 from flover.engine.intake import PromptTooLong
+from flover.protocol import check_template_kwargs
 from flover.server import openai_api as oa
 from flover.server.http_state import TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json, wait_watching
 from flover.server.prometheus import render
@@ -73,7 +74,13 @@ async def tokenize(request: Request):
     try:
         body = await read_json(request, front.max_body_bytes, front.parse_off_loop, TOKENIZE_FIELDS)
         if "messages" in body:
-            param, job = "messages", (None, oa.chat_messages(body["messages"]))
+            kwargs = body.get("chat_template_kwargs")
+            try:
+                if kwargs is not None:
+                    check_template_kwargs(kwargs)
+            except ValueError as e:
+                raise oa.ApiError(400, str(e), param="chat_template_kwargs") from None
+            param, job = "messages", (None, oa.chat_messages(body["messages"]), None, False, kwargs)
         elif isinstance(body.get("prompt"), str):
             special = oa._boolean(body, "add_special_tokens")
             param, job = "prompt", (body["prompt"], None, None, True if special is None else special)
@@ -157,7 +164,9 @@ async def generate(request: Request, kind: str):
     front = front_of(request)
     try:
         body = await read_json(request, front.max_body_bytes, front.parse_off_loop, oa.NEUTRAL)
-        plan = await front.parse_off_loop(oa.plan, body, kind, front.model_name, log.warning, front.tool_syntax)
+        plan = await front.parse_off_loop(
+            oa.plan, body, kind, front.model_name, log.warning, front.tool_syntax, front.reasoning
+        )
         if plan.echo:  # (chats go to the daemon as messages: it renders and bounds them)
             await tokenize_echoed(front, plan)
     except oa.ApiError as e:

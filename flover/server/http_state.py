@@ -17,6 +17,7 @@ from flover.engine.intake import Intake
 from flover.hardware import background_thread
 from flover.models.model_config import ModelConfig
 from flover.protocol import MAX_MESSAGE_BYTES
+from flover.reasoning import template_thinks
 from flover.server import openai_api as oa
 from flover.structured import GrammarLimits
 from flover.tools import syntax_of
@@ -66,6 +67,7 @@ class Front:
         parent_pid: int | None = None,
         curve: tuple[bytes, bytes, bytes] | None = None,
         max_body_bytes: int = MAX_MESSAGE_BYTES,
+        reasoning_format: str = "auto",
     ):
         """`parent_pid`: the daemon that started this front; the front stops when it is gone
         (also when it was killed and could not stop the front itself). `curve`: (the daemon's
@@ -78,7 +80,10 @@ class Front:
         self.model_config = model_config
         self._intake: Intake | None = None
         # how this model writes tool calls (from its chat template: flover/tools.py)
-        self.tool_syntax = syntax_of(tokenizer.chat_template_source if tokenizer is not None else None)
+        template = tokenizer.chat_template_source if tokenizer is not None else None
+        self.tool_syntax = syntax_of(template)
+        # chat answers' opening <think> block as reasoning_content (flover/reasoning.py)
+        self.reasoning = reasoning_format == "auto" and template_thinks(template)
         self._background: set[asyncio.Task] = set()
         self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed answers in flight
         # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run
@@ -153,7 +158,7 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"}
 
 
 async def read_json(request: Request, limit: int, off_loop, known: set[str]) -> dict:

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from flover import tools as tool_calling
+from flover.protocol import check_template_kwargs
+from flover.reasoning import split_reasoning
 
 # Daemon error code -> HTTP status. Client input is never a 500.
 STATUS = {
@@ -56,6 +58,7 @@ NEUTRAL = {
     "echo",
     "tools",
     "tool_choice",
+    "chat_template_kwargs",
     "response_format",
     "best_of",
     "suffix",
@@ -118,6 +121,7 @@ class Plan:
     parallel_tool_calls: bool = True  # False: an answer's first call only
     echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) before the completion
     score_only: bool = False  # completions with echo and max_tokens 0: the prompt's logprobs, no completion
+    reasoning: bool = False  # chats: an opening <think> block is reasoning_content (flover/reasoning.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -379,10 +383,13 @@ def _prompts(prompt) -> list[dict]:
     )
 
 
-def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_calling.HERMES) -> Plan:
+def plan(
+    body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_calling.HERMES, reasoning: bool = False
+) -> Plan:
     """Check an OpenAI request body (a JSON object) and split it into daemon requests.
     `warn(text)` is told of fields this server does not know; `tool_syntax`: how this model
-    writes tool calls (flover/tools.py, from its chat template)."""
+    writes tool calls (flover/tools.py, from its chat template); `reasoning`: chat answers' opening
+    thinking block goes to reasoning_content (flover/reasoning.py)."""
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(
@@ -395,6 +402,7 @@ def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_c
     sources = [{"messages": chat_messages(body.get("messages"))}] if chat else _prompts(body.get("prompt"))
     params = sampling_params(body, chat)
     syntax = _tools_asked(body, sources, params, tool_syntax) if chat else None
+    _template_kwargs_asked(body, sources, chat)
     n = _integer(body, "n", 1) or 1
     if len(sources) * n > MAX_CHOICES:
         raise ApiError(400, f"n × prompts = {len(sources) * n}: at most {MAX_CHOICES} per request", param="n")
@@ -424,7 +432,23 @@ def plan(body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_c
         score_only=echo and body.get("max_tokens") == 0,
         tool_syntax=syntax,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        reasoning=reasoning and chat,
     )
+
+
+def _template_kwargs_asked(body: dict, sources: list[dict], chat: bool) -> None:
+    """`chat_template_kwargs` (vLLM's; e.g. {"enable_thinking": false} for Qwen3): beside the messages."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not chat:
+        raise ApiError(400, "chat_template_kwargs: a chat field (/v1/chat/completions)", param="chat_template_kwargs")
+    try:
+        check_template_kwargs(kwargs)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="chat_template_kwargs") from None
+    for source in sources:
+        source["chat_template_kwargs"] = kwargs
 
 
 def _tools_asked(body: dict, sources: list[dict], params: dict, syntax: str) -> str | None:
@@ -516,13 +540,18 @@ def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
     """A chat answer's message and finish reason: with tools, the complete calls the text holds
     become `tool_calls` (finish reason "tool_calls"; the text before them stays the content; one
     call when parallel_tool_calls is false), also when max_tokens cut the answer after them."""
+    thinking = {}
+    if p.reasoning:  # (the calls are looked for in the answer after the thinking)
+        reasoning, text = split_reasoning(text)
+        thinking = {"reasoning_content": reasoning}
     calls = []
     if p.tool_syntax is not None and finish_reason in ("stop", "length"):
         content, calls = tool_calling.parse_calls(text, p.tool_syntax)
         calls = calls if p.parallel_tool_calls else calls[:1]
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    return ({"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, "tool_calls")
+        return {"role": "assistant", "content": text, **thinking}, finish_reason
+    message = {"role": "assistant", "content": content or None, **thinking, "tool_calls": [c.openai() for c in calls]}
+    return message, "tool_calls"
 
 
 def tool_call_chunks(p: Plan, model: str, index: int, text: str, finish_reason: str) -> list[dict]:
@@ -530,12 +559,24 @@ def tool_call_chunks(p: Plan, model: str, index: int, text: str, finish_reason: 
     calls as `delta.tool_calls`, then the finish reason."""
     message, finish = chat_message(p, text, finish_reason)
     out = [chunk(p, model, index, message["content"], None, first=True)]
+    if message.get("reasoning_content"):
+        out.insert(0, reasoning_chunk(p, model, index, message["reasoning_content"], first=True))
+        out[1]["choices"][0]["delta"].pop("role")
     if "tool_calls" in message:
         calls = chunk(p, model, index, None, None)
         calls["choices"][0]["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
         out.append(calls)
     out.append(chunk(p, model, index, None, finish))
     return out
+
+
+def reasoning_chunk(p: Plan, model: str, index: int, thinking: str, first: bool = False) -> dict:
+    """A streamed chat chunk of thinking: `delta.reasoning_content` (the role with the first)."""
+    piece = chunk(p, model, index, None, None, first)
+    delta = piece["choices"][0]["delta"]
+    delta.pop("content", None)
+    delta["reasoning_content"] = thinking
+    return piece
 
 
 def chunk(

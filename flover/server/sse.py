@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flover.reasoning import ReasoningStream
 from flover.server import openai_api as oa
 
 DONE = "data: [DONE]\n\n"
@@ -36,6 +37,10 @@ class StreamFramer:
         self.offsets = [0] * n  # characters of token text streamed per choice (completions' text_offset)
         self.held = [""] * n
         self.finals: list[dict | None] = [None] * n
+        # thinking apart from the answer, token by token (flover/reasoning.py); with tools the
+        # held text is split at the final instead
+        split = self.plan.reasoning and self.plan.tool_syntax is None
+        self.thinking = [ReasoningStream() for _ in range(n)] if split else None
 
     def frames(self, index: int | None, event: dict | oa.ApiError) -> list[str]:
         if isinstance(event, oa.ApiError):  # (index None: the front is stopping)
@@ -54,16 +59,32 @@ class StreamFramer:
         text, logprobs = oa.stream_piece(
             plan, plan.choices[index], event, is_first, self.offsets[index], self.token_bytes
         )
+        if logprobs and "tokens" in logprobs:  # offsets count token texts, as the answer's
+            self.offsets[index] += sum(map(len, logprobs["tokens"]))
+        if self.thinking is not None:
+            return self._split(index, *self.thinking[index].feed(text or ""), logprobs)
         if not (text or logprobs or is_first):
             return []
         self.started.add(index)
-        if logprobs and "tokens" in logprobs:  # offsets count token texts, as the answer's
-            self.offsets[index] += sum(map(len, logprobs["tokens"]))
         return [sse(oa.chunk(plan, self.model_name, index, text, None, is_first, logprobs))]
+
+    def _split(self, index: int, thinking: str, answer: str, logprobs: dict | None = None) -> list[str]:
+        """Chunks of thinking and of answer text (logprobs ride on the last; the role on the first)."""
+        pieces = []
+        if thinking:
+            pieces.append(oa.reasoning_chunk(self.plan, self.model_name, index, thinking, index not in self.started))
+            self.started.add(index)
+        if answer or (logprobs and not pieces):
+            pieces.append(oa.chunk(self.plan, self.model_name, index, answer, None, index not in self.started))
+            self.started.add(index)
+        if logprobs and pieces:
+            pieces[-1]["choices"][0]["logprobs"] = logprobs
+        return [sse(piece) for piece in pieces]
 
     def _final(self, index: int, event: dict) -> list[str]:
         """finish_reason in a chunk of its own, after every token (with tools: the held text, as
         content or calls); the usage chunk and [DONE] after the last choice's."""
+        held = self._split(index, *self.thinking[index].finish()) if self.thinking is not None else []
         plan, is_first = self.plan, index not in self.started
         if plan.tool_syntax is not None:
             pieces = oa.tool_call_chunks(plan, self.model_name, index, self.held[index], event["finish_reason"])
@@ -81,7 +102,7 @@ class StreamFramer:
         self.started.add(index)
         self.finished.add(index)
         self.finals[index] = event
-        frames = [sse(piece) for piece in pieces]
+        frames = held + [sse(piece) for piece in pieces]
         if len(self.finished) == len(plan.choices):
             self.done = True
             if plan.include_usage:

@@ -1,0 +1,133 @@
+"""Thinking apart from the answer (flover/reasoning.py), and a chat template's own variables
+(`chat_template_kwargs`): alone, and through a real daemon and HTTP front."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+
+import httpx
+import pytest
+
+from flover.reasoning import ReasoningStream, split_reasoning, template_thinks
+from tests.helpers import Server, free_port
+
+ANSWERS = [
+    "<think>a plan</think>\n\nThe answer.",
+    "  <think>\nstep 1\nstep 2\n</think>The answer.",
+    "<think>cut off before the end",
+    "No thinking here.",
+    "<thin is not the tag",
+    "   ",
+    "<think></think>",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_a_stream_split_token_by_token_gives_the_whole_answers_split(text):
+    for size in (1, 2, 3, 7, 100):
+        stream, thinking, answer = ReasoningStream(), "", ""
+        for at in range(0, len(text), size):
+            t, a = stream.feed(text[at : at + size])
+            thinking, answer = thinking + t, answer + a
+        t, a = stream.finish()
+        thinking, answer = thinking + t, answer + a
+        whole_thinking, whole_answer = split_reasoning(text)
+        assert (thinking, answer) == (whole_thinking or "", whole_answer), (text, size)
+
+
+def test_the_split_of_whole_answers():
+    assert split_reasoning(ANSWERS[0]) == ("a plan", "The answer.")
+    assert split_reasoning(ANSWERS[2]) == ("cut off before the end", "")
+    assert split_reasoning(ANSWERS[3]) == (None, "No thinking here.")
+    assert split_reasoning("The answer <think>x</think>") == (None, "The answer <think>x</think>")
+    assert template_thinks("...<think>...</think>...") and not template_thinks("{{ messages }}")
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_front(make_model, tmp_path_factory):
+    """A daemon and HTTP front on a checkpoint whose chat template knows thinking blocks."""
+    model = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(make_model("llama"), model)
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    port = free_port()
+    server = Server(str(model), "--max-seq-len", "256", "--http", f"127.0.0.1:{port}")
+    yield server, f"http://127.0.0.1:{port}"
+    server.stop(signal.SIGKILL)
+
+
+def chat(url: str, **body) -> httpx.Response:
+    messages = [{"role": "user", "content": "Think first."}]
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 40, **body}, timeout=60)
+
+
+FORCED = {"guided_regex": "<think>[a-d]{3}</think>\\n[e-h]{4}"}  # the model can only write this shape
+
+
+def test_thinking_comes_back_apart_from_the_answer(thinking_front):
+    _, url = thinking_front
+    message = chat(url, **FORCED).json()["choices"][0]["message"]
+    assert len(message["reasoning_content"]) == 3 and set(message["reasoning_content"]) <= set("abcd")
+    assert len(message["content"]) == 4 and set(message["content"]) <= set("efgh")
+
+
+def test_streamed_thinking_and_answer_arrive_in_their_own_fields(thinking_front):
+    _, url = thinking_front
+    whole = chat(url, **FORCED, seed=3, temperature=1.0).json()["choices"][0]["message"]
+    thinking, answer, roles = "", "", 0
+    body = {"messages": [{"role": "user", "content": "Think first."}], "max_tokens": 40, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json={**body, **FORCED, "seed": 3, "temperature": 1.0}, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                roles += "role" in delta
+                thinking += delta.get("reasoning_content") or ""
+                answer += delta.get("content") or ""
+    assert (thinking, answer) == (whole["reasoning_content"], whole["content"]) and roles == 1
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_front):
+    _, url = thinking_front
+    messages = [{"role": "user", "content": "Think first."}]  # (chat()'s)
+    plain = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    off = httpx.post(f"{url}/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.status_code == 200 and off.json()["count"] > plain["count"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": off.json()["tokens"]}).json()["prompt"]
+    assert text.endswith("<think>\n\n</think>\n\n")
+    # the daemon renders the chat with them too: the prompt grows by the same tokens
+    usage = chat(url, max_tokens=1, chat_template_kwargs={"enable_thinking": False}).json()["usage"]
+    assert usage["prompt_tokens"] == off.json()["count"]
+    for bad in ({"messages": 1}, {"x": {"nested": 1}}, {"not a name": 1}, [1]):
+        refused = chat(url, chat_template_kwargs=bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs", bad
+
+
+def test_chat_template_kwargs_over_the_zeromq_socket(thinking_front):
+    from flover.client import Client, FloverError
+
+    server, url = thinking_front
+    messages = [{"role": "user", "content": "Think first."}]
+    off = httpx.post(f"{url}/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    with Client(server.addr) as client:
+        final = client.generate(messages=messages, chat_template_kwargs={"enable_thinking": False}, max_new_tokens=1)
+        assert final["usage"]["prompt_tokens"] == off.json()["count"]
+        for bad in ({"add_generation_prompt": False}, {"x": [1]}):
+            with pytest.raises(FloverError, match="chat_template_kwargs") as refused:
+                client.generate(messages=messages, chat_template_kwargs=bad, max_new_tokens=1)
+            assert refused.value.code == "invalid_request"
+        with pytest.raises(FloverError, match="go with `messages`"):
+            client.generate("a prompt", chat_template_kwargs={"enable_thinking": False}, max_new_tokens=1)
