@@ -56,6 +56,8 @@ VARIANTS = {
     "qwen3": ("qwen3", dict(head_dim=24)),
     # 4 layers, the 4th without RoPE (SmolLM3's default interval, the one llama.cpp assumes)
     "smollm3": ("smollm3", {}, dict(num_layers=4)),
+    # norms after attention and the MLP (none before), q/k norms over each whole projection
+    "olmo2": ("olmo2", {}),
     "gptj": ("gptj", {}),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),

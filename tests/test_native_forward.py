@@ -104,6 +104,7 @@ VARIANTS = [
     "qwen2",
     "qwen3",
     "smollm3",
+    "olmo2",
     "llama-vocab509-kv4",
     "llama-head80-group6",
 ]
@@ -123,7 +124,7 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
 
 
 @pytest.mark.parametrize(
-    "variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "llama-head80-group6", "qwen3"]
+    "variant", ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "llama-head80-group6", "qwen3", "olmo2"]
 )
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     """bfloat16 rounds every intermediate at the points PyTorch does: the logits stay within a
@@ -228,6 +229,8 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
         ("bfloat16", "none", "qwen3"),
         ("bfloat16", "file", "qwen3"),
         ("bfloat16", "none", "smollm3"),
+        ("float32", "none", "olmo2"),
+        ("bfloat16", "file", "olmo2"),
     ],
 )
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(
@@ -239,7 +242,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(
     their own), gives the same logits. This is what makes fused and solo runs agree in float32
     and bfloat16 (test_engine.py), however a prompt is chunked. "file": a GGUF file's own codes
     of every block type (GGUF_MIX); qwen3: its q/k norms, a head_dim of its own, a Q8_0 file;
-    smollm3: a layer without RoPE."""
+    smollm3: a layer without RoPE; olmo2: norms after attention and the MLP, q/k norms over each projection."""
     if family != "llama":
         model = make_model(family)
         model = str(write_gguf(model, tmp_path / f"{family}-Q8_0.gguf", "Q8_0")) if quantization == "file" else model

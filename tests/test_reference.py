@@ -104,3 +104,17 @@ def test_transformers_v4_config_layout(make_model, tmp_path):
     a = LLM(v5, dtype="float64").engine.score(ids)
     b = LLM(str(v4), dtype="float64").engine.score(ids)
     assert torch.equal(a, b)
+
+
+def test_olmo2_under_tensor_parallelism_is_refused_with_the_reason(make_model):
+    """Its q/k norms span every head, which TP splits across ranks: one clear error at load."""
+    import torch
+
+    from flover.models import open_checkpoint
+    from flover.models.llama import LlamaForCausalLM
+    from flover.models.tp_layout import TPLayout
+
+    cfg = open_checkpoint(make_model("olmo2")).model_config()
+    with pytest.raises(ValueError, match="q/k norms span every head"):
+        LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 2), None, 64, torch.float32, torch.device("cpu"))
+    LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 1), None, 64, torch.float32, torch.device("cpu"))  # one rank: fine

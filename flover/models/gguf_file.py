@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
     "smollm3": ("SmolLM3ForCausalLM", True),
+    "olmo2": ("Olmo2ForCausalLM", False),
 }
 NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -51,8 +52,16 @@ GGUF_LAYER_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
+# where an architecture's tensor has another GGUF name (OLMo 2's norm after attention)
+GGUF_LAYER_RENAMES = {"olmo2": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+
+
+def gguf_layer_names(arch: str) -> dict[str, str]:
+    """Hugging Face name -> GGUF name of a layer's tensors, for `arch` (general.architecture)."""
+    return {**GGUF_LAYER_NAMES, **GGUF_LAYER_RENAMES.get(arch, {})}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -156,7 +165,8 @@ class GGUFFile:
             rotary_dim=head_dim, qkv_bias=qwen, o_bias=False, mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None, qk_norm=a == "qwen3",
+            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None, qk_norm={"qwen3": "head", "olmo2": "projection"}.get(a, ""),
+            norm_after=a == "olmo2",
             nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0))
         validate_model_config(cfg, where)
         return cfg
@@ -227,7 +237,7 @@ class GGUFReader:
         for hf, name in GGUF_GLOBAL_NAMES.items():
             self.names[hf] = (name, None)
         for i in range(cfg.num_layers):
-            for hf, name in GGUF_LAYER_NAMES.items():
+            for hf, name in gguf_layer_names(gguf_file.arch).items():
                 heads = None
                 if permuted and hf == "self_attn.q_proj.weight":
                     heads = cfg.num_heads

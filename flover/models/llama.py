@@ -1,5 +1,6 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3 (GQA, RoPE, optional QKV/MLP biases, sliding
-window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE).
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2 (GQA, RoPE, optional QKV/MLP biases,
+sliding window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE; OLMo 2's
+norms after attention and the MLP instead of before, and q/k norms over each whole projection).
 
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
@@ -27,13 +28,16 @@ class LlamaLayer(nn.Module):
         self.q_size, self.kv_size = tp.heads * d, tp.kv_heads * d
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         lin = lambda out, inp, bias: Linear(out, inp, bias, dtype, device)  # noqa: E731
-        self.input_norm = p(h)
+        self.input_norm = None if cfg.norm_after else p(h)  # (OLMo 2: no norm before attention or the MLP)
         self.qkv = lin(self.q_size + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
-        self.q_norm, self.k_norm = (p(d), p(d)) if cfg.qk_norm else (None, None)  # per head, before RoPE
+        # before RoPE: per head (Qwen3), or over the whole of q and of k (OLMo 2)
+        norm_sizes = {"head": (d, d), "projection": (self.q_size, self.kv_size)}.get(cfg.qk_norm)
+        self.q_norm, self.k_norm = (p(norm_sizes[0]), p(norm_sizes[1])) if norm_sizes else (None, None)
         self.rope = index not in cfg.nope_layers  # (SmolLM3's NoPE layers: positions only through the causal mask)
         self.o = lin(h, self.q_size, False)
         self.o_bias = p(h) if cfg.o_bias else None
-        self.post_norm = p(h)
+        self.post_norm = p(h)  # before the MLP; OLMo 2: after attention, before the residual add
+        self.ffn_norm_after = p(h) if cfg.norm_after else None  # OLMo 2: after the MLP, before the residual add
         self.gate_up = lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
         self.down = lin(h, tp.intermediate, False)
         self.down_bias = p(h) if cfg.mlp_bias else None
@@ -57,7 +61,6 @@ class LlamaLayer(nn.Module):
                          for n in ("gate", "up"))
 
         specs = [
-            WeightSpec(self.input_norm, (whole(f"{prefix}.input_layernorm.weight", (h,)),)),
             WeightSpec(self.qkv.weight, qkv("weight")),
             WeightSpec(self.o.weight, (cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size),)),
             WeightSpec(self.post_norm, (whole(f"{prefix}.post_attention_layernorm.weight", (h,)),)),
@@ -65,11 +68,15 @@ class LlamaLayer(nn.Module):
             WeightSpec(self.down.weight, (cols(f"{mlp}.down_proj.weight", (h, inter), tp.intermediate_start,
                                                tp.intermediate),)),
         ]
+        if self.input_norm is not None:
+            specs.append(WeightSpec(self.input_norm, (whole(f"{prefix}.input_layernorm.weight", (h,)),)))
+        if self.ffn_norm_after is not None:
+            specs.append(WeightSpec(self.ffn_norm_after, (whole(f"{prefix}.post_feedforward_layernorm.weight", (h,)),)))
         if self.qkv.bias is not None:
             specs.append(WeightSpec(self.qkv.bias, qkv("bias")))
-        if self.q_norm is not None:
-            specs.append(WeightSpec(self.q_norm, (whole(f"{att}.q_norm.weight", (d,)),)))
-            specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", (d,)),)))
+        if self.q_norm is not None:  # (whole: under TP the projection norm is refused, the per-head one replicated)
+            specs.append(WeightSpec(self.q_norm, (whole(f"{att}.q_norm.weight", tuple(self.q_norm.shape)),)))
+            specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", tuple(self.k_norm.shape)),)))
         if self.o_bias is not None:
             specs.append(WeightSpec(self.o_bias, (whole(f"{att}.o_proj.bias", (h,)),)))
         if self.gate_up.bias is not None:
@@ -82,6 +89,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
+        if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
+            raise ValueError(f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "
+                             f"across ranks; run it on one rank per engine (data-parallel groups: --tp 1)")
         self.cfg, self.tp, self.comm = cfg, tp, comm
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         self.embed = p(tp.vocab, cfg.hidden_size)  # this rank's vocabulary block
@@ -113,12 +123,16 @@ class LlamaForCausalLM(nn.Module):
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
         qk_heads = tp.heads + tp.kv_heads
         for n, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, cfg.norm_eps)
+            x = hidden if layer.input_norm is None else rms_norm(hidden, layer.input_norm, cfg.norm_eps)
             qkv = layer.qkv(x)  # [T, q + 2 kv]
             qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
-            if layer.q_norm is not None:  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
+            if cfg.qk_norm == "head":  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
                 qk = torch.cat((rms_norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
                                 rms_norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps)), dim=1)
+            elif cfg.qk_norm == "projection":  # [T, heads * head_dim] and [T, kv_heads * head_dim], each whole
+                q_flat, k_flat = qk.flatten(1).split((layer.q_size, layer.kv_size), dim=1)
+                qk = torch.cat((rms_norm(q_flat, layer.q_norm, cfg.norm_eps),
+                                rms_norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1).view(tokens, qk_heads, cfg.head_dim)
             if layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
                 qk = self.rotary(qk, batch.positions, tables)
             q, k = qk[:, : tp.heads], qk[:, tp.heads:]
@@ -126,10 +140,16 @@ class LlamaForCausalLM(nn.Module):
             write_kv(kv[n, 0], kv[n, 1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), batch)
             attn = attention(q, kv[n, 0], kv[n, 1], batch, layer.attn_opts)  # [T, heads * head_dim]
             out = all_reduce(layer.o(attn), comm)  # [T, hidden]
-            hidden = hidden + (out if layer.o_bias is None else out + layer.o_bias)
-            x = rms_norm(hidden, layer.post_norm, cfg.norm_eps)
+            out = out if layer.o_bias is None else out + layer.o_bias
+            if cfg.norm_after:  # OLMo 2: normed, then added; the MLP reads the sum as it is
+                hidden = hidden + rms_norm(out, layer.post_norm, cfg.norm_eps)
+                x = hidden
+            else:
+                hidden = hidden + out
+                x = rms_norm(hidden, layer.post_norm, cfg.norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
             out = all_reduce(layer.down(self.act(gate) * up), comm)
-            hidden = hidden + (out if layer.down_bias is None else out + layer.down_bias)
+            out = out if layer.down_bias is None else out + layer.down_bias
+            hidden = hidden + (out if layer.ffn_norm_after is None else rms_norm(out, layer.ffn_norm_after, cfg.norm_eps))
         last = rms_norm(hidden[batch.sample_rows], self.norm, cfg.norm_eps)  # [B, hidden]
         return self.lm_head(last)  # [B, vocab block]

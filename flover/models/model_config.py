@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM")
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
 
@@ -86,7 +86,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     checkpoint_dtype: str | None
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3), weights [head_dim]
+    # RMSNorm of q and k before RoPE: "head" over each head (Qwen3, weights [head_dim]), "projection"
+    # over the whole of each (OLMo 2, weights [heads * head_dim] and [kv_heads * head_dim]), "" none
+    qk_norm: str = ""
+    norm_after: bool = False  # norms after attention and the MLP, none before (OLMo 2)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
 
     @property
@@ -196,7 +199,8 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
         mlp_bias=raw.get("mlp_bias", False),
         sliding_windows=windows,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection"}.get(arch, ""),
+        norm_after=arch == "Olmo2ForCausalLM",
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else frozenset(),
     )
 

@@ -26,7 +26,7 @@ static const AbiEntry ABI[] = {
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
     AT(Layer, window), AT(Layer, qkv_grid), AT(Layer, o_grid), AT(Layer, gate_up_grid), AT(Layer, down_grid),
-    AT(Layer, q_norm), AT(Layer, k_norm), AT(Layer, no_rope),
+    AT(Layer, q_norm), AT(Layer, k_norm), AT(Layer, no_rope), AT(Layer, qk_norm_whole), AT(Layer, ffn_norm_after),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

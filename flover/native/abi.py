@@ -57,7 +57,7 @@ Layer = _int64_struct(
     "Layer",
     """
     input_norm qkv qkv_bias o o_bias post_norm gate_up gate_up_bias down down_bias window
-    qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope""",
+    qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope qk_norm_whole ffn_norm_after""",
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0.",
 )
 GridPart = _int64_struct(

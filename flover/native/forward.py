@@ -70,6 +70,8 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     cfg = model.cfg
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
+    if cfg.norm_after and (cfg.o_bias or cfg.mlp_bias):
+        return "norms after attention and the MLP with o / down biases"
     if cfg.hidden_act != "silu":
         return f"activation {cfg.hidden_act!r} (silu only)"
     if model.rotary.interleaved or model.rotary.rotary_dim != cfg.head_dim or cfg.head_dim > 512:
@@ -281,6 +283,8 @@ class NativeForward:
                 q_norm=self._address(layer.q_norm),
                 k_norm=self._address(layer.k_norm),
                 no_rope=int(not layer.rope),
+                qk_norm_whole=int(self.model.cfg.qk_norm == "projection"),
+                ffn_norm_after=self._address(layer.ffn_norm_after),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
             )
         return layers

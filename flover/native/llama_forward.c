@@ -140,7 +140,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
-    for (int r = 0; r < rows; r++) rms_norm(hidden + r * h, (const void *)layers[0].input_norm, eps, h, bf, normed + r * h);
+    for (int r = 0; r < rows; r++) {
+        if (layers[0].input_norm) rms_norm(hidden + r * h, (const void *)layers[0].input_norm, eps, h, bf, normed + r * h);
+        else memcpy(normed + r * h, hidden + r * h, h * sizeof(float)); /* (OLMo 2: no norm before attention) */
+    }
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
         /* normed: the input norm of the hidden rows (of the embedding, or by the last layer's
@@ -153,7 +156,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             float *row = wide + r * qkv_n;
             const int64_t p = positions[r];
             const void *cos_row = (const char *)md->cos + p * d * es, *sin_row = (const char *)md->sin + p * d * es;
-            if (ly->q_norm) /* (Qwen3) each head of q, then of k, alone: in place */
+            if (ly->q_norm && ly->qk_norm_whole) { /* (OLMo 2) all of q, then all of k: in place */
+                rms_norm(row, (const void *)ly->q_norm, eps, q_size, bf, row);
+                rms_norm(row + q_size, (const void *)ly->k_norm, eps, kv_size, bf, row + q_size);
+            } else if (ly->q_norm) /* (Qwen3) each head of q, then of k, alone: in place */
                 for (int64_t hh = 0; hh < heads + kvh; hh++)
                     rms_norm(row + hh * d, (const void *)(hh < heads ? ly->q_norm : ly->k_norm), eps, d, bf, row + hh * d);
             if (!ly->no_rope)
@@ -185,14 +191,20 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
         PROJECT(o, 0, mid, h, q_size, normed)
         reduce_rows(md, normed, rows * h);
-        residual_and_norm(hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
+        if (ly->ffn_norm_after) /* OLMo 2: attention's output normed, then added; the MLP reads the sum */
+            norm_then_residual(hidden, normed, rows, ly->post_norm, 0, eps, h, bf, nt);
+        else
+            residual_and_norm(hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
         PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
         PROJECT(down, 0, mid, h, inter, normed)
         reduce_rows(md, normed, rows * h);
-        residual_and_norm(hidden, normed, rows, ly->down_bias, l + 1 < md->layers ? layers[l + 1].input_norm : 0, eps, h,
-                          bf, nt);
+        const int64_t next_norm = l + 1 < md->layers ? layers[l + 1].input_norm : 0;
+        if (ly->ffn_norm_after)
+            norm_then_residual(hidden, normed, rows, ly->ffn_norm_after, next_norm, eps, h, bf, nt);
+        else
+            residual_and_norm(hidden, normed, rows, ly->down_bias, next_norm, eps, h, bf, nt);
     }
     /* the final norm of the rows whose logits are wanted, then the LM head writes them straight
      * into `logits`, in float32 whatever the model dtype (as llama.cpp's): rounded to bfloat16,

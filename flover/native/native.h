@@ -62,6 +62,9 @@ typedef struct {
     int64_t qkv_grid, o_grid, gate_up_grid, down_grid;
     int64_t q_norm, k_norm; /* RMSNorm weights [head_dim] over each head of q and k before RoPE (Qwen3), else 0 */
     int64_t no_rope;        /* 1: the layer skips RoPE (SmolLM3's NoPE layers) */
+    int64_t qk_norm_whole;  /* 1: q_norm / k_norm span all of q and of k (OLMo 2), 0: each head */
+    int64_t ffn_norm_after; /* OLMo 2: the norm of the MLP's output before the residual add (then input_norm is 0
+                             * and post_norm normalizes attention's output likewise), else 0 */
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -214,6 +217,8 @@ void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, 
 void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf);
 void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
                        int nt);
+void norm_then_residual(float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
+                        int bf, int nt);
 void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 
 /* ---- attention.c ------------------------------------------------------------------------------- */

@@ -2,6 +2,8 @@
  * in bfloat16 every intermediate PyTorch stores is rounded here at the same point. */
 #include <omp.h>
 
+#include <string.h>
+
 #include "native.h"
 
 /* RMSNorm as flover's rms_norm: float32 inside; in bfloat16 normalised, rounded, then scaled
@@ -51,6 +53,19 @@ void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_
     for (int r = 0; r < rows; r++) {
         add_residual(hidden + r * h, out + r * h, (const void *)bias, h, bf);
         if (norm) rms_norm(hidden + r * h, (const void *)norm, eps, h, bf, out + r * h);
+    }
+}
+
+/* The layout with norms after attention and the MLP (OLMo 2): hidden += rms_norm(out, norm) for
+ * every row, then out = the next input: rms_norm(hidden, next_norm), or hidden itself (0). */
+void norm_then_residual(float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
+                        int bf, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        rms_norm(out + r * h, (const void *)norm, eps, h, bf, out + r * h);
+        add_residual(hidden + r * h, out + r * h, 0, h, bf);
+        if (next_norm) rms_norm(hidden + r * h, (const void *)next_norm, eps, h, bf, out + r * h);
+        else memcpy(out + r * h, hidden + r * h, h * sizeof(float));
     }
 }
 

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gptj")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -103,12 +103,13 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
     )
     if arch == "qwen3":  # (its own head_dim, 128 by default: the preset's unless overridden)
         kw["head_dim"] = p["hidden_size"] // p["num_heads"]
-    if arch == "smollm3":  # (its default pad id, 128004, lies outside a small vocabulary)
+    if arch in ("smollm3", "olmo2"):  # (their default pad ids lie outside a small vocabulary)
         kw["pad_token_id"] = eos_id
     classes = {
         "llama": "LlamaConfig",
         "mistral": "MistralConfig",
         "qwen2": "Qwen2Config",
+        "olmo2": "Olmo2Config",
         "qwen3": "Qwen3Config",
         "smollm3": "SmolLM3Config",
     }
@@ -148,6 +149,7 @@ GGUF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Olmo2ForCausalLM": "olmo2",
 }
 
 
@@ -170,7 +172,7 @@ def write_gguf(
     import numpy as np
     from safetensors.numpy import load_file
 
-    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, gguf_layer_names
 
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
@@ -211,7 +213,7 @@ def write_gguf(
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
     names = dict(GGUF_GLOBAL_NAMES)
     for i in range(layers):
-        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in GGUF_LAYER_NAMES.items()})
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(arch).items()})
     for hf_name, data in tensors.items():
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
