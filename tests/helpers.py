@@ -58,6 +58,23 @@ VARIANTS = {
     "smollm3": ("smollm3", {}, dict(num_layers=4)),
     # norms after attention and the MLP (none before), q/k norms over each whole projection
     "olmo2": ("olmo2", {}),
+    # fused qkv_proj / gate_up_proj, RoPE over half of each head, LongRoPE's factors and attention
+    # factor (sequences stay within the original length: the short factors, in both)
+    "phi3": (
+        "phi3",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=512,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.5, 2.0, 3.0],
+                long_factor=[2.0, 3.0, 4.0, 6.0],
+                attention_factor=1.2,
+            ),
+        ),
+    ),
     "gptj": ("gptj", {}),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),

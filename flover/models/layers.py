@@ -44,7 +44,23 @@ def activation(name: str):
     raise CheckpointError(f"config.json: activation {name!r} is not supported")
 
 
-def _inv_freq(config: ModelConfig) -> torch.Tensor:
+def longrope_factors(scaling: dict, max_len: int) -> list[float]:
+    """LongRoPE's divisors of the frequencies: the long ones where this engine's sequences may run
+    past the original training length, else the short ones. (transformers switches per forward by
+    the longest position in it; a fixed choice keeps a row's numbers independent of the others'.)"""
+    return scaling["long_factor" if max_len > scaling["original_max_position_embeddings"] else "short_factor"]
+
+
+def longrope_attention_factor(scaling: dict) -> float:
+    """The factor LongRoPE scales cos and sin by (transformers' default from the length ratio)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or (scaling["max_position_embeddings"] or original) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _inv_freq(config: ModelConfig, max_len: int = 0) -> torch.Tensor:
     """[rotary_dim / 2] float32 inverse frequencies (transformers' default/linear/llama3 RoPE; a GGUF
     file's rope_freqs.weight divides them, as llama.cpp's rope does)."""
     dim = config.rotary_dim
@@ -57,6 +73,9 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if scaling["rope_type"] == "longrope":  # (its own order of operations, as transformers')
+        return 1.0 / (torch.tensor(longrope_factors(scaling, max_len), dtype=torch.float32) * base ** (
+            torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     # llama3: low frequencies are scaled by `factor`, high ones kept, the band between smoothed.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -73,8 +92,8 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """Rotary position embedding with tables for every position up to `max_len`.
 
-    style "half": Llama's rotate_half over the whole head. style "interleaved": GPT-J's
-    rotate_every_two over the first `rotary_dim` dims of each head.
+    style "half": Llama's rotate_half over the first `rotary_dim` dims of each head (all of it but
+    for Phi-4-mini). style "interleaved": GPT-J's rotate_every_two over the first `rotary_dim`.
     """
 
     def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device):
@@ -82,13 +101,17 @@ class Rotary(nn.Module):
         self.interleaved = config.is_gptj
         self.rotary_dim = config.rotary_dim
         positions = torch.arange(max_len, dtype=torch.int64).float()
-        freqs = positions[:, None] * _inv_freq(config)[None, :]  # [max_len, rot / 2] float32
+        freqs = positions[:, None] * _inv_freq(config, max_len)[None, :]  # [max_len, rot / 2] float32
         if self.interleaved:
             emb = freqs.repeat_interleave(2, dim=-1)  # [max_len, rot]: f0 f0 f1 f1 ...
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot]: f0 f1 ... f0 f1 ...
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        cos, sin = emb.cos(), emb.sin()
+        if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope":
+            scale = longrope_attention_factor(config.rope_scaling)
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
         if not self.interleaved:
             # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table, so
             # that a rotation is three operations (mul, roll, addcmul) instead of six.
@@ -103,8 +126,11 @@ class Rotary(nn.Module):
                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T] -> rotated copy of x."""
         cos, sin = tables if tables is not None else self.tables(positions)
-        if not self.interleaved:  # x * cos + rotate_half(x) * sin, the sign folded into `sin`
+        if not self.interleaved and self.rotary_dim == x.shape[-1]:  # x cos + rotate_half(x) sin, sign in `sin`
             return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+        if not self.interleaved:  # the same over the first rotary_dim dims (Phi-4-mini), the rest as they are
+            rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+            return torch.cat((torch.addcmul(rot * cos, rot.roll(self.rotary_dim // 2, dims=-1), sin), rest), dim=-1)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         pairs = rot.unflatten(-1, (-1, 2))  # [..., rot / 2, 2]
         turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)

@@ -51,12 +51,21 @@ class LlamaLayer(nn.Module):
 
         def qkv(kind: str) -> tuple:
             shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
+            if cfg.fused_projections:  # (Phi-3) q, k and v: rows of one tensor
+                name, fused = f"{att}.qkv_proj.{kind}", shape(q_full + 2 * kv_full)
+                return (rows(name, fused, tp.head_start * d, self.q_size),
+                        rows(name, fused, q_full + tp.kv_head_start * d, self.kv_size),
+                        rows(name, fused, q_full + kv_full + tp.kv_head_start * d, self.kv_size))
             return (rows(f"{att}.q_proj.{kind}", shape(q_full), tp.head_start * d, self.q_size),
                     rows(f"{att}.k_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
                     rows(f"{att}.v_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size))
 
         def gate_up(kind: str) -> tuple:
             shape = (inter, h) if kind == "weight" else (inter,)
+            if cfg.fused_projections:  # (Phi-3) gate then up: rows of one tensor
+                name, fused = f"{mlp}.gate_up_proj.{kind}", (2 * inter, *shape[1:])
+                return (rows(name, fused, tp.intermediate_start, tp.intermediate),
+                        rows(name, fused, inter + tp.intermediate_start, tp.intermediate))
             return tuple(rows(f"{mlp}.{n}_proj.{kind}", shape, tp.intermediate_start, tp.intermediate)
                          for n in ("gate", "up"))
 

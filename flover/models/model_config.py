@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM")
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
 
@@ -90,6 +90,7 @@ class ModelConfig:
     # over the whole of each (OLMo 2, weights [heads * head_dim] and [kv_heads * head_dim]), "" none
     qk_norm: str = ""
     norm_after: bool = False  # norms after attention and the MLP, none before (OLMo 2)
+    fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
 
     @property
@@ -154,16 +155,37 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type not in ("linear", "llama3"):
-        raise CheckpointError(f"config.json: rope_type {rope_type!r} is not supported (default, linear, llama3)")
-    return float(theta), {k: v for k, v in merged.items() if k != "rope_theta"} | {"rope_type": rope_type}
+    if rope_type not in ("linear", "llama3", "longrope"):
+        raise CheckpointError(
+            f"config.json: rope_type {rope_type!r} is not supported (default, linear, llama3, longrope)"
+        )
+    scaling = {k: v for k, v in merged.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if rope_type == "longrope":  # (Phi-3: the original length at the top level)
+        scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+        scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
+        _check_longrope(scaling)
+    return float(theta), scaling | {"rope_type": rope_type}
+
+
+def _check_longrope(scaling: dict) -> None:
+    """LongRoPE's factors: one positive number per rotated pair, an original length."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0 for f in factors
+        ):
+            raise CheckpointError(f"config.json: rope {key} must be a list of positive numbers")
+    original = scaling.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise CheckpointError("config.json: longrope needs original_max_position_embeddings, a positive integer")
 
 
 def _parse_llama(raw: dict, arch: str) -> dict:
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError("config.json: partial_rotary_factor != 1 is not supported for the Llama family")
+    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise CheckpointError(f"config.json: partial_rotary_factor must be in (0, 1], got {partial!r}")
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window")
@@ -194,13 +216,14 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         rope_theta=theta,
         rope_scaling=scaling,
-        rotary_dim=head_dim,
+        rotary_dim=int(head_dim * partial),  # (Phi-4-mini: 3/4 of each head, rotate-half over those)
         qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
         o_bias=False if arch == "Qwen2ForCausalLM" else attention_bias,
         mlp_bias=raw.get("mlp_bias", False),
         sliding_windows=windows,
         qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection"}.get(arch, ""),
         norm_after=arch == "Olmo2ForCausalLM",
+        fused_projections=arch == "Phi3ForCausalLM",
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else frozenset(),
     )
 

@@ -21,7 +21,7 @@ static const AbiEntry ABI[] = {
     AT(Model, kv_kind), AT(Model, kv_slot), AT(Model, kv_head), AT(Model, kv_pos), AT(Model, embed),
     AT(Model, final_norm), AT(Model, head), AT(Model, head_scales), AT(Model, cos), AT(Model, sin),
     AT(Model, head_grid), AT(Model, embed_grid), AT(Model, vocab_start), AT(Model, all_reduce),
-    AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows),
+    AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows), AT(Model, rotary_dim),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),

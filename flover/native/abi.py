@@ -50,7 +50,7 @@ Model = _int64_struct(
     layers hidden heads kv_heads head_dim inter vocab dtype max_seq
     kv kv_layer kv_kind kv_slot kv_head kv_pos
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
-    head_screen head_screen_scales head_bounds screen_rows""",
+    head_screen head_screen_scales head_bounds screen_rows rotary_dim""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(

@@ -43,7 +43,7 @@ SCREEN_INT8_ROWS = 8  # a bfloat16 model's greedy rows go through its int8 head 
 SHAPE_CHECKS = {
     1: "every size must be positive",
     2: "heads must be a multiple of kv_heads",
-    3: "head_dim must be even and at most 512",
+    3: "head_dim and rotary_dim must be even, head_dim at most 512, rotary_dim at most head_dim",
     4: "hidden and intermediate sizes must be even",
     5: "the KV cache's strides overlap",
 }
@@ -74,8 +74,8 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return "norms after attention and the MLP with o / down biases"
     if cfg.hidden_act != "silu":
         return f"activation {cfg.hidden_act!r} (silu only)"
-    if model.rotary.interleaved or model.rotary.rotary_dim != cfg.head_dim or cfg.head_dim > 512:
-        return "rotary embedding other than rotate-half over whole heads of at most 512 dims"
+    if model.rotary.interleaved or cfg.head_dim > 512:
+        return "rotary embedding other than rotate-half over heads of at most 512 dims"
     sizes = {
         "hidden size": cfg.hidden_size,
         "attention width": model.tp.heads * cfg.head_dim,
@@ -249,6 +249,7 @@ class NativeForward:
             final_norm=model.norm.data_ptr(),
             cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(),
+            rotary_dim=model.rotary.rotary_dim,
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,

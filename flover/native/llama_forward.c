@@ -77,7 +77,8 @@ API int flover_check_model(const Model *md) {
         md->inter <= 0 || md->vocab <= 0 || md->max_seq <= 0)
         return 1;
     if (md->heads % md->kv_heads) return 2; /* every kv head serves a whole group of query heads */
-    if (md->head_dim % 2 || md->head_dim > 512) return 3;
+    if (md->head_dim % 2 || md->head_dim > 512 || md->rotary_dim % 2 || md->rotary_dim <= 0 || md->rotary_dim > md->head_dim)
+        return 3;
     if (md->hidden % 2 || md->inter % 2) return 4;
     if (md->kv_pos < md->head_dim || md->kv_head < md->max_seq * md->kv_pos || md->kv_slot < md->kv_heads * md->kv_head)
         return 5; /* a slot's rows and heads must not overlap one another */
@@ -155,7 +156,8 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         for (int r = 0; r < rows; r++) {
             float *row = wide + r * qkv_n;
             const int64_t p = positions[r];
-            const void *cos_row = (const char *)md->cos + p * d * es, *sin_row = (const char *)md->sin + p * d * es;
+            const int64_t rot = md->rotary_dim;
+            const void *cos_row = (const char *)md->cos + p * rot * es, *sin_row = (const char *)md->sin + p * rot * es;
             if (ly->q_norm && ly->qk_norm_whole) { /* (OLMo 2) all of q, then all of k: in place */
                 rms_norm(row, (const void *)ly->q_norm, eps, q_size, bf, row);
                 rms_norm(row + q_size, (const void *)ly->k_norm, eps, kv_size, bf, row + q_size);
@@ -163,7 +165,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
                 for (int64_t hh = 0; hh < heads + kvh; hh++)
                     rms_norm(row + hh * d, (const void *)(hh < heads ? ly->q_norm : ly->k_norm), eps, d, bf, row + hh * d);
             if (!ly->no_rope)
-                for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, d, bf);
+                for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, rot, bf);
             for (int64_t g = 0; g < kvh; g++) {
                 to_model_dtype(row + q_size + g * d, kv_head_base(md, kv_layer, 0, slots[r], g) + p * md->kv_pos * es,
                                d, bf);

@@ -52,6 +52,7 @@ typedef struct {
     /* the screen takes up to this many greedy rows (float32 models: every row count); more take
      * the whole head, their argmax found as its tiles come out (head_greedy) */
     int64_t screen_rows;
+    int64_t rotary_dim; /* RoPE turns the first rotary_dim dims of each head (tables [max_seq, rotary_dim]) */
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the

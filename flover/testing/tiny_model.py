@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "gptj")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -103,13 +103,14 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
     )
     if arch == "qwen3":  # (its own head_dim, 128 by default: the preset's unless overridden)
         kw["head_dim"] = p["hidden_size"] // p["num_heads"]
-    if arch in ("smollm3", "olmo2"):  # (their default pad ids lie outside a small vocabulary)
+    if arch in ("smollm3", "olmo2", "phi3"):  # (their default pad ids lie outside a small vocabulary)
         kw["pad_token_id"] = eos_id
     classes = {
         "llama": "LlamaConfig",
         "mistral": "MistralConfig",
         "qwen2": "Qwen2Config",
         "olmo2": "Olmo2Config",
+        "phi3": "Phi3Config",
         "qwen3": "Qwen3Config",
         "smollm3": "SmolLM3Config",
     }
