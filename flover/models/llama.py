@@ -1,4 +1,4 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2 (GQA, RoPE, optional QKV/MLP biases,
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3 (GQA, RoPE, optional QKV/MLP biases,
 sliding window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE; OLMo 2's
 norms after attention and the MLP instead of before, and q/k norms over each whole projection).
 
