@@ -58,6 +58,22 @@ VARIANTS = {
     "smollm3": ("smollm3", {}, dict(num_layers=4)),
     # norms after attention and the MLP (none before), q/k norms over each whole projection
     "olmo2": ("olmo2", {}),
+    # (1 + w) norms, four a layer, GeGLU, q/k norms, its own score scale and head_dim; 2 sliding-window
+    # layers of 8 positions (their own RoPE base) then a global one with linear RoPE scaling
+    "gemma3": (
+        "gemma3",
+        dict(
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=100000.0, factor=2.0),
+                sliding_attention=dict(rope_type="default", rope_theta=5000.0),
+            ),
+        ),
+        dict(num_layers=3),
+    ),
     # fused qkv_proj / gate_up_proj, RoPE over half of each head, LongRoPE's factors and attention
     # factor (sequences stay within the original length: the short factors, in both)
     "phi3": (

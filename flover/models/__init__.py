@@ -6,14 +6,25 @@ from __future__ import annotations
 
 import importlib
 
-from flover.models.checkpoint import (HFDirectory, file_quantization, load_model_config,
-                                      open_checkpoint)
-from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.checkpoint import HFDirectory, file_quantization, load_model_config, open_checkpoint
 from flover.models.gguf_file import GGUFFile
+from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
 
-__all__ = ["CheckpointError", "LLAMA_FAMILY", "ModelConfig", "HFDirectory", "GGUFFile",
-           "open_checkpoint", "file_quantization", "load_model", "load_model_config", "model_class",
-           "pack_projections", "release_projections", "quantize_projections"]
+__all__ = [
+    "CheckpointError",
+    "LLAMA_FAMILY",
+    "ModelConfig",
+    "HFDirectory",
+    "GGUFFile",
+    "open_checkpoint",
+    "file_quantization",
+    "load_model",
+    "load_model_config",
+    "model_class",
+    "pack_projections",
+    "release_projections",
+    "quantize_projections",
+]
 _LOADING = {"load_model", "model_class", "pack_projections", "release_projections", "quantize_projections"}
 
 

@@ -62,30 +62,39 @@ class AttentionOptions:
     # result is the more exact one. Prefill keeps the model dtype. (Not on CUDA: there the
     # widening would double the KV bytes read.)
     decode_in_float32: bool = False
+    scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim) (Gemma 3: query_pre_attn_scalar ** -0.5)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             batch: ForwardBatch) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+) -> None:
     """Store every token's K/V at (its slot, its position). k_cache: [slots, kv_heads, seq, head_dim]."""
     k_cache[batch.write_slots, :, batch.positions] = k  # k: [T, kv_heads, head_dim]
     v_cache[batch.write_slots, :, batch.positions] = v
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-              opts: AttentionOptions) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, opts: AttentionOptions
+) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. K/V of this iteration are already cached."""
     outputs = []
     if batch.num_decode:
         outputs.append(_decode(q[: batch.num_decode], k_cache, v_cache, batch, opts))
     for span in batch.prefills:
-        q_span = q[span.token_start: span.token_start + span.length]
+        q_span = q[span.token_start : span.token_start + span.length]
         outputs.append(_prefill(q_span, k_cache[span.slot], v_cache[span.slot], span, opts))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
-def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor, head_dim: int, q_dtype: torch.dtype,
-                     v_dtype: torch.dtype) -> torch.Tensor:
-    scores = scores / math.sqrt(head_dim)
+def _softmax_weights(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    head_dim: int,
+    q_dtype: torch.dtype,
+    v_dtype: torch.dtype,
+    scale: float | None = None,
+) -> torch.Tensor:
+    scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
     # Softmax at least in float32 (wider if the model is float64), as transformers does.
     softmax_dtype = torch.promote_types(torch.promote_types(scores.dtype, q_dtype), torch.float32)
     scores = scores.to(softmax_dtype).masked_fill_(mask, float("-inf"))
@@ -101,16 +110,21 @@ def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool) -> bool
     return opts.scores_dtype is None and (q.device.type == "cpu" or not decode)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-            opts: AttentionOptions) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, opts: AttentionOptions
+) -> torch.Tensor:
     num_decode, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     span, length = batch.decode_span, batch.max_decode_len
-    if (span == 1 and _fused_kernel(q, opts, decode=True) and (opts.window is None or length <= opts.window)
-            and int(batch.span_lens[0]) == length):
+    if (
+        span == 1
+        and _fused_kernel(q, opts, decode=True)
+        and (opts.window is None or length <= opts.window)
+        and int(batch.span_lens[0]) == length
+    ):
         # One sequence that sees all `length` keys (a single stream): no mask needed.
         qg = q.view(1, kv_heads, heads // kv_heads, head_dim)  # its query heads as rows of their kv head
-        out = F.scaled_dot_product_attention(qg, k_cache[:1, :, :length], v_cache[:1, :, :length])
+        out = F.scaled_dot_product_attention(qg, k_cache[:1, :, :length], v_cache[:1, :, :length], scale=opts.scale)
         return out.reshape(1, heads * head_dim)
     if batch.decode_rows is not None:
         # Decoding slots are not [0, num_decode): place each query at its slot (a tiny scatter of
@@ -125,7 +139,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     if opts.decode_in_float32:
         v = v.to(dtype)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, kvh, group, len]
-    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype)
+    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype, opts.scale)
     out = torch.matmul(weights, v).reshape(span, heads * head_dim).to(q.dtype)  # [n, heads * d]
     return out if batch.decode_rows is None else out[batch.decode_rows]
 
@@ -141,8 +155,9 @@ def _prefill_mask(start_pos: int, end: int, window: int | None, device: torch.de
     return mask
 
 
-def _prefill(q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, span: PrefillSpan,
-             opts: AttentionOptions) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, span: PrefillSpan, opts: AttentionOptions
+) -> torch.Tensor:
     length, heads, head_dim = q.shape
     kv_heads = k_slot.shape[0]
     end = span.start_pos + length
@@ -150,17 +165,22 @@ def _prefill(q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, span: 
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, c, d]
         k, v = k_slot[None, :, :end], v_slot[None, :, :end]  # [1, kvh, end, d]
         if span.start_pos == 0 and (opts.window is None or end <= opts.window):
-            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+            out = F.scaled_dot_product_attention(
+                qh, k, v, is_causal=True, enable_gqa=heads != kv_heads, scale=opts.scale
+            )
         else:  # a later chunk (or a window): queries sit at start_pos.., keys at 0..
             visible = ~_prefill_mask(span.start_pos, end, opts.window, q.device)
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, enable_gqa=heads != kv_heads)
+            out = F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=visible, enable_gqa=heads != kv_heads, scale=opts.scale
+            )
         return out[0].transpose(0, 1).reshape(length, heads * head_dim)  # [c, heads * d]
     dtype = opts.scores_dtype or q.dtype
     qg = q.view(length, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3).to(dtype)  # [kvh, g, c, d]
     k = k_slot[:, :end].unsqueeze(1).to(dtype)  # [kvh, 1, end, d]
     v = v_slot[:, :end].unsqueeze(1)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g, c, end]
-    weights = _softmax_weights(scores, _prefill_mask(span.start_pos, end, opts.window, q.device), head_dim,
-                               q.dtype, v.dtype)
+    weights = _softmax_weights(
+        scores, _prefill_mask(span.start_pos, end, opts.window, q.device), head_dim, q.dtype, v.dtype, opts.scale
+    )
     out = torch.matmul(weights, v)  # [kvh, g, c, d]
     return out.permute(2, 0, 1, 3).reshape(length, heads * head_dim)

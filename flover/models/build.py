@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from flover.models.checkpoint import GGUFFile, HFDirectory, open_checkpoint
-from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
 from flover.models.gguf_grids import BLOCK_TYPES
 from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
 from flover.models.llama import LlamaForCausalLM
-from flover.models.safetensors_reader import load_weights
+from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
 from flover.models.quant import can_quantize
+from flover.models.safetensors_reader import load_weights
 from flover.models.tp_layout import TPLayout
 
 
@@ -22,9 +22,18 @@ def model_class(cfg: ModelConfig):
     return LlamaForCausalLM if cfg.architecture in LLAMA_FAMILY else GPTJForCausalLM
 
 
-def load_model(checkpoint: str | HFDirectory | GGUFFile, dtype: torch.dtype, device: torch.device, max_len: int,
-               cfg: ModelConfig | None = None, tp: TPLayout | None = None, comm=None,
-               pack_hint: int = 32, quantization: str = "none", pack: bool = True) -> torch.nn.Module:
+def load_model(
+    checkpoint: str | HFDirectory | GGUFFile,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    cfg: ModelConfig | None = None,
+    tp: TPLayout | None = None,
+    comm=None,
+    pack_hint: int = 32,
+    quantization: str = "none",
+    pack: bool = True,
+) -> torch.nn.Module:
     """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
     projections a weight-only quantized copy (models/quant.py), and repack the projection weights
     for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `pack=False` leaves them
@@ -78,8 +87,11 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reade
     they round to the model's 16 bits. A GGUF file's tensors keep their own grids (`read_grid`):
     every one under "file" (the LM head's too, where its blocks are of those types), the 4-bit
     ones (Q4_0, Q4_1, Q4_K) under int4."""
-    owners = {id(m.weight): (name, m) for name, m in model.named_modules()
-              if isinstance(m, Linear) and (name != "lm_head" or mode == "file")}
+    owners = {
+        id(m.weight): (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and (name != "lm_head" or mode == "file")
+    }
 
     def take(spec, values: torch.Tensor) -> bool:
         if id(spec.param) not in owners:
@@ -98,8 +110,10 @@ def _quantize_as_read(model: torch.nn.Module, mode: str, keep_codes: bool, reade
         if mode == "file":
             if not grids or any(g is None for g in grids):
                 src = spec.sources[[g is None for g in grids].index(True)] if grids else spec.sources[0]
-                raise CheckpointError(f"--quantization file: {src.name} is not in blocks whose codes flover runs "
-                                      f"(it runs {', '.join(BLOCK_TYPES)})")
+                raise CheckpointError(
+                    f"--quantization file: {src.name} is not in blocks whose codes flover runs "
+                    f"(it runs {', '.join(BLOCK_TYPES)})"
+                )
             module.quantize(mode, keep_codes, values=values, grids=grids)
         elif mode == "int4" and grids and all(g is not None and g.bits == 4 for g in grids):
             module.quantize(mode, keep_codes, grids=grids)

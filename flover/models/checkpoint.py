@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flover.models.model_config import CheckpointError, ModelConfig
-from flover.models.model_config import load_model_config as _load_directory_config
 from flover.models.gguf_file import GGUFFile, is_gguf
 from flover.models.gguf_grids import BLOCK_TYPES
+from flover.models.model_config import CheckpointError, ModelConfig
+from flover.models.model_config import load_model_config as _load_directory_config
 
 if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
     from flover.models.safetensors_reader import CheckpointReader
@@ -36,13 +36,16 @@ class HFDirectory:
         prefix = r"transformer\.h" if cfg.is_gptj else r"model\.layers"
         layers = {int(m.group(1)) for name in reader.files if (m := re.match(prefix + r"\.(\d+)\.", name))}
         if layers != set(range(cfg.num_layers)):
-            raise CheckpointError(f"{self.path / 'config.json'}: {cfg.num_layers} layers, but the weights hold "
-                                  f"{len(layers)}")
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: {cfg.num_layers} layers, but the weights hold {len(layers)}"
+            )
         embed = "transformer.wte.weight" if cfg.is_gptj else "model.embed_tokens.weight"
         shape = reader.shape(embed) if reader.has(embed) else None
         if shape != (cfg.vocab_size, cfg.hidden_size):
-            raise CheckpointError(f"{self.path}: {embed} has shape {list(shape) if shape else None}, config.json "
-                                  f"says [{cfg.vocab_size}, {cfg.hidden_size}]")
+            raise CheckpointError(
+                f"{self.path}: {embed} has shape {list(shape) if shape else None}, config.json "
+                f"says [{cfg.vocab_size}, {cfg.hidden_size}]"
+            )
 
 
 def open_checkpoint(path: str | Path) -> HFDirectory | GGUFFile:
@@ -54,14 +57,15 @@ def open_checkpoint(path: str | Path) -> HFDirectory | GGUFFile:
         if len(ggufs) == 1:
             return GGUFFile(ggufs[0])
         if len(ggufs) > 1:
-            raise CheckpointError(f"{path}: holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs[:4])}); "
-                                  f"pass one of them as --model")
+            raise CheckpointError(
+                f"{path}: holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs[:4])}); "
+                f"pass one of them as --model"
+            )
     return GGUFFile(path) if is_gguf(path) else HFDirectory(path)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
     return open_checkpoint(path).model_config()
-
 
 
 def file_quantization(checkpoint: HFDirectory | GGUFFile) -> str:

@@ -20,13 +20,12 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flover.models.model_config import CheckpointError, ModelConfig, check_sizes, validate_model_config
 from flover.models.gguf_grids import block_grid
+from flover.models.model_config import CheckpointError, ModelConfig, check_sizes, validate_model_config
 
 if TYPE_CHECKING:
     import torch
@@ -43,17 +42,27 @@ NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rop
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 # Hugging Face name -> GGUF name (per layer: {i})
-GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
+GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 GGUF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
 }
 # where an architecture's tensor has another GGUF name (OLMo 2's norm after attention)
 GGUF_LAYER_RENAMES = {"olmo2": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
@@ -95,8 +104,10 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.arch = self.get("general.architecture")
         if self.arch not in ARCHITECTURES:
-            raise CheckpointError(f"{self.path}: architecture {self.arch!r} is not supported; flover reads GGUF "
-                                  f"files of {', '.join(ARCHITECTURES)}")
+            raise CheckpointError(
+                f"{self.path}: architecture {self.arch!r} is not supported; flover reads GGUF "
+                f"files of {', '.join(ARCHITECTURES)}"
+            )
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -124,12 +135,16 @@ class GGUFFile:
         """The header's shape against the tensors the file holds, before anything is built from it."""
         layers = {int(m.group(1)) for name in self.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
         if layers != set(range(cfg.num_layers)):
-            raise CheckpointError(f"{self.path}: {self.arch}.block_count is {cfg.num_layers}, but the file holds "
-                                  f"tensors of {len(layers)} layer(s)")
+            raise CheckpointError(
+                f"{self.path}: {self.arch}.block_count is {cfg.num_layers}, but the file holds "
+                f"tensors of {len(layers)} layer(s)"
+            )
         embed = self.tensors.get("token_embd.weight")
         if embed is None or embed.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise CheckpointError(f"{self.path}: token_embd.weight has shape {list(embed.shape) if embed else None}, "
-                                  f"the metadata says [{cfg.vocab_size}, {cfg.hidden_size}]")
+            raise CheckpointError(
+                f"{self.path}: token_embd.weight has shape {list(embed.shape) if embed else None}, "
+                f"the metadata says [{cfg.vocab_size}, {cfg.hidden_size}]"
+            )
 
     # -- the model -------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -140,34 +155,49 @@ class GGUFFile:
         where = str(self.path)
         hidden = self.integer(f"{a}.embedding_length", required=True)
         heads = self.integer(f"{a}.attention.head_count", required=True)
-        sizes = {"embedding_length": hidden, "attention.head_count": heads,
-                 "block_count": self.integer(f"{a}.block_count", required=True),
-                 "feed_forward_length": self.integer(f"{a}.feed_forward_length", required=True),
-                 "context_length": self.integer(f"{a}.context_length", 2048),
-                 "attention.head_count_kv": self.integer(f"{a}.attention.head_count_kv"),
-                 "attention.key_length": self.integer(f"{a}.attention.key_length"),
-                 "attention.sliding_window": self.integer(f"{a}.attention.sliding_window"),
-                 "vocab_size": self.integer(f"{a}.vocab_size") or len(self.get("tokenizer.ggml.tokens") or ())}
+        sizes = {
+            "embedding_length": hidden,
+            "attention.head_count": heads,
+            "block_count": self.integer(f"{a}.block_count", required=True),
+            "feed_forward_length": self.integer(f"{a}.feed_forward_length", required=True),
+            "context_length": self.integer(f"{a}.context_length", 2048),
+            "attention.head_count_kv": self.integer(f"{a}.attention.head_count_kv"),
+            "attention.key_length": self.integer(f"{a}.attention.key_length"),
+            "attention.sliding_window": self.integer(f"{a}.attention.sliding_window"),
+            "vocab_size": self.integer(f"{a}.vocab_size") or len(self.get("tokenizer.ggml.tokens") or ()),
+        }
         check_sizes({f"{a}.{k}": v for k, v in sizes.items()}, where, optional=True)  # present ones
         head_dim = sizes["attention.key_length"] or hidden // heads
         layers, window = sizes["block_count"], sizes["attention.sliding_window"]
         eos = [self.integer(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         qwen = a == "qwen2"
         cfg = ModelConfig(
-            architecture=ARCHITECTURES[a][0], hidden_size=hidden, num_layers=layers, num_heads=heads,
-            num_kv_heads=sizes["attention.head_count_kv"] or heads, head_dim=head_dim,
-            intermediate_size=sizes["feed_forward_length"], vocab_size=sizes["vocab_size"],
+            architecture=ARCHITECTURES[a][0],
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=sizes["attention.head_count_kv"] or heads,
+            head_dim=head_dim,
+            intermediate_size=sizes["feed_forward_length"],
+            vocab_size=sizes["vocab_size"],
             max_position_embeddings=sizes["context_length"],
-            norm_eps=self.number(f"{a}.attention.layer_norm_rms_epsilon", 1e-6), hidden_act="silu",
+            norm_eps=self.number(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+            hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors,
             rope_theta=self.number(f"{a}.rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(scaling, head_dim),
-            rotary_dim=head_dim, qkv_bias=qwen, o_bias=False, mlp_bias=False,
+            rotary_dim=head_dim,
+            qkv_bias=qwen,
+            o_bias=False,
+            mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
-            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"), checkpoint_dtype=None, qk_norm={"qwen3": "head", "olmo2": "projection"}.get(a, ""),
+            bos_token_id=self.integer("tokenizer.ggml.bos_token_id"),
+            checkpoint_dtype=None,
+            qk_norm={"qwen3": "head", "olmo2": "projection"}.get(a, ""),
             norm_after=a == "olmo2",
-            nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0))
+            nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0),
+        )
         validate_model_config(cfg, where)
         return cfg
 
@@ -177,8 +207,10 @@ class GGUFFile:
         freqs = self.tensors.get("rope_freqs.weight")
         if freqs is not None:
             if freqs.type_name != "F32" or freqs.shape != (head_dim // 2,):
-                raise CheckpointError(f"{self.path}: rope_freqs.weight is {freqs.type_name} {list(freqs.shape)}, "
-                                      f"expected F32 [{head_dim // 2}]")
+                raise CheckpointError(
+                    f"{self.path}: rope_freqs.weight is {freqs.type_name} {list(freqs.shape)}, "
+                    f"expected F32 [{head_dim // 2}]"
+                )
             factors = freqs.data.view(np.float32)
             if not np.isfinite(factors).all() or (factors <= 0).any():
                 raise CheckpointError(f"{self.path}: rope_freqs.weight holds a factor that is not positive and finite")
@@ -218,12 +250,17 @@ class GGUFFile:
             return None
         model = self.get("tokenizer.ggml.model")
         return GGUFTokenizerSpec(
-            model=model, pre=self.get("tokenizer.ggml.pre"), tokens=tokens,
+            model=model,
+            pre=self.get("tokenizer.ggml.pre"),
+            tokens=tokens,
             token_types=self.get("tokenizer.ggml.token_type") or [1] * len(tokens),
-            merges=self.get("tokenizer.ggml.merges") or [], scores=self.get("tokenizer.ggml.scores"),
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id"), eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
+            merges=self.get("tokenizer.ggml.merges") or [],
+            scores=self.get("tokenizer.ggml.scores"),
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(self.get("tokenizer.ggml.add_bos_token", model == "llama")),
-            chat_template=self.get("tokenizer.chat_template"))
+            chat_template=self.get("tokenizer.chat_template"),
+        )
 
 
 class GGUFReader:
@@ -250,13 +287,17 @@ class GGUFReader:
 
     def read(self, source) -> torch.Tensor:
         if not self.has(source.name):
-            raise CheckpointError(f"{self.dir}: tensor {source.name!r} ({self.names.get(source.name, ('?',))[0]}) "
-                                  f"is missing from the file")
+            raise CheckpointError(
+                f"{self.dir}: tensor {source.name!r} ({self.names.get(source.name, ('?',))[0]}) "
+                f"is missing from the file"
+            )
         name, heads = self.names[source.name]
         t = self.file.tensors[name]
         if t.type_name not in DEQUANTIZED_TYPES:
-            raise CheckpointError(f"{self.dir}: tensor {name} has type {t.type_name}, which flover does not "
-                                  f"read (it reads {', '.join(DEQUANTIZED_TYPES)})")
+            raise CheckpointError(
+                f"{self.dir}: tensor {name} has type {t.type_name}, which flover does not "
+                f"read (it reads {', '.join(DEQUANTIZED_TYPES)})"
+            )
         if t.shape != tuple(source.shape):
             raise CheckpointError(f"{self.dir}: tensor {name} has shape {list(t.shape)}, expected {list(source.shape)}")
         import torch  # (this module is read without torch by the HTTP front)
@@ -268,10 +309,8 @@ class GGUFReader:
             weight = _unpermute_rows(weight, heads)
         if source.dim is None:
             return weight
-        index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None)
-                      for d in range(len(t.shape)))
+        index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None) for d in range(len(t.shape)))
         return weight[index]
-
 
     def read_grid(self, source):
         """A quantized tensor's own grid (models/quant.Grid: codes, scales, minimums as its blocks
@@ -291,29 +330,30 @@ class GGUFReader:
         parts = [torch.from_numpy(a) for a in (found.codes, found.scale, found.low) if a is not None]
         supers = [torch.from_numpy(a) for a in found.supers] if found.supers is not None else None
         if not all(torch.isfinite(a).all() for a in [*parts[1:], *(supers or ())] if a.is_floating_point()):
-            raise CheckpointError(f"{self.dir}: tensor {name} holds block scales that are not finite (NaN or "
-                                  f"infinity)")
+            raise CheckpointError(f"{self.dir}: tensor {name} holds block scales that are not finite (NaN or infinity)")
         if heads is not None:
             parts = [_unpermute_rows(a, heads) for a in parts]
             supers = supers and [_unpermute_rows(a, heads) for a in supers]
         group = found.group
         if source.dim == 0:
-            parts = [a[source.start: source.stop] for a in parts]
-            supers = supers and [a[source.start: source.stop] for a in supers]
+            parts = [a[source.start : source.stop] for a in parts]
+            supers = supers and [a[source.start : source.stop] for a in supers]
         elif source.dim == 1:
             if source.start % group or source.stop % group:
                 return None
-            parts = [parts[0][:, source.start: source.stop]] + [a[:, source.start // group: source.stop // group]
-                                                                 for a in parts[1:]]
+            parts = [parts[0][:, source.start : source.stop]] + [
+                a[:, source.start // group : source.stop // group] for a in parts[1:]
+            ]
             if supers and (source.start % 256 or source.stop % 256):
                 supers = None  # a cut through a super-block: the stored scales serve
             elif supers:
                 per = [t.shape[1] // a.shape[1] for a in supers]  # inputs per column: 256, or the group
-                supers = [a[:, source.start // n: source.stop // n] for a, n in zip(supers, per)]
+                supers = [a[:, source.start // n : source.stop // n] for a, n in zip(supers, per)]
         parts = [a.contiguous() for a in parts]
         supers = tuple(a.contiguous() for a in supers) if supers else None
-        return Grid(parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits,
-                    found.code_range, supers)
+        return Grid(
+            parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits, found.code_range, supers
+        )
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -367,7 +407,7 @@ class GGUFTensor:
 # The common block types in one vectorised pass over all blocks (the gguf package walks row groups,
 # slower); the same float32 arithmetic, so the same values bit for bit (tested).
 def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
-    return blocks[:, at: at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -407,7 +447,7 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
     def string() -> str:
         nonlocal pos
         (n,) = struct.unpack_from("<Q", buf, pos)
-        text = bytes(buf[pos + 8: pos + 8 + n]).decode("utf-8")
+        text = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8")
         pos += 8 + n
         return text
 
@@ -456,8 +496,9 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
         block, size = sizes.get(qtype, (1, 0))  # an unknown type reads as empty; read() names it
         count = math.prod(dims)
         if count % block or (dims and dims[0] % block):
-            raise ValueError(f"tensor {name}: its rows of {dims[0] if dims else 0} values are not whole blocks of "
-                             f"{block}")
+            raise ValueError(
+                f"tensor {name}: its rows of {dims[0] if dims else 0} values are not whole blocks of {block}"
+            )
         nbytes = count // block * size
         if offset % alignment:  # (the spec aligns every tensor's data; a shifted one reads garbage)
             raise ValueError(f"tensor {name}: offset {offset} is not a multiple of general.alignment {alignment}")
@@ -467,7 +508,7 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
         if name in tensors:
             raise ValueError(f"tensor {name} is listed twice")
         spans.append((begin, begin + nbytes, name))
-        tensors[name] = GGUFTensor(name, tuple(int(d) for d in reversed(dims)), qtype, raw[begin: begin + nbytes])
+        tensors[name] = GGUFTensor(name, tuple(int(d) for d in reversed(dims)), qtype, raw[begin : begin + nbytes])
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:  # another tensor's bytes read as this one's: garbage, not an error, at run time

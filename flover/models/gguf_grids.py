@@ -52,7 +52,7 @@ class BlockGrid:
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    return blocks[:, at: at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -67,7 +67,7 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's 12 bytes -> 8 sub-block scales and 8 minimums of 6 bits each."""
-    d, m, m_d = (scales[:, 4 * i: 4 * i + 4] for i in range(3))
+    d, m, m_d = (scales[:, 4 * i : 4 * i + 4] for i in range(3))
     sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=1)
     mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=1)
     return sc.astype(np.float32), mn.astype(np.float32)
@@ -111,8 +111,12 @@ def _q5_k(b):
     qs = b[:, 48:].reshape(n, 4, 32)
     ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
     q = (ql | ((qh & 1) << 4)).reshape(n, 256)
-    return (q.astype(np.int8), _f16(b, 0) * sc, -(_f16(b, 2) * mn),
-            (_f16(b, 0), -_f16(b, 2), sc.astype(np.uint8), mn.astype(np.uint8)))
+    return (
+        q.astype(np.int8),
+        _f16(b, 0) * sc,
+        -(_f16(b, 2) * mn),
+        (_f16(b, 0), -_f16(b, 2), sc.astype(np.uint8), mn.astype(np.uint8)),
+    )
 
 
 def _q6_k(b):
@@ -126,13 +130,26 @@ def _q6_k(b):
 
 # type -> (bytes per block, values per block, inputs per scale, code bits, unpack)
 BLOCK_TYPES = {
-    "Q4_0": (18, 32, 32, 4, _q4_0), "Q4_1": (20, 32, 32, 4, _q4_1), "Q4_K": (144, 256, 32, 4, _q4_k),
-    "Q5_0": (22, 32, 32, 8, _q5_0), "Q5_1": (24, 32, 32, 8, _q5_1), "Q5_K": (176, 256, 32, 8, _q5_k),
-    "Q6_K": (210, 256, 16, 8, _q6_k), "Q8_0": (34, 32, 32, 8, _q8_0),
+    "Q4_0": (18, 32, 32, 4, _q4_0),
+    "Q4_1": (20, 32, 32, 4, _q4_1),
+    "Q4_K": (144, 256, 32, 4, _q4_k),
+    "Q5_0": (22, 32, 32, 8, _q5_0),
+    "Q5_1": (24, 32, 32, 8, _q5_1),
+    "Q5_K": (176, 256, 32, 8, _q5_k),
+    "Q6_K": (210, 256, 16, 8, _q6_k),
+    "Q8_0": (34, 32, 32, 8, _q8_0),
 }
 # type -> the smallest and the largest code q (the table above)
-CODE_RANGES = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
-               "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}
+CODE_RANGES = {
+    "Q4_0": (0, 15),
+    "Q4_1": (0, 15),
+    "Q4_K": (0, 15),
+    "Q5_0": (-16, 15),
+    "Q5_1": (0, 31),
+    "Q5_K": (0, 31),
+    "Q6_K": (-32, 31),
+    "Q8_0": (-128, 127),
+}
 
 
 def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> BlockGrid | None:
@@ -149,6 +166,12 @@ def block_grid(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Bloc
     own = lambda a, dtype=None: np.array(a, dtype=dtype, copy=True, order="C")  # noqa: E731 (not views of the file)
     if supers:  # per block: [blocks, 1] (d, -dmin) or [blocks, groups] (sc, m)
         supers = tuple(own(a.reshape(rows, -1)) for a in supers[0])
-    return BlockGrid(own(codes.reshape(rows, cols)), own(scale, np.float32),
-                     None if low is None else own(low, np.float32), group, bits, CODE_RANGES[type_name],
-                     supers or None)
+    return BlockGrid(
+        own(codes.reshape(rows, cols)),
+        own(scale, np.float32),
+        None if low is None else own(low, np.float32),
+        group,
+        bits,
+        CODE_RANGES[type_name],
+        supers or None,
+    )

@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flover.models.attention import AttentionOptions, ForwardBatch, attention, write_kv
+from flover.models.layers import Linear, Rotary, activation, all_reduce, cols, new_param, rows, vocab_embedding, whole
 from flover.models.model_config import ModelConfig
-from flover.models.layers import (Linear, Rotary, activation, all_reduce, cols, new_param, rows,
-                                  vocab_embedding, whole)
 from flover.models.safetensors_reader import WeightSpec
 from flover.models.tp_layout import TPLayout
 
@@ -37,22 +36,26 @@ class GPTJLayer(nn.Module):
         return [
             WeightSpec(self.ln_weight, (whole(f"{prefix}.ln_1.weight", (h,)),)),
             WeightSpec(self.ln_bias, (whole(f"{prefix}.ln_1.bias", (h,)),)),
-            WeightSpec(self.qkv.weight, tuple(rows(f"{prefix}.attn.{n}_proj.weight", (h, h), start, count)
-                                              for n in "qkv")),
+            WeightSpec(
+                self.qkv.weight, tuple(rows(f"{prefix}.attn.{n}_proj.weight", (h, h), start, count) for n in "qkv")
+            ),
             WeightSpec(self.out.weight, (cols(f"{prefix}.attn.out_proj.weight", (h, h), start, count),)),
-            WeightSpec(self.fc_in.weight, (rows(f"{prefix}.mlp.fc_in.weight", (i, h), tp.intermediate_start,
-                                                tp.intermediate),)),
-            WeightSpec(self.fc_in.bias, (rows(f"{prefix}.mlp.fc_in.bias", (i,), tp.intermediate_start,
-                                              tp.intermediate),)),
-            WeightSpec(self.fc_out.weight, (cols(f"{prefix}.mlp.fc_out.weight", (h, i), tp.intermediate_start,
-                                                 tp.intermediate),)),
+            WeightSpec(
+                self.fc_in.weight, (rows(f"{prefix}.mlp.fc_in.weight", (i, h), tp.intermediate_start, tp.intermediate),)
+            ),
+            WeightSpec(
+                self.fc_in.bias, (rows(f"{prefix}.mlp.fc_in.bias", (i,), tp.intermediate_start, tp.intermediate),)
+            ),
+            WeightSpec(
+                self.fc_out.weight,
+                (cols(f"{prefix}.mlp.fc_out.weight", (h, i), tp.intermediate_start, tp.intermediate),),
+            ),
             WeightSpec(self.fc_out_bias, (whole(f"{prefix}.mlp.fc_out.bias", (h,)),)),
         ]
 
 
 class GPTJForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg, self.tp, self.comm = cfg, tp, comm
         h = cfg.hidden_size

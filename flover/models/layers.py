@@ -4,6 +4,7 @@ spirit: a float64 run differs from transformers' float64 run only by summation o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -11,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flover.models.model_config import CheckpointError, ModelConfig
-from flover.models.safetensors_reader import Source
 from flover.models.quant import QuantizedWeight, file_weight, int4_weight, int8_inputs, quantize
+from flover.models.safetensors_reader import Source
 
 
 def new_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -30,6 +31,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype in (torch.bfloat16, torch.float16):
         return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalised in float32, times (1 + weight) in float32, rounded to x's dtype
+    once (Gemma3RMSNorm; also for float64 inputs, as it does)."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def activation(name: str):
@@ -74,8 +81,10 @@ def _inv_freq(config: ModelConfig, max_len: int = 0) -> torch.Tensor:
     if scaling["rope_type"] == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if scaling["rope_type"] == "longrope":  # (its own order of operations, as transformers')
-        return 1.0 / (torch.tensor(longrope_factors(scaling, max_len), dtype=torch.float32) * base ** (
-            torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return 1.0 / (
+            torch.tensor(longrope_factors(scaling, max_len), dtype=torch.float32)
+            * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
     # llama3: low frequencies are scaled by `factor`, high ones kept, the band between smoothed.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -96,8 +105,13 @@ class Rotary(nn.Module):
     for Phi-4-mini). style "interleaved": GPT-J's rotate_every_two over the first `rotary_dim`.
     """
 
-    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, local: bool = False
+    ):
+        """`local`: the sliding-window layers' tables (Gemma 3: their own base, no scaling)."""
         super().__init__()
+        if local:
+            config = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         self.interleaved = config.is_gptj
         self.rotary_dim = config.rotary_dim
         positions = torch.arange(max_len, dtype=torch.int64).float()
@@ -122,8 +136,9 @@ class Rotary(nn.Module):
         """cos, sin for the iteration's positions: [T, 1, rot] each (looked up once per forward)."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T] -> rotated copy of x."""
         cos, sin = tables if tables is not None else self.tables(positions)
         if not self.interleaved and self.rotary_dim == x.shape[-1]:  # x cos + rotate_half(x) sin, sign in `sin`
@@ -131,7 +146,7 @@ class Rotary(nn.Module):
         if not self.interleaved:  # the same over the first rotary_dim dims (Phi-4-mini), the rest as they are
             rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
             return torch.cat((torch.addcmul(rot * cos, rot.roll(self.rotary_dim // 2, dims=-1), sin), rest), dim=-1)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         pairs = rot.unflatten(-1, (-1, 2))  # [..., rot / 2, 2]
         turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
         return torch.cat((rot * cos + turned * sin, rest), dim=-1)
@@ -142,11 +157,11 @@ class Linear(nn.Module):
 
     On CPU in float32/bfloat16 the weight is repacked once, after loading, into oneDNN's blocked
     layout (`pack`): small-M GEMMs such as a decode iteration's then run several times faster than
-    with the plain row-major weight (docs/design_notes.md, "measured choices"). The dense weight is dropped after packing to keep one copy in memory.
+    with the plain row-major weight (docs/design_notes.md, "measured choices"). The dense weight is
+    dropped after packing to keep one copy in memory.
     """
 
-    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = new_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
@@ -158,8 +173,9 @@ class Linear(nn.Module):
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape) if self.weight is not None else self._shape
 
-    def quantize(self, mode: str, keep_codes: bool = False, values: torch.Tensor | None = None,
-                 grids: list | None = None) -> None:
+    def quantize(
+        self, mode: str, keep_codes: bool = False, values: torch.Tensor | None = None, grids: list | None = None
+    ) -> None:
         """Keep a quantized copy for iterations of few rows; the 16-bit weight becomes its
         dequantized values, so both kernels compute the same model (models/quant.py). `values`:
         the checkpoint's float32 values of the weight, quantized before any rounding to 16 bits.

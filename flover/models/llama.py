@@ -13,16 +13,28 @@ import torch
 from torch import nn
 
 from flover.models.attention import AttentionOptions, ForwardBatch, attention, write_kv
+from flover.models.layers import (
+    Linear,
+    Rotary,
+    activation,
+    all_reduce,
+    cols,
+    new_param,
+    offset_rms_norm,
+    rms_norm,
+    rows,
+    vocab_embedding,
+    whole,
+)
 from flover.models.model_config import ModelConfig
-from flover.models.layers import (Linear, Rotary, activation, all_reduce, cols, new_param, rms_norm, rows,
-                                  vocab_embedding, whole)
 from flover.models.safetensors_reader import WeightSpec
 from flover.models.tp_layout import TPLayout
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPLayout, index: int, window: int | None, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPLayout, index: int, window: int | None, dtype: torch.dtype, device: torch.device
+    ):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = tp.heads * d, tp.kv_heads * d
@@ -37,12 +49,16 @@ class LlamaLayer(nn.Module):
         self.o = lin(h, self.q_size, False)
         self.o_bias = p(h) if cfg.o_bias else None
         self.post_norm = p(h)  # before the MLP; OLMo 2: after attention, before the residual add
-        self.ffn_norm_after = p(h) if cfg.norm_after else None  # OLMo 2: after the MLP, before the residual add
+        self.attn_norm_after = p(h) if cfg.gemma else None  # Gemma 3: after attention too, before the add
+        self.ffn_norm_after = p(h) if cfg.norm_after or cfg.gemma else None  # after the MLP, before the add
         self.gate_up = lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
         self.down = lin(h, tp.intermediate, False)
         self.down_bias = p(h) if cfg.mlp_bias else None
-        self.attn_opts = AttentionOptions(window=window, decode_in_float32=dtype in (torch.bfloat16, torch.float16)
-                                          and torch.device(device).type == "cpu")
+        self.attn_opts = AttentionOptions(
+            window=window,
+            decode_in_float32=dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu",
+            scale=cfg.attn_scale,
+        )
 
     def weight_specs(self, cfg: ModelConfig, tp: TPLayout, prefix: str) -> list[WeightSpec]:
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -53,32 +69,45 @@ class LlamaLayer(nn.Module):
             shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
             if cfg.fused_projections:  # (Phi-3) q, k and v: rows of one tensor
                 name, fused = f"{att}.qkv_proj.{kind}", shape(q_full + 2 * kv_full)
-                return (rows(name, fused, tp.head_start * d, self.q_size),
-                        rows(name, fused, q_full + tp.kv_head_start * d, self.kv_size),
-                        rows(name, fused, q_full + kv_full + tp.kv_head_start * d, self.kv_size))
-            return (rows(f"{att}.q_proj.{kind}", shape(q_full), tp.head_start * d, self.q_size),
-                    rows(f"{att}.k_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
-                    rows(f"{att}.v_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size))
+                return (
+                    rows(name, fused, tp.head_start * d, self.q_size),
+                    rows(name, fused, q_full + tp.kv_head_start * d, self.kv_size),
+                    rows(name, fused, q_full + kv_full + tp.kv_head_start * d, self.kv_size),
+                )
+            return (
+                rows(f"{att}.q_proj.{kind}", shape(q_full), tp.head_start * d, self.q_size),
+                rows(f"{att}.k_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
+                rows(f"{att}.v_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
+            )
 
         def gate_up(kind: str) -> tuple:
             shape = (inter, h) if kind == "weight" else (inter,)
             if cfg.fused_projections:  # (Phi-3) gate then up: rows of one tensor
                 name, fused = f"{mlp}.gate_up_proj.{kind}", (2 * inter, *shape[1:])
-                return (rows(name, fused, tp.intermediate_start, tp.intermediate),
-                        rows(name, fused, inter + tp.intermediate_start, tp.intermediate))
-            return tuple(rows(f"{mlp}.{n}_proj.{kind}", shape, tp.intermediate_start, tp.intermediate)
-                         for n in ("gate", "up"))
+                return (
+                    rows(name, fused, tp.intermediate_start, tp.intermediate),
+                    rows(name, fused, inter + tp.intermediate_start, tp.intermediate),
+                )
+            return tuple(
+                rows(f"{mlp}.{n}_proj.{kind}", shape, tp.intermediate_start, tp.intermediate) for n in ("gate", "up")
+            )
 
         specs = [
             WeightSpec(self.qkv.weight, qkv("weight")),
             WeightSpec(self.o.weight, (cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size),)),
-            WeightSpec(self.post_norm, (whole(f"{prefix}.post_attention_layernorm.weight", (h,)),)),
+            WeightSpec(
+                self.post_norm,
+                (whole(f"{prefix}.{'pre_feedforward' if cfg.gemma else 'post_attention'}_layernorm.weight", (h,)),),
+            ),
             WeightSpec(self.gate_up.weight, gate_up("weight")),
-            WeightSpec(self.down.weight, (cols(f"{mlp}.down_proj.weight", (h, inter), tp.intermediate_start,
-                                               tp.intermediate),)),
+            WeightSpec(
+                self.down.weight, (cols(f"{mlp}.down_proj.weight", (h, inter), tp.intermediate_start, tp.intermediate),)
+            ),
         ]
         if self.input_norm is not None:
             specs.append(WeightSpec(self.input_norm, (whole(f"{prefix}.input_layernorm.weight", (h,)),)))
+        if self.attn_norm_after is not None:
+            specs.append(WeightSpec(self.attn_norm_after, (whole(f"{prefix}.post_attention_layernorm.weight", (h,)),)))
         if self.ffn_norm_after is not None:
             specs.append(WeightSpec(self.ffn_norm_after, (whole(f"{prefix}.post_feedforward_layernorm.weight", (h,)),)))
         if self.qkv.bias is not None:
@@ -95,12 +124,13 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
-            raise ValueError(f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "
-                             f"across ranks; run it on one rank per engine (data-parallel groups: --tp 1)")
+            raise ValueError(
+                f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "
+                f"across ranks; run it on one rank per engine (data-parallel groups: --tp 1)"
+            )
         self.cfg, self.tp, self.comm = cfg, tp, comm
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         self.embed = p(tp.vocab, cfg.hidden_size)  # this rank's vocabulary block
@@ -108,13 +138,18 @@ class LlamaForCausalLM(nn.Module):
         self.norm = p(cfg.hidden_size)
         self.lm_head = Linear(tp.vocab, cfg.hidden_size, False, dtype, device)
         self.rotary = Rotary(cfg, max_len, dtype, device)
+        # Gemma 3's sliding-window layers rotate with a base of their own
+        self.local_rotary = Rotary(cfg, max_len, dtype, device, local=True) if cfg.local_rope_theta else None
+        self.norm_fn = offset_rms_norm if cfg.gemma else rms_norm  # Gemma 3: (1 + weight), rounded once
         self.act = activation(cfg.hidden_act)
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, tp, h, v = self.cfg, self.tp, self.cfg.hidden_size, self.cfg.vocab_size
         vocab_block = lambda name: (rows(name, (v, h), tp.vocab_start, tp.vocab_real),)  # noqa: E731
-        specs = [WeightSpec(self.embed, vocab_block("model.embed_tokens.weight"), pad=True),
-                 WeightSpec(self.norm, (whole("model.norm.weight", (h,)),))]
+        specs = [
+            WeightSpec(self.embed, vocab_block("model.embed_tokens.weight"), pad=True),
+            WeightSpec(self.norm, (whole("model.norm.weight", (h,)),)),
+        ]
         for n, layer in enumerate(self.layers):
             specs += layer.weight_specs(cfg, tp, f"model.layers.{n}")
         # Tied embeddings: the LM head is read from the embedding tensor (a second copy, so that it
@@ -129,36 +164,51 @@ class LlamaForCausalLM(nn.Module):
         cfg, tp, comm = self.cfg, self.tp, self.comm
         tokens = batch.input_ids.shape[0]
         hidden = vocab_embedding(batch.input_ids, self.embed, tp, comm)  # [T, hidden]
+        if cfg.gemma:  # times sqrt(hidden), that factor first rounded as transformers' (float32, then the dtype)
+            hidden = hidden * torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(hidden.dtype)
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
+        local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
+        norm = self.norm_fn
         qk_heads = tp.heads + tp.kv_heads
         for n, layer in enumerate(self.layers):
-            x = hidden if layer.input_norm is None else rms_norm(hidden, layer.input_norm, cfg.norm_eps)
+            x = hidden if layer.input_norm is None else norm(hidden, layer.input_norm, cfg.norm_eps)
             qkv = layer.qkv(x)  # [T, q + 2 kv]
             qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
             if cfg.qk_norm == "head":  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
-                qk = torch.cat((rms_norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
-                                rms_norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps)), dim=1)
+                qk = torch.cat(
+                    (
+                        norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
+                        norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps),
+                    ),
+                    dim=1,
+                )
             elif cfg.qk_norm == "projection":  # [T, heads * head_dim] and [T, kv_heads * head_dim], each whole
                 q_flat, k_flat = qk.flatten(1).split((layer.q_size, layer.kv_size), dim=1)
-                qk = torch.cat((rms_norm(q_flat, layer.q_norm, cfg.norm_eps),
-                                rms_norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1).view(tokens, qk_heads, cfg.head_dim)
-            if layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
+                qk = torch.cat(
+                    (norm(q_flat, layer.q_norm, cfg.norm_eps), norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1
+                ).view(tokens, qk_heads, cfg.head_dim)
+            if layer.rope and local_tables is not None and layer.attn_opts.window is not None:  # (Gemma 3's local)
+                qk = self.local_rotary(qk, batch.positions, local_tables)
+            elif layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
                 qk = self.rotary(qk, batch.positions, tables)
-            q, k = qk[:, : tp.heads], qk[:, tp.heads:]
-            v = qkv[:, layer.q_size + layer.kv_size:]
+            q, k = qk[:, : tp.heads], qk[:, tp.heads :]
+            v = qkv[:, layer.q_size + layer.kv_size :]
             write_kv(kv[n, 0], kv[n, 1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), batch)
             attn = attention(q, kv[n, 0], kv[n, 1], batch, layer.attn_opts)  # [T, heads * head_dim]
             out = all_reduce(layer.o(attn), comm)  # [T, hidden]
             out = out if layer.o_bias is None else out + layer.o_bias
-            if cfg.norm_after:  # OLMo 2: normed, then added; the MLP reads the sum as it is
-                hidden = hidden + rms_norm(out, layer.post_norm, cfg.norm_eps)
+            if layer.attn_norm_after is not None:  # Gemma 3: normed, added, then normed again for the MLP
+                hidden = hidden + norm(out, layer.attn_norm_after, cfg.norm_eps)
+                x = norm(hidden, layer.post_norm, cfg.norm_eps)
+            elif cfg.norm_after:  # OLMo 2: normed, then added; the MLP reads the sum as it is
+                hidden = hidden + norm(out, layer.post_norm, cfg.norm_eps)
                 x = hidden
             else:
                 hidden = hidden + out
-                x = rms_norm(hidden, layer.post_norm, cfg.norm_eps)
+                x = norm(hidden, layer.post_norm, cfg.norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
             out = all_reduce(layer.down(self.act(gate) * up), comm)
             out = out if layer.down_bias is None else out + layer.down_bias
-            hidden = hidden + (out if layer.ffn_norm_after is None else rms_norm(out, layer.ffn_norm_after, cfg.norm_eps))
-        last = rms_norm(hidden[batch.sample_rows], self.norm, cfg.norm_eps)  # [B, hidden]
+            hidden = hidden + (out if layer.ffn_norm_after is None else norm(out, layer.ffn_norm_after, cfg.norm_eps))
+        last = norm(hidden[batch.sample_rows], self.norm, cfg.norm_eps)  # [B, hidden]
         return self.lm_head(last)  # [B, vocab block]

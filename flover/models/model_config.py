@@ -7,7 +7,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM")
+LLAMA_FAMILY = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
 
@@ -21,8 +30,15 @@ MAX_LAYERS = 1024
 MAX_WIDTH = 1 << 18  # hidden, intermediate, head and window sizes
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
-SIZE_BOUNDS = {"layers": MAX_LAYERS, "block_count": MAX_LAYERS, "n_layer": MAX_LAYERS, "vocab": MAX_VOCAB,
-               "position": MAX_POSITIONS, "context_length": MAX_POSITIONS, "n_positions": MAX_POSITIONS}
+SIZE_BOUNDS = {
+    "layers": MAX_LAYERS,
+    "block_count": MAX_LAYERS,
+    "n_layer": MAX_LAYERS,
+    "vocab": MAX_VOCAB,
+    "position": MAX_POSITIONS,
+    "context_length": MAX_POSITIONS,
+    "n_positions": MAX_POSITIONS,
+}
 
 
 def check_sizes(sizes: dict, where: str, optional: bool = False) -> None:
@@ -39,24 +55,35 @@ def check_sizes(sizes: dict, where: str, optional: bool = False) -> None:
 def validate_model_config(cfg: "ModelConfig", where: str) -> None:
     """What every forward assumes of a model's shape, for Hugging Face and GGUF files alike,
     checked before any weight is read."""
-    check_sizes({"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
-                 "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rotary_dim": cfg.rotary_dim,
-                 "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
-                 "max_position_embeddings": cfg.max_position_embeddings}, where)
+    check_sizes(
+        {
+            "hidden_size": cfg.hidden_size,
+            "num_layers": cfg.num_layers,
+            "num_heads": cfg.num_heads,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "rotary_dim": cfg.rotary_dim,
+            "intermediate_size": cfg.intermediate_size,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+        },
+        where,
+    )
     problems = []
     if cfg.num_heads % cfg.num_kv_heads:
         problems.append(f"{cfg.num_heads} attention heads cannot share {cfg.num_kv_heads} key/value heads evenly")
     if cfg.head_dim % 2 or cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.head_dim:
-        problems.append(f"head_dim {cfg.head_dim} / rotary_dim {cfg.rotary_dim}: RoPE needs even sizes, "
-                        f"rotary_dim <= head_dim")
+        problems.append(
+            f"head_dim {cfg.head_dim} / rotary_dim {cfg.rotary_dim}: RoPE needs even sizes, rotary_dim <= head_dim"
+        )
     if cfg.max_position_embeddings < 2:
         problems.append(f"max_position_embeddings {cfg.max_position_embeddings}: no prompt and answer fit")
     for name, value in (("norm_eps", cfg.norm_eps), ("rope_theta", cfg.rope_theta)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             problems.append(f"{name} {value!r} must be a positive number")
-    if len(cfg.sliding_windows) != cfg.num_layers or any(w is not None and (isinstance(w, bool) or
-                                                         not isinstance(w, int) or w < 1)
-                                                         for w in cfg.sliding_windows):
+    if len(cfg.sliding_windows) != cfg.num_layers or any(
+        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in cfg.sliding_windows
+    ):
         problems.append("the sliding windows must be positive integers, one per layer")
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
@@ -91,6 +118,11 @@ class ModelConfig:
     qk_norm: str = ""
     norm_after: bool = False  # norms after attention and the MLP, none before (OLMo 2)
     fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
+    # Gemma 3: embeddings times sqrt(hidden); every RMSNorm times (1 + weight) in float32, rounded once;
+    # norms before and after attention and the MLP; its own score scale; local layers' own RoPE base
+    gemma: bool = False
+    attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (no scaling there)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
 
     @property
@@ -116,7 +148,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise CheckpointError(f"{path}: {key} must be a number, got {value!r}")
     try:
-        cfg = _parse_gptj(raw) if arch == "GPTJForCausalLM" else _parse_llama(raw, arch)
+        if arch == "GPTJForCausalLM":
+            cfg = _parse_gptj(raw)
+        elif arch == "Gemma3ForCausalLM":
+            cfg = _parse_gemma3(raw)
+        else:
+            cfg = _parse_llama(raw, arch)
     except KeyError as e:
         raise CheckpointError(f"{path}: missing field {e.args[0]!r} for {arch}") from None
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
@@ -125,15 +162,30 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos, bos = _special_ids(Path(model_dir), raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: eos_token_id / bos_token_id must be integers ({e})") from None
-    config = ModelConfig(architecture=arch, eos_token_ids=eos, bos_token_id=bos,
-                         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"), **cfg)
+    config = ModelConfig(
+        architecture=arch,
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        **cfg,
+    )
     validate_model_config(config, str(path))
     return config
 
 
 # config.json sizes: present ones must be valid; the optional ones may be null (their default applies)
-REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
-                  "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_positions")
+REQUIRED_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+)
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "n_inner", "rotary_dim", "sliding_window")
 
 
@@ -228,6 +280,55 @@ def _parse_llama(raw: dict, arch: str) -> dict:
     )
 
 
+def _parse_gemma3(raw: dict) -> dict:
+    """Gemma 3 (text): the Llama fields, named its way, and what it adds."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ValueError(f"{key} (Gemma 2's soft-capping) is not supported")
+    layers, heads = raw["num_hidden_layers"], raw["num_attention_heads"]
+    types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) else "full_attention"
+        for i in range(layers)
+    ]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError("layer_types must name sliding_attention or full_attention for every layer")
+    params = raw.get("rope_parameters") or {}
+    full = params.get("full_attention") or {
+        "rope_theta": raw.get("rope_theta", 1_000_000.0),
+        **(raw.get("rope_scaling") or {}),
+    }
+    local = params.get("sliding_attention") or {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("the sliding-window layers' RoPE must be plain (rope_type default)")
+    theta, scaling = _rope({"rope_parameters": full})
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    window = raw.get("sliding_window")
+    return dict(
+        hidden_size=raw["hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 131_072),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        hidden_act=raw.get("hidden_activation", "gelu_pytorch_tanh"),
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=head_dim,
+        qkv_bias=raw.get("attention_bias", False),
+        o_bias=raw.get("attention_bias", False),
+        mlp_bias=False,
+        sliding_windows=tuple(window if t == "sliding_attention" and window else None for t in types),
+        qk_norm="head",
+        gemma=True,
+        attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+        local_rope_theta=float(local.get("rope_theta", 10_000.0)),
+    )
+
+
 def _nope_layers(raw: dict, layers: int) -> frozenset[int]:
     """SmolLM3's layers without RoPE: `no_rope_layers` (1: RoPE, 0: none, one per layer), else
     every `no_rope_layer_interval`-th layer (4 by default), as transformers builds the list."""
@@ -237,7 +338,11 @@ def _nope_layers(raw: dict, layers: int) -> frozenset[int]:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
         flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+    if (
+        not isinstance(flags, list)
+        or len(flags) != layers
+        or any(f not in (0, 1) or isinstance(f, float) for f in flags)
+    ):
         raise ValueError(f"no_rope_layers must list 0 or 1 for each of the {layers} layers")
     return frozenset(i for i, use_rope in enumerate(flags) if not use_rope)
 

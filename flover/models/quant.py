@@ -59,8 +59,9 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
 
 
-def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
-             dtype: torch.dtype | None = None) -> tuple[QuantizedWeight, torch.Tensor]:
+def quantize(
+    weight: torch.Tensor, mode: str, keep_codes: bool = False, dtype: torch.dtype | None = None
+) -> tuple[QuantizedWeight, torch.Tensor]:
     """weight: [out, in] -> (the quantized weight, the dequantized weight in `dtype`, the model's:
     weight's own by default; a float32 weight of a bfloat16 model is quantized from its unrounded
     values). `keep_codes`: also keep int4's codes unpacked (the native step blocks them its own way)."""
@@ -82,8 +83,9 @@ def quantize(weight: torch.Tensor, mode: str, keep_codes: bool = False,
     return int4_weight(q.view(out, inp).to(torch.uint8), scale, low, dtype, keep_codes)
 
 
-def int4_weight(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype,
-                keep_codes: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
+def int4_weight(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype, keep_codes: bool = False
+) -> tuple[QuantizedWeight, torch.Tensor]:
     """A 4-bit grid, w = scale * q + low (codes uint8 [out, in] in 0..15; scale, low float32
     [out, in / 32]: a GGUF file's own, or quantize()'s) -> (the quantized weight, the dequantized
     weight in `dtype`)."""
@@ -99,8 +101,7 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dty
         scale32, zero32 = scale, low + 8 * scale
         dequantized = (q - 8) * scale32[..., None] + zero32[..., None]
         exact = torch.stack((scale32.t(), zero32.t()), dim=-1).contiguous()
-        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes, exact),
-                dequantized.view(out, inp).to(dtype))
+        return (QuantizedWeight(mode, data, scales, MAX_ROWS[mode], codes, exact), dequantized.view(out, inp).to(dtype))
     dequantized = (q - 8) * scale16.to(torch.float32)[..., None] + zero16.to(torch.float32)[..., None]
     return QuantizedWeight(mode, data, scales, MAX_ROWS[mode]), dequantized.view(out, inp).to(dtype)
 
@@ -139,8 +140,15 @@ class Grid:
         first = grids[0]
         low = None if first.low is None else torch.cat([g.low for g in grids])
         supers = None if first.supers is None else tuple(torch.cat(parts) for parts in zip(*(g.supers for g in grids)))
-        return Grid(torch.cat([g.codes for g in grids]), torch.cat([g.scale for g in grids]), low, first.group,
-                    first.bits, first.code_range, supers)
+        return Grid(
+            torch.cat([g.codes for g in grids]),
+            torch.cat([g.scale for g in grids]),
+            low,
+            first.group,
+            first.bits,
+            first.code_range,
+            supers,
+        )
 
 
 def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:

@@ -92,8 +92,11 @@ class CheckpointReader:
             if source.dim is None:
                 tensor = view[:]
             else:
-                tensor = view[tuple(slice(source.start, source.stop) if d == source.dim else slice(None)
-                                    for d in range(len(shape)))]
+                tensor = view[
+                    tuple(
+                        slice(source.start, source.stop) if d == source.dim else slice(None) for d in range(len(shape))
+                    )
+                ]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {source.name!r} ({e})") from None
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
@@ -101,8 +104,9 @@ class CheckpointReader:
         return tensor
 
 
-def load_weights(reader: CheckpointReader, specs: list[WeightSpec],
-                 take: Callable[[WeightSpec, torch.Tensor], bool] | None = None) -> None:
+def load_weights(
+    reader: CheckpointReader, specs: list[WeightSpec], take: Callable[[WeightSpec, torch.Tensor], bool] | None = None
+) -> None:
     """Each spec's parameter from its sources. `take(spec, values)`: offered the values as read
     (float32 for GGUF files) before they are rounded into the parameter; True if it has filled
     the parameter itself."""
@@ -110,7 +114,7 @@ def load_weights(reader: CheckpointReader, specs: list[WeightSpec],
         parts = [reader.read(src) for src in spec.sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if spec.pad and tensor.shape[0] < spec.param.shape[0]:
-            spec.param[tensor.shape[0]:].zero_()
+            spec.param[tensor.shape[0] :].zero_()
             target = spec.param[: tensor.shape[0]]
         else:
             target = spec.param

@@ -10,18 +10,28 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from flover.models.model_config import CheckpointError
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
+from flover.models.model_config import CheckpointError
 from flover.tools import prompt_messages
 
 # tokenizer.ggml.pre -> the split regex the merges were learned with (as transformers' GGUF
 # conversion and llama.cpp use them); absent: GPT-2's own (ByteLevel's built-in regex).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-          "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 log = logging.getLogger(__name__)
 DIGITS_ALONE = ("smollm",)  # llama.cpp splits every digit first (as SmolLM's own tokenizer.json does)
 
@@ -39,8 +49,9 @@ class Tokenizer:
         # The most text one token can stand for (UTF-8 bytes of its vocabulary string, an upper
         # bound for byte-level and sentencepiece vocabularies): a text of B bytes needs at least
         # B / max_token_bytes tokens, which lets a prompt that cannot fit be refused untokenized.
-        self.max_token_bytes = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)),
-                                   default=1)
+        self.max_token_bytes = max(
+            (len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)), default=1
+        )
         self.special_tokens = special_tokens
         self.chat_template, self.chat_template_error = None, None
         self.chat_template_source = chat_template  # its text: which tool-call syntax the model writes
@@ -49,11 +60,14 @@ class Tokenizer:
                 self.chat_template = _compile_template(chat_template)
             except Exception as e:  # a template that does not compile disables chat, not the model
                 self.chat_template_error = f"{type(e).__name__}: {e}"
-                log.warning("the checkpoint's chat template does not compile (%s): chat is off, plain prompts "
-                            "work", self.chat_template_error)
+                log.warning(
+                    "the checkpoint's chat template does not compile (%s): chat is off, plain prompts work",
+                    self.chat_template_error,
+                )
         # Byte-level vocabularies spell each byte as one printable character (GPT-2's table).
-        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} \
-            if isinstance(backend.decoder, decoders.ByteLevel) else None
+        self._byte_of = (
+            {c: b for b, c in _bytes_to_unicode().items()} if isinstance(backend.decoder, decoders.ByteLevel) else None
+        )
 
     @classmethod
     def from_directory(cls, model_dir: str | Path) -> "Tokenizer":
@@ -70,16 +84,23 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, spec: GGUFTokenizerSpec, where: str = "GGUF") -> "Tokenizer":
         if spec.model != "gpt2":
-            raise CheckpointError(f"{where}: tokenizer model {spec.model!r} is not supported yet (flover builds "
-                                  f"byte-level BPE tokenizers, tokenizer.ggml.model 'gpt2')")
+            raise CheckpointError(
+                f"{where}: tokenizer model {spec.model!r} is not supported yet (flover builds "
+                f"byte-level BPE tokenizers, tokenizer.ggml.model 'gpt2')"
+            )
         backend = _byte_level_bpe(spec)
         name = lambda i: spec.tokens[i] if i is not None and 0 <= i < len(spec.tokens) else None  # noqa: E731
-        special = {"bos_token": name(spec.bos_token_id), "eos_token": name(spec.eos_token_id),
-                   "unk_token": None, "pad_token": None}
+        special = {
+            "bos_token": name(spec.bos_token_id),
+            "eos_token": name(spec.eos_token_id),
+            "unk_token": None,
+            "pad_token": None,
+        }
         if spec.add_bos and special["bos_token"]:
             bos = special["bos_token"]
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_token_id)])
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_token_id)]
+            )
         return cls(backend, special, spec.chat_template)
 
     def cannot_fit(self, text: str, max_tokens: int) -> bool:
@@ -105,13 +126,17 @@ class Tokenizer:
         puts them for this template. `template_kwargs`: more variables for the template (e.g.
         Qwen3's enable_thinking; checked by protocol.check_template_kwargs)."""
         if self.chat_template_error is not None:
-            raise ValueError(f"this checkpoint's chat template is broken ({self.chat_template_error}); "
-                             f"chat is off, send a plain prompt instead")
+            raise ValueError(
+                f"this checkpoint's chat template is broken ({self.chat_template_error}); "
+                f"chat is off, send a plain prompt instead"
+            )
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not isinstance(messages, list) or not all(map(_chat_message, messages)):
-            raise ValueError("messages must be a list of {\"role\": str, \"content\": str} (an assistant's "
-                             "may carry tool_calls, a tool's its tool_call_id)")
+            raise ValueError(
+                'messages must be a list of {"role": str, "content": str} (an assistant\'s '
+                "may carry tool_calls, a tool's its tool_call_id)"
+            )
         extra = {}
         if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages, extra = prompt_messages(messages, tools, self.chat_template_source)
@@ -152,8 +177,12 @@ def _chat_message(m) -> bool:
     calls = m.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):
+            isinstance(c, dict)
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), (str, dict))
+            for c in calls
+        ):
             return False
         return m.get("content") is None or isinstance(m.get("content"), str)
     return isinstance(m.get("content"), str) and isinstance(m.get("tool_call_id", ""), str)
@@ -177,11 +206,11 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix: self._read])
-        after = decode(self.ids[self._prefix:])
+        before = decode(self.ids[self._prefix : self._read])
+        after = decode(self.ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta = after[len(before):]
+        delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
@@ -201,26 +230,46 @@ def _byte_level_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
     GGUF conversion builds it."""
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     spelling = _bytes_to_unicode()
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(spec.tokens)}
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(spec.tokens)
+    }
     merges = [tuple(m.split(" ")) for m in spec.merges]
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                     end_of_word_suffix="", fuse_unk=False))
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = SPLITS.get(spec.pre)
     if split is not None:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                  use_regex=False)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif spec.pre in DIGITS_ALONE:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(spec.tokens, spec.token_types)
-               if kind == 3 and set(t) <= alphabet]
-    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(spec.tokens, spec.token_types)
-            if kind == 4 and t in vocab]
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(spec.tokens, spec.token_types)
+        if kind == 3 and set(t) <= alphabet
+    ]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(spec.tokens, spec.token_types)
+        if kind == 4 and t in vocab
+    ]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
     return backend
@@ -228,8 +277,9 @@ def _byte_level_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what byte-level vocabularies are spelled in)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

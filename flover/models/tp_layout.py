@@ -39,20 +39,35 @@ class TPLayout:
     def build(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> "TPLayout":
         h, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
         if h % size:
-            raise ValueError(f"tensor parallelism over {size} ranks: num_attention_heads={h} is not divisible "
-                             f"by {size}; use -np in {{{_divisors(h)}}}")
+            raise ValueError(
+                f"tensor parallelism over {size} ranks: num_attention_heads={h} is not divisible "
+                f"by {size}; use -np in {{{_divisors(h)}}}"
+            )
         if kv >= size and kv % size:
-            raise ValueError(f"tensor parallelism over {size} ranks: num_key_value_heads={kv} is not divisible "
-                             f"by {size}")
+            raise ValueError(
+                f"tensor parallelism over {size} ranks: num_key_value_heads={kv} is not divisible by {size}"
+            )
         if kv < size and size % kv:
-            raise ValueError(f"tensor parallelism over {size} ranks: {kv} kv heads cannot be shared evenly "
-                             f"(the rank count must be a multiple of {kv})")
+            raise ValueError(
+                f"tensor parallelism over {size} ranks: {kv} kv heads cannot be shared evenly "
+                f"(the rank count must be a multiple of {kv})"
+            )
         if inter % size:
-            raise ValueError(f"tensor parallelism over {size} ranks: intermediate_size={inter} is not divisible "
-                             f"by {size}")
+            raise ValueError(
+                f"tensor parallelism over {size} ranks: intermediate_size={inter} is not divisible by {size}"
+            )
         kv_local = max(1, kv // size)
         vocab = -(-cfg.vocab_size // size)
-        return cls(rank=rank, size=size, heads=h // size, head_start=rank * (h // size), kv_heads=kv_local,
-                   kv_head_start=rank * kv // size if kv < size else rank * kv_local,
-                   intermediate=inter // size, intermediate_start=rank * (inter // size),
-                   vocab=vocab, vocab_start=rank * vocab, vocab_total=cfg.vocab_size)
+        return cls(
+            rank=rank,
+            size=size,
+            heads=h // size,
+            head_start=rank * (h // size),
+            kv_heads=kv_local,
+            kv_head_start=rank * kv // size if kv < size else rank * kv_local,
+            intermediate=inter // size,
+            intermediate_start=rank * (inter // size),
+            vocab=vocab,
+            vocab_start=rank * vocab,
+            vocab_total=cfg.vocab_size,
+        )

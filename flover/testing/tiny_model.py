@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gptj")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma3", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -111,6 +111,7 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         "qwen2": "Qwen2Config",
         "olmo2": "Olmo2Config",
         "phi3": "Phi3Config",
+        "gemma3": "Gemma3TextConfig",
         "qwen3": "Qwen3Config",
         "smollm3": "SmolLM3Config",
     }
