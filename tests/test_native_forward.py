@@ -106,6 +106,7 @@ VARIANTS = [
     "smollm3",
     "olmo2",
     "phi3",
+    "gemma3",
     "llama-vocab509-kv4",
     "llama-head80-group6",
 ]
@@ -126,7 +127,16 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
 
 @pytest.mark.parametrize(
     "variant",
-    ["llama", "llama-mqa-bias-tied-llama3", "mistral-window8", "llama-head80-group6", "qwen3", "olmo2", "phi3"],
+    [
+        "llama",
+        "llama-mqa-bias-tied-llama3",
+        "mistral-window8",
+        "llama-head80-group6",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "gemma3",
+    ],
 )
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     """bfloat16 rounds every intermediate at the points PyTorch does: the logits stay within a
@@ -234,6 +244,8 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
         ("float32", "none", "olmo2"),
         ("bfloat16", "file", "olmo2"),
         ("bfloat16", "none", "phi3"),
+        ("float32", "none", "gemma3"),
+        ("bfloat16", "int8", "gemma3"),
     ],
 )
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(

@@ -22,11 +22,14 @@ static const AbiEntry ABI[] = {
     AT(Model, final_norm), AT(Model, head), AT(Model, head_scales), AT(Model, cos), AT(Model, sin),
     AT(Model, head_grid), AT(Model, embed_grid), AT(Model, vocab_start), AT(Model, all_reduce),
     AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows), AT(Model, rotary_dim),
+    AT(Model, embed_scale), AT(Model, attn_scale), AT(Model, norm_offset), AT(Model, act), AT(Model, local_cos),
+    AT(Model, local_sin),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
     AT(Layer, window), AT(Layer, qkv_grid), AT(Layer, o_grid), AT(Layer, gate_up_grid), AT(Layer, down_grid),
-    AT(Layer, q_norm), AT(Layer, k_norm), AT(Layer, no_rope), AT(Layer, qk_norm_whole), AT(Layer, ffn_norm_after),
+    AT(Layer, q_norm), AT(Layer, k_norm), AT(Layer, no_rope), AT(Layer, qk_norm_whole), AT(Layer, attn_norm_after), AT(Layer, local_rope),
+    AT(Layer, ffn_norm_after),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

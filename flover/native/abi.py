@@ -41,7 +41,9 @@ CODES = (
 
 
 def _int64_struct(name: str, fields: str, doc: str) -> type[ctypes.Structure]:
-    return type(name, (ctypes.Structure,), {"_fields_": [(f, I64) for f in fields.split()], "__doc__": doc})
+    """Fields in native.h's order: int64, or double where the name ends in ":d"."""
+    layout = [(f[:-2], ctypes.c_double) if f.endswith(":d") else (f, I64) for f in fields.split()]
+    return type(name, (ctypes.Structure,), {"_fields_": layout, "__doc__": doc})
 
 
 Model = _int64_struct(
@@ -50,14 +52,16 @@ Model = _int64_struct(
     layers hidden heads kv_heads head_dim inter vocab dtype max_seq
     kv kv_layer kv_kind kv_slot kv_head kv_pos
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
-    head_screen head_screen_scales head_bounds screen_rows rotary_dim""",
+    head_screen head_screen_scales head_bounds screen_rows rotary_dim
+    embed_scale:d attn_scale:d norm_offset act local_cos local_sin""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(
     "Layer",
     """
     input_norm qkv qkv_bias o o_bias post_norm gate_up gate_up_bias down down_bias window
-    qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope qk_norm_whole ffn_norm_after""",
+    qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope qk_norm_whole attn_norm_after local_rope
+    ffn_norm_after""",
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0.",
 )
 GridPart = _int64_struct(

@@ -90,7 +90,7 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
             int64_t len, float *scores, float *out) {
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
-    const float scale = 1.f / sqrtf((float)d);
+    const float scale = md->attn_scale > 0 ? (float)md->attn_scale : 1.f / sqrtf((float)d);
     if (vector_attention(md)) {
         uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
         if (bf && has_bf16_dot()) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
@@ -166,7 +166,7 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos, group = md->heads / md->kv_heads, es = bf ? 2 : 4;
     const int64_t nq = n * group, nb = (nq + 15) / 16, width = nb * 16;
-    const float scale = 1.f / sqrtf((float)d);
+    const float scale = md->attn_scale > 0 ? (float)md->attn_scale : 1.f / sqrtf((float)d);
     void *qt = scratch;                         /* blocked queries: nb x d x 16 values */
     float *S = scratch + MAX_BLOCK_QUERIES * d; /* [keys of the block][width] */
     float *keys = S + md->max_seq * MAX_BLOCK_QUERIES; /* a tile's keys as floats (widening families) */

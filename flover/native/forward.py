@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 DTYPE_CODES = {torch.float32: abi.DT_F32, torch.bfloat16: abi.DT_BF16}
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}  # Model.act (native.h)
 SCREEN_INT8_ROWS = 8  # a bfloat16 model's greedy rows go through its int8 head screen up to this many
 
 # flover_check_model's codes
@@ -70,12 +71,10 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     cfg = model.cfg
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
-    if cfg.gemma:
-        return "Gemma 3's (1 + weight) norms, four a layer, scaled embeddings: not in the native step yet"
     if cfg.norm_after and (cfg.o_bias or cfg.mlp_bias):
         return "norms after attention and the MLP with o / down biases"
-    if cfg.hidden_act != "silu":
-        return f"activation {cfg.hidden_act!r} (silu only)"
+    if cfg.hidden_act not in ACTIVATIONS:
+        return f"activation {cfg.hidden_act!r} ({', '.join(ACTIVATIONS)} only)"
     if model.rotary.interleaved or cfg.head_dim > 512:
         return "rotary embedding other than rotate-half over heads of at most 512 dims"
     sizes = {
@@ -174,6 +173,7 @@ class NativeForward:
         layer_modes = {lin.quantized.mode for lin in plan.quantized if lin is not model.lm_head}  # (before release)
         self.quantization = next(iter(sorted(layer_modes)), None)
         self._arena = plan.arena(dtype)
+        self._norm_weights: list[torch.Tensor] = []  # Gemma 3's (1 + w) float32 norms, held while C reads them
         self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
         self._model_struct = self._model_struct_of(plan, buffer.kv, comm)
         if release:
@@ -199,6 +199,23 @@ class NativeForward:
             weight = block_weight(weight, self._arena.take(blocked_shape(weight), self.dtype))
         assert weight.is_contiguous() and weight.dtype == self.dtype
         return weight.data_ptr()
+
+    def _norm_address(self, weight: torch.Tensor | None) -> int:
+        """A norm weight's address: as it is, or for Gemma 3 a float32 (1 + weight) of its own."""
+        if weight is None or not self.model.cfg.gemma:
+            return self._address(weight)
+        self._norm_weights.append((1.0 + weight.detach().float()).contiguous())
+        return self._norm_weights[-1].data_ptr()
+
+    def _gemma_fields(self) -> dict:
+        """Model's fields for what Gemma 3 adds (and the activation of every model)."""
+        model, cfg = self.model, self.model.cfg
+        fields = dict(act=ACTIVATIONS[cfg.hidden_act], norm_offset=int(cfg.gemma), attn_scale=cfg.attn_scale or 0.0)
+        if cfg.gemma:  # sqrt(hidden) as the PyTorch forward rounds it: float32, then the model dtype
+            fields["embed_scale"] = float(torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(self.dtype))
+        if model.local_rotary is not None:
+            fields.update(local_cos=model.local_rotary.cos.data_ptr(), local_sin=model.local_rotary.sin.data_ptr())
+        return fields
 
     def _placed(self, runs: list[Run]) -> list[tuple[torch.Tensor, ...]]:
         return [tuple(self._arena.take(shape, kind) for shape, kind in run.shapes) for run in runs]
@@ -248,13 +265,14 @@ class NativeForward:
             kv_head=kv.stride(3),
             kv_pos=kv.stride(4),
             embed=model.embed.data_ptr(),
-            final_norm=model.norm.data_ptr(),
+            final_norm=self._norm_address(model.norm),
             cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(),
             rotary_dim=model.rotary.rotary_dim,
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
+            **self._gemma_fields(),
             **self._head_fields(plan),
         )
         failed = self.lib.flover_check_model(struct)
@@ -272,22 +290,24 @@ class NativeForward:
                 for name in PROJECTIONS:
                     getattr(layer, name).release()
             layers[i] = abi.Layer(
-                input_norm=self._address(layer.input_norm),
+                input_norm=self._norm_address(layer.input_norm),
                 qkv=blocked["qkv"][0],
                 qkv_bias=self._address(layer.qkv.bias),
                 o=blocked["o"][0],
                 o_bias=self._address(layer.o_bias),
-                post_norm=self._address(layer.post_norm),
+                post_norm=self._norm_address(layer.post_norm),
                 gate_up=blocked["gate_up"][0],
                 gate_up_bias=self._address(layer.gate_up.bias),
                 down=blocked["down"][0],
                 down_bias=self._address(layer.down_bias),
                 window=window or 0,
-                q_norm=self._address(layer.q_norm),
-                k_norm=self._address(layer.k_norm),
+                q_norm=self._norm_address(layer.q_norm),
+                k_norm=self._norm_address(layer.k_norm),
                 no_rope=int(not layer.rope),
                 qk_norm_whole=int(self.model.cfg.qk_norm == "projection"),
-                ffn_norm_after=self._address(layer.ffn_norm_after),
+                ffn_norm_after=self._norm_address(layer.ffn_norm_after),
+                attn_norm_after=self._norm_address(layer.attn_norm_after),
+                local_rope=int(window is not None and self.model.local_rotary is not None),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
             )
         return layers

@@ -122,6 +122,8 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             hidden[r * h + i] = t >= 0 && t < md->vocab ? load((const void *)md->embed, t * h + i, bf) : 0.f;
     }
     reduce_rows(md, hidden, rows * h);
+    if (md->embed_scale != 0) /* (Gemma 3) times sqrt(hidden), that factor already in the model dtype */
+        for (int64_t i = 0; i < rows * h; i++) hidden[i] = rnd(hidden[i] * (float)md->embed_scale, bf);
 
     /* Attention tasks: prompt rows in blocks (consecutive positions of one slot, up to
      * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies; decode rows (the
@@ -142,7 +144,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
-        if (layers[0].input_norm) rms_norm(hidden + r * h, (const void *)layers[0].input_norm, eps, h, bf, normed + r * h);
+        if (layers[0].input_norm) norm_row(md, hidden + r * h, layers[0].input_norm, eps, h, bf, normed + r * h);
         else memcpy(normed + r * h, hidden + r * h, h * sizeof(float)); /* (OLMo 2: no norm before attention) */
     }
     for (int64_t l = 0; l < md->layers; l++) {
@@ -157,13 +159,14 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             float *row = wide + r * qkv_n;
             const int64_t p = positions[r];
             const int64_t rot = md->rotary_dim;
-            const void *cos_row = (const char *)md->cos + p * rot * es, *sin_row = (const char *)md->sin + p * rot * es;
+            const int64_t cos_base = ly->local_rope ? md->local_cos : md->cos, sin_base = ly->local_rope ? md->local_sin : md->sin;
+            const void *cos_row = (const char *)cos_base + p * rot * es, *sin_row = (const char *)sin_base + p * rot * es;
             if (ly->q_norm && ly->qk_norm_whole) { /* (OLMo 2) all of q, then all of k: in place */
-                rms_norm(row, (const void *)ly->q_norm, eps, q_size, bf, row);
-                rms_norm(row + q_size, (const void *)ly->k_norm, eps, kv_size, bf, row + q_size);
+                norm_row(md, row, ly->q_norm, eps, q_size, bf, row);
+                norm_row(md, row + q_size, ly->k_norm, eps, kv_size, bf, row + q_size);
             } else if (ly->q_norm) /* (Qwen3) each head of q, then of k, alone: in place */
                 for (int64_t hh = 0; hh < heads + kvh; hh++)
-                    rms_norm(row + hh * d, (const void *)(hh < heads ? ly->q_norm : ly->k_norm), eps, d, bf, row + hh * d);
+                    norm_row(md, row + hh * d, hh < heads ? ly->q_norm : ly->k_norm, eps, d, bf, row + hh * d);
             if (!ly->no_rope)
                 for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, rot, bf);
             for (int64_t g = 0; g < kvh; g++) {
@@ -193,26 +196,31 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
         PROJECT(o, 0, mid, h, q_size, normed)
         reduce_rows(md, normed, rows * h);
-        if (ly->ffn_norm_after) /* OLMo 2: attention's output normed, then added; the MLP reads the sum */
-            norm_then_residual(hidden, normed, rows, ly->post_norm, 0, eps, h, bf, nt);
+        if (ly->attn_norm_after) /* Gemma 3: attention's output normed, added, the sum normed for the MLP */
+            norm_then_residual(md, hidden, normed, rows, ly->attn_norm_after, ly->post_norm, eps, h, bf, nt);
+        else if (ly->ffn_norm_after) /* OLMo 2: attention's output normed, then added; the MLP reads the sum */
+            norm_then_residual(md, hidden, normed, rows, ly->post_norm, 0, eps, h, bf, nt);
         else
-            residual_and_norm(hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
+            residual_and_norm(md, hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
         PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
-        for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+        for (int r = 0; r < rows; r++) {
+            if (md->act) gelu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+            else silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+        }
         PROJECT(down, 0, mid, h, inter, normed)
         reduce_rows(md, normed, rows * h);
         const int64_t next_norm = l + 1 < md->layers ? layers[l + 1].input_norm : 0;
         if (ly->ffn_norm_after)
-            norm_then_residual(hidden, normed, rows, ly->ffn_norm_after, next_norm, eps, h, bf, nt);
+            norm_then_residual(md, hidden, normed, rows, ly->ffn_norm_after, next_norm, eps, h, bf, nt);
         else
-            residual_and_norm(hidden, normed, rows, ly->down_bias, next_norm, eps, h, bf, nt);
+            residual_and_norm(md, hidden, normed, rows, ly->down_bias, next_norm, eps, h, bf, nt);
     }
     /* the final norm of the rows whose logits are wanted, then the LM head writes them straight
      * into `logits`, in float32 whatever the model dtype (as llama.cpp's): rounded to bfloat16,
      * near ties became exact ties, which the first index won (SmolLM2's first answer token) */
     for (int o = 0; o < n_out; o++)
-        rms_norm(hidden + out_rows[o] * h, (const void *)md->final_norm, eps, h, bf, mid + o * h);
+        norm_row(md, hidden + out_rows[o] * h, md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
     if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
     if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);

@@ -53,6 +53,11 @@ typedef struct {
      * the whole head, their argmax found as its tiles come out (head_greedy) */
     int64_t screen_rows;
     int64_t rotary_dim; /* RoPE turns the first rotary_dim dims of each head (tables [max_seq, rotary_dim]) */
+    /* Gemma 3: embeddings times embed_scale (0: none); scores times attn_scale (0: 1 / sqrt(head_dim));
+     * norm_offset: every norm weight is a float32 (1 + w) and the norm rounds once; act 0 SiLU,
+     * 1 GELU (tanh); the sliding-window layers' own RoPE tables (0: none) */
+    double embed_scale, attn_scale;
+    int64_t norm_offset, act, local_cos, local_sin;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
@@ -64,6 +69,9 @@ typedef struct {
     int64_t q_norm, k_norm; /* RMSNorm weights [head_dim] over each head of q and k before RoPE (Qwen3), else 0 */
     int64_t no_rope;        /* 1: the layer skips RoPE (SmolLM3's NoPE layers) */
     int64_t qk_norm_whole;  /* 1: q_norm / k_norm span all of q and of k (OLMo 2), 0: each head */
+    int64_t attn_norm_after; /* Gemma 3: the norm of attention's output before the residual add (post_norm then
+                              * normalizes the sum for the MLP), else 0 */
+    int64_t local_rope;     /* 1: RoPE from the model's local tables (Gemma 3's sliding-window layers) */
     int64_t ffn_norm_after; /* OLMo 2: the norm of the MLP's output before the residual add (then input_norm is 0
                              * and post_norm normalizes attention's output likewise), else 0 */
 } Layer;
@@ -215,12 +223,14 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out);
 
 /* ---- row_ops.c --------------------------------------------------------------------------------- */
 void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);
+void norm_row(const Model *md, const float *x, int64_t weight, float eps, int64_t h, int bf, float *out);
 void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf);
-void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
+void residual_and_norm(const Model *md, float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
                        int nt);
-void norm_then_residual(float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
+void norm_then_residual(const Model *md, float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
                         int bf, int nt);
 void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
+void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 
 /* ---- attention.c ------------------------------------------------------------------------------- */
 #define MAX_GROUP 16

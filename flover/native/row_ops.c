@@ -21,6 +21,24 @@ void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, 
     }
 }
 
+/* Gemma's RMSNorm: `weight` is float32 (1 + w); normalized and scaled in float32, rounded once. */
+static void rms_norm_f32w(const float *x, const float *weight, float eps, int64_t h, int bf, float *out) {
+    v16 acc = v_zero();
+    for (int64_t i = 0; i < h; i += 16) {
+        const v16 v = v_loadn(x + i, h - i);
+        acc = v_fmadd(v, v, acc);
+    }
+    const v16 r = v_set1(1.f / sqrtf(v_reduce_add(acc) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16)
+        v_storen(out + i, v_rnd(v_mul(v_mul(v_loadn(x + i, h - i), r), v_loadn(weight + i, h - i)), bf), h - i);
+}
+
+/* The model's norm of one row (Gemma's where md->norm_offset); `weight` an address. */
+void norm_row(const Model *md, const float *x, int64_t weight, float eps, int64_t h, int bf, float *out) {
+    if (md->norm_offset) rms_norm_f32w(x, (const float *)weight, eps, h, bf, out);
+    else rms_norm(x, (const void *)weight, eps, h, bf, out);
+}
+
 /* Rotate one head in place: x * cos + roll(x, d / 2) * sin_signed (the sign folded into the
  * table, as flover's Rotary), rounded as PyTorch's mul then addcmul. */
 void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf) {
@@ -47,24 +65,24 @@ static void add_residual(float *hidden, const float *out, const void *bias, int6
 
 /* hidden += out (+ bias) for every row, then (unless norm is 0) normed = rms_norm(hidden): in one
  * pass per row (out is read before normed overwrites it: they may be the same rows). */
-void residual_and_norm(float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
+void residual_and_norm(const Model *md, float *hidden, float *out, int rows, int64_t bias, int64_t norm, float eps, int64_t h, int bf,
                        int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
         add_residual(hidden + r * h, out + r * h, (const void *)bias, h, bf);
-        if (norm) rms_norm(hidden + r * h, (const void *)norm, eps, h, bf, out + r * h);
+        if (norm) norm_row(md, hidden + r * h, norm, eps, h, bf, out + r * h);
     }
 }
 
 /* The layout with norms after attention and the MLP (OLMo 2): hidden += rms_norm(out, norm) for
  * every row, then out = the next input: rms_norm(hidden, next_norm), or hidden itself (0). */
-void norm_then_residual(float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
+void norm_then_residual(const Model *md, float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
                         int bf, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
-        rms_norm(out + r * h, (const void *)norm, eps, h, bf, out + r * h);
+        norm_row(md, out + r * h, norm, eps, h, bf, out + r * h);
         add_residual(hidden + r * h, out + r * h, 0, h, bf);
-        if (next_norm) rms_norm(hidden + r * h, (const void *)next_norm, eps, h, bf, out + r * h);
+        if (next_norm) norm_row(md, hidden + r * h, next_norm, eps, h, bf, out + r * h);
         else memcpy(out + r * h, hidden + r * h, h * sizeof(float));
     }
 }
@@ -76,6 +94,20 @@ void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
         const int64_t n = inter - i;
         const v16 g = v_loadn(gate_up + i, n);
         const v16 act = v_rnd(v_div(g, v_add(v_set1(1.f), v_exp(v_sub(v_zero(), g)))), bf);
+        v_storen(out + i, v_rnd(v_mul(act, v_loadn(up + i, n)), bf), n);
+    }
+}
+
+/* out = rnd(rnd(gelu_tanh(gate)) * up), as F.gelu(approximate="tanh") then the product (Gemma's
+ * GeGLU): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1). */
+void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
+    const float *up = gate_up + inter;
+    for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t n = inter - i;
+        const v16 g = v_loadn(gate_up + i, n);
+        const v16 y = v_mul(v_set1(0.7978845608028654f), v_fmadd(v_mul(v_set1(0.044715f), v_mul(g, g)), g, g));
+        const v16 t = v_sub(v_set1(1.f), v_div(v_set1(2.f), v_add(v_exp(v_add(y, y)), v_set1(1.f))));
+        const v16 act = v_rnd(v_mul(v_mul(v_set1(0.5f), g), v_add(v_set1(1.f), t)), bf);
         v_storen(out + i, v_rnd(v_mul(act, v_loadn(up + i, n)), bf), n);
     }
 }
