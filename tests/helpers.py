@@ -74,6 +74,20 @@ VARIANTS = {
         ),
         dict(num_layers=3),
     ),
+    # the same as llama.cpp reads a gemma3 file: 7 layers, every 6th global, query_pre_attn_scalar = head_dim
+    "gemma3-7": (
+        "gemma3",
+        dict(
+            head_dim=24,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=100000.0, factor=2.0),
+                sliding_attention=dict(rope_type="default", rope_theta=5000.0),
+            ),
+        ),
+        dict(num_layers=7),
+    ),
     # fused qkv_proj / gate_up_proj, RoPE over half of each head, LongRoPE's factors and attention
     # factor (sequences stay within the original length: the short factors, in both)
     "phi3": (

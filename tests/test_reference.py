@@ -60,7 +60,16 @@ def test_float64_greedy_generation_matches_transformers(make_model, variant):
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs):
         ids = llm.tokenizer.encode(prompt)
-        expected = ref.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        if variant.startswith("gemma3"):
+            # transformers' generate disagrees with its own forward here once a sliding-window
+            # layer's cache is full (its token differs from the argmax of the full sequence's
+            # logits): greedy by the full forward, each of our tokens the argmax at its place
+            expected = torch.tensor([ids + out.token_ids])
+            with torch.no_grad():
+                chosen = ref(expected).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()
+            assert out.token_ids == chosen, (variant, prompt)
+        else:
+            expected = ref.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
         assert out.token_ids == expected[0, len(ids) :].tolist(), (variant, prompt)
         assert out.finish_reason == "length"
         # The decode path's log-probabilities equal the reference's for every generated token.

@@ -15,6 +15,7 @@ un-permutation simple, and a rank holds one dequantized tensor at a time).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import struct
@@ -37,6 +38,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "smollm3": ("SmolLM3ForCausalLM", True),
     "olmo2": ("Olmo2ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
 NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -65,7 +67,14 @@ GGUF_LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 # where an architecture's tensor has another GGUF name (OLMo 2's norm after attention)
-GGUF_LAYER_RENAMES = {"olmo2": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+GGUF_LAYER_RENAMES = {
+    "olmo2": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+    "gemma3": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    },
+}
+GEMMA_SWA_PATTERN = 6  # gemma3: every 6th layer global unless the file says (llama.cpp's default)
 
 
 def gguf_layer_names(arch: str) -> dict[str, str]:
@@ -198,8 +207,39 @@ class GGUFFile:
             norm_after=a == "olmo2",
             nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0),
         )
+        if a == "gemma3":
+            cfg = self._gemma3(cfg)
         validate_model_config(cfg, where)
         return cfg
+
+    def _gemma3(self, cfg: ModelConfig) -> ModelConfig:
+        """What a gemma3 file holds beyond the Llama fields, read as llama.cpp reads it: the local
+        layers by the sliding-window pattern (an array of flags, or every n-th layer global: 6),
+        their RoPE base, the score scale (1 / sqrt(head_dim); 27B's 62 layers: of hidden / heads,
+        the query_pre_attn_scalar the file does not store). Its norm weights hold w + 1
+        (GGUFReader.read takes the 1 off)."""
+        a, window = self.arch, cfg.sliding_windows[0]
+        if self.get(f"{a}.final_logit_softcapping") is not None:
+            raise CheckpointError(f"{self.path}: {a}.final_logit_softcapping (soft-capping) is not supported")
+        pattern = self.get(f"{a}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN)
+        if isinstance(pattern, list):
+            if len(pattern) != cfg.num_layers or not all(isinstance(f, (bool, int)) for f in pattern):
+                raise CheckpointError(f"{self.path}: {a}.attention.sliding_window_pattern needs a flag per layer")
+            local = [bool(f) for f in pattern]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+            local = [i % pattern < pattern - 1 for i in range(cfg.num_layers)]
+        else:
+            raise CheckpointError(f"{self.path}: {a}.attention.sliding_window_pattern must be a positive integer")
+        scalar = cfg.hidden_size / cfg.num_heads if cfg.num_layers == 62 else cfg.head_dim
+        return dataclasses.replace(
+            cfg,
+            hidden_act="gelu_pytorch_tanh",
+            gemma=True,
+            qk_norm="head",
+            attn_scale=float(scalar) ** -0.5,
+            local_rope_theta=self.number(f"{a}.rope.freq_base_swa", 10000.0),
+            sliding_windows=tuple(window if window and is_local else None for is_local in local),
+        )
 
     def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
         """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,
@@ -307,6 +347,8 @@ class GGUFReader:
             raise CheckpointError(f"{self.dir}: tensor {name} holds values that are not finite (NaN or infinity)")
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
+        if self.file.arch == "gemma3" and name.endswith("norm.weight"):  # the converter stored w + 1
+            weight = weight - 1
         if source.dim is None:
             return weight
         index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None) for d in range(len(t.shape)))

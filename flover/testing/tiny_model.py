@@ -152,6 +152,7 @@ GGUF_ARCH = {
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -185,10 +186,10 @@ def write_gguf(
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    layers, theta = (
-        config["num_hidden_layers"],
-        (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)),
-    )
+    rope_parameters = config.get("rope_parameters") or {}
+    if arch == "gemma3":  # (per layer type: the global layers' in the usual keys, the local base apart)
+        rope_parameters = rope_parameters.get("full_attention") or {}
+    layers, theta = config["num_hidden_layers"], rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
 
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
@@ -207,7 +208,14 @@ def write_gguf(
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     _write_gguf_tokenizer(w, model_dir)
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    rope = {**(config.get("rope_scaling") or {}), **rope_parameters}
+    if arch == "gemma3":  # as the converter writes it (the pattern stays llama.cpp's default: every 6th global)
+        local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+        w.add_float32("gemma3.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
+        w.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
     if rope.get("rope_type") == "llama3":  # as convert_hf_to_gguf.py: per-dimension divisors
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, float(theta), config["hidden_size"] // heads))
 
@@ -221,6 +229,8 @@ def write_gguf(
             continue
         name = names[hf_name]
         data = data.astype(np.float32)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):  # the converter stores Gemma's 1 + w
+            data = data + 1
         if arch in ("llama", "smollm3") and name.endswith("attn_q.weight"):
             data = permute(data, heads)
         elif arch in ("llama", "smollm3") and name.endswith("attn_k.weight"):
