@@ -255,15 +255,7 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         windows = tuple(window if i >= max_full else None for i in range(layers))
     attention_bias = raw.get("attention_bias", False)
     return dict(
-        hidden_size=raw["hidden_size"],
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=raw["intermediate_size"],
-        vocab_size=raw["vocab_size"],
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        **_sizes(raw, head_dim, 2048),
         hidden_act=raw.get("hidden_act", "silu"),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         rope_theta=theta,
@@ -277,6 +269,22 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         norm_after=arch == "Olmo2ForCausalLM",
         fused_projections=arch == "Phi3ForCausalLM",
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else frozenset(),
+    )
+
+
+def _sizes(raw: dict, head_dim: int, max_positions: int) -> dict:
+    """The sizes every config.json of the Llama family names alike."""
+    heads = raw["num_attention_heads"]
+    return dict(
+        hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", max_positions),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
     )
 
 
@@ -304,15 +312,7 @@ def _parse_gemma3(raw: dict) -> dict:
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     window = raw.get("sliding_window")
     return dict(
-        hidden_size=raw["hidden_size"],
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=raw["intermediate_size"],
-        vocab_size=raw["vocab_size"],
-        max_position_embeddings=raw.get("max_position_embeddings", 131_072),
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        **_sizes(raw, head_dim, 131_072),
         hidden_act=raw.get("hidden_activation", "gelu_pytorch_tanh"),
         tie_word_embeddings=raw.get("tie_word_embeddings", True),
         rope_theta=theta,
