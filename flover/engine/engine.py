@@ -76,9 +76,8 @@ class Engine(ServingEngine):
         self.is_leader = self.comm is None or self.comm.rank == 0
         self.groups = 1
         ranks = self.comm.size if self.comm else 1
-        torch.set_num_threads(
-            config.num_threads or threads_per_rank(local_ranks() or ranks)
-        )  # the node's ranks share it
+        # the node's ranks share its cores
+        torch.set_num_threads(config.num_threads or threads_per_rank(local_ranks() or ranks))
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)

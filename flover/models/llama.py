@@ -46,6 +46,7 @@ class LlamaLayer(nn.Module):
         norm_sizes = {"head": (d, d), "projection": (self.q_size, self.kv_size)}.get(cfg.qk_norm)
         self.q_norm, self.k_norm = (p(norm_sizes[0]), p(norm_sizes[1])) if norm_sizes else (None, None)
         self.rope = index not in cfg.nope_layers  # (SmolLM3's NoPE layers: positions only through the causal mask)
+        self.local_rope = cfg.local_rope_theta is not None and window is not None  # (Gemma 3's own base)
         self.o = lin(h, self.q_size, False)
         self.o_bias = p(h) if cfg.o_bias else None
         self.post_norm = p(h)  # before the MLP; OLMo 2: after attention, before the residual add
@@ -140,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(cfg, max_len, dtype, device)
         # Gemma 3's sliding-window layers rotate with a base of their own
         self.local_rotary = Rotary(cfg, max_len, dtype, device, local=True) if cfg.local_rope_theta else None
+        # Gemma 3's embeddings are scaled by sqrt(hidden), that factor rounded as transformers' (float32, then dtype)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(device=device, dtype=dtype) if cfg.gemma else None
         self.norm_fn = offset_rms_norm if cfg.gemma else rms_norm  # Gemma 3: (1 + weight), rounded once
         self.act = activation(cfg.hidden_act)
 
@@ -164,8 +167,8 @@ class LlamaForCausalLM(nn.Module):
         cfg, tp, comm = self.cfg, self.tp, self.comm
         tokens = batch.input_ids.shape[0]
         hidden = vocab_embedding(batch.input_ids, self.embed, tp, comm)  # [T, hidden]
-        if cfg.gemma:  # times sqrt(hidden), that factor first rounded as transformers' (float32, then the dtype)
-            hidden = hidden * torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(hidden.dtype)
+        if self.embed_scale is not None:  # (Gemma 3)
+            hidden = hidden * self.embed_scale
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
         local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
         norm = self.norm_fn
@@ -187,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
                 qk = torch.cat(
                     (norm(q_flat, layer.q_norm, cfg.norm_eps), norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1
                 ).view(tokens, qk_heads, cfg.head_dim)
-            if layer.rope and local_tables is not None and layer.attn_opts.window is not None:  # (Gemma 3's local)
+            if layer.rope and layer.local_rope:
                 qk = self.local_rotary(qk, batch.positions, local_tables)
             elif layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
                 qk = self.rotary(qk, batch.positions, tables)

@@ -207,12 +207,12 @@ class NativeForward:
         self._norm_weights.append((1.0 + weight.detach().float()).contiguous())
         return self._norm_weights[-1].data_ptr()
 
-    def _gemma_fields(self) -> dict:
-        """Model's fields for what Gemma 3 adds (and the activation of every model)."""
+    def _family_fields(self) -> dict:
+        """Model's fields that vary by family: the activation; Gemma 3's norms, scales and local RoPE."""
         model, cfg = self.model, self.model.cfg
         fields = dict(act=ACTIVATIONS[cfg.hidden_act], norm_offset=int(cfg.gemma), attn_scale=cfg.attn_scale or 0.0)
         if cfg.gemma:  # sqrt(hidden) as the PyTorch forward rounds it: float32, then the model dtype
-            fields["embed_scale"] = float(torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(self.dtype))
+            fields["embed_scale"] = float(model.embed_scale)
         if model.local_rotary is not None:
             fields.update(local_cos=model.local_rotary.cos.data_ptr(), local_sin=model.local_rotary.sin.data_ptr())
         return fields
@@ -272,7 +272,7 @@ class NativeForward:
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
-            **self._gemma_fields(),
+            **self._family_fields(),
             **self._head_fields(plan),
         )
         failed = self.lib.flover_check_model(struct)
@@ -307,7 +307,7 @@ class NativeForward:
                 qk_norm_whole=int(self.model.cfg.qk_norm == "projection"),
                 ffn_norm_after=self._norm_address(layer.ffn_norm_after),
                 attn_norm_after=self._norm_address(layer.attn_norm_after),
-                local_rope=int(window is not None and self.model.local_rotary is not None),
+                local_rope=int(layer.local_rope),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
             )
         return layers

@@ -14,7 +14,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from flover.client import FloverError
 from flover.engine.intake import PromptTooLong
-from flover.protocol import check_template_kwargs
 from flover.server import openai_api as oa
 from flover.server.http_state import TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json, wait_watching
 from flover.server.prometheus import render
@@ -74,12 +73,7 @@ async def tokenize(request: Request):
     try:
         body = await read_json(request, front.max_body_bytes, front.parse_off_loop, TOKENIZE_FIELDS)
         if "messages" in body:
-            kwargs = body.get("chat_template_kwargs")
-            try:
-                if kwargs is not None:
-                    check_template_kwargs(kwargs)
-            except ValueError as e:
-                raise oa.ApiError(400, str(e), param="chat_template_kwargs") from None
+            kwargs = oa.template_kwargs(body)
             param, job = "messages", (None, oa.chat_messages(body["messages"]), None, False, kwargs)
         elif isinstance(body.get("prompt"), str):
             special = oa._boolean(body, "add_special_tokens")

@@ -436,17 +436,24 @@ def plan(
     )
 
 
-def _template_kwargs_asked(body: dict, sources: list[dict], chat: bool) -> None:
-    """`chat_template_kwargs` (vLLM's; e.g. {"enable_thinking": false} for Qwen3): beside the messages."""
+def template_kwargs(body: dict) -> dict | None:
+    """`chat_template_kwargs` (vLLM's; e.g. {"enable_thinking": false} for Qwen3), checked, or None."""
     kwargs = body.get("chat_template_kwargs")
+    try:
+        if kwargs is not None:
+            check_template_kwargs(kwargs)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="chat_template_kwargs") from None
+    return kwargs
+
+
+def _template_kwargs_asked(body: dict, sources: list[dict], chat: bool) -> None:
+    """A chat's template variables go beside its messages."""
+    kwargs = template_kwargs(body)
     if kwargs is None:
         return
     if not chat:
         raise ApiError(400, "chat_template_kwargs: a chat field (/v1/chat/completions)", param="chat_template_kwargs")
-    try:
-        check_template_kwargs(kwargs)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="chat_template_kwargs") from None
     for source in sources:
         source["chat_template_kwargs"] = kwargs
 
