@@ -234,6 +234,10 @@ class EngineConfig:
     # Touch the prefix pool's pages at start-up (`flover serve --prefault-prefix-cache`): faulted in one
     # by one, its first stores cost page faults inside iterations; left lazy, memory grows as it fills.
     prefault_prefix_cache: bool = False
+    # Sliding-window layers keep every position, as full layers do (llama.cpp's --swa-full): more
+    # memory, and prefix-cache hits for prompts whose shared start lies beyond a window. Default:
+    # they keep about their window (flover/runner/kv_window.py).
+    full_window_kv: bool = False
     cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
     native_forward: str = "auto"  # one of NATIVE_FORWARD
     # the native step's kernel family (flover/native/simd.h): auto = the widest this CPU runs;

@@ -77,7 +77,7 @@ def compare_on_random_arrivals(
     compared = []
 
     def forward(batch, rows=None):  # logits always (no greedy ids): they are what is compared
-        reference = runner.model(batch, runner.buffer.kv)
+        reference = runner.model(batch, runner.buffer.layers)
         logits = native.run(batch)
         assert logits is not None and logits.shape == reference.shape
         prompt_rows = batch.input_ids.shape[0] - batch.num_decode

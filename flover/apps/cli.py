@@ -101,6 +101,12 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
         help="MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
         "the same way (LRU; default 256; 0 turns it off)",
     )
+    g.add_argument(
+        "--full-window-kv",
+        action="store_true",
+        help="sliding-window layers (Gemma 3, Mistral's window) keep every position, not about their "
+        "window: more memory, more prefix-cache hits on long shared prompts (llama.cpp's --swa-full)",
+    )
     limits = GrammarLimits()
     g.add_argument(
         "--grammar-compile-seconds",
@@ -189,6 +195,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculate_ngram=args.speculate_ngram,
         prefix_cache_mib=args.prefix_cache,
         prefault_prefix_cache=getattr(args, "prefault_prefix_cache", False),
+        full_window_kv=args.full_window_kv,
         cuda_graphs=args.cuda_graphs,
         native_forward=args.native_forward,
         native_kernels=args.native_kernels,

@@ -41,6 +41,7 @@ from flover.request import Request, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
+from flover.runner.kv_window import WindowedKV
 
 if TYPE_CHECKING:  # a type only: the runner holds it
     from flover.native.forward import NativeForward
@@ -96,6 +97,11 @@ class Engine(ServingEngine):
         # prefix indexes making the same decisions (docs/prefix_cache.md).
         block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
+        window = (
+            None
+            if config.full_window_kv
+            else WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
+        )
         self.runner = build_runner(
             checkpoint,
             RankSetup(
@@ -109,16 +115,18 @@ class Engine(ServingEngine):
                 BLOCK_TOKENS,
                 self.comm,
                 self.is_leader,
+                window,
             ),
         )
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
-        self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS) if prefix_blocks else None
+        self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window) if prefix_blocks else None
         self.scheduler = Scheduler(
             config.max_slots,
             config.max_batch_tokens,
             self.prefix_cache,
             PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
             self._speculation(self.runner.native, self.runner.graphs),
+            window,
         )
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps

@@ -13,6 +13,11 @@ that requests share cached prefixes (and the time to first token that reveals a 
 requests of the same salt. The daemon uses the CURVE client key: authenticated clients never
 learn from timing what another client's prompts began with.
 
+Windowed KV (runner/kv_window.py): a slot keeps its sliding-window layers' rows only from its
+window base on, so a block saved from before it holds the other layers' rows alone ("partial").
+A prompt can start after m cached blocks only if the blocks its first query's window reaches back
+into are whole; the lookup takes the longest such prefix.
+
 Pure bookkeeping, no tensors: the scheduler plans the copies, the slot buffer makes them. Every
 rank of a tensor-parallel job keeps its own index over its own shard of the pool and, seeing the
 same requests in the same order, makes the same decisions.
@@ -23,7 +28,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # the windowed layers' bound (a type only)
+    from flover.runner.kv_window import WindowedKV
 
 BLOCK_TOKENS = 16  # positions per block: the granularity (and the shortest prefix) reused
 
@@ -33,6 +41,7 @@ class BlockCopy:
     slot: int
     position: int  # the block's first sequence position in the slot
     block: int  # its row in the pool
+    window_row: int | None = None  # where the windowed layers keep it in the slot (None: they do not)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class _Block:
     uid: int  # never reused: a child keyed by an evicted parent can never match again
     index: int  # row in the pool
     key: tuple  # (parent uid, or the root of its partition; the block's tokens)
+    whole: bool = True  # holds the windowed layers' rows too
 
 
 @dataclass
@@ -53,8 +63,9 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_tokens: int = BLOCK_TOKENS):
-        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+    def __init__(self, num_blocks: int, block_tokens: int = BLOCK_TOKENS, window: WindowedKV | None = None):
+        """`window`: the model's windowed layers' bound (None: every layer keeps every position)."""
+        self.num_blocks, self.block_tokens, self.window = num_blocks, block_tokens, window
         self._by_key: dict[tuple, _Block] = {}
         self._lru: OrderedDict[int, _Block] = OrderedDict()  # pool row -> block, least recently used first
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -68,8 +79,9 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], limit: int, slot: int, salt: str | None = None) -> list[BlockCopy]:
         """The copies that put the longest cached prefix of tokens[:limit] into `slot`, from
         position 0 (full blocks only: len(copies) x block_tokens tokens). `salt`: the partition
-        (requests share cached blocks only within one; None is the common one)."""
-        blocks = self._chain(tokens, limit, salt)
+        (requests share cached blocks only within one; None is the common one). With windowed
+        layers, the slot's window base is then `window.base_for(len(copies) x block_tokens)`."""
+        blocks = self._usable(self._chain(tokens, limit, salt))
         s = self.stats
         s.lookups += 1
         s.queried_tokens += limit - limit % self.block_tokens
@@ -77,12 +89,31 @@ class PrefixCache:
             s.hits += 1
             s.cached_tokens += len(blocks) * self.block_tokens
             self._touch(blocks)
-        return [BlockCopy(slot, i * self.block_tokens, b.index) for i, b in enumerate(blocks)]
-
-    def store(self, tokens: Sequence[int], length: int, slot: int, salt: str | None = None) -> list[BlockCopy]:
-        """The copies that save the full blocks of tokens[:length] (their KV in `slot`) the pool
-        lacks, evicting the least recently used blocks for room (never the sequence's own)."""
         t = self.block_tokens
+        base = self.window.base_for(len(blocks) * t) if self.window else None
+        return [BlockCopy(slot, i * t, b.index, self._row(i * t, base)) for i, b in enumerate(blocks)]
+
+    def _usable(self, chain: list[_Block]) -> list[_Block]:
+        """The longest start of `chain` after which a query finds its window's rows in whole blocks."""
+        if self.window is None:
+            return chain
+        for m in range(len(chain), 0, -1):
+            if all(b.whole for b in chain[self.window.base_for(m * self.block_tokens) // self.block_tokens : m]):
+                return chain[:m]
+        return []
+
+    def _row(self, position: int, base: int | None) -> int | None:
+        """The windowed layers' row of a block at `position` in a slot whose window base is `base`."""
+        return position - base if base is not None and position >= base else None
+
+    def store(
+        self, tokens: Sequence[int], length: int, slot: int, salt: str | None = None, window_base: int = 0
+    ) -> list[BlockCopy]:
+        """The copies that save the full blocks of tokens[:length] (their KV in `slot`) the pool
+        lacks, evicting the least recently used blocks for room (never the sequence's own).
+        `window_base`: the slot's (blocks before it are saved partial)."""
+        t = self.block_tokens
+        base = window_base if self.window else None
         chain = self._chain(tokens, length, salt)
         keep = {b.index for b in chain}
         copies = []
@@ -91,12 +122,13 @@ class PrefixCache:
             if index is None:
                 break
             parent = chain[-1].uid if chain else _root(salt)
-            block = _Block(next(self._uids), index, (parent, tuple(tokens[start : start + t])))
+            whole = base is None or start >= base
+            block = _Block(next(self._uids), index, (parent, tuple(tokens[start : start + t])), whole)
             self._by_key[block.key] = block
             self._lru[index] = block
             keep.add(index)
             chain.append(block)
-            copies.append(BlockCopy(slot, start, index))
+            copies.append(BlockCopy(slot, start, index, self._row(start, base)))
         self._touch(chain)
         self.stats.stored_blocks += len(copies)
         return copies

@@ -11,8 +11,9 @@ Order inside one `schedule()` call:
   4. prompts still being prefilled continue (FCFS), then waiting requests are admitted (FCFS)
      into the slots after the live range, while a slot is free and the token budget allows;
      an admitted prompt starts after its longest cached prefix (copied into its slot);
-  5. with speculation, greedy decoding requests draft tokens in the budget left (speculation.py).
-The plan's copies run in this order: saves, the shuffle's moves, loads (ModelRunner.execute).
+  5. with speculation, greedy decoding requests draft tokens in the budget left (speculation.py);
+  6. with windowed KV, slots whose writes would pass their window's rows slide (kv_window.py).
+The plan's copies run in this order: saves, the shuffle's moves, loads, slides (ModelRunner.execute).
 
 After the runner has carried a plan out, `update(plan, result)` takes its result: prompt chunks
 become computed, sampled and accepted draft tokens are appended up to a stop id or the length
@@ -29,6 +30,7 @@ from flover.engine.prefix_cache import BlockCopy, PrefixCache
 from flover.engine.speculation import IterationCost, Speculation, drafts_for
 from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
 from flover.runner.kv_buffer import Move, plan_compaction
+from flover.runner.kv_window import WindowedKV, WindowShift
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class StepPlan:
     admitted: list[Request] = field(default_factory=list)  # got a slot in this plan
     saves: list[BlockCopy] = field(default_factory=list)  # slot -> prefix pool, before the moves
     loads: list[BlockCopy] = field(default_factory=list)  # prefix pool -> admitted slots, after them
+    shifts: list[WindowShift] = field(default_factory=list)  # windowed layers' rows slide, after the loads
     num_live: int = 0  # live slots are [0, num_live) after this plan
     moved_kv_len: int = 0  # the longest cached sequence among the moved slots (what the moves copy)
 
@@ -89,7 +92,9 @@ class Scheduler:
         prefix: PrefixCache | None = None,
         prompt_first: PromptFirst = PromptFirst(iterations=0),
         speculation: Speculation = Speculation(),
+        window: WindowedKV | None = None,
     ):
+        """`window`: the sliding-window layers' bounded rows (None: every layer keeps every position)."""
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
@@ -97,6 +102,7 @@ class Scheduler:
         self.prefix = prefix
         self.prompt_first = prompt_first
         self.speculation = speculation
+        self.window = window
         self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
         self._prompt_only = 0  # prompt-only iterations in a row so far
         self.requests: dict[str, Request] = {}  # every request from add() until it leaves (all below)
@@ -172,6 +178,7 @@ class Scheduler:
                 )
                 request.num_computed = request.cached_tokens = len(loads) * self.prefix.block_tokens
                 plan.loads += loads
+            request.window_base = self.window.base_for(request.num_computed) if self.window else 0
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
 
@@ -180,8 +187,25 @@ class Scheduler:
         if self.speculation.tokens and plan.decode and budget > 0:
             min_acceptance = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
             plan.drafts = drafts_for(plan.decode, self.speculation, budget, min_acceptance)
+        if self.window is not None:
+            self._slide_windows(plan)
         plan.num_live = self.num_live
         return plan
+
+    def _slide_windows(self, plan: StepPlan) -> None:
+        """Step 6: each slot that writes past its windowed rows slides first (drafts longer than a
+        slot's room per iteration are cut; at most one shift a slot, as it has one write range)."""
+        room = self.window.chunk
+        plan.drafts = [draft[: room - 1] for draft in plan.drafts]
+        writes = [
+            (r, r.kv_len, r.kv_len + 1 + (len(plan.drafts[i]) if plan.drafts else 0)) for i, r in enumerate(plan.decode)
+        ]
+        writes += [(c.request, c.start, c.start + c.length) for c in plan.prefill]
+        for request, start, end in writes:
+            shift = self.window.shift(request.slot, request.window_base, start, end)
+            if shift is not None:
+                plan.shifts.append(shift)
+                request.window_base = shift.base
 
     def release(self) -> StepPlan:
         """Steps 1-2 alone: retire finished requests and compact, scheduling no tokens (frees
@@ -200,7 +224,9 @@ class Scheduler:
             if request is not None and request.finished:
                 if self.prefix is not None:  # the whole sequence whose KV the slot holds
                     tokens = request.prompt_token_ids + request.output_token_ids
-                    plan.saves += self.prefix.store(tokens, request.kv_len, slot, request.cache_salt)
+                    plan.saves += self.prefix.store(
+                        tokens, request.kv_len, slot, request.cache_salt, request.window_base
+                    )
                 self.slots[slot] = None
                 request.slot = None
                 plan.retired.append(request)
@@ -216,7 +242,7 @@ class Scheduler:
             if request is not None and not request.prefilling and not request.prompt_saved:
                 request.prompt_saved = True
                 plan.saves += self.prefix.store(
-                    request.prompt_token_ids, request.prompt_len, request.slot, request.cache_salt
+                    request.prompt_token_ids, request.prompt_len, request.slot, request.cache_salt, request.window_base
                 )
 
     def _compact(self, plan: StepPlan) -> None:
@@ -229,8 +255,9 @@ class Scheduler:
             plan.moved_kv_len = max(plan.moved_kv_len, request.kv_len)
         self.num_live = sum(occupied)
 
-    @staticmethod
-    def _add_chunk(plan: StepPlan, request: Request, budget: int) -> int:
+    def _add_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
+        if self.window is not None:  # a slot's windowed rows take at most `chunk` new positions at once
+            budget = min(budget, self.window.chunk)
         length = min(request.prompt_len - request.num_computed, budget)
         plan.prefill.append(PrefillChunk(request, request.num_computed, length))
         return length

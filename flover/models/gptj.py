@@ -7,6 +7,8 @@ sums are added on each rank first, reduced once, then the MLP bias and the resid
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,8 +84,8 @@ class GPTJForCausalLM(nn.Module):
             specs += layer.weight_specs(cfg, tp, f"transformer.h.{n}")
         return specs
 
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
-        """One fused iteration. kv: [layers, 2, slots, heads, seq, head_dim] (this rank's heads)
+    def forward(self, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One fused iteration. kv: per layer [2, slots, heads, seq, head_dim] (this rank's heads)
         -> logits [B, vocab block of this rank]."""
         cfg, tp, comm = self.cfg, self.tp, self.comm
         tokens, h = batch.input_ids.shape[0], cfg.hidden_size
@@ -92,8 +94,8 @@ class GPTJForCausalLM(nn.Module):
             x = F.layer_norm(hidden, (h,), layer.ln_weight, layer.ln_bias, cfg.norm_eps)
             q, k, v = layer.qkv(x).view(tokens, 3, tp.heads, cfg.head_dim).unbind(1)
             q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
-            write_kv(kv[n, 0], kv[n, 1], k, v, batch)
-            attn = layer.out(attention(q, kv[n, 0], kv[n, 1], batch, self.attn_opts))
+            write_kv(kv[n][0], kv[n][1], k, v, batch)
+            attn = layer.out(attention(q, kv[n][0], kv[n][1], batch, self.attn_opts))
             mlp = layer.fc_out(self.act(layer.fc_in(x)))
             partial = all_reduce(attn + mlp, comm)  # the block's one all-reduce
             hidden = partial + layer.fc_out_bias + hidden

@@ -9,6 +9,8 @@ added once, after the all-reduce; embedding and LM head are split by vocabulary.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -161,9 +163,10 @@ class LlamaForCausalLM(nn.Module):
         specs.append(WeightSpec(self.lm_head.weight, vocab_block(head), pad=True))
         return specs
 
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
-        """One fused iteration. kv: [layers, 2, slots, kv_heads, seq, head_dim] (this rank's heads)
-        -> logits [B, vocab block of this rank]."""
+    def forward(self, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One fused iteration. kv: per layer [2, slots, kv_heads, positions, head_dim] (this rank's
+        heads; a sliding-window layer's rows as `batch.window` places them) -> logits [B, vocab
+        block of this rank]."""
         cfg, tp, comm = self.cfg, self.tp, self.comm
         tokens = batch.input_ids.shape[0]
         hidden = vocab_embedding(batch.input_ids, self.embed, tp, comm)  # [T, hidden]
@@ -196,8 +199,9 @@ class LlamaForCausalLM(nn.Module):
                 qk = self.rotary(qk, batch.positions, tables)
             q, k = qk[:, : tp.heads], qk[:, tp.heads :]
             v = qkv[:, layer.q_size + layer.kv_size :]
-            write_kv(kv[n, 0], kv[n, 1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), batch)
-            attn = attention(q, kv[n, 0], kv[n, 1], batch, layer.attn_opts)  # [T, heads * head_dim]
+            rows = batch.window if batch.window is not None and layer.attn_opts.window is not None else batch
+            write_kv(kv[n][0], kv[n][1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), rows)
+            attn = attention(q, kv[n][0], kv[n][1], rows, layer.attn_opts)  # [T, heads * head_dim]
             out = all_reduce(layer.o(attn), comm)  # [T, hidden]
             out = out if layer.o_bias is None else out + layer.o_bias
             if layer.attn_norm_after is not None:  # Gemma 3: normed, added, then normed again for the MLP

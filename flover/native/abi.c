@@ -17,8 +17,8 @@ typedef struct {
 
 static const AbiEntry ABI[] = {
     SIZE(Model), AT(Model, layers), AT(Model, hidden), AT(Model, heads), AT(Model, kv_heads), AT(Model, head_dim),
-    AT(Model, inter), AT(Model, vocab), AT(Model, dtype), AT(Model, max_seq), AT(Model, kv), AT(Model, kv_layer),
-    AT(Model, kv_kind), AT(Model, kv_slot), AT(Model, kv_head), AT(Model, kv_pos), AT(Model, embed),
+    AT(Model, inter), AT(Model, vocab), AT(Model, dtype), AT(Model, max_seq), AT(Model, kv_pos), AT(Model, window_base),
+    AT(Model, embed),
     AT(Model, final_norm), AT(Model, head), AT(Model, head_scales), AT(Model, cos), AT(Model, sin),
     AT(Model, head_grid), AT(Model, embed_grid), AT(Model, vocab_start), AT(Model, all_reduce),
     AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows), AT(Model, rotary_dim),
@@ -29,7 +29,8 @@ static const AbiEntry ABI[] = {
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
     AT(Layer, window), AT(Layer, qkv_grid), AT(Layer, o_grid), AT(Layer, gate_up_grid), AT(Layer, down_grid),
     AT(Layer, q_norm), AT(Layer, k_norm), AT(Layer, no_rope), AT(Layer, qk_norm_whole), AT(Layer, attn_norm_after), AT(Layer, local_rope),
-    AT(Layer, ffn_norm_after),
+    AT(Layer, ffn_norm_after), AT(Layer, kv), AT(Layer, kv_kind), AT(Layer, kv_slot), AT(Layer, kv_head), AT(Layer, kv_len),
+    AT(Layer, windowed_kv),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

@@ -50,7 +50,7 @@ Model = _int64_struct(
     "Model",
     """
     layers hidden heads kv_heads head_dim inter vocab dtype max_seq
-    kv kv_layer kv_kind kv_slot kv_head kv_pos
+    kv_pos window_base
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
     head_screen head_screen_scales head_bounds screen_rows rotary_dim
     embed_scale:d attn_scale:d norm_offset act local_cos local_sin""",
@@ -61,8 +61,8 @@ Layer = _int64_struct(
     """
     input_norm qkv qkv_bias o o_bias post_norm gate_up gate_up_bias down down_bias window
     qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope qk_norm_whole attn_norm_after local_rope
-    ffn_norm_after""",
-    "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0.",
+    ffn_norm_after kv kv_kind kv_slot kv_head kv_len windowed_kv""",
+    "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0; its KV.",
 )
 GridPart = _int64_struct(
     "GridPart",
@@ -168,6 +168,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.flover_kernels.restype = ctypes.c_char_p
     lib.flover_check_model.argtypes = [ctypes.POINTER(Model)]
     lib.flover_check_model.restype = i32
+    lib.flover_check_layers.argtypes = [ctypes.POINTER(Model), p]
+    lib.flover_check_layers.restype = i32
     lib.flover_argmax.argtypes = [p, i32, i64, i64, i32, p, i32]
     lib.flover_argmax.restype = None
     lib.flover_packed_codes.restype = i32

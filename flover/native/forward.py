@@ -46,7 +46,8 @@ SHAPE_CHECKS = {
     2: "heads must be a multiple of kv_heads",
     3: "head_dim and rotary_dim must be even, head_dim at most 512, rotary_dim at most head_dim",
     4: "hidden and intermediate sizes must be even",
-    5: "the KV cache's strides overlap",
+    5: "the KV cache's rows are narrower than head_dim",
+    6: "a layer's KV strides overlap, or its positions exceed max_seq_len",
 }
 
 
@@ -175,12 +176,14 @@ class NativeForward:
         self._arena = plan.arena(dtype)
         self._norm_weights: list[torch.Tensor] = []  # Gemma 3's (1 + w) float32 norms, held while C reads them
         self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
-        self._model_struct = self._model_struct_of(plan, buffer.kv, comm)
+        self._model_struct = self._model_struct_of(plan, buffer, comm)
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup ...
             if self._model_struct.embed_grid:  # ... unless the head's codes are
                 model.embed.data = torch.empty(0, dtype=dtype)
-        self._layer_structs = self._layer_structs_of(plan, release)
+        self._layer_structs = self._layer_structs_of(plan, release, buffer)
+        if self.lib.flover_check_layers(self._model_struct, self._layer_structs):
+            raise ValueError(f"native step: {SHAPE_CHECKS[6]}")
         floats = self.lib.flover_work_floats(self._model_struct, max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(model.cfg.norm_eps)
@@ -244,10 +247,9 @@ class NativeForward:
         screen = plan.screen.place(self._arena) if plan.screen is not None else (0, 0, 0)
         return fields | dict(zip(("head_screen", "head_screen_scales", "head_bounds"), screen))
 
-    def _model_struct_of(self, plan: WeightPlan, kv: torch.Tensor, comm) -> abi.Model:
+    def _model_struct_of(self, plan: WeightPlan, buffer: "SlotBuffer", comm) -> abi.Model:
         """native.h's Model, checked by the C code's own assumptions."""
         model, cfg = self.model, self.model.cfg
-        assert kv.is_contiguous() and kv.dtype == self.dtype  # [layers, 2, slots, kv_heads, seq, head_dim]
         struct = abi.Model(
             layers=cfg.num_layers,
             hidden=cfg.hidden_size,
@@ -257,13 +259,9 @@ class NativeForward:
             inter=model.tp.intermediate,
             vocab=self.vocab,
             dtype=DTYPE_CODES[self.dtype],
-            max_seq=kv.shape[4],
-            kv=kv.data_ptr(),
-            kv_layer=kv.stride(0),
-            kv_kind=kv.stride(1),
-            kv_slot=kv.stride(2),
-            kv_head=kv.stride(3),
-            kv_pos=kv.stride(4),
+            max_seq=buffer.max_seq_len,
+            kv_pos=buffer.layers[0].stride(3),
+            window_base=buffer.window_base.data_ptr() if buffer.window_base is not None else 0,
             embed=model.embed.data_ptr(),
             final_norm=self._norm_address(model.norm),
             cos=model.rotary.cos.data_ptr(),
@@ -281,10 +279,12 @@ class NativeForward:
             raise ValueError(f"native step: the model's shape breaks its assumptions: {SHAPE_CHECKS[failed]} ({shape})")
         return struct
 
-    def _layer_structs_of(self, plan: WeightPlan, release: bool) -> ctypes.Array:
+    def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: "SlotBuffer") -> ctypes.Array:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
         layers = (abi.Layer * len(self.model.layers))()
         for i, (layer, window) in enumerate(zip(self.model.layers, self.model.cfg.sliding_windows)):
+            kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
+            assert kv.is_contiguous() and kv.dtype == self.dtype
             blocked = {name: self._projection(plan, getattr(layer, name)) for name in PROJECTIONS}
             if release:
                 for name in PROJECTIONS:
@@ -308,6 +308,12 @@ class NativeForward:
                 ffn_norm_after=self._norm_address(layer.ffn_norm_after),
                 attn_norm_after=self._norm_address(layer.attn_norm_after),
                 local_rope=int(layer.local_rope),
+                kv=kv.data_ptr(),
+                kv_kind=kv.stride(0),
+                kv_slot=kv.stride(1),
+                kv_head=kv.stride(2),
+                kv_len=kv.shape[3],
+                windowed_kv=int(buffer.window is not None and i in buffer.window.layers),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
             )
         return layers

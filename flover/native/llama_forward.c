@@ -23,9 +23,15 @@
 
 #include "native.h"
 
-/* Where kv head g of `slot` keeps its keys (v = 0) or values (v = 1) in one layer's cache. */
-static inline char *kv_head_base(const Model *md, char *kv_layer, int v, int64_t slot, int64_t g) {
-    return kv_layer + (v * md->kv_kind + slot * md->kv_slot + g * md->kv_head) * (md->dtype == DT_BF16 ? 2 : 4);
+/* Where kv head g of `slot` keeps its keys (v = 0) or values (v = 1) in layer ly's cache. */
+static inline char *kv_head_base(const Model *md, const Layer *ly, int v, int64_t slot, int64_t g) {
+    return (char *)ly->kv + (v * ly->kv_kind + slot * ly->kv_slot + g * ly->kv_head) * (md->dtype == DT_BF16 ? 2 : 4);
+}
+
+/* The position row 0 of `slot` holds in layer ly's cache: its window base for a windowed layer
+ * (flover/runner/kv_window.py), else 0. */
+static inline int64_t row_base(const Model *md, const Layer *ly, int64_t slot) {
+    return ly->windowed_kv ? ((const int64_t *)md->window_base)[slot] : 0;
 }
 
 typedef void (*AllReduce)(float *buffer, int64_t n);
@@ -80,8 +86,18 @@ API int flover_check_model(const Model *md) {
     if (md->head_dim % 2 || md->head_dim > 512 || md->rotary_dim % 2 || md->rotary_dim <= 0 || md->rotary_dim > md->head_dim)
         return 3;
     if (md->hidden % 2 || md->inter % 2) return 4;
-    if (md->kv_pos < md->head_dim || md->kv_head < md->max_seq * md->kv_pos || md->kv_slot < md->kv_heads * md->kv_head)
-        return 5; /* a slot's rows and heads must not overlap one another */
+    if (md->kv_pos < md->head_dim) return 5; /* a KV row holds a head's head_dim values */
+    return 0;
+}
+
+/* What flover_forward assumes of each layer's KV, checked once as the model is: 0, or 6. */
+API int flover_check_layers(const Model *md, const Layer *layers) {
+    for (int64_t l = 0; l < md->layers; l++) {
+        const Layer *ly = &layers[l];
+        if (!ly->kv || ly->kv_len <= 0 || ly->kv_len > md->max_seq || ly->kv_head < ly->kv_len * md->kv_pos ||
+            ly->kv_slot < md->kv_heads * ly->kv_head || ly->kv_kind <= 0 || (ly->windowed_kv && !md->window_base))
+            return 6; /* a slot's rows and heads must not overlap one another */
+    }
     return 0;
 }
 
@@ -95,6 +111,11 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
                    int64_t *greedy_ids, float *work, double eps_d, int nt) {
     for (int r = 0; r < rows; r++) /* a row past its slot's positions would touch another slot's */
         if (positions[r] < 0 || positions[r] >= md->max_seq || tokens[r] < 0) return -1;
+    for (int64_t l = 0; l < md->layers; l++) /* and in a windowed layer, one outside its slot's window rows */
+        for (int r = 0; layers[l].windowed_kv && r < rows; r++) {
+            const int64_t at = positions[r] - row_base(md, &layers[l], slots[r]);
+            if (at < 0 || at >= layers[l].kv_len) return -1;
+        }
     const int bf = md->dtype == DT_BF16;
     const float eps = (float)eps_d;
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
@@ -153,7 +174,6 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
          * residual pass) */
         PROJECT(qkv, ly->qkv_bias, normed, qkv_n, h, wide)
 
-        char *kv_layer = (char *)md->kv + l * md->kv_layer * es;
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) {
             float *row = wide + r * qkv_n;
@@ -169,11 +189,11 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
                     norm_row(md, row + hh * d, hh < heads ? ly->q_norm : ly->k_norm, eps, d, bf, row + hh * d);
             if (!ly->no_rope)
                 for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, rot, bf);
+            const int64_t at = p - row_base(md, ly, slots[r]); /* its row in the layer's cache */
             for (int64_t g = 0; g < kvh; g++) {
-                to_model_dtype(row + q_size + g * d, kv_head_base(md, kv_layer, 0, slots[r], g) + p * md->kv_pos * es,
+                to_model_dtype(row + q_size + g * d, kv_head_base(md, ly, 0, slots[r], g) + at * md->kv_pos * es, d, bf);
+                to_model_dtype(row + q_size + kv_size + g * d, kv_head_base(md, ly, 1, slots[r], g) + at * md->kv_pos * es,
                                d, bf);
-                to_model_dtype(row + q_size + kv_size + g * d,
-                               kv_head_base(md, kv_layer, 1, slots[r], g) + p * md->kv_pos * es, d, bf);
             }
         }
         /* attention: one task per (prompt block, kv head) first (the larger tasks), then per (row, kv head) */
@@ -182,16 +202,17 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             float *scratch = scores + (int64_t)omp_get_thread_num() * at.per_thread;
             if (task < n_blocks * kvh) {
                 const int64_t *b = blocks + 2 * (task / kvh), g = task % kvh;
-                attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, ly->window,
-                              kv_head_base(md, kv_layer, 0, slots[b[0]], g), kv_head_base(md, kv_layer, 1, slots[b[0]], g),
-                              scratch, mid);
+                attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, row_base(md, ly, slots[b[0]]),
+                              ly->window, kv_head_base(md, ly, 0, slots[b[0]], g),
+                              kv_head_base(md, ly, 1, slots[b[0]], g), scratch, mid);
                 continue;
             }
             const int64_t single = task - n_blocks * kvh, nth = single / kvh, g = single % kvh;
             const int r = (int)(nth < decode_rows ? nth : single_from + nth - decode_rows);
-            const int64_t len = positions[r] + 1;
-            attend(md, wide + r * qkv_n + g * group * d, group, kv_head_base(md, kv_layer, 0, slots[r], g),
-                   kv_head_base(md, kv_layer, 1, slots[r], g), first_key(len, ly->window), len, scratch,
+            const int64_t len = positions[r] + 1, base = row_base(md, ly, slots[r]); /* keys: rows from 0 at base */
+            const int64_t first = first_key(len, ly->window) - base;
+            attend(md, wide + r * qkv_n + g * group * d, group, kv_head_base(md, ly, 0, slots[r], g),
+                   kv_head_base(md, ly, 1, slots[r], g), first > 0 ? first : 0, len - base, scratch,
                    mid + r * q_size + g * group * d);
         }
         PROJECT(o, 0, mid, h, q_size, normed)

@@ -35,7 +35,9 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 /* abi.py's Model: int64 fields, pointers as addresses. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, dtype, max_seq;
-    int64_t kv, kv_layer, kv_kind, kv_slot, kv_head, kv_pos; /* KV base address, strides in elements */
+    /* kv_pos: a KV row's stride in elements (every layer's); window_base: with windowed KV, the
+     * address of each slot's window base (int64 per slot: the position its windowed rows start at), else 0 */
+    int64_t kv_pos, window_base;
     int64_t embed, final_norm, head, head_scales, cos, sin;   /* head_scales: int8 head (else 0);
                                                                  rotary tables [max_seq, head_dim] */
     /* a head in a GGUF file's own codes: its Grid (then head is 0), and, for a tied embedding
@@ -74,6 +76,10 @@ typedef struct {
     int64_t local_rope;     /* 1: RoPE from the model's local tables (Gemma 3's sliding-window layers) */
     int64_t ffn_norm_after; /* OLMo 2: the norm of the MLP's output before the residual add (then input_norm is 0
                              * and post_norm normalizes attention's output likewise), else 0 */
+    /* the layer's KV: its address, strides in elements (keys to values, slot to slot, kv head to kv
+     * head), positions a slot keeps (kv_len), and windowed_kv 1 where a slot's rows start at its
+     * window base (position p at row p - base), 0 where at position 0 */
+    int64_t kv, kv_kind, kv_slot, kv_head, kv_len, windowed_kv;
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -241,8 +247,8 @@ static inline int64_t first_key(int64_t len, int64_t window) { return window > 0
 void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base, int64_t first,
             int64_t len, float *scores, float *out);
 void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
-                   int64_t g, const int64_t *positions, int64_t window, const void *k_base, const void *v_base,
-                   float *scratch, float *mid);
+                   int64_t g, const int64_t *positions, int64_t base, int64_t window, const void *k_base,
+                   const void *v_base, float *scratch, float *mid);
 
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
 int64_t argmax_row(const void *row, int64_t vocab, int bf, const uint16_t *allowed);

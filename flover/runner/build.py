@@ -19,6 +19,7 @@ from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
+from flover.runner.kv_window import WindowedKV
 from flover.runner.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class RankSetup:
     block_tokens: int
     comm: Communicator | None  # several ranks only
     is_leader: bool
+    window: WindowedKV | None = None  # the sliding-window layers' bound (None: they keep every position)
 
 
 def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
@@ -58,8 +60,11 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         pack=not native_wanted,
     )
     # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
-    static_decode = s.comm is None and (
-        config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda")
+    # (Not with windowed KV: a static batch has no window bases; those iterations run eagerly.)
+    static_decode = (
+        s.comm is None
+        and s.window is None
+        and (config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda"))
     )
     buffer = SlotBuffer(
         cfg.num_layers,
@@ -73,6 +78,7 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         block_tokens=s.block_tokens,
         scratch_slots=1 if static_decode else 0,
         prefault_pool=config.prefault_prefix_cache,
+        window=s.window,
     )
     if s.is_leader:
         _log_memory(s, buffer)
@@ -128,12 +134,14 @@ def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) ->
 def _log_memory(s: RankSetup, buffer: SlotBuffer) -> None:
     config, ranks = s.config, s.comm.size if s.comm else 1
     per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
+    window = s.window
     log.info(
-        "KV cache: %.1f MiB allocated%s (%d slots x %d positions, %s%s)",
+        "KV cache: %.1f MiB allocated%s (%d slots x %d positions%s, %s%s)",
         buffer.nbytes / 2**20,
         per_rank,
         config.max_slots,
         s.max_seq_len,
+        f"; {len(window.layers)} sliding-window layers x {window.capacity}" if window else "",
         config.dtype,
         f", weights {config.quantization}" if config.quantization != "none" else "",
     )

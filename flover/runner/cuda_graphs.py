@@ -49,7 +49,7 @@ class DecodeGraphs:
         """`buffer`: the slot buffer, made with a scratch slot. Rows go up to its slots, keys up to
         the positions it allocates per slot."""
         assert buffer.scratch_slot is not None, "padding rows need the buffer's scratch slot"
-        self.model, self.kv, self.scratch_slot = model, buffer.kv, buffer.scratch_slot
+        self.model, self.kv, self.scratch_slot = model, buffer.layers, buffer.scratch_slot
         self.row_buckets = buckets(buffer.max_slots)
         self.key_buckets = buckets(buffer.max_seq_len, min(MIN_KEYS_BUCKET, buffer.max_seq_len))
         rows = self.row_buckets[-1]

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from flover.runner.kv_window import WindowedKV, WindowShift
+
 if TYPE_CHECKING:  # the copies the prefix index plans (a type only)
     from flover.engine.prefix_cache import BlockCopy
 
@@ -80,6 +82,11 @@ def available_memory_bytes(device: torch.device) -> int:
 class SlotBuffer:
     """KV cache `[layers, 2, max_slots, kv_heads, max_seq_len, head_dim]` plus per-slot state.
 
+    With windowed KV (kv_window.py) the sliding-window layers live apart, in `kv_window`
+    `[windowed layers, 2, max_slots, kv_heads, capacity, head_dim]`, and `kv` holds the others;
+    `layers[n]` is layer n's `[2, slots, kv_heads, positions, head_dim]` in either, and the
+    per-slot state `window_base` says which position each slot's row 0 holds there.
+
     Per-slot state tensors (`[max_slots]` each) are registered with `add_state` and move with
     the KV rows, so everything about slot i is always found at index i.
     """
@@ -97,36 +104,56 @@ class SlotBuffer:
         block_tokens: int = 16,
         scratch_slots: int = 0,
         prefault_pool: bool = False,
+        window: WindowedKV | None = None,
     ):
         """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none).
         `scratch_slots`: KV slots past the last real one that padding rows may write (CUDA graphs).
-        `prefault_pool`: write the pool once now, so that its host memory is taken at start-up."""
-        if prefix_blocks:  # whole blocks per slot, so that a slot's blocks are one view away
+        `prefault_pool`: write the pool once now, so that its host memory is taken at start-up.
+        `window`: the sliding-window layers' bound (None: every layer keeps max_seq_len positions)."""
+        if prefix_blocks or window:  # whole blocks per slot, so that a slot's blocks are one view away
             max_seq_len = -(-max_seq_len // block_tokens) * block_tokens
-        need = kv_cache_bytes(num_layers, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim, dtype)
+        windowed = sorted(window.layers) if window else []
+        full = [n for n in range(num_layers) if n not in set(windowed)]
+        slots = max_slots + scratch_slots
+        need = kv_cache_bytes(len(full), slots, kv_heads, max_seq_len, head_dim, dtype)
+        if window:
+            need += kv_cache_bytes(len(windowed), slots, kv_heads, window.capacity, head_dim, dtype)
         pool = kv_cache_bytes(num_layers, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
         have = available_memory_bytes(device)
         if need + pool > have:
             raise MemoryError(
                 f"KV cache needs {need / 2**20:.1f} MiB ({num_layers} layers x 2 x {max_slots} slots x "
-                f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype})"
+                f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}"
+                f"{f', {len(windowed)} sliding-window layers x {window.capacity} positions' if window else ''})"
                 f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''} but only "
                 f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
             )
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
-        self.kv = zeroed_tensor(
-            (num_layers, 2, max_slots + scratch_slots, kv_heads, max_seq_len, head_dim), dtype, device
-        )
-        # Pool rows are only read after a store wrote them: empty is safe, and its pages are taken
-        # by the stores that first touch them, inside iterations; a server takes them now instead
-        # (docs/design_notes.md, "prefix pool").
-        self.pool = (
-            torch.empty(num_layers, 2, prefix_blocks, kv_heads, block_tokens, head_dim, dtype=dtype, device=device)
-            if prefix_blocks
+        self.kv = zeroed_tensor((len(full), 2, slots, kv_heads, max_seq_len, head_dim), dtype, device)
+        self.kv_window = (
+            zeroed_tensor((len(windowed), 2, slots, kv_heads, window.capacity, head_dim), dtype, device)
+            if window
             else None
         )
+        self.layers: list[torch.Tensor] = [None] * num_layers  # [2, slots, kv_heads, positions, head_dim] each
+        for i, n in enumerate(full):
+            self.layers[n] = self.kv[i]
+        for i, n in enumerate(windowed):
+            self.layers[n] = self.kv_window[i]
+        # Pool rows are only read after a store wrote them: empty is safe, and its pages are taken
+        # by the stores that first touch them, inside iterations; a server takes them now instead
+        # (docs/design_notes.md, "prefix pool"). Split as the KV is.
+        self.pool, self.pool_window = (
+            (
+                torch.empty(len(layers), 2, prefix_blocks, kv_heads, block_tokens, head_dim, dtype=dtype, device=device)
+                for layers in (full, windowed)
+            )
+            if prefix_blocks
+            else (None, None)
+        )
         if self.pool is not None and prefault_pool:
-            self.pool.zero_()
+            self.pool.zero_(), self.pool_window.zero_()
+        self.window = window
         self.block_tokens = block_tokens
         self.nbytes, self.pool_nbytes = need, pool
         self.max_slots = max_slots
@@ -134,6 +161,7 @@ class SlotBuffer:
         self.max_seq_len = max_seq_len
         self.device = device
         self.state: dict[str, torch.Tensor] = {}
+        self.window_base = self.add_state("window_base", torch.int64) if window else None
         self.moves_done = 0  # slots moved by the shuffle so far (metrics)
         self.bytes_moved = 0  # KV bytes those moves copied
         self.move_seconds = 0.0  # and the time they took (on CUDA: to queue them)
@@ -154,56 +182,84 @@ class SlotBuffer:
         started = time.perf_counter()
         src = torch.tensor([m.src for m in moves], device=self.device)
         dst = torch.tensor([m.dst for m in moves], device=self.device)
-        kv = self.kv if positions is None else self.kv[..., :positions, :]  # [layers, 2, slots, heads, pos, dim]
-        if kv.device.type == "cpu":  # a strided copy per slot: faster than gather then scatter
-            for m in moves:
-                kv[:, :, m.dst].copy_(kv[:, :, m.src])
-        else:
-            kv.index_copy_(2, dst, kv.index_select(2, src))
+        for kv in self._caches():
+            if positions is not None:  # [layers, 2, slots, heads, pos, dim]
+                kv = kv[..., : min(positions, kv.shape[4]), :]
+            if kv.device.type == "cpu":  # a strided copy per slot: faster than gather then scatter
+                for m in moves:
+                    kv[:, :, m.dst].copy_(kv[:, :, m.src])
+            else:
+                kv.index_copy_(2, dst, kv.index_select(2, src))
+            self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
         self.moves_done += len(moves)
-        self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
         self.move_seconds += time.perf_counter() - started
 
-    # -- the prefix pool: a copy per block on CPU, one batched copy each way on CUDA -----------
-    def _slot_blocks(self) -> torch.Tensor:
-        """The KV viewed as [layers, 2, slots, heads, blocks per slot, block_tokens, dim]."""
-        L, two, S, H, P, D = self.kv.shape
-        return self.kv.view(L, two, S, H, P // self.block_tokens, self.block_tokens, D)
+    def _caches(self) -> list[torch.Tensor]:
+        return [kv for kv in (self.kv, self.kv_window) if kv is not None and kv.shape[0]]
 
+    # -- windowed layers: a slot's rows slide down as its window moves on ----------------------
+    def apply_shifts(self, shifts: Sequence[WindowShift]) -> None:
+        """Rows [start, start + count) of each shifted slot's windowed layers move to [0, count)
+        (through a copy: the ranges may overlap), and the slot's window base follows."""
+        for shift in shifts:
+            rows = self.kv_window[:, :, shift.slot, :]  # [layers, 2, heads, capacity, dim]
+            rows[:, :, :, : shift.count] = rows[:, :, :, shift.start : shift.start + shift.count].clone()
+            self.window_base[shift.slot] = shift.base
+
+    # -- the prefix pool: a copy per block on CPU, one batched copy each way on CUDA -----------
     def save_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Slot positions -> pool rows (before the shuffle moves the slots)."""
-        if not copies:
-            return
-        if self.kv.device.type == "cpu":  # a strided copy per block: faster than gathering them first
-            for in_slot, in_pool in self._block_views(copies):
-                in_pool.copy_(in_slot)
-            return
-        slots, blocks, rows = self._index(copies)
-        picked = self._slot_blocks()[:, :, slots, :, blocks]  # [n, layers, 2, heads, block_tokens, dim]
-        self.pool.index_copy_(2, rows, picked.permute(1, 2, 0, 3, 4, 5))
+        for kv, pool, picked in self._pairs(copies):
+            if kv.device.type == "cpu":  # a strided copy per block: faster than gathering them first
+                for in_slot, in_pool in _block_views(kv, pool, picked):
+                    in_pool.copy_(in_slot)
+                continue
+            slots, blocks, rows = _index(picked, pool.shape[4], kv.device)
+            taken = _slot_blocks(kv, pool.shape[4])[:, :, slots, :, blocks]  # [n, layers, 2, heads, block_tokens, dim]
+            pool.index_copy_(2, rows, taken.permute(1, 2, 0, 3, 4, 5))
 
     def load_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Pool rows -> slot positions (into newly admitted slots, after the shuffle)."""
+        for kv, pool, picked in self._pairs(copies):
+            if kv.device.type == "cpu":
+                for in_slot, in_pool in _block_views(kv, pool, picked):
+                    in_slot.copy_(in_pool)
+                continue
+            slots, blocks, rows = _index(picked, pool.shape[4], kv.device)
+            _slot_blocks(kv, pool.shape[4])[:, :, slots, :, blocks] = pool.index_select(2, rows).permute(
+                2, 0, 1, 3, 4, 5
+            )
+
+    def _pairs(
+        self, copies: Sequence[BlockCopy]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]]:
+        """(KV, pool, [(slot, row in the slot, pool row)]) for the full layers, then the windowed ones."""
         if not copies:
-            return
-        if self.kv.device.type == "cpu":
-            for in_slot, in_pool in self._block_views(copies):
-                in_slot.copy_(in_pool)
-            return
-        slots, blocks, rows = self._index(copies)
-        self._slot_blocks()[:, :, slots, :, blocks] = self.pool.index_select(2, rows).permute(2, 0, 1, 3, 4, 5)
+            return []
+        pairs = [(self.kv, self.pool, [(c.slot, c.position, c.block) for c in copies])]
+        if self.kv_window is not None:
+            windowed = [(c.slot, c.window_row, c.block) for c in copies if c.window_row is not None]
+            pairs.append((self.kv_window, self.pool_window, windowed))
+        return [(kv, pool, picked) for kv, pool, picked in pairs if picked and kv.shape[0]]
 
-    def _block_views(self, copies: Sequence[BlockCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per copy, its block in the slot and its pool row: [layers, 2, heads, block_tokens, dim] views."""
-        blocks = self._slot_blocks()
-        return [(blocks[:, :, c.slot, :, c.position // self.block_tokens], self.pool[:, :, c.block]) for c in copies]
 
-    def _index(self, copies: Sequence[BlockCopy]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
-        return (
-            as_tensor([c.slot for c in copies]),
-            as_tensor([c.position // self.block_tokens for c in copies]),
-            as_tensor([c.block for c in copies]),
-        )
+def _slot_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """A KV tensor viewed as [layers, 2, slots, heads, blocks per slot, block_tokens, dim]."""
+    L, two, S, H, P, D = kv.shape
+    return kv.view(L, two, S, H, P // block_tokens, block_tokens, D)
+
+
+def _block_views(
+    kv: torch.Tensor, pool: torch.Tensor, picked: list[tuple[int, int, int]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per copy, its block in the slot and its pool row: [layers, 2, heads, block_tokens, dim] views."""
+    t = pool.shape[4]
+    blocks = _slot_blocks(kv, t)
+    return [(blocks[:, :, slot, :, row // t], pool[:, :, block]) for slot, row, block in picked]
+
+
+def _index(picked: list[tuple[int, int, int]], block_tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    t = torch.tensor(picked, dtype=torch.int64, device=device)  # [n, (slot, row, pool row)]
+    return t[:, 0], t[:, 1] // block_tokens, t[:, 2]

@@ -7,6 +7,7 @@ tensor-parallel gather and broadcast). It never looks at text.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -66,7 +67,7 @@ class PyTorchForward:
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor:
         if batch.draft_rows:  # the scheduler keeps speculative iterations within the native step's rows
             raise RuntimeError("an iteration with speculative draft rows needs the native step")
-        return self.model(batch, self.buffer.kv)
+        return self.model(batch, self.buffer.layers)
 
 
 class ModelRunner:
@@ -111,6 +112,8 @@ class ModelRunner:
         if plan.empty:
             return StepResult()
         self.admit(plan)
+        if plan.shifts:  # after the loads: a slot admitted with a cached prefix may slide at once
+            self.buffer.apply_shifts(plan.shifts)
         started = time.perf_counter()
         batch, rows = self.build_batch(plan)
         logits = self.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
@@ -136,6 +139,8 @@ class ModelRunner:
         self.buffer.load_blocks(plan.loads)
         for request in plan.admitted:
             slot, params = request.slot, request.params
+            if self.buffer.window_base is not None:
+                self.buffer.window_base[slot] = request.window_base
             self._temperature[slot] = params.temperature
             self._top_k[slot] = params.top_k
             self._top_p[slot] = params.top_p
@@ -153,11 +158,12 @@ class ModelRunner:
         decode = plan.decode
         span = decode[-1].slot + 1 if decode else 0  # decode rows lie in slots [0, span)
         span_lens = [1] * span  # the slots in the span that are prefilling attend to nothing here
-        ids, positions, slots = [], [], []
+        ids, positions, slots, bases = [], [], [], []  # bases: each row's window base (windowed KV)
         for r, draft in zip(decode, plan.drafts or [()] * len(decode)):  # its row, then its draft's after it
             ids += [r.output_token_ids[-1], *draft]
             positions += range(r.kv_len, r.kv_len + 1 + len(draft))
             slots += [r.slot] * (1 + len(draft))
+            bases += [r.window_base] * (1 + len(draft))
             span_lens[r.slot] = r.kv_len + 1
         num_decode = len(ids)
         draft_rows = num_decode - len(decode)
@@ -171,6 +177,7 @@ class ModelRunner:
             ids += r.prompt_token_ids[chunk.start : chunk.start + chunk.length]
             positions += range(chunk.start, chunk.start + chunk.length)
             slots += [r.slot] * chunk.length
+            bases += [r.window_base] * chunk.length
             scored = min(chunk.length, r.prompt_len - 1 - chunk.start)  # rows that predict a prompt token
             if r.params.prompt_logprobs and scored > 0:
                 rows_of.scoring.append(PromptRows(r, chunk.start + 1, scored))
@@ -193,7 +200,35 @@ class ModelRunner:
             sample_rows=as_tensor(sample_rows + score_rows),
             draft_rows=draft_rows,
         )
+        if self.buffer.window is not None:
+            batch.window = self._window_rows(
+                batch, positions, slots, bases, [(r.slot, r.window_base) for r in decode], span_lens
+            )
         return batch, rows_of
+
+    def _window_rows(
+        self,
+        batch: ForwardBatch,
+        positions: list[int],
+        slots: list[int],
+        bases: list[int],
+        decoding: list[tuple[int, int]],
+        span_lens: list[int],
+    ) -> ForwardBatch:
+        """`batch` as the sliding-window layers see it: every position, key length and chunk start
+        relative to its slot's window base (`decoding`: (slot, base) of each decoding request)."""
+        lens = list(span_lens)
+        for slot, base in decoding:
+            lens[slot] -= base
+        by_slot = dict(zip(slots, bases))
+        return dataclasses.replace(
+            batch,
+            positions=torch.tensor([p - b for p, b in zip(positions, bases)], dtype=torch.int64, device=self.device),
+            span_lens=None if batch.span_lens is None else torch.tensor(lens, dtype=torch.int64, device=self.device),
+            max_decode_len=max(lens, default=0),
+            prefills=[dataclasses.replace(p, start_pos=p.start_pos - by_slot[p.slot]) for p in batch.prefills],
+            _masks={},
+        )
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
         """[B, vocab block] on each rank -> [B, vocab] on the leader (blocks are padded equally)."""
@@ -323,8 +358,11 @@ class ModelRunner:
     def score(self, ids: list[int], slot: int) -> torch.Tensor:
         """Logits [len, vocab] for every position of `ids` (teacher forcing), in `slot`: one
         forward, or chunks of the native step's max_rows (it runs every iteration)."""
-        dev, n = self.device, len(ids)
+        dev, n, window = self.device, len(ids), self.buffer.window
         chunk = self.native.max_rows if self.native is not None else n
+        if window is not None:
+            chunk, base = min(chunk, window.chunk), 0
+            self.buffer.window_base[slot] = 0
         logits = []
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
@@ -340,6 +378,15 @@ class ModelRunner:
                 prefills=[PrefillSpan(0, end - start, slot, start)],
                 sample_rows=torch.arange(end - start, device=dev),
             )
+            if window is not None:
+                shift = window.shift(slot, base, start, end)
+                if shift is not None:
+                    self.buffer.apply_shifts([shift])
+                    base = shift.base
+                positions = list(range(start, end))
+                batch.window = self._window_rows(
+                    batch, positions, [slot] * len(positions), [base] * len(positions), [], []
+                )
             logits.append(self.forward(batch))
         return torch.cat(logits)
 
