@@ -262,8 +262,14 @@ static void check_attention(void) {
         if (bf)
             for (int i = 0; i < ROWS * qkv_n; i++) wide[i] = rnd(wide[i], 1);
         memset(mid, 0, sizeof mid);
-        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 20, k, v, scores, mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 0, 20, k, v, scores, mid);
         print(bf ? "attend_prompt bf16" : "attend_prompt f32", mid, ROWS * q_size);
+        /* the same queries over a slot whose window rows start at position 16 (they read keys 31..54) */
+        const int64_t es = bf ? 2 : 4;
+        memset(mid, 0, sizeof mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 16, 20, (const char *)k + 16 * D * es,
+                      (const char *)v + 16 * D * es, scores, mid);
+        print(bf ? "attend_prompt bf16 based" : "attend_prompt f32 based", mid, ROWS * q_size);
     }
 }
 

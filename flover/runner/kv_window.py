@@ -1,4 +1,4 @@
-"""Sliding-window layers keep only their window (docs/architecture.md, "Windowed KV").
+"""Sliding-window layers keep only their window (docs/models.md, "Sliding-window layers keep about their window").
 
 A layer that attends to its last W keys never reads a key again once W newer ones exist, so its
 part of the slot buffer need not span max_seq_len positions: each slot keeps `capacity`
