@@ -105,6 +105,23 @@ VARIANTS = {
             ),
         ),
     ),
+    # as llama.cpp's converter writes a phi3 file: LongRoPE's attention factor from the lengths (512 /
+    # 128, not in the config), every layer in a 48-position window
+    "phi3-gguf": (
+        "phi3",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=128,
+            sliding_window=48,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.5, 2.0, 3.0],
+                long_factor=[2.0, 3.0, 4.0, 6.0],
+            ),
+        ),
+    ),
     "gptj": ("gptj", {}),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),

@@ -244,6 +244,7 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
         ("float32", "none", "olmo2"),
         ("bfloat16", "file", "olmo2"),
         ("bfloat16", "none", "phi3"),
+        ("bfloat16", "file", "phi3-gguf"),
         ("float32", "none", "gemma3"),
         ("bfloat16", "int8", "gemma3"),
     ],

@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "smollm3": ("SmolLM3ForCausalLM", True),
     "olmo2": ("Olmo2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),
 }
 NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -73,6 +74,7 @@ GGUF_LAYER_RENAMES = {
         "post_attention_layernorm.weight": "post_attention_norm.weight",
         "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     },
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
 }
 GEMMA_SWA_PATTERN = 6  # gemma3: every 6th layer global unless the file says (llama.cpp's default)
 
@@ -209,6 +211,8 @@ class GGUFFile:
         )
         if a == "gemma3":
             cfg = self._gemma3(cfg)
+        if a == "phi3":
+            cfg = self._phi3(cfg)
         validate_model_config(cfg, where)
         return cfg
 
@@ -240,6 +244,38 @@ class GGUFFile:
             local_rope_theta=self.number(f"{a}.rope.freq_base_swa", 10000.0),
             sliding_windows=tuple(window if window and is_local else None for is_local in local),
         )
+
+    def _phi3(self, cfg: ModelConfig) -> ModelConfig:
+        """What a phi3 file holds beyond the Llama fields, read as llama.cpp reads it: q/k/v and
+        gate/up each one tensor, RoPE over rope.dimension_count dims of each head, and LongRoPE's
+        per-dimension factors as two tensors (rope_factors_long / _short.weight) with the
+        original length and the attention factor in the metadata."""
+        a = self.arch
+        rotary = self.integer(f"{a}.rope.dimension_count", cfg.head_dim)
+        long, short = (self.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short"))
+        scaling = None
+        if long is not None or short is not None:
+            factors = {}
+            for kind, t in (("long_factor", long), ("short_factor", short)):
+                if t is None or t.type_name != "F32" or t.shape != (rotary // 2,):
+                    raise CheckpointError(
+                        f"{self.path}: LongRoPE needs rope_factors_long.weight and rope_factors_short.weight, "
+                        f"F32 [{rotary // 2}] each"
+                    )
+                values = t.data.view(np.float32)
+                if not np.isfinite(values).all() or (values <= 0).any():
+                    raise CheckpointError(f"{self.path}: a LongRoPE factor is not positive and finite")
+                factors[kind] = [float(f) for f in values]
+            scaling = dict(
+                rope_type="longrope",
+                **factors,
+                original_max_position_embeddings=self.integer(
+                    f"{a}.rope.scaling.original_context_length", required=True
+                ),
+                max_position_embeddings=cfg.max_position_embeddings,
+                attention_factor=self.number(f"{a}.rope.scaling.attn_factor", 1.0),
+            )
+        return dataclasses.replace(cfg, rotary_dim=rotary, rope_scaling=scaling, fused_projections=True)
 
     def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
         """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,

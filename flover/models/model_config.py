@@ -248,7 +248,7 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         windows = (None,) * layers
     elif layer_types:
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    elif arch == "MistralForCausalLM":
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # (every layer, as transformers' Phi-3)
         windows = (window,) * layers
     else:
         max_full = raw.get("max_window_layers", layers)

@@ -153,6 +153,7 @@ GGUF_ARCH = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -206,9 +207,12 @@ def write_gguf(
     if head_dim != config["hidden_size"] // heads:  # as the converter: only a head_dim of its own
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    _write_gguf_tokenizer(w, model_dir)
     rope = {**(config.get("rope_scaling") or {}), **rope_parameters}
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads if arch == "phi3" else head_dim)
+    _write_gguf_tokenizer(w, model_dir)
+    if arch == "phi3":
+        _write_phi3_rope(w, config, rope)
     if arch == "gemma3":  # as the converter writes it (the pattern stays llama.cpp's default: every 6th global)
         local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
         w.add_float32("gemma3.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
@@ -250,6 +254,25 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _write_phi3_rope(w, config: dict, rope: dict) -> None:
+    """As the converter (Phi3MiniModel): the original length and the window always; LongRoPE's
+    factors as two F32 tensors and its attention factor from the length ratio (transformers' default;
+    the converter ignores an attention_factor of the config)."""
+    import math
+
+    import numpy as np
+
+    original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(config.get("sliding_window") or 0)
+    if not rope.get("long_factor"):
+        return
+    scale = config["max_position_embeddings"] / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _llama3_rope_factors(rope: dict, base: float, dim: int):
