@@ -235,14 +235,14 @@ def test_tp2_on_a_gguf_file_gives_the_tp1_tokens(gguf_file, tmp_path):
 def test_unsupported_files_say_what_and_where(make_model, tmp_path):
     import gguf
 
-    bad_arch = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(bad_arch), "phi3")
+    bad_arch = tmp_path / "phi2.gguf"
+    w = gguf.GGUFWriter(str(bad_arch), "phi2")
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CheckpointError, match=f"{bad_arch}: architecture 'phi3' is not supported"):
+    with pytest.raises(CheckpointError, match=f"{bad_arch}: architecture 'phi2' is not supported"):
         load_model_config(bad_arch)
 
     mxfp4 = tmp_path / "mxfp4.gguf"
