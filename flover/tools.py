@@ -2,7 +2,8 @@
 structure that makes a required call parse (docs/tool_calling.md).
 
 The syntax follows the chat template: Hermes-style `<tool_call>{json}</tool_call>` (Qwen 2 / 2.5 /
-3, Hermes, and the fallback), Llama 3.x's bare JSON object, Mistral's `[TOOL_CALLS][...]`. A
+3, SmolLM3, Hermes, and the fallback), Llama 3.x's bare JSON object, Mistral's `[TOOL_CALLS][...]`,
+Phi-4-mini's `functools[...]` (its template reads the tools from the system message's `tools`). A
 template that does not render `tools` (SmolLM2's, for one) gets them as a Hermes-style system
 prompt, and earlier calls and results as text, so any chat model can be asked."""
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from flover.structured import COMPACT
 
-HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+HERMES, LLAMA3, MISTRAL, PHI4 = "hermes", "llama3", "mistral", "phi4"
+PREFIXES = {MISTRAL: "[TOOL_CALLS]", PHI4: "functools"}  # what opens a JSON list of calls
 MAX_TOOLS = 128
 _NOT_JSON = (ValueError, RecursionError)  # (a model's text can nest past the parser's recursion)
 
@@ -39,6 +41,8 @@ def syntax_of(template_source: str | None) -> str:
     source = template_source or ""
     if "[TOOL_CALLS]" in source:
         return MISTRAL
+    if "<|tool|>" in source:
+        return PHI4
     if "<|python_tag|>" in source or "ipython" in source:
         return LLAMA3
     return HERMES
@@ -86,8 +90,8 @@ def call_text(name: str, arguments, syntax: str) -> str:
     """How the model writes one call."""
     body = {"name": name, "arguments" if syntax != LLAMA3 else "parameters": _arguments_object(arguments)}
     text = json.dumps(body, ensure_ascii=False)
-    if syntax == MISTRAL:
-        return f"[TOOL_CALLS][{text}]"
+    if syntax in PREFIXES:
+        return f"{PREFIXES[syntax]}[{text}]"
     if syntax == LLAMA3:
         return text
     return f"<tool_call>\n{text}\n</tool_call>"
@@ -111,6 +115,8 @@ def prompt_messages(
     messages as HF templates take them (call arguments as mappings) and `tools`; else the tools
     as a system prompt, and calls and results as plain text in the model's syntax."""
     syntax = syntax_of(template_source)
+    if syntax == PHI4:
+        return _phi4_messages(messages, tools), {}
     if renders_tools(template_source):
         out = []
         for m in messages:
@@ -144,6 +150,33 @@ def prompt_messages(
     return out, {}
 
 
+def _phi4_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Phi-4-mini's template renders a system message's `tools` (JSON text of the functions)
+    between <|tool|> and <|/tool|>; earlier calls are text in its syntax."""
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = call_text_many([(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]], PHI4)
+            content = f"{content}{calls}"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "tools": listed}
+        else:
+            out.insert(
+                0, {"role": "system", "content": "You are a helpful assistant with some tools.", "tools": listed}
+            )
+    return out
+
+
+def call_text_many(calls: list[tuple[str, object]], syntax: str) -> str:
+    """Several calls in one list, for syntaxes that write them so."""
+    bodies = [json.dumps({"name": n, "arguments": _arguments_object(a)}, ensure_ascii=False) for n, a in calls]
+    return f"{PREFIXES[syntax]}[{', '.join(bodies)}]"
+
+
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
 
 
@@ -174,9 +207,9 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
     vLLM's parsers: a call cut off by max_tokens is left out, the ones before it count); no
     calls where none parse."""
     found: list[tuple[int, object]] = []
-    if syntax == MISTRAL and "[TOOL_CALLS]" in text:
-        start = text.index("[TOOL_CALLS]")
-        found = [(start, v) for v in _json_values(text[start + len("[TOOL_CALLS]") :])]
+    if syntax in PREFIXES and f"{PREFIXES[syntax]}[" in text:
+        start = text.index(f"{PREFIXES[syntax]}[")
+        found = [(start, v) for v in _json_values(text[start + len(PREFIXES[syntax]) :])]
     elif syntax == LLAMA3:
         found = [(0, v) for v in _json_values(text.replace("<|python_tag|>", ""))]
     else:
@@ -236,12 +269,9 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
     ]
     schema = {**({"anyOf": one_of} if len(one_of) > 1 else one_of[0]), "x-guidance": COMPACT}
     body = "%json " + json.dumps(schema)
-    if syntax == MISTRAL:
-        grammar = (
-            f'start: "[TOOL_CALLS][" call ("," call)* "]"\ncall: {body}'
-            if parallel
-            else f'start: "[TOOL_CALLS][" call "]"\ncall: {body}'
-        )
+    if syntax in PREFIXES:
+        more = ' ("," call)*' if parallel else ""
+        grammar = f'start: "{PREFIXES[syntax]}[" call{more} "]"\ncall: {body}'
     elif syntax == LLAMA3:
         grammar = f"start: call\ncall: {body}"
     else:

@@ -33,6 +33,8 @@ LOGIT_BOUNDS = {
     "bfloat16": lambda scale: 0.03 * scale,  # a few ulps of bfloat16
     "float16": lambda scale: 0.03 * scale,
 }
+
+
 def max_seq_len_of(variant: str) -> int:
     """256, but for LongRoPE with an original length of 128 (phi3-gguf): flover picks the short
     factors for an engine whose sequences stay within it, as transformers does for these prompts."""

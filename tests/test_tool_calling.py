@@ -58,6 +58,12 @@ TIME = {
         ),
         (tools.LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}', ""),
         (tools.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]', ""),
+        (
+            tools.PHI4,
+            'functools[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+            '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+            "",
+        ),
     ],
 )
 def test_each_syntax_is_parsed_into_calls(syntax, text, content):
@@ -72,7 +78,18 @@ def test_the_syntax_follows_the_template():
     assert tools.syntax_of("{% if tools %}<tool_call>{% endif %}") == tools.HERMES
     assert tools.syntax_of("<|python_tag|>{{ x }}") == tools.LLAMA3
     assert tools.syntax_of("[TOOL_CALLS]") == tools.MISTRAL
+    assert tools.syntax_of(PHI4_MINI_TEMPLATE) == tools.PHI4
     assert tools.syntax_of(None) == tools.HERMES and not tools.renders_tools(None)
+
+
+# Phi-4-mini-instruct's chat template: the tools come from the system message's own `tools`
+PHI4_MINI_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+    "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+    "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
 
 
 def tokenizer_with(template: str, model_dir: str) -> Tokenizer:
@@ -115,7 +132,38 @@ def test_tools_reach_the_prompt_with_and_without_the_templates_help(llama_dir):
     assert aware.render_chat(messages, [WEATHER, TIME]) == "get_weather,get_time|get_weather(Oslo)"
 
 
-@pytest.mark.parametrize("syntax", [tools.HERMES, tools.LLAMA3, tools.MISTRAL])
+def test_phi4_mini_gets_its_tools_in_the_system_message_and_its_calls_as_functools(llama_dir):
+    """Phi-4-mini's template reads no `tools` variable: they go into the system message (a
+    default one where there is none) as JSON text of the functions, as Microsoft's examples do;
+    earlier calls come back as `functools[...]`."""
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}},
+            ],
+        },
+    ]
+    phi4 = tokenizer_with(PHI4_MINI_TEMPLATE, llama_dir)
+    text = phi4.render_chat(messages, [WEATHER, TIME])
+    listed = json.dumps([WEATHER["function"], TIME["function"]], ensure_ascii=False)
+    assert text.startswith(f"<|system|>You are a helpful assistant with some tools.<|tool|>{listed}<|/tool|><|end|>")
+    assert (
+        '<|assistant|>functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}]<|end|>' in text
+    )
+    own = phi4.render_chat([{"role": "system", "content": "Be brief."}, *messages[:1]], [WEATHER])
+    assert own.startswith(f"<|system|>Be brief.<|tool|>{json.dumps([WEATHER['function']])}<|/tool|><|end|><|user|>")
+    content, calls = tools.parse_calls(
+        "functools[" + json.dumps({"name": "get_time", "arguments": {"zone": "CET"}}) + "]", tools.PHI4
+    )
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize("syntax", [tools.HERMES, tools.LLAMA3, tools.MISTRAL, tools.PHI4])
 def test_required_calls_compile_for_every_syntax(syntax, llama_dir):
     tok = llguidance.LLTokenizer(HFTokenizer.from_file(f"{llama_dir}/tokenizer.json").to_str())
     for choice, parallel in (("required", True), ("required", False), ({"function": {"name": "get_time"}}, True)):
