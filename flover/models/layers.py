@@ -33,6 +33,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def wide_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo 2's RMSNorm: normalised in float32, times the weight in float32, rounded to x's dtype
+    once (Olmo2RMSNorm; LlamaRMSNorm rounds before the weight too). Float32 and float64 inputs as
+    rms_norm (the same values: a float64 weight times the float32 normalisation, in float64)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight.float()).to(x.dtype)
+    return rms_norm(x, weight, eps)
+
+
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: normalised in float32, times (1 + weight) in float32, rounded to x's dtype
     once (Gemma3RMSNorm; also for float64 inputs, as it does)."""

@@ -27,6 +27,7 @@ from flover.models.layers import (
     rows,
     vocab_embedding,
     whole,
+    wide_weight_rms_norm,
 )
 from flover.models.model_config import ModelConfig
 from flover.models.safetensors_reader import WeightSpec
@@ -145,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
         self.local_rotary = Rotary(cfg, max_len, dtype, device, local=True) if cfg.local_rope_theta else None
         # Gemma 3's embeddings are scaled by sqrt(hidden), that factor rounded as transformers' (float32, then dtype)
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(device=device, dtype=dtype) if cfg.gemma else None
-        self.norm_fn = offset_rms_norm if cfg.gemma else rms_norm  # Gemma 3: (1 + weight), rounded once
+        # Gemma 3: (1 + weight), OLMo 2: the weight, each in float32 and rounded once; else rounded twice
+        self.norm_fn = offset_rms_norm if cfg.gemma else wide_weight_rms_norm if cfg.norm_after else rms_norm
         self.act = activation(cfg.hidden_act)
 
     def weight_specs(self) -> list[WeightSpec]:

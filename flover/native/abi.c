@@ -22,7 +22,7 @@ static const AbiEntry ABI[] = {
     AT(Model, final_norm), AT(Model, head), AT(Model, head_scales), AT(Model, cos), AT(Model, sin),
     AT(Model, head_grid), AT(Model, embed_grid), AT(Model, vocab_start), AT(Model, all_reduce),
     AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows), AT(Model, rotary_dim),
-    AT(Model, embed_scale), AT(Model, attn_scale), AT(Model, norm_offset), AT(Model, act), AT(Model, local_cos),
+    AT(Model, embed_scale), AT(Model, attn_scale), AT(Model, norm_f32), AT(Model, act), AT(Model, local_cos),
     AT(Model, local_sin),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),

@@ -174,7 +174,7 @@ class NativeForward:
         layer_modes = {lin.quantized.mode for lin in plan.quantized if lin is not model.lm_head}  # (before release)
         self.quantization = next(iter(sorted(layer_modes)), None)
         self._arena = plan.arena(dtype)
-        self._norm_weights: list[torch.Tensor] = []  # Gemma 3's (1 + w) float32 norms, held while C reads them
+        self._norm_weights: list[torch.Tensor] = []  # float32 norms (Gemma 3, OLMo 2), held while C reads them
         self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
         self._model_struct = self._model_struct_of(plan, buffer, comm)
         if release:
@@ -204,16 +204,20 @@ class NativeForward:
         return weight.data_ptr()
 
     def _norm_address(self, weight: torch.Tensor | None) -> int:
-        """A norm weight's address: as it is, or for Gemma 3 a float32 (1 + weight) of its own."""
-        if weight is None or not self.model.cfg.gemma:
+        """A norm weight's address: as it is, or a float32 copy of its own where the norm rounds
+        once (Gemma 3: 1 + weight; OLMo 2: the weight)."""
+        cfg = self.model.cfg
+        if weight is None or not (cfg.gemma or cfg.norm_after):
             return self._address(weight)
-        self._norm_weights.append((1.0 + weight.detach().float()).contiguous())
+        self._norm_weights.append(((1.0 if cfg.gemma else 0.0) + weight.detach().float()).contiguous())
         return self._norm_weights[-1].data_ptr()
 
     def _family_fields(self) -> dict:
         """Model's fields that vary by family: the activation; Gemma 3's norms, scales and local RoPE."""
         model, cfg = self.model, self.model.cfg
-        fields = dict(act=ACTIVATIONS[cfg.hidden_act], norm_offset=int(cfg.gemma), attn_scale=cfg.attn_scale or 0.0)
+        fields = dict(
+            act=ACTIVATIONS[cfg.hidden_act], norm_f32=int(cfg.gemma or cfg.norm_after), attn_scale=cfg.attn_scale or 0.0
+        )
         if cfg.gemma:  # sqrt(hidden) as the PyTorch forward rounds it: float32, then the model dtype
             fields["embed_scale"] = float(model.embed_scale)
         if model.local_rotary is not None:

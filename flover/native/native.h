@@ -56,10 +56,10 @@ typedef struct {
     int64_t screen_rows;
     int64_t rotary_dim; /* RoPE turns the first rotary_dim dims of each head (tables [max_seq, rotary_dim]) */
     /* Gemma 3: embeddings times embed_scale (0: none); scores times attn_scale (0: 1 / sqrt(head_dim));
-     * norm_offset: every norm weight is a float32 (1 + w) and the norm rounds once; act 0 SiLU,
+     * norm_f32: every norm weight is a float32 (Gemma 3's 1 + w, OLMo 2's w) and the norm rounds once; act 0 SiLU,
      * 1 GELU (tanh); the sliding-window layers' own RoPE tables (0: none) */
     double embed_scale, attn_scale;
-    int64_t norm_offset, act, local_cos, local_sin;
+    int64_t norm_f32, act, local_cos, local_sin;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the

@@ -33,9 +33,9 @@ static void rms_norm_f32w(const float *x, const float *weight, float eps, int64_
         v_storen(out + i, v_rnd(v_mul(v_mul(v_loadn(x + i, h - i), r), v_loadn(weight + i, h - i)), bf), h - i);
 }
 
-/* The model's norm of one row (Gemma's where md->norm_offset); `weight` an address. */
+/* The model's norm of one row (float32 weights, rounded once, where md->norm_f32); `weight` an address. */
 void norm_row(const Model *md, const float *x, int64_t weight, float eps, int64_t h, int bf, float *out) {
-    if (md->norm_offset) rms_norm_f32w(x, (const float *)weight, eps, h, bf, out);
+    if (md->norm_f32) rms_norm_f32w(x, (const float *)weight, eps, h, bf, out);
     else rms_norm(x, (const void *)weight, eps, h, bf, out);
 }
 
