@@ -16,7 +16,7 @@ import transformers
 from flover import LLM, SamplingParams
 from flover.apps.batch import arrival_offsets
 from flover.apps.results_file import ResultsFileError, recover
-from tests.helpers import flover_run, read_records, write_jsonl
+from tests.helpers import Server, flover_run, read_records, write_jsonl
 
 
 def test_sigkill_at_random_moments_then_resume_gives_every_record_once(llama_dir, tmp_path):
@@ -202,6 +202,57 @@ def test_chat_messages_use_the_checkpoint_template(llama_dir, tmp_path):
     by_id = {r["id"]: r for r in read_records(out)}
     assert by_id["chat"]["usage"]["prompt_tokens"] == len(ids)
     assert by_id["chat"]["token_ids"] == by_id["ids"]["token_ids"]
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("through", ["engine", "daemon"])
+def test_chat_template_kwargs_in_a_prompt_file(llama_dir, tmp_path, through):
+    """A line's chat_template_kwargs reach the template (Qwen3's enable_thinking), in-process and
+    through a daemon; bad ones, or ones beside a plain prompt, are that line's error record."""
+    import shutil
+
+    model = tmp_path / "thinking"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = transformers.AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, enable_thinking=False
+    )["input_ids"]
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(
+        prompts,
+        [
+            {"id": "on", "messages": messages},
+            {"id": "off", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}},
+            {"id": "ids", "input_ids": ids},
+            {"id": "reserved", "messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}},
+            {"id": "text", "prompt": "hello", "chat_template_kwargs": {"enable_thinking": False}},
+        ],
+    )
+    if through == "engine":
+        assert flover_run(str(model), prompts, out, "--token-ids", "--max-new-tokens", "4").returncode == 0
+    else:
+        server = Server(str(model), "--max-seq-len", "128")
+        try:
+            cmd = [sys.executable, "-m", "flover.apps.cli", "run", "--connect", server.addr, "--prompts", str(prompts)]
+            run = subprocess.run([*cmd, "--out", str(out), "--token-ids", "--max-new-tokens", "4"], timeout=120)
+            assert run.returncode == 0
+        finally:
+            server.stop()
+    by_id = {r["id"]: r for r in read_records(out)}
+    assert by_id["off"]["usage"]["prompt_tokens"] == len(ids) > by_id["on"]["usage"]["prompt_tokens"]
+    assert by_id["off"]["token_ids"] == by_id["ids"]["token_ids"]
+    assert "is set by the server" in by_id["reserved"]["error"]["message"]
+    assert "go with `messages`" in by_id["text"]["error"]["message"]
 
 
 def test_arrival_schedules(llama_dir, tmp_path):

@@ -217,8 +217,18 @@ class BatchRunner:
             return self._fail(record, record.code or "malformed_line", record.error)
         try:
             params = self.defaults.with_updates(**record.sampling) if record.sampling else self.defaults
+            tokenized = (
+                self.engine.tokenize(None, record.messages, template_kwargs=record.template_kwargs)
+                if record.template_kwargs
+                else None
+            )
             request = self.engine.make_request(
-                record.prompt, params, request_id=record.id, arrival_time=arrival_time, messages=record.messages
+                record.prompt,
+                params,
+                request_id=record.id,
+                arrival_time=arrival_time,
+                messages=record.messages,
+                tokenized=tokenized,
             )
         except PromptTooLong as e:
             return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")
@@ -366,6 +376,8 @@ class RemoteBatchRunner:
         message = {"op": "generate", "id": record.id, "stream": False, "params": {**self._base, **record.sampling}}
         if record.messages is not None:
             message["messages"] = record.messages
+            if record.template_kwargs:
+                message["chat_template_kwargs"] = record.template_kwargs
         elif isinstance(record.prompt, str):
             message["prompt"] = record.prompt
         else:

@@ -6,10 +6,12 @@ line is decoded as UTF-8 on its own: a line that is not gets an error record, th
 
 JSONL fields: `id` (a non-empty string of at most 256 characters, or an integer; default: the
 line number), exactly one of `prompt`
-(text), `input_ids` (token ids) or `messages` (chat, rendered with the checkpoint's template),
-and any SamplingParams field (`max_new_tokens`, `temperature`, `stop`, ...). Blank lines are
-skipped. A line that cannot be a request still yields a record carrying its error, so that the
-output says what was wrong with it (and a resumed run does not retry it).
+(text), `input_ids` (token ids) or `messages` (chat, rendered with the checkpoint's template;
+with them `chat_template_kwargs`, more variables for the template, as vLLM's: e.g. Qwen3's
+`{"enable_thinking": false}`), and any SamplingParams field (`max_new_tokens`, `temperature`,
+`stop`, ...). Blank lines are skipped. A line that cannot be a request still yields a record
+carrying its error, so that the output says what was wrong with it (and a resumed run does not
+retry it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS
+from flover.protocol import check_template_kwargs
 
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 
@@ -34,6 +37,7 @@ class PromptRecord:
     id: str
     prompt: str | list[int] | None = None
     messages: list | None = None
+    template_kwargs: dict | None = None  # more variables for the chat template (with messages)
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams overrides
     error: str | None = None  # the line is malformed; `code` says how
     code: str | None = None
@@ -104,7 +108,7 @@ def _parse_json_line(index: int, number: int, text: str) -> PromptRecord:
         return bad(
             f"exactly one of {', '.join(PROMPT_KEYS)} is required (found {present or 'none'})", rid, "invalid_request"
         )
-    unknown = sorted(set(obj) - set(PROMPT_KEYS) - SAMPLING_KEYS - {"id"})
+    unknown = sorted(set(obj) - set(PROMPT_KEYS) - SAMPLING_KEYS - {"id", "chat_template_kwargs"})
     if unknown:
         return bad(f"unknown field(s) {unknown}", rid, "invalid_request")
     key = present[0]
@@ -120,6 +124,14 @@ def _parse_json_line(index: int, number: int, text: str) -> PromptRecord:
         record.prompt = value
     else:
         record.messages = value
+    if "chat_template_kwargs" in obj:
+        if key != "messages":
+            return bad("`chat_template_kwargs` go with `messages`", rid, "invalid_request")
+        try:
+            check_template_kwargs(obj["chat_template_kwargs"])
+        except ValueError as e:
+            return bad(str(e), rid, "invalid_request")
+        record.template_kwargs = obj["chat_template_kwargs"]
     return record
 
 
