@@ -103,7 +103,7 @@ def generate(engine: Engine, prompt: list[int], params: SamplingParams):
 
 def engines(model_dir: str, dtype: str, **config) -> tuple[Engine, Engine]:
     """The same engine twice: sliding-window layers bounded (the default), and keeping everything."""
-    settings = dict(dtype=dtype, max_slots=4, max_seq_len=256, max_batch_tokens=24, speculate=0, **config)
+    settings = {**dict(dtype=dtype, max_slots=4, max_seq_len=256, max_batch_tokens=24, speculate=0), **config}
     return Engine(EngineConfig(model_dir, **settings)), Engine(EngineConfig(model_dir, full_window_kv=True, **settings))
 
 
@@ -163,3 +163,19 @@ def test_prefix_cache_with_bounded_windows(make_model, native):
     for name, prompt in (("turn", turn), ("early", early)):
         assert outputs[name].token_ids == generate(plain, prompt, params).token_ids
     assert generate(plain, history, params).token_ids == first.token_ids
+
+
+def test_speculative_drafts_slide_the_window_too(make_model):
+    """Greedy requests with prompt-lookup drafts (several positions a slot writes in one
+    iteration, on the native step): the bounded engine gives the unbounded one's tokens, and
+    drafts were verified."""
+    bounded, full = engines(make_model("gemma3"), "float32", speculate=4)
+    assert bounded.runner.native is not None
+    rng = random.Random(3)
+    loop = [rng.randrange(500) for _ in range(12)]
+    jobs = [
+        (i, loop * 6 + [rng.randrange(500) for _ in range(i)], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        for i in range(4)
+    ]
+    assert run(bounded, jobs) == run(full, jobs)
+    assert bounded.draft_tokens > 0 and bounded.accepted_tokens > 0
