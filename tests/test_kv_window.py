@@ -169,12 +169,12 @@ def test_speculative_drafts_slide_the_window_too(make_model):
     """Greedy requests with prompt-lookup drafts (several positions a slot writes in one
     iteration, on the native step): the bounded engine gives the unbounded one's tokens, and
     drafts were verified."""
-    bounded, full = engines(make_model("gemma3"), "float32", speculate=4)
+    bounded, full = engines(make_model("gemma3"), "float32", speculate=4, speculate_ngram=1)
     assert bounded.runner.native is not None
     rng = random.Random(3)
     loop = [rng.randrange(500) for _ in range(12)]
     jobs = [
-        (i, loop * 6 + [rng.randrange(500) for _ in range(i)], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        (i, loop * 6 + [rng.randrange(500) for _ in range(i)], SamplingParams(max_new_tokens=100, ignore_eos=True))
         for i in range(4)
     ]
     assert run(bounded, jobs) == run(full, jobs)

@@ -35,7 +35,8 @@ def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     """float64, requests arriving at different iterations (every 40 ms); TP=4 on the 2-kv-head
     models shares each kv head between 2 ranks; the 509-token vocabulary splits unevenly; gemma3's
     sliding-window layers keep 48 positions a slot (iterations of 16 tokens), so its longer
-    sequences slide on every rank alike."""
+    sequences slide on every rank alike, and some iterations sample no row at all (a 16-token
+    chunk of a longer prompt, alone: the vocabulary gather of zero rows)."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)

@@ -235,7 +235,8 @@ class ModelRunner:
         blocks = self.comm.gather_to_root(logits)  # [ranks, B, block] on the leader
         if blocks is None:
             return None
-        full = blocks.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        ranks, rows, block = blocks.shape  # (rows may be 0: a prompt chunk that neither ends nor scores)
+        full = blocks.permute(1, 0, 2).reshape(rows, ranks * block)
         return full[:, : self.vocab_size]
 
     def sample(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
