@@ -29,6 +29,15 @@ TEST_PRESET = dict(
 )
 
 
+# LongRoPE over half of each head (Phi-3 / Phi-4-mini's settings, in small)
+PHI3_LONGROPE = dict(
+    rope_type="longrope",
+    rope_theta=10000.0,
+    partial_rotary_factor=0.5,
+    short_factor=[1.0, 1.5, 2.0, 3.0],
+    long_factor=[2.0, 3.0, 4.0, 6.0],
+)
+
 # name -> (arch, config overrides[, preset overrides]): every supported architecture and the
 # features that vary.
 VARIANTS = {
@@ -95,14 +104,7 @@ VARIANTS = {
         dict(
             partial_rotary_factor=0.5,
             original_max_position_embeddings=512,
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.5,
-                short_factor=[1.0, 1.5, 2.0, 3.0],
-                long_factor=[2.0, 3.0, 4.0, 6.0],
-                attention_factor=1.2,
-            ),
+            rope_parameters=dict(**PHI3_LONGROPE, attention_factor=1.2),
         ),
     ),
     # as llama.cpp's converter writes a phi3 file: LongRoPE's attention factor from the lengths (512 /
@@ -113,13 +115,7 @@ VARIANTS = {
             partial_rotary_factor=0.5,
             original_max_position_embeddings=128,
             sliding_window=48,
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.5,
-                short_factor=[1.0, 1.5, 2.0, 3.0],
-                long_factor=[2.0, 3.0, 4.0, 6.0],
-            ),
+            rope_parameters=PHI3_LONGROPE,
         ),
     ),
     "gptj": ("gptj", {}),

@@ -255,17 +255,14 @@ class GGUFFile:
         long, short = (self.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short"))
         scaling = None
         if long is not None or short is not None:
-            factors = {}
-            for kind, t in (("long_factor", long), ("short_factor", short)):
-                if t is None or t.type_name != "F32" or t.shape != (rotary // 2,):
-                    raise CheckpointError(
-                        f"{self.path}: LongRoPE needs rope_factors_long.weight and rope_factors_short.weight, "
-                        f"F32 [{rotary // 2}] each"
-                    )
-                values = t.data.view(np.float32)
-                if not np.isfinite(values).all() or (values <= 0).any():
-                    raise CheckpointError(f"{self.path}: a LongRoPE factor is not positive and finite")
-                factors[kind] = [float(f) for f in values]
+            if long is None or short is None:
+                raise CheckpointError(
+                    f"{self.path}: LongRoPE needs rope_factors_long.weight and rope_factors_short.weight"
+                )
+            factors = {
+                "long_factor": list(self._rope_factors("rope_factors_long.weight", rotary // 2)),
+                "short_factor": list(self._rope_factors("rope_factors_short.weight", rotary // 2)),
+            }
             scaling = dict(
                 rope_type="longrope",
                 **factors,
@@ -280,20 +277,21 @@ class GGUFFile:
     def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
         """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,
         [head_dim / 2] float32: llama.cpp's converter writes them in place of the llama3 settings)."""
-        freqs = self.tensors.get("rope_freqs.weight")
-        if freqs is not None:
-            if freqs.type_name != "F32" or freqs.shape != (head_dim // 2,):
-                raise CheckpointError(
-                    f"{self.path}: rope_freqs.weight is {freqs.type_name} {list(freqs.shape)}, "
-                    f"expected F32 [{head_dim // 2}]"
-                )
-            factors = freqs.data.view(np.float32)
-            if not np.isfinite(factors).all() or (factors <= 0).any():
-                raise CheckpointError(f"{self.path}: rope_freqs.weight holds a factor that is not positive and finite")
-            return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
+        if "rope_freqs.weight" in self.tensors:
+            return {"rope_type": "freq_factors", "factors": self._rope_factors("rope_freqs.weight", head_dim // 2)}
         if scaling == "linear":
             return {"rope_type": "linear", "factor": self.number(f"{self.arch}.rope.scaling.factor", None)}
         return None
+
+    def _rope_factors(self, name: str, count: int) -> tuple[float, ...]:
+        """A tensor of per-dimension RoPE factors: F32 [count], each positive and finite."""
+        t = self.tensors[name]
+        if t.type_name != "F32" or t.shape != (count,):
+            raise CheckpointError(f"{self.path}: {name} is {t.type_name} {list(t.shape)}, expected F32 [{count}]")
+        factors = t.data.view(np.float32)
+        if not np.isfinite(factors).all() or (factors <= 0).any():
+            raise CheckpointError(f"{self.path}: {name} holds a factor that is not positive and finite")
+        return tuple(float(f) for f in factors)
 
     def drop_resident_pages(self) -> None:
         """Once the weights are copied out: the pages of the file read so far leave this process
