@@ -63,6 +63,12 @@ VARIANTS = {
     "qwen2": ("qwen2", {}),
     # q/k norms; a head_dim of its own (24: q is 96 wide beside a hidden size of 64)
     "qwen3": ("qwen3", dict(head_dim=24)),
+    # Qwen3 attention and 8 experts, 2 a token (renormalised), in layers 0 and 2; layer 1 a dense MLP
+    "qwen3-moe": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+        dict(num_layers=3),
+    ),
     # 4 layers, the 4th without RoPE (SmolLM3's default interval, the one llama.cpp assumes)
     "smollm3": ("smollm3", {}, dict(num_layers=4)),
     # norms after attention and the MLP (none before), q/k norms over each whole projection

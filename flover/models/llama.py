@@ -30,6 +30,7 @@ from flover.models.layers import (
     wide_weight_rms_norm,
 )
 from flover.models.model_config import ModelConfig
+from flover.models.moe import ExpertsMLP
 from flover.models.safetensors_reader import WeightSpec
 from flover.models.tp_layout import TPLayout
 
@@ -58,6 +59,9 @@ class LlamaLayer(nn.Module):
         self.gate_up = lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
         self.down = lin(h, tp.intermediate, False)
         self.down_bias = p(h) if cfg.mlp_bias else None
+        # (Qwen3-MoE) experts in place of the MLP; the dense MLP's tensors then stay empty
+        moe = cfg.moe is not None and index in cfg.moe.layers
+        self.experts = ExpertsMLP(cfg.moe, h, activation(cfg.hidden_act), dtype, device) if moe else None
         self.attn_opts = AttentionOptions(
             window=window,
             decode_in_float32=dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu",
@@ -103,11 +107,17 @@ class LlamaLayer(nn.Module):
                 self.post_norm,
                 (whole(f"{prefix}.{'pre_feedforward' if cfg.gemma else 'post_attention'}_layernorm.weight", (h,)),),
             ),
-            WeightSpec(self.gate_up.weight, gate_up("weight")),
-            WeightSpec(
-                self.down.weight, (cols(f"{mlp}.down_proj.weight", (h, inter), tp.intermediate_start, tp.intermediate),)
-            ),
         ]
+        if self.experts is not None:
+            specs += self.experts.weight_specs(mlp, h)
+        else:
+            specs.append(WeightSpec(self.gate_up.weight, gate_up("weight")))
+            specs.append(
+                WeightSpec(
+                    self.down.weight,
+                    (cols(f"{mlp}.down_proj.weight", (h, inter), tp.intermediate_start, tp.intermediate),),
+                )
+            )
         if self.input_norm is not None:
             specs.append(WeightSpec(self.input_norm, (whole(f"{prefix}.input_layernorm.weight", (h,)),)))
         if self.attn_norm_after is not None:
@@ -130,6 +140,10 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        if cfg.moe is not None and tp.size > 1:
+            raise ValueError(
+                f"{cfg.architecture}: mixtures of experts do not run under tensor parallelism yet; run it on one rank"
+            )
         if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
             raise ValueError(
                 f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "
@@ -215,8 +229,11 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden = hidden + out
                 x = norm(hidden, layer.post_norm, cfg.norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
-            out = all_reduce(layer.down(self.act(gate) * up), comm)
+            if layer.experts is not None:  # (Qwen3-MoE; not under TP)
+                out = layer.experts(x)
+            else:
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
+                out = all_reduce(layer.down(self.act(gate) * up), comm)
             out = out if layer.down_bias is None else out + layer.down_bias
             hidden = hidden + (out if layer.ffn_norm_after is None else norm(out, layer.ffn_norm_after, cfg.norm_eps))
         last = norm(hidden[batch.sample_rows], self.norm, cfg.norm_eps)  # [B, hidden]

@@ -16,6 +16,7 @@ LLAMA_FAMILY = (
     "Olmo2ForCausalLM",
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
@@ -90,6 +91,19 @@ def validate_model_config(cfg: "ModelConfig", where: str) -> None:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Experts in place of a layer's MLP: a router picks `top_k` of `experts` MLPs per token
+    (softmax over all experts in float32, the top k taken, renormalised if `norm_topk_prob`), each
+    of `intermediate` width; `layers` lists the layers that have them (the others: a dense MLP)."""
+
+    experts: int
+    top_k: int
+    intermediate: int
+    norm_topk_prob: bool
+    layers: frozenset[int]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     hidden_size: int
@@ -124,6 +138,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (no scaling there)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
+    moe: MoEConfig | None = None  # a mixture of experts in place of the MLP of some layers (Qwen3-MoE)
 
     @property
     def is_gptj(self) -> bool:
@@ -152,6 +167,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             cfg = _parse_gptj(raw)
         elif arch == "Gemma3ForCausalLM":
             cfg = _parse_gemma3(raw)
+        elif arch == "Qwen3MoeForCausalLM":
+            cfg = {**_parse_llama(raw, "Qwen3ForCausalLM"), **_parse_moe(raw)}
         else:
             cfg = _parse_llama(raw, arch)
     except KeyError as e:
@@ -269,6 +286,30 @@ def _parse_llama(raw: dict, arch: str) -> dict:
         norm_after=arch == "Olmo2ForCausalLM",
         fused_projections=arch == "Phi3ForCausalLM",
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else frozenset(),
+    )
+
+
+def _parse_moe(raw: dict) -> dict:
+    """Qwen3-MoE's experts: in every decoder_sparse_step-th layer not in mlp_only_layers."""
+    layers, step = raw["num_hidden_layers"], raw.get("decoder_sparse_step", 1)
+    # (the hub's config.json says num_experts; transformers 5 saves num_local_experts)
+    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+    top_k = raw["num_experts_per_tok"]
+    check_sizes(
+        {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": raw["moe_intermediate_size"]},
+        "config.json",
+    )
+    if top_k > experts or isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts, decoder_sparse_step {step!r}")
+    dense = set(raw.get("mlp_only_layers") or ())
+    return dict(
+        moe=MoEConfig(
+            experts=experts,
+            top_k=top_k,
+            intermediate=raw["moe_intermediate_size"],
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        )
     )
 
 

@@ -70,6 +70,8 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
     cfg = model.cfg
+    if cfg.moe is not None:
+        return "a mixture of experts (its layers run on PyTorch)"
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if cfg.norm_after and (cfg.o_bias or cfg.mlp_bias):
