@@ -152,7 +152,8 @@ class SlotBuffer:
             else (None, None)
         )
         if self.pool is not None and prefault_pool:
-            self.pool.zero_(), self.pool_window.zero_()
+            self.pool.zero_()
+            self.pool_window.zero_()
         self.window = window
         self.block_tokens = block_tokens
         self.nbytes, self.pool_nbytes = need, pool

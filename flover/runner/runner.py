@@ -158,12 +158,11 @@ class ModelRunner:
         decode = plan.decode
         span = decode[-1].slot + 1 if decode else 0  # decode rows lie in slots [0, span)
         span_lens = [1] * span  # the slots in the span that are prefilling attend to nothing here
-        ids, positions, slots, bases = [], [], [], []  # bases: each row's window base (windowed KV)
+        ids, positions, slots = [], [], []
         for r, draft in zip(decode, plan.drafts or [()] * len(decode)):  # its row, then its draft's after it
             ids += [r.output_token_ids[-1], *draft]
             positions += range(r.kv_len, r.kv_len + 1 + len(draft))
             slots += [r.slot] * (1 + len(draft))
-            bases += [r.window_base] * (1 + len(draft))
             span_lens[r.slot] = r.kv_len + 1
         num_decode = len(ids)
         draft_rows = num_decode - len(decode)
@@ -177,7 +176,6 @@ class ModelRunner:
             ids += r.prompt_token_ids[chunk.start : chunk.start + chunk.length]
             positions += range(chunk.start, chunk.start + chunk.length)
             slots += [r.slot] * chunk.length
-            bases += [r.window_base] * chunk.length
             scored = min(chunk.length, r.prompt_len - 1 - chunk.start)  # rows that predict a prompt token
             if r.params.prompt_logprobs and scored > 0:
                 rows_of.scoring.append(PromptRows(r, chunk.start + 1, scored))
@@ -201,9 +199,8 @@ class ModelRunner:
             draft_rows=draft_rows,
         )
         if self.buffer.window is not None:
-            batch.window = self._window_rows(
-                batch, positions, slots, bases, [(r.slot, r.window_base) for r in decode], span_lens
-            )
+            bases = {r.slot: r.window_base for r in (*decode, *(c.request for c in plan.prefill))}
+            batch.window = self._window_rows(batch, positions, slots, bases, [r.slot for r in decode], span_lens)
         return batch, rows_of
 
     def _window_rows(
@@ -211,22 +208,23 @@ class ModelRunner:
         batch: ForwardBatch,
         positions: list[int],
         slots: list[int],
-        bases: list[int],
-        decoding: list[tuple[int, int]],
+        bases: dict[int, int],
+        decoding: list[int],
         span_lens: list[int],
     ) -> ForwardBatch:
         """`batch` as the sliding-window layers see it: every position, key length and chunk start
-        relative to its slot's window base (`decoding`: (slot, base) of each decoding request)."""
+        relative to its slot's window base (`bases`: slot -> base; `decoding`: the decoding slots)."""
         lens = list(span_lens)
-        for slot, base in decoding:
-            lens[slot] -= base
-        by_slot = dict(zip(slots, bases))
+        for slot in decoding:
+            lens[slot] -= bases[slot]
         return dataclasses.replace(
             batch,
-            positions=torch.tensor([p - b for p, b in zip(positions, bases)], dtype=torch.int64, device=self.device),
+            positions=torch.tensor(
+                [p - bases[s] for p, s in zip(positions, slots)], dtype=torch.int64, device=self.device
+            ),
             span_lens=None if batch.span_lens is None else torch.tensor(lens, dtype=torch.int64, device=self.device),
             max_decode_len=max(lens, default=0),
-            prefills=[dataclasses.replace(p, start_pos=p.start_pos - by_slot[p.slot]) for p in batch.prefills],
+            prefills=[dataclasses.replace(p, start_pos=p.start_pos - bases[p.slot]) for p in batch.prefills],
             _masks={},
         )
 
@@ -385,9 +383,7 @@ class ModelRunner:
                     self.buffer.apply_shifts([shift])
                     base = shift.base
                 positions = list(range(start, end))
-                batch.window = self._window_rows(
-                    batch, positions, [slot] * len(positions), [base] * len(positions), [], []
-                )
+                batch.window = self._window_rows(batch, positions, [slot] * len(positions), {slot: base}, [], [])
             logits.append(self.forward(batch))
         return torch.cat(logits)
 
