@@ -140,23 +140,24 @@ def parse_generate(message: dict) -> GenerateRequest:
         params = SamplingParams(**raw)
     except (ValueError, TypeError) as e:
         raise bad(str(e)) from None
-    tools = message.get("tools")
-    if tools is not None:
-        if messages is None:
-            raise bad("`tools` go with `messages`")
-        try:
-            check_tools(tools)
-        except ValueError as e:
-            raise bad(str(e)) from None
-    template_kwargs = message.get("chat_template_kwargs")
-    if template_kwargs is not None:
-        if messages is None:
-            raise bad("`chat_template_kwargs` go with `messages`")
-        try:
-            check_template_kwargs(template_kwargs)
-        except ValueError as e:
-            raise bad(str(e)) from None
+    try:
+        tools = beside_messages(message, "tools", messages is not None, check_tools)
+        template_kwargs = beside_messages(message, "chat_template_kwargs", messages is not None, check_template_kwargs)
+    except ValueError as e:
+        raise bad(str(e)) from None
     return GenerateRequest(rid, prompt, messages, params, stream, tools, template_kwargs)
+
+
+def beside_messages(request: dict, key: str, has_messages: bool, check) -> object | None:
+    """A field that only chat requests may carry (`tools`, `chat_template_kwargs`): its checked
+    value, or None when absent or null; ValueError naming the problem."""
+    value = request.get(key)
+    if value is None:
+        return None
+    if not has_messages:
+        raise ValueError(f"`{key}` go with `messages`")
+    check(value)
+    return value
 
 
 # chat_template_kwargs: names the template reads from flover itself are not the client's to set
