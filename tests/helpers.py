@@ -29,6 +29,12 @@ TEST_PRESET = dict(
 )
 
 
+# Gemma 3's two RoPEs: the global layers' (linear scaling), the sliding-window layers' own base
+GEMMA3_ROPE = dict(
+    full_attention=dict(rope_type="linear", rope_theta=100000.0, factor=2.0),
+    sliding_attention=dict(rope_type="default", rope_theta=5000.0),
+)
+
 # LongRoPE over half of each head (Phi-3 / Phi-4-mini's settings, in small)
 PHI3_LONGROPE = dict(
     rope_type="longrope",
@@ -82,10 +88,7 @@ VARIANTS = {
             query_pre_attn_scalar=20,
             sliding_window=8,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            rope_parameters=dict(
-                full_attention=dict(rope_type="linear", rope_theta=100000.0, factor=2.0),
-                sliding_attention=dict(rope_type="default", rope_theta=5000.0),
-            ),
+            rope_parameters=GEMMA3_ROPE,
         ),
         dict(num_layers=3),
     ),
@@ -96,10 +99,7 @@ VARIANTS = {
             head_dim=24,
             query_pre_attn_scalar=24,
             sliding_window=8,
-            rope_parameters=dict(
-                full_attention=dict(rope_type="linear", rope_theta=100000.0, factor=2.0),
-                sliding_attention=dict(rope_type="default", rope_theta=5000.0),
-            ),
+            rope_parameters=GEMMA3_ROPE,
         ),
         dict(num_layers=7),
     ),
