@@ -75,6 +75,8 @@ VARIANTS = {
         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
         dict(num_layers=3),
     ),
+    # Llama attention (q/k rows permuted in GGUF files) and 4 experts of 64, 2 a token, every layer
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
     # 4 layers, the 4th without RoPE (SmolLM3's default interval, the one llama.cpp assumes)
     "smollm3": ("smollm3", {}, dict(num_layers=4)),
     # norms after attention and the MLP (none before), q/k norms over each whole projection

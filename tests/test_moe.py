@@ -1,18 +1,25 @@
-"""Mixtures of experts (Qwen3-MoE) on the PyTorch path: the config, fused against solo, what is
-refused. (float64 tokens and logits against transformers: test_reference.py's qwen3-moe variant.)"""
+"""Mixtures of experts (Qwen3-MoE, Mixtral): their configs from Hugging Face directories and GGUF
+files, fused against solo on the native step and on PyTorch (routing where every row picks the
+same experts and where the rows spread over them), a file's own codes, and the expert load an
+operator sees. (float64 against transformers: test_reference.py and test_gguf.py; native against
+PyTorch on every kernel family: test_native_forward.py; tensor parallelism: test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
 
 from flover import LLM, SamplingParams
-from flover.models.llama import LlamaForCausalLM
+from flover.models.checkpoint import open_checkpoint
 from flover.models.model_config import CheckpointError, load_model_config
-from flover.models.tp_layout import TPLayout
+from flover.testing.tiny_model import write_gguf
+from tests.helpers import Server
+
+pytest.importorskip("gguf")
 
 
 def test_the_config_says_which_layers_have_experts(make_model, tmp_path):
@@ -29,24 +36,107 @@ def test_the_config_says_which_layers_have_experts(make_model, tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
     with pytest.raises(CheckpointError, match="num_experts_per_tok 9 of 8 experts"):
         load_model_config(model)
+    (model / "config.json").write_text(json.dumps({**config, "num_experts": 5000}))
+    with pytest.raises(CheckpointError, match="num_experts must be an integer in"):
+        load_model_config(model)
+    mixtral = load_model_config(make_model("mixtral")).moe
+    assert (mixtral.experts, mixtral.top_k, mixtral.intermediate, mixtral.layers) == (4, 2, 64, {0, 1})
+    assert mixtral.block == "block_sparse_moe" and mixtral.weights_float32
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_rows_give_each_request_its_solo_tokens(make_model, dtype):
-    """Requests fused in one engine (prompt chunks and decode rows routed together) get the
-    tokens each gets alone: a row's experts and sums do not depend on the other rows."""
-    model = make_model("qwen3-moe")
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+def test_a_gguf_file_says_what_the_directory_says(make_model, tmp_path, variant):
+    """As llama.cpp's converter writes them: qwen3moe, and Mixtral as a llama file with experts;
+    the layers of experts are those with a router (ffn_gate_inp)."""
+    path = write_gguf(make_model(variant), tmp_path / f"{variant}.gguf", "Q8_0")
+    from_file, from_dir = open_checkpoint(path).model_config(), load_model_config(make_model(variant))
+    assert from_file.architecture == from_dir.architecture
+    for field in ("experts", "top_k", "intermediate", "norm_topk_prob", "layers", "weights_float32"):
+        assert getattr(from_file.moe, field) == getattr(from_dir.moe, field), field
+
+
+def with_router(model_dir: str, out, scale: float) -> str:
+    """A copy of the checkpoint with every router's weights times `scale` (0: every expert ties)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights = load_file(f"{out}/model.safetensors")
+    for name in weights:
+        if name.endswith(".gate.weight"):
+            weights[name] = weights[name] * scale
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+CASES = {  # name -> (variant, dtype, engine options)
+    "qwen3-moe-native-float32": ("qwen3-moe", "float32", {}),
+    "qwen3-moe-native-bfloat16": ("qwen3-moe", "bfloat16", {}),
+    "qwen3-moe-pytorch-float64": ("qwen3-moe", "float64", {"native_forward": "off"}),  # (its exact dtype)
+    "mixtral-native-bfloat16": ("mixtral", "bfloat16", {}),
+    "qwen3-moe-Q4_0-file": ("qwen3-moe", "bfloat16", {"quantization": "file"}),
+}
+
+
+@pytest.mark.parametrize("routing", ["spread", "tied"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_rows_give_each_request_its_solo_tokens(make_model, tmp_path, case, routing):
+    """Requests fused in one engine (prompt chunks and decode rows routed together) get the tokens
+    each gets alone: a row's experts and sums do not depend on the other rows. "spread": routers
+    times 50, so that the rows of one iteration go to most experts; "tied": routers of zeros, so
+    that every row of every iteration picks the same experts (the lowest indices)."""
+    variant, dtype, options = CASES[case]
+    model = with_router(make_model(variant), tmp_path / "m", 50.0 if routing == "spread" else 0.0)
+    if options.get("quantization") == "file":
+        model = str(write_gguf(model, tmp_path / "m.gguf", "Q4_0"))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    fused = LLM(model, dtype=dtype, max_slots=6, max_seq_len=128, max_batch_tokens=32)
-    assert fused.engine.runner.native is None  # experts run on PyTorch (the native step declines them)
+    fused = LLM(model, dtype=dtype, max_slots=6, max_seq_len=128, max_batch_tokens=32, speculate=0, **options)
+    assert (fused.engine.runner.native is None) == (options.get("native_forward") == "off")
     together = [o.token_ids for o in fused.generate(prompts, params)]
-    solo = LLM(model, dtype=dtype, max_slots=1, max_seq_len=128)
+    load = fused.engine.stats().expert_load
+    experts, top_k = fused.engine.model_config.moe.experts, fused.engine.model_config.moe.top_k
+    rows = sum(len(p) + 24 - 1 for p in prompts)  # every prompt row and every decode row but the last
+    for layer in load:  # each layer of experts saw every row, top_k times
+        assert sum(layer["rows"]) == rows * top_k, layer
+        used = sum(1 for n in layer["rows"] if n)
+        if routing == "tied" and fused.engine.runner.native is not None:
+            assert layer["rows"][:top_k] == [rows] * top_k, layer  # the first among equals, as torch.topk
+        else:
+            assert used >= (top_k if routing == "tied" else experts - 1), layer
+    solo = LLM(model, dtype=dtype, max_slots=1, max_seq_len=128, **options)
     assert together == [solo.generate([p], params)[0].token_ids for p in prompts]
 
 
-def test_tensor_parallelism_is_refused_with_the_reason(make_model):
-    cfg = load_model_config(make_model("qwen3-moe"))
-    with pytest.raises(ValueError, match="mixtures of experts do not run under tensor parallelism"):
-        LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 2), None, 64, torch.float32, torch.device("cpu"))
+def test_the_daemon_reports_the_rows_each_expert_took(make_model):
+    """stats over the socket and /metrics' flover:expert_rows_total per layer and expert."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flover.server.prometheus import render
+
+    server = Server(make_model("qwen3-moe"))
+    try:
+        with server.client() as c:
+            out = c.generate(input_ids=[5, 6, 7, 8], max_new_tokens=6, ignore_eos=True)
+            stats = c.stats()
+    finally:
+        server.stop()
+    assert len(out["token_ids"]) == 6
+    load = stats["expert_load"]
+    assert [layer["layer"] for layer in load] == [0, 2] and all(len(layer["rows"]) == 8 for layer in load)
+    assert all(sum(layer["rows"]) == (4 + 5) * 2 for layer in load)  # 4 prompt rows, 5 decode rows, 2 experts each
+    samples = {
+        (s.labels["layer"], s.labels["expert"]): s.value
+        for family in text_string_to_metric_families(render(stats, "m").decode())
+        for s in family.samples
+        if s.name == "flover:expert_rows_total"
+    }
+    assert samples == {(str(layer["layer"]), str(e)): n for layer in load for e, n in enumerate(layer["rows"])}
+
+
+def test_a_layer_of_experts_holds_no_dense_mlp(make_model):
+    """The dense MLP of a layer of experts does not exist (no memory for it); a dense layer's does."""
+    llm = LLM(make_model("qwen3-moe"), dtype="float32", max_slots=1, native_forward="off")
+    layers = llm.engine.runner.model.layers
+    assert layers[0].gate_up is None and layers[0].experts is not None and layers[1].experts is None
+    assert torch.count_nonzero(layers[0].experts.router) > 0

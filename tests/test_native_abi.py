@@ -19,44 +19,43 @@ def test_the_build_in_the_tree_matches_python_entry_for_entry():
     assert theirs["Model"] == 8 * len(abi.Model._fields_) and theirs["Grid.part"] == 8
 
 
-def changed_build(tmp_path, monkeypatch, old: str, new: str):
-    """load_library over a copy of the sources with `old` replaced by `new` in native.h."""
+def changed_build(tmp_path, monkeypatch, changes: list[tuple[str, str]]):
+    """load_library over a copy of the sources with each `old` replaced by its `new` in native.h."""
     root = tmp_path / "native"
     for path in source_files():
         (root / path.relative_to(SOURCES)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, root / path.relative_to(SOURCES))
     header = root / "native.h"
-    assert old in header.read_text()
-    header.write_text(header.read_text().replace(old, new))
+    for old, new in changes:
+        assert old in header.read_text()
+        header.write_text(header.read_text().replace(old, new))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv(KERNELS_ENV, "generic")  # (the quickest build)
     return lambda: abi.load_library(root=root)
 
 
-@pytest.mark.parametrize(
-    "old, new, named",
-    [
-        # two fields swapped in C only: every size still agrees, two offsets do not
-        ("input_norm, qkv, qkv_bias, o, o_bias,", "input_norm, qkv, qkv_bias, o_bias, o,", "Layer.o is"),
-        # a field added to C only: the struct's size and the fields after it
-        ("int64_t screen_rows;", "int64_t screen_rows, experts;", "Model is"),
-        # a code renumbered in C only
-        ("G_INT4_K = 5,", "G_INT4_K = 12,", "G_INT4_K is 12 in the C build, 5 in"),
-    ],
-)
-def test_a_build_that_differs_from_python_is_refused_naming_the_difference(tmp_path, monkeypatch, old, new, named):
-    load = changed_build(tmp_path, monkeypatch, old, new)
+def test_a_build_that_differs_from_python_is_refused_naming_the_difference(tmp_path, monkeypatch):
+    """Three changes to C only, in one build (each is named): two fields swapped (every size still
+    agrees, two offsets do not), a field added (the struct's size and the fields after it), a code
+    renumbered."""
+    changes = [
+        ("input_norm, qkv, qkv_bias, o, o_bias,", "input_norm, qkv, qkv_bias, o_bias, o,"),
+        ("int64_t screen_rows;", "int64_t screen_rows, added_in_c;"),
+        ("G_INT4_K = 5,", "G_INT4_K = 12,"),
+    ]
+    load = changed_build(tmp_path, monkeypatch, changes)
     with pytest.raises(NativeUnavailable, match="does not match flover/native/abi.py") as refused:
         load()
-    assert named in str(refused.value)
+    for named in ("Layer.o is", "Model is", "G_INT4_K is 12 in the C build, 5 in"):
+        assert named in str(refused.value), named
 
 
 def test_a_field_python_declares_that_c_lacks_is_named(monkeypatch):
     lib = abi.load_library()
-    extended = type("Layer", (abi.ctypes.Structure,), {"_fields_": [*abi.Layer._fields_, ("experts", abi.I64)]})
+    extended = type("Layer", (abi.ctypes.Structure,), {"_fields_": [*abi.Layer._fields_, ("added", abi.I64)]})
     monkeypatch.setattr(abi, "STRUCTS", (abi.Model, extended, abi.GridPart, abi.Grid))
     differ = abi.abi_mismatches(abi.expected_abi(), abi.abi_of(lib))
     assert differ == [
         f"Layer is {8 * len(abi.Layer._fields_)} in the C build, {8 * len(extended._fields_)} in flover/native/abi.py",
-        "Layer.experts is declared in flover/native/abi.py but not in the C build",
+        "Layer.added is declared in flover/native/abi.py but not in the C build",
     ]

@@ -109,6 +109,8 @@ VARIANTS = [
     "gemma3",
     "llama-vocab509-kv4",
     "llama-head80-group6",
+    "qwen3-moe",
+    "mixtral",
 ]
 
 
@@ -136,6 +138,8 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
         "olmo2",
         "phi3",
         "gemma3",
+        "qwen3-moe",
+        "mixtral",
     ],
 )
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
@@ -143,8 +147,13 @@ def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     few bfloat16 steps of the PyTorch forward's, and the greedy choice almost always agrees."""
     compared, _ = compare_on_random_arrivals(make_model(variant), "bfloat16")
     assert len(compared) > 20
-    for decode, prompt, diff, scale, _ in compared:
-        assert diff <= 0.02 * max(1.0, scale), (decode, prompt, diff, scale)
+    far = [
+        (decode, prompt, diff, scale) for decode, prompt, diff, scale, _ in compared if diff > 0.02 * max(1.0, scale)
+    ]
+    # a mixture of experts: where a router's top k is a near tie, one bfloat16 step upstream can pick
+    # another expert (seen once in 91 iterations); its logits then differ more, within bounds
+    flips = 2 if variant in ("qwen3-moe", "mixtral") else 0
+    assert len(far) <= flips and all(diff <= 0.1 * max(1.0, scale) for *_, diff, scale in far), far
     agree = sum(same for *_, same in compared) / len(compared)
     assert agree >= 0.9, agree
 
@@ -247,6 +256,9 @@ def test_models_the_step_does_not_cover_run_pytorch(make_model):
         ("bfloat16", "file", "phi3-gguf"),
         ("float32", "none", "gemma3"),
         ("bfloat16", "int8", "gemma3"),
+        ("float32", "none", "qwen3-moe"),
+        ("bfloat16", "file", "qwen3-moe"),
+        ("bfloat16", "int4", "mixtral"),
     ],
 )
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_iteration(

@@ -29,14 +29,16 @@ pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install '
 
 
 @pytest.mark.parametrize(
-    "variant", ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj", "qwen3", "phi3", "gemma3"]
+    "variant",
+    ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj", "qwen3", "phi3", "gemma3", "qwen3-moe"],
 )
 def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     """float64, requests arriving at different iterations (every 40 ms); TP=4 on the 2-kv-head
     models shares each kv head between 2 ranks; the 509-token vocabulary splits unevenly; gemma3's
     sliding-window layers keep 48 positions a slot (iterations of 16 tokens), so its longer
     sequences slide on every rank alike, and some iterations sample no row at all (a 16-token
-    chunk of a longer prompt, alone: the vocabulary gather of zero rows)."""
+    chunk of a longer prompt, alone: the vocabulary gather of zero rows); qwen3-moe's experts keep
+    1/2 and 1/4 of each expert's columns a rank, every rank routing alike."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)
@@ -237,12 +239,13 @@ def test_prefix_cache_under_tp2_gives_the_tp1_tokens_without_it(llama_dir, tmp_p
     assert sum(r["usage"]["cached_tokens"] for r in records[2].values()) >= 16 * 5
 
 
-@pytest.mark.parametrize("variant", ["llama-mqa-bias-tied-llama3", "llama-vocab509-kv4"])
+@pytest.mark.parametrize("variant", ["llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "mixtral"])
 def test_tp2_on_the_native_step_gives_the_tp1_tokens_in_float32(make_model, variant, tmp_path):
     """Each rank runs its shard as one native call; the C code calls back into the communicator
     where the PyTorch path all-reduces (the vocabulary-split embedding, after the o and down
-    projections; biases added once after). float32 (only the sums' order differs from TP=1):
-    the same greedy tokens, with o/down biases, a tied head, and a vocabulary split unevenly."""
+    projections or the experts' sum; biases added once after). float32 (only the sums' order
+    differs from TP=1): the same greedy tokens, with o/down biases, a tied head, a vocabulary
+    split unevenly, and experts (each rank half of every expert's columns)."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)

@@ -248,6 +248,7 @@ class Engine(ServingEngine):
                 "block_tokens": cache.block_tokens,
             },
             native_kernels=self.runner.native.kernels if self.runner.native is not None else None,
+            expert_load=self.runner.expert_load(),
         )
 
     @torch.inference_mode()
@@ -358,6 +359,9 @@ class EngineStats:
     prefix_cache: dict | None  # its counters and blocks, or None when off
     native_kernels: str | None  # the native step's kernel family (e.g. "AVX2+FMA"), None: PyTorch runs
     groups: list[dict] | None = None  # data-parallel groups (engine/groups.py): each one's figures
+    # a mixture of experts: per layer of experts {"layer": n, "rows": rows routed to each expert so far}
+    # (routing skew: an expert far above the others' mean is the one every iteration waits on)
+    expert_load: list[dict] | None = None
 
 
 class LLM:

@@ -239,6 +239,7 @@ class EngineGroups(ServingEngine):
             total[key] = sum(s[key] for s in per_group)
         total["kv_use"] = sum(s["kv_use"] for s in per_group) / len(per_group)
         total["prefix_cache"] = _sum_prefix_caches([s["prefix_cache"] for s in per_group])
+        total["expert_load"] = _sum_expert_loads([s.get("expert_load") for s in per_group])
         stats = EngineStats(**total)
         stats.groups = [
             {
@@ -276,6 +277,17 @@ def _sum_prefix_caches(caches: list[dict | None]) -> dict | None:
     if not caches:
         return None
     return {key: sum(c[key] for c in caches) if key != "block_tokens" else caches[0][key] for key in caches[0]}
+
+
+def _sum_expert_loads(loads: list[list[dict] | None]) -> list[dict] | None:
+    """Each layer's rows per expert, summed over the groups (the same model in each)."""
+    loads = [load for load in loads if load]
+    if not loads:
+        return None
+    return [
+        {"layer": layers[0]["layer"], "rows": [sum(counts) for counts in zip(*(layer["rows"] for layer in layers))]}
+        for layers in zip(*loads)
+    ]
 
 
 def serve_group(engine: Engine, mailbox: Mailbox, group: int) -> None:

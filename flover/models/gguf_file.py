@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flover.models.gguf_grids import block_grid
-from flover.models.model_config import CheckpointError, ModelConfig, check_sizes, validate_model_config
+from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,12 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
     "phi3": ("Phi3ForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
+# a llama file with experts (llama.expert_count) is Mixtral's layout
+LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
+# an expert's projections -> the GGUF tensor that stacks them over the experts ([experts, out, in])
+GGUF_EXPERT_NAMES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
@@ -205,7 +210,7 @@ class GGUFFile:
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
             bos_token_id=self.integer("tokenizer.ggml.bos_token_id"),
             checkpoint_dtype=None,
-            qk_norm={"qwen3": "head", "olmo2": "projection"}.get(a, ""),
+            qk_norm={"qwen3": "head", "qwen3moe": "head", "olmo2": "projection"}.get(a, ""),
             norm_after=a == "olmo2",
             nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0),
         )
@@ -213,6 +218,8 @@ class GGUFFile:
             cfg = self._gemma3(cfg)
         if a == "phi3":
             cfg = self._phi3(cfg)
+        if self.get(f"{a}.expert_count"):
+            cfg = self._experts(cfg)
         validate_model_config(cfg, where)
         return cfg
 
@@ -274,6 +281,29 @@ class GGUFFile:
             )
         return dataclasses.replace(cfg, rotary_dim=rotary, rope_scaling=scaling, fused_projections=True)
 
+    def _experts(self, cfg: ModelConfig) -> ModelConfig:
+        """A mixture of experts (qwen3moe; llama with experts: Mixtral), read as llama.cpp reads
+        it: expert_count, expert_used_count, each expert's width (expert_feed_forward_length, else
+        feed_forward_length), the top k always renormalised; experts in the layers that hold a
+        router (ffn_gate_inp), stacked in ffn_{gate,up,down}_exps."""
+        a = self.arch
+        sizes = {
+            f"{a}.expert_count": self.integer(f"{a}.expert_count", required=True),
+            f"{a}.expert_used_count": self.integer(f"{a}.expert_used_count", required=True),
+            f"{a}.expert_feed_forward_length": self.integer(f"{a}.expert_feed_forward_length") or cfg.intermediate_size,
+        }
+        check_sizes(sizes, str(self.path))
+        experts, top_k, inter = sizes.values()
+        if self.number(f"{a}.expert_weights_scale", 1.0) != 1.0:
+            raise CheckpointError(f"{self.path}: {a}.expert_weights_scale other than 1 is not supported")
+        layers = frozenset(i for i in range(cfg.num_layers) if f"blk.{i}.ffn_gate_inp.weight" in self.tensors)
+        moe = MoEConfig(experts=experts, top_k=top_k, intermediate=inter, norm_topk_prob=True, layers=layers)
+        if a == "llama":  # (Mixtral's routing weights multiply in float32, as transformers' Mixtral)
+            return dataclasses.replace(
+                cfg, architecture=LLAMA_WITH_EXPERTS, moe=dataclasses.replace(moe, weights_float32=True)
+            )
+        return dataclasses.replace(cfg, moe=moe)
+
     def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
         """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,
         [head_dim / 2] float32: llama.cpp's converter writes them in place of the llama3 settings)."""
@@ -311,7 +341,7 @@ class GGUFFile:
 
     def projection_types(self) -> set[str]:
         """The block types of the layers' projection weights (e.g. {"Q4_1"})."""
-        names = [name for hf, name in GGUF_LAYER_NAMES.items() if hf.endswith("proj.weight")]
+        names = [name for hf, name in GGUF_LAYER_NAMES.items() if hf.endswith("proj.weight")] + list(GGUF_EXPERT_NAMES)
         return {t.type_name for n, t in self.tensors.items() if n.startswith("blk.") and n.split(".", 2)[2] in names}
 
     def reader(self, cfg: ModelConfig) -> "GGUFReader":
@@ -343,7 +373,9 @@ class GGUFReader:
 
     def __init__(self, gguf_file: GGUFFile, cfg: ModelConfig):
         self.file, self.dir = gguf_file, gguf_file.path
-        self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, heads to un-permute)
+        # HF name -> (GGUF name, heads to un-permute); an expert's: its index in the stacked tensor
+        self.names: dict[str, tuple[str, int | None]] = {}
+        self.experts: dict[str, int] = {}
         permuted = ARCHITECTURES[gguf_file.arch][1]
         for hf, name in GGUF_GLOBAL_NAMES.items():
             self.names[hf] = (name, None)
@@ -355,6 +387,13 @@ class GGUFReader:
                 elif permuted and hf == "self_attn.k_proj.weight":
                     heads = cfg.num_kv_heads
                 self.names[f"model.layers.{i}.{hf}"] = (f"blk.{i}.{name}", heads)
+            if cfg.moe is not None and i in cfg.moe.layers:
+                block = f"model.layers.{i}.{cfg.moe.block}"
+                self.names[f"{block}.gate.weight"] = (f"blk.{i}.ffn_gate_inp.weight", None)
+                for e in range(cfg.moe.experts):
+                    for hf, name in zip(cfg.moe.projections, GGUF_EXPERT_NAMES):
+                        self.names[f"{block}.experts.{e}.{hf}.weight"] = (f"blk.{i}.{name}", None)
+                        self.experts[f"{block}.experts.{e}.{hf}.weight"] = e
 
     def has(self, name: str) -> bool:
         return name in self.names and self.names[name][0] in self.file.tensors
@@ -366,7 +405,7 @@ class GGUFReader:
                 f"is missing from the file"
             )
         name, heads = self.names[source.name]
-        t = self.file.tensors[name]
+        t = self._tensor(source.name)
         if t.type_name not in DEQUANTIZED_TYPES:
             raise CheckpointError(
                 f"{self.dir}: tensor {name} has type {t.type_name}, which flover does not "
@@ -397,7 +436,7 @@ class GGUFReader:
         from flover.models.quant import Grid
 
         name, heads = self.names[source.name]
-        t = self.file.tensors[name]
+        t = self._tensor(source.name)
         if t.shape != tuple(source.shape):
             return None
         found = block_grid(t.type_name, t.data, t.shape)
@@ -430,6 +469,17 @@ class GGUFReader:
         return Grid(
             parts[0], parts[1], parts[2] if found.low is not None else None, group, found.bits, found.code_range, supers
         )
+
+    def _tensor(self, hf_name: str) -> "GGUFTensor":
+        """The GGUF tensor behind a Hugging Face name: an expert's is its part of the stacked one."""
+        t = self.file.tensors[self.names[hf_name][0]]
+        expert = self.experts.get(hf_name)
+        if expert is None:
+            return t
+        if len(t.shape) != 3 or expert >= t.shape[0]:
+            raise CheckpointError(f"{self.dir}: tensor {t.name} has shape {list(t.shape)}, expected [experts, out, in]")
+        size = t.data.size // t.shape[0]  # (whole blocks: parse_gguf checked each row is)
+        return GGUFTensor(t.name, t.shape[1:], t.qtype, t.data[expert * size : (expert + 1) * size])
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3 (GQA, RoPE, optional QKV/MLP biases,
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 3, and the mixtures of
+experts Qwen3-MoE and Mixtral (models/moe.py) (GQA, RoPE, optional QKV/MLP biases,
 sliding window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE; OLMo 2's
 norms after attention and the MLP instead of before, and q/k norms over each whole projection).
 
@@ -56,12 +57,12 @@ class LlamaLayer(nn.Module):
         self.post_norm = p(h)  # before the MLP; OLMo 2: after attention, before the residual add
         self.attn_norm_after = p(h) if cfg.gemma else None  # Gemma 3: after attention too, before the add
         self.ffn_norm_after = p(h) if cfg.norm_after or cfg.gemma else None  # after the MLP, before the add
-        self.gate_up = lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
-        self.down = lin(h, tp.intermediate, False)
-        self.down_bias = p(h) if cfg.mlp_bias else None
-        # (Qwen3-MoE) experts in place of the MLP; the dense MLP's tensors then stay empty
+        # (Qwen3-MoE, Mixtral) experts in place of the dense MLP, which such a layer then has not
         moe = cfg.moe is not None and index in cfg.moe.layers
-        self.experts = ExpertsMLP(cfg.moe, h, activation(cfg.hidden_act), dtype, device) if moe else None
+        self.experts = ExpertsMLP(cfg.moe, h, activation(cfg.hidden_act), tp, dtype, device) if moe else None
+        self.gate_up = None if moe else lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
+        self.down = None if moe else lin(h, tp.intermediate, False)
+        self.down_bias = p(h) if cfg.mlp_bias else None
         self.attn_opts = AttentionOptions(
             window=window,
             decode_in_float32=dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu",
@@ -109,7 +110,7 @@ class LlamaLayer(nn.Module):
             ),
         ]
         if self.experts is not None:
-            specs += self.experts.weight_specs(mlp, h)
+            specs += self.experts.weight_specs(prefix, h)
         else:
             specs.append(WeightSpec(self.gate_up.weight, gate_up("weight")))
             specs.append(
@@ -131,7 +132,7 @@ class LlamaLayer(nn.Module):
             specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", tuple(self.k_norm.shape)),)))
         if self.o_bias is not None:
             specs.append(WeightSpec(self.o_bias, (whole(f"{att}.o_proj.bias", (h,)),)))
-        if self.gate_up.bias is not None:
+        if self.gate_up is not None and self.gate_up.bias is not None:
             specs.append(WeightSpec(self.gate_up.bias, gate_up("bias")))
             specs.append(WeightSpec(self.down_bias, (whole(f"{mlp}.down_proj.bias", (h,)),)))
         return specs
@@ -140,10 +141,6 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        if cfg.moe is not None and tp.size > 1:
-            raise ValueError(
-                f"{cfg.architecture}: mixtures of experts do not run under tensor parallelism yet; run it on one rank"
-            )
         if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
             raise ValueError(
                 f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "
@@ -229,8 +226,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden = hidden + out
                 x = norm(hidden, layer.post_norm, cfg.norm_eps)
-            if layer.experts is not None:  # (Qwen3-MoE; not under TP)
-                out = layer.experts(x)
+            if layer.experts is not None:  # (Qwen3-MoE, Mixtral) this rank's columns of each chosen expert
+                out = all_reduce(layer.experts(x), comm)
             else:
                 gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
                 out = all_reduce(layer.down(self.act(gate) * up), comm)

@@ -17,6 +17,7 @@ LLAMA_FAMILY = (
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
@@ -31,7 +32,11 @@ MAX_LAYERS = 1024
 MAX_WIDTH = 1 << 18  # hidden, intermediate, head and window sizes
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
+MAX_EXPERTS = 1024  # (Qwen3-Next has 512)
 SIZE_BOUNDS = {
+    "experts": MAX_EXPERTS,  # num_experts, num_local_experts, num_experts_per_tok
+    "expert_count": MAX_EXPERTS,
+    "expert_used_count": MAX_EXPERTS,
     "layers": MAX_LAYERS,
     "block_count": MAX_LAYERS,
     "n_layer": MAX_LAYERS,
@@ -86,6 +91,13 @@ def validate_model_config(cfg: "ModelConfig", where: str) -> None:
         w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in cfg.sliding_windows
     ):
         problems.append("the sliding windows must be positive integers, one per layer")
+    moe = cfg.moe
+    if moe is not None:
+        check_sizes(
+            {"experts": moe.experts, "experts_per_token": moe.top_k, "expert_intermediate": moe.intermediate}, where
+        )
+        if moe.top_k > moe.experts or not moe.layers <= set(range(cfg.num_layers)):
+            problems.append(f"{moe.top_k} experts a token of {moe.experts}, in layers {sorted(moe.layers)}")
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
 
@@ -101,6 +113,13 @@ class MoEConfig:
     intermediate: int
     norm_topk_prob: bool
     layers: frozenset[int]
+    # the checkpoint's names: the layer's module holding `gate` (the router) and `experts`, and each
+    # expert's gate, up and down projections (Qwen3-MoE's; Mixtral: block_sparse_moe, w1 w3 w2)
+    block: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # the routing weights multiply in float32, the product rounded once (Mixtral); else they are
+    # rounded to the model's dtype first (Qwen3-MoE)
+    weights_float32: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (no scaling there)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
-    moe: MoEConfig | None = None  # a mixture of experts in place of the MLP of some layers (Qwen3-MoE)
+    moe: MoEConfig | None = None  # a mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral)
 
     @property
     def is_gptj(self) -> bool:
@@ -169,6 +188,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             cfg = _parse_gemma3(raw)
         elif arch == "Qwen3MoeForCausalLM":
             cfg = {**_parse_llama(raw, "Qwen3ForCausalLM"), **_parse_moe(raw)}
+        elif arch == "MixtralForCausalLM":
+            cfg = {**_parse_llama(raw, "MistralForCausalLM"), **_parse_mixtral(raw)}
         else:
             cfg = _parse_llama(raw, arch)
     except KeyError as e:
@@ -309,6 +330,26 @@ def _parse_moe(raw: dict) -> dict:
             intermediate=raw["moe_intermediate_size"],
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        )
+    )
+
+
+def _parse_mixtral(raw: dict) -> dict:
+    """Mixtral's experts: in every layer, intermediate_size wide, top k renormalised."""
+    experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
+    check_sizes({"num_local_experts": experts, "num_experts_per_tok": top_k}, "config.json")
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts")
+    return dict(
+        moe=MoEConfig(
+            experts=experts,
+            top_k=top_k,
+            intermediate=raw["intermediate_size"],
+            norm_topk_prob=True,
+            layers=frozenset(range(raw["num_hidden_layers"])),
+            block="block_sparse_moe",
+            projections=("w1", "w3", "w2"),
+            weights_float32=True,
         )
     )
 

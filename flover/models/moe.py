@@ -1,10 +1,14 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE): a router scores every expert for
-each row of the fused token matrix, each row takes its top k, and each chosen expert runs once
-over all the rows that chose it (experts no row chose are not touched).
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral): a router scores every
+expert for each row of the fused token matrix, each row takes its top k, and each chosen expert
+runs once over all the rows that chose it (experts no row chose are not touched).
 
 A row's result depends only on its own routing: each expert's rows are computed as a matrix of
 those rows, and each row's k contributions are added in the order of the experts' indices,
-starting from zero, as transformers' Qwen3MoeExperts does (its eager implementation).
+starting from zero, as transformers' eager experts do.
+
+Each expert is a pair of `Linear`s (gate and up fused, then down), so every way a projection is
+held (quantized, a GGUF file's own codes, packed, the native step's copies) holds experts too;
+under tensor parallelism each rank keeps its slice of every expert's columns, as of a dense MLP.
 """
 
 from __future__ import annotations
@@ -13,49 +17,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flover.models.layers import new_param, rows
+from flover.models.layers import Linear, cols, new_param, rows, whole
 from flover.models.model_config import MoEConfig
 from flover.models.safetensors_reader import WeightSpec
+from flover.models.tp_layout import TPLayout
 
 
 class ExpertsMLP(nn.Module):
-    def __init__(self, moe: MoEConfig, hidden: int, act, dtype: torch.dtype, device: torch.device):
+    def __init__(self, moe: MoEConfig, hidden: int, act, tp: TPLayout, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.cfg, self.act = moe, act
-        e, inter = moe.experts, moe.intermediate
-        self.router = new_param(e, hidden, dtype=dtype, device=device)  # [experts, hidden]
-        self.gate_up = new_param(e, 2 * inter, hidden, dtype=dtype, device=device)  # gate rows, then up rows
-        self.down = new_param(e, hidden, inter, dtype=dtype, device=device)
+        self.cfg, self.act, self.tp = moe, act, tp
+        inter = tp.expert_intermediate  # this rank's columns of each expert
+        self.router = new_param(moe.experts, hidden, dtype=dtype, device=device)  # [experts, hidden], every rank's
+        self.gate_up = nn.ModuleList(Linear(2 * inter, hidden, False, dtype, device) for _ in range(moe.experts))
+        self.down = nn.ModuleList(Linear(hidden, inter, False, dtype, device) for _ in range(moe.experts))
+        # rows routed to each expert since the model was built (int64 [experts]; the native step adds to it too)
+        self.load = torch.zeros(moe.experts, dtype=torch.int64)
 
-    def weight_specs(self, mlp: str, hidden: int) -> list[WeightSpec]:
-        """Hugging Face's per-expert tensors (mlp.experts.{e}.gate_proj ...) into the stacked ones."""
-        inter = self.cfg.intermediate
-        specs = [
-            WeightSpec(self.router, (rows(f"{mlp}.gate.weight", (self.cfg.experts, hidden), 0, self.cfg.experts),))
-        ]
-        for e in range(self.cfg.experts):
-            expert = f"{mlp}.experts.{e}"
-            gate_up = tuple(rows(f"{expert}.{n}_proj.weight", (inter, hidden), 0, inter) for n in ("gate", "up"))
-            specs.append(WeightSpec(self.gate_up[e], gate_up))
-            specs.append(WeightSpec(self.down[e], (rows(f"{expert}.down_proj.weight", (hidden, inter), 0, hidden),)))
+    def weight_specs(self, prefix: str, hidden: int) -> list[WeightSpec]:
+        """The checkpoint's per-expert tensors ({block}.experts.{e}.{gate} ...) into each expert's pair."""
+        moe, tp = self.cfg, self.tp
+        block, (gate, up, down) = f"{prefix}.{moe.block}", moe.projections
+        full, start, inter = moe.intermediate, tp.expert_intermediate_start, tp.expert_intermediate
+        specs = [WeightSpec(self.router, (whole(f"{block}.gate.weight", (moe.experts, hidden)),))]
+        for e in range(moe.experts):
+            expert = f"{block}.experts.{e}"
+            gate_up = tuple(rows(f"{expert}.{n}.weight", (full, hidden), start, inter) for n in (gate, up))
+            specs.append(WeightSpec(self.gate_up[e].weight, gate_up))
+            specs.append(
+                WeightSpec(self.down[e].weight, (cols(f"{expert}.{down}.weight", (hidden, full), start, inter),))
+            )
         return specs
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (experts [T, k], weights [T, k] in x's dtype)."""
+        """x: [T, hidden] -> (experts [T, k], weights [T, k]: float32 where the family multiplies so,
+        else in x's dtype)."""
         logits = F.linear(x, self.router)  # [T, experts]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(logits.dtype)
+        return experts, weights if self.cfg.weights_float32 else weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+        """x: [T, hidden] -> [T, hidden] (this rank's partial sum under tensor parallelism)."""
         experts, weights = self.route(x)
+        self.load += torch.bincount(experts.flatten(), minlength=self.cfg.experts).to(self.load.device)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():  # ascending: each row's sum in the experts' order
             row, slot = torch.where(experts == e)
-            gate, up = F.linear(x[row], self.gate_up[e]).chunk(2, dim=-1)  # [n, inter] each
-            y = F.linear(self.act(gate) * up, self.down[e]) * weights[row, slot, None]  # [n, hidden]
+            gate, up = self.gate_up[e](x[row]).chunk(2, dim=-1)  # [n, inter] each
+            y = self.down[e](self.act(gate) * up) * weights[row, slot, None]  # [n, hidden]
             out.index_add_(0, row, y.to(out.dtype))
         return out
+
+    def linears(self) -> list[Linear]:
+        return [*self.gate_up, *self.down]

@@ -1,6 +1,6 @@
 """Which slice of every weight a tensor-parallel rank holds (Megatron-style).
 
-Attention heads and MLP columns are split evenly; kv heads are split when there are at least as
+Attention heads and MLP columns (each expert's too) are split evenly; kv heads are split when there are at least as
 many as ranks, and replicated (each rank keeps the one its query heads use) when there are fewer.
 The vocabulary is split in equal padded blocks: rank r owns ids [r * V_r, (r + 1) * V_r).
 """
@@ -29,6 +29,8 @@ class TPLayout:
     vocab: int  # padded rows per rank
     vocab_start: int
     vocab_total: int
+    expert_intermediate: int = 0  # each expert's MLP columns on this rank (mixtures of experts)
+    expert_intermediate_start: int = 0
 
     @property
     def vocab_real(self) -> int:
@@ -56,6 +58,12 @@ class TPLayout:
             raise ValueError(
                 f"tensor parallelism over {size} ranks: intermediate_size={inter} is not divisible by {size}"
             )
+        expert_inter = cfg.moe.intermediate if cfg.moe is not None else 0
+        if expert_inter % size:
+            raise ValueError(
+                f"tensor parallelism over {size} ranks: each expert's intermediate size {expert_inter} "
+                f"is not divisible by {size}"
+            )
         kv_local = max(1, kv // size)
         vocab = -(-cfg.vocab_size // size)
         return cls(
@@ -70,4 +78,6 @@ class TPLayout:
             vocab=vocab,
             vocab_start=rank * vocab,
             vocab_total=cfg.vocab_size,
+            expert_intermediate=expert_inter // size,
+            expert_intermediate_start=rank * (expert_inter // size),
         )

@@ -48,6 +48,7 @@ SHAPE_CHECKS = {
     4: "hidden and intermediate sizes must be even",
     5: "the KV cache's rows are narrower than head_dim",
     6: "a layer's KV strides overlap, or its positions exceed max_seq_len",
+    7: "the experts' sizes are not positive (top k within the experts, an even width), or a layer lacks its MLP",
 }
 
 
@@ -70,8 +71,6 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
     cfg = model.cfg
-    if cfg.moe is not None:
-        return "a mixture of experts (its layers run on PyTorch)"
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if cfg.norm_after and (cfg.o_bias or cfg.mlp_bias):
@@ -84,6 +83,7 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         "hidden size": cfg.hidden_size,
         "attention width": model.tp.heads * cfg.head_dim,
         "intermediate size": model.tp.intermediate,
+        "expert intermediate size": model.tp.expert_intermediate,
     }
     odd = [f"{name} {size}" for name, size in sizes.items() if size % 2]
     if odd:
@@ -98,6 +98,15 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if missing:
         return f"dense weights were not kept ({missing[0]}, ...)"
     return None
+
+
+def layer_linears(model: LlamaForCausalLM) -> list:
+    """Every projection of the layers: the dense ones, and each expert's pair where a layer has experts."""
+    linears = []
+    for layer in model.layers:
+        linears += [getattr(layer, name) for name in PROJECTIONS if getattr(layer, name) is not None]
+        linears += layer.experts.linears() if layer.experts is not None else []
+    return linears
 
 
 @dataclass
@@ -116,7 +125,7 @@ class WeightPlan:
     def of(cls, model: LlamaForCausalLM, packed: bool, screened: bool) -> "WeightPlan":
         tied = model.cfg.tie_word_embeddings and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight
-        linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+        linears = layer_linears(model)
         runs = {
             id(lin): runs_of(lin.quantized, packed)
             for lin in linears + [model.lm_head]
@@ -128,6 +137,7 @@ class WeightPlan:
                 raise NativeUnavailable(why)
         head_runs = id(model.lm_head) in runs
         dense = ([] if head_runs else [head]) + [lin.weight for lin in linears if id(lin) not in runs]
+        dense += [layer.experts.router for layer in model.layers if layer.experts is not None]
         screen = HeadScreen.of(head) if screened and not head_runs else None
         return cls(head, runs, [lin for lin in linears + [model.lm_head] if id(lin) in runs], dense, screen)
 
@@ -178,14 +188,16 @@ class NativeForward:
         self._arena = plan.arena(dtype)
         self._norm_weights: list[torch.Tensor] = []  # float32 norms (Gemma 3, OLMo 2), held while C reads them
         self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
+        self._expert_tables: list[torch.Tensor] = []  # each layer of experts' address arrays, likewise
         self._model_struct = self._model_struct_of(plan, buffer, comm)
         if release:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup ...
             if self._model_struct.embed_grid:  # ... unless the head's codes are
                 model.embed.data = torch.empty(0, dtype=dtype)
         self._layer_structs = self._layer_structs_of(plan, release, buffer)
-        if self.lib.flover_check_layers(self._model_struct, self._layer_structs):
-            raise ValueError(f"native step: {SHAPE_CHECKS[6]}")
+        failed = self.lib.flover_check_layers(self._model_struct, self._layer_structs)
+        if failed:
+            raise ValueError(f"native step: {SHAPE_CHECKS[failed]}")
         floats = self.lib.flover_work_floats(self._model_struct, max_rows, threads)
         self._work = torch.empty(floats, dtype=torch.float32)
         self.eps = float(model.cfg.norm_eps)
@@ -225,6 +237,32 @@ class NativeForward:
         if model.local_rotary is not None:
             fields.update(local_cos=model.local_rotary.cos.data_ptr(), local_sin=model.local_rotary.sin.data_ptr())
         return fields
+
+    def _experts_fields(self) -> dict:
+        """Model's fields of a mixture of experts (none: experts 0)."""
+        moe = self.model.cfg.moe
+        if moe is None:
+            return {}
+        return dict(
+            experts=moe.experts,
+            top_k=moe.top_k,
+            expert_inter=self.model.tp.expert_intermediate,
+            norm_topk=int(moe.norm_topk_prob),
+            weights_f32=int(moe.weights_float32),
+        )
+
+    def _experts_layer_fields(self, plan: WeightPlan, experts, release: bool) -> dict:
+        """Layer's fields of a layer of experts: its blocked router, and per expert the address of
+        its blocked gate_up / down weight or of their Grid, in int64 arrays."""
+        tables = {}
+        for kind, linears in (("gate_up", experts.gate_up), ("down", experts.down)):
+            placed = [self._projection(plan, lin) for lin in linears]
+            for lin in linears if release else ():
+                lin.release()
+            for i, field in enumerate((f"expert_{kind}", f"expert_{kind}_grid")):
+                self._expert_tables.append(torch.tensor([p[i] for p in placed], dtype=torch.int64))
+                tables[field] = self._expert_tables[-1].data_ptr()
+        return dict(router=self._address(experts.router, block=True), expert_load=experts.load.data_ptr(), **tables)
 
     def _placed(self, runs: list[Run]) -> list[tuple[torch.Tensor, ...]]:
         return [tuple(self._arena.take(shape, kind) for shape, kind in run.shapes) for run in runs]
@@ -276,6 +314,7 @@ class NativeForward:
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
+            **self._experts_fields(),
             **self._family_fields(),
             **self._head_fields(plan),
         )
@@ -291,10 +330,13 @@ class NativeForward:
         for i, (layer, window) in enumerate(zip(self.model.layers, self.model.cfg.sliding_windows)):
             kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
             assert kv.is_contiguous() and kv.dtype == self.dtype
-            blocked = {name: self._projection(plan, getattr(layer, name)) for name in PROJECTIONS}
+            present = [name for name in PROJECTIONS if getattr(layer, name) is not None]  # (experts: no MLP)
+            blocked = {name: self._projection(plan, getattr(layer, name)) for name in present}
+            blocked.update({name: (0, 0) for name in PROJECTIONS if name not in present})
             if release:
-                for name in PROJECTIONS:
+                for name in present:
                     getattr(layer, name).release()
+            experts = {} if layer.experts is None else self._experts_layer_fields(plan, layer.experts, release)
             layers[i] = abi.Layer(
                 input_norm=self._norm_address(layer.input_norm),
                 qkv=blocked["qkv"][0],
@@ -303,7 +345,7 @@ class NativeForward:
                 o_bias=self._address(layer.o_bias),
                 post_norm=self._norm_address(layer.post_norm),
                 gate_up=blocked["gate_up"][0],
-                gate_up_bias=self._address(layer.gate_up.bias),
+                gate_up_bias=self._address(layer.gate_up.bias if layer.gate_up is not None else None),
                 down=blocked["down"][0],
                 down_bias=self._address(layer.down_bias),
                 window=window or 0,
@@ -321,6 +363,7 @@ class NativeForward:
                 kv_len=kv.shape[3],
                 windowed_kv=int(buffer.window is not None and i in buffer.window.layers),
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
+                **experts,
             )
         return layers
 

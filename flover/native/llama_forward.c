@@ -52,13 +52,15 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
  * inputs their sum (grids with minimums), and the prompt blocks (first row and row count, int64). `end`: the floats the
  * caller allocates (flover_work_floats). */
 typedef struct {
-    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, end;
+    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, experts, end;
 } Work;
+
+static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     const int64_t h = md->hidden, qkv = (md->heads + 2 * md->kv_heads) * md->head_dim;
-    const int64_t widest = qkv > 2 * md->inter ? qkv : 2 * md->inter;
-    const int64_t inner = md->inter > h ? md->inter : h;
+    const int64_t widest = max3(qkv, 2 * md->inter, 2 * md->expert_inter);
+    const int64_t inner = max3(md->inter, h, md->expert_inter);
     Work w;
     w.hidden = 0;
     w.normed = w.hidden + rows * h;
@@ -70,7 +72,24 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.per_thread = decode > prompt ? decode : prompt;
     w.xsum = w.scores + nt * w.per_thread;
     w.blocks = w.xsum + rows * (widest / 16 + 1);
-    w.end = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
+    w.experts = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
+    /* a layer of experts: logits, picks (int64) and weights, the expert's rows (int64) and weights,
+     * its rows' inputs and outputs, the rows' sums (ExpertsWork) */
+    w.end = w.experts + (md->experts ? rows * (md->experts + 3 * md->top_k + 3 + 3 * h) : 0);
+    return w;
+}
+
+static ExpertsWork experts_work(float *work, const Work *at, const Model *md, int64_t rows) {
+    float *p = work + at->experts;
+    ExpertsWork w;
+    w.logits = p, p += rows * md->experts;
+    w.picked = (int64_t *)p, p += 2 * rows * md->top_k;
+    w.weight = p, p += rows * md->top_k;
+    w.members = (int64_t *)p, p += 2 * rows;
+    w.member_weight = p, p += rows;
+    w.gathered = p, p += rows * md->hidden;
+    w.out = p, p += rows * md->hidden;
+    w.sum = p;
     return w;
 }
 
@@ -87,6 +106,9 @@ API int flover_check_model(const Model *md) {
         return 3;
     if (md->hidden % 2 || md->inter % 2) return 4;
     if (md->kv_pos < md->head_dim) return 5; /* a KV row holds a head's head_dim values */
+    if (md->experts < 0 || (md->experts && (md->top_k <= 0 || md->top_k > md->experts || md->expert_inter <= 0 ||
+                                            md->expert_inter % 2)))
+        return 7;
     return 0;
 }
 
@@ -97,6 +119,10 @@ API int flover_check_layers(const Model *md, const Layer *layers) {
         if (!ly->kv || ly->kv_len <= 0 || ly->kv_len > md->max_seq || ly->kv_head < ly->kv_len * md->kv_pos ||
             ly->kv_slot < md->kv_heads * ly->kv_head || ly->kv_kind <= 0 || (ly->windowed_kv && !md->window_base))
             return 6; /* a slot's rows and heads must not overlap one another */
+        if (ly->router ? !md->experts || !ly->expert_load || !(ly->expert_gate_up || ly->expert_gate_up_grid) ||
+                             !(ly->expert_down || ly->expert_down_grid)
+                       : !ly->gate_up && !ly->gate_up_grid)
+            return 7; /* a layer has its experts where the model has them, or its dense MLP */
     }
     return 0;
 }
@@ -223,13 +249,19 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             norm_then_residual(md, hidden, normed, rows, ly->post_norm, 0, eps, h, bf, nt);
         else
             residual_and_norm(md, hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
-        PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
+        if (ly->router) { /* experts in place of the MLP: their sum lands in normed, as the down projection's */
+            const ExpertsWork ew = experts_work(work, &at, md, rows);
+            experts_step(md, ly, normed, rows, ew.sum, &ew, xb, xsum, wide, mid, nt);
+            memcpy(normed, ew.sum, rows * h * sizeof(float));
+        } else {
+            PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
-        for (int r = 0; r < rows; r++) {
-            if (md->act) gelu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
-            else silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+            for (int r = 0; r < rows; r++) {
+                if (md->act) gelu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+                else silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+            }
+            PROJECT(down, 0, mid, h, inter, normed)
         }
-        PROJECT(down, 0, mid, h, inter, normed)
         reduce_rows(md, normed, rows * h);
         const int64_t next_norm = l + 1 < md->layers ? layers[l + 1].input_norm : 0;
         if (ly->ffn_norm_after)

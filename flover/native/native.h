@@ -15,6 +15,7 @@
  *   attention.c        decode rows over their slot's keys; blocks of prompt rows
  *   greedy.c           argmax, and greedy ids through a screen of the LM head
  *   sampling.c         the sampler's filters and draw around PyTorch's softmax
+ *   experts.c          a layer's mixture of experts: routing, each chosen expert once over its rows
  *   llama_forward.c    one fused iteration, top to bottom
  *   abi.c              the sizes, offsets and codes below, for flover/native/abi.py to check
  *
@@ -60,6 +61,10 @@ typedef struct {
      * 1 GELU (tanh); the sliding-window layers' own RoPE tables (0: none) */
     double embed_scale, attn_scale;
     int64_t norm_f32, act, local_cos, local_sin;
+    /* a mixture of experts (Qwen3-MoE, Mixtral; experts 0: none): per token top_k of `experts` MLPs
+     * of expert_inter columns each (this rank's), the top k renormalised if norm_topk; the routing
+     * weights multiply in float32 if weights_f32, else rounded to the model dtype first */
+    int64_t experts, top_k, expert_inter, norm_topk, weights_f32;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
@@ -80,6 +85,11 @@ typedef struct {
      * head), positions a slot keeps (kv_len), and windowed_kv 1 where a slot's rows start at its
      * window base (position p at row p - base), 0 where at position 0 */
     int64_t kv, kv_kind, kv_slot, kv_head, kv_len, windowed_kv;
+    /* a layer of experts in place of the MLP (then gate_up and down are 0): the router [experts,
+     * hidden] blocked in the model dtype; addresses of int64 [experts] arrays of each expert's
+     * blocked gate_up and down weights, or of their Grids (0 where an expert's is the other kind);
+     * expert_load: int64 [experts], the rows routed to each expert, added to by every iteration */
+    int64_t router, expert_gate_up, expert_down, expert_gate_up_grid, expert_down_grid, expert_load;
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -237,6 +247,21 @@ void norm_then_residual(const Model *md, float *hidden, float *out, int rows, in
                         int bf, int nt);
 void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out);
+
+/* ---- experts.c --------------------------------------------------------------------------------- */
+/* The scratch of a layer of experts (llama_forward.c's work layout places it). */
+typedef struct {
+    float *logits;           /* [rows, experts] */
+    int64_t *picked;         /* [rows, top_k]: each row's experts, by descending probability */
+    float *weight;           /* [rows, top_k]: their routing weights */
+    int64_t *members;        /* [rows]: the rows of the expert at hand */
+    float *member_weight;    /* [rows]: their weights for it */
+    float *gathered, *out, *sum; /* [rows, hidden]: the inputs of the expert's rows, its outputs; the sums */
+} ExpertsWork;
+/* x [rows, hidden] (normed rows) -> y [rows, hidden]: the layer's experts' weighted sum per row.
+ * xb, xsum, wide, mid: the projections' scratch (as the dense MLP's) */
+void experts_step(const Model *md, const Layer *ly, const float *x, int rows, float *y, const ExpertsWork *w,
+                  void *xb, float *xsum, float *wide, float *mid, int nt);
 
 /* ---- attention.c ------------------------------------------------------------------------------- */
 #define MAX_GROUP 16

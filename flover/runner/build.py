@@ -60,10 +60,12 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         pack=not native_wanted,
     )
     # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
-    # (Not with windowed KV: a static batch has no window bases; those iterations run eagerly.)
+    # (Not with windowed KV: a static batch has no window bases; those iterations run eagerly. Nor
+    # for mixtures of experts: which experts run, on how many rows, depends on the rows' values.)
     static_decode = (
         s.comm is None
         and s.window is None
+        and cfg.moe is None
         and (config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda"))
     )
     buffer = SlotBuffer(

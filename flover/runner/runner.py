@@ -133,6 +133,17 @@ class ModelRunner:
                 return out
         raise AssertionError("PyTorch's forward runs every iteration")
 
+    def expert_load(self) -> list[dict] | None:
+        """A mixture of experts: per layer of experts, the rows routed to each expert so far (both
+        the PyTorch and the native forward count into the same tensor); None for other models."""
+        layers = getattr(self.model, "layers", ())
+        loads = [
+            {"layer": n, "rows": layer.experts.load.tolist()}
+            for n, layer in enumerate(layers)
+            if getattr(layer, "experts", None) is not None
+        ]
+        return loads or None
+
     def admit(self, plan: StepPlan) -> None:
         """Write the per-slot state of requests that got a slot in this plan, and copy their
         cached prefixes into their slots."""

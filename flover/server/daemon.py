@@ -643,6 +643,7 @@ class Daemon:
             "prefix_cache": e.prefix_cache,
             "native_kernels": e.native_kernels,
             "groups": e.groups,
+            "expert_load": e.expert_load,
             **self.counters,
             "metrics": self.metrics.snapshot(),
         }

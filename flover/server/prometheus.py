@@ -87,6 +87,16 @@ class _Snapshot:
             )
             info.add_metric([self.model, s["native_kernels"]], 1)
             yield info
+        if s.get("expert_load"):  # a mixture of experts: rows routed to each expert of each layer
+            rows = CounterMetricFamily(
+                PREFIX + "expert_rows",
+                "Token rows routed to each expert (routing skew: compare an expert with its layer's mean)",
+                labels=[*names, "layer", "expert"],
+            )
+            for layer in s["expert_load"]:
+                for expert, count in enumerate(layer["rows"]):
+                    rows.add_metric([self.model, str(layer["layer"]), str(expert)], count)
+            yield rows
         if s.get("groups"):  # data-parallel groups: each one's figures under a `group` label
             for name, help_text, key, kind in (
                 ("group_requests_routed", "Requests the front door sent to each group", "routed", CounterMetricFamily),

@@ -8,11 +8,13 @@ Needs the `tools` extra (transformers).
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "olmo2", "phi3", "gemma3", "gptj")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "olmo2", "phi3", "gemma3", "gptj")
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -115,6 +117,7 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         "qwen3": "Qwen3Config",
         "smollm3": "SmolLM3Config",
         "qwen3_moe": "Qwen3MoeConfig",
+        "mixtral": "MixtralConfig",
     }
     cls = getattr(transformers, classes[arch])
     return cls(**{**common, **kw, **overrides})
@@ -155,6 +158,8 @@ GGUF_ARCH = {
     "Olmo2ForCausalLM": "olmo2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",
 }
 
 
@@ -218,6 +223,13 @@ def write_gguf(
         local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
         w.add_float32("gemma3.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
         w.add_sliding_window(config["sliding_window"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:  # as the converter: the experts' counts and width; their tensors stacked below
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        tensors = _stack_experts(tensors)
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -229,10 +241,12 @@ def write_gguf(
     names = dict(GGUF_GLOBAL_NAMES)
     for i in range(layers):
         names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(arch).items()})
+        for block in ("mlp", "block_sparse_moe"):  # (Qwen3-MoE's, Mixtral's router)
+            names[f"model.layers.{i}.{block}.gate.weight"] = f"blk.{i}.ffn_gate_inp.weight"
     for hf_name, data in tensors.items():
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
-        name = names[hf_name]
+        name = names.get(hf_name, hf_name)  # (stacked experts: already their GGUF name)
         data = data.astype(np.float32)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):  # the converter stores Gemma's 1 + w
             data = data + 1
@@ -242,7 +256,7 @@ def write_gguf(
             data = permute(data, kv_heads)
         kind = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
         qt = gguf.GGMLQuantizationType[kind]
-        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
             w.add_tensor(name, data)
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, data.astype(np.float16))
@@ -254,6 +268,25 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def _stack_experts(tensors: dict) -> dict:
+    """Each layer's per-expert tensors ({block}.experts.{e}.{projection}) -> one stacked tensor
+    [experts, out, in] per projection under its GGUF name (blk.{i}.ffn_{gate,up,down}_exps.weight),
+    as convert_hf_to_gguf.py merges them; the others as they are."""
+    import numpy as np
+
+    kinds = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+    out, stacks = {}, {}
+    for name, data in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m is None:
+            out[name] = data
+            continue
+        stacks.setdefault(f"blk.{m.group(1)}.ffn_{kinds[m.group(3)]}_exps.weight", {})[int(m.group(2))] = data
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in sorted(parts)])
     return out
 
 
@@ -297,12 +330,13 @@ def _llama3_rope_factors(rope: dict, base: float, dim: int):
     return np.array(factors, dtype=np.float32)
 
 
-def _random_k_blocks(rng, shape: tuple[int, int], qt):
-    """Random K-quant blocks for a [rows, cols] tensor (cols a multiple of 256), scales sane."""
+def _random_k_blocks(rng, shape: tuple[int, ...], qt):
+    """Random K-quant blocks for a [..., rows, cols] tensor (cols a multiple of 256), scales sane."""
     import gguf
     import numpy as np
 
-    rows, cols = shape
+    *outer, cols = shape
+    rows = math.prod(outer)
     size = gguf.GGML_QUANT_SIZES[qt][1]
     raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(RANDOM_BLOCK_SCALES[qt.name]).tobytes(), dtype=np.uint8)
@@ -310,7 +344,7 @@ def _random_k_blocks(rng, shape: tuple[int, int], qt):
         raw[..., -2:] = scale  # d last
     else:
         raw[..., 0:2] = raw[..., 2:4] = scale  # d, dmin first
-    return raw.reshape(rows, -1)
+    return raw.reshape(*outer, -1)
 
 
 def _write_gguf_tokenizer(w, model_dir: Path) -> None:

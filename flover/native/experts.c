@@ -1,0 +1,80 @@
+/* A layer's mixture of experts over an iteration's rows (Qwen3-MoE, Mixtral), as
+ * flover/models/moe.py computes it: the router's logits, each row's top k of a float32 softmax
+ * (renormalised where the model says), then each expert that some row chose runs once, as one
+ * projection over the rows that chose it; experts no row chose are not read.
+ *
+ * A row's result does not depend on the other rows: a projection's output row is summed in the
+ * same order whatever rows share the tile (project.c), and each row's sum adds its experts'
+ * weighted outputs in ascending expert index, starting from zero, rounded after every add as
+ * PyTorch's index_add_ in the model dtype. */
+#include <omp.h>
+
+#include "native.h"
+
+/* Row r's top k of its logits: softmax in float32, the k largest probabilities (the first index
+ * among equals), renormalised by their sum (taken largest first, as torch.topk orders them). */
+static void route_row(const Model *md, const float *logits, int64_t *picked, float *weight) {
+    const int64_t n = md->experts, k = md->top_k;
+    float top = logits[0], sum = 0.f;
+    for (int64_t e = 1; e < n; e++) top = logits[e] > top ? logits[e] : top;
+    for (int64_t e = 0; e < n; e++) sum += expf(logits[e] - top);
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= picked[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        picked[j] = best, weight[j] = expf(logits[best] - top) / sum;
+    }
+    if (md->norm_topk) {
+        float chosen = 0.f;
+        for (int64_t j = 0; j < k; j++) chosen += weight[j];
+        for (int64_t j = 0; j < k; j++) weight[j] /= chosen;
+    }
+    if (!md->weights_f32)
+        for (int64_t j = 0; j < k; j++) weight[j] = rnd(weight[j], md->dtype == DT_BF16);
+}
+
+/* y = x W^T for expert e's weight of one kind: its Grid where it has codes, else its blocked weight */
+static void expert_project(const Model *md, int64_t grids, int64_t dense, int64_t e, const float *x, void *xb,
+                           float *xsum, int rows, int64_t n_out, int64_t k, float *y, int nt) {
+    const int64_t grid = grids ? ((const int64_t *)grids)[e] : 0;
+    if (grid)
+        project_grid((const Grid *)grid, md->dtype == DT_BF16, 0, x, xb, xsum, rows, n_out, k, y, nt);
+    else
+        project(md, ((const int64_t *)dense)[e], 0, x, xb, rows, n_out, k, y, nt);
+}
+
+void experts_step(const Model *md, const Layer *ly, const float *x, int rows, float *y, const ExpertsWork *w,
+                  void *xb, float *xsum, float *wide, float *mid, int nt) {
+    const int bf = md->dtype == DT_BF16;
+    const int64_t h = md->hidden, n = md->experts, k = md->top_k, inter = md->expert_inter;
+    int64_t *load = (int64_t *)ly->expert_load;
+    project(md, ly->router, 0, x, xb, rows, n, h, w->logits, nt); /* [rows, experts], rounded as the model's */
+    for (int r = 0; r < rows; r++) {
+        route_row(md, w->logits + r * n, w->picked + r * k, w->weight + r * k);
+        for (int64_t j = 0; j < k; j++) load[w->picked[r * k + j]]++;
+    }
+    memset(y, 0, rows * h * sizeof(float));
+    for (int64_t e = 0; e < n; e++) {
+        int m = 0; /* the rows that chose e, in row order, and their weights for it */
+        for (int r = 0; r < rows; r++)
+            for (int64_t j = 0; j < k; j++)
+                if (w->picked[r * k + j] == e) w->members[m] = r, w->member_weight[m++] = w->weight[r * k + j];
+        if (!m) continue;
+        for (int i = 0; i < m; i++) memcpy(w->gathered + i * h, x + w->members[i] * h, h * sizeof(float));
+        expert_project(md, ly->expert_gate_up_grid, ly->expert_gate_up, e, w->gathered, xb, xsum, m, 2 * inter, h,
+                       wide, nt);
+        for (int i = 0; i < m; i++) {
+            if (md->act) gelu_mul(wide + i * 2 * inter, inter, bf, mid + i * inter);
+            else silu_mul(wide + i * 2 * inter, inter, bf, mid + i * inter);
+        }
+        expert_project(md, ly->expert_down_grid, ly->expert_down, e, mid, xb, xsum, m, h, inter, w->out, nt);
+        for (int i = 0; i < m; i++) { /* the row's sum += rnd(output * weight), in the model dtype */
+            float *sum = y + w->members[i] * h;
+            const float *out = w->out + i * h, weight = w->member_weight[i];
+            for (int64_t c = 0; c < h; c++) sum[c] = rnd(sum[c] + rnd(out[c] * weight, bf), bf);
+        }
+    }
+}
