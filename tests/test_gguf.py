@@ -283,7 +283,7 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
         raw[:, at : at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
     grid = block_grid(qtype, raw.reshape(-1), (rows, cols))
     expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])
-    assert np.array_equal(grid.values(), expected)
+    assert np.array_equal(grid.values(), expected) and np.array_equal(grid.values_tensor().numpy(), expected)
     assert grid.group == group and grid.scale.shape == (rows, cols // group)
     low, high = {
         "Q4_0": (0, 15),

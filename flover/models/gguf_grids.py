@@ -50,6 +50,17 @@ class BlockGrid:
             w = w + self.low[..., None]
         return w.reshape(rows, cols)
 
+    def values_tensor(self):
+        """values() as a torch tensor, in PyTorch's threads (the same two roundings: a product, a sum)."""
+        import torch
+
+        rows, cols = self.codes.shape
+        q = torch.from_numpy(self.codes).to(torch.float32).view(rows, cols // self.group, self.group)
+        w = torch.from_numpy(self.scale)[..., None] * q
+        if self.low is not None:
+            w = w + torch.from_numpy(self.low)[..., None]
+        return w.view(rows, cols)
+
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]

@@ -4,6 +4,7 @@
     python scripts/bench/make_1b_model.py            # -> ~/.cache/flover/llama.cpp/llama-1b-{f16,Q4_K_M,Q8_0}.gguf
     python scripts/bench/make_1b_model.py --shape qwen3-1.7b    # -> qwen3-1.7b-{f16,Q4_K_M,Q8_0}.gguf
     python scripts/bench/make_1b_model.py --shape gemma3-1b     # -> gemma3-1b-...
+    python scripts/bench/make_1b_model.py --shape qwen3-moe-1.8b   # -> qwen3-moe-1.8b-... (64 experts, 4 a token)
 
 Real dimensions (llama-1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, tied embeddings, llama3 RoPE; qwen3-1.7b: Qwen3-1.7B's, 28 layers, 16/8 heads of
@@ -82,10 +83,33 @@ GEMMA3_1B = dict(
     ),
 )
 
+# Qwen3-30B-A3B's ratios scaled down to ~1.8B parameters: its hidden size, heads (32 of 128 dims, 4
+# kv heads) and expert width (768), 64 experts with 4 a token (its 1 in 16 active; it has 128 and
+# 8), 6 layers instead of 48: ~0.33B parameters read per token of 1.8B
+QWEN3_MOE = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=64,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=6,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+
 SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
     "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_1B),
+    "qwen3-moe-1.8b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
 }
 
 
