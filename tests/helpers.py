@@ -77,6 +77,27 @@ VARIANTS = {
     ),
     # Llama attention (q/k rows permuted in GGUF files) and 4 experts of 64, 2 a token, every layer
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
+    # gpt-oss: attention sinks, q/k/v/o biases, a window of 8 then a full layer, YaRN (4x an original
+    # 64 positions); 4 experts of 64 with biases, 2 a token (a softmax over the top 2), the clamped SwiGLU
+    "gpt-oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_max_position_embeddings=64,
+                truncate=False,
+            ),
+        ),
+    ),
     # 4 layers, the 4th without RoPE (SmolLM3's default interval, the one llama.cpp assumes)
     "smollm3": ("smollm3", {}, dict(num_layers=4)),
     # norms after attention and the MLP (none before), q/k norms over each whole projection

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral): their configs from Hugging Face directories and GGUF
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss): their configs from Hugging Face directories and GGUF
 files, fused against solo on the native step and on PyTorch (routing where every row picks the
 same experts and where the rows spread over them), a file's own codes, and the expert load an
 operator sees. (float64 against transformers: test_reference.py and test_gguf.py; native against
@@ -56,13 +56,13 @@ def test_a_gguf_file_says_what_the_directory_says(make_model, tmp_path, variant)
 
 
 def with_router(model_dir: str, out, scale: float) -> str:
-    """A copy of the checkpoint with every router's weights times `scale` (0: every expert ties)."""
+    """A copy of the checkpoint with every router's weights (and bias) times `scale` (0: every expert ties)."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(model_dir, out)
     weights = load_file(f"{out}/model.safetensors")
     for name in weights:
-        if name.endswith(".gate.weight"):
+        if name.endswith((".gate.weight", ".router.weight", ".router.bias")):
             weights[name] = weights[name] * scale
     save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
     return str(out)
@@ -74,6 +74,7 @@ CASES = {  # name -> (variant, dtype, engine options)
     "qwen3-moe-pytorch-float64": ("qwen3-moe", "float64", {"native_forward": "off"}),  # (its exact dtype)
     "mixtral-native-bfloat16": ("mixtral", "bfloat16", {}),
     "qwen3-moe-Q4_0-file": ("qwen3-moe", "bfloat16", {"quantization": "file"}),
+    "gpt-oss-native-bfloat16": ("gpt-oss", "bfloat16", {}),
 }
 
 
@@ -132,6 +133,23 @@ def test_the_daemon_reports_the_rows_each_expert_took(make_model):
         if s.name == "flover:expert_rows_total"
     }
     assert samples == {(str(layer["layer"]), str(e)): n for layer in load for e, n in enumerate(layer["rows"])}
+
+
+def test_gpt_oss_config_and_what_it_refuses(make_model):
+    """gpt-oss: attention sinks, a window then a full layer, YaRN, a biased router taking a softmax
+    over its top k, biased experts with the clamped SwiGLU, stacked in the checkpoint; not under
+    tensor parallelism yet (its experts' biases), said with the reason."""
+    from flover.models.llama import LlamaForCausalLM
+    from flover.models.tp_layout import TPLayout
+
+    cfg = load_model_config(make_model("gpt-oss"))
+    moe = cfg.moe
+    assert cfg.attn_sinks and cfg.sliding_windows == (8, None) and cfg.qkv_bias and cfg.o_bias
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
+    assert (moe.experts, moe.top_k, moe.intermediate, moe.router) == (4, 2, 64, "router")
+    assert moe.softmax_after_topk and moe.expert_bias and moe.stacked and moe.swiglu_limit == 7.0
+    with pytest.raises(ValueError, match="experts' biases are not split for tensor parallelism"):
+        LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 2), None, 64, torch.float32, torch.device("cpu"))
 
 
 def test_a_layer_of_experts_holds_no_dense_mlp(make_model):

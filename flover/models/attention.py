@@ -66,6 +66,8 @@ class AttentionOptions:
     # widening would double the KV bytes read.)
     decode_in_float32: bool = False
     scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim) (Gemma 3: query_pre_attn_scalar ** -0.5)
+    # gpt-oss: a learned logit per query head [heads] in each softmax's denominator (its weight dropped)
+    sinks: torch.Tensor | None = None
 
 
 def write_kv(
@@ -96,12 +98,17 @@ def _softmax_weights(
     q_dtype: torch.dtype,
     v_dtype: torch.dtype,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """scores [..., heads of a kv head, queries, keys]; sinks [kv heads, heads of one, 1, 1] or None."""
     scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
     # Softmax at least in float32 (wider if the model is float64), as transformers does.
     softmax_dtype = torch.promote_types(torch.promote_types(scores.dtype, q_dtype), torch.float32)
     scores = scores.to(softmax_dtype).masked_fill_(mask, float("-inf"))
-    return torch.softmax(scores, dim=-1).to(v_dtype)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(v_dtype)
+    sink = sinks.to(softmax_dtype).expand(*scores.shape[:-1], 1)  # each head's sink beside its keys
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1].to(v_dtype)
 
 
 def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool) -> bool:
@@ -109,8 +116,8 @@ def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool) -> bool
     matmul sequence. On CPU (its flash kernel, float32 inside as the sequence) faster for one decode
     row and for prompt chunks (docs/design_notes.md, "measured choices"). On CUDA for prompt chunks only:
     eager decode iterations, whose key length changes every time, ran slower with it there. Not
-    for GPT-J, whose scores are float32 on 16-bit inputs."""
-    return opts.scores_dtype is None and (q.device.type == "cpu" or not decode)
+    for GPT-J, whose scores are float32 on 16-bit inputs, nor with attention sinks (no such term)."""
+    return opts.scores_dtype is None and opts.sinks is None and (q.device.type == "cpu" or not decode)
 
 
 def _decode(
@@ -142,7 +149,8 @@ def _decode(
     if opts.decode_in_float32:
         v = v.to(dtype)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, kvh, group, len]
-    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype, opts.scale)
+    sinks = None if opts.sinks is None else opts.sinks.view(kv_heads, heads // kv_heads, 1)  # [kvh, group, 1]
+    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype, opts.scale, sinks)
     out = torch.matmul(weights, v).reshape(span, heads * head_dim).to(q.dtype)  # [n, heads * d]
     return out if batch.decode_rows is None else out[batch.decode_rows]
 
@@ -182,8 +190,9 @@ def _prefill(
     k = k_slot[:, :end].unsqueeze(1).to(dtype)  # [kvh, 1, end, d]
     v = v_slot[:, :end].unsqueeze(1)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g, c, end]
+    sinks = None if opts.sinks is None else opts.sinks.view(kv_heads, heads // kv_heads, 1, 1)  # [kvh, g, 1, 1]
     weights = _softmax_weights(
-        scores, _prefill_mask(span.start_pos, end, opts.window, q.device), head_dim, q.dtype, v.dtype, opts.scale
+        scores, _prefill_mask(span.start_pos, end, opts.window, q.device), head_dim, q.dtype, v.dtype, opts.scale, sinks
     )
     out = torch.matmul(weights, v)  # [kvh, g, c, d]
     return out.permute(2, 0, 1, 3).reshape(length, heads * head_dim)

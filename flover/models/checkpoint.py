@@ -16,6 +16,29 @@ if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
     from flover.models.safetensors_reader import CheckpointReader
 
 
+def stacked_experts(cfg: ModelConfig) -> dict:
+    """Each expert's per-expert names (models/moe.py asks for) -> where a checkpoint that stacks
+    the experts (gpt-oss: mlp.experts.gate_up_proj [experts, hidden, 2 inter], ...) keeps them."""
+    from flover.models.safetensors_reader import Stacked
+
+    moe = cfg.moe
+    if moe is None or not moe.stacked:
+        return {}
+    names = {}
+    gate, up, down = moe.projections
+    for i in sorted(moe.layers):
+        block = f"model.layers.{i}.{moe.block}.experts"
+        for e in range(moe.experts):
+            for projection, stack, part in (
+                (gate, "gate_up_proj", "gate"),
+                (up, "gate_up_proj", "up"),
+                (down, "down_proj", "down"),
+            ):
+                names[f"{block}.{e}.{projection}.weight"] = Stacked(f"{block}.{stack}", e, part)
+                names[f"{block}.{e}.{projection}.bias"] = Stacked(f"{block}.{stack}_bias", e, part)
+    return names
+
+
 class HFDirectory:
     """A Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json."""
 
@@ -28,7 +51,7 @@ class HFDirectory:
     def reader(self, cfg: ModelConfig) -> CheckpointReader:
         from flover.models.safetensors_reader import CheckpointReader
 
-        return CheckpointReader(self.path)
+        return CheckpointReader(self.path, stacked_experts(cfg))
 
     def check_tensors(self, cfg: ModelConfig) -> None:
         """config.json's shape against the tensors the files hold, before anything is built from it."""

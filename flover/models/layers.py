@@ -89,6 +89,8 @@ def _inv_freq(config: ModelConfig, max_len: int = 0) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(scaling, base, dim)
     if scaling["rope_type"] == "longrope":  # (its own order of operations, as transformers')
         return 1.0 / (
             torch.tensor(longrope_factors(scaling, max_len), dtype=torch.float32)
@@ -105,6 +107,35 @@ def _inv_freq(config: ModelConfig, max_len: int = 0) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """The factor YaRN scales cos and sin by (transformers' default: 0.1 ln(factor) + 1)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(scaling: dict, base: float, dim: int) -> torch.Tensor:
+    """YaRN's frequencies (gpt-oss): interpolated by `factor` below the band the original length
+    rotates through beta_slow .. beta_fast times, kept above it, a linear ramp between (as
+    transformers' _compute_yarn_parameters, step for step)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    correction = lambda rotations: dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = correction(fast), correction(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 class Rotary(nn.Module):
@@ -130,8 +161,10 @@ class Rotary(nn.Module):
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rot]: f0 f1 ... f0 f1 ...
         cos, sin = emb.cos(), emb.sin()
-        if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope":
-            scale = longrope_attention_factor(config.rope_scaling)
+        rope_type = config.rope_scaling["rope_type"] if config.rope_scaling is not None else None
+        if rope_type in ("longrope", "yarn"):
+            scaling = config.rope_scaling
+            scale = longrope_attention_factor(scaling) if rope_type == "longrope" else yarn_attention_factor(scaling)
             cos, sin = cos * scale, sin * scale
         self.cos = cos.to(dtype=dtype, device=device)
         self.sin = sin.to(dtype=dtype, device=device)

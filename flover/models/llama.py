@@ -1,5 +1,5 @@
 """The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 3, and the mixtures of
-experts Qwen3-MoE and Mixtral (models/moe.py) (GQA, RoPE, optional QKV/MLP biases,
+experts Qwen3-MoE, Mixtral and gpt-oss (models/moe.py; gpt-oss's attention sinks) (GQA, RoPE, optional QKV/MLP biases,
 sliding window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE; OLMo 2's
 norms after attention and the MLP instead of before, and q/k norms over each whole projection).
 
@@ -63,7 +63,9 @@ class LlamaLayer(nn.Module):
         self.gate_up = None if moe else lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
         self.down = None if moe else lin(h, tp.intermediate, False)
         self.down_bias = p(h) if cfg.mlp_bias else None
+        self.sinks = p(tp.heads) if cfg.attn_sinks else None  # (gpt-oss) this rank's heads' sink logits
         self.attn_opts = AttentionOptions(
+            sinks=self.sinks,
             window=window,
             decode_in_float32=dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu",
             scale=cfg.attn_scale,
@@ -132,6 +134,8 @@ class LlamaLayer(nn.Module):
             specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", tuple(self.k_norm.shape)),)))
         if self.o_bias is not None:
             specs.append(WeightSpec(self.o_bias, (whole(f"{att}.o_proj.bias", (h,)),)))
+        if self.sinks is not None:
+            specs.append(WeightSpec(self.sinks, (rows(f"{att}.sinks", (cfg.num_heads,), tp.head_start, tp.heads),)))
         if self.gate_up is not None and self.gate_up.bias is not None:
             specs.append(WeightSpec(self.gate_up.bias, gate_up("bias")))
             specs.append(WeightSpec(self.down_bias, (whole(f"{mlp}.down_proj.bias", (h,)),)))
@@ -141,6 +145,11 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        if cfg.moe is not None and cfg.moe.expert_bias and tp.size > 1:
+            raise ValueError(
+                f"{cfg.architecture}: its experts' biases are not split for tensor parallelism yet; "
+                f"run it on one rank per engine (data-parallel groups: --tp 1)"
+            )
         if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
             raise ValueError(
                 f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "

@@ -18,6 +18,7 @@ LLAMA_FAMILY = (
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
 SUPPORTED = LLAMA_FAMILY + ("GPTJForCausalLM",)
 
@@ -120,6 +121,17 @@ class MoEConfig:
     # the routing weights multiply in float32, the product rounded once (Mixtral); else they are
     # rounded to the model's dtype first (Qwen3-MoE)
     weights_float32: bool = False
+    # gpt-oss: the router (named `router`) has a bias and takes a softmax over the top k logits only
+    # (in the model's dtype); the experts have biases; their activation is the clamped SwiGLU
+    # (gate clamped above, up on both sides at swiglu_limit; (up + 1) * gate * sigmoid(alpha gate));
+    # the checkpoint stacks the experts ([experts, in, out], gate and up interleaved)
+    router: str = "gate"
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    stacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +169,10 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (no scaling there)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
-    moe: MoEConfig | None = None  # a mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral)
+    moe: MoEConfig | None = (
+        None  # a mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral, gpt-oss)
+    )
+    attn_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
 
     @property
     def is_gptj(self) -> bool:
@@ -190,6 +205,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             cfg = {**_parse_llama(raw, "Qwen3ForCausalLM"), **_parse_moe(raw)}
         elif arch == "MixtralForCausalLM":
             cfg = {**_parse_llama(raw, "MistralForCausalLM"), **_parse_mixtral(raw)}
+        elif arch == "GptOssForCausalLM":
+            cfg = {**_parse_llama(raw, arch), **_parse_gpt_oss(raw)}
         else:
             cfg = _parse_llama(raw, arch)
     except KeyError as e:
@@ -245,11 +262,21 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type not in ("linear", "llama3", "longrope"):
+    if rope_type not in ("linear", "llama3", "longrope", "yarn"):
         raise CheckpointError(
-            f"config.json: rope_type {rope_type!r} is not supported (default, linear, llama3, longrope)"
+            f"config.json: rope_type {rope_type!r} is not supported (default, linear, llama3, longrope, yarn)"
         )
     scaling = {k: v for k, v in merged.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if rope_type == "yarn":  # (gpt-oss)
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if factor is None and isinstance(original, int) and original > 0:
+            scaling["factor"] = factor = raw.get("max_position_embeddings", original) / original
+        if not (
+            isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0
+        ):
+            raise CheckpointError(f"config.json: yarn needs a positive factor, got {factor!r}")
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise CheckpointError("config.json: yarn needs original_max_position_embeddings, a positive integer")
     if rope_type == "longrope":  # (Phi-3: the original length at the top level)
         scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
@@ -351,6 +378,33 @@ def _parse_mixtral(raw: dict) -> dict:
             projections=("w1", "w3", "w2"),
             weights_float32=True,
         )
+    )
+
+
+def _parse_gpt_oss(raw: dict) -> dict:
+    """gpt-oss: experts in every layer (router with a bias, softmax over the top k, experts with
+    biases and the clamped SwiGLU), attention sinks."""
+    experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
+    check_sizes({"num_local_experts": experts, "num_experts_per_tok": top_k}, "config.json")
+    limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)
+    if top_k > experts or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (limit, alpha)):
+        raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts, swiglu {limit!r} / {alpha!r}")
+    return dict(
+        moe=MoEConfig(
+            experts=experts,
+            top_k=top_k,
+            intermediate=raw["intermediate_size"],
+            norm_topk_prob=False,
+            layers=frozenset(range(raw["num_hidden_layers"])),
+            router="router",
+            router_bias=True,
+            softmax_after_topk=True,
+            expert_bias=True,
+            swiglu_limit=float(limit),
+            swiglu_alpha=float(alpha),
+            stacked=True,
+        ),
+        attn_sinks=True,
     )
 
 

@@ -1,4 +1,4 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral): a router scores every
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, gpt-oss): a router scores every
 expert for each row of the fused token matrix, each row takes its top k, and each chosen expert
 runs once over all the rows that chose it (experts no row chose are not touched).
 
@@ -27,10 +27,11 @@ class ExpertsMLP(nn.Module):
     def __init__(self, moe: MoEConfig, hidden: int, act, tp: TPLayout, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg, self.act, self.tp = moe, act, tp
-        inter = tp.expert_intermediate  # this rank's columns of each expert
+        inter, bias = tp.expert_intermediate, moe.expert_bias  # this rank's columns of each expert
         self.router = new_param(moe.experts, hidden, dtype=dtype, device=device)  # [experts, hidden], every rank's
-        self.gate_up = nn.ModuleList(Linear(2 * inter, hidden, False, dtype, device) for _ in range(moe.experts))
-        self.down = nn.ModuleList(Linear(hidden, inter, False, dtype, device) for _ in range(moe.experts))
+        self.router_bias = new_param(moe.experts, dtype=dtype, device=device) if moe.router_bias else None
+        self.gate_up = nn.ModuleList(Linear(2 * inter, hidden, bias, dtype, device) for _ in range(moe.experts))
+        self.down = nn.ModuleList(Linear(hidden, inter, bias, dtype, device) for _ in range(moe.experts))
         # rows routed to each expert since the model was built (int64 [experts]; the native step adds to it too)
         self.load = torch.zeros(moe.experts, dtype=torch.int64)
 
@@ -39,20 +40,29 @@ class ExpertsMLP(nn.Module):
         moe, tp = self.cfg, self.tp
         block, (gate, up, down) = f"{prefix}.{moe.block}", moe.projections
         full, start, inter = moe.intermediate, tp.expert_intermediate_start, tp.expert_intermediate
-        specs = [WeightSpec(self.router, (whole(f"{block}.gate.weight", (moe.experts, hidden)),))]
+        router = f"{block}.{moe.router}"
+        specs = [WeightSpec(self.router, (whole(f"{router}.weight", (moe.experts, hidden)),))]
+        if self.router_bias is not None:
+            specs.append(WeightSpec(self.router_bias, (whole(f"{router}.bias", (moe.experts,)),)))
         for e in range(moe.experts):
             expert = f"{block}.experts.{e}"
             gate_up = tuple(rows(f"{expert}.{n}.weight", (full, hidden), start, inter) for n in (gate, up))
             specs.append(WeightSpec(self.gate_up[e].weight, gate_up))
-            specs.append(
-                WeightSpec(self.down[e].weight, (cols(f"{expert}.{down}.weight", (hidden, full), start, inter),))
-            )
+            down_cols = cols(f"{expert}.{down}.weight", (hidden, full), start, inter)
+            specs.append(WeightSpec(self.down[e].weight, (down_cols,)))
+            if moe.expert_bias:  # (not under TP: refused where the model is built)
+                biases = tuple(whole(f"{expert}.{n}.bias", (full,)) for n in (gate, up))
+                specs.append(WeightSpec(self.gate_up[e].bias, biases))
+                specs.append(WeightSpec(self.down[e].bias, (whole(f"{expert}.{down}.bias", (hidden,)),)))
         return specs
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (experts [T, k], weights [T, k]: float32 where the family multiplies so,
         else in x's dtype)."""
-        logits = F.linear(x, self.router)  # [T, experts]
+        logits = F.linear(x, self.router, self.router_bias)  # [T, experts]
+        if self.cfg.softmax_after_topk:  # (gpt-oss) the top k logits, then their softmax in x's dtype
+            top, experts = torch.topk(logits, self.cfg.top_k, dim=-1)
+            return experts, torch.softmax(top, dim=-1, dtype=top.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
@@ -67,9 +77,18 @@ class ExpertsMLP(nn.Module):
         for e in torch.unique(experts).tolist():  # ascending: each row's sum in the experts' order
             row, slot = torch.where(experts == e)
             gate, up = self.gate_up[e](x[row]).chunk(2, dim=-1)  # [n, inter] each
-            y = self.down[e](self.act(gate) * up) * weights[row, slot, None]  # [n, hidden]
+            y = self.down[e](self.glu(gate, up)) * weights[row, slot, None]  # [n, hidden]
             out.index_add_(0, row, y.to(out.dtype))
         return out
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up; gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g = gate
+        clamped above (as transformers' GptOssExperts, operation for operation)."""
+        limit = self.cfg.swiglu_limit
+        if limit is None:
+            return self.act(gate) * up
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def linears(self) -> list[Linear]:
         return [*self.gate_up, *self.down]

@@ -28,6 +28,17 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """Where one expert's tensor lies in a checkpoint that stacks them (gpt-oss): weights
+    [experts, in, out] (gate and up interleaved in out: every other column from 0 and from 1),
+    biases [experts, out]; read as the per-expert [out, in] / [out] tensor."""
+
+    name: str
+    expert: int
+    part: str  # "gate", "up" or "down"
+
+
+@dataclass(frozen=True)
 class WeightSpec:
     param: torch.Tensor  # filled in place; sources are concatenated along dim 0
     sources: tuple[Source, ...]
@@ -37,10 +48,12 @@ class WeightSpec:
 class CheckpointReader:
     """Maps tensor names to the safetensors file holding them."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, stacked: dict[str, Stacked] | None = None):
+        """`stacked`: per-expert names the model asks for -> where they lie in stacked tensors."""
         self.dir = Path(model_dir)
         self._handles: dict[Path, object] = {}
         self.files = self._weight_map()
+        self.stacked = stacked or {}
 
     def _weight_map(self) -> dict[str, Path]:
         index = self.dir / "model.safetensors.index.json"
@@ -69,7 +82,7 @@ class CheckpointReader:
         return self._handles[file]
 
     def has(self, name: str) -> bool:
-        return name in self.files
+        return name in self.files or (name in self.stacked and self.stacked[name].name in self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from its file's header (nothing is read)."""
@@ -79,6 +92,8 @@ class CheckpointReader:
             raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
 
     def read(self, source: Source) -> torch.Tensor:
+        if source.name in self.stacked:
+            return self._read_stacked(source, self.stacked[source.name])
         file = self.files.get(source.name)
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor {source.name!r} is missing from the checkpoint")
@@ -102,6 +117,33 @@ class CheckpointReader:
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"{file}: tensor {source.name!r} holds values that are not finite (NaN or infinity)")
         return tensor
+
+    def _read_stacked(self, source: Source, where: Stacked) -> torch.Tensor:
+        """One expert's tensor out of a stacked one, transposed to [out, in], then this rank's slice."""
+        file = self.files.get(where.name)
+        if file is None:
+            raise CheckpointError(f"{self.dir}: tensor {where.name!r} is missing from the checkpoint")
+        try:
+            view = self._open(file).get_slice(where.name)
+            shape = tuple(view.get_shape())
+            if len(shape) not in (2, 3) or where.expert >= shape[0]:
+                raise CheckpointError(f"{file}: tensor {where.name!r} has shape {list(shape)}, expected [experts, ...]")
+            tensor = view[where.expert]
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: cannot read tensor {where.name!r} ({e})") from None
+        if where.part in ("gate", "up"):
+            tensor = tensor[..., 0 if where.part == "gate" else 1 :: 2]
+        tensor = tensor.t().contiguous() if tensor.dim() == 2 else tensor.contiguous()
+        if tuple(tensor.shape) != source.shape:
+            raise CheckpointError(
+                f"{file}: {where.name!r} gives expert {where.expert}'s {where.part} of shape {list(tensor.shape)}, "
+                f"expected {list(source.shape)}"
+            )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{file}: tensor {where.name!r} holds values that are not finite (NaN or infinity)")
+        if source.dim is None:
+            return tensor
+        return tensor.narrow(source.dim, source.start, (source.stop or tensor.shape[source.dim]) - source.start)
 
 
 def load_weights(

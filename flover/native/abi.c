@@ -24,7 +24,7 @@ static const AbiEntry ABI[] = {
     AT(Model, head_screen), AT(Model, head_screen_scales), AT(Model, head_bounds), AT(Model, screen_rows), AT(Model, rotary_dim),
     AT(Model, embed_scale), AT(Model, attn_scale), AT(Model, norm_f32), AT(Model, act), AT(Model, local_cos),
     AT(Model, local_sin), AT(Model, experts), AT(Model, top_k), AT(Model, expert_inter), AT(Model, norm_topk),
-    AT(Model, weights_f32),
+    AT(Model, weights_f32), AT(Model, topk_softmax), AT(Model, swiglu_limit), AT(Model, swiglu_alpha),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
@@ -32,7 +32,8 @@ static const AbiEntry ABI[] = {
     AT(Layer, q_norm), AT(Layer, k_norm), AT(Layer, no_rope), AT(Layer, qk_norm_whole), AT(Layer, attn_norm_after), AT(Layer, local_rope),
     AT(Layer, ffn_norm_after), AT(Layer, kv), AT(Layer, kv_kind), AT(Layer, kv_slot), AT(Layer, kv_head), AT(Layer, kv_len),
     AT(Layer, windowed_kv), AT(Layer, router), AT(Layer, expert_gate_up), AT(Layer, expert_down),
-    AT(Layer, expert_gate_up_grid), AT(Layer, expert_down_grid), AT(Layer, expert_load),
+    AT(Layer, expert_gate_up_grid), AT(Layer, expert_down_grid), AT(Layer, expert_load), AT(Layer, router_bias),
+    AT(Layer, expert_gate_up_bias), AT(Layer, expert_down_bias), AT(Layer, sinks),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

@@ -54,7 +54,7 @@ Model = _int64_struct(
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
     head_screen head_screen_scales head_bounds screen_rows rotary_dim
     embed_scale:d attn_scale:d norm_f32 act local_cos local_sin
-    experts top_k expert_inter norm_topk weights_f32""",
+    experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(
@@ -63,7 +63,8 @@ Layer = _int64_struct(
     input_norm qkv qkv_bias o o_bias post_norm gate_up gate_up_bias down down_bias window
     qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope qk_norm_whole attn_norm_after local_rope
     ffn_norm_after kv kv_kind kv_slot kv_head kv_len windowed_kv
-    router expert_gate_up expert_down expert_gate_up_grid expert_down_grid expert_load""",
+    router expert_gate_up expert_down expert_gate_up_grid expert_down_grid expert_load
+    router_bias expert_gate_up_bias expert_down_bias sinks""",
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0; its KV; "
     "its experts' tables.",
 )

@@ -87,7 +87,7 @@ static inline void score_keys(const float *q, const uint16_t *qb, const void *k_
  * len) of the slot; out: the group's outputs, likewise. scores: group * max_seq floats of
  * scratch. */
 void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base, int64_t first,
-            int64_t len, float *scores, float *out) {
+            int64_t len, const float *sinks, float *scores, float *out) {
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
     const float scale = md->attn_scale > 0 ? (float)md->attn_scale : 1.f / sqrtf((float)d);
@@ -115,14 +115,16 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
             v16 best = v_set1(-INFINITY), sum = v_zero();
             for (int64_t t = first; t < len; t += 16)
                 best = v_max(best, v_select(lanes(len - t), v_loadn(sc + t, len - t), v_set1(-INFINITY)));
-            const v16 top = v_set1(v_reduce_max(best));
+            float most = v_reduce_max(best);
+            most = sinks && sinks[g] > most ? sinks[g] : most; /* (gpt-oss: its sink is one more logit) */
+            const v16 top = v_set1(most);
             for (int64_t t = first; t < len; t += 16) {
                 const int64_t n = len - t;
                 const v16 e = v_select(lanes(n), v_exp(v_sub(v_loadn(sc + t, n), top)), v_zero());
                 v_storen(sc + t, e, n);
                 sum = v_add(sum, e);
             }
-            total[g] = v_reduce_add(sum);
+            total[g] = v_reduce_add(sum) + (sinks ? expf(sinks[g] - most) : 0.f);
         }
         float *outs[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) outs[g] = out + g * d;
@@ -137,6 +139,8 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
             sc[t] = s * scale;
             if (sc[t] > best) best = sc[t];
         }
+        best = sinks && sinks[g] > best ? sinks[g] : best;
+        total = sinks ? expf(sinks[g] - best) : 0.f;
         for (int64_t t = first; t < len; t++) {
             sc[t] = expf(sc[t] - best);
             total += sc[t];
@@ -162,7 +166,7 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
  * Needs keys stored as rows of head_dim (kv_pos == head_dim). */
 void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
                    int64_t g, const int64_t *positions, int64_t base, int64_t window, const void *k_base,
-                   const void *v_base, float *scratch, float *mid) {
+                   const void *v_base, const float *sinks, float *scratch, float *mid) {
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos, group = md->heads / md->kv_heads, es = bf ? 2 : 4;
     const int64_t nq = n * group, nb = (nq + 15) / 16, width = nb * 16;
@@ -172,6 +176,7 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     float *keys = S + md->max_seq * MAX_BLOCK_QUERIES; /* a tile's keys as floats (widening families) */
     float first[MAX_BLOCK_QUERIES], len[MAX_BLOCK_QUERIES]; /* positions, exact in float */
     float total[MAX_BLOCK_QUERIES], *outs[MAX_BLOCK_QUERIES];
+    float sink[MAX_BLOCK_QUERIES]; /* each query's head's sink logit (gpt-oss), else -inf: no term */
     for (int64_t j = 0; j < width; j++) {
         const int64_t jb = j / 16, lane = j % 16;
         const float *q = j < nq ? wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d : 0;
@@ -188,7 +193,8 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
             len[j] = (float)(at - base); /* rows of the cache, which start at position `base` */
             first[j] = (float)(from > 0 ? from : 0);
             outs[j] = mid + (r0 + j / group) * q_size + (g * group + j % group) * d;
-        } else first[j] = len[j] = 0.f; /* padding: no keys */
+            sink[j] = sinks ? sinks[j % group] : -INFINITY;
+        } else first[j] = len[j] = 0.f, sink[j] = -INFINITY; /* padding: no keys */
     }
     const int64_t kmin = (int64_t)first[0], kmax = (int64_t)len[nq - 1]; /* positions rise along the block */
     for (int64_t t = kmin; t < kmax;) {
@@ -210,7 +216,8 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
         /* the keys of the block's queries: the others are left as they are (weigh_values below
          * reads each query's own keys only) */
         const int64_t t0 = (int64_t)first[jb * 16], t1 = (int64_t)len[(jb + 1) * 16 <= nq ? (jb + 1) * 16 - 1 : nq - 1];
-        v16 best = v_set1(-INFINITY), sum = v_zero();
+        const v16 sinkv = v_load(sink + jb * 16);
+        v16 best = sinkv, sum = v_zero();
         for (int64_t t = t0; t < t1; t++) {
             const v16 tv = v_set1((float)t);
             const m16 m = v_ge(tv, fv) & v_gt(lv, tv);
@@ -224,6 +231,8 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
             v_store(row, e);
             sum = v_add(sum, e);
         }
+        if (sinks) /* (lanes without a sink: exp(-inf - best) = 0) */
+            sum = v_add(sum, v_select(v_gt(sinkv, v_set1(-INFINITY)), v_exp(v_sub(sinkv, best)), v_zero()));
         v_store(total + jb * 16, sum);
     }
     for (int64_t j0 = 0; j0 < nq; j0 += PV_QUERIES) { /* PV_QUERIES queries at a time over their keys only */

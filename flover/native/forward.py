@@ -49,7 +49,9 @@ SHAPE_CHECKS = {
     5: "the KV cache's rows are narrower than head_dim",
     6: "a layer's KV strides overlap, or its positions exceed max_seq_len",
     7: "the experts' sizes are not positive (top k within the experts, an even width), or a layer lacks its MLP",
+    8: "the activation's code or the clamped SwiGLU's limit and alpha",
 }
+CLAMPED_SWIGLU = 2  # Model.act of gpt-oss's experts (native.h)
 
 
 def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> list[int]:
@@ -75,7 +77,7 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if cfg.norm_after and (cfg.o_bias or cfg.mlp_bias):
         return "norms after attention and the MLP with o / down biases"
-    if cfg.hidden_act not in ACTIVATIONS:
+    if cfg.hidden_act not in ACTIVATIONS and not (cfg.moe is not None and cfg.moe.swiglu_limit is not None):
         return f"activation {cfg.hidden_act!r} ({', '.join(ACTIVATIONS)} only)"
     if model.rotary.interleaved or cfg.head_dim > 512:
         return "rotary embedding other than rotate-half over heads of at most 512 dims"
@@ -243,13 +245,17 @@ class NativeForward:
         moe = self.model.cfg.moe
         if moe is None:
             return {}
-        return dict(
+        fields = dict(
             experts=moe.experts,
             top_k=moe.top_k,
             expert_inter=self.model.tp.expert_intermediate,
             norm_topk=int(moe.norm_topk_prob),
             weights_f32=int(moe.weights_float32),
+            topk_softmax=int(moe.softmax_after_topk),
         )
+        if moe.swiglu_limit is not None:  # (gpt-oss's experts)
+            fields.update(act=CLAMPED_SWIGLU, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
+        return fields
 
     def _experts_layer_fields(self, plan: WeightPlan, experts, release: bool) -> dict:
         """Layer's fields of a layer of experts: its blocked router, and per expert the address of
@@ -259,10 +265,17 @@ class NativeForward:
             placed = [self._projection(plan, lin) for lin in linears]
             for lin in linears if release else ():
                 lin.release()
-            for i, field in enumerate((f"expert_{kind}", f"expert_{kind}_grid")):
-                self._expert_tables.append(torch.tensor([p[i] for p in placed], dtype=torch.int64))
-                tables[field] = self._expert_tables[-1].data_ptr()
-        return dict(router=self._address(experts.router, block=True), expert_load=experts.load.data_ptr(), **tables)
+            biases = [self._address(lin.bias) for lin in linears]  # (gpt-oss; else zeros)
+            for field, column in ((f"expert_{kind}", 0), (f"expert_{kind}_grid", 1), (f"expert_{kind}_bias", None)):
+                values = biases if column is None else [p[column] for p in placed]
+                self._expert_tables.append(torch.tensor(values, dtype=torch.int64))
+                tables[field] = self._expert_tables[-1].data_ptr() if any(values) else 0
+        return dict(
+            router=self._address(experts.router, block=True),
+            router_bias=self._address(experts.router_bias),
+            expert_load=experts.load.data_ptr(),
+            **tables,
+        )
 
     def _placed(self, runs: list[Run]) -> list[tuple[torch.Tensor, ...]]:
         return [tuple(self._arena.take(shape, kind) for shape, kind in run.shapes) for run in runs]
@@ -314,8 +327,7 @@ class NativeForward:
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
-            **self._experts_fields(),
-            **self._family_fields(),
+            **(self._family_fields() | self._experts_fields()),
             **self._head_fields(plan),
         )
         failed = self.lib.flover_check_model(struct)
@@ -337,6 +349,9 @@ class NativeForward:
                 for name in present:
                     getattr(layer, name).release()
             experts = {} if layer.experts is None else self._experts_layer_fields(plan, layer.experts, release)
+            if layer.sinks is not None:  # (gpt-oss) a float32 copy of its heads' sink logits
+                self._norm_weights.append(layer.sinks.detach().float().contiguous())
+                experts["sinks"] = self._norm_weights[-1].data_ptr()
             layers[i] = abi.Layer(
                 input_norm=self._norm_address(layer.input_norm),
                 qkv=blocked["qkv"][0],

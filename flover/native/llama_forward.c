@@ -109,6 +109,7 @@ API int flover_check_model(const Model *md) {
     if (md->experts < 0 || (md->experts && (md->top_k <= 0 || md->top_k > md->experts || md->expert_inter <= 0 ||
                                             md->expert_inter % 2)))
         return 7;
+    if (md->act < 0 || md->act > 2 || (md->act == 2 && !(md->swiglu_limit > 0 && md->swiglu_alpha > 0))) return 8;
     return 0;
 }
 
@@ -222,6 +223,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
                                d, bf);
             }
         }
+        const float *sinks = (const float *)ly->sinks; /* (gpt-oss) each query head's sink logit, or none */
         /* attention: one task per (prompt block, kv head) first (the larger tasks), then per (row, kv head) */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < n_blocks * kvh + single_tasks; task++) {
@@ -230,7 +232,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
                 const int64_t *b = blocks + 2 * (task / kvh), g = task % kvh;
                 attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, row_base(md, ly, slots[b[0]]),
                               ly->window, kv_head_base(md, ly, 0, slots[b[0]], g),
-                              kv_head_base(md, ly, 1, slots[b[0]], g), scratch, mid);
+                              kv_head_base(md, ly, 1, slots[b[0]], g), sinks ? sinks + g * group : 0, scratch, mid);
                 continue;
             }
             const int64_t single = task - n_blocks * kvh, nth = single / kvh, g = single % kvh;
@@ -238,8 +240,8 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             const int64_t len = positions[r] + 1, base = row_base(md, ly, slots[r]); /* keys: rows from 0 at base */
             const int64_t first = first_key(len, ly->window) - base;
             attend(md, wide + r * qkv_n + g * group * d, group, kv_head_base(md, ly, 0, slots[r], g),
-                   kv_head_base(md, ly, 1, slots[r], g), first > 0 ? first : 0, len - base, scratch,
-                   mid + r * q_size + g * group * d);
+                   kv_head_base(md, ly, 1, slots[r], g), first > 0 ? first : 0, len - base,
+                   sinks ? sinks + g * group : 0, scratch, mid + r * q_size + g * group * d);
         }
         PROJECT(o, 0, mid, h, q_size, normed)
         reduce_rows(md, normed, rows * h);

@@ -65,6 +65,11 @@ typedef struct {
      * of expert_inter columns each (this rank's), the top k renormalised if norm_topk; the routing
      * weights multiply in float32 if weights_f32, else rounded to the model dtype first */
     int64_t experts, top_k, expert_inter, norm_topk, weights_f32;
+    /* gpt-oss: topk_softmax 1: a softmax over the top k logits only, in the model dtype (else over all,
+     * in float32); act 2: the clamped SwiGLU (gate clamped above at swiglu_limit, up on both sides;
+     * (up + 1) gate sigmoid(swiglu_alpha gate)) */
+    int64_t topk_softmax;
+    double swiglu_limit, swiglu_alpha;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
@@ -90,6 +95,9 @@ typedef struct {
      * blocked gate_up and down weights, or of their Grids (0 where an expert's is the other kind);
      * expert_load: int64 [experts], the rows routed to each expert, added to by every iteration */
     int64_t router, expert_gate_up, expert_down, expert_gate_up_grid, expert_down_grid, expert_load;
+    /* gpt-oss: the router's bias (model dtype), int64 [experts] arrays of each expert's gate_up and
+     * down biases (model dtype), and each query head's sink logit (float32 [heads]); else 0 */
+    int64_t router_bias, expert_gate_up_bias, expert_down_bias, sinks;
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -247,6 +255,7 @@ void norm_then_residual(const Model *md, float *hidden, float *out, int rows, in
                         int bf, int nt);
 void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out);
+void swiglu_clamped_mul(const float *gate_up, int64_t inter, int bf, float limit, float alpha, float *out);
 
 /* ---- experts.c --------------------------------------------------------------------------------- */
 /* The scratch of a layer of experts (llama_forward.c's work layout places it). */
@@ -269,11 +278,12 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
 #define MAX_BLOCK_QUERIES 64
 int vector_attention(const Model *md);
 static inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+/* sinks: the group's query heads' sink logits (gpt-oss), or NULL */
 void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base, int64_t first,
-            int64_t len, float *scores, float *out);
+            int64_t len, const float *sinks, float *scores, float *out);
 void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
                    int64_t g, const int64_t *positions, int64_t base, int64_t window, const void *k_base,
-                   const void *v_base, float *scratch, float *mid);
+                   const void *v_base, const float *sinks, float *scratch, float *mid);
 
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
 int64_t argmax_row(const void *row, int64_t vocab, int bf, const uint16_t *allowed);

@@ -98,6 +98,22 @@ void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
     }
 }
 
+/* gpt-oss's clamped SwiGLU, rounded where PyTorch rounds (transformers' GptOssExperts): g = min(gate,
+ * limit), u = clamp(up, -limit, limit), out = rnd(rnd(u + 1) * rnd(g * rnd(sigmoid(rnd(alpha g))))). */
+void swiglu_clamped_mul(const float *gate_up, int64_t inter, int bf, float limit, float alpha, float *out) {
+    const float *up = gate_up + inter;
+    for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t n = inter - i;
+        /* (the bound first: a NaN input stays NaN, as in torch.clamp) */
+        const v16 g = v_min(v_set1(limit), v_loadn(gate_up + i, n));
+        const v16 u = v_max(v_set1(-limit), v_min(v_set1(limit), v_loadn(up + i, n)));
+        const v16 a = v_rnd(v_mul(g, v_set1(alpha)), bf);
+        const v16 sig = v_rnd(v_div(v_set1(1.f), v_add(v_set1(1.f), v_exp(v_sub(v_zero(), a)))), bf);
+        const v16 glu = v_rnd(v_mul(g, sig), bf);
+        v_storen(out + i, v_rnd(v_mul(v_rnd(v_add(u, v_set1(1.f)), bf), glu), bf), n);
+    }
+}
+
 /* out = rnd(rnd(gelu_tanh(gate)) * up), as F.gelu(approximate="tanh") then the product (Gemma's
  * GeGLU): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1). */
 void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out) {

@@ -14,7 +14,20 @@ import re
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "olmo2", "phi3", "gemma3", "gptj")
+ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "smollm3",
+    "olmo2",
+    "phi3",
+    "gemma3",
+    "gptj",
+)
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -103,7 +116,11 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         intermediate_size=p["intermediate_size"],
         max_position_embeddings=p["max_position_embeddings"],
     )
-    if arch in ("qwen3", "qwen3_moe"):  # (its own head_dim, 128 by default: the preset's unless overridden)
+    if arch in (
+        "qwen3",
+        "qwen3_moe",
+        "gpt_oss",
+    ):  # (its own head_dim, 128 / 64 by default: the preset's unless overridden)
         kw["head_dim"] = p["hidden_size"] // p["num_heads"]
     if arch in ("smollm3", "olmo2", "phi3"):  # (their default pad ids lie outside a small vocabulary)
         kw["pad_token_id"] = eos_id
@@ -118,6 +135,7 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         "smollm3": "SmolLM3Config",
         "qwen3_moe": "Qwen3MoeConfig",
         "mixtral": "MixtralConfig",
+        "gpt_oss": "GptOssConfig",
     }
     cls = getattr(transformers, classes[arch])
     return cls(**{**common, **kw, **overrides})

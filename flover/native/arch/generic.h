@@ -32,6 +32,7 @@ static inline v16 v_div(v16 a, v16 b) { return VG(a.f[_i] / b.f[_i]); }
 static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return VG(a.f[_i] * b.f[_i] + c.f[_i]); }
 static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return VG(c.f[_i] - a.f[_i] * b.f[_i]); }
 static inline v16 v_max(v16 a, v16 b) { return VG(a.f[_i] > b.f[_i] ? a.f[_i] : b.f[_i]); }
+static inline v16 v_min(v16 a, v16 b) { return VG(a.f[_i] < b.f[_i] ? a.f[_i] : b.f[_i]); }
 static inline v16 v_abs(v16 a) { return VG(fabsf(a.f[_i])); }
 static inline float v_reduce_add(v16 v) {
     float s = 0.f;

@@ -49,6 +49,10 @@ static inline v16 v_max(v16 a, v16 b) { /* as x86: b where either is NaN */
     const v16 m = V4(vbslq_f32(vcgtq_f32(a.q[_i], b.q[_i]), a.q[_i], b.q[_i]));
     return m;
 }
+static inline v16 v_min(v16 a, v16 b) { /* likewise */
+    const v16 m = V4(vbslq_f32(vcltq_f32(a.q[_i], b.q[_i]), a.q[_i], b.q[_i]));
+    return m;
+}
 static inline v16 v_abs(v16 a) { return V4(vabsq_f32(a.q[_i])); }
 static inline float v_reduce_add(v16 v) {
     return vaddvq_f32(vaddq_f32(vaddq_f32(v.q[0], v.q[1]), vaddq_f32(v.q[2], v.q[3])));

@@ -36,6 +36,7 @@ static inline v16 v_div(v16 a, v16 b) { return V2(_mm256_div_ps(a.lo, b.lo), _mm
 static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return V2(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)); }
 static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return V2(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)); }
 static inline v16 v_max(v16 a, v16 b) { return V2(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline v16 v_min(v16 a, v16 b) { return V2(_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)); }
 static inline v16 v_abs(v16 a) {
     const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     return V2(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));

@@ -28,6 +28,7 @@ static inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 static inline v16 v_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }  /* a b + c */
 static inline v16 v_fnmadd(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a b */
 static inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); } /* b where either is NaN */
+static inline v16 v_min(v16 a, v16 b) { return _mm512_min_ps(a, b); } /* likewise */
 static inline v16 v_abs(v16 a) { return _mm512_abs_ps(a); }
 static inline float v_reduce_add(v16 v) { return _mm512_reduce_add_ps(v); }
 static inline float v_reduce_max(v16 v) { return _mm512_reduce_max_ps(v); }
