@@ -105,11 +105,19 @@ QWEN3_MOE = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
 )
 
+# a dense model of the same active size (scripts/bench/bench_moe_rows.py): its attention, and one MLP
+# as wide as the 4 experts a token takes
+QWEN3_MOE_DENSE_ACTIVE = {
+    k: v for k, v in QWEN3_MOE.items() if k not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok")
+} | dict(intermediate_size=4 * 768, norm_topk_prob=None, decoder_sparse_step=None, mlp_only_layers=None)
+QWEN3_MOE_DENSE_ACTIVE = {k: v for k, v in QWEN3_MOE_DENSE_ACTIVE.items() if v is not None}
+
 SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
     "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_1B),
     "qwen3-moe-1.8b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
+    "qwen3-moe-dense-active": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_MOE_DENSE_ACTIVE),
 }
 
 
