@@ -73,12 +73,13 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         ("llama-vocab509-kv4", "Q4_0", "float32"),
         ("qwen3-moe", "F32", "float64"),
         ("mixtral", "F32", "float64"),
+        ("gpt-oss", "F32", "float64"),
     ],
 )
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(gguf_file, make_model, variant, qtype, dtype):
     path = gguf_file(variant, qtype)
     torch_dtype = getattr(torch, dtype)
-    if variant in ("smollm3", "olmo2", "gemma3-7", "phi3-gguf", "qwen3-moe", "mixtral"):  # (not read: the directory)
+    if variant in ("smollm3", "olmo2", "gemma3-7", "phi3-gguf", "qwen3-moe", "mixtral", "gpt-oss"):  # (the directory)
         assert qtype == "F32"
         ref = transformers.AutoModelForCausalLM.from_pretrained(  # (experts: the eager loop runs float64)
             make_model(variant), dtype=torch_dtype, experts_implementation="eager"
@@ -249,10 +250,10 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
     with pytest.raises(CheckpointError, match=f"{bad_arch}: architecture 'phi2' is not supported"):
         load_model_config(bad_arch)
 
-    mxfp4 = tmp_path / "mxfp4.gguf"
-    write_gguf(make_model("llama"), mxfp4, "MXFP4")
-    with pytest.raises(CheckpointError, match=r"mxfp4.gguf: tensor .* has type MXFP4, which flover does not read"):
-        LLM(str(mxfp4), max_seq_len=64)
+    ternary = tmp_path / "tq2.gguf"
+    write_gguf(make_model("llama-256"), ternary, "TQ2_0")  # (blocks of 256)
+    with pytest.raises(CheckpointError, match=r"tq2.gguf: tensor .* has type TQ2_0, which flover does not read"):
+        LLM(str(ternary), max_seq_len=64)
 
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"GGUF" + bytes(range(200)))
@@ -265,7 +266,7 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "MXFP4"])
 def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     """Random blocks (sane f16 scales, every other byte random) -> codes, scales and minimums
     (models/gguf_grids.py): scale * q + low is gguf's dequantization bit for bit, and the codes
@@ -279,8 +280,10 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     rows, cols = 8, 512
     raw = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
     scales = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])
-    for at in scales:
+    for at in scales if qtype != "MXFP4" else ():
         raw[:, at : at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if qtype == "MXFP4":  # (its scale: one byte, an exponent; every one of them, from 2^-128 to 2^127)
+        raw[:, 0] = np.arange(raw.shape[0]) % 256
     grid = block_grid(qtype, raw.reshape(-1), (rows, cols))
     expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])
     assert np.array_equal(grid.values(), expected) and np.array_equal(grid.values_tensor().numpy(), expected)
@@ -294,6 +297,7 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
         "Q5_K": (0, 31),
         "Q6_K": (-32, 31),
         "Q8_0": (-128, 127),
+        "MXFP4": (-12, 12),
     }[qtype]
     assert (grid.codes.min(), grid.codes.max()) == (low, high) and grid.bits == (4 if (low, high) == (0, 15) else 8)
     if qtype in ("Q4_K", "Q5_K"):  # the factors the kernels read give the scales and minimums bit for bit

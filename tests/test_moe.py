@@ -44,15 +44,21 @@ def test_the_config_says_which_layers_have_experts(make_model, tmp_path):
     assert mixtral.block == "block_sparse_moe" and mixtral.weights_float32
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss"])
 def test_a_gguf_file_says_what_the_directory_says(make_model, tmp_path, variant):
-    """As llama.cpp's converter writes them: qwen3moe, and Mixtral as a llama file with experts;
-    the layers of experts are those with a router (ffn_gate_inp)."""
+    """As llama.cpp's converter writes them: qwen3moe, Mixtral as a llama file with experts, and
+    gpt-oss (its window every other layer, YaRN, sinks, biases); the layers of experts are those
+    with a router (ffn_gate_inp)."""
     path = write_gguf(make_model(variant), tmp_path / f"{variant}.gguf", "Q8_0")
     from_file, from_dir = open_checkpoint(path).model_config(), load_model_config(make_model(variant))
-    assert from_file.architecture == from_dir.architecture
-    for field in ("experts", "top_k", "intermediate", "norm_topk_prob", "layers", "weights_float32"):
+    for field in ("architecture", "sliding_windows", "qkv_bias", "o_bias", "attn_sinks"):
+        assert getattr(from_file, field) == getattr(from_dir, field), field
+    fields = ("experts", "top_k", "intermediate", "norm_topk_prob", "layers", "weights_float32", "router_bias")
+    for field in fields + ("softmax_after_topk", "expert_bias", "swiglu_limit", "swiglu_alpha"):
         assert getattr(from_file.moe, field) == getattr(from_dir.moe, field), field
+    if variant == "gpt-oss":
+        rope = {k: from_dir.rope_scaling[k] for k in from_file.rope_scaling}
+        assert from_file.rope_scaling == rope
 
 
 def with_router(model_dir: str, out, scale: float) -> str:
@@ -68,6 +74,8 @@ def with_router(model_dir: str, out, scale: float) -> str:
     return str(out)
 
 
+# the GGUF files (block type, and those of tensors named so) the "file" cases run on their own codes
+FILES = {"qwen3-moe": ("Q4_0", None), "gpt-oss": ("Q8_0", {"_exps.weight": "MXFP4"})}
 CASES = {  # name -> (variant, dtype, engine options)
     "qwen3-moe-native-float32": ("qwen3-moe", "float32", {}),
     "qwen3-moe-native-bfloat16": ("qwen3-moe", "bfloat16", {}),
@@ -75,6 +83,7 @@ CASES = {  # name -> (variant, dtype, engine options)
     "mixtral-native-bfloat16": ("mixtral", "bfloat16", {}),
     "qwen3-moe-Q4_0-file": ("qwen3-moe", "bfloat16", {"quantization": "file"}),
     "gpt-oss-native-bfloat16": ("gpt-oss", "bfloat16", {}),
+    "gpt-oss-MXFP4-file": ("gpt-oss", "bfloat16", {"quantization": "file"}),
 }
 
 
@@ -88,7 +97,8 @@ def test_fused_rows_give_each_request_its_solo_tokens(make_model, tmp_path, case
     variant, dtype, options = CASES[case]
     model = with_router(make_model(variant), tmp_path / "m", 50.0 if routing == "spread" else 0.0)
     if options.get("quantization") == "file":
-        model = str(write_gguf(model, tmp_path / "m.gguf", "Q4_0"))
+        qtype, types = FILES[variant]
+        model = str(write_gguf(model, tmp_path / "m.gguf", qtype, types=types))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)

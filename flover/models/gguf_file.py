@@ -41,13 +41,28 @@ ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", False),
     "phi3": ("Phi3ForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "gpt-oss": ("GptOssForCausalLM", False),
 }
 # a llama file with experts (llama.expert_count) is Mixtral's layout
 LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # an expert's projections -> the GGUF tensor that stacks them over the experts ([experts, out, in])
 GGUF_EXPERT_NAMES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
-DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+DEQUANTIZED_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_K",
+    "MXFP4",
+)
 
 # Hugging Face name -> GGUF name (per layer: {i})
 GGUF_GLOBAL_NAMES = {
@@ -80,6 +95,11 @@ GGUF_LAYER_RENAMES = {
         "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     },
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gpt-oss": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.o_proj.bias": "attn_output.bias",
+        "self_attn.sinks": "attn_sinks.weight",
+    },
 }
 GEMMA_SWA_PATTERN = 6  # gemma3: every 6th layer global unless the file says (llama.cpp's default)
 
@@ -166,7 +186,7 @@ class GGUFFile:
     def model_config(self) -> ModelConfig:
         a = self.arch
         scaling = self.get(f"{a}.rope.scaling.type")
-        if scaling not in (None, "none", "linear"):
+        if scaling not in (None, "none", "linear") and not (a == "gpt-oss" and scaling == "yarn"):
             raise CheckpointError(f"{self.path}: RoPE scaling {scaling!r} is not supported (none, linear)")
         where = str(self.path)
         hidden = self.integer(f"{a}.embedding_length", required=True)
@@ -220,6 +240,8 @@ class GGUFFile:
             cfg = self._phi3(cfg)
         if self.get(f"{a}.expert_count"):
             cfg = self._experts(cfg)
+        if a == "gpt-oss":
+            cfg = self._gpt_oss(cfg)
         validate_model_config(cfg, where)
         return cfg
 
@@ -303,6 +325,48 @@ class GGUFFile:
                 cfg, architecture=LLAMA_WITH_EXPERTS, moe=dataclasses.replace(moe, weights_float32=True)
             )
         return dataclasses.replace(cfg, moe=moe)
+
+    def _gpt_oss(self, cfg: ModelConfig) -> ModelConfig:
+        """What a gpt-oss file holds beyond the Llama fields and the experts, read as llama.cpp reads
+        it: a window every other layer from the first (its pattern of 2), q/k/v/o biases, a sink
+        logit per head, YaRN (the factor and original length in the metadata; its correction range
+        not truncated, as gpt-oss's own config says), a router with a bias taking a softmax over its
+        top k, experts with biases and the clamped SwiGLU (limit 7, alpha 1.702, as llama.cpp fixes)."""
+        a, window = self.arch, cfg.sliding_windows[0]
+        if cfg.moe is None:
+            raise CheckpointError(f"{self.path}: a gpt-oss file without {a}.expert_count")
+        scaling = None
+        if self.get(f"{a}.rope.scaling.type") == "yarn":
+            scaling = dict(
+                rope_type="yarn",
+                factor=self.number(f"{a}.rope.scaling.factor", None),
+                original_max_position_embeddings=self.integer(
+                    f"{a}.rope.scaling.original_context_length", required=True
+                ),
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            )
+            if not (
+                isinstance(scaling["factor"], float) and math.isfinite(scaling["factor"]) and scaling["factor"] > 0
+            ):
+                raise CheckpointError(f"{self.path}: {a}.rope.scaling.factor must be a positive number")
+        moe = dataclasses.replace(
+            cfg.moe,
+            norm_topk_prob=False,
+            router="router",
+            router_bias=True,
+            softmax_after_topk=True,
+            expert_bias=True,
+            swiglu_limit=7.0,
+            swiglu_alpha=1.702,
+        )
+        windows = (
+            tuple(window if i % 2 == 0 else None for i in range(cfg.num_layers)) if window else cfg.sliding_windows
+        )
+        return dataclasses.replace(
+            cfg, qkv_bias=True, o_bias=True, attn_sinks=True, rope_scaling=scaling, sliding_windows=windows, moe=moe
+        )
 
     def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
         """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,
@@ -390,11 +454,13 @@ class GGUFReader:
                 self.names[f"model.layers.{i}.{hf}"] = (f"blk.{i}.{name}", heads)
             if cfg.moe is not None and i in cfg.moe.layers:
                 block = f"model.layers.{i}.{cfg.moe.block}"
-                self.names[f"{block}.gate.weight"] = (f"blk.{i}.ffn_gate_inp.weight", None)
-                for e in range(cfg.moe.experts):
-                    for hf, name in zip(cfg.moe.projections, GGUF_EXPERT_NAMES):
-                        self.names[f"{block}.experts.{e}.{hf}.weight"] = (f"blk.{i}.{name}", None)
-                        self.experts[f"{block}.experts.{e}.{hf}.weight"] = e
+                for kind in ("weight", "bias"):  # (biases: gpt-oss's router and experts)
+                    self.names[f"{block}.{cfg.moe.router}.{kind}"] = (f"blk.{i}.ffn_gate_inp.{kind}", None)
+                    for e in range(cfg.moe.experts):
+                        for hf, name in zip(cfg.moe.projections, GGUF_EXPERT_NAMES):
+                            stacked = name.replace(".weight", f".{kind}")
+                            self.names[f"{block}.experts.{e}.{hf}.{kind}"] = (f"blk.{i}.{stacked}", None)
+                            self.experts[f"{block}.experts.{e}.{hf}.{kind}"] = e
 
     def has(self, name: str) -> bool:
         return name in self.names and self.names[name][0] in self.file.tensors
@@ -490,8 +556,10 @@ class GGUFReader:
         expert = self.experts.get(hf_name)
         if expert is None:
             return t
-        if len(t.shape) != 3 or expert >= t.shape[0]:
-            raise CheckpointError(f"{self.dir}: tensor {t.name} has shape {list(t.shape)}, expected [experts, out, in]")
+        if len(t.shape) not in (2, 3) or expert >= t.shape[0]:
+            raise CheckpointError(
+                f"{self.dir}: tensor {t.name} has shape {list(t.shape)}, expected [experts, out, in] or [experts, out]"
+            )
         size = t.data.size // t.shape[0]  # (whole blocks: parse_gguf checked each row is)
         return GGUFTensor(t.name, t.shape[1:], t.qtype, t.data[expert * size : (expert + 1) * size])
 

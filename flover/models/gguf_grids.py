@@ -16,6 +16,7 @@ weight dequantize gives, bit for bit.
 | Q5_K | 0..31 | 32 | d sc | -dmin m |
 | Q6_K | -32..31 | 16 | d sc | 0 |
 | Q8_0 | -128..127 | 32 | d | 0 |
+| MXFP4 | -12..12 (twice FP4's values, as bytes) | 32 | 2^(e - 128) | 0 |
 
 4-bit codes run the int4 kernels; the others are bytes (int8 kernels with group scales), which
 the native step may pack again (Q5_K's in 5 bits, Q6_K's in 6: native/grids.py).
@@ -139,6 +140,16 @@ def _q6_k(b):
     return q.reshape(n, 256), _f16(b, 208) * sc.astype(np.float32), None, (_f16(b, 208), sc)
 
 
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # twice e2m1's
+
+
+def _mxfp4(b):
+    """gpt-oss's experts: a power-of-two scale (E8M0, halved as ggml's: the values above are twice
+    FP4's) and 32 4-bit codes of FP4 values; read as bytes (the values), not as a linear 4-bit grid."""
+    scale = np.ldexp(np.float32(1), b[:, :1].astype(np.int32) - 128).astype(np.float32)  # [blocks, 1], exact
+    return MXFP4_VALUES[_nibbles(b[:, 1:])], scale, None
+
+
 # type -> (bytes per block, values per block, inputs per scale, code bits, unpack)
 BLOCK_TYPES = {
     "Q4_0": (18, 32, 32, 4, _q4_0),
@@ -149,6 +160,7 @@ BLOCK_TYPES = {
     "Q5_K": (176, 256, 32, 8, _q5_k),
     "Q6_K": (210, 256, 16, 8, _q6_k),
     "Q8_0": (34, 32, 32, 8, _q8_0),
+    "MXFP4": (17, 32, 32, 8, _mxfp4),
 }
 # type -> the smallest and the largest code q (the table above)
 CODE_RANGES = {
@@ -160,6 +172,7 @@ CODE_RANGES = {
     "Q5_K": (0, 31),
     "Q6_K": (-32, 31),
     "Q8_0": (-128, 127),
+    "MXFP4": (-12, 12),
 }
 
 

@@ -178,6 +178,7 @@ GGUF_ARCH = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "MixtralForCausalLM": "llama",
+    "GptOssForCausalLM": "gpt-oss",
 }
 
 
@@ -245,9 +246,15 @@ def write_gguf(
     if experts:  # as the converter: the experts' counts and width; their tensors stacked below
         w.add_expert_count(experts)
         w.add_expert_used_count(config["num_experts_per_tok"])
-        if arch == "qwen3moe":
-            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        tensors = _stack_experts(tensors)
+        if arch in ("qwen3moe", "gpt-oss"):
+            w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
+        tensors = _gpt_oss_experts(tensors) if arch == "gpt-oss" else _stack_experts(tensors)
+    if arch == "gpt-oss":  # its window, every other layer from the first (llama.cpp's pattern of 2)
+        w.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "yarn":  # (as the converter: its type, factor and original length)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -261,6 +268,8 @@ def write_gguf(
         names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(arch).items()})
         for block in ("mlp", "block_sparse_moe"):  # (Qwen3-MoE's, Mixtral's router)
             names[f"model.layers.{i}.{block}.gate.weight"] = f"blk.{i}.ffn_gate_inp.weight"
+        for kind in ("weight", "bias"):  # (gpt-oss's)
+            names[f"model.layers.{i}.mlp.router.{kind}"] = f"blk.{i}.ffn_gate_inp.{kind}"
     for hf_name, data in tensors.items():
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
@@ -274,7 +283,7 @@ def write_gguf(
             data = permute(data, kv_heads)
         kind = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
         qt = gguf.GGMLQuantizationType[kind]
-        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
+        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or name.endswith(("ffn_gate_inp.weight", ".bias")):
             w.add_tensor(name, data)
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, data.astype(np.float16))
@@ -305,6 +314,25 @@ def _stack_experts(tensors: dict) -> dict:
         stacks.setdefault(f"blk.{m.group(1)}.ffn_{kinds[m.group(3)]}_exps.weight", {})[int(m.group(2))] = data
     for name, parts in stacks.items():
         out[name] = np.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def _gpt_oss_experts(tensors: dict) -> dict:
+    """gpt-oss's stacked experts ([experts, in, out], gate and up interleaved) as its converter
+    writes them: ffn_{gate,up,down}_exps [experts, out, in] and their biases [experts, out]."""
+    import numpy as np
+
+    out = {}
+    for name, data in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$", name)
+        if m is None:
+            out[name] = data
+            continue
+        layer, kind, bias = m.group(1), m.group(2), m.group(3)
+        parts = {"gate": data[..., 0::2], "up": data[..., 1::2]} if kind == "gate_up_proj" else {"down": data}
+        for part, values in parts.items():
+            values = values if bias else np.ascontiguousarray(np.swapaxes(values, 1, 2))
+            out[f"blk.{layer}.ffn_{part}_exps.{'bias' if bias else 'weight'}"] = np.ascontiguousarray(values)
     return out
 
 
