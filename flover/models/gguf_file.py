@@ -343,8 +343,8 @@ class GGUFFile:
                 original_max_position_embeddings=self.integer(
                     f"{a}.rope.scaling.original_context_length", required=True
                 ),
-                beta_fast=32.0,
-                beta_slow=1.0,
+                beta_fast=self.number(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=self.number(f"{a}.rope.scaling.yarn_beta_slow", 1.0),
                 truncate=False,
             )
             if not (

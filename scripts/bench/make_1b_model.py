@@ -5,6 +5,7 @@
     python scripts/bench/make_1b_model.py --shape qwen3-1.7b    # -> qwen3-1.7b-{f16,Q4_K_M,Q8_0}.gguf
     python scripts/bench/make_1b_model.py --shape gemma3-1b     # -> gemma3-1b-...
     python scripts/bench/make_1b_model.py --shape qwen3-moe-1.8b   # -> qwen3-moe-1.8b-... (64 experts, 4 a token)
+    python scripts/bench/make_1b_model.py --shape gpt-oss-1.6b --types MXFP4_MOE   # as gpt-oss ships
 
 Real dimensions (llama-1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, tied embeddings, llama3 RoPE; qwen3-1.7b: Qwen3-1.7B's, 28 layers, 16/8 heads of
@@ -112,12 +113,42 @@ QWEN3_MOE_DENSE_ACTIVE = {
 } | dict(intermediate_size=4 * 768, norm_topk_prob=None, decoder_sparse_step=None, mlp_only_layers=None)
 QWEN3_MOE_DENSE_ACTIVE = {k: v for k, v in QWEN3_MOE_DENSE_ACTIVE.items() if v is not None}
 
+# gpt-oss-20b's ratios scaled down to ~1.6B parameters: 32 experts with 4 a token, each as wide as
+# the hidden size (1536 here, 2880 there), 32 heads of 64 and 4 kv heads (its 1 in 8), its sinks,
+# biases, YaRN (32x of 4,096) and 128-token windows every other layer; 6 layers instead of 24.
+# Quantized as it ships: MXFP4 experts (llama-quantize MXFP4_MOE), Q8_0 elsewhere.
+GPT_OSS = dict(
+    hidden_size=1536,
+    intermediate_size=1536,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    num_hidden_layers=6,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=64,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 3,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        original_max_position_embeddings=4096,
+        truncate=False,
+    ),
+)
+
 SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
     "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_1B),
     "qwen3-moe-1.8b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
     "qwen3-moe-dense-active": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_MOE_DENSE_ACTIVE),
+    "gpt-oss-1.6b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS),
 }
 
 
