@@ -372,6 +372,24 @@ def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
 
 
+def test_mxfp4_experts_run_on_their_4bit_codes(make_model, tmp_path):
+    """A gpt-oss file as it ships (MXFP4 experts, Q8_0 elsewhere): the experts keep their 4-bit
+    codes (G_MXFP4: each looked up as its FP4 value before the int8 dot products), and the logits
+    are the PyTorch forward's on the dequantized values within a few bfloat16 steps, the same on
+    every kernel family (a wrong table entry or scale is off by the logits' own size)."""
+    from flover.native import abi
+
+    path = write_gguf(make_model("gpt-oss"), tmp_path / "oss.gguf", "Q8_0", types={"_exps.weight": "MXFP4"})
+    compared, engine = compare_on_random_arrivals(str(path), "bfloat16", quantization="auto")
+    kinds = {grid.part[i].kind for grid in engine.runner.native._grids for i in range(grid.parts)}
+    assert abi.G_MXFP4 in kinds and engine.config.quantization == "file"
+    # here 0.41% at the median, 0.61% at most (the same on every family); one table entry off by a
+    # sixth (the largest FP4 value read as 11 for 12) gives 0.67% / 0.97%: the bounds tell them apart
+    relative = sorted(diff / max(1.0, scale) for _, _, diff, scale, _ in compared)
+    assert relative[len(relative) // 2] <= 0.0055 and relative[-1] <= 0.008, relative[-5:]
+    assert sum(same for *_, same in compared) / len(compared) >= 0.9
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_argmax_gives_torch_argmax_ids(dtype):
     """Greedy ids from the native loops equal torch.argmax's: the first of tied maxima (bfloat16

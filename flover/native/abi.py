@@ -14,7 +14,17 @@ I64 = ctypes.c_int64
 
 # codes (native.h): dtypes, the kinds of codes a run of output rows holds, how a run takes int8 inputs
 DT_F32, DT_BF16 = 0, 1
-G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6 = 4, 5, 6, 7, 8, 9, 10, 11
+G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6, G_MXFP4 = (
+    4,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+)
 X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2
 MAX_PARTS = 4  # runs of codes per projection
 Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # per 256 inputs and block of 16 rows
@@ -30,6 +40,7 @@ CODES = (
     "G_INT8_GROUPS",
     "G_INT8_K5",
     "G_INT8_K6",
+    "G_MXFP4",
     "X8_NONE",
     "X8_SMALL",
     "X8_SIGNED",

@@ -23,6 +23,7 @@ from flover.native.abi import (
     G_INT8_K5,
     G_INT8_K6,
     G_INT8_ROWS,
+    G_MXFP4,
     MAX_PARTS,
     Q4K_SUPER_BYTES,
     Q6K_SUPER_BYTES,
@@ -104,6 +105,37 @@ def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: 
         fill,
         X8_SMALL if x8 else X8_NONE,
         8,
+    )
+
+
+# MXFP4's values (twice FP4's, -12..12; gguf_grids.MXFP4_VALUES) -> a 4-bit code that gives them
+# (native.h's MXFP4_U maps code c to value + 12; 0 has two codes: 0 is taken)
+MXFP4_CODE_OF = {v: c for c, v in reversed(list(enumerate([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])))}
+
+
+def _mxfp4_run(grid: Grid) -> Run:
+    """MXFP4 (int8 inputs only): its 4-bit codes in G_INT4's layout, scales [n / 16, k / 32, 2, 16]
+    (scale, and the zero form -4 scale: the kernel's low is zero - 8 scale = -12 scale)."""
+    n, k = grid.codes.shape
+    blocks = -(-n // 16)
+    lookup = torch.zeros(25, dtype=torch.uint8)
+    for value, code in MXFP4_CODE_OF.items():
+        lookup[value + 12] = code
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        codes = lookup[(grid.codes.to(torch.int64) + 12)]  # [n, k] 4-bit codes
+        block_nibble_quads(codes, codes_out)
+        scales_out.copy_(rows_last(torch.stack((grid.scale, -4 * grid.scale), dim=-1), blocks))
+
+    return Run(
+        G_MXFP4,
+        n,
+        32,
+        1,
+        [((blocks, k // 32, 16, 16), torch.uint8), ((blocks, k // 32, 2, 16), torch.float32)],
+        fill,
+        X8_SMALL,
+        12,
     )
 
 
@@ -310,6 +342,8 @@ def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
             runs.append(_int5_k_run(grid) if packed else _bytes_k_run(grid))
         elif x8 and k_quant and grid.code_range == (-32, 31):  # Q6_K's
             runs.append(_int6_k_run(grid) if packed else _bytes_k_run(grid))
+        elif x8 and grid.code_range == (-12, 12):  # MXFP4's, in 4 bits
+            runs.append(_mxfp4_run(grid))
         elif grid.bits == 8:
             runs.append(_groups_run(grid, x8))
         elif k_quant:

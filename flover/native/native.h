@@ -105,9 +105,14 @@ typedef struct {
  * codes with their super-blocks' scales (G_INT6_K, G_INT5_K: int8 inputs only); int8 codes with a
  * scale per row; int8 codes with a scale (and a minimum: lows) per group of 16 or 32 inputs
  * (GGUF's Q8_0, Q5_0, Q5_1); and where the CPU reads bytes faster than it unpacks bits, Q5_K's and
- * Q6_K's codes as bytes with their super-blocks' scales (G_INT8_K5, G_INT8_K6: int8 inputs only). */
+ * Q6_K's codes as bytes with their super-blocks' scales (G_INT8_K5, G_INT8_K6: int8 inputs only);
+ * MXFP4's FP4 codes (G_MXFP4, below). */
 enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT5_K = 7, G_INT8_ROWS = 8, G_INT8_GROUPS = 9, G_INT8_K5 = 10,
-       G_INT8_K6 = 11 };
+       G_INT8_K6 = 11, G_MXFP4 = 12 };
+/* G_MXFP4 (int8 inputs only): MXFP4's 4-bit codes of FP4 values in G_INT4's layout (its zero form:
+ * the value at code 8 is 0, so zero = -4 scale), each code looked up as twice its FP4 value + 12
+ * (0..24: MXFP4_U) before the dot products */
+static const uint8_t MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 enum { X8_NONE = 0, X8_SMALL = 1, X8_SIGNED = 2 };
 #define MAX_PARTS 4
 /* abi.py's Grid and GridPart: a projection's output rows as up to MAX_PARTS runs of rows (every run but

@@ -147,7 +147,7 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
     const GridPart *part = grid->part;
     while (row >= part->rows && part < grid->part + grid->parts - 1) row -= part->rows, part++;
     const int64_t block = row / 16, lane = row % 16;
-    if (part->kind == G_INT4 || part->kind == G_INT4_K) {
+    if (part->kind == G_INT4 || part->kind == G_INT4_K || part->kind == G_MXFP4) {
         const int k_super = part->kind == G_INT4_K;
         const uint8_t *c = (const uint8_t *)part->codes + block * 16 * k / 2;
         const char *s = (const char *)part->scales + block * (k_super ? (k / 256) * Q4K_SUPER_BYTES : (k / 32) * 128);
@@ -160,8 +160,9 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
             for (int64_t j = 0; j < 32; j++) { /* tiles_int8.c's quads, or tiles.c's pairs */
                 const uint8_t byte = part->x8 ? c[g * 256 + ((j % 16) / 4) * 64 + lane * 4 + j % 4]
                                               : c[(g * 16 + j / 2) * 16 + lane];
-                const int high = part->x8 ? j >= 16 : j % 2;
-                out[g * 32 + j] = sc[lane] * (float)((high ? byte >> 4 : byte & 15) - 8) + zr[lane];
+                const int high = part->x8 ? j >= 16 : j % 2, code = high ? byte >> 4 : byte & 15;
+                const int u = part->kind == G_MXFP4 ? MXFP4_U[code] : code; /* (MXFP4: its value + 12; zero -4 scale) */
+                out[g * 32 + j] = sc[lane] * (float)(u - 8) + zr[lane];
             }
         }
         return;

@@ -13,6 +13,8 @@
  *   q_high2(&h)         the next 2 bits of each byte of h moved to bits 4-5 (h's lowest two, then
  *                       h shifts down by 2 for the next call); q_or joins them to 4-bit codes:
  *                       6-bit codes from nibbles and their high bits
+ *   q_lut16(b, table)    each byte (below 16) replaced by table[byte]: MXFP4's FP4 codes to
+ *                       their values (plus 12, unsigned)
  *   q_fifth(&h, &lo, &hi)  5-bit codes from nibbles: h's bit 0 joins lo at bit 4, its bit 4
  *                       joins hi there, then h shifts down by 1 for the next call
  *   s64   64 bytes of signed codes (-128..127: Q8_0's), as s_load prepares them

@@ -66,7 +66,7 @@ static inline void q4k_scale_low(const void *scales, int64_t g, v16 *scale, v16 
     q4k_group_scales(scales, g, scale, &zero);
     *low = v_fnmadd(v_set1(8.f), *scale, zero);
 }
-#define TILE_NIBBLES_X8(NAME, MT, FIFTH, GROUP_SCALE_LOW)                                                  \
+#define TILE_NIBBLES_X8(NAME, MT, FIFTH, LUT, GROUP_SCALE_LOW)                                             \
     static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
         const int64_t groups = k / 32, group_bytes = 256 + 64 * (FIFTH);                                   \
         v16 acc[MT];                                                                                       \
@@ -82,6 +82,7 @@ static inline void q4k_scale_low(const void *scales, int64_t g, v16 *scale, v16 
                 q64 lo, hi;                                                                                \
                 q_nibbles(q_load(c + q * 64), &lo, &hi);                                                   \
                 if (FIFTH) q_fifth(&fifth, &lo, &hi);                                                      \
+                if (LUT) lo = q_lut16(lo, MXFP4_U), hi = q_lut16(hi, MXFP4_U);                             \
                 for (int i = 0; i < MT; i++) {                                                             \
                     const int8_t *xq = x->q + i * k + g * 32 + 4 * q;                                      \
                     dot[i] = i_dot4x2(dot[i], lo, xq, hi, xq + 16);                                       \
@@ -93,13 +94,14 @@ static inline void q4k_scale_low(const void *scales, int64_t g, v16 *scale, v16 
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-#define NIBBLES_X8_TILES(NAME, FIFTH, GROUP_SCALE_LOW)                                                     \
-    TILE_NIBBLES_X8(NAME, 12, FIFTH, GROUP_SCALE_LOW) TILE_NIBBLES_X8(NAME, 8, FIFTH, GROUP_SCALE_LOW)     \
-    TILE_NIBBLES_X8(NAME, 4, FIFTH, GROUP_SCALE_LOW) TILE_NIBBLES_X8(NAME, 2, FIFTH, GROUP_SCALE_LOW)      \
-    TILE_NIBBLES_X8(NAME, 1, FIFTH, GROUP_SCALE_LOW)
-NIBBLES_X8_TILES(q4_x8, 0, q4_scale_low)
-NIBBLES_X8_TILES(q4k_x8, 0, q4k_scale_low)
-NIBBLES_X8_TILES(q5k_x8, 1, k_group_scale_low)
+#define NIBBLES_X8_TILES(NAME, FIFTH, LUT, GROUP_SCALE_LOW)                                                \
+    TILE_NIBBLES_X8(NAME, 12, FIFTH, LUT, GROUP_SCALE_LOW) TILE_NIBBLES_X8(NAME, 8, FIFTH, LUT, GROUP_SCALE_LOW) \
+    TILE_NIBBLES_X8(NAME, 4, FIFTH, LUT, GROUP_SCALE_LOW) TILE_NIBBLES_X8(NAME, 2, FIFTH, LUT, GROUP_SCALE_LOW) \
+    TILE_NIBBLES_X8(NAME, 1, FIFTH, LUT, GROUP_SCALE_LOW)
+NIBBLES_X8_TILES(q4_x8, 0, 0, q4_scale_low)
+NIBBLES_X8_TILES(q4k_x8, 0, 0, q4k_scale_low)
+NIBBLES_X8_TILES(q5k_x8, 1, 0, k_group_scale_low)
+NIBBLES_X8_TILES(mxfp4_x8, 0, 1, q4_scale_low) /* (its codes' values + 12, the zero form's low: -12 scale) */
 
 /* ---- byte codes below 64 (offset 0, 16 or 32), a scale (and a minimum: lows) per 16 or 32 inputs:
  * stored in float32, or from Q5_K's / Q6_K's super-blocks (w = scale u + low either way) */
@@ -224,6 +226,7 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
              float *out) {
     if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_MXFP4) GROUP_TILE(mxfp4_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT6_K) GROUP_TILE(q6k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT5_K) GROUP_TILE(q5k_x8, mt, codes, scales, k, x, out);
     else if (part->x8 == X8_SIGNED) GROUP_TILE(signed_x8, mt, codes, (const float *)scales, k, x, out);

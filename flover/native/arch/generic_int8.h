@@ -16,6 +16,10 @@ static inline q64 q_load(const uint8_t *p) {
 static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     for (int i = 0; i < 64; i++) lo->b[i] = b.b[i] & 15, hi->b[i] = b.b[i] >> 4;
 }
+static inline q64 q_lut16(q64 b, const uint8_t *table) { /* each byte (below 16) -> table[byte] */
+    for (int i = 0; i < 64; i++) b.b[i] = table[b.b[i]];
+    return b;
+}
 static inline q64 q_high2(q64 *h) {
     q64 r;
     for (int i = 0; i < 64; i++) r.b[i] = (uint8_t)((h->b[i] & 3) << 4), h->b[i] >>= 2;

@@ -16,6 +16,11 @@ static inline q64 q_load(const uint8_t *p) {
 static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     for (int i = 0; i < 4; i++) lo->q[i] = vandq_u8(b.q[i], vdupq_n_u8(15)), hi->q[i] = vshrq_n_u8(b.q[i], 4);
 }
+static inline q64 q_lut16(q64 b, const uint8_t *table) { /* each byte (below 16) -> table[byte] */
+    const uint8x16_t t = vld1q_u8(table);
+    for (int i = 0; i < 4; i++) b.q[i] = vqtbl1q_u8(t, b.q[i]);
+    return b;
+}
 static inline q64 q_high2(q64 *h) {
     q64 r;
     for (int i = 0; i < 4; i++) r.q[i] = vandq_u8(vshlq_n_u8(h->q[i], 4), vdupq_n_u8(0x30)), h->q[i] = vshrq_n_u8(h->q[i], 2);

@@ -14,6 +14,10 @@ static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     *lo = (q64){_mm256_and_si256(b.lo, m), _mm256_and_si256(b.hi, m)};
     *hi = (q64){_mm256_and_si256(_mm256_srli_epi16(b.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(b.hi, 4), m)};
 }
+static inline q64 q_lut16(q64 b, const uint8_t *table) { /* each byte (below 16) -> table[byte] */
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    return (q64){_mm256_shuffle_epi8(t, b.lo), _mm256_shuffle_epi8(t, b.hi)};
+}
 static inline q64 q_high2(q64 *h) {
     const __m256i m = _mm256_set1_epi8(0x30);
     const q64 r = {_mm256_and_si256(_mm256_slli_epi16(h->lo, 4), m), _mm256_and_si256(_mm256_slli_epi16(h->hi, 4), m)};

@@ -9,6 +9,9 @@ static inline void q_nibbles(q64 b, q64 *lo, q64 *hi) {
     const __m512i m = _mm512_set1_epi8(15);
     *lo = _mm512_and_si512(b, m), *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
 }
+static inline q64 q_lut16(q64 b, const uint8_t *table) { /* each byte (below 16) -> table[byte] */
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), b);
+}
 static inline q64 q_high2(q64 *h) { /* 16-bit shifts: bits crossing into a neighbour byte are masked off */
     const q64 r = _mm512_and_si512(_mm512_slli_epi16(*h, 4), _mm512_set1_epi8(0x30));
     *h = _mm512_srli_epi16(*h, 2);
