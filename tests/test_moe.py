@@ -145,21 +145,15 @@ def test_the_daemon_reports_the_rows_each_expert_took(make_model):
     assert samples == {(str(layer["layer"]), str(e)): n for layer in load for e, n in enumerate(layer["rows"])}
 
 
-def test_gpt_oss_config_and_what_it_refuses(make_model):
+def test_gpt_oss_config(make_model):
     """gpt-oss: attention sinks, a window then a full layer, YaRN, a biased router taking a softmax
-    over its top k, biased experts with the clamped SwiGLU, stacked in the checkpoint; not under
-    tensor parallelism yet (its experts' biases), said with the reason."""
-    from flover.models.llama import LlamaForCausalLM
-    from flover.models.tp_layout import TPLayout
-
+    over its top k, biased experts with the clamped SwiGLU, stacked in the checkpoint."""
     cfg = load_model_config(make_model("gpt-oss"))
     moe = cfg.moe
     assert cfg.attn_sinks and cfg.sliding_windows == (8, None) and cfg.qkv_bias and cfg.o_bias
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
     assert (moe.experts, moe.top_k, moe.intermediate, moe.router) == (4, 2, 64, "router")
     assert moe.softmax_after_topk and moe.expert_bias and moe.stacked and moe.swiglu_limit == 7.0
-    with pytest.raises(ValueError, match="experts' biases are not split for tensor parallelism"):
-        LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 2), None, 64, torch.float32, torch.device("cpu"))
 
 
 def test_a_layer_of_experts_holds_no_dense_mlp(make_model):

@@ -30,7 +30,17 @@ pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install '
 
 @pytest.mark.parametrize(
     "variant",
-    ["llama", "llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "gptj", "qwen3", "phi3", "gemma3", "qwen3-moe"],
+    [
+        "llama",
+        "llama-mqa-bias-tied-llama3",
+        "llama-vocab509-kv4",
+        "gptj",
+        "qwen3",
+        "phi3",
+        "gemma3",
+        "qwen3-moe",
+        "gpt-oss",
+    ],
 )
 def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     """float64, requests arriving at different iterations (every 40 ms); TP=4 on the 2-kv-head
@@ -38,7 +48,8 @@ def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     sliding-window layers keep 48 positions a slot (iterations of 16 tokens), so its longer
     sequences slide on every rank alike, and some iterations sample no row at all (a 16-token
     chunk of a longer prompt, alone: the vocabulary gather of zero rows); qwen3-moe's experts keep
-    1/2 and 1/4 of each expert's columns a rank, every rank routing alike."""
+    1/2 and 1/4 of each expert's columns a rank, every rank routing alike; gpt-oss's sinks split by
+    head, its experts' gate/up biases by column and the down bias added by rank 0 alone."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)
@@ -239,13 +250,14 @@ def test_prefix_cache_under_tp2_gives_the_tp1_tokens_without_it(llama_dir, tmp_p
     assert sum(r["usage"]["cached_tokens"] for r in records[2].values()) >= 16 * 5
 
 
-@pytest.mark.parametrize("variant", ["llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "mixtral"])
+@pytest.mark.parametrize("variant", ["llama-mqa-bias-tied-llama3", "llama-vocab509-kv4", "mixtral", "gpt-oss"])
 def test_tp2_on_the_native_step_gives_the_tp1_tokens_in_float32(make_model, variant, tmp_path):
     """Each rank runs its shard as one native call; the C code calls back into the communicator
     where the PyTorch path all-reduces (the vocabulary-split embedding, after the o and down
     projections or the experts' sum; biases added once after). float32 (only the sums' order
     differs from TP=1): the same greedy tokens, with o/down biases, a tied head, a vocabulary
-    split unevenly, and experts (each rank half of every expert's columns)."""
+    split unevenly, and experts (each rank half of every expert's columns; gpt-oss's biased
+    experts and sinks)."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)

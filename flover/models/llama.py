@@ -145,11 +145,6 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        if cfg.moe is not None and cfg.moe.expert_bias and tp.size > 1:
-            raise ValueError(
-                f"{cfg.architecture}: its experts' biases are not split for tensor parallelism yet; "
-                f"run it on one rank per engine (data-parallel groups: --tp 1)"
-            )
         if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
             raise ValueError(
                 f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "

@@ -32,6 +32,8 @@ class ExpertsMLP(nn.Module):
         self.router_bias = new_param(moe.experts, dtype=dtype, device=device) if moe.router_bias else None
         self.gate_up = nn.ModuleList(Linear(2 * inter, hidden, bias, dtype, device) for _ in range(moe.experts))
         self.down = nn.ModuleList(Linear(hidden, inter, bias, dtype, device) for _ in range(moe.experts))
+        for lin in self.down if bias and tp.rank > 0 else ():  # (gpt-oss) down's bias: added by rank 0 alone
+            lin.bias.data.zero_()
         # rows routed to each expert since the model was built (int64 [experts]; the native step adds to it too)
         self.load = torch.zeros(moe.experts, dtype=torch.int64)
 
@@ -50,10 +52,11 @@ class ExpertsMLP(nn.Module):
             specs.append(WeightSpec(self.gate_up[e].weight, gate_up))
             down_cols = cols(f"{expert}.{down}.weight", (hidden, full), start, inter)
             specs.append(WeightSpec(self.down[e].weight, (down_cols,)))
-            if moe.expert_bias:  # (not under TP: refused where the model is built)
-                biases = tuple(whole(f"{expert}.{n}.bias", (full,)) for n in (gate, up))
+            if moe.expert_bias:  # (gpt-oss) gate and up's: this rank's columns; down's: rank 0's partial sum
+                biases = tuple(rows(f"{expert}.{n}.bias", (full,), start, inter) for n in (gate, up))
                 specs.append(WeightSpec(self.gate_up[e].bias, biases))
-                specs.append(WeightSpec(self.down[e].bias, (whole(f"{expert}.{down}.bias", (hidden,)),)))
+                if tp.rank == 0:
+                    specs.append(WeightSpec(self.down[e].bias, (whole(f"{expert}.{down}.bias", (hidden,)),)))
         return specs
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
