@@ -1,4 +1,4 @@
-/* A layer's mixture of experts over an iteration's rows (Qwen3-MoE, Mixtral), as
+/* A layer's mixture of experts over an iteration's rows (Qwen3-MoE, Mixtral, gpt-oss), as
  * flover/models/moe.py computes it: the router's logits, each row's top k of a float32 softmax
  * (renormalised where the model says), then each expert that some row chose runs once, as one
  * projection over the rows that chose it; experts no row chose are not read.
@@ -81,8 +81,12 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
                        w->out, nt);
         for (int i = 0; i < m; i++) { /* the row's sum += rnd(output * weight), in the model dtype */
             float *sum = y + w->members[i] * h;
-            const float *out = w->out + i * h, weight = w->member_weight[i];
-            for (int64_t c = 0; c < h; c++) sum[c] = rnd(sum[c] + rnd(out[c] * weight, bf), bf);
+            const float *out = w->out + i * h;
+            const v16 weight = v_set1(w->member_weight[i]);
+            for (int64_t c = 0; c < h; c += 16) {
+                const v16 added = v_add(v_loadn(sum + c, h - c), v_rnd(v_mul(v_loadn(out + c, h - c), weight), bf));
+                v_storen(sum + c, v_rnd(added, bf), h - c);
+            }
         }
     }
 }
