@@ -162,3 +162,22 @@ def test_a_layer_of_experts_holds_no_dense_mlp(make_model):
     layers = llm.engine.runner.model.layers
     assert layers[0].gate_up is None and layers[0].experts is not None and layers[1].experts is None
     assert torch.count_nonzero(layers[0].experts.router) > 0
+
+
+def test_a_stacked_experts_tensor_of_another_shape_or_with_nan_is_refused_by_name(make_model, tmp_path):
+    """gpt-oss's stacked experts are input: fewer experts than config.json says, or a NaN, is a
+    clear error naming the tensor (before anything is served)."""
+    from safetensors.torch import load_file, save_file
+
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    for case, change in (
+        ("short", lambda t: t[:2]),
+        ("nan", lambda t: t.index_fill(1, torch.tensor([3]), float("nan"))),
+    ):
+        model = shutil.copytree(make_model("gpt-oss"), tmp_path / case)
+        weights = load_file(f"{model}/model.safetensors")
+        weights[name] = change(weights[name]).contiguous()
+        save_file(weights, f"{model}/model.safetensors", metadata={"format": "pt"})
+        expected = "expected \\[experts" if case == "short" else "not finite"
+        with pytest.raises(CheckpointError, match=f"{name}.*{expected}"):
+            LLM(str(model), dtype="float32", max_slots=1, native_forward="off")

@@ -361,12 +361,18 @@ def _parse_moe(raw: dict) -> dict:
     )
 
 
-def _parse_mixtral(raw: dict) -> dict:
-    """Mixtral's experts: in every layer, intermediate_size wide, top k renormalised."""
+def _expert_counts(raw: dict) -> tuple[int, int]:
+    """(experts, experts a token) of a config.json, each a size within bounds, k at most the experts."""
     experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
     check_sizes({"num_local_experts": experts, "num_experts_per_tok": top_k}, "config.json")
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts")
+    return experts, top_k
+
+
+def _parse_mixtral(raw: dict) -> dict:
+    """Mixtral's experts: in every layer, intermediate_size wide, top k renormalised."""
+    experts, top_k = _expert_counts(raw)
     return dict(
         moe=MoEConfig(
             experts=experts,
@@ -384,11 +390,12 @@ def _parse_mixtral(raw: dict) -> dict:
 def _parse_gpt_oss(raw: dict) -> dict:
     """gpt-oss: experts in every layer (router with a bias, softmax over the top k, experts with
     biases and the clamped SwiGLU), attention sinks."""
-    experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
-    check_sizes({"num_local_experts": experts, "num_experts_per_tok": top_k}, "config.json")
+    experts, top_k = _expert_counts(raw)
     limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)
-    if top_k > experts or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (limit, alpha)):
-        raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts, swiglu {limit!r} / {alpha!r}")
+    if not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in (limit, alpha)
+    ):
+        raise ValueError(f"swiglu_limit {limit!r} and swiglu_alpha {alpha!r} must be positive numbers")
     return dict(
         moe=MoEConfig(
             experts=experts,

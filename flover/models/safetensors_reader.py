@@ -91,12 +91,21 @@ class CheckpointReader:
         except SafetensorError as e:
             raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
 
+    def _file(self, name: str) -> Path:
+        if name not in self.files:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        return self.files[name]
+
+    @staticmethod
+    def _finite(tensor: torch.Tensor, file: Path, name: str) -> torch.Tensor:
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{file}: tensor {name!r} holds values that are not finite (NaN or infinity)")
+        return tensor
+
     def read(self, source: Source) -> torch.Tensor:
         if source.name in self.stacked:
             return self._read_stacked(source, self.stacked[source.name])
-        file = self.files.get(source.name)
-        if file is None:
-            raise CheckpointError(f"{self.dir}: tensor {source.name!r} is missing from the checkpoint")
+        file = self._file(source.name)
         try:
             view = self._open(file).get_slice(source.name)
             shape = tuple(view.get_shape())
@@ -114,15 +123,11 @@ class CheckpointReader:
                 ]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {source.name!r} ({e})") from None
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{file}: tensor {source.name!r} holds values that are not finite (NaN or infinity)")
-        return tensor
+        return self._finite(tensor, file, source.name)
 
     def _read_stacked(self, source: Source, where: Stacked) -> torch.Tensor:
         """One expert's tensor out of a stacked one, transposed to [out, in], then this rank's slice."""
-        file = self.files.get(where.name)
-        if file is None:
-            raise CheckpointError(f"{self.dir}: tensor {where.name!r} is missing from the checkpoint")
+        file = self._file(where.name)
         try:
             view = self._open(file).get_slice(where.name)
             shape = tuple(view.get_shape())
@@ -139,8 +144,7 @@ class CheckpointReader:
                 f"{file}: {where.name!r} gives expert {where.expert}'s {where.part} of shape {list(tensor.shape)}, "
                 f"expected {list(source.shape)}"
             )
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{file}: tensor {where.name!r} holds values that are not finite (NaN or infinity)")
+        self._finite(tensor, file, where.name)
         if source.dim is None:
             return tensor
         return tensor.narrow(source.dim, source.start, (source.stop or tensor.shape[source.dim]) - source.start)
