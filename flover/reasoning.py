@@ -6,6 +6,7 @@ token by token, to streamed ones."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -80,3 +81,102 @@ def _partial_tag(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+# -- gpt-oss's harmony format ------------------------------------------------------------------
+# An answer is a run of messages: [<|start|>assistant] <|channel|>NAME [to=RECIPIENT] [<|constrain|>TYPE]
+# <|message|>BODY <|end|> | <|return|> | <|call|>. Its special tokens stay in the text of a model
+# whose chat template speaks it (models/tokenizer.py), so that the channels can be told apart.
+MESSAGE = "<|message|>"
+MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([\w-]+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+def template_format(template_source: str | None) -> str:
+    """How a chat template's model writes its thinking: "harmony" (gpt-oss's channels), "think"
+    (a <think> block), or "" (it does not)."""
+    source = template_source or ""
+    if "<|channel|>" in source and MESSAGE in source:
+        return "harmony"
+    return "think" if template_thinks(source) else ""
+
+
+@dataclass
+class HarmonyStream:
+    """A harmony answer streamed: the analysis channel's bodies are thinking, the final channel's
+    (and a commentary to no one) the answer; a message to a tool (`to=functions.NAME`) stays in
+    the answer as written, markers and all, for tools.parse_calls. Text outside any message is
+    answer. Markers split across pieces are held back until decided."""
+
+    state: str = "header"  # header (until <|message|>) -> body (until an end marker) -> header ...
+    held: str = ""
+    channel: str = ""
+    tool: bool = False
+    thought: bool = False  # an analysis message began (split_harmony's thinking is None without one)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.held += text
+        out = ["", ""]
+        while self._step(out):
+            pass
+        return out[0], out[1]
+
+    def finish(self) -> tuple[str, str]:
+        held, self.held = self.held, ""
+        if self.state == "body" and not self.tool and self.channel == "analysis":
+            return held, ""
+        return "", held  # (a header cut off, or a body: as written)
+
+    def _step(self, out: list[str]) -> bool:
+        """One move of the state machine over the held text; False: wait for more."""
+        if self.state == "header":
+            if not self.held.startswith("<|"):  # text outside a message, up to where a marker may begin
+                at = self.held.find("<|")
+                at = len(self.held) - (1 if self.held.endswith("<") else 0) if at < 0 else at
+                out[1], self.held = out[1] + self.held[:at], self.held[at:]
+                return at > 0 and bool(self.held)
+            at = self.held.find(MESSAGE)
+            if at < 0:
+                return False
+            header, self.held = self.held[:at], self.held[at + len(MESSAGE) :]
+            channel = _CHANNEL.search(header)
+            self.channel = channel.group(1) if channel else ""
+            self.tool = _RECIPIENT.search(header) is not None and self.channel != "analysis"
+            self.thought |= self.channel == "analysis"
+            if self.tool:
+                out[1] += header + MESSAGE
+            self.state = "body"
+            return True
+        ends = [(self.held.find(end), end) for end in MESSAGE_ENDS if end in self.held]
+        if not ends:
+            keep = max(_partial_tag(self.held, end) for end in MESSAGE_ENDS)
+            self._route(self.held[: len(self.held) - keep], out)
+            self.held = self.held[len(self.held) - keep :]
+            return False
+        at, end = min(ends)
+        self._route(self.held[:at], out)
+        out[1] += end if self.tool else ""
+        self.held, self.state = self.held[at + len(end) :], "header"
+        return True
+
+    def _route(self, piece: str, out: list[str]) -> None:
+        out[0 if self.channel == "analysis" and not self.tool else 1] += piece
+
+
+def split_harmony(text: str) -> tuple[str | None, str]:
+    """(the thinking, the answer) of a whole harmony answer, as HarmonyStream splits it."""
+    stream = HarmonyStream()
+    thinking, answer = stream.feed(text)
+    more = stream.finish()
+    return (thinking + more[0] if stream.thought else None), answer + more[1]
+
+
+def split_answer(text: str, style: str) -> tuple[str | None, str]:
+    """split_reasoning or split_harmony, by the template's style (template_format)."""
+    return split_harmony(text) if style == "harmony" else split_reasoning(text)
+
+
+def answer_stream(style: str):
+    """A streamed answer's splitter, by the template's style."""
+    return HarmonyStream() if style == "harmony" else ReasoningStream()

@@ -3,7 +3,9 @@ structure that makes a required call parse (docs/tool_calling.md).
 
 The syntax follows the chat template: Hermes-style `<tool_call>{json}</tool_call>` (Qwen 2 / 2.5 /
 3, SmolLM3, Hermes, and the fallback), Llama 3.x's bare JSON object, Mistral's `[TOOL_CALLS][...]`,
-Phi-4-mini's `functools[...]` (its template reads the tools from the system message's `tools`). A
+Phi-4-mini's `functools[...]` (its template reads the tools from the system message's `tools`),
+gpt-oss's harmony messages to `functions.NAME` (`<|channel|>commentary to=functions.NAME ...
+<|message|>{json}<|call|>`). A
 template that does not render `tools` (SmolLM2's, for one) gets them as a Hermes-style system
 prompt, and earlier calls and results as text, so any chat model can be asked."""
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from flover.structured import COMPACT
 
-HERMES, LLAMA3, MISTRAL, PHI4 = "hermes", "llama3", "mistral", "phi4"
+HERMES, LLAMA3, MISTRAL, PHI4, HARMONY = "hermes", "llama3", "mistral", "phi4", "harmony"
 PREFIXES = {MISTRAL: "[TOOL_CALLS]", PHI4: "functools"}  # what opens a JSON list of calls
 MAX_TOOLS = 128
 _NOT_JSON = (ValueError, RecursionError)  # (a model's text can nest past the parser's recursion)
@@ -39,6 +41,8 @@ class ToolCall:
 def syntax_of(template_source: str | None) -> str:
     """The tool-call syntax a chat template's model writes."""
     source = template_source or ""
+    if "<|channel|>" in source and "<|message|>" in source:
+        return HARMONY
     if "[TOOL_CALLS]" in source:
         return MISTRAL
     if "<|tool|>" in source:
@@ -207,6 +211,8 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
     vLLM's parsers: a call cut off by max_tokens is left out, the ones before it count); no
     calls where none parse."""
     found: list[tuple[int, object]] = []
+    if syntax == HARMONY:
+        return _harmony_calls(text)
     if syntax in PREFIXES and f"{PREFIXES[syntax]}[" in text:
         start = text.index(f"{PREFIXES[syntax]}[")
         found = [(start, v) for v in _json_values(text[start + len(PREFIXES[syntax]) :])]
@@ -235,6 +241,32 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
     return text[: found[0][0]].strip(), calls
 
 
+# a harmony message that ends in a call: its header (the recipient before or after the channel),
+# its body, <|call|>
+_HARMONY_CALL = re.compile(
+    r"(?:<\|start\|>([^<]*))?<\|channel\|>([^<]*)(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)<\|call\|>", re.DOTALL
+)
+_HARMONY_FUNCTION = re.compile(r"\bto=functions\.([\w.-]+)")
+
+
+def _harmony_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """gpt-oss's calls: each complete message to `functions.NAME` whose body is a JSON object."""
+    calls, first = [], None
+    for match in _HARMONY_CALL.finditer(text):
+        function = _HARMONY_FUNCTION.search(f"{match.group(1) or ''} {match.group(2)}")
+        if function is None:  # (a call to another recipient: not a function's)
+            continue
+        try:
+            arguments = json.loads(match.group(3))
+        except _NOT_JSON:
+            return text, []
+        if not isinstance(arguments, dict):
+            return text, []
+        calls.append(ToolCall(function.group(1), json.dumps(arguments, ensure_ascii=False)))
+        first = match.start() if first is None else first
+    return (text, []) if not calls else (text[:first].strip(), calls)
+
+
 def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -> dict | None:
     """The `structured` map that makes the answer a call (tool_choice "required" or a named
     function): each call's arguments follow its function's parameters schema. None for "auto"
@@ -254,6 +286,8 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
         raise ValueError(
             'tool_choice: expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
         )
+    if syntax == HARMONY:  # (its calls open with special tokens, which a grammar here does not write)
+        raise ValueError('tool_choice: this model writes harmony tool calls; only "auto" and "none" are supported')
     key = "parameters" if syntax == LLAMA3 else "arguments"
     one_of = [
         {

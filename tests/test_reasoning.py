@@ -10,7 +10,14 @@ import signal
 import httpx
 import pytest
 
-from flover.reasoning import ReasoningStream, split_reasoning, template_thinks
+from flover.reasoning import (
+    ReasoningStream,
+    answer_stream,
+    split_answer,
+    split_reasoning,
+    template_format,
+    template_thinks,
+)
 from tests.helpers import Server, free_port
 
 ANSWERS = [
@@ -131,3 +138,107 @@ def test_chat_template_kwargs_over_the_zeromq_socket(thinking_front):
             assert refused.value.code == "invalid_request"
         with pytest.raises(FloverError, match="go with `messages`"):
             client.generate("a prompt", chat_template_kwargs={"enable_thinking": False}, max_new_tokens=1)
+
+
+# gpt-oss's harmony answers (the prompt ends with <|start|>assistant)
+HARMONY_ANSWERS = [
+    "<|channel|>analysis<|message|>a plan<|end|><|start|>assistant<|channel|>final<|message|>The answer.<|return|>",
+    "<|channel|>analysis<|message|>cut off in the thinking",
+    "<|channel|>final<|message|>No thinking here.<|return|>",
+    "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json"
+    '<|message|>{"a": 1}<|call|>',
+    "plain text with a < and <| in it",
+    "<|channel|>analysis<|message|>one<|end|><|start|>assistant<|channel|>analysis<|message|>two<|end|>",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", HARMONY_ANSWERS)
+def test_a_harmony_stream_split_piece_by_piece_gives_the_whole_answers_split(text):
+    for size in (1, 2, 3, 7, 100):
+        stream, thinking, answer = answer_stream("harmony"), "", ""
+        for at in range(0, len(text), size):
+            t, a = stream.feed(text[at : at + size])
+            thinking, answer = thinking + t, answer + a
+        t, a = stream.finish()
+        whole_thinking, whole_answer = split_answer(text, "harmony")
+        assert (thinking + t, answer + a) == (whole_thinking or "", whole_answer), (text, size)
+
+
+def test_the_harmony_split_of_whole_answers():
+    """analysis -> thinking, final -> answer, a message to a tool stays as written (for the tool
+    parser), text outside any message is answer; markers never reach either field otherwise."""
+    assert split_answer(HARMONY_ANSWERS[0], "harmony") == ("a plan", "The answer.")
+    assert split_answer(HARMONY_ANSWERS[1], "harmony") == ("cut off in the thinking", "")
+    assert split_answer(HARMONY_ANSWERS[2], "harmony") == (None, "No thinking here.")
+    thinking, answer = split_answer(HARMONY_ANSWERS[3], "harmony")
+    assert thinking == "x" and answer.startswith("<|start|>assistant<|channel|>commentary to=functions.f")
+    assert answer.endswith('<|message|>{"a": 1}<|call|>')
+    assert split_answer(HARMONY_ANSWERS[4], "harmony") == (None, HARMONY_ANSWERS[4])
+    assert split_answer(HARMONY_ANSWERS[5], "harmony") == ("onetwo", "")
+    assert template_format(HARMONY_TEMPLATE) == "harmony" and template_format(THINKING_TEMPLATE) == "think"
+    assert template_format("{{ messages }}") == "" and template_format(None) == ""
+
+
+# gpt-oss's shape in small: its markers, the answer opened by <|start|>assistant
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+def test_a_harmony_models_text_keeps_its_special_tokens(make_model):
+    """Its channels are special tokens: decoding keeps them where the template speaks harmony (so
+    the front can split the answer), and drops them elsewhere as before."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from flover.models.tokenizer import Tokenizer
+
+    backend = HFTokenizer.from_file(f"{make_model('llama')}/tokenizer.json")
+    backend.add_special_tokens([AddedToken(m, special=True) for m in HARMONY_MARKERS])
+    text = "<|channel|>final<|message|>hello<|return|>"
+    ids = backend.encode(text, add_special_tokens=False).ids
+    assert Tokenizer(backend, {}, HARMONY_TEMPLATE).decode(ids) == text
+    assert Tokenizer(backend, {}, THINKING_TEMPLATE).decode(ids) == "finalhello"
+
+
+@pytest.fixture(scope="module")
+def harmony_front(make_model, tmp_path_factory):
+    """A daemon and HTTP front on a checkpoint whose template speaks harmony (its markers plain
+    added tokens here, so that a guided regex can write them)."""
+    model = tmp_path_factory.mktemp("harmony") / "model"
+    shutil.copytree(make_model("llama"), model)
+    (model / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    port = free_port()
+    server = Server(str(model), "--max-seq-len", "256", "--http", f"127.0.0.1:{port}")
+    yield server, f"http://127.0.0.1:{port}"
+    server.stop(signal.SIGKILL)
+
+
+HARMONY_FORCED = {
+    "guided_regex": "<\\|channel\\|>analysis<\\|message\\|>[a-d]{3}<\\|end\\|><\\|start\\|>assistant"
+    "<\\|channel\\|>final<\\|message\\|>[e-h]{4}"
+}
+
+
+def test_harmony_thinking_and_answer_come_back_apart_whole_and_streamed(harmony_front):
+    _, url = harmony_front
+    forced = {**HARMONY_FORCED, "max_tokens": 200, "seed": 5, "temperature": 1.0}  # (the markers take many tokens)
+    message = chat(url, **forced).json()["choices"][0]["message"]
+    assert len(message["reasoning_content"]) == 3 and set(message["reasoning_content"]) <= set("abcd")
+    assert len(message["content"]) == 4 and set(message["content"]) <= set("efgh")
+    thinking, answer = "", ""
+    body = {"messages": [{"role": "user", "content": "Think first."}], "stream": True, **forced}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                thinking += delta.get("reasoning_content") or ""
+                answer += delta.get("content") or ""
+    assert (thinking, answer) == (message["reasoning_content"], message["content"])

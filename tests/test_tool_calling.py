@@ -64,11 +64,21 @@ TIME = {
             '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
             "",
         ),
+        (  # (what reasoning.split_harmony leaves of a gpt-oss answer: the messages to tools as written)
+            tools.HARMONY,
+            "Let me check.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+            '<|message|>{"city": "Oslo", "days": 2}<|call|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>',
+            "Let me check.",
+        ),
     ],
 )
 def test_each_syntax_is_parsed_into_calls(syntax, text, content):
     found_content, calls = tools.parse_calls(text, syntax)
     assert found_content == content and calls[0].name == "get_weather"
+    if syntax == tools.HARMONY:  # (a recipient before the channel too) and a body that is not an object
+        assert [c.name for c in calls] == ["get_weather", "get_time"]
+        assert tools.parse_calls(text.replace('{"zone": "UTC"}', "[1]"), syntax)[1] == []
     assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 2} and calls[0].id.startswith("call_")
     assert tools.parse_calls("just text, no call", syntax) == ("just text, no call", [])
     assert tools.parse_calls('<tool_call>\n{"name": broken', tools.HERMES)[1] == []  # no half calls
@@ -79,6 +89,9 @@ def test_the_syntax_follows_the_template():
     assert tools.syntax_of("<|python_tag|>{{ x }}") == tools.LLAMA3
     assert tools.syntax_of("[TOOL_CALLS]") == tools.MISTRAL
     assert tools.syntax_of(PHI4_MINI_TEMPLATE) == tools.PHI4
+    assert tools.syntax_of("<|start|>{{ m }}<|channel|>final<|message|>") == tools.HARMONY
+    with pytest.raises(ValueError, match="harmony tool calls; only .auto. and .none."):
+        tools.required_structure([WEATHER], "required", True, tools.HARMONY)
     assert tools.syntax_of(None) == tools.HERMES and not tools.renders_tools(None)
 
 

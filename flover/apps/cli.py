@@ -808,8 +808,9 @@ def add_serve_command(sub) -> None:
         "--reasoning-format",
         choices=("auto", "none"),
         default="auto",
-        help="auto: a chat answer's opening <think>...</think> block comes back as reasoning_content, apart "
-        "from content, where the model's chat template knows such blocks (Qwen3, SmolLM3); none: left in content",
+        help="auto: a chat answer's opening <think>...</think> block (Qwen3, SmolLM3), or gpt-oss's analysis "
+        "channel (harmony), comes back as reasoning_content, apart from content, where the model's chat template "
+        "knows them; none: left in content (harmony's markers too)",
     )
     d.add_argument(
         "--prefault-prefix-cache",

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
 from flover.models.model_config import CheckpointError
+from flover.reasoning import template_format
 from flover.tools import prompt_messages
 
 # tokenizer.ggml.pre -> the split regex the merges were learned with (as transformers' GGUF
@@ -55,6 +56,7 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.chat_template, self.chat_template_error = None, None
         self.chat_template_source = chat_template  # its text: which tool-call syntax the model writes
+        self.keeps_special = template_format(chat_template) == "harmony"  # (decode keeps its channels)
         if chat_template:
             try:
                 self.chat_template = _compile_template(chat_template)
@@ -156,7 +158,9 @@ class Tokenizer:
         return self._tok.to_str()
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
+        """Text of `ids`; special tokens left out, but for a chat template in gpt-oss's harmony
+        format, whose channels are special tokens (flover/reasoning.py parses them)."""
+        return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=not self.keeps_special)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for — possibly part of a multi-byte character — as the

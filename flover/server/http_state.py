@@ -17,7 +17,7 @@ from flover.engine.intake import Intake
 from flover.hardware import background_thread
 from flover.models.model_config import ModelConfig
 from flover.protocol import MAX_MESSAGE_BYTES
-from flover.reasoning import template_thinks
+from flover.reasoning import template_format
 from flover.server import openai_api as oa
 from flover.structured import GrammarLimits
 from flover.tools import syntax_of
@@ -83,7 +83,7 @@ class Front:
         template = tokenizer.chat_template_source if tokenizer is not None else None
         self.tool_syntax = syntax_of(template)
         # chat answers' opening <think> block as reasoning_content (flover/reasoning.py)
-        self.reasoning = reasoning_format == "auto" and template_thinks(template)
+        self.reasoning = template_format(template) if reasoning_format == "auto" else ""
         self._background: set[asyncio.Task] = set()
         self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed answers in flight
         # Tokenizing and rendering chat templates cost CPU in proportion to the text: they run

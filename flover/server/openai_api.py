@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from flover import tools as tool_calling
 from flover.protocol import check_template_kwargs
-from flover.reasoning import split_reasoning
+from flover.reasoning import split_answer
 
 # Daemon error code -> HTTP status. Client input is never a 500.
 STATUS = {
@@ -121,7 +121,9 @@ class Plan:
     parallel_tool_calls: bool = True  # False: an answer's first call only
     echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) before the completion
     score_only: bool = False  # completions with echo and max_tokens 0: the prompt's logprobs, no completion
-    reasoning: bool = False  # chats: an opening <think> block is reasoning_content (flover/reasoning.py)
+    # chats: the thinking ("think": an opening <think> block; "harmony": gpt-oss's analysis channel)
+    # is reasoning_content (flover/reasoning.py); "": none
+    reasoning: str = ""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -384,7 +386,7 @@ def _prompts(prompt) -> list[dict]:
 
 
 def plan(
-    body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_calling.HERMES, reasoning: bool = False
+    body: dict, kind: str, model_name: str, warn, tool_syntax: str = tool_calling.HERMES, reasoning: str = ""
 ) -> Plan:
     """Check an OpenAI request body (a JSON object) and split it into daemon requests.
     `warn(text)` is told of fields this server does not know; `tool_syntax`: how this model
@@ -432,7 +434,7 @@ def plan(
         score_only=echo and body.get("max_tokens") == 0,
         tool_syntax=syntax,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-        reasoning=reasoning and chat,
+        reasoning=reasoning if chat else "",
     )
 
 
@@ -549,7 +551,7 @@ def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
     call when parallel_tool_calls is false), also when max_tokens cut the answer after them."""
     thinking = {}
     if p.reasoning:  # (the calls are looked for in the answer after the thinking)
-        reasoning, text = split_reasoning(text)
+        reasoning, text = split_answer(text, p.reasoning)
         thinking = {"reasoning_content": reasoning}
     calls = []
     if p.tool_syntax is not None and finish_reason in ("stop", "length"):

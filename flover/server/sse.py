@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flover.reasoning import ReasoningStream
+from flover.reasoning import answer_stream
 from flover.server import openai_api as oa
 
 DONE = "data: [DONE]\n\n"
@@ -40,7 +40,7 @@ class StreamFramer:
         # thinking apart from the answer, token by token (flover/reasoning.py); with tools the
         # held text is split at the final instead
         split = self.plan.reasoning and self.plan.tool_syntax is None
-        self.thinking = [ReasoningStream() for _ in range(n)] if split else None
+        self.thinking = [answer_stream(self.plan.reasoning) for _ in range(n)] if split else None
 
     def frames(self, index: int | None, event: dict | oa.ApiError) -> list[str]:
         if isinstance(event, oa.ApiError):  # (index None: the front is stopping)
