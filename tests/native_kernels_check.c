@@ -186,7 +186,7 @@ static void check_x8(void) {
         for (int i = 64; i < Q6K_SUPER_BYTES; i++) supers6[s * Q6K_SUPER_BYTES + i] = (uint8_t)(int)((uniform() + 1.f) * 127.99f);
     }
     fill(flat, GROUPS * 32, 0.1f), fill(scales, (K / 16) * 2 * 16, 0.1f);
-    const GridPart parts[11] = {
+    const GridPart parts[12] = {
         {G_INT4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 8},
         {G_INT4_K, 16, 32, 1, (int64_t)nibbles, (int64_t)supers, 1, 8},
         {G_INT8_GROUPS, 16, 16, 0, (int64_t)bytes, (int64_t)scales, 1, 32},
@@ -198,10 +198,11 @@ static void check_x8(void) {
         {G_INT5_K, 16, 32, 1, (int64_t)five_bits, (int64_t)supers, 1, 0},
         {G_INT8_K5, 16, 32, 1, (int64_t)bytes5, (int64_t)supers, 1, 0},
         {G_INT8_K6, 16, 16, 0, (int64_t)bytes, (int64_t)supers6, 1, 32},
+        {G_MXFP4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 12}, /* (each code through MXFP4_U) */
     };
     const int mts[5] = {1, 2, 4, 8, 12};
     char name[64];
-    for (int p = 0; p < 11; p++) {
+    for (int p = 0; p < 12; p++) {
         const Grid grid = {1, {parts[p]}};
         for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
         for (int i = 0; i < ROWS; i++)
@@ -237,6 +238,9 @@ static void check_rows(void) {
         gate_up[3] = 200.f, gate_up[4] = -200.f;
         silu_mul(gate_up, INTER, bf, act);
         print(bf ? "silu bf16" : "silu f32", act, INTER);
+        gate_up[5] = gate_up[INTER + 6] = NAN; /* (clamps keep a NaN) */
+        swiglu_clamped_mul(gate_up, INTER, bf, 7.f, 1.702f, act);
+        print(bf ? "clamped swiglu bf16" : "clamped swiglu f32", act, INTER);
     }
 }
 
@@ -255,20 +259,26 @@ static void check_attention(void) {
         if (bf)
             for (int i = 0; i < HEADS * D; i++) q[i] = rnd(q[i], 1);
         const void *k = bf ? (const void *)kb : (const void *)kf, *v = bf ? (const void *)vb : (const void *)vf;
-        attend(&md, q, group, k, v, 3, 61, scores, out); /* keys 3..60: a window, a tail of 13 */
+        attend(&md, q, group, k, v, 3, 61, NULL, scores, out); /* keys 3..60: a window, a tail of 13 */
         print(bf ? "attend bf16" : "attend f32", out, group * D);
+        const float sinks[HEADS] = {0.5f, -3.f, 40.f, 1.f, -1.f, 0.f}; /* (40: a sink above every score) */
+        attend(&md, q, group, k, v, 3, 61, sinks, scores, out);
+        print(bf ? "attend bf16 sinks" : "attend f32 sinks", out, group * D);
         const int64_t positions[ROWS] = {50, 51, 52, 53, 54};
         fill(wide, ROWS * qkv_n, 1.f);
         if (bf)
             for (int i = 0; i < ROWS * qkv_n; i++) wide[i] = rnd(wide[i], 1);
         memset(mid, 0, sizeof mid);
-        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 0, 20, k, v, scores, mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 0, 20, k, v, NULL, scores, mid);
         print(bf ? "attend_prompt bf16" : "attend_prompt f32", mid, ROWS * q_size);
+        memset(mid, 0, sizeof mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 0, 20, k, v, sinks + group, scores, mid);
+        print(bf ? "attend_prompt bf16 sinks" : "attend_prompt f32 sinks", mid, ROWS * q_size);
         /* the same queries over a slot whose window rows start at position 16 (they read keys 31..54) */
         const int64_t es = bf ? 2 : 4;
         memset(mid, 0, sizeof mid);
         attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 16, 20, (const char *)k + 16 * D * es,
-                      (const char *)v + 16 * D * es, scores, mid);
+                      (const char *)v + 16 * D * es, NULL, scores, mid);
         print(bf ? "attend_prompt bf16 based" : "attend_prompt f32 based", mid, ROWS * q_size);
     }
 }
