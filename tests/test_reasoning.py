@@ -60,12 +60,11 @@ THINKING_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def thinking_front(make_model, tmp_path_factory):
-    """A daemon and HTTP front on a checkpoint whose chat template knows thinking blocks."""
-    model = tmp_path_factory.mktemp("thinking") / "model"
+def front_with_template(make_model, tmp_path_factory, template: str):
+    """A daemon and HTTP front on the llama test checkpoint with `template` as its chat template."""
+    model = tmp_path_factory.mktemp("front") / "model"
     shutil.copytree(make_model("llama"), model)
-    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    (model / "chat_template.jinja").write_text(template)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
@@ -73,6 +72,12 @@ def thinking_front(make_model, tmp_path_factory):
     server = Server(str(model), "--max-seq-len", "256", "--http", f"127.0.0.1:{port}")
     yield server, f"http://127.0.0.1:{port}"
     server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def thinking_front(make_model, tmp_path_factory):
+    """A daemon and HTTP front on a checkpoint whose chat template knows thinking blocks."""
+    yield from front_with_template(make_model, tmp_path_factory, THINKING_TEMPLATE)
 
 
 def chat(url: str, **body) -> httpx.Response:
@@ -209,16 +214,7 @@ def test_a_harmony_models_text_keeps_its_special_tokens(make_model):
 def harmony_front(make_model, tmp_path_factory):
     """A daemon and HTTP front on a checkpoint whose template speaks harmony (its markers plain
     added tokens here, so that a guided regex can write them)."""
-    model = tmp_path_factory.mktemp("harmony") / "model"
-    shutil.copytree(make_model("llama"), model)
-    (model / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    port = free_port()
-    server = Server(str(model), "--max-seq-len", "256", "--http", f"127.0.0.1:{port}")
-    yield server, f"http://127.0.0.1:{port}"
-    server.stop(signal.SIGKILL)
+    yield from front_with_template(make_model, tmp_path_factory, HARMONY_TEMPLATE)
 
 
 HARMONY_FORCED = {
