@@ -55,19 +55,30 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
     const int bf = md->dtype == DT_BF16;
     const int64_t h = md->hidden, n = md->experts, k = md->top_k, inter = md->expert_inter;
     int64_t *load = (int64_t *)ly->expert_load;
+    int64_t *start = w->start;
     project(md, ly->router, ly->router_bias, x, xb, rows, n, h, w->logits, nt); /* [rows, experts], rounded */
+    for (int64_t e = 0; e <= n; e++) start[e] = 0;
     for (int r = 0; r < rows; r++) {
         route_row(md, w->logits + r * n, w->picked + r * k, w->weight + r * k);
-        for (int64_t j = 0; j < k; j++) load[w->picked[r * k + j]]++;
+        for (int64_t j = 0; j < k; j++) start[w->picked[r * k + j] + 1]++;
     }
+    for (int64_t e = 0; e < n; e++) load[e] += start[e + 1], start[e + 1] += start[e];
+    /* each (row, pick) into its expert's entries, rows ascending (start[e] counts up to the end of
+     * e's entries, then every start moves back one expert) */
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t at = start[w->picked[r * k + j]]++;
+            w->members[at] = r, w->member_weight[at] = w->weight[r * k + j];
+        }
+    for (int64_t e = n; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
     memset(y, 0, rows * h * sizeof(float));
     for (int64_t e = 0; e < n; e++) {
-        int m = 0; /* the rows that chose e, in row order, and their weights for it */
-        for (int r = 0; r < rows; r++)
-            for (int64_t j = 0; j < k; j++)
-                if (w->picked[r * k + j] == e) w->members[m] = r, w->member_weight[m++] = w->weight[r * k + j];
+        const int m = (int)(start[e + 1] - start[e]); /* the rows that chose e, and their weights for it */
+        const int64_t *members = w->members + start[e];
+        const float *member_weight = w->member_weight + start[e];
         if (!m) continue;
-        for (int i = 0; i < m; i++) memcpy(w->gathered + i * h, x + w->members[i] * h, h * sizeof(float));
+        for (int i = 0; i < m; i++) memcpy(w->gathered + i * h, x + members[i] * h, h * sizeof(float));
         expert_project(md, ly->expert_gate_up_grid, ly->expert_gate_up, ly->expert_gate_up_bias, e, w->gathered, xb,
                        xsum, m, 2 * inter, h, wide, nt);
         for (int i = 0; i < m; i++) {
@@ -80,9 +91,9 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
         expert_project(md, ly->expert_down_grid, ly->expert_down, ly->expert_down_bias, e, mid, xb, xsum, m, h, inter,
                        w->out, nt);
         for (int i = 0; i < m; i++) { /* the row's sum += rnd(output * weight), in the model dtype */
-            float *sum = y + w->members[i] * h;
+            float *sum = y + members[i] * h;
             const float *out = w->out + i * h;
-            const v16 weight = v_set1(w->member_weight[i]);
+            const v16 weight = v_set1(member_weight[i]);
             for (int64_t c = 0; c < h; c += 16) {
                 const v16 added = v_add(v_loadn(sum + c, h - c), v_rnd(v_mul(v_loadn(out + c, h - c), weight), bf));
                 v_storen(sum + c, v_rnd(added, bf), h - c);

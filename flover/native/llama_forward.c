@@ -73,9 +73,9 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.xsum = w.scores + nt * w.per_thread;
     w.blocks = w.xsum + rows * (widest / 16 + 1);
     w.experts = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
-    /* a layer of experts: logits, picks (int64) and weights, the expert's rows (int64) and weights,
-     * its rows' inputs and outputs, the rows' sums (ExpertsWork) */
-    w.end = w.experts + (md->experts ? rows * (md->experts + 3 * md->top_k + 3 + 3 * h) : 0);
+    /* a layer of experts: logits, picks (int64) and weights, each expert's first entry (int64), the
+     * entries' rows (int64) and weights, an expert's rows' inputs and outputs, the rows' sums (ExpertsWork) */
+    w.end = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 3 * h) + 2 * (md->experts + 1) : 0);
     return w;
 }
 
@@ -85,8 +85,9 @@ static ExpertsWork experts_work(float *work, const Work *at, const Model *md, in
     w.logits = p, p += rows * md->experts;
     w.picked = (int64_t *)p, p += 2 * rows * md->top_k;
     w.weight = p, p += rows * md->top_k;
-    w.members = (int64_t *)p, p += 2 * rows;
-    w.member_weight = p, p += rows;
+    w.start = (int64_t *)p, p += 2 * (md->experts + 1);
+    w.members = (int64_t *)p, p += 2 * rows * md->top_k;
+    w.member_weight = p, p += rows * md->top_k;
     w.gathered = p, p += rows * md->hidden;
     w.out = p, p += rows * md->hidden;
     w.sum = p;

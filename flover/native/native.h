@@ -268,8 +268,9 @@ typedef struct {
     float *logits;           /* [rows, experts] */
     int64_t *picked;         /* [rows, top_k]: each row's experts, by descending probability */
     float *weight;           /* [rows, top_k]: their routing weights */
-    int64_t *members;        /* [rows]: the rows of the expert at hand */
-    float *member_weight;    /* [rows]: their weights for it */
+    int64_t *start;          /* [experts + 1]: where each expert's entries begin in members */
+    int64_t *members;        /* [rows, top_k]: the rows, expert by expert (rows ascending within one) */
+    float *member_weight;    /* [rows, top_k]: their weights for that expert */
     float *gathered, *out, *sum; /* [rows, hidden]: the inputs of the expert's rows, its outputs; the sums */
 } ExpertsWork;
 /* x [rows, hidden] (normed rows) -> y [rows, hidden]: the layer's experts' weighted sum per row.
