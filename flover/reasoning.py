@@ -93,13 +93,17 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*([\w-]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
+def speaks_harmony(template_source: str | None) -> bool:
+    """Whether a chat template writes gpt-oss's harmony messages (its thinking and its tool calls)."""
+    return template_source is not None and "<|channel|>" in template_source and MESSAGE in template_source
+
+
 def template_format(template_source: str | None) -> str:
     """How a chat template's model writes its thinking: "harmony" (gpt-oss's channels), "think"
     (a <think> block), or "" (it does not)."""
-    source = template_source or ""
-    if "<|channel|>" in source and MESSAGE in source:
+    if speaks_harmony(template_source):
         return "harmony"
-    return "think" if template_thinks(source) else ""
+    return "think" if template_thinks(template_source) else ""
 
 
 @dataclass

@@ -16,6 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from flover.reasoning import speaks_harmony
 from flover.structured import COMPACT
 
 HERMES, LLAMA3, MISTRAL, PHI4, HARMONY = "hermes", "llama3", "mistral", "phi4", "harmony"
@@ -41,7 +42,7 @@ class ToolCall:
 def syntax_of(template_source: str | None) -> str:
     """The tool-call syntax a chat template's model writes."""
     source = template_source or ""
-    if "<|channel|>" in source and "<|message|>" in source:
+    if speaks_harmony(source):
         return HARMONY
     if "[TOOL_CALLS]" in source:
         return MISTRAL

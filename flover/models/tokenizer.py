@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
 from flover.models.model_config import CheckpointError
-from flover.reasoning import template_format
+from flover.reasoning import speaks_harmony
 from flover.tools import prompt_messages
 
 # tokenizer.ggml.pre -> the split regex the merges were learned with (as transformers' GGUF
@@ -56,7 +56,7 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.chat_template, self.chat_template_error = None, None
         self.chat_template_source = chat_template  # its text: which tool-call syntax the model writes
-        self.keeps_special = template_format(chat_template) == "harmony"  # (decode keeps its channels)
+        self.keeps_special = speaks_harmony(chat_template)  # (decode keeps its channels)
         if chat_template:
             try:
                 self.chat_template = _compile_template(chat_template)
