@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flover.models.gguf_grids import block_grid
-from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
+from flover.models.model_config import (
+    CheckpointError,
+    ModelConfig,
+    MoEConfig,
+    check_sizes,
+    check_yarn,
+    validate_model_config,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -347,10 +354,7 @@ class GGUFFile:
                 beta_slow=self.number(f"{a}.rope.scaling.yarn_beta_slow", 1.0),
                 truncate=False,
             )
-            if not (
-                isinstance(scaling["factor"], float) and math.isfinite(scaling["factor"]) and scaling["factor"] > 0
-            ):
-                raise CheckpointError(f"{self.path}: {a}.rope.scaling.factor must be a positive number")
+            check_yarn(scaling, str(self.path))
         moe = dataclasses.replace(
             cfg.moe,
             norm_topk_prob=False,

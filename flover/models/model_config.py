@@ -169,9 +169,8 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (no scaling there)
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE (SmolLM3's every 4th)
-    moe: MoEConfig | None = (
-        None  # a mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral, gpt-oss)
-    )
+    # a mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral, gpt-oss)
+    moe: MoEConfig | None = None
     attn_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
 
     @property
@@ -267,21 +266,25 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
             f"config.json: rope_type {rope_type!r} is not supported (default, linear, llama3, longrope, yarn)"
         )
     scaling = {k: v for k, v in merged.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if rope_type == "yarn":  # (gpt-oss)
-        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
-        if factor is None and isinstance(original, int) and original > 0:
-            scaling["factor"] = factor = raw.get("max_position_embeddings", original) / original
-        if not (
-            isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0
-        ):
-            raise CheckpointError(f"config.json: yarn needs a positive factor, got {factor!r}")
-        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-            raise CheckpointError("config.json: yarn needs original_max_position_embeddings, a positive integer")
+    if rope_type == "yarn":  # (gpt-oss; without a factor: the length ratio, as transformers)
+        original = scaling.get("original_max_position_embeddings")
+        if scaling.get("factor") is None and isinstance(original, int) and original > 0:
+            scaling["factor"] = raw.get("max_position_embeddings", original) / original
+        check_yarn(scaling, "config.json")
     if rope_type == "longrope":  # (Phi-3: the original length at the top level)
         scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
         scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
         _check_longrope(scaling)
     return float(theta), scaling | {"rope_type": rope_type}
+
+
+def check_yarn(scaling: dict, where: str) -> None:
+    """YaRN's settings: a positive, finite factor and an original length (config.json, GGUF files)."""
+    factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise CheckpointError(f"{where}: yarn needs a positive factor, got {factor!r}")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise CheckpointError(f"{where}: yarn needs original_max_position_embeddings, a positive integer")
 
 
 def _check_longrope(scaling: dict) -> None:
@@ -340,15 +343,10 @@ def _parse_llama(raw: dict, arch: str) -> dict:
 def _parse_moe(raw: dict) -> dict:
     """Qwen3-MoE's experts: in every decoder_sparse_step-th layer not in mlp_only_layers."""
     layers, step = raw["num_hidden_layers"], raw.get("decoder_sparse_step", 1)
-    # (the hub's config.json says num_experts; transformers 5 saves num_local_experts)
-    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
-    top_k = raw["num_experts_per_tok"]
-    check_sizes(
-        {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": raw["moe_intermediate_size"]},
-        "config.json",
-    )
-    if top_k > experts or isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts, decoder_sparse_step {step!r}")
+    experts, top_k = _expert_counts(raw)
+    check_sizes({"moe_intermediate_size": raw["moe_intermediate_size"]}, "config.json")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"decoder_sparse_step {step!r} must be a positive integer")
     dense = set(raw.get("mlp_only_layers") or ())
     return dict(
         moe=MoEConfig(
@@ -362,9 +360,11 @@ def _parse_moe(raw: dict) -> dict:
 
 
 def _expert_counts(raw: dict) -> tuple[int, int]:
-    """(experts, experts a token) of a config.json, each a size within bounds, k at most the experts."""
-    experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
-    check_sizes({"num_local_experts": experts, "num_experts_per_tok": top_k}, "config.json")
+    """(experts, experts a token) of a config.json, each a size within bounds, k at most the experts.
+    (The hub's Qwen3-MoE configs say num_experts; transformers 5 and the others num_local_experts.)"""
+    key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    experts, top_k = raw[key], raw["num_experts_per_tok"]
+    check_sizes({key: experts, "num_experts_per_tok": top_k}, "config.json")
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts")
     return experts, top_k
