@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flover.models.gguf_grids import MXFP4_VALUES
 from flover.models.quant import Grid, QuantizedWeight
 from flover.native import abi
 from flover.native.abi import (
@@ -108,9 +109,16 @@ def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: 
     )
 
 
-# MXFP4's values (twice FP4's, -12..12; gguf_grids.MXFP4_VALUES) -> a 4-bit code that gives them
-# (native.h's MXFP4_U maps code c to value + 12; 0 has two codes: 0 is taken)
-MXFP4_CODE_OF = {v: c for c, v in reversed(list(enumerate([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])))}
+def _mxfp4_code_of() -> torch.Tensor:
+    """MXFP4's values + 12 (0..24) -> the 4-bit code that gives them (native.h's MXFP4_U maps code
+    c to MXFP4_VALUES[c] + 12; 0 has two codes: 0 is taken)."""
+    table = torch.zeros(25, dtype=torch.uint8)
+    for code, value in reversed(list(enumerate(MXFP4_VALUES.tolist()))):
+        table[value + 12] = code
+    return table
+
+
+MXFP4_CODE_OF = _mxfp4_code_of()
 
 
 def _mxfp4_run(grid: Grid) -> Run:
@@ -118,12 +126,9 @@ def _mxfp4_run(grid: Grid) -> Run:
     (scale, and the zero form -4 scale: the kernel's low is zero - 8 scale = -12 scale)."""
     n, k = grid.codes.shape
     blocks = -(-n // 16)
-    lookup = torch.zeros(25, dtype=torch.uint8)
-    for value, code in MXFP4_CODE_OF.items():
-        lookup[value + 12] = code
 
     def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        codes = lookup[(grid.codes.to(torch.int64) + 12)]  # [n, k] 4-bit codes
+        codes = MXFP4_CODE_OF[grid.codes.to(torch.int64) + 12]  # [n, k] 4-bit codes
         block_nibble_quads(codes, codes_out)
         scales_out.copy_(rows_last(torch.stack((grid.scale, -4 * grid.scale), dim=-1), blocks))
 
