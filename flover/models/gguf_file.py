@@ -486,11 +486,15 @@ class GGUFReader:
             raise CheckpointError(f"{self.dir}: tensor {name} has shape {list(t.shape)}, expected {list(source.shape)}")
         import torch  # (this module is read without torch by the HTTP front)
 
-        found = self._block_grid(source.name, t)
         # (a NaN block scale: every greedy answer token 0; a grid's values are finite where its scales are)
-        scales = [found.scale, *([] if found.low is None else [found.low])] if found is not None else None
-        weight = found.values_tensor() if found is not None else torch.from_numpy(t.dequantize())
-        if not all(np.isfinite(a).all() for a in scales) if scales else not torch.isfinite(weight).all():
+        found = self._block_grid(source.name, t)
+        if found is not None:
+            weight = found.values_tensor()
+            finite = all(np.isfinite(a).all() for a in (found.scale, found.low) if a is not None)
+        else:
+            weight = torch.from_numpy(t.dequantize())
+            finite = bool(torch.isfinite(weight).all())
+        if not finite:
             raise CheckpointError(f"{self.dir}: tensor {name} holds values that are not finite (NaN or infinity)")
         if heads is not None:
             weight = _unpermute_rows(weight, heads)

@@ -1,7 +1,8 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 3, and the mixtures of
-experts Qwen3-MoE, Mixtral and gpt-oss (models/moe.py; gpt-oss's attention sinks) (GQA, RoPE, optional QKV/MLP biases,
-sliding window; Qwen3's RMSNorm over each head of q and k; SmolLM3's layers without RoPE; OLMo 2's
-norms after attention and the MLP instead of before, and q/k norms over each whole projection).
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 3, and the
+mixtures of experts Qwen3-MoE, Mixtral and gpt-oss (models/moe.py; gpt-oss's attention sinks)
+(GQA, RoPE, optional QKV/MLP biases, sliding window; Qwen3's RMSNorm over each head of q and k;
+SmolLM3's layers without RoPE; OLMo 2's norms after attention and the MLP instead of before, and
+q/k norms over each whole projection).
 
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
@@ -57,7 +58,7 @@ class LlamaLayer(nn.Module):
         self.post_norm = p(h)  # before the MLP; OLMo 2: after attention, before the residual add
         self.attn_norm_after = p(h) if cfg.gemma else None  # Gemma 3: after attention too, before the add
         self.ffn_norm_after = p(h) if cfg.norm_after or cfg.gemma else None  # after the MLP, before the add
-        # (Qwen3-MoE, Mixtral) experts in place of the dense MLP, which such a layer then has not
+        # (Qwen3-MoE, Mixtral, gpt-oss) experts in place of the dense MLP, which such a layer then has not
         moe = cfg.moe is not None and index in cfg.moe.layers
         self.experts = ExpertsMLP(cfg.moe, h, activation(cfg.hidden_act), tp, dtype, device) if moe else None
         self.gate_up = None if moe else lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
@@ -230,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden = hidden + out
                 x = norm(hidden, layer.post_norm, cfg.norm_eps)
-            if layer.experts is not None:  # (Qwen3-MoE, Mixtral) this rank's columns of each chosen expert
+            if layer.experts is not None:  # (mixtures of experts) this rank's columns of each chosen expert
                 out = all_reduce(layer.experts(x), comm)
             else:
                 gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each

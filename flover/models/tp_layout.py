@@ -1,7 +1,8 @@
 """Which slice of every weight a tensor-parallel rank holds (Megatron-style).
 
-Attention heads and MLP columns (each expert's too) are split evenly; kv heads are split when there are at least as
-many as ranks, and replicated (each rank keeps the one its query heads use) when there are fewer.
+Attention heads and MLP columns (each expert's too) are split evenly; kv heads are split when there
+are at least as many as ranks, and replicated (each rank keeps the one its query heads use) when
+there are fewer.
 The vocabulary is split in equal padded blocks: rank r owns ids [r * V_r, (r + 1) * V_r).
 """
 

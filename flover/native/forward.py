@@ -188,7 +188,8 @@ class NativeForward:
         layer_modes = {lin.quantized.mode for lin in plan.quantized if lin is not model.lm_head}  # (before release)
         self.quantization = next(iter(sorted(layer_modes)), None)
         self._arena = plan.arena(dtype)
-        self._norm_weights: list[torch.Tensor] = []  # float32 norms (Gemma 3, OLMo 2), held while C reads them
+        # float32 copies held while C reads them: norms (Gemma 3, OLMo 2), gpt-oss's sink logits
+        self._norm_weights: list[torch.Tensor] = []
         self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
         self._expert_tables: list[torch.Tensor] = []  # each layer of experts' address arrays, likewise
         self._model_struct = self._model_struct_of(plan, buffer, comm)

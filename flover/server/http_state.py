@@ -82,7 +82,8 @@ class Front:
         # how this model writes tool calls (from its chat template: flover/tools.py)
         template = tokenizer.chat_template_source if tokenizer is not None else None
         self.tool_syntax = syntax_of(template)
-        # chat answers' opening <think> block as reasoning_content (flover/reasoning.py)
+        # chat answers' thinking as reasoning_content: an opening <think> block, or gpt-oss's
+        # analysis channel (flover/reasoning.py); "" with --reasoning-format none
         self.reasoning = template_format(template) if reasoning_format == "auto" else ""
         self._background: set[asyncio.Task] = set()
         self.streams: set[asyncio.Queue] = set()  # the event queues of the streamed answers in flight

@@ -116,11 +116,8 @@ def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
         intermediate_size=p["intermediate_size"],
         max_position_embeddings=p["max_position_embeddings"],
     )
-    if arch in (
-        "qwen3",
-        "qwen3_moe",
-        "gpt_oss",
-    ):  # (its own head_dim, 128 / 64 by default: the preset's unless overridden)
+    # (a head_dim of their own, 128 / 64 by default: the preset's unless overridden)
+    if arch in ("qwen3", "qwen3_moe", "gpt_oss"):
         kw["head_dim"] = p["hidden_size"] // p["num_heads"]
     if arch in ("smollm3", "olmo2", "phi3"):  # (their default pad ids lie outside a small vocabulary)
         kw["pad_token_id"] = eos_id
