@@ -71,6 +71,7 @@ class Request:
     cached_tokens: int = 0  # of those, copied from the prefix cache instead of computed
     prompt_saved: bool = False  # the prompt's blocks went to the prefix cache
     window_base: int = 0  # first position its slot keeps for sliding-window layers (runner/kv_window.py)
+    in_flight: int = 0  # pipeline stages (--pp): positions a plan still in the pipeline writes for it
     cache_salt: str | None = None  # prefix-cache partition: shared only with requests of the same salt
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # when params.logprobs

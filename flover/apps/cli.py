@@ -87,6 +87,15 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
         "(data parallel) behind world rank 0 (default: one engine of all N ranks)",
     )
     g.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="under mpirun -np N: pipeline stages per engine, each a contiguous range of layers on "
+        "--tp ranks; up to P iterations in flight over disjoint requests; N / (P x T) engine groups "
+        "(default 1: no pipeline)",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -250,9 +259,9 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
 
     if launched_rank() != 0:  # from the start: rank 0 serves before the others have built their engines
         _ignore_stop_signals()
-    launch = launch_groups(args.device, args.tp)
+    launch = launch_groups(args.device, args.tp, args.pp)
     args.comm = launch.world  # a failing rank aborts the whole job
-    engine = Engine(engine_config(args), launch.comm)
+    engine = Engine(engine_config(args), launch.comm, launch.pipe)
     if serving:
         engine.prepare_grammars(checked_elsewhere=launch.layout.index > 0)
     if not engine.is_leader or launch.layout.index > 0:
@@ -266,7 +275,7 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
         log.info(
             "data parallel: %d groups of %d rank(s), leaders at world ranks %s",
             launch.layout.count,
-            args.tp,
+            engine.comm.size if engine.comm else 1,
             list(launch.layout.leaders),
         )
         return EngineGroups(engine, Mailbox(launch.world), launch.layout, launch.world)

@@ -31,17 +31,20 @@ from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
+from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
 from flover.parallel.channel import PlanChannel
 from flover.parallel.comm import Communicator
 from flover.parallel.launch import local_ranks
+from flover.parallel.pipeline import StageLink
 from flover.parallel.plan import AddEvent
 from flover.request import Request, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.runner.kv_window import WindowedKV
+from flover.runner.pipeline import InFlight
 
 if TYPE_CHECKING:  # a type only: the runner holds it
     from flover.native.forward import NativeForward
@@ -59,9 +62,11 @@ TORCH_DTYPES = {
 class Engine(ServingEngine):
     """One persistent inference instance: model weights, the slot buffer and the scheduler."""
 
-    def __init__(self, config: EngineConfig, comm: Communicator | None = None):
+    def __init__(self, config: EngineConfig, comm: Communicator | None = None, pipe: StageLink | None = None):
         """`comm`: the tensor-parallel communicator when this is one rank of several (rank 0
-        leads: it alone takes requests and samples; the others follow its step plans)."""
+        leads: it alone takes requests and samples; the others follow its step plans).
+        `pipe`: this rank's place among pipeline stages (--pp; `comm` is then its stage's): the
+        group's rank 0 leads, with up to one plan in flight per stage (runner/pipeline.py)."""
         config.validate()
         checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
         self.model_config = cfg = checkpoint.model_config()
@@ -73,15 +78,18 @@ class Engine(ServingEngine):
                 "/".join(sorted(checkpoint.projection_types())),
                 config.quantization,
             )
-        self.comm = comm if comm is not None and comm.size > 1 else None
-        self.is_leader = self.comm is None or self.comm.rank == 0
+        tp_comm = comm if comm is not None and comm.size > 1 else None
+        self.pipe = pipe
+        self.comm = pipe.group if pipe is not None else tp_comm  # every rank of the engine
+        self.is_leader = (tp_comm is None or tp_comm.rank == 0) and (pipe is None or pipe.is_leader)
         self.groups = 1
         ranks = self.comm.size if self.comm else 1
         # the node's ranks share its cores
         torch.set_num_threads(config.num_threads or threads_per_rank(local_ranks() or ranks))
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.tp = TPLayout.build(cfg, self.comm.rank if self.comm else 0, ranks)
+        self.tp = TPLayout.build(cfg, tp_comm.rank if tp_comm else 0, tp_comm.size if tp_comm else 1)
+        self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg)
         self.tokenizer = load_tokenizer(checkpoint)
         # new grammars are tried in a child first (a data-parallel group's leader: not, prepare_grammars)
@@ -102,6 +110,13 @@ class Engine(ServingEngine):
             if config.full_window_kv
             else WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
         )
+        if pipe is not None and self.is_leader:
+            log.info(
+                "pipeline: %d stages of %d rank(s), layers %s (the first stage also the embedding and head)",
+                pipe.place.stages,
+                pipe.place.tp,
+                ", ".join(f"{a}-{b - 1}" for a, b in StageLayout.ranges(cfg, pipe.place.stages)),
+            )
         self.runner = build_runner(
             checkpoint,
             RankSetup(
@@ -113,9 +128,11 @@ class Engine(ServingEngine):
                 max_seq_len,
                 prefix_blocks,
                 BLOCK_TOKENS,
-                self.comm,
+                tp_comm,
                 self.is_leader,
                 window,
+                self.stage,
+                pipe,
             ),
         )
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
@@ -127,10 +144,13 @@ class Engine(ServingEngine):
             PromptFirst(config.prompt_first_iterations, config.prompt_first_tokens),
             self._speculation(self.runner.native, self.runner.graphs),
             window,
+            depth=pipe.place.stages if pipe is not None else 1,
         )
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
-        self.channel = PlanChannel(self.comm) if self.comm is not None else None  # TP: the leader's intake
+        # TP: the leader's intake reaches every rank's scheduler (pipeline stages: the leader's plans do)
+        self.channel = PlanChannel(tp_comm) if tp_comm is not None and pipe is None else None
+        self._flights: deque[InFlight] = deque()  # pipeline stages: plans started, not finished
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
         self._timed: deque[tuple[float, int]] = deque(maxlen=256)  # (seconds, rows) of recent iterations
@@ -205,7 +225,7 @@ class Engine(ServingEngine):
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        return bool(self._pending) or bool(self._flights) or self.scheduler.has_unfinished()
 
     @property
     def num_running(self) -> int:
@@ -249,6 +269,7 @@ class Engine(ServingEngine):
             },
             native_kernels=self.runner.native.kernels if self.runner.native is not None else None,
             expert_load=self.runner.expert_load(),
+            pipeline=self.runner.pipeline_stats(len(self._flights)) if self.pipe is not None else None,
         )
 
     @torch.inference_mode()
@@ -256,6 +277,8 @@ class Engine(ServingEngine):
         """Logits [len, vocab] for every position of `token_ids` (teacher forcing), through the
         same forward pass as step(), in a slot above the live range: running requests are not
         disturbed. For evaluation and reference checks."""
+        if self.pipe is not None:
+            raise ValueError("scoring runs in one engine, not across pipeline stages (--pp)")
         ids, _ = self.intake.tokenize(token_ids)
         if self.scheduler.num_live >= self.config.max_slots and self.comm is None:
             self.runner.execute(self.scheduler.release())  # requests that finished still hold their slots
@@ -292,6 +315,9 @@ class Engine(ServingEngine):
     def follow(self) -> None:
         """A follower rank's whole life: run the leader's iterations until it shuts down."""
         assert not self.is_leader
+        if self.pipe is not None:
+            self.runner.follow()
+            return
         while not self.channel.closed:
             self.step()
 
@@ -299,6 +325,8 @@ class Engine(ServingEngine):
         """Leader: release the followers (their follow() returns). Requests in flight are dropped."""
         if self.channel is not None:
             self.channel.close()
+        if self.pipe is not None and self.is_leader:
+            self.runner.stop_followers()
         self.intake.close()
 
     def _tell_followers_failed(self, request_id: str) -> None:
@@ -311,6 +339,8 @@ class Engine(ServingEngine):
     def step(self) -> list[RequestOutput]:
         """One iteration: the scheduler plans it, the runner carries it out (one fused forward),
         the scheduler takes the result, and the text half turns it into outputs."""
+        if self.pipe is not None:
+            return self._pipeline_step()
         started = time.perf_counter()
         if self.channel is not None and not self._exchange_plan():
             return []
@@ -320,6 +350,24 @@ class Engine(ServingEngine):
         updates = self.scheduler.update(plan, result, time.perf_counter())
         outputs += self.outputs.emit(updates, time.perf_counter())
         self._count(result, time.perf_counter() - started)
+        return outputs
+
+    def _pipeline_step(self) -> list[RequestOutput]:
+        """Pipeline stages: plans are started (their first stage run) until one per stage is in
+        flight or no request is free to take, then the oldest is finished (head, sampling, the
+        scheduler's update, the text). With few requests one plan is in flight at a time."""
+        outputs, self._pending = self._pending, []
+        while len(self._flights) < self.scheduler.depth:
+            flight = self.runner.start(self.scheduler.schedule())
+            if flight is None:
+                break
+            self._flights.append(flight)
+        if self._flights:
+            flight = self._flights.popleft()
+            result = self.runner.finish(flight)
+            updates = self.scheduler.update(flight.plan, result, time.perf_counter())
+            outputs += self.outputs.emit(updates, time.perf_counter())
+            self._count(result, result.seconds)
         return outputs
 
     def _count(self, result: StepResult, seconds: float) -> None:
@@ -362,6 +410,9 @@ class EngineStats:
     # a mixture of experts: per layer of experts {"layer": n, "rows": rows routed to each expert so far}
     # (routing skew: an expert far above the others' mean is the one every iteration waits on)
     expert_load: list[dict] | None = None
+    # pipeline stages: {"stages", "in_flight": plans now, "busy": each stage's share of time at work
+    # since the start (1 - busy: its bubble), "mib_sent": each stage's activations sent}
+    pipeline: dict | None = None
 
 
 class LLM:

@@ -15,6 +15,11 @@ Order inside one `schedule()` call:
   6. with windowed KV, slots whose writes would pass their window's rows slide (kv_window.py).
 The plan's copies run in this order: saves, the shuffle's moves, loads, slides (ModelRunner.execute).
 
+With pipeline stages (`depth` > 1, engine/engine.py) up to `depth` plans are in flight at once,
+each over requests no other holds (Orca's rule): a request in a plan not yet returned is
+skipped, the decoding requests are shared out over the plans (at most 1/depth of them in one),
+and the shuffle copies the positions its plan in flight writes too.
+
 After the runner has carried a plan out, `update(plan, result)` takes its result: prompt chunks
 become computed, sampled and accepted draft tokens are appended up to a stop id or the length
 limit, and what drafts achieved and what the iteration cost feed the next plans.
@@ -93,8 +98,10 @@ class Scheduler:
         prompt_first: PromptFirst = PromptFirst(iterations=0),
         speculation: Speculation = Speculation(),
         window: WindowedKV | None = None,
+        depth: int = 1,
     ):
-        """`window`: the sliding-window layers' bounded rows (None: every layer keeps every position)."""
+        """`window`: the sliding-window layers' bounded rows (None: every layer keeps every position).
+        `depth`: plans in flight at most (pipeline stages)."""
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
@@ -103,6 +110,7 @@ class Scheduler:
         self.prompt_first = prompt_first
         self.speculation = speculation
         self.window = window
+        self.depth = depth
         self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
         self._prompt_only = 0  # prompt-only iterations in a row so far
         self.requests: dict[str, Request] = {}  # every request from add() until it leaves (all below)
@@ -146,7 +154,10 @@ class Scheduler:
         plan = self.release()
 
         # 3. decode: one token for every live request whose prompt is complete (unless prompts go first).
-        plan.decode = [r for r in self.slots[: self.num_live] if not r.prefilling]
+        plan.decode = [r for r in self.slots[: self.num_live] if not r.prefilling and not r.in_flight]
+        if self.depth > 1:  # each plan in flight takes its share of the decoding requests
+            decoding = sum(1 for r in self.slots[: self.num_live] if not r.prefilling)
+            plan.decode = plan.decode[: -(-decoding // self.depth)]
         budget = self.max_batch_tokens - len(plan.decode)
         prompts_wait = bool(self._prefilling) or (bool(self.waiting) and self.num_live < self.max_slots)
         if plan.decode and prompts_wait and self._prompt_only < self.prompt_first.iterations:
@@ -160,7 +171,8 @@ class Scheduler:
         for request in self._prefilling:
             if budget == 0:
                 break
-            budget -= self._add_chunk(plan, request, budget)
+            if not request.in_flight:
+                budget -= self._add_chunk(plan, request, budget)
 
         # 4b. admit waiting requests FCFS into the slots after the live range.
         now = time.perf_counter()
@@ -190,6 +202,11 @@ class Scheduler:
         if self.window is not None:
             self._slide_windows(plan)
         plan.num_live = self.num_live
+        if self.depth > 1:
+            for i, r in enumerate(plan.decode):
+                r.in_flight = 1 + (len(plan.drafts[i]) if plan.drafts else 0)
+            for chunk in plan.prefill:
+                chunk.request.in_flight = chunk.length
         return plan
 
     def _slide_windows(self, plan: StepPlan) -> None:
@@ -252,7 +269,7 @@ class Scheduler:
             request = self.slots[move.src]
             self.slots[move.dst], self.slots[move.src] = request, None
             request.slot = move.dst
-            plan.moved_kv_len = max(plan.moved_kv_len, request.kv_len)
+            plan.moved_kv_len = max(plan.moved_kv_len, request.kv_len + request.in_flight)
         self.num_live = sum(occupied)
 
     def _add_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
@@ -269,10 +286,15 @@ class Scheduler:
         finish reason `error`. Returns what each sampled request got."""
         for chunk in plan.prefill:
             chunk.request.num_computed += chunk.length
+            chunk.request.in_flight = 0
+        for r in plan.decode:
+            r.in_flight = 0
         self._prefilling = [r for r in self._prefilling if r.prefilling]
         _record_prompt_logprobs(result)
         updates = []
         for i, (r, token) in enumerate(zip(result.sampled, result.token_ids)):
+            if r.finished:  # (pipeline stages: cancelled while its plan was in flight)
+                continue
             if i in result.failed:
                 why = result.failed[i]
                 r.finish(FinishReason.ERROR, now, error=why, code=getattr(why, "code", None))

@@ -15,6 +15,7 @@ from flover.models.llama import LlamaForCausalLM
 from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
 from flover.models.quant import can_quantize
 from flover.models.safetensors_reader import load_weights
+from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
 
 
@@ -33,18 +34,25 @@ def load_model(
     pack_hint: int = 32,
     quantization: str = "none",
     pack: bool = True,
+    stage: StageLayout | None = None,
 ) -> torch.nn.Module:
     """Build the model (this rank's shard of it), fill it from the checkpoint, optionally give the
     projections a weight-only quantized copy (models/quant.py), and repack the projection weights
     for the device's fastest GEMM (`pack_hint`: typical rows per GEMM). `pack=False` leaves them
     row-major (and int4's codes unpacked) for the native step (flover/native/forward.py), which
-    makes copies of its own; the caller then calls pack_projections or release_projections."""
+    makes copies of its own; the caller then calls pack_projections or release_projections.
+    `stage`: a pipeline stage's part of the model only (models/stage_layout.py)."""
     if isinstance(checkpoint, (str, Path)):
         checkpoint = open_checkpoint(checkpoint)
     cfg = cfg or checkpoint.model_config()
     checkpoint.check_tensors(cfg)
     tp = tp or TPLayout.build(cfg)
-    model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
+    if stage is not None and stage.count > 1:
+        if model_class(cfg) is not LlamaForCausalLM:
+            raise CheckpointError(f"{cfg.architecture}: pipeline stages (--pp) run the Llama family only")
+        model = LlamaForCausalLM(cfg, tp, comm, max_len, dtype, device, stage)
+    else:
+        model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     if quantization == "file" and not isinstance(checkpoint, GGUFFile):
         raise CheckpointError(f"--quantization file keeps a GGUF file's codes; {checkpoint.path} is not one")
     with torch.no_grad():

@@ -7,6 +7,8 @@ q/k norms over each whole projection).
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
 added once, after the all-reduce; embedding and LM head are split by vocabulary.
+A pipeline stage (models/stage_layout.py) holds its range of layers; the first stage also the
+embedding, final norm and LM head (`embed`, `run_layers` and `head` are the forward's three parts).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flover.models.layers import (
 from flover.models.model_config import ModelConfig
 from flover.models.moe import ExpertsMLP
 from flover.models.safetensors_reader import WeightSpec
+from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
 
 
@@ -144,19 +147,32 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPLayout, comm, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPLayout,
+        comm,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        stage: StageLayout | None = None,
+    ):
+        """`stage`: a pipeline stage's layers only (and the ends on the first); None: the whole model."""
         super().__init__()
         if cfg.qk_norm == "projection" and tp.heads != cfg.num_heads:
             raise ValueError(
                 f"{cfg.architecture}: its q/k norms span every head, which tensor parallelism splits "
                 f"across ranks; run it on one rank per engine (data-parallel groups: --tp 1)"
             )
+        self.stage = stage = stage or StageLayout.whole(cfg)
         self.cfg, self.tp, self.comm = cfg, tp, comm
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
-        self.embed = p(tp.vocab, cfg.hidden_size)  # this rank's vocabulary block
-        self.layers = nn.ModuleList(LlamaLayer(cfg, tp, n, w, dtype, device) for n, w in enumerate(cfg.sliding_windows))
-        self.norm = p(cfg.hidden_size)
-        self.lm_head = Linear(tp.vocab, cfg.hidden_size, False, dtype, device)
+        ends = stage.has_ends
+        self.embed = p(tp.vocab, cfg.hidden_size) if ends else None  # this rank's vocabulary block
+        self.windows = tuple(cfg.sliding_windows[n] for n in stage.layers)  # this stage's layers' windows
+        self.layers = nn.ModuleList(LlamaLayer(cfg, tp, n, cfg.sliding_windows[n], dtype, device) for n in stage.layers)
+        self.norm = p(cfg.hidden_size) if ends else None
+        self.lm_head = Linear(tp.vocab, cfg.hidden_size, False, dtype, device) if ends else None
         self.rotary = Rotary(cfg, max_len, dtype, device)
         # Gemma 3's sliding-window layers rotate with a base of their own
         self.local_rotary = Rotary(cfg, max_len, dtype, device, local=True) if cfg.local_rope_theta else None
@@ -169,27 +185,40 @@ class LlamaForCausalLM(nn.Module):
     def weight_specs(self) -> list[WeightSpec]:
         cfg, tp, h, v = self.cfg, self.tp, self.cfg.hidden_size, self.cfg.vocab_size
         vocab_block = lambda name: (rows(name, (v, h), tp.vocab_start, tp.vocab_real),)  # noqa: E731
-        specs = [
-            WeightSpec(self.embed, vocab_block("model.embed_tokens.weight"), pad=True),
-            WeightSpec(self.norm, (whole("model.norm.weight", (h,)),)),
-        ]
-        for n, layer in enumerate(self.layers):
+        specs = []
+        for n, layer in zip(self.stage.layers, self.layers):
             specs += layer.weight_specs(cfg, tp, f"model.layers.{n}")
-        # Tied embeddings: the LM head is read from the embedding tensor (a second copy, so that it
-        # can be packed for the GEMM while the embedding stays a plain lookup table).
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        specs.append(WeightSpec(self.lm_head.weight, vocab_block(head), pad=True))
+        if self.stage.has_ends:
+            specs.append(WeightSpec(self.embed, vocab_block("model.embed_tokens.weight"), pad=True))
+            specs.append(WeightSpec(self.norm, (whole("model.norm.weight", (h,)),)))
+            # Tied embeddings: the LM head is read from the embedding tensor (a second copy, so that it
+            # can be packed for the GEMM while the embedding stays a plain lookup table).
+            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            specs.append(WeightSpec(self.lm_head.weight, vocab_block(head), pad=True))
         return specs
 
     def forward(self, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
         """One fused iteration. kv: per layer [2, slots, kv_heads, positions, head_dim] (this rank's
         heads; a sliding-window layer's rows as `batch.window` places them) -> logits [B, vocab
         block of this rank]."""
-        cfg, tp, comm = self.cfg, self.tp, self.comm
-        tokens = batch.input_ids.shape[0]
-        hidden = vocab_embedding(batch.input_ids, self.embed, tp, comm)  # [T, hidden]
+        return self.head(self.run_layers(self.embed_tokens(batch), batch, kv)[batch.sample_rows])
+
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] (the first stage)."""
+        hidden = vocab_embedding(batch.input_ids, self.embed, self.tp, self.comm)  # [T, hidden]
         if self.embed_scale is not None:  # (Gemma 3)
             hidden = hidden * self.embed_scale
+        return hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] residual rows -> [B, vocab block of this rank] (the first stage)."""
+        return self.lm_head(self.norm_fn(hidden, self.norm, self.cfg.norm_eps))
+
+    def run_layers(self, hidden: torch.Tensor, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This stage's layers over the residual rows [T, hidden] -> [T, hidden]. kv: per layer of
+        the stage, as forward's."""
+        cfg, tp, comm = self.cfg, self.tp, self.comm
+        tokens = batch.input_ids.shape[0]
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
         local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
         norm = self.norm_fn
@@ -238,5 +267,4 @@ class LlamaForCausalLM(nn.Module):
                 out = all_reduce(layer.down(self.act(gate) * up), comm)
             out = out if layer.down_bias is None else out + layer.down_bias
             hidden = hidden + (out if layer.ffn_norm_after is None else norm(out, layer.ffn_norm_after, cfg.norm_eps))
-        last = norm(hidden[batch.sample_rows], self.norm, cfg.norm_eps)  # [B, hidden]
-        return self.lm_head(last)  # [B, vocab block]
+        return hidden

@@ -176,10 +176,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         p,
         p,
         p,
+        p,
+        p,
         ctypes.c_double,
         i32,
     ]
     lib.flover_forward.restype = i32
+    lib.flover_head.argtypes = [ctypes.POINTER(Model), p, i32, p, p, p, ctypes.c_double, i32]
+    lib.flover_head.restype = i32
     lib.flover_kernels.restype = ctypes.c_char_p
     lib.flover_check_model.argtypes = [ctypes.POINTER(Model)]
     lib.flover_check_model.restype = i32

@@ -117,7 +117,9 @@ class WeightPlan:
     16-bit copy, their kernels at every row count), the others blocked in the model's dtype, and
     greedy rows' screen of a dense head (not under TP: a rank knows only its vocabulary block)."""
 
-    head: torch.Tensor  # [vocab block, hidden]: the LM head's weight, or the tied embedding
+    head: (
+        torch.Tensor | None
+    )  # [vocab block, hidden]: the LM head's weight, or the tied embedding (None: a later pipeline stage)
     runs: dict[int, list[Run]]  # id(linear) -> its runs of output rows
     quantized: list  # the linears (layers' and head) that run on codes
     dense: list[torch.Tensor]  # the weights blocked in the model's dtype
@@ -125,12 +127,13 @@ class WeightPlan:
 
     @classmethod
     def of(cls, model: LlamaForCausalLM, packed: bool, screened: bool) -> "WeightPlan":
-        tied = model.cfg.tie_word_embeddings and model.lm_head.quantized is None
-        head = model.embed if tied else model.lm_head.weight
+        ends = [model.lm_head] if model.lm_head is not None else []  # (not on a later pipeline stage)
+        tied = model.cfg.tie_word_embeddings and ends and model.lm_head.quantized is None
+        head = model.embed if tied else model.lm_head.weight if ends else None
         linears = layer_linears(model)
         runs = {
             id(lin): runs_of(lin.quantized, packed)
-            for lin in linears + [model.lm_head]
+            for lin in linears + ends
             if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)
         }
         for lin in linears:
@@ -138,10 +141,10 @@ class WeightPlan:
             if why is not None:
                 raise NativeUnavailable(why)
         head_runs = id(model.lm_head) in runs
-        dense = ([] if head_runs else [head]) + [lin.weight for lin in linears if id(lin) not in runs]
+        dense = ([] if head_runs or head is None else [head]) + [lin.weight for lin in linears if id(lin) not in runs]
         dense += [layer.experts.router for layer in model.layers if layer.experts is not None]
-        screen = HeadScreen.of(head) if screened and not head_runs else None
-        return cls(head, runs, [lin for lin in linears + [model.lm_head] if id(lin) in runs], dense, screen)
+        screen = HeadScreen.of(head) if screened and not head_runs and head is not None else None
+        return cls(head, runs, [lin for lin in linears + ends if id(lin) in runs], dense, screen)
 
     def arena(self, dtype: torch.dtype) -> WeightArena:
         shapes = [(blocked_shape(w), dtype) for w in self.dense] + (self.screen.shapes if self.screen else [])
@@ -184,7 +187,7 @@ class NativeForward:
         # int8's screen (bfloat16 models) pays at a few rows only; beyond them the whole head,
         # its argmax taken as its tiles come out; float32's pays at every row count (design notes)
         self.screen_rows = max_rows if dtype == torch.float32 else SCREEN_INT8_ROWS
-        self.vocab = plan.head.shape[0]
+        self.vocab = plan.head.shape[0] if plan.head is not None else model.tp.vocab
         layer_modes = {lin.quantized.mode for lin in plan.quantized if lin is not model.lm_head}  # (before release)
         self.quantization = next(iter(sorted(layer_modes)), None)
         self._arena = plan.arena(dtype)
@@ -193,7 +196,7 @@ class NativeForward:
         self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
         self._expert_tables: list[torch.Tensor] = []  # each layer of experts' address arrays, likewise
         self._model_struct = self._model_struct_of(plan, buffer, comm)
-        if release:
+        if release and model.lm_head is not None:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup ...
             if self._model_struct.embed_grid:  # ... unless the head's codes are
                 model.embed.data = torch.empty(0, dtype=dtype)
@@ -293,6 +296,8 @@ class NativeForward:
         rows (--quantization int4 / int8), or a blocked dense head; and its greedy screen's."""
         lm_head, tied = self.model.lm_head, self.model.cfg.tie_word_embeddings
         fields = dict(head=0, head_scales=0, head_grid=0, embed_grid=0)
+        if lm_head is None:  # a later pipeline stage: no head
+            return fields
         if id(lm_head) in plan.runs and lm_head.quantized.mode == "file":
             fields["head_grid"] = self._projection(plan, lm_head)[1]
             fields["embed_grid"] = fields["head_grid"] if tied else 0  # looked up in the same codes
@@ -309,7 +314,7 @@ class NativeForward:
         """native.h's Model, checked by the C code's own assumptions."""
         model, cfg = self.model, self.model.cfg
         struct = abi.Model(
-            layers=cfg.num_layers,
+            layers=len(model.layers),
             hidden=cfg.hidden_size,
             heads=model.tp.heads,
             kv_heads=model.tp.kv_heads,
@@ -320,7 +325,7 @@ class NativeForward:
             max_seq=buffer.max_seq_len,
             kv_pos=buffer.layers[0].stride(3),
             window_base=buffer.window_base.data_ptr() if buffer.window_base is not None else 0,
-            embed=model.embed.data_ptr(),
+            embed=model.embed.data_ptr() if model.embed is not None else 0,
             final_norm=self._norm_address(model.norm),
             cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(),
@@ -340,7 +345,7 @@ class NativeForward:
     def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: "SlotBuffer") -> ctypes.Array:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
         layers = (abi.Layer * len(self.model.layers))()
-        for i, (layer, window) in enumerate(zip(self.model.layers, self.model.cfg.sliding_windows)):
+        for i, (layer, window) in enumerate(zip(self.model.layers, self.model.windows)):
             kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
             assert kv.is_contiguous() and kv.dtype == self.dtype
             present = [name for name in PROJECTIONS if getattr(layer, name) is not None]  # (experts: no MLP)
@@ -450,6 +455,8 @@ class NativeForward:
             out_rows.data_ptr(),
             logits.data_ptr(),
             self._ids if ids_back else None,
+            None,
+            None,
             self._work.data_ptr(),
             self.eps,
             self.threads,
@@ -457,6 +464,72 @@ class NativeForward:
         if full < 0:
             raise RuntimeError("native step: a row's position or token id is out of range")
         self.iterations += 1
+        if not ids_back:
+            return logits
+        self.screened_rows += n_out
+        self.full_head_rows += full
+        return self._ids[:n_out]
+
+    def run_stage(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor | None:
+        """A pipeline stage's layers: [rows, hidden] float32 residual rows after them, from the
+        previous stage's (`hidden_in`, float32) or, on the first stage, from the tokens; None when
+        the iteration has more tokens than max_rows (the caller runs PyTorch)."""
+        rows = batch.input_ids.shape[0]
+        if not 0 < rows <= self.max_rows:
+            return None
+        tokens, positions, slots = (
+            batch.input_ids.contiguous(),
+            batch.positions.contiguous(),
+            batch.write_slots.contiguous(),
+        )
+        hidden_in = hidden_in.contiguous() if hidden_in is not None else None
+        out = torch.empty(rows, self.model.cfg.hidden_size, dtype=torch.float32)
+        failed = self.lib.flover_forward(
+            self._model_struct,
+            self._layer_structs,
+            rows,
+            batch.num_decode,
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            0,
+            None,
+            None,
+            None,
+            hidden_in.data_ptr() if hidden_in is not None else None,
+            out.data_ptr(),
+            self._work.data_ptr(),
+            self.eps,
+            self.threads,
+        )
+        if failed < 0:
+            raise RuntimeError("native step: a row's position or token id is out of range")
+        self.iterations += 1
+        return out
+
+    def head(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor | list[int]:
+        """The first pipeline stage's end of an iteration: the last stage's residual rows
+        [B, hidden] float32 of the sampled rows -> [B, vocab block] float32 logits, or their greedy
+        ids where `greedy` and the head is screened (as run())."""
+        hidden = hidden.contiguous()
+        n_out = hidden.shape[0]
+        ids_back = greedy and self.screens_greedy and n_out > 0
+        if not ids_back:
+            logits = torch.empty(n_out, self.vocab, dtype=torch.float32)
+        else:
+            if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
+                self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
+            logits = self._screen_scores
+        full = self.lib.flover_head(
+            self._model_struct,
+            hidden.data_ptr(),
+            n_out,
+            logits.data_ptr(),
+            self._ids if ids_back else None,
+            self._work.data_ptr(),
+            self.eps,
+            self.threads,
+        )
         if not ids_back:
             return logits
         self.screened_rows += n_out

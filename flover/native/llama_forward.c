@@ -129,16 +129,70 @@ API int flover_check_layers(const Model *md, const Layer *layers) {
     return 0;
 }
 
+/* The embedding of `rows` token ids into hidden [rows, h] (summed over the ranks under TP; Gemma 3
+ * scales it by sqrt(hidden)). */
+static void embed_rows(const Model *md, const int64_t *tokens, int rows, float *hidden, int bf) {
+    const int64_t h = md->hidden;
+    for (int r = 0; r < rows; r++) { /* under TP: ids outside this rank's block are zero rows */
+        const int64_t t = tokens[r] - md->vocab_start;
+        if (md->embed_grid && t >= 0 && t < md->vocab) { /* the head's codes, rounded as the embedding's values */
+            grid_row((const Grid *)md->embed_grid, t, h, hidden + r * h);
+            for (int64_t i = 0; i < h; i++) hidden[r * h + i] = rnd(hidden[r * h + i], bf);
+            continue;
+        }
+        for (int64_t i = 0; i < h; i++)
+            hidden[r * h + i] = t >= 0 && t < md->vocab ? load((const void *)md->embed, t * h + i, bf) : 0.f;
+    }
+    reduce_rows(md, hidden, rows * h);
+    if (md->embed_scale != 0) /* (Gemma 3) times sqrt(hidden), that factor already in the model dtype */
+        for (int64_t i = 0; i < rows * h; i++) hidden[i] = rnd(hidden[i] * (float)md->embed_scale, bf);
+}
+
+/* The final norm of the rows whose logits are wanted (out_rows of hidden, or rows 0..n_out-1
+ * where out_rows is 0), then the LM head writes them straight into `logits`, in float32 whatever
+ * the model dtype (as llama.cpp's): rounded to bfloat16, near ties became exact ties, which the
+ * first index won (SmolLM2's first answer token). */
+static int head_rows(const Model *md, const Work *at, float *work, const float *hidden, int n_out,
+                     const int64_t *out_rows, void *logits, int64_t *greedy_ids, float eps, int nt) {
+    const int bf = md->dtype == DT_BF16;
+    const int64_t h = md->hidden;
+    float *mid = work + at->mid, *xsum = work + at->xsum;
+    void *xb = work + at->xb;
+    for (int o = 0; o < n_out; o++)
+        norm_row(md, hidden + (out_rows ? out_rows[o] : o) * h, md->final_norm, eps, h, bf, mid + o * h);
+    if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
+    if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
+    if (n_out > 0 && md->head_grid) {
+        project_grid((const Grid *)md->head_grid, 0, 0, mid, xb, xsum, n_out, md->vocab, h, logits, nt);
+        return 0;
+    }
+    const int head_kind = md->head_scales ? W_Q8 : bf ? W_BF16 : W_F32;
+    if (n_out > 0)
+        project_kind(head_kind, 0, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, md->vocab, 0, nt, 0);
+    return 0;
+}
+
+/* The first pipeline stage, once the last one's residual rows [n_out, hidden] came back: their
+ * logits (or greedy ids), as flover_forward's tail. */
+API int flover_head(const Model *md, const float *hidden, int n_out, void *logits, int64_t *greedy_ids, float *work,
+                    double eps_d, int nt) {
+    const Work at = work_layout(md, n_out, nt);
+    return head_rows(md, &at, work, hidden, n_out, 0, logits, greedy_ids, (float)eps_d, nt);
+}
+
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
  * its own position, which this iteration's earlier prompt tokens have written). Logits of the
  * rows listed in out_rows: [n_out, vocab] float32; or, with greedy_ids (models with
- * head_screen), those rows' greedy ids, `logits` serving as [n_out, vocab] float32 scratch. Returns 0, or with greedy_ids the rows that took the whole head. */
+ * head_screen), those rows' greedy ids, `logits` serving as [n_out, vocab] float32 scratch. Returns 0, or with greedy_ids the rows that took the whole head.
+ * A pipeline stage (flover/runner/pipeline.py) runs its layers only: with hidden_in [rows, hidden]
+ * float32 (the previous stage's residual rows) in place of the token embedding, and with
+ * hidden_out the residual rows after its last layer are written there instead of any logits. */
 API int flover_forward(const Model *md, const Layer *layers, int rows, int decode_rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, int n_out, const int64_t *out_rows, void *logits,
-                   int64_t *greedy_ids, float *work, double eps_d, int nt) {
+                   int64_t *greedy_ids, const float *hidden_in, float *hidden_out, float *work, double eps_d, int nt) {
     for (int r = 0; r < rows; r++) /* a row past its slot's positions would touch another slot's */
-        if (positions[r] < 0 || positions[r] >= md->max_seq || tokens[r] < 0) return -1;
+        if (positions[r] < 0 || positions[r] >= md->max_seq || (!hidden_in && tokens[r] < 0)) return -1;
     for (int64_t l = 0; l < md->layers; l++) /* and in a windowed layer, one outside its slot's window rows */
         for (int r = 0; layers[l].windowed_kv && r < rows; r++) {
             const int64_t at = positions[r] - row_base(md, &layers[l], slots[r]);
@@ -160,19 +214,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     else                                                                                                   \
         project(md, ly->W, BIAS, X, xb, rows, N, K, Y, nt);
 
-    for (int r = 0; r < rows; r++) { /* under TP: ids outside this rank's block are zero rows */
-        const int64_t t = tokens[r] - md->vocab_start;
-        if (md->embed_grid && t >= 0 && t < md->vocab) { /* the head's codes, rounded as the embedding's values */
-            grid_row((const Grid *)md->embed_grid, t, h, hidden + r * h);
-            for (int64_t i = 0; i < h; i++) hidden[r * h + i] = rnd(hidden[r * h + i], bf);
-            continue;
-        }
-        for (int64_t i = 0; i < h; i++)
-            hidden[r * h + i] = t >= 0 && t < md->vocab ? load((const void *)md->embed, t * h + i, bf) : 0.f;
-    }
-    reduce_rows(md, hidden, rows * h);
-    if (md->embed_scale != 0) /* (Gemma 3) times sqrt(hidden), that factor already in the model dtype */
-        for (int64_t i = 0; i < rows * h; i++) hidden[i] = rnd(hidden[i] * (float)md->embed_scale, bf);
+    if (hidden_in) /* a later pipeline stage: the residual rows as the stage before left them */
+        memcpy(hidden, hidden_in, rows * h * sizeof(float));
+    else
+        embed_rows(md, tokens, rows, hidden, bf);
 
     /* Attention tasks: prompt rows in blocks (consecutive positions of one slot, up to
      * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies; decode rows (the
@@ -272,20 +317,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         else
             residual_and_norm(md, hidden, normed, rows, ly->down_bias, next_norm, eps, h, bf, nt);
     }
-    /* the final norm of the rows whose logits are wanted, then the LM head writes them straight
-     * into `logits`, in float32 whatever the model dtype (as llama.cpp's): rounded to bfloat16,
-     * near ties became exact ties, which the first index won (SmolLM2's first answer token) */
-    for (int o = 0; o < n_out; o++)
-        norm_row(md, hidden + out_rows[o] * h, md->final_norm, eps, h, bf, mid + o * h);
 #undef PROJECT
-    if (greedy_ids && n_out > md->screen_rows) return head_greedy(md, mid, xb, n_out, greedy_ids, nt);
-    if (greedy_ids && md->head_screen) return screened_greedy(md, mid, xb, n_out, (float *)logits, greedy_ids, nt);
-    if (n_out > 0 && md->head_grid) {
-        project_grid((const Grid *)md->head_grid, 0, 0, mid, xb, xsum, n_out, md->vocab, h, logits, nt);
+    if (hidden_out) { /* a pipeline stage before the head: its residual rows go on */
+        memcpy(hidden_out, hidden, rows * h * sizeof(float));
         return 0;
     }
-    const int head_kind = md->head_scales ? W_Q8 : bf ? W_BF16 : W_F32;
-    if (n_out > 0)
-        project_kind(head_kind, 0, md->head, md->head_scales, 0, mid, xb, n_out, md->vocab, h, logits, md->vocab, 0, nt, 0);
-    return 0;
+    return head_rows(md, &at, work, hidden, n_out, out_rows, logits, greedy_ids, eps, nt);
 }

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flover.parallel.comm import Communicator, MPICommunicator
 from flover.parallel.groups import GroupLayout, split_world
+from flover.parallel.pipeline import StageLink, StagePlace
 
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -44,27 +45,41 @@ def make_communicator(device: str) -> Communicator | None:
 
 @dataclass
 class Launch:
-    comm: Communicator | None  # this rank's engine group (None: a group of one)
+    comm: Communicator | None  # this rank's engine group, or its stage's (None: a group of one)
     world: MPICommunicator | None  # None: started without mpirun
     layout: GroupLayout
+    pipe: StageLink | None = None  # pipeline stages (--pp): this rank's place and links
 
 
-def launch_groups(device: str, tp: int | None) -> Launch:
-    """This rank's place in the job: with `tp` (ranks per engine) below the world's size, the
-    world splits into data-parallel groups (flover/parallel/groups.py)."""
+def launch_groups(device: str, tp: int | None, pp: int = 1) -> Launch:
+    """This rank's place in the job: with `pp` x `tp` (ranks per engine) below the world's size,
+    the world splits into data-parallel groups (flover/parallel/groups.py); with `pp` > 1 each
+    group is `pp` pipeline stages of `tp` ranks (flover/parallel/pipeline.py)."""
     alone = Launch(None, None, GroupLayout(0, (0,)))
+    if pp < 1:
+        raise ValueError(f"--pp {pp}: at least 1 stage")
     if launched_ranks() <= 1:
-        if tp not in (None, 1):
-            raise ValueError(f"--tp {tp} needs {tp} ranks: launch with mpirun -np {tp} (or a multiple)")
+        if tp not in (None, 1) or pp > 1:
+            need = (tp or 1) * pp
+            raise ValueError(
+                f"--tp {tp or 1} --pp {pp} needs {need} ranks: launch with mpirun -np {need} (or a multiple)"
+            )
         return alone
     try:
         world = MPICommunicator()
     except ImportError as e:
         raise RuntimeError("launched by mpirun but mpi4py is missing: pip install 'flover[mpi]'") from e
-    tp = world.size if tp is None else tp
-    if not 1 <= tp <= world.size or world.size % tp:
-        raise ValueError(f"--tp {tp}: the {world.size} ranks must split into groups of --tp ranks")
-    group, layout = (world, GroupLayout(0, (0,))) if tp == world.size else split_world(world, tp)
+    if tp is None:
+        if world.size % pp:
+            raise ValueError(f"--pp {pp}: the {world.size} ranks do not split into {pp} stages")
+        tp = world.size // pp
+    size = tp * pp
+    if not 1 <= size <= world.size or world.size % size:
+        what = f"--tp {tp}" if pp == 1 else f"--pp {pp} x --tp {tp}"
+        raise ValueError(f"{what}: the {world.size} ranks must split into groups of {size} ranks")
+    group, layout = (world, GroupLayout(0, (0,))) if size == world.size else split_world(world, size)
+    if pp > 1:
+        return _stages(device, group, world, layout, StagePlace(group.rank // tp, pp, group.rank % tp, tp))
     if group.size <= 1:
         return Launch(None, world, layout)
     if device.startswith("cuda"):
@@ -74,6 +89,15 @@ def launch_groups(device: str, tp: int | None) -> Launch:
 
         return Launch(NCCLCommunicator(group, torch.device(rank_device(device))), world, layout)
     return Launch(group, world, layout)
+
+
+def _stages(device: str, group: MPICommunicator, world, layout: GroupLayout, place: StagePlace) -> Launch:
+    """A group of pipeline stages: this rank's stage's communicator (tensor parallelism inside
+    it) and its links to the group's other ranks."""
+    if device.startswith("cuda"):
+        raise ValueError("--pp runs on CPU ranks for now (its activations cross over MPI); use --tp on GPUs")
+    stage = MPICommunicator(group.comm.Split(color=place.stage, key=group.rank))
+    return Launch(stage if stage.size > 1 else None, world, layout, StageLink(group, place))
 
 
 def local_ranks() -> int | None:

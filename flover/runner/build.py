@@ -4,6 +4,7 @@ iterations, or the native CPU step), behind a ModelRunner."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -13,13 +14,16 @@ import torch
 from flover.config import EngineConfig
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig, load_model, pack_projections, release_projections
+from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
 from flover.native.build import NativeUnavailable
 from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
+from flover.parallel.pipeline import StageLink
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.kv_window import WindowedKV
+from flover.runner.pipeline import PipelineRunner
 from flover.runner.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,8 @@ class RankSetup:
     comm: Communicator | None  # several ranks only
     is_leader: bool
     window: WindowedKV | None = None  # the sliding-window layers' bound (None: they keep every position)
+    stage: StageLayout | None = None  # pipeline stages: this rank's layers (None: all)
+    link: StageLink | None = None  # and its links to the other stages
 
 
 def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
@@ -58,18 +64,24 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         pack_hint=config.max_slots,
         quantization=config.quantization,
         pack=not native_wanted,
+        stage=s.stage,
     )
+    layers = s.stage.layers if s.stage is not None else range(cfg.num_layers)
+    window = s.window
+    if window is not None and s.stage is not None:  # this stage's windowed layers, numbered as its buffer's
+        window = dataclasses.replace(window, layers=frozenset(n - layers.start for n in window.layers if n in layers))
     # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
     # (Not with windowed KV: a static batch has no window bases; those iterations run eagerly. Nor
     # for mixtures of experts: which experts run, on how many rows, depends on the rows' values.)
     static_decode = (
         s.comm is None
+        and s.link is None
         and s.window is None
         and cfg.moe is None
         and (config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda"))
     )
     buffer = SlotBuffer(
-        cfg.num_layers,
+        len(layers),
         config.max_slots,
         s.tp.kv_heads,
         s.max_seq_len,
@@ -80,7 +92,7 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         block_tokens=s.block_tokens,
         scratch_slots=1 if static_decode else 0,
         prefault_pool=config.prefault_prefix_cache,
-        window=s.window,
+        window=window,
     )
     if s.is_leader:
         _log_memory(s, buffer)
@@ -97,6 +109,8 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         )
     native = _native_forward(model, buffer, s) if native_wanted else None
     return_freed_heap()  # loading's dequantized tensors and dense copies
+    if s.link is not None:
+        return PipelineRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native, link=s.link)
     return ModelRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native)
 
 

@@ -90,6 +90,7 @@ class ModelRunner:
         # The forwards, fastest first; each but PyTorch's may decline an iteration (None).
         self.backends = [b for b in (graphs, native) if b is not None] + [PyTorchForward(model, buffer)]
         self.is_leader = comm is None or comm.rank == 0
+        self.broadcasts_ids = True  # the followers' schedulers take the sampled ids (not under --pp)
         self._rng = random.Random(seed)  # seeds requests that bring none
         state = buffer.add_state  # per-slot sampling parameters (a request's lengths and tokens are its own)
         self._temperature = state("temperature", torch.float32)
@@ -319,7 +320,7 @@ class ModelRunner:
 
     def _broadcast(self, ids: list[int], logprobs, failed: dict[int, str], prompt_logprobs: list) -> StepResult:
         """The result, after the leader's sampled ids went to the followers (tensor parallelism)."""
-        if self.comm is not None:
+        if self.comm is not None and self.broadcasts_ids:
             self.comm.broadcast_ids(ids, len(ids))
         return StepResult(token_ids=ids, logprobs=logprobs, failed=failed, prompt_logprobs=prompt_logprobs)
 

@@ -644,6 +644,7 @@ class Daemon:
             "native_kernels": e.native_kernels,
             "groups": e.groups,
             "expert_load": e.expert_load,
+            "pipeline": e.pipeline,
             **self.counters,
             "metrics": self.metrics.snapshot(),
         }

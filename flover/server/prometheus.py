@@ -97,6 +97,27 @@ class _Snapshot:
                 for expert, count in enumerate(layer["rows"]):
                     rows.add_metric([self.model, str(layer["layer"]), str(expert)], count)
             yield rows
+        if s.get("pipeline"):  # pipeline stages: each stage's busy share (its bubble: the rest), bytes, plans
+            pipe = s["pipeline"]
+            busy = GaugeMetricFamily(
+                PREFIX + "pipeline_stage_busy_ratio",
+                "Share of the time since start each pipeline stage spent computing (1 - it: its bubble)",
+                labels=[*names, "stage"],
+            )
+            sent = CounterMetricFamily(
+                PREFIX + "pipeline_stage_sent_bytes",
+                "Activation bytes each pipeline stage sent to the next",
+                labels=[*names, "stage"],
+            )
+            for stage, (share, mib) in enumerate(zip(pipe["busy"], pipe["mib_sent"])):
+                busy.add_metric([self.model, str(stage)], share)
+                sent.add_metric([self.model, str(stage)], mib * 2**20)
+            yield busy
+            yield sent
+            yield from self._one_each(
+                GaugeMetricFamily,
+                (("pipeline_plans_in_flight", "Iteration plans in the pipeline now", pipe["in_flight"]),),
+            )
         if s.get("groups"):  # data-parallel groups: each one's figures under a `group` label
             for name, help_text, key, kind in (
                 ("group_requests_routed", "Requests the front door sent to each group", "routed", CounterMetricFamily),

@@ -1,13 +1,14 @@
-"""Data-parallel groups against one engine on the same cores (docs/data_parallel.md), and the
-front door's routing cost.
+"""Data-parallel groups, tensor parallelism and pipeline stages against one engine on the same
+cores (docs/data_parallel.md, docs/pipeline.md), and the front door's routing cost.
 
     python scripts/bench/bench_data_parallel.py --model ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf
 
 Runs one prompt file of chat questions (EOS honoured, at most --gen-len tokens, arriving Poisson
 every --interval-ms on average) through `flover run` in three layouts of the same cores,
 alternating, --runs times each: one engine with all the threads; --groups engines of one rank
-each (`mpirun -np G --tp 1`, threads split); one engine of G tensor-parallel ranks. Prints each
-run's tok/s (flover run's summary) and the medians. Then the router's cost per request: the
+each (`mpirun -np G --tp 1`, threads split); one engine of G tensor-parallel ranks; one engine of
+G pipeline stages (`--pp G`). Prints each run's tok/s (flover run's summary) and the medians.
+`--layouts` picks some of them (engine, groups, TP, PP). Then the router's cost per request: the
 choice (prefix hashes, least loaded) and the message a request becomes on its way to a group.
 """
 
@@ -59,6 +60,14 @@ def layouts(groups: int, cores: int) -> dict[str, list[str]]:
             str(cores // groups),
         ],
         f"TP={groups} x {cores // groups} thread(s)": [*mpirun, *run, "--threads", str(cores // groups)],
+        f"PP={groups} x {cores // groups} thread(s)": [
+            *mpirun,
+            *run,
+            "--pp",
+            str(groups),
+            "--threads",
+            str(cores // groups),
+        ],
     }
 
 
@@ -126,6 +135,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--layouts", default="engine,groups,TP,PP", help="which layouts (a comma list of those four)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "chat.jsonl"
@@ -137,7 +147,12 @@ def main() -> None:
             )
         )
         results: dict[str, list[float]] = {}
-        todo = layouts(args.groups, args.cores)
+        wanted = {w.lower() for w in args.layouts.split(",")}
+        todo = {
+            name: cmd
+            for name, cmd in layouts(args.groups, args.cores).items()
+            if wanted & set(name.lower().replace("=", " ").split())
+        }
         for run in range(args.runs):
             for name, cmd in list(todo.items()):
                 try:
