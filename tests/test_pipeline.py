@@ -117,16 +117,23 @@ def three_layer_models(tmp_path_factory):
 @needs_mpirun
 @pytest.mark.parametrize("variant", ["llama", "gemma3", "gpt-oss"])
 def test_pipeline_stages_give_exactly_a_single_engines_tokens(three_layer_models, variant, tmp_path):
-    """float64, requests arriving at different iterations; 3 layers over 2 stages (one and two),
-    2 stages of 2 tensor-parallel ranks, and 3 stages of one layer each; gemma3's windowed layers
-    slide on every stage alike (16-token iterations), gpt-oss's experts and sinks."""
+    """float64, requests arriving at different iterations; 3 layers over 2 stages (one and two);
+    for llama also 2 stages of 2 tensor-parallel ranks, 3 stages of one layer each and 2 groups of
+    2 stages; gemma3's windowed layers slide on every stage alike (16-token iterations), gpt-oss's
+    experts and sinks (its stages under TP: the native test below)."""
     model = three_layer_models[variant]
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)
     extra = ("--arrival", "interval", "--interval", "20", "--max-slots", "4", "--max-batch-tokens", "16")
-    runs = {"one": (1,), "pp2": (2, "--pp", "2"), "pp2-tp2": (4, "--pp", "2", "--tp", "2")}
-    if variant == "llama":
-        runs["pp3"] = (3, "--pp", "3")
+    runs = {"one": (1,), "pp2": (2, "--pp", "2")}
+    if variant == "llama":  # also 2 stages of 2 TP ranks, 3 stages of a layer each, 2 data-parallel groups
+        runs.update(
+            {
+                "pp2-tp2": (4, "--pp", "2", "--tp", "2"),
+                "pp3": (3, "--pp", "3"),
+                "dp2-pp2": (4, "--pp", "2", "--tp", "1"),
+            }
+        )
     results = {}
     for name, (ranks, *flags) in runs.items():
         out = tmp_path / f"{name}.jsonl"
@@ -140,7 +147,8 @@ def test_pipeline_stages_give_exactly_a_single_engines_tokens(three_layer_models
 @needs_mpirun
 def test_native_stages_fused_equal_solo_and_a_single_engine(three_layer_models, tmp_path):
     """float32 on the native step: every request at once over 2 stages (plans in flight) = each
-    request alone (--max-slots 1) = one engine; speculation's drafts cross the stages too."""
+    request alone (--max-slots 1) = one engine = 2 stages of 2 tensor-parallel ranks;
+    speculation's drafts cross the stages too."""
     model = three_layer_models["gpt-oss"]
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)
@@ -149,12 +157,13 @@ def test_native_stages_fused_equal_solo_and_a_single_engine(three_layer_models, 
         ("one", 1, ()),
         ("fused", 2, ("--pp", "2")),
         ("solo", 2, ("--pp", "2", "--max-slots", "1", "--max-batch-tokens", "64")),
+        ("tp", 4, ("--pp", "2", "--tp", "2")),  # the first stage's ranks each run their block of the head
     ):
         out = tmp_path / f"{name}.jsonl"
         run = flover_run_ok(ranks, model, prompts, out, "--dtype", "float32", "--threads", "1", *flags)
         assert "native step" in run.stderr
         results[name] = tokens_by_id(out)
-    assert results["fused"] == results["one"] == results["solo"]
+    assert results["fused"] == results["one"] == results["solo"] == results["tp"]
 
 
 @needs_mpirun

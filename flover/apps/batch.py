@@ -61,6 +61,7 @@ class BatchSummary:
     finish_reasons: dict = field(default_factory=dict)
     incomplete: dict = field(default_factory=dict)  # why -> prompts that ended without a record (retried on resume)
     stopped: str | None = None  # why the run stopped before every prompt was sent
+    stage_busy: list[float] | None = None  # pipeline stages: each one's share of the run's time at work
 
     @property
     def not_done(self) -> int:
@@ -74,7 +75,9 @@ class BatchSummary:
         return (
             f"{self.prompts} prompts: {self.completed} completed, {self.errors} errors, {self.skipped} already "
             f"done; {self.prompt_tokens} tokens in, {self.completion_tokens} out in {self.wall_s:.1f} s "
-            f"({self.tokens_per_s:.1f} tok/s, {self.iterations} iterations)"
+            f"({self.tokens_per_s:.1f} tok/s, {self.iterations} iterations"
+            + (f"; pipeline stages busy {' / '.join(f'{b:.0%}' for b in self.stage_busy)}" if self.stage_busy else "")
+            + ")"
         )
 
     def count_incomplete(self, why: str) -> None:
@@ -182,6 +185,8 @@ class BatchRunner:
         """Latencies count from each prompt's scheduled arrival when `offsets` is given, else from
         the moment the engine had room for it."""
         engine, start = self.engine, time.perf_counter()
+        pipeline = engine.stats().pipeline
+        busy_before = pipeline["busy_s"] if pipeline else None
         todo = iter(records)
         scheduled = offsets is not None
         offsets = offsets if scheduled else itertools.repeat(0.0)
@@ -207,6 +212,9 @@ class BatchRunner:
             if self.on_step is not None:
                 self.on_step(self, outputs)
         self.summary.wall_s = time.perf_counter() - start
+        if busy_before is not None:
+            busy = engine.stats().pipeline["busy_s"]
+            self.summary.stage_busy = [(b - a) / self.summary.wall_s for a, b in zip(busy_before, busy)]
         self.progress.close()
         return self.summary
 

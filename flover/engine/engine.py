@@ -411,7 +411,7 @@ class EngineStats:
     # (routing skew: an expert far above the others' mean is the one every iteration waits on)
     expert_load: list[dict] | None = None
     # pipeline stages: {"stages", "in_flight": plans now, "busy": each stage's share of time at work
-    # since the start (1 - busy: its bubble), "mib_sent": each stage's activations sent}
+    # since the start (1 - busy: its bubble), "busy_s": those seconds, "mib_sent": each stage's activations sent}
     pipeline: dict | None = None
 
 

@@ -3,9 +3,8 @@
 Stages own contiguous ranges of layers; the first also holds the embedding and, since the ring
 of stages closes there (the leader's scheduler, grammars and sampler live on it), the final norm
 and the LM head. The ranges are chosen so that the largest stage's parameters (its layers', the
-first stage's embedding and head besides) are as small as they can be: every stage reads its
-weights once an iteration, so the slowest stage sets the pipeline's pace, and its memory is
-what has to fit on a node.
+first stage's head besides) are as small as they can be: every stage reads its weights once an
+iteration, so the slowest stage sets the pipeline's pace.
 """
 
 from __future__ import annotations
@@ -60,8 +59,9 @@ def layer_parameters(cfg: ModelConfig) -> list[int]:
 
 
 def end_parameters(cfg: ModelConfig) -> int:
-    """The first stage's embedding and LM head (two copies even when tied: the head is packed)."""
-    return 2 * cfg.vocab_size * cfg.hidden_size
+    """What the first stage's ends weigh: the LM head, read whole every iteration as a layer is
+    (the embedding is a lookup of a few rows; a tied GGUF head's codes serve both)."""
+    return cfg.vocab_size * cfg.hidden_size
 
 
 def split_layers(layers: list[int], ends: int, count: int) -> list[tuple[int, int]]:

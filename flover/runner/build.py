@@ -150,6 +150,8 @@ def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) ->
 def _log_memory(s: RankSetup, buffer: SlotBuffer) -> None:
     config, ranks = s.config, s.comm.size if s.comm else 1
     per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
+    if s.stage is not None and s.stage.count > 1:  # (the leader's; every stage holds its own layers')
+        per_rank += f" on the first stage (its {len(s.stage.layers)} layers)"
     window = s.window
     log.info(
         "KV cache: %.1f MiB allocated%s (%d slots x %d positions%s, %s%s)",

@@ -231,13 +231,14 @@ class PipelineRunner(ModelRunner):
         return result
 
     def pipeline_stats(self, in_flight: int) -> dict:
-        """Each stage's busy share since the start (1 - it: the bubble) and MiB sent, and the
-        plans in flight now."""
+        """Each stage's busy share since the start (1 - it: the bubble) and seconds, MiB sent,
+        and the plans in flight now."""
         elapsed = max(1e-9, time.perf_counter() - self.started_at)
         return {
             "stages": self.place.stages,
             "in_flight": in_flight,
             "busy": [min(1.0, b / elapsed) for b in self.stage_busy],
+            "busy_s": list(self.stage_busy),
             "mib_sent": list(self.stage_mib_sent),
         }
 

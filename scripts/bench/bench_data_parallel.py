@@ -100,6 +100,9 @@ def run_once(cmd: list[str], model: str, prompts: Path, args) -> float:
         )
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-3000:])
+        busy = re.search(r"pipeline stages busy ([\d% /]+)", done.stderr)  # (PP: each stage's share at work)
+        if busy:
+            print(f"  pipeline stages busy {busy.group(1)}", flush=True)
         return float(re.search(r"\(([\d.]+) tok/s", done.stderr).group(1))
 
 
