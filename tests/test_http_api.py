@@ -4,6 +4,7 @@ client (sync and async), and raw HTTP where the client hides what is checked."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -274,15 +275,22 @@ def test_http_port_in_use_is_one_line(make_model):
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
-def test_under_mpirun_rank_0_serves_http_with_the_tp1_answer(api, make_model):
+@pytest.mark.parametrize("layout", [(), ("--pp", "2")], ids=["tp2", "pp2"])
+def test_under_mpirun_rank_0_serves_http_with_the_tp1_answer(api, make_model, layout):
+    """Two tensor-parallel ranks, or two pipeline stages (the prompt's scored rows cross both)."""
     _, url = api
     port = free_port()
-    server = Server(make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", ranks=2)
+    server = Server(make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", *layout, ranks=2)
     try:
         body = {"prompt": "Hello the cat", "max_tokens": 10, "temperature": 0, "echo": True, "logprobs": 3}
         tp2 = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         tp1 = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert tp2["choices"][0]["text"] == tp1["choices"][0]["text"]  # float64: exact
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as events:
+            lines = [line[6:] for line in events.iter_lines() if line.startswith("data: {")]
+        assert "".join(json.loads(line)["choices"][0]["text"] for line in lines) == tp1["choices"][0]["text"]
         # the prompt's logprobs are gathered over the vocabulary blocks of both ranks
         two, one = tp2["choices"][0]["logprobs"], tp1["choices"][0]["logprobs"]
         assert two["tokens"] == one["tokens"] and two["token_logprobs"][0] is None
