@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -18,12 +19,14 @@ from flover.request import Request, StepResult
 from flover.server.prometheus import render
 from tests.helpers import (
     ID_PROMPTS,
+    MPI_ENV,
     MPIRUN,
     REQUESTS,
     TEST_PRESET,
     VARIANTS,
     Server,
     expected_outputs,
+    flover_run_cmd,
     flover_run_ok,
     tokens_by_id,
     write_jsonl,
@@ -164,6 +167,22 @@ def test_native_stages_fused_equal_solo_and_a_single_engine(three_layer_models, 
         assert "native step" in run.stderr
         results[name] = tokens_by_id(out)
     assert results["fused"] == results["one"] == results["solo"] == results["tp"]
+
+
+@needs_mpirun
+def test_stages_that_do_not_divide_the_ranks_or_outnumber_the_layers_are_refused(three_layer_models, tmp_path):
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(prompts, REQUESTS[:1])
+    for ranks, flags, why in ((3, ("--pp", "2"), "do not split into 2 stages"), (4, ("--pp", "4"), "3 layers")):
+        run = subprocess.run(
+            flover_run_cmd(ranks, three_layer_models["llama"], prompts, out, *flags),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=MPI_ENV,
+        )
+        assert run.returncode != 0 and why in run.stderr, run.stderr[-2000:]
+        assert not out.exists() or not out.read_text().strip()
 
 
 @needs_mpirun

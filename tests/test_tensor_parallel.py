@@ -42,8 +42,8 @@ pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install '
     ],
 )
 def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
-    """float64, requests arriving at different iterations (every 40 ms); TP=4 on the 2-kv-head
-    models shares each kv head between 2 ranks; the 509-token vocabulary splits unevenly; gemma3's
+    """float64, requests arriving at different iterations (every 40 ms); TP=4 on llama shares
+    each kv head between 2 ranks; the 509-token vocabulary splits unevenly; gemma3's
     sliding-window layers keep 48 positions a slot (iterations of 16 tokens), so its longer
     sequences slide on every rank alike, and some iterations sample no row at all (a 16-token
     chunk of a longer prompt, alone: the vocabulary gather of zero rows); gpt-oss's experts keep
@@ -54,7 +54,8 @@ def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
     write_jsonl(prompts, REQUESTS)
     results = {}
     extra = ("--max-batch-tokens", "16") if variant == "gemma3" else ()
-    for ranks in (1, 2, 4):
+    # TP=4 where it adds a case (kv heads shared by 2 ranks, the uneven vocabulary, a quarter of each expert)
+    for ranks in (1, 2, 4) if variant in ("llama", "llama-vocab509-kv4", "gpt-oss") else (1, 2):
         out = tmp_path / f"tp{ranks}.jsonl"
         flover_run_ok(
             ranks, model_dir, prompts, out, "--arrival", "interval", "--interval", "40", "--max-slots", "4", *extra
@@ -62,7 +63,7 @@ def test_tp2_and_tp4_give_exactly_the_tp1_tokens(make_model, variant, tmp_path):
         results[ranks] = tokens_by_id(out)
     assert len(results[1]) == len(REQUESTS)
     assert results[2] == results[1]
-    assert results[4] == results[1]
+    assert results.get(4, results[1]) == results[1]
 
 
 def test_each_rank_holds_its_shard(make_model):

@@ -432,31 +432,49 @@ class NativeForward:
         rows = batch.input_ids.shape[0]
         if not 0 < rows <= self.max_rows:
             return None
+        out_rows = batch.sample_rows.contiguous()  # (named: a contiguous copy lives until the call returns)
+        n_out = out_rows.shape[0]
+        ids_back, logits = self._head_output(n_out, greedy)
+        full = self._call(batch, n_out, out_rows.data_ptr(), logits.data_ptr(), self._ids if ids_back else None)
+        return self._head_result(ids_back, logits, n_out, full)
+
+    def _head_output(self, n_out: int, greedy: bool) -> tuple[bool, torch.Tensor]:
+        """Whether the rows' greedy ids come back instead of logits (`greedy`, where this model
+        screens its head), and the [n_out, vocab] float32 logits, or the screen's scratch."""
+        ids_back = greedy and self.screens_greedy and n_out > 0
+        if not ids_back:
+            return False, torch.empty(n_out, self.vocab, dtype=torch.float32)  # float32 whatever the dtype
+        # scratch: the screen's [n_out, vocab] float scores (beyond screen_rows none are used)
+        if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
+            self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
+        return True, self._screen_scores
+
+    def _head_result(self, ids_back: bool, logits: torch.Tensor, n_out: int, full: int) -> torch.Tensor | list[int]:
+        if not ids_back:
+            return logits
+        self.screened_rows += n_out
+        self.full_head_rows += full
+        return self._ids[:n_out]
+
+    def _call(self, batch: ForwardBatch, n_out: int, out_rows, logits, ids, hidden_in=None, hidden_out=None) -> int:
+        """flover_forward over the batch's rows (addresses, or None, for the rest)."""
         # named, so that a contiguous copy (if one is made) lives until the call returns
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
-        slots, out_rows = batch.write_slots.contiguous(), batch.sample_rows.contiguous()
-        n_out = out_rows.shape[0]
-        ids_back = greedy and self.screens_greedy and n_out > 0  # the rows' ids come back, not logits
-        if not ids_back:
-            logits = torch.empty(n_out, self.vocab, dtype=torch.float32)  # float32 whatever the dtype
-        else:  # scratch: the screen's [n_out, vocab] float scores (beyond screen_rows none are used)
-            if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
-                self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
-            logits = self._screen_scores
+        slots = batch.write_slots.contiguous()
         full = self.lib.flover_forward(
             self._model_struct,
             self._layer_structs,
-            rows,
+            tokens.shape[0],
             batch.num_decode,
             tokens.data_ptr(),
             positions.data_ptr(),
             slots.data_ptr(),
             n_out,
-            out_rows.data_ptr(),
-            logits.data_ptr(),
-            self._ids if ids_back else None,
-            None,
-            None,
+            out_rows,
+            logits,
+            ids,
+            hidden_in,
+            hidden_out,
             self._work.data_ptr(),
             self.eps,
             self.threads,
@@ -464,11 +482,7 @@ class NativeForward:
         if full < 0:
             raise RuntimeError("native step: a row's position or token id is out of range")
         self.iterations += 1
-        if not ids_back:
-            return logits
-        self.screened_rows += n_out
-        self.full_head_rows += full
-        return self._ids[:n_out]
+        return full
 
     def run_stage(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor | None:
         """A pipeline stage's layers: [rows, hidden] float32 residual rows after them, from the
@@ -477,34 +491,9 @@ class NativeForward:
         rows = batch.input_ids.shape[0]
         if not 0 < rows <= self.max_rows:
             return None
-        tokens, positions, slots = (
-            batch.input_ids.contiguous(),
-            batch.positions.contiguous(),
-            batch.write_slots.contiguous(),
-        )
         hidden_in = hidden_in.contiguous() if hidden_in is not None else None
         out = torch.empty(rows, self.model.cfg.hidden_size, dtype=torch.float32)
-        failed = self.lib.flover_forward(
-            self._model_struct,
-            self._layer_structs,
-            rows,
-            batch.num_decode,
-            tokens.data_ptr(),
-            positions.data_ptr(),
-            slots.data_ptr(),
-            0,
-            None,
-            None,
-            None,
-            hidden_in.data_ptr() if hidden_in is not None else None,
-            out.data_ptr(),
-            self._work.data_ptr(),
-            self.eps,
-            self.threads,
-        )
-        if failed < 0:
-            raise RuntimeError("native step: a row's position or token id is out of range")
-        self.iterations += 1
+        self._call(batch, 0, None, None, None, hidden_in.data_ptr() if hidden_in is not None else None, out.data_ptr())
         return out
 
     def head(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor | list[int]:
@@ -513,13 +502,7 @@ class NativeForward:
         ids where `greedy` and the head is screened (as run())."""
         hidden = hidden.contiguous()
         n_out = hidden.shape[0]
-        ids_back = greedy and self.screens_greedy and n_out > 0
-        if not ids_back:
-            logits = torch.empty(n_out, self.vocab, dtype=torch.float32)
-        else:
-            if n_out <= self.screen_rows and self._screen_scores.shape[0] < n_out:
-                self._screen_scores = torch.empty(n_out, self.vocab, dtype=torch.float32)
-            logits = self._screen_scores
+        ids_back, logits = self._head_output(n_out, greedy)
         full = self.lib.flover_head(
             self._model_struct,
             hidden.data_ptr(),
@@ -530,8 +513,4 @@ class NativeForward:
             self.eps,
             self.threads,
         )
-        if not ids_back:
-            return logits
-        self.screened_rows += n_out
-        self.full_head_rows += full
-        return self._ids[:n_out]
+        return self._head_result(ids_back, logits, n_out, full)

@@ -75,8 +75,9 @@ def launch_groups(device: str, tp: int | None, pp: int = 1) -> Launch:
         tp = world.size // pp
     size = tp * pp
     if not 1 <= size <= world.size or world.size % size:
-        what = f"--tp {tp}" if pp == 1 else f"--pp {pp} x --tp {tp}"
-        raise ValueError(f"{what}: the {world.size} ranks must split into groups of {size} ranks")
+        if pp == 1:
+            raise ValueError(f"--tp {tp}: the {world.size} ranks must split into groups of --tp ranks")
+        raise ValueError(f"--pp {pp} x --tp {tp}: the {world.size} ranks must split into groups of {size} ranks")
     group, layout = (world, GroupLayout(0, (0,))) if size == world.size else split_world(world, size)
     if pp > 1:
         return _stages(device, group, world, layout, StagePlace(group.rank // tp, pp, group.rank % tp, tp))

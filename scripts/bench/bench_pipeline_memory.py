@@ -9,7 +9,6 @@ rank's VmRSS from /proc, stops it.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import socket
@@ -17,14 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-MPI_ENV = {
-    **os.environ,
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_btl": "self,sm",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "PYTHONUNBUFFERED": "1",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_data_parallel import MPI_ENV
 
 
 def free_port() -> int:
