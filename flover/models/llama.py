@@ -8,7 +8,7 @@ Tensor parallelism (Megatron): QKV and gate/up are split by output columns, atte
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
 added once, after the all-reduce; embedding and LM head are split by vocabulary.
 A pipeline stage (models/stage_layout.py) holds its range of layers; the first stage also the
-embedding, final norm and LM head (`embed`, `run_layers` and `head` are the forward's three parts).
+embedding, final norm and LM head (`embed_tokens`, `run_layers` and `head`: the forward in three parts).
 """
 
 from __future__ import annotations
