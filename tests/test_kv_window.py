@@ -171,6 +171,8 @@ def test_speculative_drafts_slide_the_window_too(make_model):
     drafts were verified."""
     bounded, full = engines(make_model("gemma3"), "float32", speculate=4, speculate_ngram=1)
     assert bounded.runner.native is not None
+    for engine in (bounded, full):  # drafts sized by a fixed cost fit, not by this machine's timing (it flaked)
+        engine.scheduler.iteration_cost.leader_knee = 64.0
     rng = random.Random(3)
     loop = [rng.randrange(500) for _ in range(12)]
     jobs = [
@@ -178,4 +180,4 @@ def test_speculative_drafts_slide_the_window_too(make_model):
         for i in range(4)
     ]
     assert run(bounded, jobs) == run(full, jobs)
-    assert bounded.draft_tokens > 0 and bounded.accepted_tokens > 0
+    assert bounded.draft_tokens > 0 and bounded.accepted_tokens > 0, (bounded.draft_tokens, bounded.accepted_tokens)
