@@ -35,15 +35,42 @@ def wait_without_spinning(request, max_sleep: float = 0.005) -> None:
     """Wait for a non-blocking MPI request. Spins for ~1 ms (the common case while generating:
     the root is only sampling), then sleeps with exponential back-off, so an idle rank costs ~0% CPU
     (a blocking MPI call in Open MPI busy-polls a core at 100%)."""
-    deadline = time.perf_counter() + 0.001
-    while not request.Test():
+    wait_until(request.Test, max_sleep=max_sleep)
+
+
+def wait_until(ready, spin: float = 0.001, max_sleep: float = 0.005) -> None:
+    """Until `ready()`: asked in a loop for `spin` seconds, then between sleeps that double from
+    50 us up to `max_sleep`."""
+    deadline = time.perf_counter() + spin
+    while not ready():
         if time.perf_counter() < deadline:
             continue
-        sleep = 50e-6
-        while not request.Test():
+        sleep = min(50e-6, max_sleep)
+        while not ready():
             time.sleep(sleep)
             sleep = min(sleep * 2, max_sleep)
         return
+
+
+class PendingSends:
+    """Non-blocking MPI sends whose buffers must live until each one completes."""
+
+    def __init__(self):
+        self._sending: list = []  # (request, buffer)
+
+    def add(self, request, buffer) -> None:
+        self._sending.append((request, buffer))
+        self.progress()
+
+    def progress(self) -> None:
+        self._sending = [(r, b) for r, b in self._sending if not r.Test()]
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait (a while) for what was sent to leave: before this rank stops."""
+        deadline = time.monotonic() + timeout
+        while self._sending and time.monotonic() < deadline:
+            self.progress()
+            time.sleep(0.001)
 
 
 class MPICommunicator:

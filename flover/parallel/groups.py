@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from flover.parallel.comm import MPICommunicator
+from flover.parallel.comm import MPICommunicator, PendingSends
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,15 @@ class Mailbox:
 
     def __init__(self, world: MPICommunicator):
         self.comm, self.MPI = world.comm, world.MPI
-        self._sending: list = []  # (request, buffer): the buffers live until their send completes
+        self.sends = PendingSends()
 
     def send(self, dest: int, message) -> None:
         buf = np.frombuffer(msgpack.packb(message), dtype=np.uint8)
-        self._sending.append((self.comm.Isend([buf, self.MPI.BYTE], dest=dest, tag=self.TAG), buf))
-        self._progress()
+        self.sends.add(self.comm.Isend([buf, self.MPI.BYTE], dest=dest, tag=self.TAG), buf)
 
     def receive(self) -> list[tuple[int, object]]:
         """Every message that has arrived: (source rank, message), in order per source."""
-        self._progress()
+        self.sends.progress()
         found, status = [], self.MPI.Status()
         while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.TAG, status=status):
             buf = np.empty(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
@@ -86,7 +85,7 @@ class Mailbox:
         """Until a message is there or `timeout` passed, sleeping (an idle rank costs ~0% CPU)."""
         deadline, sleep = time.monotonic() + timeout, 50e-6
         while not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.TAG):
-            self._progress()
+            self.sends.progress()
             if time.monotonic() >= deadline:
                 return
             time.sleep(sleep)
@@ -94,10 +93,4 @@ class Mailbox:
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait (a while) for what was sent to leave: before this rank stops."""
-        deadline = time.monotonic() + timeout
-        while self._sending and time.monotonic() < deadline:
-            self._progress()
-            time.sleep(0.001)
-
-    def _progress(self) -> None:
-        self._sending = [(r, b) for r, b in self._sending if not r.Test()]
+        self.sends.flush(timeout)

@@ -9,27 +9,16 @@ and every stage the activations, in the order the leader made them."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 import torch
 
-from flover.parallel.comm import MPICommunicator
+from flover.parallel.comm import MPICommunicator, PendingSends, wait_until
 
 WORK_TAG, HIDDEN_TAG = 81, 82
 _WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def wait_briefly(request, max_sleep: float = 200e-6) -> None:
-    """Wait for a non-blocking MPI request on the hot path: spin ~0.2 ms, then sleep in steps of at
-    most `max_sleep` (a stage waits for its neighbour most of the time it is not computing; a
-    longer back-off would add its overshoot to every iteration)."""
-    deadline = time.perf_counter() + 200e-6
-    while not request.Test():
-        if time.perf_counter() >= deadline:
-            time.sleep(max_sleep)
 
 
 @dataclass(frozen=True)
@@ -55,7 +44,7 @@ class StageLink:
         self.group = group  # (the engine's communicator of every rank: its collectives at start-up)
         self.comm, self.MPI, self.place = group.comm, group.MPI, place
         self.size = group.size
-        self._sending: list = []  # (request, buffer): buffers live until their sends complete
+        self.sends = PendingSends()
         t = place.tp
         self.next_rank = ((place.stage + 1) % place.stages) * t + place.tp_rank  # (the last stage: the first)
         self.prev_rank = ((place.stage - 1) % place.stages) * t + place.tp_rank
@@ -75,12 +64,8 @@ class StageLink:
     def receive_work(self, max_sleep: float = 0.002) -> dict:
         """The leader's next message. Polls with a growing sleep (up to `max_sleep`): an idle
         rank costs ~0% CPU (a blocking MPI receive in Open MPI busy-polls a core)."""
-        status, sleep = self.MPI.Status(), 50e-6
-        deadline = time.perf_counter() + 0.001
-        while not self.comm.Iprobe(source=0, tag=WORK_TAG, status=status):
-            if time.perf_counter() >= deadline:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, max_sleep)
+        status = self.MPI.Status()
+        wait_until(lambda: self.comm.Iprobe(source=0, tag=WORK_TAG, status=status), max_sleep=max_sleep)
         buf = np.empty(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
         self.comm.Recv([buf, self.MPI.BYTE], source=0, tag=WORK_TAG)
         return msgpack.unpackb(buf.tobytes(), strict_map_key=False)
@@ -95,19 +80,13 @@ class StageLink:
     def receive_hidden(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, width] from the previous stage (the first stage: from the last)."""
         out = np.empty((rows, width), dtype=_WIRE_DTYPES[dtype])
-        wait_briefly(self.comm.Irecv(out, source=self.prev_rank, tag=HIDDEN_TAG))
+        # on the hot path: a stage waits for its neighbour most of the time it is not computing, and
+        # a longer back-off would add its overshoot to every iteration
+        wait_until(self.comm.Irecv(out, source=self.prev_rank, tag=HIDDEN_TAG).Test, spin=200e-6, max_sleep=200e-6)
         return torch.from_numpy(out)
 
     def _isend(self, array: np.ndarray, rank: int, tag: int) -> None:
-        self._sending.append((self.comm.Isend(array, dest=rank, tag=tag), array))
-        self._sending = [(r, b) for r, b in self._sending if not r.Test()]
-
-    def flush(self, timeout: float = 5.0) -> None:
-        """Wait (a while) for what was sent to leave: before this rank stops."""
-        deadline = time.monotonic() + timeout
-        while self._sending and time.monotonic() < deadline:
-            self._sending = [(r, b) for r, b in self._sending if not r.Test()]
-            time.sleep(0.001)
+        self.sends.add(self.comm.Isend(array, dest=rank, tag=tag), array)
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -19,6 +19,7 @@ pipeline's bubble is the rest) without a message of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -116,19 +117,14 @@ def decode_batch(fields: dict, device: torch.device) -> ForwardBatch:
         draft_rows=fields["draft_rows"],
     )
     w = fields.get("window")
-    if w is not None:
-        batch.window = ForwardBatch(
-            input_ids=batch.input_ids,
+    if w is not None:  # as ModelRunner._window_rows makes it
+        batch.window = dataclasses.replace(
+            batch,
             positions=tensor(w["positions"]),
-            write_slots=batch.write_slots,
-            num_decode=batch.num_decode,
-            decode_span=batch.decode_span,
-            decode_rows=batch.decode_rows,
             span_lens=tensor(w["span_lens"]),
             max_decode_len=w["max_len"],
-            prefills=[PrefillSpan(p.token_start, p.length, p.slot, s) for p, s in zip(batch.prefills, w["starts"])],
-            sample_rows=batch.sample_rows,
-            draft_rows=batch.draft_rows,
+            prefills=[dataclasses.replace(p, start_pos=s) for p, s in zip(batch.prefills, w["starts"])],
+            _masks={},
         )
     return batch
 
@@ -155,10 +151,18 @@ class PipelineRunner(ModelRunner):
 
     # -- both ---------------------------------------------------------------------------------
     def _apply_copies(self, c: dict) -> None:
+        """A plan's copies (as _copies wrote them), in ModelRunner.execute's order: prefix saves,
+        the shuffle's moves, prefix loads and the admitted slots' window bases, window slides."""
         if c["saves"]:
             self.buffer.save_blocks([BlockCopy(*s) for s in c["saves"]])
         if c["moves"]:
             self.buffer.apply_moves([Move(*m) for m in c["moves"]], positions=max(1, c["moved"]))
+        self.buffer.load_blocks([BlockCopy(*x) for x in c["loads"]])
+        if self.buffer.window_base is not None:
+            for slot, base in c["bases"]:
+                self.buffer.window_base[slot] = base
+        if c["shifts"]:
+            self.buffer.apply_shifts([WindowShift(*s) for s in c["shifts"]])
 
     def _stage_forward(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
         """This stage's layers: [T, hidden] residual rows (wire dtype) after them."""
@@ -198,10 +202,9 @@ class PipelineRunner(ModelRunner):
         """The plan's copies here and on every stage, then (unless it has no rows) its first
         stage's layers; None when there is nothing to finish."""
         copies = _copies(plan)
-        self._apply_copies(copies)
-        self.admit(plan)
-        if plan.shifts:
-            self.buffer.apply_shifts(plan.shifts)
+        self._apply_copies(copies)  # (as every other rank of the group applies them)
+        for request in plan.admitted:
+            self.sampling_state(request)
         if plan.empty:
             if plan.saves or plan.moves or plan.loads or plan.shifts:
                 self.link.send_work({"op": "forward", "copies": copies})
@@ -244,7 +247,7 @@ class PipelineRunner(ModelRunner):
 
     def stop_followers(self) -> None:
         self.link.send_work({"op": "shutdown"})
-        self.link.flush()
+        self.link.sends.flush()
 
     # -- every other rank ---------------------------------------------------------------------
     def follow(self) -> None:
@@ -258,14 +261,7 @@ class PipelineRunner(ModelRunner):
                 hidden, _ = self._receive(work["rows"])
                 self.comm.gather_to_root(self._head(hidden, False))  # the leader samples
                 continue
-            c = work["copies"]
-            self._apply_copies(c)
-            self.buffer.load_blocks([BlockCopy(*x) for x in c["loads"]])
-            if self.buffer.window_base is not None:
-                for slot, base in c["bases"]:
-                    self.buffer.window_base[slot] = base
-            if c["shifts"]:
-                self.buffer.apply_shifts([WindowShift(*s) for s in c["shifts"]])
+            self._apply_copies(work["copies"])
             if "batch" not in work:
                 continue
             batch = decode_batch(work["batch"], self.device)

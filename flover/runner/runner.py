@@ -150,17 +150,21 @@ class ModelRunner:
         cached prefixes into their slots."""
         self.buffer.load_blocks(plan.loads)
         for request in plan.admitted:
-            slot, params = request.slot, request.params
             if self.buffer.window_base is not None:
-                self.buffer.window_base[slot] = request.window_base
-            self._temperature[slot] = params.temperature
-            self._top_k[slot] = params.top_k
-            self._top_p[slot] = params.top_p
-            self._min_p[slot] = params.min_p
-            self._rep_penalty[slot] = params.repetition_penalty
-            self._frequency_penalty[slot] = params.frequency_penalty
-            self._presence_penalty[slot] = params.presence_penalty
-            self._seed[slot] = params.seed if params.seed is not None else self._rng.getrandbits(63)
+                self.buffer.window_base[request.slot] = request.window_base
+            self.sampling_state(request)
+
+    def sampling_state(self, request: Request) -> None:
+        """An admitted request's sampling parameters into its slot's state."""
+        slot, params = request.slot, request.params
+        self._temperature[slot] = params.temperature
+        self._top_k[slot] = params.top_k
+        self._top_p[slot] = params.top_p
+        self._min_p[slot] = params.min_p
+        self._rep_penalty[slot] = params.repetition_penalty
+        self._frequency_penalty[slot] = params.frequency_penalty
+        self._presence_penalty[slot] = params.presence_penalty
+        self._seed[slot] = params.seed if params.seed is not None else self._rng.getrandbits(63)
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, IterationRows]:
         """The iteration's token matrix: decode tokens in slot order, then the prefill chunks.
