@@ -238,6 +238,19 @@ class Server:
 ID_PROMPTS = [[(5 * i + 3 * j) % 500 + 1 for j in range(1 + 3 * i)] for i in range(12)]
 
 
+def send_id_prompts(client, max_new_tokens: int) -> None:
+    """Every ID_PROMPTS prompt to a daemon without waiting, under ids "0", "1", ..."""
+    for i, p in enumerate(ID_PROMPTS):
+        client.send(
+            {
+                "op": "generate",
+                "id": str(i),
+                "input_ids": p,
+                "params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+            }
+        )
+
+
 def expected_outputs(model_dir: str, n_tokens: list[int], **params):
     llm = LLM(model_dir, dtype="float64", max_seq_len=256, max_slots=8)
     return llm.generate(ID_PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True, **params) for n in n_tokens])

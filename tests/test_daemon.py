@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from flover.client import AsyncClient, Client, FloverError
-from tests.helpers import ID_PROMPTS, Server, expected_outputs, free_port
+from tests.helpers import ID_PROMPTS, Server, expected_outputs, free_port, send_id_prompts
 
 
 def test_concurrent_clients_streaming_and_not_equal_the_offline_api(server, llama_dir):
@@ -467,15 +467,7 @@ def test_daemon_under_mpirun_two_ranks(llama_dir):
     srv = Server(llama_dir, "--max-slots", "4", ranks=2)
     try:
         with srv.client() as c:
-            for i, p in enumerate(ID_PROMPTS):
-                c.send(
-                    {
-                        "op": "generate",
-                        "id": str(i),
-                        "input_ids": p,
-                        "params": {"max_new_tokens": 8, "ignore_eos": True},
-                    }
-                )
+            send_id_prompts(c, 8)
             got = [c.wait(str(i))["token_ids"] for i in range(len(ID_PROMPTS))]
             assert got == [e.token_ids for e in expected]
             assert c.health()["status"] == "ok"

@@ -28,6 +28,7 @@ from tests.helpers import (
     expected_outputs,
     flover_run_cmd,
     flover_run_ok,
+    send_id_prompts,
     tokens_by_id,
     write_jsonl,
 )
@@ -209,15 +210,7 @@ def test_the_daemon_serves_streams_cancels_and_drains_across_stages(three_layer_
     srv = Server(model, "--max-slots", "8", "--pp", "2", "--threads", "1", ranks=2)
     try:
         with srv.client() as c:
-            for i, p in enumerate(ID_PROMPTS):
-                c.send(
-                    {
-                        "op": "generate",
-                        "id": str(i),
-                        "input_ids": p,
-                        "params": {"max_new_tokens": 8, "ignore_eos": True},
-                    }
-                )
+            send_id_prompts(c, 8)
             streamed = list(c.stream(input_ids=ID_PROMPTS[3], max_new_tokens=8, ignore_eos=True))
             got = [c.wait(str(i))["token_ids"] for i in range(len(ID_PROMPTS))]
             assert got == [e.token_ids for e in expected]

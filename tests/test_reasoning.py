@@ -32,17 +32,21 @@ ANSWERS = [
 ]
 
 
+def fed_in_pieces(stream, text: str, size: int) -> tuple[str, str]:
+    """(thinking, answer): `text` fed to `stream` `size` characters at a time, then finished."""
+    thinking = answer = ""
+    for at in range(0, len(text), size):
+        t, a = stream.feed(text[at : at + size])
+        thinking, answer = thinking + t, answer + a
+    t, a = stream.finish()
+    return thinking + t, answer + a
+
+
 @pytest.mark.parametrize("text", ANSWERS)
 def test_a_stream_split_token_by_token_gives_the_whole_answers_split(text):
     for size in (1, 2, 3, 7, 100):
-        stream, thinking, answer = ReasoningStream(), "", ""
-        for at in range(0, len(text), size):
-            t, a = stream.feed(text[at : at + size])
-            thinking, answer = thinking + t, answer + a
-        t, a = stream.finish()
-        thinking, answer = thinking + t, answer + a
         whole_thinking, whole_answer = split_reasoning(text)
-        assert (thinking, answer) == (whole_thinking or "", whole_answer), (text, size)
+        assert fed_in_pieces(ReasoningStream(), text, size) == (whole_thinking or "", whole_answer), (text, size)
 
 
 def test_the_split_of_whole_answers():
@@ -161,13 +165,8 @@ HARMONY_ANSWERS = [
 @pytest.mark.parametrize("text", HARMONY_ANSWERS)
 def test_a_harmony_stream_split_piece_by_piece_gives_the_whole_answers_split(text):
     for size in (1, 2, 3, 7, 100):
-        stream, thinking, answer = answer_stream("harmony"), "", ""
-        for at in range(0, len(text), size):
-            t, a = stream.feed(text[at : at + size])
-            thinking, answer = thinking + t, answer + a
-        t, a = stream.finish()
         whole_thinking, whole_answer = split_answer(text, "harmony")
-        assert (thinking + t, answer + a) == (whole_thinking or "", whole_answer), (text, size)
+        assert fed_in_pieces(answer_stream("harmony"), text, size) == (whole_thinking or "", whole_answer), (text, size)
 
 
 def test_the_harmony_split_of_whole_answers():
