@@ -119,6 +119,39 @@ def test_fused_rows_give_each_request_its_solo_tokens(make_model, tmp_path, case
     assert together == [solo.generate([p], params)[0].token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("variant", ["qwen3-moe", "gpt-oss"])
+def test_an_iteration_past_the_fused_region_gets_the_same_tokens(make_model, tmp_path, variant):
+    """A file's experts run in one parallel region for iterations of up to 512 / top_k rows
+    (experts.c's experts_fused) and expert by expert beyond. A 300-token prompt prefilled as one
+    iteration (past 256 rows at top 2) and as iterations of 32 rows gives the same tokens: the
+    two paths take the same tiles and sum each row's experts in the same order."""
+    model = with_router(make_model(variant), tmp_path / "m", 50.0)
+    assert load_model_config(model).moe.top_k == 2
+    qtype, types = FILES[variant]
+    model = str(write_gguf(model, tmp_path / "m.gguf", qtype, types=types))
+    prompt = [random.Random(1).randrange(1, 500) for _ in range(300)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    tokens, widest = {}, {}
+    for chunk in (512, 32):
+        engine = LLM(
+            model,
+            dtype="bfloat16",
+            max_slots=1,
+            max_seq_len=400,
+            max_batch_tokens=chunk,
+            speculate=0,
+            quantization="file",
+        ).engine
+        engine.add_request(prompt, params, request_id="long")
+        done, widest[chunk] = [], 0
+        while engine.has_unfinished():
+            done += [o for o in engine.step() if o.finished]
+            widest[chunk] = max([widest[chunk]] + [rows for _, rows in engine.timed_iterations()])
+        tokens[chunk] = done[0].token_ids
+    assert widest == {512: 300, 32: 32}
+    assert tokens[512] == tokens[32]
+
+
 def test_the_daemon_reports_the_rows_each_expert_took(make_model):
     """stats over the socket and /metrics' flover:expert_rows_total per layer and expert."""
     from prometheus_client.parser import text_string_to_metric_families

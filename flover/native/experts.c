@@ -1,7 +1,8 @@
 /* A layer's mixture of experts over an iteration's rows (Qwen3-MoE, Mixtral, gpt-oss), as
  * flover/models/moe.py computes it: the router's logits, each row's top k of a float32 softmax
  * (renormalised where the model says), then each expert that some row chose runs once, as one
- * projection over the rows that chose it; experts no row chose are not read.
+ * projection over the rows that chose it; experts no row chose are not read. A decode-sized
+ * iteration over a GGUF file's experts runs them all in one parallel region (experts_fused).
  *
  * A row's result does not depend on the other rows: a projection's output row is summed in the
  * same order whatever rows share the tile (project.c), and each row's sum adds its experts'
@@ -50,6 +51,117 @@ static void expert_project(const Model *md, int64_t grids, int64_t dense, int64_
         project(md, ((const int64_t *)dense)[e], bias, x, xb, rows, n_out, k, y, nt);
 }
 
+/* Whether every expert's gate_up and down are codes that take int8 inputs (a GGUF file's) */
+static int experts_take_int8(const Model *md, const Layer *ly) {
+    if (!ly->expert_gate_up_grid || !ly->expert_down_grid) return 0;
+    for (int64_t e = 0; e < md->experts; e++) {
+        const Grid *grids[2] = {(const Grid *)((const int64_t *)ly->expert_gate_up_grid)[e],
+                                (const Grid *)((const int64_t *)ly->expert_down_grid)[e]};
+        for (int i = 0; i < 2; i++) {
+            if (!grids[i]) return 0;
+            for (int64_t p = 0; p < grids[i]->parts; p++)
+                if (!grids[i]->part[p].x8) return 0;
+        }
+    }
+    return 1;
+}
+
+/* `rows` entries of int8 inputs from entry `first` on, in arrays laid out for `entries` of k */
+static Int8Rows entries_from(const Int8Rows *all, int64_t first, int64_t k) {
+    const Int8Rows x = {all->q + first * k, all->d + first * (k / 32), all->ds16 + first * (k / 16),
+                        all->ds32 + first * (k / 32), all->qs32 + first * (k / 32)};
+    return x;
+}
+
+/* Thread t of T's share of one projection kind (gate_up or down) over every chosen expert: the
+ * experts' blocks of 16 outputs in a row, a block of expert e costing its m_e rows plus one (the
+ * unpacking of its codes, which the rows share); the thread takes the blocks whose cost starts in
+ * its T-th of the total. in: the entries' int8 inputs (k each); y: [entries, n_out] floats. */
+static void experts_share(const Model *md, int64_t grids, int64_t biases, const int64_t *start, const Int8Rows *in,
+                          int64_t k, int64_t n_out, float *y, int t, int T) {
+    const int64_t n = md->experts, blocks = (n_out + 15) / 16;
+    int64_t total = 0;
+    for (int64_t e = 0; e < n; e++)
+        if (start[e + 1] > start[e]) total += (start[e + 1] - start[e] + 1) * blocks;
+    const int64_t lo = total * t / T, hi = total * (t + 1) / T;
+    for (int64_t e = 0, at = 0; e < n && at < hi; e++) {
+        const int64_t m = start[e + 1] - start[e], cost = m + 1;
+        if (!m) continue;
+        const int64_t j0 = lo > at ? (lo - at + cost - 1) / cost : 0, j1_all = (hi - at + cost - 1) / cost;
+        const int64_t j1 = j1_all < blocks ? j1_all : blocks;
+        at += cost * blocks;
+        if (j0 >= j1) continue;
+        const Grid *grid = (const Grid *)((const int64_t *)grids)[e];
+        const char *bias = biases ? (const char *)((const int64_t *)biases)[e] : 0;
+        const Int8Rows xe = entries_from(in, start[e], k);
+        float *ye = y + start[e] * n_out;
+        /* block j of the expert: a block of one of its grid's runs (every run but the last whole blocks) */
+        int64_t p = 0, first = 0, columns = 0;
+        for (int64_t j = j0; j < j1; j++) {
+            while (j - first >= (grid->part[p].rows + 15) / 16)
+                first += (grid->part[p].rows + 15) / 16, columns += grid->part[p].rows, p++;
+            block_x8(&grid->part[p], j - first, k, &xe, (int)m, bias ? bias + columns * (md->dtype == DT_BF16 ? 2 : 4) : 0,
+                     ye + columns, n_out, md->dtype == DT_BF16);
+        }
+    }
+}
+
+/* The chosen experts over their entries in one parallel region (an iteration of up to
+ * fused_expert_rows rows, experts in codes that take int8 inputs): per expert two regions and
+ * their waits cost more than its few rows' work. The same tiles, sums and order as the loop in
+ * experts_step, so the same bits. */
+static void experts_fused(const Model *md, const float *x, int rows, float *y, const ExpertsWork *w, void *xb,
+                          float *xsum, const Layer *ly, int nt) {
+    const int bf = md->dtype == DT_BF16;
+    const int64_t h = md->hidden, k = md->top_k, inter = md->expert_inter, entries = rows * k;
+    const int64_t *start = w->start;
+    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, h);
+    const Int8Rows in = int8_rows_at(w->entry_x8, w->entry_ds16, entries, h);
+    const Int8Rows act = int8_rows_at(w->entry_x8, w->entry_ds16, entries, inter);
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        int8_rows(x, &x8, rows, h, t, T);
+#pragma omp barrier
+        for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++) { /* each entry's row's int8 inputs */
+            const int64_t r = w->members[i];
+            memcpy((int8_t *)in.q + i * h, x8.q + r * h, h);
+            memcpy((float *)in.d + i * (h / 32), x8.d + r * (h / 32), h / 32 * sizeof(float));
+            memcpy((float *)in.ds16 + i * (h / 16), x8.ds16 + r * (h / 16), h / 16 * sizeof(float));
+            memcpy((float *)in.ds32 + i * (h / 32), x8.ds32 + r * (h / 32), h / 32 * sizeof(float));
+            memcpy((int32_t *)in.qs32 + i * (h / 32), x8.qs32 + r * (h / 32), h / 32 * sizeof(int32_t));
+        }
+#pragma omp barrier
+        experts_share(md, ly->expert_gate_up_grid, ly->expert_gate_up_bias, start, &in, h, 2 * inter, w->entry_wide, t,
+                      T);
+#pragma omp barrier
+        for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++) {
+            const float *wide = w->entry_wide + i * 2 * inter;
+            float *mid = w->entry_mid + i * inter;
+            if (md->act == 2) swiglu_clamped_mul(wide, inter, bf, (float)md->swiglu_limit, (float)md->swiglu_alpha, mid);
+            else if (md->act) gelu_mul(wide, inter, bf, mid);
+            else silu_mul(wide, inter, bf, mid);
+        }
+        int8_rows(w->entry_mid, &act, (int)entries, inter, t, T); /* (this thread's entries, as above) */
+#pragma omp barrier
+        experts_share(md, ly->expert_down_grid, ly->expert_down_bias, start, &act, inter, h, w->entry_out, t, T);
+#pragma omp barrier
+        for (int r = rows * t / T; r < rows * (t + 1) / T; r++) { /* the row's sum += rnd(output * weight), experts ascending */
+            float *sum = y + r * h;
+            memset(sum, 0, h * sizeof(float));
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t i = w->row_entries[r * k + j];
+                const float *out = w->entry_out + i * h;
+                const v16 weight = v_set1(w->member_weight[i]);
+                for (int64_t c = 0; c < h; c += 16) {
+                    const v16 added = v_add(v_loadn(sum + c, h - c), v_rnd(v_mul(v_loadn(out + c, h - c), weight), bf));
+                    v_storen(sum + c, v_rnd(added, bf), h - c);
+                }
+            }
+        }
+    }
+}
+
 void experts_step(const Model *md, const Layer *ly, const float *x, int rows, float *y, const ExpertsWork *w,
                   void *xb, float *xsum, float *wide, float *mid, int nt) {
     const int bf = md->dtype == DT_BF16;
@@ -65,13 +177,22 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
     for (int64_t e = 0; e < n; e++) load[e] += start[e + 1], start[e + 1] += start[e];
     /* each (row, pick) into its expert's entries, rows ascending (start[e] counts up to the end of
      * e's entries, then every start moves back one expert) */
+    const int fused = rows <= fused_expert_rows(md) && experts_take_int8(md, ly);
     for (int r = 0; r < rows; r++)
         for (int64_t j = 0; j < k; j++) {
             const int64_t at = start[w->picked[r * k + j]]++;
             w->members[at] = r, w->member_weight[at] = w->weight[r * k + j];
+            if (!fused) continue;
+            int64_t i = j, *mine = w->row_entries + r * k; /* the row's entries, ascending (so by expert) */
+            for (; i > 0 && mine[i - 1] > at; i--) mine[i] = mine[i - 1];
+            mine[i] = at;
         }
     for (int64_t e = n; e > 0; e--) start[e] = start[e - 1];
     start[0] = 0;
+    if (fused) {
+        experts_fused(md, x, rows, y, w, xb, xsum, ly, nt);
+        return;
+    }
     memset(y, 0, rows * h * sizeof(float));
     for (int64_t e = 0; e < n; e++) {
         const int m = (int)(start[e + 1] - start[e]); /* the rows that chose e, and their weights for it */

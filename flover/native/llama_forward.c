@@ -52,7 +52,7 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
  * inputs their sum (grids with minimums), and the prompt blocks (first row and row count, int64). `end`: the floats the
  * caller allocates (flover_work_floats). */
 typedef struct {
-    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, experts, end;
+    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, experts, fused, end;
 } Work;
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -75,7 +75,12 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.experts = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
     /* a layer of experts: logits, picks (int64) and weights, each expert's first entry (int64), the
      * entries' rows (int64) and weights, an expert's rows' inputs and outputs, the rows' sums (ExpertsWork) */
-    w.end = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 3 * h) + 2 * (md->experts + 1) : 0);
+    w.fused = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 3 * h) + 2 * (md->experts + 1) : 0);
+    /* the experts' single region: per entry its int8 inputs (1.625 bytes an input, codes rounded to
+     * whole floats) and its gate_up, activation and output floats; each row's entries (int64) */
+    const int64_t fused = md->experts ? (rows < fused_expert_rows(md) ? rows : fused_expert_rows(md)) : 0;
+    const int64_t entries = fused * md->top_k, widest_in = h > md->expert_inter ? h : md->expert_inter;
+    w.end = w.fused + entries * ((widest_in + 3) / 4 + widest_in * 5 / 32 + 3 * md->expert_inter + h + 2);
     return w;
 }
 
@@ -91,6 +96,15 @@ static ExpertsWork experts_work(float *work, const Work *at, const Model *md, in
     w.gathered = p, p += rows * md->hidden;
     w.out = p, p += rows * md->hidden;
     w.sum = p;
+    const int64_t fused = rows < fused_expert_rows(md) ? rows : fused_expert_rows(md), entries = fused * md->top_k;
+    const int64_t h = md->hidden, widest_in = h > md->expert_inter ? h : md->expert_inter;
+    p = work + at->fused;
+    w.entry_x8 = p, p += entries * ((widest_in + 3) / 4 + widest_in * 3 / 32);
+    w.entry_ds16 = p, p += entries * (widest_in / 16);
+    w.entry_wide = p, p += entries * 2 * md->expert_inter;
+    w.entry_mid = p, p += entries * md->expert_inter;
+    w.entry_out = p, p += entries * h;
+    w.row_entries = (int64_t *)p;
     return w;
 }
 

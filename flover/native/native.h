@@ -209,6 +209,13 @@ typedef struct {
 } Int8Rows;
 /* thread t of T quantizes its share of x's rows [rows, k] into `out`'s arrays (from row 0) */
 void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, int T);
+/* the arrays of `rows` rows of k int8 inputs: codes, d, d sum(q) per 32 and sum(q) per 32 from
+ * `codes` on, d sum(q) per 16 in ds16 (a projection's xb and xsum scratch) */
+static inline Int8Rows int8_rows_at(void *codes, float *ds16, int64_t rows, int64_t k) {
+    const float *d = (const float *)((int8_t *)codes + rows * k);
+    const Int8Rows x = {(const int8_t *)codes, d, ds16, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
+    return x;
+}
 int x8_tile_rows(int left); /* rows of the next int8 tile over `left` rows */
 /* MT rows x one block of a run that takes int8 inputs (part->x8) */
 void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,
@@ -249,6 +256,10 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
 void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void *xb, float *xsum, int rows,
                   int64_t n_out, int64_t k, float *y, int nt);
 void grid_row(const Grid *grid, int64_t row, int64_t k, float *out);
+/* block nb (16 outputs) of a run that takes int8 inputs, for `rows` rows of x: rnd(x W^T + bias)
+ * as floats at y + row * ldy + 16 nb (outputs past the run's rows not stored) */
+void block_x8(const GridPart *part, int64_t nb, int64_t k, const Int8Rows *x, int rows, const void *bias, float *y,
+              int64_t ldy, int bf);
 
 /* ---- row_ops.c --------------------------------------------------------------------------------- */
 void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);
@@ -272,7 +283,19 @@ typedef struct {
     int64_t *members;        /* [rows, top_k]: the rows, expert by expert (rows ascending within one) */
     float *member_weight;    /* [rows, top_k]: their weights for that expert */
     float *gathered, *out, *sum; /* [rows, hidden]: the inputs of the expert's rows, its outputs; the sums */
+    /* an iteration of at most fused_expert_rows rows whose experts take int8 inputs (experts.c):
+     * every entry's int8 inputs ([entries, max(hidden, expert_inter)], int8_rows_at's arrays, the
+     * sums per 16 in entry_ds16), gate_up outputs, activations and outputs; each row's entries in
+     * ascending expert order [rows, top_k] */
+    void *entry_x8;
+    float *entry_ds16, *entry_wide, *entry_mid, *entry_out;
+    int64_t *row_entries;
 } ExpertsWork;
+/* the rows an iteration may have for the experts' single parallel region (experts.c) */
+static inline int64_t fused_expert_rows(const Model *md) {
+    const int64_t rows = 512 / (md->top_k > 0 ? md->top_k : 1);
+    return rows > 0 ? rows : 1;
+}
 /* x [rows, hidden] (normed rows) -> y [rows, hidden]: the layer's experts' weighted sum per row.
  * xb, xsum, wide, mid: the projections' scratch (as the dense MLP's) */
 void experts_step(const Model *md, const Layer *ly, const float *x, int rows, float *y, const ExpertsWork *w,

@@ -74,6 +74,58 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
         }
 }
 
+/* Where block nb (16 output rows) of a run keeps its codes and its scales (stored, or the
+ * K-quants' super-blocks), for k inputs */
+static const uint8_t *block_codes(const GridPart *part, int64_t nb, int64_t k) {
+    const int kind = (int)part->kind, bytes = kind == G_INT8_GROUPS || kind == G_INT8_K5 || kind == G_INT8_K6;
+    const int64_t code_bytes = bytes ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k : 8 * k;
+    return (const uint8_t *)part->codes + nb * code_bytes;
+}
+static const char *block_scales(const GridPart *part, int64_t nb, int64_t k) {
+    const int kind = (int)part->kind;
+    const int64_t scale_bytes = kind == G_INT4_K || kind == G_INT5_K || kind == G_INT8_K5 ? (k / 256) * Q4K_SUPER_BYTES
+                                : kind == G_INT6_K || kind == G_INT8_K6 ? (k / 256) * Q6K_SUPER_BYTES
+                                                                        : (k / part->group) * 16 * (1 + part->lows) * 4;
+    return (const char *)part->scales + nb * scale_bytes;
+}
+
+void block_x8(const GridPart *part, int64_t nb, int64_t k, const Int8Rows *x, int rows, const void *bias, float *y,
+              int64_t ldy, int bf) {
+    const uint8_t *c = block_codes(part, nb, k);
+    const char *sc = block_scales(part, nb, k);
+    float out[12 * 16];
+    for (int m0 = 0; m0 < rows;) {
+        const int mt = x8_tile_rows(rows - m0);
+        const Int8Rows xr = {x->q + m0 * k, x->d + m0 * (k / 32), x->ds16 + m0 * (k / 16), x->ds32 + m0 * (k / 32),
+                             x->qs32 + m0 * (k / 32)};
+        tile_x8(mt, part, c, sc, k, &xr, out);
+        for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, part->rows, y, (m0 + i) * ldy, 0, bf);
+        m0 += mt;
+    }
+}
+
+/* Block nb for rows of x (float rows of bfloat16 values, or their operand copy in xb) through
+ * tiles.c's 4-bit or byte tiles; xsum: their group sums where the run has minimums */
+static void block_groups(const GridPart *part, int64_t nb, int64_t k, const float *x, const void *xb,
+                         const float *xsum, int rows, const void *bias, float *y, int64_t ldy, int bf) {
+    const int kind = (int)part->kind, group = (int)part->group;
+    const uint8_t *c = block_codes(part, nb, k);
+    const char *sc = block_scales(part, nb, k);
+    float out[12 * 16];
+    for (int m0 = 0; m0 < rows;) {
+        const int mt = group_tile_rows(rows - m0);
+        const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
+                                                    : (const void *)(x + m0 * k);
+        if (kind == G_INT8_GROUPS)
+            tile_q8g(mt, (const int8_t *)c, (const float *)sc, k, group, (int)part->lows, operand,
+                     xsum + m0 * (k / group), out);
+        else
+            tile_q4(mt, kind, c, sc, k, operand, xsum + m0 * (k / group), out);
+        for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, part->rows, y, (m0 + i) * ldy, 0, bf);
+        m0 += mt;
+    }
+}
+
 /* y = x W^T (+ bias) through a run of codes with group scales (tiles.c: 4-bit, or bytes; or
  * tiles_int8.c's on int8 inputs); x: float rows [rows, k] of bfloat16 values; y: float rows with
  * a stride of ldy. One row reads a quarter (4-bit) or half of bfloat16's bytes. xb and xsum:
@@ -81,17 +133,9 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
  * an earlier run of the projection has put them there). */
 static void project_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
                            int64_t k, float *y, int64_t ldy, int bf, int nt, int x8_ready) {
-    const int kind = (int)part->kind, group = (int)part->group, lows = (int)part->lows;
-    const int64_t groups = k / group, n_out = part->rows, blocks = (n_out + 15) / 16;
-    /* bytes of a block of 16 rows: its codes, and its scales (stored, or the K-quants' super-blocks) */
-    const int bytes = kind == G_INT8_GROUPS || kind == G_INT8_K5 || kind == G_INT8_K6;
-    const int64_t code_bytes = bytes ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k : 8 * k;
-    const int64_t scale_bytes = kind == G_INT4_K || kind == G_INT5_K || kind == G_INT8_K5 ? (k / 256) * Q4K_SUPER_BYTES
-                                : kind == G_INT6_K || kind == G_INT8_K6                ? (k / 256) * Q6K_SUPER_BYTES
-                                                                                       : groups * 16 * (1 + lows) * 4;
-    /* int8 inputs: codes, d, d sum(q) per 32 and sum(q) per 32 in xb, d sum(q) per 16 in xsum */
-    const float *d = (const float *)((int8_t *)xb + (int64_t)rows * k);
-    const Int8Rows x8 = {xb, d, xsum, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
+    const int group = (int)part->group, lows = (int)part->lows;
+    const int64_t blocks = (part->rows + 15) / 16;
+    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, k);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -101,26 +145,9 @@ static void project_groups(const GridPart *part, const void *bias, const float *
             operand_rows(x, xb, rows, k, 1, t, T);
         if (lows && !part->x8) group_sums(x, xsum, rows, k, group, t, T);
 #pragma omp barrier
-        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
-        float out[12 * 16];
-        for (int64_t nb = b0; nb < b1; nb++) {
-            const char *c = (const char *)part->codes + nb * code_bytes, *sc = (const char *)part->scales + nb * scale_bytes;
-            for (int m0 = 0; m0 < rows;) {
-                const int mt = part->x8 ? x8_tile_rows(rows - m0) : group_tile_rows(rows - m0);
-                const void *operand = operand_is_bf16(W_Q8) ? (const void *)((const uint16_t *)xb + m0 * k)
-                                                            : (const void *)(x + m0 * k);
-                if (part->x8) {
-                    const Int8Rows xr = {x8.q + m0 * k, x8.d + m0 * (k / 32), x8.ds16 + m0 * (k / 16),
-                                         x8.ds32 + m0 * (k / 32), x8.qs32 + m0 * (k / 32)};
-                    tile_x8(mt, part, (const uint8_t *)c, sc, k, &xr, out);
-                } else if (kind == G_INT8_GROUPS)
-                    tile_q8g(mt, (const int8_t *)c, (const float *)sc, k, group, lows, operand, xsum + m0 * groups, out);
-                else
-                    tile_q4(mt, kind, (const uint8_t *)c, sc, k, operand, xsum + m0 * groups, out);
-                for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, n_out, y, (m0 + i) * ldy, 0, bf);
-                m0 += mt;
-            }
-        }
+        for (int64_t nb = blocks * t / T; nb < blocks * (t + 1) / T; nb++)
+            if (part->x8) block_x8(part, nb, k, &x8, rows, bias, y, ldy, bf);
+            else block_groups(part, nb, k, x, xb, xsum, rows, bias, y, ldy, bf);
     }
 }
 
