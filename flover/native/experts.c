@@ -51,6 +51,22 @@ static void expert_project(const Model *md, int64_t grids, int64_t dense, int64_
         project(md, ((const int64_t *)dense)[e], bias, x, xb, rows, n_out, k, y, nt);
 }
 
+/* an entry's activation: the gate_up outputs [2 inter] -> mid [inter], the model's act */
+static void activate(const Model *md, const float *wide, int64_t inter, int bf, float *mid) {
+    if (md->act == 2) swiglu_clamped_mul(wide, inter, bf, (float)md->swiglu_limit, (float)md->swiglu_alpha, mid);
+    else if (md->act) gelu_mul(wide, inter, bf, mid);
+    else silu_mul(wide, inter, bf, mid);
+}
+
+/* a row's sum += rnd(output * weight), in the model dtype */
+static void add_weighted(float *sum, const float *out, float weight, int64_t h, int bf) {
+    const v16 w = v_set1(weight);
+    for (int64_t c = 0; c < h; c += 16) {
+        const v16 added = v_add(v_loadn(sum + c, h - c), v_rnd(v_mul(v_loadn(out + c, h - c), w), bf));
+        v_storen(sum + c, v_rnd(added, bf), h - c);
+    }
+}
+
 /* Whether every expert's gate_up and down are codes that take int8 inputs (a GGUF file's) */
 static int experts_take_int8(const Model *md, const Layer *ly) {
     if (!ly->expert_gate_up_grid || !ly->expert_down_grid) return 0;
@@ -123,40 +139,24 @@ static void experts_fused(const Model *md, const float *x, int rows, float *y, c
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         int8_rows(x, &x8, rows, h, t, T);
 #pragma omp barrier
-        for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++) { /* each entry's row's int8 inputs */
-            const int64_t r = w->members[i];
-            memcpy((int8_t *)in.q + i * h, x8.q + r * h, h);
-            memcpy((float *)in.d + i * (h / 32), x8.d + r * (h / 32), h / 32 * sizeof(float));
-            memcpy((float *)in.ds16 + i * (h / 16), x8.ds16 + r * (h / 16), h / 16 * sizeof(float));
-            memcpy((float *)in.ds32 + i * (h / 32), x8.ds32 + r * (h / 32), h / 32 * sizeof(float));
-            memcpy((int32_t *)in.qs32 + i * (h / 32), x8.qs32 + r * (h / 32), h / 32 * sizeof(int32_t));
-        }
+        for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++) /* each entry's row's int8 inputs */
+            copy_int8_row(&x8, w->members[i], &in, i, h);
 #pragma omp barrier
         experts_share(md, ly->expert_gate_up_grid, ly->expert_gate_up_bias, start, &in, h, 2 * inter, w->entry_wide, t,
                       T);
 #pragma omp barrier
         for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++) {
-            const float *wide = w->entry_wide + i * 2 * inter;
-            float *mid = w->entry_mid + i * inter;
-            if (md->act == 2) swiglu_clamped_mul(wide, inter, bf, (float)md->swiglu_limit, (float)md->swiglu_alpha, mid);
-            else if (md->act) gelu_mul(wide, inter, bf, mid);
-            else silu_mul(wide, inter, bf, mid);
+            activate(md, w->entry_wide + i * 2 * inter, inter, bf, w->entry_mid + i * inter);
         }
         int8_rows(w->entry_mid, &act, (int)entries, inter, t, T); /* (this thread's entries, as above) */
 #pragma omp barrier
         experts_share(md, ly->expert_down_grid, ly->expert_down_bias, start, &act, inter, h, w->entry_out, t, T);
 #pragma omp barrier
-        for (int r = rows * t / T; r < rows * (t + 1) / T; r++) { /* the row's sum += rnd(output * weight), experts ascending */
-            float *sum = y + r * h;
-            memset(sum, 0, h * sizeof(float));
+        for (int r = rows * t / T; r < rows * (t + 1) / T; r++) { /* each row's experts, ascending */
+            memset(y + r * h, 0, h * sizeof(float));
             for (int64_t j = 0; j < k; j++) {
                 const int64_t i = w->row_entries[r * k + j];
-                const float *out = w->entry_out + i * h;
-                const v16 weight = v_set1(w->member_weight[i]);
-                for (int64_t c = 0; c < h; c += 16) {
-                    const v16 added = v_add(v_loadn(sum + c, h - c), v_rnd(v_mul(v_loadn(out + c, h - c), weight), bf));
-                    v_storen(sum + c, v_rnd(added, bf), h - c);
-                }
+                add_weighted(y + r * h, w->entry_out + i * h, w->member_weight[i], h, bf);
             }
         }
     }
@@ -202,23 +202,9 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
         for (int i = 0; i < m; i++) memcpy(w->gathered + i * h, x + members[i] * h, h * sizeof(float));
         expert_project(md, ly->expert_gate_up_grid, ly->expert_gate_up, ly->expert_gate_up_bias, e, w->gathered, xb,
                        xsum, m, 2 * inter, h, wide, nt);
-        for (int i = 0; i < m; i++) {
-            if (md->act == 2)
-                swiglu_clamped_mul(wide + i * 2 * inter, inter, bf, (float)md->swiglu_limit, (float)md->swiglu_alpha,
-                                   mid + i * inter);
-            else if (md->act) gelu_mul(wide + i * 2 * inter, inter, bf, mid + i * inter);
-            else silu_mul(wide + i * 2 * inter, inter, bf, mid + i * inter);
-        }
+        for (int i = 0; i < m; i++) activate(md, wide + i * 2 * inter, inter, bf, mid + i * inter);
         expert_project(md, ly->expert_down_grid, ly->expert_down, ly->expert_down_bias, e, mid, xb, xsum, m, h, inter,
                        w->out, nt);
-        for (int i = 0; i < m; i++) { /* the row's sum += rnd(output * weight), in the model dtype */
-            float *sum = y + members[i] * h;
-            const float *out = w->out + i * h;
-            const v16 weight = v_set1(member_weight[i]);
-            for (int64_t c = 0; c < h; c += 16) {
-                const v16 added = v_add(v_loadn(sum + c, h - c), v_rnd(v_mul(v_loadn(out + c, h - c), weight), bf));
-                v_storen(sum + c, v_rnd(added, bf), h - c);
-            }
-        }
+        for (int i = 0; i < m; i++) add_weighted(y + members[i] * h, w->out + i * h, member_weight[i], h, bf);
     }
 }

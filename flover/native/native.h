@@ -216,6 +216,8 @@ static inline Int8Rows int8_rows_at(void *codes, float *ds16, int64_t rows, int6
     const Int8Rows x = {(const int8_t *)codes, d, ds16, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
     return x;
 }
+/* row r of `from` (k inputs) -> row i of `to` */
+void copy_int8_row(const Int8Rows *from, int64_t r, const Int8Rows *to, int64_t i, int64_t k);
 int x8_tile_rows(int left); /* rows of the next int8 tile over `left` rows */
 /* MT rows x one block of a run that takes int8 inputs (part->x8) */
 void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,

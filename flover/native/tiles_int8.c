@@ -43,6 +43,14 @@ void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, 
         }
 }
 
+void copy_int8_row(const Int8Rows *from, int64_t r, const Int8Rows *to, int64_t i, int64_t k) {
+    memcpy((int8_t *)to->q + i * k, from->q + r * k, k);
+    memcpy((float *)to->d + i * (k / 32), from->d + r * (k / 32), k / 32 * sizeof(float));
+    memcpy((float *)to->ds16 + i * (k / 16), from->ds16 + r * (k / 16), k / 16 * sizeof(float));
+    memcpy((float *)to->ds32 + i * (k / 32), from->ds32 + r * (k / 32), k / 32 * sizeof(float));
+    memcpy((int32_t *)to->qs32 + i * (k / 32), from->qs32 + r * (k / 32), k / 32 * sizeof(int32_t));
+}
+
 /* A group's sums done: acc[i] += (scale d_i) dot_i + low (d sum)_i, where w = scale u + low (the
  * code's offset folded into low) */
 static inline void add_group_x8(v16 *acc, const i16 *dot, int mt, v16 scale, v16 low, const float *d, const float *ds,
