@@ -82,13 +82,6 @@ static int experts_take_int8(const Model *md, const Layer *ly) {
     return 1;
 }
 
-/* `rows` entries of int8 inputs from entry `first` on, in arrays laid out for `entries` of k */
-static Int8Rows entries_from(const Int8Rows *all, int64_t first, int64_t k) {
-    const Int8Rows x = {all->q + first * k, all->d + first * (k / 32), all->ds16 + first * (k / 16),
-                        all->ds32 + first * (k / 32), all->qs32 + first * (k / 32)};
-    return x;
-}
-
 /* Thread t of T's share of one projection kind (gate_up or down) over every chosen expert: the
  * experts' blocks of 16 outputs in a row, a block of expert e costing its m_e rows plus one (the
  * unpacking of its codes, which the rows share); the thread takes the blocks whose cost starts in
@@ -109,7 +102,7 @@ static void experts_share(const Model *md, int64_t grids, int64_t biases, const 
         if (j0 >= j1) continue;
         const Grid *grid = (const Grid *)((const int64_t *)grids)[e];
         const char *bias = biases ? (const char *)((const int64_t *)biases)[e] : 0;
-        const Int8Rows xe = entries_from(in, start[e], k);
+        const Int8Rows xe = int8_rows_from(in, start[e], k);
         float *ye = y + start[e] * n_out;
         /* block j of the expert: a block of one of its grid's runs (every run but the last whole blocks) */
         int64_t p = 0, first = 0, columns = 0;
@@ -145,9 +138,8 @@ static void experts_fused(const Model *md, const float *x, int rows, float *y, c
         experts_share(md, ly->expert_gate_up_grid, ly->expert_gate_up_bias, start, &in, h, 2 * inter, w->entry_wide, t,
                       T);
 #pragma omp barrier
-        for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++) {
+        for (int64_t i = entries * t / T; i < entries * (t + 1) / T; i++)
             activate(md, w->entry_wide + i * 2 * inter, inter, bf, w->entry_mid + i * inter);
-        }
         int8_rows(w->entry_mid, &act, (int)entries, inter, t, T); /* (this thread's entries, as above) */
 #pragma omp barrier
         experts_share(md, ly->expert_down_grid, ly->expert_down_bias, start, &act, inter, h, w->entry_out, t, T);

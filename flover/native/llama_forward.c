@@ -78,8 +78,7 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.fused = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 3 * h) + 2 * (md->experts + 1) : 0);
     /* the experts' single region: per entry its int8 inputs (1.625 bytes an input, codes rounded to
      * whole floats) and its gate_up, activation and output floats; each row's entries (int64) */
-    const int64_t fused = md->experts ? (rows < fused_expert_rows(md) ? rows : fused_expert_rows(md)) : 0;
-    const int64_t entries = fused * md->top_k, widest_in = h > md->expert_inter ? h : md->expert_inter;
+    const int64_t entries = fused_expert_entries(md, rows), widest_in = h > md->expert_inter ? h : md->expert_inter;
     w.end = w.fused + entries * ((widest_in + 3) / 4 + widest_in * 5 / 32 + 3 * md->expert_inter + h + 2);
     return w;
 }
@@ -96,8 +95,8 @@ static ExpertsWork experts_work(float *work, const Work *at, const Model *md, in
     w.gathered = p, p += rows * md->hidden;
     w.out = p, p += rows * md->hidden;
     w.sum = p;
-    const int64_t fused = rows < fused_expert_rows(md) ? rows : fused_expert_rows(md), entries = fused * md->top_k;
-    const int64_t h = md->hidden, widest_in = h > md->expert_inter ? h : md->expert_inter;
+    const int64_t entries = fused_expert_entries(md, rows), h = md->hidden;
+    const int64_t widest_in = h > md->expert_inter ? h : md->expert_inter;
     p = work + at->fused;
     w.entry_x8 = p, p += entries * ((widest_in + 3) / 4 + widest_in * 3 / 32);
     w.entry_ds16 = p, p += entries * (widest_in / 16);

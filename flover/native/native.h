@@ -216,6 +216,12 @@ static inline Int8Rows int8_rows_at(void *codes, float *ds16, int64_t rows, int6
     const Int8Rows x = {(const int8_t *)codes, d, ds16, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
     return x;
 }
+/* the same arrays from row `first` on */
+static inline Int8Rows int8_rows_from(const Int8Rows *x, int64_t first, int64_t k) {
+    const Int8Rows from = {x->q + first * k, x->d + first * (k / 32), x->ds16 + first * (k / 16),
+                           x->ds32 + first * (k / 32), x->qs32 + first * (k / 32)};
+    return from;
+}
 /* row r of `from` (k inputs) -> row i of `to` */
 void copy_int8_row(const Int8Rows *from, int64_t r, const Int8Rows *to, int64_t i, int64_t k);
 int x8_tile_rows(int left); /* rows of the next int8 tile over `left` rows */
@@ -297,6 +303,10 @@ typedef struct {
 static inline int64_t fused_expert_rows(const Model *md) {
     const int64_t rows = 512 / (md->top_k > 0 ? md->top_k : 1);
     return rows > 0 ? rows : 1;
+}
+/* the (row, expert) entries that region's scratch holds for an iteration of `rows` */
+static inline int64_t fused_expert_entries(const Model *md, int64_t rows) {
+    return md->experts ? (rows < fused_expert_rows(md) ? rows : fused_expert_rows(md)) * md->top_k : 0;
 }
 /* x [rows, hidden] (normed rows) -> y [rows, hidden]: the layer's experts' weighted sum per row.
  * xb, xsum, wide, mid: the projections' scratch (as the dense MLP's) */

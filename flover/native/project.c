@@ -96,8 +96,7 @@ void block_x8(const GridPart *part, int64_t nb, int64_t k, const Int8Rows *x, in
     float out[12 * 16];
     for (int m0 = 0; m0 < rows;) {
         const int mt = x8_tile_rows(rows - m0);
-        const Int8Rows xr = {x->q + m0 * k, x->d + m0 * (k / 32), x->ds16 + m0 * (k / 16), x->ds32 + m0 * (k / 32),
-                             x->qs32 + m0 * (k / 32)};
+        const Int8Rows xr = int8_rows_from(x, m0, k);
         tile_x8(mt, part, c, sc, k, &xr, out);
         for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, part->rows, y, (m0 + i) * ldy, 0, bf);
         m0 += mt;
