@@ -282,10 +282,18 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     scales = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])
     for at in scales if qtype != "MXFP4" else ():
         raw[:, at : at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
-    if qtype == "MXFP4":  # (its scale: one byte, an exponent; every one of them, from 2^-128 to 2^127)
+    if qtype == "MXFP4":  # (its scale: one byte, an exponent: 0 to 127, and the largest three)
         raw[:, 0] = np.arange(raw.shape[0]) % 256
+        raw[-3:, 0] = [251, 252, 255]
     grid = block_grid(qtype, raw.reshape(-1), (rows, cols))
     expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])
+    if qtype == "MXFP4":  # scale byte 255 is E8M0's NaN (the OCP spec; gguf reads 2^127): refused at load
+        nan = (raw[:, 0] == 255).repeat(per_block).reshape(rows, cols)
+        assert np.isnan(grid.values()[nan]).all() and nan.any()
+        expected[nan] = np.nan
+        assert np.array_equal(grid.values(), expected, equal_nan=True)
+        grid.scale[np.isnan(grid.scale)] = 2.0**127
+        expected[nan] = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])[nan]
     assert np.array_equal(grid.values(), expected) and np.array_equal(grid.values_tensor().numpy(), expected)
     assert grid.group == group and grid.scale.shape == (rows, cols // group)
     low, high = {

@@ -48,6 +48,9 @@ HF_CASES = [
     (dict(vocab_size=600), r"model.embed_tokens.weight has shape \[512, 64\], config.json says \[600, 64\]"),
     (dict(rms_norm_eps="tiny"), "rms_norm_eps must be a number"),
     (dict(eos_token_id="two"), "eos_token_id"),
+    (dict(norm_topk_prob="false"), "norm_topk_prob must be true or false, got 'false'"),  # (a string: true)
+    (dict(tie_word_embeddings=1), "tie_word_embeddings must be true or false"),
+    (dict(partial_rotary_factor="0.5"), "partial_rotary_factor must be a number"),
 ]
 
 
@@ -107,6 +110,10 @@ GGUF_CASES = [
     (dict(fields={"general.alignment": 0}), "general.alignment 0 is not a positive multiple of 8"),
     (dict(fields={"llama.attention.head_count_kv": 3}), "key/value heads"),
     (dict(fields={"llama.attention.layer_norm_rms_epsilon": "x"}), "layer_norm_rms_epsilon' must be a number"),
+    (
+        dict(fields={"llama.expert_count": 0, "llama.expert_used_count": 2}),
+        r"llama.expert_count must be an integer in \[1, 1024\], got 0",
+    ),
     (dict(), "block_count is 2, but the file holds tensors of 0 layer"),  # a header with no tensors
 ]
 
@@ -216,6 +223,21 @@ def test_non_finite_scales_and_weights_are_refused_at_load_naming_the_tensor(q8_
     inf_norm = _patched(q8_file, tmp_path / "inf.gguf", norm + 4, np.float32("inf").tobytes())
     with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_norm\.weight holds values that are not finite"):
         LLM(str(inf_norm), max_seq_len=64, max_slots=2, quantization=quantization)
+
+
+@pytest.mark.parametrize("quantization", ["none", "file"])
+def test_mxfp4_scale_bytes_254_and_255_are_refused_naming_the_tensor(make_model, tmp_path, quantization):
+    """E8M0 255 is NaN (OCP MX); 254 (2^126) is finite but overflows every sum: both refused, with
+    the file's codes and dequantized; the file as written loads."""
+    from flover.testing.tiny_model import write_gguf
+
+    path = Path(write_gguf(make_model("gpt-oss"), tmp_path / "m.gguf", "Q8_0", types={"_exps.weight": "MXFP4"}))
+    start, _ = _tensor_bytes(path, "blk.1.ffn_down_exps.weight")
+    for byte, why in ((255, "not finite"), (254, "leave float32's range")):
+        bad = _patched(path, tmp_path / f"e{byte}.gguf", start + 17, bytes([byte]))  # the second block's scale
+        with pytest.raises(CheckpointError, match=rf"blk\.1\.ffn_down_exps\.weight holds .*{why}"):
+            LLM(str(bad), max_seq_len=64, max_slots=2, quantization=quantization)
+    LLM(str(path), max_seq_len=64, max_slots=2, quantization=quantization)
 
 
 def test_tensor_offsets_must_be_aligned_in_bounds_and_apart(q8_file, tmp_path):

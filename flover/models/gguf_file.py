@@ -108,6 +108,7 @@ GGUF_LAYER_RENAMES = {
         "self_attn.sinks": "attn_sinks.weight",
     },
 }
+MAX_ROW_SUM = 2.0**64  # |w| x row length above it: refused (GGUFWeights._check_magnitude)
 GEMMA_SWA_PATTERN = 6  # gemma3: every 6th layer global unless the file says (llama.cpp's default)
 
 
@@ -245,12 +246,15 @@ class GGUFFile:
             cfg = self._gemma3(cfg)
         if a == "phi3":
             cfg = self._phi3(cfg)
-        if self.get(f"{a}.expert_count"):
-            cfg = self._experts(cfg)
+        if self.get(f"{a}.expert_count") is not None or a == "qwen3moe" or self._has_routers():
+            cfg = self._experts(cfg)  # (an expert_count of 0 is refused there, naming the field)
         if a == "gpt-oss":
             cfg = self._gpt_oss(cfg)
         validate_model_config(cfg, where)
         return cfg
+
+    def _has_routers(self) -> bool:
+        return any(name.endswith(".ffn_gate_inp.weight") for name in self.tensors)
 
     def _gemma3(self, cfg: ModelConfig) -> ModelConfig:
         """What a gemma3 file holds beyond the Llama fields, read as llama.cpp reads it: the local
@@ -496,6 +500,9 @@ class GGUFReader:
             finite = bool(torch.isfinite(weight).all())
         if not finite:
             raise CheckpointError(f"{self.dir}: tensor {name} holds values that are not finite (NaN or infinity)")
+        if found is None and weight.numel():
+            low, high = torch.aminmax(weight)
+            self._check_magnitude(name, max(-float(low), float(high)), t.shape[-1])
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
         if self.file.arch == "gemma3" and name.endswith("norm.weight"):  # the converter stored w + 1
@@ -555,8 +562,28 @@ class GGUFReader:
         if hf_name not in self._grids:
             if len(self._grids) >= 4:  # (a fused projection's sources: up to 3)
                 self._grids.clear()
-            self._grids[hf_name] = block_grid(t.type_name, t.data, t.shape)
+            found = block_grid(t.type_name, t.data, t.shape)
+            if (
+                found is not None
+                and np.isfinite(found.scale).all()
+                and (found.low is None or np.isfinite(found.low).all())
+            ):
+                low, high = found.code_range
+                largest = float(np.abs(found.scale).max(initial=0)) * max(-low, high)
+                largest += 0.0 if found.low is None else float(np.abs(found.low).max(initial=0))
+                self._check_magnitude(self.names[hf_name][0], largest, t.shape[-1])
+            self._grids[hf_name] = found
         return self._grids[hf_name]
+
+    def _check_magnitude(self, name: str, largest: float, row: int) -> None:
+        """A weight so large that one row's sum leaves float32's range (e.g. MXFP4 scale byte 254, 2^126)
+        is finite but turns every logit into NaN or infinity: refused. The bound, |w| x row length
+        <= 2^64, leaves float32 (2^128) room for activations up to 2^64."""
+        if largest * max(1, row) > MAX_ROW_SUM:
+            raise CheckpointError(
+                f"{self.dir}: tensor {name} holds a value of magnitude {largest:.3g}: with rows of {row} inputs "
+                f"its sums leave float32's range (flover refuses weights whose |w| x row length passes 2^64)"
+            )
 
     def _tensor(self, hf_name: str) -> "GGUFTensor":
         """The GGUF tensor behind a Hugging Face name: an expert's is its part of the stacked one."""

@@ -146,7 +146,9 @@ MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 def _mxfp4(b):
     """gpt-oss's experts: a power-of-two scale (E8M0, halved as ggml's: the values above are twice
     FP4's) and 32 4-bit codes of FP4 values; read as bytes (the values), not as a linear 4-bit grid."""
-    scale = np.ldexp(np.float32(1), b[:, :1].astype(np.int32) - 128).astype(np.float32)  # [blocks, 1], exact
+    e = b[:, :1].astype(np.int32)
+    scale = np.ldexp(np.float32(1), e - 128).astype(np.float32)  # [blocks, 1], exact
+    scale[e == 255] = np.nan  # the OCP MX spec's E8M0 NaN (ggml reads it as 2^127): refused at load as not finite
     return MXFP4_VALUES[_nibbles(b[:, 1:])], scale, None
 
 

@@ -191,10 +191,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # Sizes first, before any is used (a layer count builds per-layer tuples).
     check_sizes({key: raw[key] for key in REQUIRED_SIZES if key in raw}, str(path))
     check_sizes({key: raw.get(key) for key in OPTIONAL_SIZES}, str(path), optional=True)
-    for key in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta"):
+    for key in NUMBER_FIELDS:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise CheckpointError(f"{path}: {key} must be a number, got {value!r}")
+    for key in FLAG_FIELDS:
+        value = raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise CheckpointError(f"{path}: {key} must be true or false, got {value!r}")
     try:
         if arch == "GPTJForCausalLM":
             cfg = _parse_gptj(raw)
@@ -241,6 +245,18 @@ REQUIRED_SIZES = (
     "n_positions",
 )
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "n_inner", "rotary_dim", "sliding_window")
+# config.json fields each a JSON number / true or false where present ("false" is a string, and true to Python)
+NUMBER_FIELDS = (
+    "rms_norm_eps",
+    "layer_norm_epsilon",
+    "rope_theta",
+    "partial_rotary_factor",
+    "swiglu_limit",
+    "swiglu_alpha",
+    "query_pre_attn_scalar",
+    "rope_local_base_freq",
+)
+FLAG_FIELDS = ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 
 
 def _read_json(path: Path) -> dict:
@@ -353,7 +369,7 @@ def _parse_moe(raw: dict) -> dict:
             experts=experts,
             top_k=top_k,
             intermediate=raw["moe_intermediate_size"],
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            norm_topk_prob=raw.get("norm_topk_prob") or False,
             layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
         )
     )
