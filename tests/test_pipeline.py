@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flover.client import FloverError
+from flover import LLM
 from flover.config import SamplingParams
 from flover.engine.scheduler import Scheduler
 from flover.models.stage_layout import split_layers
@@ -88,14 +89,20 @@ def test_a_moved_request_in_flight_has_its_flight_copied_and_a_cancelled_one_get
     a = scheduler.schedule()  # r0, r1 (slots 0, 1): two of the three decoding requests
     b = scheduler.schedule()  # r2 (slot 2)
     assert [r.request_id for r in a.decode] == ["r0", "r1"] and [r.request_id for r in b.decode] == ["r2"]
+    r0 = scheduler.slots[0]
     scheduler.cancel("r0", 0.0)
-    c = scheduler.schedule()  # r0 retires; r2 moves down into slot 0 while its plan b is in flight
-    r2 = scheduler.slots[0]
-    assert c.empty and [(m.src, m.dst) for m in c.moves] == [(2, 0)] and r2.request_id == "r2"
-    assert c.moved_kv_len == r2.kv_len + 1  # b writes r2's next position before c's moves run on a stage
+    held = scheduler.schedule()  # r0 is cancelled, but plan a still holds its slot: nothing moves, nothing joins
+    assert held.empty and not held.moves and not held.retired and scheduler.slots[0] is r0 and r0.slot == 0
+    scheduler.add(_request(9))
+    assert [r.slot for r in scheduler.schedule().admitted] == [3]  # a newcomer never takes slot 0 meanwhile
     updates = scheduler.update(a, _result(a), 0.0)
     assert [u.request.request_id for u in updates] == ["r1"]  # the cancelled r0's token is dropped
-    assert r2.in_flight == 1 and scheduler.slots[1].in_flight == 0
+    c = scheduler.schedule()  # a returned: r0 retires; r9 moves down into slot 0 while its plan is in flight
+    r9 = scheduler.slots[0]
+    assert [r.request_id for r in c.retired] == ["r0"] and r0.slot is None
+    assert [(m.src, m.dst) for m in c.moves] == [(3, 0)] and r9.request_id == "r9"
+    assert c.moved_kv_len == r9.kv_len + 3  # its prompt's plan writes 3 positions before c's moves run on a stage
+    assert r9.in_flight == 3 and scheduler.slots[2].in_flight == 1
 
 
 # -- real jobs ------------------------------------------------------------------------------------
@@ -241,6 +248,56 @@ def test_the_daemon_serves_streams_cancels_and_drains_across_stages(three_layer_
         code, err = srv.stop(signal.SIGUSR1)  # forwarded by mpirun: rank 0 drains, then releases the stages
     assert code == 0, err[-2000:]
     assert "draining" in err and "stopped:" in err
+
+
+STORM_PARAMS = [  # every sampling path of the leader's finish: sampled, logprobs, penalties, a grammar
+    {"temperature": 0.8, "top_p": 0.9},
+    {"temperature": 0.0, "logprobs": True, "top_logprobs": 2},
+    {"temperature": 0.0, "repetition_penalty": 1.3},
+    {"temperature": 0.0, "structured": {"kind": "regex", "value": "[a-z ]+"}},
+]
+
+
+@needs_mpirun
+def test_streams_cancelled_while_their_plans_are_in_flight_never_end_the_job(three_layer_models):
+    """16 streams over 2 stages, each cancelled after a few tokens (its plan in flight most of the
+    time), with every sampling path; the job lives, every slot is freed, and a later request gets
+    exactly a single engine's tokens."""
+    model = three_layer_models["llama"]
+    expected = LLM(model, dtype="float64", max_seq_len=256, max_slots=8).generate(
+        [ID_PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True)
+    )[0]
+    srv = Server(model, "--max-slots", "8", "--pp", "2", "--threads", "1", ranks=2)
+    try:
+        with srv.client() as c:
+            for round_ in range(2):
+                ids = [f"s{round_}-{i}" for i in range(16)]
+                for i, rid in enumerate(ids):
+                    params = {"max_new_tokens": 200, "ignore_eos": True, **STORM_PARAMS[i % len(STORM_PARAMS)]}
+                    c.send({"op": "generate", "id": rid, "input_ids": [1 + i, 2, 3], "stream": True, "params": params})
+                tokens = dict.fromkeys(ids, 0)
+                finals = {}
+                while len(finals) < len(ids):
+                    event = c.next_any(timeout=60)
+                    assert event is not None, "no event in 60 s: the job is stuck"
+                    assert event["event"] in ("token", "final"), event
+                    rid = event["id"]
+                    if event["event"] == "final":
+                        finals[rid] = event
+                        continue
+                    tokens[rid] += 1
+                    if tokens[rid] == 1 + ids.index(rid) % 3:
+                        c.cancel(rid)
+                assert {f["finish_reason"] for f in finals.values()} == {"cancelled"}, finals
+            deadline = time.time() + 10
+            while c.stats()["slots_used"] and time.time() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["slots_used"] == 0
+            got = c.generate(input_ids=ID_PROMPTS[0], max_new_tokens=12, ignore_eos=True)
+            assert got["token_ids"] == expected.token_ids
+    finally:
+        code, err = srv.stop(signal.SIGUSR1)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
 
 
 @needs_mpirun

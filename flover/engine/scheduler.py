@@ -18,7 +18,8 @@ The plan's copies run in this order: saves, the shuffle's moves, loads, slides (
 With pipeline stages (`depth` > 1, engine/engine.py) up to `depth` plans are in flight at once,
 each over requests no other holds (Orca's rule): a request in a plan not yet returned is
 skipped, the decoding requests are shared out over the plans (at most 1/depth of them in one),
-and the shuffle copies the positions its plan in flight writes too.
+the shuffle copies the positions its plan in flight writes too, and a request cancelled while
+in flight keeps its slot until its plan returns.
 
 After the runner has carried a plan out, `update(plan, result)` takes its result: prompt chunks
 become computed, sampled and accepted draft tokens are appended up to a stop id or the length
@@ -236,9 +237,12 @@ class Scheduler:
         return plan
 
     def _retire(self, plan: StepPlan) -> None:
+        """Finished requests leave their slots; except one that a plan in flight still holds (a
+        pipeline's request cancelled meanwhile): its slot stays its own until that plan returns,
+        so a plan's rows never index a freed or reused slot (its token is then dropped by update)."""
         for slot in range(self.num_live):
             request = self.slots[slot]
-            if request is not None and request.finished:
+            if request is not None and request.finished and not request.in_flight:
                 if self.prefix is not None:  # the whole sequence whose KV the slot holds
                     tokens = request.prompt_token_ids + request.output_token_ids
                     plan.saves += self.prefix.store(
