@@ -11,8 +11,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flover.client import FloverError
 from flover import LLM
+from flover.client import FloverError
 from flover.config import SamplingParams
 from flover.engine.scheduler import Scheduler
 from flover.models.stage_layout import split_layers
