@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
+from flover.chat_template import TemplateLimits
 from flover.structured import GrammarLimits, Structured
 
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
@@ -248,6 +249,8 @@ class EngineConfig:
     keep_pytorch_weights: bool = False
     # what one request's structure may cost (flover/structured.py GrammarLimits, docs/hardening.md)
     grammar_limits: GrammarLimits = GrammarLimits()
+    # what rendering one chat with the model's template may cost (flover/chat_template.py)
+    template_limits: TemplateLimits = TemplateLimits()
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

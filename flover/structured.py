@@ -13,7 +13,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from flover.grammar_sandbox import GrammarSandbox, memory_now
+from flover.child_process import memory_now
+from flover.grammar_sandbox import GrammarSandbox
 from flover.hardware import return_freed_heap
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from flover.chat_template import TemplateLimits
 from flover.config import DTYPES, NATIVE_KERNELS, QUANTIZATIONS, EngineConfig, SamplingParams
 from flover.protocol import MAX_MESSAGE_BYTES
 from flover.structured import GrammarLimits
@@ -162,6 +163,22 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
         help="llguidance's lexer work for one token mask (its step_lexer_fuel; default %(default)d, "
         "llguidance's own 200000); a grammar past it ends its request with an error",
     )
+    template = TemplateLimits()
+    g.add_argument(
+        "--template-seconds",
+        type=float,
+        default=template.seconds,
+        metavar="S",
+        help="the model's chat template renders each chat in a child process, killed after S seconds "
+        "(the request gets a 400 naming the limit; default %(default)g)",
+    )
+    g.add_argument(
+        "--template-mib",
+        type=int,
+        default=template.mib,
+        metavar="MIB",
+        help="... and held to MIB of memory, its compile too (default %(default)d)",
+    )
     g.add_argument(
         "--cuda-graphs",
         choices=("auto", "off"),
@@ -216,6 +233,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             mask_burst_ms=args.grammar_mask_burst_ms,
             lexer_fuel=args.grammar_lexer_fuel,
         ),
+        template_limits=TemplateLimits(seconds=args.template_seconds, mib=args.template_mib),
     )
 
 

@@ -92,6 +92,8 @@ class Engine(ServingEngine):
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg)
         self.tokenizer = load_tokenizer(checkpoint)
+        if self.tokenizer is not None:
+            self.tokenizer.set_template_limits(config.template_limits)
         # new grammars are tried in a child first (a data-parallel group's leader: not, prepare_grammars)
         self.intake = Intake(self.tokenizer, cfg, max_seq_len, config.grammar_limits, checks_grammars=self.is_leader)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:

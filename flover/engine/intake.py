@@ -183,7 +183,9 @@ class Intake:
             self._check_text_size(
                 "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
             )
-        text = self.tokenizer.render_chat(messages, tools, template_kwargs)
+        # (a text longer than any that could fit is refused in the template's child, not sent back)
+        fits = self.max_seq_len * self.tokenizer.max_token_bytes
+        text = self.tokenizer.render_chat(messages, tools, template_kwargs, max_bytes=fits)
         self._check_text_size(text)
         ids = self._checked(self._encode(text, False))
         if not ids:
@@ -209,6 +211,8 @@ class Intake:
         return ids
 
     def close(self) -> None:
-        """End the grammar checker's child process, if one started."""
+        """End the grammar checker's and the chat template's child processes, if they started."""
         if self._grammars is not None:
             self._grammars.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from flover.chat_template import TemplateLimits, TemplateSandbox, parse_template
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
 from flover.models.model_config import CheckpointError
 from flover.reasoning import speaks_harmony
@@ -44,7 +45,9 @@ class TooManyTokens(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, backend: HFTokenizer, special_tokens: dict, chat_template: str | None):
+    def __init__(self, backend: HFTokenizer, special_tokens: dict, chat_template, where: str = "the checkpoint"):
+        """`chat_template`: its source as the file holds it (a string; anything else turns chat off,
+        named with `where`, the file and field it came from)."""
         self._tok = backend
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         # The most text one token can stand for (UTF-8 bytes of its vocabulary string, an upper
@@ -54,18 +57,18 @@ class Tokenizer:
             (len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)), default=1
         )
         self.special_tokens = special_tokens
-        self.chat_template, self.chat_template_error = None, None
+        self.chat_template: TemplateSandbox | None = None  # compiled and rendered in a bounded child
+        chat_template, self.chat_template_error = _template_text(chat_template, where)
         self.chat_template_source = chat_template  # its text: which tool-call syntax the model writes
         self.keeps_special = speaks_harmony(chat_template)  # (decode keeps its channels)
         if chat_template:
             try:
-                self.chat_template = _compile_template(chat_template)
-            except Exception as e:  # a template that does not compile disables chat, not the model
+                parse_template(chat_template)  # (its syntax here; compiling it is the child's)
+                self.chat_template = TemplateSandbox(chat_template)
+            except Exception as e:  # a template that does not parse disables chat, not the model
                 self.chat_template_error = f"{type(e).__name__}: {e}"
-                log.warning(
-                    "the checkpoint's chat template does not compile (%s): chat is off, plain prompts work",
-                    self.chat_template_error,
-                )
+        if self.chat_template_error is not None:
+            log.warning("the chat template is unusable (%s): chat is off, plain prompts work", self.chat_template_error)
         # Byte-level vocabularies spell each byte as one printable character (GPT-2's table).
         self._byte_of = (
             {c: b for b, c in _bytes_to_unicode().items()} if isinstance(backend.decoder, decoders.ByteLevel) else None
@@ -80,8 +83,8 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
-        special, template = _tokenizer_config(Path(model_dir))
-        return cls(backend, special, template)
+        special, template, where = _tokenizer_config(Path(model_dir))
+        return cls(backend, special, template, where)
 
     @classmethod
     def from_gguf(cls, spec: GGUFTokenizerSpec, where: str = "GGUF") -> "Tokenizer":
@@ -103,7 +106,7 @@ class Tokenizer:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_token_id)]
             )
-        return cls(backend, special, spec.chat_template)
+        return cls(backend, special, spec.chat_template, f"{where}: tokenizer.chat_template")
 
     def cannot_fit(self, text: str, max_tokens: int) -> bool:
         """True when `text` surely needs more than `max_tokens` tokens: at least bytes / (longest
@@ -120,13 +123,28 @@ class Tokenizer:
             raise TooManyTokens(len(encoding))
         return encoding.ids
 
+    def set_template_limits(self, limits: TemplateLimits) -> None:
+        """What rendering one chat may cost (before the first chat)."""
+        if self.chat_template is not None:
+            self.chat_template = TemplateSandbox(self.chat_template_source, limits)
+
+    def close(self) -> None:
+        """End the chat template's child process, if one started."""
+        if self.chat_template is not None:
+            self.chat_template.close()
+
     def render_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+        max_bytes: int = 1 << 30,
     ) -> str:
         """`messages` in the checkpoint's chat template, with the assistant prompt added; with
         `tools` (OpenAI's), or earlier calls and results among the messages, as flover/tools.py
         puts them for this template. `template_kwargs`: more variables for the template (e.g.
-        Qwen3's enable_thinking; checked by protocol.check_template_kwargs)."""
+        Qwen3's enable_thinking; checked by protocol.check_template_kwargs). Rendered in a child
+        within its limits (flover/chat_template.py); a text over `max_bytes` is refused there."""
         if self.chat_template_error is not None:
             raise ValueError(
                 f"this checkpoint's chat template is broken ({self.chat_template_error}); "
@@ -142,11 +160,8 @@ class Tokenizer:
         extra = {}
         if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages, extra = prompt_messages(messages, tools, self.chat_template_source)
-        try:
-            variables = {**(template_kwargs or {}), **self.special_tokens, **extra}
-            return self.chat_template.render(messages=messages, add_generation_prompt=True, **variables)
-        except Exception as e:  # the template's own raise_exception, or a template bug
-            raise ValueError(f"the chat template refused these messages: {e}") from None
+        variables = {**(template_kwargs or {}), **self.special_tokens, **extra}
+        return self.chat_template.render({"messages": messages, "add_generation_prompt": True, **variables}, max_bytes)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render and tokenize without adding special tokens again, as transformers'
@@ -279,6 +294,21 @@ def _byte_level_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
     return backend
 
 
+def _template_text(value, where: str) -> tuple[str | None, str | None]:
+    """(the chat template's source, or None; why it is unusable, or None) of what a file holds: a
+    string, or named templates ([{"name", "template"}], the "default" one taken)."""
+    if isinstance(value, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in value):
+            return None, f"{where} must be a string or a list of {{name, template}}"
+        value = next((t.get("template") for t in value if t["name"] == "default"), None)
+        if value is None:
+            return None, None  # no default: no chat template
+        where = f"{where} 'default' template"
+    if value is not None and not isinstance(value, str):
+        return None, f"{where} must be a string, not {type(value).__name__}"
+    return value, None
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what byte-level vocabularies are spelled in)."""
     printable = (
@@ -305,22 +335,8 @@ def _tokenizer_config(model_dir: Path):
         if isinstance(value, dict):  # AddedToken serialised
             value = value.get("content")
         special[name] = value
-    source = raw.get("chat_template")
+    source, where = raw.get("chat_template"), f"{path}: chat_template"
     jinja_file = model_dir / "chat_template.jinja"
     if source is None and jinja_file.is_file():
-        source = jinja_file.read_text()
-    if isinstance(source, list):  # named templates: take the default one
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    return special, source
-
-
-def _compile_template(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+        source, where = jinja_file.read_text(), str(jinja_file)
+    return special, source, where

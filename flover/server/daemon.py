@@ -126,12 +126,14 @@ class Daemon:
             "slow_clients": 0,
         }
         self._last_keepalive = self._last_stats = time.monotonic()
-        # Text prompts and chats are tokenized off the loop, connections taking turns; requests with
-        # a structure are compiled (and tokenized) by a worker of their own, so that a costly
-        # grammar never delays a request without one.
+        # Text prompts are tokenized off the loop, connections taking turns; chats are rendered
+        # (in the template's bounded child) and tokenized by a worker of their own, and requests with
+        # a structure compiled by a third, so that neither a slow template nor a costly grammar ever
+        # delays a request that has none.
         self.tokenizing = FairTokenizer(self._prepare)
+        self.rendering = FairTokenizer(self._prepare)
         self.compiling = FairTokenizer(self._prepare)
-        self.workers = (self.tokenizing, self.compiling)
+        self.workers = (self.tokenizing, self.rendering, self.compiling)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         for worker in self.workers:
@@ -500,7 +502,9 @@ class Daemon:
         flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
         if req.params.structured is not None:
             self.compiling.submit(Job(identity, engine_id, req))  # grammar work: off the loop, apart
-        elif req.messages is not None or isinstance(req.prompt, str):
+        elif req.messages is not None:
+            self.rendering.submit(Job(identity, engine_id, req))  # a template's work: off the loop, apart
+        elif isinstance(req.prompt, str):
             self.tokenizing.submit(Job(identity, engine_id, req))  # tokenizer work: off the loop
         else:
             self._queue(engine_id, flight, req, None)  # token ids: checked at once

@@ -416,5 +416,7 @@ def _write_gguf_tokenizer(w, model_dir: Path) -> None:
     template = config.get("chat_template")
     if template is None and (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text()
-    if template:
+    if isinstance(template, int):  # a file that lies (tests): the field as a UINT32
+        w.add_uint32("tokenizer.chat_template", template)
+    elif template:
         w.add_chat_template(template)
