@@ -20,38 +20,36 @@ def template_thinks(template_source: str | None) -> bool:
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """(the thinking, the answer) of a whole chat answer: the thinking is the text of a block
     that opens the answer (whitespace may come first), None without one; an unclosed block (the
-    answer was cut) is all thinking. The answer loses the whitespace after the block."""
-    stripped = text.lstrip()
-    if not stripped.startswith(OPEN):
-        return None, text
-    body = stripped[len(OPEN) :]
-    end = body.find(CLOSE)
-    if end < 0:
-        return body, ""
-    return body[:end], body[end + len(CLOSE) :].lstrip()
+    answer was cut) is all thinking. The answer loses the whitespace after the block. Defined as
+    ReasoningStream over the whole text: a streamed answer's deltas add up to it by construction."""
+    stream = ReasoningStream()
+    thinking, answer = stream.feed(text)
+    more = stream.finish()
+    return (thinking + more[0] if stream.thought else None), answer + more[1]
 
 
 @dataclass
 class ReasoningStream:
-    """split_reasoning over a streamed answer: feed each piece of text, get (thinking, answer)
-    deltas. Text that could still be the start of a tag is held back until it is decided, so
-    a tag split across tokens never reaches a client half in one field and half in the other."""
+    """A streamed answer's split: feed each piece of text, get (thinking, answer) deltas. Text
+    that could still be the start of a tag is held back until it is decided, so a tag split across
+    tokens never reaches a client half in one field and half in the other."""
 
     state: str = "start"  # start -> thinking -> answer
     held: str = ""
-    after_block: bool = False  # the whitespace right after the block is dropped, as split_reasoning does
+    after_block: bool = False  # the whitespace right after the block is dropped
+    thought: bool = False  # a block opened (split_reasoning's thinking is None without one)
 
     def feed(self, text: str) -> tuple[str, str]:
         self.held += text
         thinking = answer = ""
         if self.state == "start":
             stripped = self.held.lstrip()
-            if OPEN.startswith(stripped):  # (all whitespace, or a prefix of the tag): not decided yet
+            if OPEN.startswith(stripped) and stripped != OPEN:  # (whitespace, or part of the tag): undecided
                 return "", ""
             if not stripped.startswith(OPEN):
                 self.state, answer, self.held = "answer", self.held, ""
                 return "", answer
-            self.state, self.held = "thinking", stripped[len(OPEN) :]
+            self.state, self.held, self.thought = "thinking", stripped[len(OPEN) :], True
         if self.state == "thinking":
             end = self.held.find(CLOSE)
             if end < 0:
@@ -68,7 +66,8 @@ class ReasoningStream:
         return thinking, answer
 
     def finish(self) -> tuple[str, str]:
-        """What is still held when the answer ends (an undecided start is answer text)."""
+        """What is still held when the answer ends (an undecided start: whitespace or a part of the
+        tag, is answer text; a part of the closing tag inside a block is thinking)."""
         held, self.held = self.held, ""
         if self.state == "thinking":
             return held, ""

@@ -29,6 +29,16 @@ ANSWERS = [
     "   ",
     "<think></think>",
     "",
+    # cut at a tag (max_tokens): an answer that is exactly the opening tag, or part of a tag
+    "<think>",
+    "  <think>",
+    "\n<think>\n",
+    "<thi",
+    "<",
+    "<think>x</thi",
+    "<think>x</think>",
+    "<think>x</think>  ",
+    "<think></think>",
 ]
 
 
@@ -50,6 +60,8 @@ def test_a_stream_split_token_by_token_gives_the_whole_answers_split(text):
 
 
 def test_the_split_of_whole_answers():
+    assert split_reasoning("<think>") == ("", "") and split_reasoning("<thi") == (None, "<thi")
+    assert split_reasoning("<think>x</thi") == ("x</thi", "")
     assert split_reasoning(ANSWERS[0]) == ("a plan", "The answer.")
     assert split_reasoning(ANSWERS[2]) == ("cut off before the end", "")
     assert split_reasoning(ANSWERS[3]) == (None, "No thinking here.")
@@ -97,6 +109,25 @@ def test_thinking_comes_back_apart_from_the_answer(thinking_front):
     message = chat(url, **FORCED).json()["choices"][0]["message"]
     assert len(message["reasoning_content"]) == 3 and set(message["reasoning_content"]) <= set("abcd")
     assert len(message["content"]) == 4 and set(message["content"]) <= set("efgh")
+
+
+@pytest.mark.parametrize("shape", ["<think>", "  <think>", "<think>ab</thi"])
+def test_an_answer_cut_at_a_tag_is_the_same_streamed_or_not(thinking_front, shape):
+    """max_tokens on a thinking model cuts answers right at a tag: the streamed deltas add up to
+    the whole answer's fields (a bare <think> was content when streamed, nothing when not)."""
+    _, url = thinking_front
+    forced = {"guided_regex": shape.replace("<", "[<]"), "max_tokens": 40}
+    whole = chat(url, **forced).json()["choices"][0]["message"]
+    body = {"messages": [{"role": "user", "content": "Think first."}], "stream": True, **forced}
+    thinking, answer = "", ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                thinking += delta.get("reasoning_content") or ""
+                answer += delta.get("content") or ""
+    assert (thinking, answer) == (whole.get("reasoning_content") or "", whole["content"] or ""), (shape, whole)
+    assert answer == ""
 
 
 def test_streamed_thinking_and_answer_arrive_in_their_own_fields(thinking_front):
