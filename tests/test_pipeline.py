@@ -301,6 +301,40 @@ def test_streams_cancelled_while_their_plans_are_in_flight_never_end_the_job(thr
 
 
 @needs_mpirun
+def test_every_stages_expert_load_reaches_the_leader(three_layer_models):
+    """gpt-oss's 3 layers of experts over 2 stages: stats and /metrics count every layer's rows,
+    the other stage's as it reports them when asked."""
+    from flover.models import load_model_config
+
+    model = three_layer_models["gpt-oss"]
+    top_k = load_model_config(model).moe.top_k
+    srv = Server(model, "--max-slots", "4", "--pp", "2", "--threads", "1", ranks=2)
+    try:
+        with srv.client() as c:
+            out = c.generate(input_ids=[5, 6, 7, 8], max_new_tokens=6, ignore_eos=True)
+            deadline, load = time.time() + 20, None
+            while time.time() < deadline:
+                load = c.stats()["expert_load"]
+                if load and len(load) == 3:
+                    break
+                time.sleep(0.1)
+            stats = c.stats()
+    finally:
+        code, err = srv.stop(signal.SIGUSR1)
+    assert code == 0, err[-2000:]
+    assert len(out["token_ids"]) == 6
+    assert [layer["layer"] for layer in load] == [0, 1, 2], load
+    assert all(sum(layer["rows"]) == (4 + 5) * top_k for layer in load), load
+    rows = {
+        s.labels["layer"]
+        for f in text_string_to_metric_families(render(stats, "m").decode())
+        for s in f.samples
+        if s.name == "flover:expert_rows_total"
+    }
+    assert rows == {"0", "1", "2"}
+
+
+@needs_mpirun
 def test_a_killed_stage_ends_the_job_and_no_client_hangs(three_layer_models):
     srv = Server(three_layer_models["llama"], "--max-slots", "8", "--pp", "2", "--threads", "1", ranks=2)
     try:

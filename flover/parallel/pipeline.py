@@ -17,7 +17,7 @@ import torch
 
 from flover.parallel.comm import MPICommunicator, PendingSends, wait_until
 
-WORK_TAG, HIDDEN_TAG = 81, 82
+WORK_TAG, HIDDEN_TAG, REPORT_TAG = 81, 82, 83
 _WIRE_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -69,6 +69,20 @@ class StageLink:
         buf = np.empty(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
         self.comm.Recv([buf, self.MPI.BYTE], source=0, tag=WORK_TAG)
         return msgpack.unpackb(buf.tobytes(), strict_map_key=False)
+
+    # -- a stage's figures, asked for by the leader (plain data) ----------------------------
+    def send_report(self, report) -> None:
+        """To the leader: this stage's figures (after the work before the question)."""
+        self._isend(np.frombuffer(msgpack.packb(report), dtype=np.uint8), 0, REPORT_TAG)
+
+    def receive_reports(self) -> dict[int, object]:
+        """Leader: the reports that have arrived, by group rank (none waited for)."""
+        status, found = self.MPI.Status(), {}
+        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=REPORT_TAG, status=status):
+            buf = np.empty(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
+            self.comm.Recv([buf, self.MPI.BYTE], source=status.Get_source(), tag=REPORT_TAG)
+            found[status.Get_source()] = msgpack.unpackb(buf.tobytes(), strict_map_key=False)
+        return found
 
     # -- activations -------------------------------------------------------------------------
     def send_hidden(self, hidden: torch.Tensor) -> None:

@@ -147,6 +147,8 @@ class PipelineRunner(ModelRunner):
         stages = self.place.stages
         self.stage_busy = [0.0] * stages  # the leader: each stage's busy seconds, as the last ledger said
         self.stage_mib_sent = [0.0] * stages
+        self.stage_expert_load: dict[int, list[dict] | None] = {}  # the leader: group rank -> its last report
+        self._asked: set[int] = set()  # ... and the ranks asked again, not answered yet
         assert self.hidden_size >= 2 * stages, "the ledger row holds two figures per stage"
 
     # -- both ---------------------------------------------------------------------------------
@@ -245,7 +247,29 @@ class PipelineRunner(ModelRunner):
             "mib_sent": list(self.stage_mib_sent),
         }
 
+    def expert_load(self) -> list[dict] | None:
+        """The leader: its own layers' and, as the other stages last reported them, theirs (each
+        stage's first rank is asked again now, answering after the work already sent)."""
+        self._take_reports()
+        others = range(self.place.tp, self.link.size, self.place.tp)  # (each later stage's tp rank 0)
+        ask = [r for r in others if r not in self._asked]  # (one question at a time: none left unanswered)
+        if ask:
+            self.link.send_work({"op": "report"}, ask)
+            self._asked.update(ask)
+        loads = [*(super().expert_load() or ()), *(x for r in others for x in self.stage_expert_load.get(r) or ())]
+        return sorted(loads, key=lambda x: x["layer"]) or None
+
+    def _take_reports(self) -> bool:
+        """File the reports that arrived; True when no question is left unanswered."""
+        for rank, loads in self.link.receive_reports().items():
+            self.stage_expert_load[rank] = loads
+            self._asked.discard(rank)
+        return not self._asked
+
     def stop_followers(self) -> None:
+        deadline = time.monotonic() + 10.0  # questions still open: their answers before the stages stop
+        while not self._take_reports() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.link.send_work({"op": "shutdown"})
         self.link.sends.flush()
 
@@ -257,6 +281,9 @@ class PipelineRunner(ModelRunner):
             op = work["op"]
             if op == "shutdown":
                 return
+            if op == "report":  # (a stage's first rank: its layers' expert load)
+                self.link.send_report(super().expert_load())
+                continue
             if op == "head":
                 hidden, _ = self._receive(work["rows"])
                 self.comm.gather_to_root(self._head(hidden, False))  # the leader samples

@@ -138,9 +138,11 @@ class ModelRunner:
         """A mixture of experts: per layer of experts, the rows routed to each expert so far (both
         the PyTorch and the native forward count into the same tensor); None for other models."""
         layers = getattr(self.model, "layers", ())
+        stage = getattr(self.model, "stage", None)  # (pipeline stages: the model's own layer numbers)
+        numbers = stage.layers if stage is not None else range(len(layers))
         loads = [
             {"layer": n, "rows": layer.experts.load.tolist()}
-            for n, layer in enumerate(layers)
+            for n, layer in zip(numbers, layers)
             if getattr(layer, "experts", None) is not None
         ]
         return loads or None
