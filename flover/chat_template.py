@@ -52,19 +52,31 @@ class TemplateSandbox:
         try:
             reply = self.child.ask({"variables": variables, "max_bytes": max_bytes}, self.limits.seconds)
         except ChildStopped as stopped:
-            what = "to compile" if stopped.at_start else "to render these messages"
-            if stopped.timed_out:
-                raise TemplateLimitReached(
-                    f"the chat template took longer than the server's limit of {self.limits.seconds:g} s "
-                    f"{what} (--template-seconds)"
-                ) from None
-            raise TemplateLimitReached(
-                f"the chat template needed more memory than the server's limit of {self.limits.mib} MiB "
-                f"{what} (--template-mib)"
-            ) from None
+            raise self._over_limit(stopped) from None
         if reply.get("error") is not None:
             raise ValueError(reply["error"])
         return reply["text"]
+
+    def start(self) -> str | None:
+        """Start the child and compile the template now (a server, before it serves: the first chat
+        does not wait for it); why chats will be refused, or None."""
+        try:
+            greeting = self.child.start(self.limits.seconds)
+        except ChildStopped as stopped:
+            return str(self._over_limit(stopped))
+        return greeting.get("error") if greeting else None
+
+    def _over_limit(self, stopped: ChildStopped) -> TemplateLimitReached:
+        what = "to compile" if stopped.at_start else "to render these messages"
+        if stopped.timed_out:
+            return TemplateLimitReached(
+                f"the chat template took longer than the server's limit of {self.limits.seconds:g} s "
+                f"{what} (--template-seconds)"
+            )
+        return TemplateLimitReached(
+            f"the chat template needed more memory than the server's limit of {self.limits.mib} MiB "
+            f"{what} (--template-mib)"
+        )
 
     def close(self) -> None:
         self.child.close()

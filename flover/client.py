@@ -37,6 +37,7 @@ from flover.structured import Structured
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
+ENGINE_UNRESPONSIVE = "engine_unresponsive"  # client-side code: the server sent nothing within the silence bound
 HANDSHAKE_FAILED = "handshake_failed"  # client-side code: the server refused this client (CURVE)
 _LOST_EVENTS = (
     zmq.EVENT_DISCONNECTED
@@ -317,8 +318,15 @@ class AsyncClient:
         curve_server_key: bytes | None = None,
         curve_client_cert: str | tuple | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        silence_timeout: float | None = None,
     ):
+        """`silence_timeout`: a request whose server sent nothing at all (the server keeps a
+        connection with requests in flight alive with a keepalive a second) for this many seconds
+        ends with an `engine_unresponsive` error (None: it waits)."""
         self.addr = addr
+        self.silence_timeout = silence_timeout
+        self.last_heard = time.monotonic()
+        self._opened: dict = {}  # request id -> when its request was sent (silence counts from then at most)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.monitor = _setup(self.sock, addr, curve_server_key, curve_client_cert)
@@ -350,7 +358,29 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            self._dispatch(unpack(await self.sock.recv()))
+            event = unpack(await self.sock.recv())
+            self.last_heard = time.monotonic()
+            self._dispatch(event)
+
+    async def _mind_silence(self) -> None:
+        """Every open request whose server has been silent past `silence_timeout` gets its error."""
+        while True:
+            await asyncio.sleep(min(1.0, self.silence_timeout / 4))
+            now = time.monotonic()
+            for rid, opened in list(self._opened.items()):
+                silent = now - max(self.last_heard, opened)
+                if silent > self.silence_timeout and rid in self._queues:
+                    self._opened.pop(rid, None)
+                    self._dispatch(
+                        {
+                            "event": "error",
+                            "id": rid,
+                            "code": ENGINE_UNRESPONSIVE,
+                            "message": f"{self.addr} sent nothing for {silent:.0f} s (a frozen server or pipeline "
+                            f"stage; the bound: {self.silence_timeout:g} s); this request's result may never arrive",
+                            "local": True,
+                        }
+                    )
 
     async def _watch(self) -> None:
         """A lost connection: every open request gets its `connection_lost` error (after any event
@@ -369,12 +399,15 @@ class AsyncClient:
     def _open(self, rid) -> asyncio.Queue:
         self._start()
         self._queues[rid] = asyncio.Queue()
+        self._opened[rid] = time.monotonic()
         return self._queues[rid]
 
     def _start(self) -> None:
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+            if self.silence_timeout is not None:
+                self._tasks.append(loop.create_task(self._mind_silence()))
 
     async def _send(self, data: bytes) -> bool:
         """Give zmq the message unless the connection is lost (False; the watch answers the open
@@ -413,6 +446,7 @@ class AsyncClient:
                     return
         finally:
             self._queues.pop(rid, None)
+            self._opened.pop(rid, None)
 
     def _new_id(self, request_id):
         return f"{self._prefix}-{next(self._ids)}" if request_id is None else request_id
@@ -444,6 +478,7 @@ class AsyncClient:
             event = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._queues.pop(rid, None)
+            self._opened.pop(rid, None)
         if event["event"] == "error":
             raise FloverError(event["code"], event["message"], rid)
         return event

@@ -251,6 +251,8 @@ class EngineConfig:
     grammar_limits: GrammarLimits = GrammarLimits()
     # what rendering one chat with the model's template may cost (flover/chat_template.py)
     template_limits: TemplateLimits = TemplateLimits()
+    # pipeline stages: seconds the leader waits for a plan's rows before it ends the job
+    stage_timeout: float = 60.0
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

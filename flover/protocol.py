@@ -38,6 +38,7 @@ SHUTTING_DOWN = "shutting_down"
 ROUTING_ID_NOT_ALLOWED = "routing_id_not_allowed"  # the socket set ZMQ_ROUTING_ID: identities are the server's
 SLOW_CLIENT = "slow_client"  # the client left too many events unread: its requests were cancelled
 INTERNAL = "internal_error"  # a bug; only the request concerned failed
+ENGINE_UNRESPONSIVE = "engine_unresponsive"  # a pipeline stage (or, seen by a client, the server) went silent
 # Codes that are a property of the request itself: sending it again fails again. Anything else
 # (overloaded, shutting_down, slow_client, internal_error, a lost connection) is worth a retry.
 PERMANENT = frozenset({BAD_MESSAGE, MESSAGE_TOO_LARGE, UNKNOWN_OP, INVALID_REQUEST, PROMPT_TOO_LONG})

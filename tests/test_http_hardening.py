@@ -231,3 +231,36 @@ def test_a_streamed_client_that_hangs_up_while_queued_leaves_the_queue(slow_fron
     assert many.json()["error"]["type"] == "rate_limit_error" and many.json()["error"]["code"] == "overloaded"
     blocker.join(120)
     assert_still_serving(url)
+
+
+def test_a_frozen_daemon_gives_the_fronts_clients_an_error_within_the_engine_timeout(make_model):
+    """SIGSTOP of the daemon (its host gone silent, its connections open): a running stream gets an
+    `engine_unresponsive` error event and [DONE], a new request a 503, within --http-engine-timeout;
+    /health says 503 as well; after SIGCONT everything is served again."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Server(
+        make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", "--http-engine-timeout", "3"
+    )
+    try:
+        body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            server.proc.send_signal(signal.SIGSTOP)
+            frozen = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        waited = time.monotonic() - frozen
+        errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
+        assert rest[-1] == "data: [DONE]" and errors and errors[-1]["code"] == "engine_unresponsive", rest[-3:]
+        assert waited < 20
+        started = time.monotonic()
+        late = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unresponsive", late.text
+        assert time.monotonic() - started < 20
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+        server.proc.send_signal(signal.SIGCONT)
+        assert_still_serving(url)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop(signal.SIGKILL)

@@ -335,6 +335,44 @@ def test_every_stages_expert_load_reaches_the_leader(three_layer_models):
 
 
 @needs_mpirun
+def test_a_frozen_stage_gives_every_request_an_error_within_the_stage_timeout(three_layer_models):
+    """SIGSTOP of stage 1 (a host that vanished without closing its connections): every stream gets
+    `engine_unresponsive` within --stage-timeout (and the job ends), instead of waiting forever."""
+    srv = Server(
+        three_layer_models["llama"], "--max-slots", "8", "--pp", "2", "--threads", "1", "--stage-timeout", "3", ranks=2
+    )
+    stage = _rank_pids(1)[0]
+    try:
+        with srv.client() as client:
+            ids = []
+            for i in range(4):
+                ids.append(client.new_id())
+                params = {"max_new_tokens": 250, "ignore_eos": True}
+                client.send(
+                    {"op": "generate", "id": ids[-1], "input_ids": [1 + i, 2, 3], "stream": True, "params": params}
+                )
+            assert client.next_event(ids[0])["event"] == "token"
+            os.kill(stage, signal.SIGSTOP)
+            frozen = time.time()
+            for rid in ids:
+                event = client.next_event(rid, timeout=30)
+                while event["event"] == "token":
+                    event = client.next_event(rid, timeout=30)
+                assert event["event"] == "error" and event["code"] == "engine_unresponsive", event
+                assert "--stage-timeout" in event["message"]
+            assert time.time() - frozen < 25
+        srv.proc.wait(timeout=30)  # the job ended (the frozen rank with it)
+        assert srv.proc.returncode != 0
+    finally:
+        try:
+            os.kill(stage, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+@needs_mpirun
 def test_a_killed_stage_ends_the_job_and_no_client_hangs(three_layer_models):
     srv = Server(three_layer_models["llama"], "--max-slots", "8", "--pp", "2", "--threads", "1", ranks=2)
     try:

@@ -97,6 +97,14 @@ def add_engine_args(ap: argparse.ArgumentParser, model_required: bool = True) ->
         "(default 1: no pipeline)",
     )
     g.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="pipeline stages: a stage whose rows do not come back within S seconds (frozen, its host "
+        "gone silent) ends the job: every request in flight gets an engine_unresponsive error first",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -234,6 +242,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             lexer_fuel=args.grammar_lexer_fuel,
         ),
         template_limits=TemplateLimits(seconds=args.template_seconds, mib=args.template_mib),
+        stage_timeout=args.stage_timeout,
     )
 
 
@@ -567,7 +576,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 max_body_bytes=args.max_message_bytes,
                 reasoning_format=args.reasoning_format,
                 limits=HttpLimits(
-                    args.http_header_timeout, args.http_body_timeout, args.http_keep_alive, args.http_max_connections
+                    args.http_header_timeout,
+                    args.http_body_timeout,
+                    args.http_keep_alive,
+                    args.http_max_connections,
+                    args.http_engine_timeout,
                 ),
             )
     except BaseException:
@@ -784,7 +797,7 @@ def add_serve_command(sub) -> None:
         "--keepalive-interval",
         type=float,
         default=1.0,
-        help="seconds between keepalive events to clients waiting for a non-streamed reply "
+        help="seconds between keepalive events to clients with requests in flight "
         "(how fast a vanished client's work is cancelled)",
     )
     d.add_argument("--curve-secret-key", help="server secret certificate: enables CURVE encryption + auth")
@@ -830,6 +843,14 @@ def add_serve_command(sub) -> None:
         type=int,
         default=HTTP_LIMITS.max_connections,
         help="open HTTP connections at once; more are closed as they arrive",
+    )
+    h.add_argument(
+        "--http-engine-timeout",
+        type=float,
+        default=HTTP_LIMITS.engine_timeout,
+        metavar="SECONDS",
+        help="a request whose daemon sends nothing (no token, no keepalive) for this long ends with an "
+        "engine_unresponsive error (a frozen daemon or pipeline stage); /health says 503 meanwhile",
     )
     h.add_argument(
         "--reasoning-format",

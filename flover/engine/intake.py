@@ -118,8 +118,11 @@ class Intake:
         """Build llguidance's view of the tokenizer now (~0.15 s for 49k tokens, holding the
         GIL): a server's first structured request would otherwise stall every running one; and
         start the child that tries new grammars first, unless they are `checked_elsewhere` (a
-        data-parallel group's leader: world rank 0 tried each one before routing it)."""
+        data-parallel group's leader: world rank 0 tried each one before routing it); and compile the
+        chat template in its child (flover/chat_template.py), so that the first chat does not wait."""
         if self.tokenizer is not None:
+            if self.checks_grammars and not checked_elsewhere:  # (the ranks that render chats: the first leader)
+                self.tokenizer.start_chat_template()
             self.checks_grammars = self.checks_grammars and not checked_elsewhere
             try:
                 if self.grammars.sandbox is not None:

@@ -9,6 +9,7 @@ and every stage the activations, in the order the leader made them."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -91,16 +92,31 @@ class StageLink:
         self.bytes_sent += array.nbytes
         self._isend(array, self.next_rank, HIDDEN_TAG)
 
-    def receive_hidden(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, width] from the previous stage (the first stage: from the last)."""
+    def receive_hidden(self, rows: int, width: int, dtype: torch.dtype, timeout: float | None = None) -> torch.Tensor:
+        """[rows, width] from the previous stage (the first stage: from the last); StageTimeout
+        when they have not come within `timeout` seconds (None: no bound)."""
         out = np.empty((rows, width), dtype=_WIRE_DTYPES[dtype])
+        received = self.comm.Irecv(out, source=self.prev_rank, tag=HIDDEN_TAG)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = received.Test
+        if deadline is not None:  # (checked between the polls, which stay as short)
+            done = lambda: received.Test() or time.monotonic() > deadline  # noqa: E731
         # on the hot path: a stage waits for its neighbour most of the time it is not computing, and
         # a longer back-off would add its overshoot to every iteration
-        wait_until(self.comm.Irecv(out, source=self.prev_rank, tag=HIDDEN_TAG).Test, spin=200e-6, max_sleep=200e-6)
+        wait_until(done, spin=200e-6, max_sleep=200e-6)
+        if deadline is not None and not received.Test():
+            raise StageTimeout(
+                f"pipeline stage {self.prev_rank // self.place.tp} sent no rows for {timeout:g} s (frozen, or its "
+                f"host gone silent; --stage-timeout): the job ends"
+            )
         return torch.from_numpy(out)
 
     def _isend(self, array: np.ndarray, rank: int, tag: int) -> None:
         self.sends.add(self.comm.Isend(array, dest=rank, tag=tag), array)
+
+
+class StageTimeout(RuntimeError):
+    """A stage did not answer within the bound: the pipeline cannot go on (the job ends)."""
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:

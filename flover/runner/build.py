@@ -110,7 +110,18 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
     native = _native_forward(model, buffer, s) if native_wanted else None
     return_freed_heap()  # loading's dequantized tensors and dense copies
     if s.link is not None:
-        return PipelineRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native, link=s.link)
+        return PipelineRunner(
+            model,
+            buffer,
+            cfg.vocab_size,
+            s.device,
+            s.comm,
+            config.seed,
+            graphs,
+            native,
+            link=s.link,
+            timeout=config.stage_timeout,
+        )
     return ModelRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native)
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from flover.models.attention import ForwardBatch, PrefillSpan
-from flover.parallel.pipeline import StageLink, wire_dtype
+from flover.parallel.pipeline import StageLink, StageTimeout, wire_dtype
 from flover.request import StepResult
 from flover.runner.kv_buffer import Move
 from flover.runner.kv_window import WindowShift
@@ -135,9 +135,11 @@ class PipelineRunner(ModelRunner):
     single engine's, gathers the head's vocabulary blocks over its stage (no broadcast of ids:
     only the leader's scheduler takes them)."""
 
-    def __init__(self, *args, link: StageLink, **kwargs):
+    def __init__(self, *args, link: StageLink, timeout: float | None = None, **kwargs):
+        """`timeout`: seconds the leader waits for a plan's rows from the last stage (StageTimeout)."""
         super().__init__(*args, **kwargs)
-        self.link = link
+        self.link, self.timeout = link, timeout
+        self.broken = False  # a stage timed out: nothing more is sent or waited for
         self.place = link.place
         self.broadcasts_ids = False
         self.wire = wire_dtype(self.buffer.layers[0].dtype)
@@ -194,9 +196,13 @@ class PipelineRunner(ModelRunner):
         rows = hidden[batch.sample_rows] if self.place.last else hidden
         self.link.send_hidden(torch.cat((rows.to(self.wire), ledger)))
 
-    def _receive(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _receive(self, rows: int, timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`rows` residual rows from the stage before, and the ledger row after them."""
-        both = self.link.receive_hidden(rows + 1, self.hidden_size, self.wire)
+        try:
+            both = self.link.receive_hidden(rows + 1, self.hidden_size, self.wire, timeout)
+        except StageTimeout:
+            self.broken = True
+            raise
         return both[:rows], both[rows:]
 
     # -- the leader ---------------------------------------------------------------------------
@@ -223,7 +229,7 @@ class PipelineRunner(ModelRunner):
         """The plan's rows back from the last stage: the head, then sampling (and drafts' checks)."""
         if self.place.tp > 1:  # the first stage's other ranks run their vocabulary blocks of the head
             self.link.send_work({"op": "head", "rows": flight.out_rows}, range(1, self.place.tp))
-        hidden, ledger = self._receive(flight.out_rows)
+        hidden, ledger = self._receive(flight.out_rows, self.timeout)
         stages = self.place.stages
         self.stage_busy = [self.busy_seconds, *ledger[0, 1:stages].tolist()]
         self.stage_mib_sent = [self.link.bytes_sent / 2**20, *ledger[0, stages + 1 : 2 * stages].tolist()]
@@ -267,6 +273,8 @@ class PipelineRunner(ModelRunner):
         return not self._asked
 
     def stop_followers(self) -> None:
+        if self.broken:  # a stage is frozen: the job is ended by an abort, which stops it too
+            return
         deadline = time.monotonic() + 10.0  # questions still open: their answers before the stages stop
         while not self._take_reports() and time.monotonic() < deadline:
             time.sleep(0.01)

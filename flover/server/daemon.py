@@ -17,8 +17,9 @@ Every generate request gets exactly one `final` or one `error` event. Events a c
 read yet wait in its backlog (ZeroMQ's queue, then ours) and are delivered in order; a backlog
 over `max_client_backlog_bytes` cancels that client's requests, each with a `slow_client` error
 at the end of its backlog. A client that disappears becomes unroutable; the first send to it
-fails (ROUTER_MANDATORY) and its requests are cancelled. Clients with only non-streaming requests
-in flight get a `keepalive` event every second so that this is noticed within a second.
+fails (ROUTER_MANDATORY) and its requests are cancelled. Clients with requests in flight get a
+`keepalive` event every second, so that a vanished client is noticed within a second, and a client
+can bound the server's silence (AsyncClient's `silence_timeout`: the HTTP front's engine timeout).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 from flover import protocol
 from flover.engine.intake import PromptTooLong
 from flover.engine.interface import ServingEngine
+from flover.parallel.pipeline import StageTimeout
 from flover.request import RequestOutput
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
@@ -306,26 +308,27 @@ class Daemon:
     def _step(self) -> list[RequestOutput]:
         """One engine iteration. Failures that belong to one request end that request inside the
         engine. Should the iteration itself fail (a bug), the requests in flight get an
-        `internal_error` and the daemon carries on. With several ranks the job must end instead:
-        the followers are inside the same iteration and cannot be brought back in step."""
+        `internal_error` and the daemon carries on. With several ranks the job must end instead
+        (the followers are inside the same iteration and cannot be brought back in step; a pipeline
+        stage that went silent: StageTimeout), after every request in flight got its error."""
         try:
             outputs = self.engine.step()
             for seconds, rows in self.engine.timed_iterations():  # (with groups: every group's)
                 self.metrics.iteration(seconds, rows)
             return outputs
         except Exception as e:
-            if self.engine.comm is not None:
-                raise
             log.exception("engine iteration failed; failing the %d request(s) in flight", len(self.inflight))
+            code, why = protocol.INTERNAL, f"internal error: {e!r}"
+            if isinstance(e, StageTimeout):
+                code, why = protocol.ENGINE_UNRESPONSIVE, str(e)
             for rid in list(self.inflight):
                 flight = self._forget(rid)
-                self.engine.abort(rid)
+                if self.engine.comm is None:
+                    self.engine.abort(rid)
                 self.counters["errors"] += 1
-                self._send(
-                    flight.identity,
-                    protocol.error_event(protocol.INTERNAL, f"internal error: {e!r}", flight.client_id),
-                    flight.envelope,
-                )
+                self._send(flight.identity, protocol.error_event(code, why, flight.client_id), flight.envelope)
+            if self.engine.comm is not None:
+                raise
             return []
 
     def _begin_drain(self, signum, _frame) -> None:
@@ -367,7 +370,7 @@ class Daemon:
         now = time.monotonic()
         if now - self._last_keepalive >= self.config.keepalive_interval:
             self._last_keepalive = now
-            waiting = {f.identity for f in self.inflight.values() if not f.stream and not f.envelope}
+            waiting = {f.identity for f in self.inflight.values() if not f.envelope}  # (streams too: queued ones)
             for identity in waiting - set(self.backlogs):
                 self._send(identity, {"event": "keepalive"})
         if now - self._last_stats >= self.config.stats_interval:

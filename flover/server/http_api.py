@@ -53,7 +53,10 @@ async def lifespan(app: FastAPI):
     front: Front = app.state.front
     curve = front.curve
     front.client = AsyncClient(
-        front.engine_addr, curve_server_key=curve[0] if curve else None, curve_client_cert=curve[1:] if curve else None
+        front.engine_addr,
+        curve_server_key=curve[0] if curve else None,
+        curve_client_cert=curve[1:] if curve else None,
+        silence_timeout=front.engine_timeout,
     )
     watch = asyncio.ensure_future(_stop_when_orphaned(front.parent_pid)) if front.parent_pid else None
     try:
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--body-timeout", type=float, default=defaults.body_timeout)
     ap.add_argument("--keep-alive", type=float, default=defaults.keep_alive_timeout)
     ap.add_argument("--max-connections", type=int, default=defaults.max_connections)
+    ap.add_argument("--engine-timeout", type=float, default=defaults.engine_timeout)
     ap.add_argument("--reasoning-format", choices=("auto", "none"), default="auto")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
@@ -126,11 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         curve=tuple(keys) if all(keys) else None,
         max_body_bytes=args.max_body_bytes,
         reasoning_format=args.reasoning_format,
+        engine_timeout=args.engine_timeout,
     )
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
     limits = HttpLimits(
-        args.header_timeout, args.body_timeout, args.keep_alive, usable_connections(args.max_connections)
+        args.header_timeout,
+        args.body_timeout,
+        args.keep_alive,
+        usable_connections(args.max_connections),
+        args.engine_timeout,
     )
     config = uvicorn.Config(
         build_app(front),

@@ -41,6 +41,9 @@ class HttpLimits:
     body_timeout: float = 30.0  # seconds from the headers to the whole body
     keep_alive_timeout: float = 5.0  # an idle connection between requests is closed after this
     max_connections: int = 1024  # open at once; more are closed as they arrive
+    # a request whose daemon sent nothing at all (no token, no keepalive) for this long ends with
+    # `engine_unresponsive` (a frozen daemon or pipeline stage; /health says 503 meanwhile)
+    engine_timeout: float = 60.0
 
 
 CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE_SECRET_KEY")
@@ -98,6 +101,8 @@ def start_http_front(
                 str(limits.keep_alive_timeout),
                 "--max-connections",
                 str(limits.max_connections),
+                "--engine-timeout",
+                str(limits.engine_timeout),
                 "--reasoning-format",
                 reasoning_format,
             ],

@@ -68,6 +68,7 @@ class Front:
         curve: tuple[bytes, bytes, bytes] | None = None,
         max_body_bytes: int = MAX_MESSAGE_BYTES,
         reasoning_format: str = "auto",
+        engine_timeout: float | None = None,
     ):
         """`parent_pid`: the daemon that started this front; the front stops when it is gone
         (also when it was killed and could not stop the front itself). `curve`: (the daemon's
@@ -75,6 +76,7 @@ class Front:
         `max_body_bytes`: larger request bodies are refused (the daemon's message bound)."""
         self.engine_addr, self.model_name, self.tokenizer, self.api_key = engine_addr, model_name, tokenizer, api_key
         self.parent_pid, self.curve, self.max_body_bytes = parent_pid, curve, max_body_bytes
+        self.engine_timeout = engine_timeout  # the daemon's silence a request waits out (HttpLimits)
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self.model_config = model_config

@@ -29,6 +29,7 @@ STATUS = {
     "overloaded": 429,
     "shutting_down": 503,
     "connection_lost": 503,
+    "engine_unresponsive": 503,
     "handshake_failed": 503,
 }
 
