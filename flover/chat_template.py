@@ -57,14 +57,10 @@ class TemplateSandbox:
             raise ValueError(reply["error"])
         return reply["text"]
 
-    def start(self) -> str | None:
-        """Start the child and compile the template now (a server, before it serves: the first chat
-        does not wait for it); why chats will be refused, or None."""
-        try:
-            greeting = self.child.start(self.limits.seconds)
-        except ChildStopped as stopped:
-            return str(self._over_limit(stopped))
-        return greeting.get("error") if greeting else None
+    def start(self) -> None:
+        """Start the child now, compiling the template (a server, before it serves): the first chat
+        does not wait for the child's start-up."""
+        self.child.start()
 
     def _over_limit(self, stopped: ChildStopped) -> TemplateLimitReached:
         what = "to compile" if stopped.at_start else "to render these messages"

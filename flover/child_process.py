@@ -80,6 +80,7 @@ class BoundedChild:
         self.proc: subprocess.Popen | None = None
         self._stderr = None
         self.last_words = ""  # the end of what the last killed child wrote
+        self._greeting_due = False  # a greeting child started, its greeting not read yet
         self._lock = threading.Lock()
 
     def ask(self, job: dict, seconds: float) -> dict:
@@ -106,15 +107,23 @@ class BoundedChild:
             raise ChildStopped(timed_out, self.last_words, at_start)
         return reply
 
-    def start(self, seconds: float = 60.0) -> dict | None:
-        """Start the child now (a server does at start-up, before it serves); its greeting."""
+    def start(self) -> None:
+        """Start the child now (a server does at start-up, before it serves); its greeting (a
+        compile at start-up) is read by the first job, so that nothing waits for it here."""
         with self._lock:
-            return self._child(seconds)
+            if self.proc is None or self.proc.poll() is not None:
+                self._spawn()
 
     def _child(self, seconds: float) -> dict | None:
-        """The running child, started if there is none: then its greeting (else None)."""
-        if self.proc is not None and self.proc.poll() is None:
+        """The running child, started if there is none; its greeting if not read yet (else None)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._spawn()
+        if not self._greeting_due:
             return None
+        self._greeting_due = False
+        return self._reply(seconds, at_start=True)
+
+    def _spawn(self) -> None:
         env = {**os.environ, **self.env}
         self._stderr = tempfile.TemporaryFile()  # what a dying child says (Rust: why it aborted)
         self.proc = subprocess.Popen(
@@ -126,7 +135,7 @@ class BoundedChild:
             start_new_session=True,
         )
         write_frame(self.proc.stdin, self.setup)
-        return self._reply(seconds, at_start=True) if self.greets else None
+        self._greeting_due = self.greets
 
     def _kill(self) -> None:
         self.last_words = ""

@@ -240,7 +240,7 @@ def test_a_frozen_daemon_gives_the_fronts_clients_an_error_within_the_engine_tim
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = Server(
-        make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", "--http-engine-timeout", "3"
+        make_model("llama"), "--max-seq-len", "512", "--http", f"127.0.0.1:{port}", "--http-engine-timeout", "2"
     )
     try:
         body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}

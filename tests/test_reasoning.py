@@ -101,6 +101,19 @@ def chat(url: str, **body) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 40, **body}, timeout=60)
 
 
+def streamed_fields(url: str, body: dict) -> tuple[str, str]:
+    """(thinking, answer): a chat completion streamed, its deltas' reasoning_content and content added up."""
+    thinking, answer = "", ""
+    body = {"messages": [{"role": "user", "content": "Think first."}], "stream": True, **body}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                thinking += delta.get("reasoning_content") or ""
+                answer += delta.get("content") or ""
+    return thinking, answer
+
+
 FORCED = {"guided_regex": "<think>[a-d]{3}</think>\\n[e-h]{4}"}  # the model can only write this shape
 
 
@@ -118,14 +131,7 @@ def test_an_answer_cut_at_a_tag_is_the_same_streamed_or_not(thinking_front, shap
     _, url = thinking_front
     forced = {"guided_regex": shape.replace("<", "[<]"), "max_tokens": 40}
     whole = chat(url, **forced).json()["choices"][0]["message"]
-    body = {"messages": [{"role": "user", "content": "Think first."}], "stream": True, **forced}
-    thinking, answer = "", ""
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"]
-                thinking += delta.get("reasoning_content") or ""
-                answer += delta.get("content") or ""
+    thinking, answer = streamed_fields(url, forced)
     assert (thinking, answer) == (whole.get("reasoning_content") or "", whole["content"] or ""), (shape, whole)
     assert answer == ""
 
@@ -259,12 +265,4 @@ def test_harmony_thinking_and_answer_come_back_apart_whole_and_streamed(harmony_
     message = chat(url, **forced).json()["choices"][0]["message"]
     assert len(message["reasoning_content"]) == 3 and set(message["reasoning_content"]) <= set("abcd")
     assert len(message["content"]) == 4 and set(message["content"]) <= set("efgh")
-    thinking, answer = "", ""
-    body = {"messages": [{"role": "user", "content": "Think first."}], "stream": True, **forced}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"]
-                thinking += delta.get("reasoning_content") or ""
-                answer += delta.get("content") or ""
-    assert (thinking, answer) == (message["reasoning_content"], message["content"])
+    assert streamed_fields(url, forced) == (message["reasoning_content"], message["content"])

@@ -129,10 +129,9 @@ class Tokenizer:
             self.chat_template = TemplateSandbox(self.chat_template_source, limits)
 
     def start_chat_template(self) -> None:
-        """Compile the chat template in its child now (a server, before it serves)."""
-        problem = self.chat_template.start() if self.chat_template is not None else None
-        if problem is not None:
-            log.warning("the chat template cannot render chats (%s): chats are refused, plain prompts work", problem)
+        """Start the chat template's child now, compiling it (a server, before it serves)."""
+        if self.chat_template is not None:
+            self.chat_template.start()
 
     def close(self) -> None:
         """End the chat template's child process, if one started."""
