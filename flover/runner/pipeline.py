@@ -256,6 +256,8 @@ class PipelineRunner(ModelRunner):
     def expert_load(self) -> list[dict] | None:
         """The leader: its own layers' and, as the other stages last reported them, theirs (each
         stage's first rank is asked again now, answering after the work already sent)."""
+        if getattr(self.model.cfg, "moe", None) is None:
+            return None
         self._take_reports()
         others = range(self.place.tp, self.link.size, self.place.tp)  # (each later stage's tp rank 0)
         ask = [r for r in others if r not in self._asked]  # (one question at a time: none left unanswered)
