@@ -63,6 +63,8 @@ class TemplateSandbox:
         self.child.start()
 
     def _over_limit(self, stopped: ChildStopped) -> TemplateLimitReached:
+        if not stopped.sent:
+            return TemplateLimitReached("the chat template's child process stopped; try again")
         what = "to compile" if stopped.at_start else "to render these messages"
         if stopped.timed_out:
             return TemplateLimitReached(

@@ -60,11 +60,12 @@ def read_frame(stream):
 
 class ChildStopped(Exception):
     """The child gave no answer: `timed_out` (killed at the deadline), else it died (over its
-    memory cap, or a crash); `last_words`: the end of what it wrote to stderr."""
+    memory cap, or a crash); `last_words`: the end of what it wrote to stderr; `at_start`: in its
+    start-up (its greeting); `sent`: False when the job never reached it (it had died before)."""
 
-    def __init__(self, timed_out: bool, last_words: str, at_start: bool = False):
+    def __init__(self, timed_out: bool, last_words: str, at_start: bool = False, sent: bool = True):
         super().__init__("timed out" if timed_out else "stopped")
-        self.timed_out, self.last_words, self.at_start = timed_out, last_words, at_start
+        self.timed_out, self.last_words, self.at_start, self.sent = timed_out, last_words, at_start, sent
 
 
 class BoundedChild:
@@ -94,12 +95,12 @@ class BoundedChild:
                 write_frame(self.proc.stdin, job)
             except (BrokenPipeError, OSError):
                 self._kill()
-                raise ChildStopped(False, self.last_words) from None
+                raise ChildStopped(False, self.last_words, sent=False) from None
             return self._reply(seconds)
 
     def _reply(self, seconds: float, at_start: bool = False) -> dict:
         started = time.monotonic()
-        ready, _, _ = select.select([self.proc.stdout], [], [], seconds + 0.5)
+        ready, _, _ = select.select([self.proc.stdout], [], [], seconds + 1.0)
         reply = read_frame(self.proc.stdout) if ready else None
         if reply is None:
             timed_out = not ready or time.monotonic() - started > seconds

@@ -32,12 +32,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from flover.protocol import MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
+from flover.protocol import ENGINE_UNRESPONSIVE, MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
 from flover.structured import Structured
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight
-ENGINE_UNRESPONSIVE = "engine_unresponsive"  # client-side code: the server sent nothing within the silence bound
 HANDSHAKE_FAILED = "handshake_failed"  # client-side code: the server refused this client (CURVE)
 _LOST_EVENTS = (
     zmq.EVENT_DISCONNECTED

@@ -36,6 +36,8 @@ class GrammarSandbox:
         try:
             reply = self.child.ask({"grammar": grammar}, self.seconds)
         except ChildStopped as stopped:
+            if not stopped.sent:
+                raise GrammarLimitReached("structured output: the grammar checker stopped; try again") from None
             if stopped.timed_out:
                 raise GrammarLimitReached(
                     f"structured output: compiling the {kind} took longer than the server's "

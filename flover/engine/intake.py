@@ -121,9 +121,9 @@ class Intake:
         data-parallel group's leader: world rank 0 tried each one before routing it); and compile the
         chat template in its child (flover/chat_template.py), so that the first chat does not wait."""
         if self.tokenizer is not None:
-            if self.checks_grammars and not checked_elsewhere:  # (the ranks that render chats: the first leader)
-                self.tokenizer.start_chat_template()
             self.checks_grammars = self.checks_grammars and not checked_elsewhere
+            if self.checks_grammars:  # (the rank that checks grammars renders the chats: the first leader)
+                self.tokenizer.start_chat_template()
             try:
                 if self.grammars.sandbox is not None:
                     self.grammars.sandbox.start()  # (its tokenizer is built while nothing runs yet)
