@@ -15,7 +15,7 @@ import torch
 
 from flover import LLM, SamplingParams
 from flover.models.checkpoint import open_checkpoint
-from flover.models.model_config import CheckpointError, load_model_config
+from flover.models import CheckpointError, load_model_config
 from flover.testing.tiny_model import write_gguf
 from tests.helpers import Server
 

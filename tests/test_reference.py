@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from flover import LLM, SamplingParams
-from flover.models.model_config import load_model_config
+from flover.models import load_model_config
 from tests.helpers import PROMPTS, VARIANTS, rewrite_config
 
 
@@ -131,10 +131,10 @@ def test_olmo2_under_tensor_parallelism_is_refused_with_the_reason(make_model):
     import torch
 
     from flover.models import open_checkpoint
-    from flover.models.llama import LlamaForCausalLM
+    from flover.models.decoder import DecoderForCausalLM
     from flover.models.tp_layout import TPLayout
 
     cfg = open_checkpoint(make_model("olmo2")).model_config()
     with pytest.raises(ValueError, match="q/k norms span every head"):
-        LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 2), None, 64, torch.float32, torch.device("cpu"))
-    LlamaForCausalLM(cfg, TPLayout.build(cfg, 0, 1), None, 64, torch.float32, torch.device("cpu"))  # one rank: fine
+        DecoderForCausalLM(cfg, TPLayout.build(cfg, 0, 2), None, 64, torch.float32, torch.device("cpu"))
+    DecoderForCausalLM(cfg, TPLayout.build(cfg, 0, 1), None, 64, torch.float32, torch.device("cpu"))  # one rank: fine

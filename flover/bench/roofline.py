@@ -65,9 +65,7 @@ def model_size(model_dir: str) -> tuple[int, int]:
     cfg = load_model_config(model_dir)
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     per_layer = (
-        h * (cfg.num_heads * d + 2 * cfg.num_kv_heads * d)
-        + cfg.num_heads * d * h
-        + (3 if not cfg.is_gptj else 2) * h * i
+        h * (cfg.num_heads * d + 2 * cfg.num_kv_heads * d) + cfg.num_heads * d * h + (3 if cfg.gated_mlp else 2) * h * i
     )
     params = cfg.num_layers * per_layer + v * h  # + the LM head (the embedding lookup reads a few rows)
     return 4 * params, params

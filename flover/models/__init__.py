@@ -7,12 +7,14 @@ from __future__ import annotations
 import importlib
 
 from flover.models.checkpoint import HFDirectory, file_quantization, load_model_config, open_checkpoint
+from flover.models.families import FAMILIES, family_of
 from flover.models.gguf_file import GGUFFile
-from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.model_config import CheckpointError, ModelConfig
 
 __all__ = [
     "CheckpointError",
-    "LLAMA_FAMILY",
+    "FAMILIES",
+    "family_of",
     "ModelConfig",
     "HFDirectory",
     "GGUFFile",

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from flover.models.checkpoint import GGUFFile, HFDirectory, open_checkpoint
+from flover.models.decoder import DecoderForCausalLM
+from flover.models.families import family_of
 from flover.models.gguf_grids import BLOCK_TYPES
-from flover.models.gptj import GPTJForCausalLM
 from flover.models.layers import Linear
-from flover.models.llama import LlamaForCausalLM
-from flover.models.model_config import LLAMA_FAMILY, CheckpointError, ModelConfig
+from flover.models.model_config import CheckpointError, ModelConfig
 from flover.models.quant import can_quantize
 from flover.models.safetensors_reader import load_weights
 from flover.models.stage_layout import StageLayout
@@ -20,7 +20,8 @@ from flover.models.tp_layout import TPLayout
 
 
 def model_class(cfg: ModelConfig):
-    return LlamaForCausalLM if cfg.architecture in LLAMA_FAMILY else GPTJForCausalLM
+    """The graph of the model's family (models/decoder.py for every family but GPT-J)."""
+    return family_of(cfg).decoder_class()
 
 
 def load_model(
@@ -48,9 +49,9 @@ def load_model(
     checkpoint.check_tensors(cfg)
     tp = tp or TPLayout.build(cfg)
     if stage is not None and stage.count > 1:
-        if model_class(cfg) is not LlamaForCausalLM:
-            raise CheckpointError(f"{cfg.architecture}: pipeline stages (--pp) run the Llama family only")
-        model = LlamaForCausalLM(cfg, tp, comm, max_len, dtype, device, stage)
+        if model_class(cfg) is not DecoderForCausalLM:
+            raise CheckpointError(f"{cfg.architecture}: pipeline stages (--pp) run models/decoder.py's families only")
+        model = DecoderForCausalLM(cfg, tp, comm, max_len, dtype, device, stage)
     else:
         model = model_class(cfg)(cfg, tp, comm, max_len, dtype, device)
     if quantization == "file" and not isinstance(checkpoint, GGUFFile):

@@ -7,10 +7,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flover.models.families import family_of
+from flover.models.families import load_model_config as read_directory_config
 from flover.models.gguf_file import GGUFFile, is_gguf
 from flover.models.gguf_grids import BLOCK_TYPES
 from flover.models.model_config import CheckpointError, ModelConfig
-from flover.models.model_config import load_model_config as _load_directory_config
 
 if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
     from flover.models.safetensors_reader import CheckpointReader
@@ -46,7 +47,7 @@ class HFDirectory:
         self.path = Path(path)
 
     def model_config(self) -> ModelConfig:
-        return _load_directory_config(self.path)
+        return read_directory_config(self.path)
 
     def reader(self, cfg: ModelConfig) -> CheckpointReader:
         from flover.models.safetensors_reader import CheckpointReader
@@ -56,13 +57,14 @@ class HFDirectory:
     def check_tensors(self, cfg: ModelConfig) -> None:
         """config.json's shape against the tensors the files hold, before anything is built from it."""
         reader = self.reader(cfg)
-        prefix = r"transformer\.h" if cfg.is_gptj else r"model\.layers"
+        family = family_of(cfg)
+        prefix = re.escape(family.layer_prefix)
         layers = {int(m.group(1)) for name in reader.files if (m := re.match(prefix + r"\.(\d+)\.", name))}
         if layers != set(range(cfg.num_layers)):
             raise CheckpointError(
                 f"{self.path / 'config.json'}: {cfg.num_layers} layers, but the weights hold {len(layers)}"
             )
-        embed = "transformer.wte.weight" if cfg.is_gptj else "model.embed_tokens.weight"
+        embed = family.embed_name
         shape = reader.shape(embed) if reader.has(embed) else None
         if shape != (cfg.vocab_size, cfg.hidden_size):
             raise CheckpointError(

@@ -25,36 +25,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flover.models.families import GGUF_ARCHES, family_of, gguf_family
+from flover.models.families._shared import Family
 from flover.models.gguf_grids import block_grid
-from flover.models.model_config import (
-    CheckpointError,
-    ModelConfig,
-    MoEConfig,
-    check_sizes,
-    check_yarn,
-    validate_model_config,
-)
+from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
 
 if TYPE_CHECKING:
     import torch
 
-# general.architecture -> (our architecture, Q/K rows permuted by llama.cpp's converter)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-    "smollm3": ("SmolLM3ForCausalLM", True),
-    "olmo2": ("Olmo2ForCausalLM", False),
-    "gemma3": ("Gemma3ForCausalLM", False),
-    "phi3": ("Phi3ForCausalLM", False),
-    "qwen3moe": ("Qwen3MoeForCausalLM", False),
-    "gpt-oss": ("GptOssForCausalLM", False),
-}
-# a llama file with experts (llama.expert_count) is Mixtral's layout
-LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # an expert's projections -> the GGUF tensor that stacks them over the experts ([experts, out, in])
 GGUF_EXPERT_NAMES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-NOPE_LAYER_STEP = 4  # smollm3: every 4th layer skips RoPE (llama.cpp's n_no_rope_layer_step; not in the file)
 DEQUANTIZED_TYPES = (
     "F32",
     "F16",
@@ -94,27 +74,12 @@ GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-# where an architecture's tensor has another GGUF name (OLMo 2's norm after attention)
-GGUF_LAYER_RENAMES = {
-    "olmo2": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
-    "gemma3": {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    },
-    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
-    "gpt-oss": {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "self_attn.o_proj.bias": "attn_output.bias",
-        "self_attn.sinks": "attn_sinks.weight",
-    },
-}
 MAX_ROW_SUM = 2.0**64  # |w| x row length above it: refused (GGUFWeights._check_magnitude)
-GEMMA_SWA_PATTERN = 6  # gemma3: every 6th layer global unless the file says (llama.cpp's default)
 
 
-def gguf_layer_names(arch: str) -> dict[str, str]:
-    """Hugging Face name -> GGUF name of a layer's tensors, for `arch` (general.architecture)."""
-    return {**GGUF_LAYER_NAMES, **GGUF_LAYER_RENAMES.get(arch, {})}
+def gguf_layer_names(family: Family) -> dict[str, str]:
+    """Hugging Face name -> GGUF name of a layer's tensors, for a family's files."""
+    return {**GGUF_LAYER_NAMES, **family.gguf_names}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -147,10 +112,11 @@ class GGUFFile:
         except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, struct.error) as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.arch = self.get("general.architecture")
-        if self.arch not in ARCHITECTURES:
+        self.family = gguf_family(self) if isinstance(self.arch, str) else None
+        if self.family is None:
             raise CheckpointError(
                 f"{self.path}: architecture {self.arch!r} is not supported; flover reads GGUF "
-                f"files of {', '.join(ARCHITECTURES)}"
+                f"files of {', '.join(GGUF_ARCHES)}"
             )
 
     def get(self, key: str, default=None):
@@ -192,10 +158,14 @@ class GGUFFile:
 
     # -- the model -------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
-        a = self.arch
+        """The fields every GGUF file names alike ({arch}.*), a mixture of experts where the file
+        has one, then what its family reads beyond them (families/<name>.py's from_gguf)."""
+        a, family = self.arch, self.family
         scaling = self.get(f"{a}.rope.scaling.type")
-        if scaling not in (None, "none", "linear") and not (a == "gpt-oss" and scaling == "yarn"):
-            raise CheckpointError(f"{self.path}: RoPE scaling {scaling!r} is not supported (none, linear)")
+        if scaling is not None and scaling not in family.gguf_rope_types:
+            raise CheckpointError(
+                f"{self.path}: RoPE scaling {scaling!r} is not supported ({', '.join(family.gguf_rope_types)})"
+            )
         where = str(self.path)
         hidden = self.integer(f"{a}.embedding_length", required=True)
         heads = self.integer(f"{a}.attention.head_count", required=True)
@@ -214,9 +184,8 @@ class GGUFFile:
         head_dim = sizes["attention.key_length"] or hidden // heads
         layers, window = sizes["block_count"], sizes["attention.sliding_window"]
         eos = [self.integer(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-        qwen = a == "qwen2"
         cfg = ModelConfig(
-            architecture=ARCHITECTURES[a][0],
+            architecture=family.hf_architectures[0],
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
@@ -231,94 +200,29 @@ class GGUFFile:
             rope_theta=self.number(f"{a}.rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(scaling, head_dim),
             rotary_dim=head_dim,
-            qkv_bias=qwen,
+            qkv_bias=False,
             o_bias=False,
             mlp_bias=False,
             sliding_windows=(window,) * layers if window else (None,) * layers,
             eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
             bos_token_id=self.integer("tokenizer.ggml.bos_token_id"),
             checkpoint_dtype=None,
-            qk_norm={"qwen3": "head", "qwen3moe": "head", "olmo2": "projection"}.get(a, ""),
-            norm_after=a == "olmo2",
-            nope_layers=frozenset(i for i in range(layers) if a == "smollm3" and (i + 1) % NOPE_LAYER_STEP == 0),
         )
-        if a == "gemma3":
-            cfg = self._gemma3(cfg)
-        if a == "phi3":
-            cfg = self._phi3(cfg)
-        if self.get(f"{a}.expert_count") is not None or a == "qwen3moe" or self._has_routers():
+        if self.get(f"{a}.expert_count") is not None or self._has_routers():
             cfg = self._experts(cfg)  # (an expert_count of 0 is refused there, naming the field)
-        if a == "gpt-oss":
-            cfg = self._gpt_oss(cfg)
+        if family.from_gguf is not None:
+            cfg = family.from_gguf(self, cfg)
         validate_model_config(cfg, where)
         return cfg
 
     def _has_routers(self) -> bool:
         return any(name.endswith(".ffn_gate_inp.weight") for name in self.tensors)
 
-    def _gemma3(self, cfg: ModelConfig) -> ModelConfig:
-        """What a gemma3 file holds beyond the Llama fields, read as llama.cpp reads it: the local
-        layers by the sliding-window pattern (an array of flags, or every n-th layer global: 6),
-        their RoPE base, the score scale (1 / sqrt(head_dim); 27B's 62 layers: of hidden / heads,
-        the query_pre_attn_scalar the file does not store). Its norm weights hold w + 1
-        (GGUFReader.read takes the 1 off)."""
-        a, window = self.arch, cfg.sliding_windows[0]
-        if self.get(f"{a}.final_logit_softcapping") is not None:
-            raise CheckpointError(f"{self.path}: {a}.final_logit_softcapping (soft-capping) is not supported")
-        pattern = self.get(f"{a}.attention.sliding_window_pattern", GEMMA_SWA_PATTERN)
-        if isinstance(pattern, list):
-            if len(pattern) != cfg.num_layers or not all(isinstance(f, (bool, int)) for f in pattern):
-                raise CheckpointError(f"{self.path}: {a}.attention.sliding_window_pattern needs a flag per layer")
-            local = [bool(f) for f in pattern]
-        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
-            local = [i % pattern < pattern - 1 for i in range(cfg.num_layers)]
-        else:
-            raise CheckpointError(f"{self.path}: {a}.attention.sliding_window_pattern must be a positive integer")
-        scalar = cfg.hidden_size / cfg.num_heads if cfg.num_layers == 62 else cfg.head_dim
-        return dataclasses.replace(
-            cfg,
-            hidden_act="gelu_pytorch_tanh",
-            gemma=True,
-            qk_norm="head",
-            attn_scale=float(scalar) ** -0.5,
-            local_rope_theta=self.number(f"{a}.rope.freq_base_swa", 10000.0),
-            sliding_windows=tuple(window if window and is_local else None for is_local in local),
-        )
-
-    def _phi3(self, cfg: ModelConfig) -> ModelConfig:
-        """What a phi3 file holds beyond the Llama fields, read as llama.cpp reads it: q/k/v and
-        gate/up each one tensor, RoPE over rope.dimension_count dims of each head, and LongRoPE's
-        per-dimension factors as two tensors (rope_factors_long / _short.weight) with the
-        original length and the attention factor in the metadata."""
-        a = self.arch
-        rotary = self.integer(f"{a}.rope.dimension_count", cfg.head_dim)
-        long, short = (self.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short"))
-        scaling = None
-        if long is not None or short is not None:
-            if long is None or short is None:
-                raise CheckpointError(
-                    f"{self.path}: LongRoPE needs rope_factors_long.weight and rope_factors_short.weight"
-                )
-            factors = {
-                "long_factor": list(self._rope_factors("rope_factors_long.weight", rotary // 2)),
-                "short_factor": list(self._rope_factors("rope_factors_short.weight", rotary // 2)),
-            }
-            scaling = dict(
-                rope_type="longrope",
-                **factors,
-                original_max_position_embeddings=self.integer(
-                    f"{a}.rope.scaling.original_context_length", required=True
-                ),
-                max_position_embeddings=cfg.max_position_embeddings,
-                attention_factor=self.number(f"{a}.rope.scaling.attn_factor", 1.0),
-            )
-        return dataclasses.replace(cfg, rotary_dim=rotary, rope_scaling=scaling, fused_projections=True)
-
     def _experts(self, cfg: ModelConfig) -> ModelConfig:
-        """A mixture of experts (qwen3moe; llama with experts: Mixtral), read as llama.cpp reads
-        it: expert_count, expert_used_count, each expert's width (expert_feed_forward_length, else
-        feed_forward_length), the top k always renormalised; experts in the layers that hold a
-        router (ffn_gate_inp), stacked in ffn_{gate,up,down}_exps."""
+        """A mixture of experts, read as llama.cpp reads it: expert_count, expert_used_count, each
+        expert's width (expert_feed_forward_length, else feed_forward_length), the top k always
+        renormalised; experts in the layers that hold a router (ffn_gate_inp), stacked in
+        ffn_{gate,up,down}_exps."""
         a = self.arch
         sizes = {
             f"{a}.expert_count": self.integer(f"{a}.expert_count", required=True),
@@ -331,61 +235,18 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: {a}.expert_weights_scale other than 1 is not supported")
         layers = frozenset(i for i in range(cfg.num_layers) if f"blk.{i}.ffn_gate_inp.weight" in self.tensors)
         moe = MoEConfig(experts=experts, top_k=top_k, intermediate=inter, norm_topk_prob=True, layers=layers)
-        if a == "llama":  # (Mixtral's routing weights multiply in float32, as transformers' Mixtral)
-            return dataclasses.replace(
-                cfg, architecture=LLAMA_WITH_EXPERTS, moe=dataclasses.replace(moe, weights_float32=True)
-            )
         return dataclasses.replace(cfg, moe=moe)
-
-    def _gpt_oss(self, cfg: ModelConfig) -> ModelConfig:
-        """What a gpt-oss file holds beyond the Llama fields and the experts, read as llama.cpp reads
-        it: a window every other layer from the first (its pattern of 2), q/k/v/o biases, a sink
-        logit per head, YaRN (the factor and original length in the metadata; its correction range
-        not truncated, as gpt-oss's own config says), a router with a bias taking a softmax over its
-        top k, experts with biases and the clamped SwiGLU (limit 7, alpha 1.702, as llama.cpp fixes)."""
-        a, window = self.arch, cfg.sliding_windows[0]
-        if cfg.moe is None:
-            raise CheckpointError(f"{self.path}: a gpt-oss file without {a}.expert_count")
-        scaling = None
-        if self.get(f"{a}.rope.scaling.type") == "yarn":
-            scaling = dict(
-                rope_type="yarn",
-                factor=self.number(f"{a}.rope.scaling.factor", None),
-                original_max_position_embeddings=self.integer(
-                    f"{a}.rope.scaling.original_context_length", required=True
-                ),
-                beta_fast=self.number(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
-                beta_slow=self.number(f"{a}.rope.scaling.yarn_beta_slow", 1.0),
-                truncate=False,
-            )
-            check_yarn(scaling, str(self.path))
-        moe = dataclasses.replace(
-            cfg.moe,
-            norm_topk_prob=False,
-            router="router",
-            router_bias=True,
-            softmax_after_topk=True,
-            expert_bias=True,
-            swiglu_limit=7.0,
-            swiglu_alpha=1.702,
-        )
-        windows = (
-            tuple(window if i % 2 == 0 else None for i in range(cfg.num_layers)) if window else cfg.sliding_windows
-        )
-        return dataclasses.replace(
-            cfg, qkv_bias=True, o_bias=True, attn_sinks=True, rope_scaling=scaling, sliding_windows=windows, moe=moe
-        )
 
     def _rope_scaling(self, scaling: str | None, head_dim: int) -> dict | None:
         """Linear scaling, or Llama 3's per-dimension divisors of the frequencies (rope_freqs.weight,
         [head_dim / 2] float32: llama.cpp's converter writes them in place of the llama3 settings)."""
         if "rope_freqs.weight" in self.tensors:
-            return {"rope_type": "freq_factors", "factors": self._rope_factors("rope_freqs.weight", head_dim // 2)}
+            return {"rope_type": "freq_factors", "factors": self.rope_factors("rope_freqs.weight", head_dim // 2)}
         if scaling == "linear":
             return {"rope_type": "linear", "factor": self.number(f"{self.arch}.rope.scaling.factor", None)}
         return None
 
-    def _rope_factors(self, name: str, count: int) -> tuple[float, ...]:
+    def rope_factors(self, name: str, count: int) -> tuple[float, ...]:
         """A tensor of per-dimension RoPE factors: F32 [count], each positive and finite."""
         t = self.tensors[name]
         if t.type_name != "F32" or t.shape != (count,):
@@ -449,11 +310,13 @@ class GGUFReader:
         self.names: dict[str, tuple[str, int | None]] = {}
         self.experts: dict[str, int] = {}
         self._grids: dict[str, object] = {}
-        permuted = ARCHITECTURES[gguf_file.arch][1]
+        self.norm_offset = cfg.norm_offset  # (the converter stored w + offset: llama.cpp's norms add nothing)
+        family = family_of(cfg)
+        permuted = family.gguf_qk_permuted
         for hf, name in GGUF_GLOBAL_NAMES.items():
             self.names[hf] = (name, None)
         for i in range(cfg.num_layers):
-            for hf, name in gguf_layer_names(gguf_file.arch).items():
+            for hf, name in gguf_layer_names(family).items():
                 heads = None
                 if permuted and hf == "self_attn.q_proj.weight":
                     heads = cfg.num_heads
@@ -505,8 +368,8 @@ class GGUFReader:
             self._check_magnitude(name, max(-float(low), float(high)), t.shape[-1])
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
-        if self.file.arch == "gemma3" and name.endswith("norm.weight"):  # the converter stored w + 1
-            weight = weight - 1
+        if self.norm_offset and name.endswith("norm.weight"):
+            weight = weight - self.norm_offset
         if source.dim is None:
             return weight
         index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None) for d in range(len(t.shape)))

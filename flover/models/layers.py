@@ -34,18 +34,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def wide_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """OLMo 2's RMSNorm: normalised in float32, times the weight in float32, rounded to x's dtype
-    once (Olmo2RMSNorm; LlamaRMSNorm rounds before the weight too). Float32 and float64 inputs as
-    rms_norm (the same values: a float64 weight times the float32 normalisation, in float64)."""
+    """An RMSNorm with its weight in float32 (OLMo 2's): normalised in float32, times the weight
+    in float32, rounded to x's dtype once (Olmo2RMSNorm; LlamaRMSNorm rounds before the weight
+    too). Float32 and float64 inputs as rms_norm (the same values: a float64 weight times the
+    float32 normalisation, in float64)."""
     if x.dtype in (torch.bfloat16, torch.float16):
         return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight.float()).to(x.dtype)
     return rms_norm(x, weight, eps)
 
 
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: normalised in float32, times (1 + weight) in float32, rounded to x's dtype
-    once (Gemma3RMSNorm; also for float64 inputs, as it does)."""
-    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + weight.float())).to(x.dtype)
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
+    """An RMSNorm whose weights are stored minus `offset`: normalised in float32, times (offset +
+    weight) in float32, rounded to x's dtype once (Gemma3RMSNorm; also for float64 inputs, as it does)."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (offset + weight.float())).to(x.dtype)
 
 
 def activation(name: str):
@@ -148,11 +149,11 @@ class Rotary(nn.Module):
     def __init__(
         self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, local: bool = False
     ):
-        """`local`: the sliding-window layers' tables (Gemma 3: their own base, no scaling)."""
+        """`local`: the sliding-window layers' tables (their own base, local_rope_theta; no scaling)."""
         super().__init__()
         if local:
             config = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
-        self.interleaved = config.is_gptj
+        self.interleaved = config.rope_interleaved
         self.rotary_dim = config.rotary_dim
         positions = torch.arange(max_len, dtype=torch.int64).float()
         freqs = positions[:, None] * _inv_freq(config, max_len)[None, :]  # [max_len, rot / 2] float32

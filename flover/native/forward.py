@@ -1,4 +1,4 @@
-"""A whole fused iteration in one native call (CPU, Llama family, float32/bfloat16 and quantized
+"""A whole fused iteration in one native call (CPU, models/decoder.py's families, float32/bfloat16 and quantized
 codes; under tensor parallelism each rank's shard, all-reducing through the communicator).
 
 `native/llama_forward.c` runs the forward of an iteration (decode tokens and prompt chunks alike)
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flover.models.attention import ForwardBatch
-from flover.models.llama import LlamaForCausalLM
+from flover.models.decoder import DecoderForCausalLM
 from flover.native import abi
 from flover.native.abi import ALL_REDUCE, kernels_of, load_library
 from flover.native.build import NativeUnavailable
@@ -70,12 +70,14 @@ def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> li
 def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the native step, or None. (The device is the engine's to check:
     it decides before loading whether to keep the dense weights.)"""
-    if not isinstance(model, LlamaForCausalLM):
-        return f"{type(model).__name__} is not of the Llama family"
+    if not isinstance(model, DecoderForCausalLM):
+        return f"{type(model).__name__} is not models/decoder.py's graph"
     cfg = model.cfg
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
-    if cfg.norm_after and (cfg.o_bias or cfg.mlp_bias):
+    if cfg.residual_scale is not None or cfg.logit_scale is not None:
+        return "a residual or logit scale"
+    if cfg.norm_layout == "post" and (cfg.o_bias or cfg.mlp_bias):
         return "norms after attention and the MLP with o / down biases"
     if cfg.hidden_act not in ACTIVATIONS and not (cfg.moe is not None and cfg.moe.swiglu_limit is not None):
         return f"activation {cfg.hidden_act!r} ({', '.join(ACTIVATIONS)} only)"
@@ -102,7 +104,7 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     return None
 
 
-def layer_linears(model: LlamaForCausalLM) -> list:
+def layer_linears(model: DecoderForCausalLM) -> list:
     """Every projection of the layers: the dense ones, and each expert's pair where a layer has experts."""
     linears = []
     for layer in model.layers:
@@ -126,7 +128,7 @@ class WeightPlan:
     screen: HeadScreen | None
 
     @classmethod
-    def of(cls, model: LlamaForCausalLM, packed: bool, screened: bool) -> "WeightPlan":
+    def of(cls, model: DecoderForCausalLM, packed: bool, screened: bool) -> "WeightPlan":
         ends = [model.lm_head] if model.lm_head is not None else []  # (not on a later pipeline stage)
         tied = model.cfg.tie_word_embeddings and ends and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight if ends else None
@@ -159,7 +161,7 @@ class WeightPlan:
 class NativeForward:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         buffer: "SlotBuffer",
         dtype: torch.dtype,
         threads: int,
@@ -225,20 +227,19 @@ class NativeForward:
 
     def _norm_address(self, weight: torch.Tensor | None) -> int:
         """A norm weight's address: as it is, or a float32 copy of its own where the norm rounds
-        once (Gemma 3: 1 + weight; OLMo 2: the weight)."""
+        once (offset + weight)."""
         cfg = self.model.cfg
-        if weight is None or not (cfg.gemma or cfg.norm_after):
+        if weight is None or not (cfg.norm_float32 or cfg.norm_offset):
             return self._address(weight)
-        self._norm_weights.append(((1.0 if cfg.gemma else 0.0) + weight.detach().float()).contiguous())
+        self._norm_weights.append((cfg.norm_offset + weight.detach().float()).contiguous())
         return self._norm_weights[-1].data_ptr()
 
-    def _family_fields(self) -> dict:
-        """Model's fields that vary by family: the activation; Gemma 3's norms, scales and local RoPE."""
+    def _feature_fields(self) -> dict:
+        """Model's fields that vary by feature: the activation, the norms, the scales, local RoPE."""
         model, cfg = self.model, self.model.cfg
-        fields = dict(
-            act=ACTIVATIONS[cfg.hidden_act], norm_f32=int(cfg.gemma or cfg.norm_after), attn_scale=cfg.attn_scale or 0.0
-        )
-        if cfg.gemma:  # sqrt(hidden) as the PyTorch forward rounds it: float32, then the model dtype
+        norm_f32 = int(cfg.norm_float32 or bool(cfg.norm_offset))
+        fields = dict(act=ACTIVATIONS[cfg.hidden_act], norm_f32=norm_f32, attn_scale=cfg.attn_scale or 0.0)
+        if model.embed_scale is not None:  # as the PyTorch forward rounds it
             fields["embed_scale"] = float(model.embed_scale)
         if model.local_rotary is not None:
             fields.update(local_cos=model.local_rotary.cos.data_ptr(), local_sin=model.local_rotary.sin.data_ptr())
@@ -333,7 +334,7 @@ class NativeForward:
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
-            **(self._family_fields() | self._experts_fields()),
+            **(self._feature_fields() | self._experts_fields()),
             **self._head_fields(plan),
         )
         failed = self.lib.flover_check_model(struct)

@@ -13,21 +13,11 @@ import random
 import re
 from pathlib import Path
 
+from flover.models.families import BY_ARCHITECTURE, FAMILIES
+from flover.models.families._shared import decoder_test_kwargs
+
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"  # flover/presets/*.json
-ARCHS = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gpt_oss",
-    "smollm3",
-    "olmo2",
-    "phi3",
-    "gemma3",
-    "gptj",
-)
+ARCHS = tuple(name for name, family in FAMILIES.items() if family.test_config)  # what make_tiny_model makes
 EOS = "<|endoftext|>"
 # ChatML, so that `messages` prompts can be exercised on random models too.
 CHAT_TEMPLATE = (
@@ -88,54 +78,18 @@ def load_preset(name_or_path: str) -> dict:
 
 
 def hf_config(arch: str, preset: dict, eos_id: int, **overrides):
-    """The transformers config object for `arch` with the preset's sizes."""
+    """The transformers config object for family `arch` (families/<arch>.py) with the preset's sizes."""
     import transformers
 
-    p = preset
+    family = FAMILIES[arch]
     common = dict(
-        vocab_size=p["vocab_size"],
+        vocab_size=preset["vocab_size"],
         bos_token_id=eos_id,
         eos_token_id=eos_id,
-        tie_word_embeddings=p.get("tie_word_embeddings", False),
+        tie_word_embeddings=preset.get("tie_word_embeddings", False),
     )
-    if arch == "gptj":
-        kw = dict(
-            n_embd=p["hidden_size"],
-            n_layer=p["num_layers"],
-            n_head=p["num_heads"],
-            n_inner=p["intermediate_size"],
-            n_positions=p["max_position_embeddings"],
-            rotary_dim=p.get("rotary_dim", p["hidden_size"] // p["num_heads"] // 2),
-        )
-        return transformers.GPTJConfig(**{**common, **kw, **overrides})
-    kw = dict(
-        hidden_size=p["hidden_size"],
-        num_hidden_layers=p["num_layers"],
-        num_attention_heads=p["num_heads"],
-        num_key_value_heads=p["num_kv_heads"],
-        intermediate_size=p["intermediate_size"],
-        max_position_embeddings=p["max_position_embeddings"],
-    )
-    # (a head_dim of their own, 128 / 64 by default: the preset's unless overridden)
-    if arch in ("qwen3", "qwen3_moe", "gpt_oss"):
-        kw["head_dim"] = p["hidden_size"] // p["num_heads"]
-    if arch in ("smollm3", "olmo2", "phi3"):  # (their default pad ids lie outside a small vocabulary)
-        kw["pad_token_id"] = eos_id
-    classes = {
-        "llama": "LlamaConfig",
-        "mistral": "MistralConfig",
-        "qwen2": "Qwen2Config",
-        "olmo2": "Olmo2Config",
-        "phi3": "Phi3Config",
-        "gemma3": "Gemma3TextConfig",
-        "qwen3": "Qwen3Config",
-        "smollm3": "SmolLM3Config",
-        "qwen3_moe": "Qwen3MoeConfig",
-        "mixtral": "MixtralConfig",
-        "gpt_oss": "GptOssConfig",
-    }
-    cls = getattr(transformers, classes[arch])
-    return cls(**{**common, **kw, **overrides})
+    kwargs = (family.test_kwargs or decoder_test_kwargs)(preset, eos_id)
+    return getattr(transformers, family.test_config)(**{**common, **kwargs, **overrides})
 
 
 def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 0, **config_overrides) -> Path:
@@ -164,21 +118,6 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     return out
 
 
-GGUF_ARCH = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "SmolLM3ForCausalLM": "smollm3",
-    "Olmo2ForCausalLM": "olmo2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen3MoeForCausalLM": "qwen3moe",
-    "MixtralForCausalLM": "llama",
-    "GptOssForCausalLM": "gpt-oss",
-}
-
-
 # K-quants the `gguf` package cannot make: random blocks, with this super-block scale (d, dmin)
 # so that the weights stay small
 RANDOM_BLOCK_SCALES = {"Q4_K": 0.0004, "Q5_K": 0.0002, "Q6_K": 0.0001}
@@ -202,9 +141,11 @@ def write_gguf(
 
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
-    arch = GGUF_ARCH.get((config.get("architectures") or [""])[0])
+    family = BY_ARCHITECTURE.get((config.get("architectures") or [""])[0])
+    gguf_family = family if family is None or family.gguf_arch else FAMILIES["llama"]  # (as llama.cpp: Mistral)
+    arch = gguf_family.gguf_arch if gguf_family is not None else None
     if arch is None:
-        raise ValueError(f"{model_dir}: only the Llama family can be written as GGUF here")
+        raise ValueError(f"{model_dir}: its family's GGUF files are not read by flover")
     tensors = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
@@ -262,7 +203,7 @@ def write_gguf(
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
     names = dict(GGUF_GLOBAL_NAMES)
     for i in range(layers):
-        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(arch).items()})
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(gguf_family).items()})
         for block in ("mlp", "block_sparse_moe"):  # (Qwen3-MoE's, Mixtral's router)
             names[f"model.layers.{i}.{block}.gate.weight"] = f"blk.{i}.ffn_gate_inp.weight"
         for kind in ("weight", "bias"):  # (gpt-oss's)
@@ -274,9 +215,9 @@ def write_gguf(
         data = data.astype(np.float32)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):  # the converter stores Gemma's 1 + w
             data = data + 1
-        if arch in ("llama", "smollm3") and name.endswith("attn_q.weight"):
+        if gguf_family.gguf_qk_permuted and name.endswith("attn_q.weight"):
             data = permute(data, heads)
-        elif arch in ("llama", "smollm3") and name.endswith("attn_k.weight"):
+        elif gguf_family.gguf_qk_permuted and name.endswith("attn_k.weight"):
             data = permute(data, kv_heads)
         kind = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
         qt = gguf.GGMLQuantizationType[kind]

@@ -1,8 +1,9 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 3, and the
-mixtures of experts Qwen3-MoE, Mixtral and gpt-oss (models/moe.py; gpt-oss's attention sinks)
-(GQA, RoPE, optional QKV/MLP biases, sliding window; Qwen3's RMSNorm over each head of q and k;
-SmolLM3's layers without RoPE; OLMo 2's norms after attention and the MLP instead of before, and
-q/k norms over each whole projection).
+"""The decoder every family but GPT-J runs (families/*.py say which features a family has; this
+file reads only the features, models/model_config.py): GQA, RoPE (per layer: none, the model's,
+or the local layers' own base), optional QKV / o / MLP biases, q/k RMSNorms per head or over the
+whole projection, norms before, after, or before and after attention and the MLP, sliding
+windows, attention sinks, a dense gated MLP or a mixture of experts (models/moe.py), and the
+scales some families put on the embeddings, the residual adds, the scores and the logits.
 
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
 down by input rows followed by one all-reduce each; biases of the row-parallel projections are
@@ -13,6 +14,7 @@ embedding, final norm and LM head (`embed_tokens`, `run_layers` and `head`: the 
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -40,7 +42,7 @@ from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
 
 
-class LlamaLayer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, tp: TPLayout, index: int, window: int | None, dtype: torch.dtype, device: torch.device
     ):
@@ -49,7 +51,8 @@ class LlamaLayer(nn.Module):
         self.q_size, self.kv_size = tp.heads * d, tp.kv_heads * d
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         lin = lambda out, inp, bias: Linear(out, inp, bias, dtype, device)  # noqa: E731
-        self.input_norm = None if cfg.norm_after else p(h)  # (OLMo 2: no norm before attention or the MLP)
+        post, sandwich = cfg.norm_layout == "post", cfg.norm_layout == "sandwich"
+        self.input_norm = None if post else p(h)  # (norms after attention and the MLP only: none before)
         self.qkv = lin(self.q_size + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
         # before RoPE: per head (Qwen3), or over the whole of q and of k (OLMo 2)
         norm_sizes = {"head": (d, d), "projection": (self.q_size, self.kv_size)}.get(cfg.qk_norm)
@@ -58,9 +61,9 @@ class LlamaLayer(nn.Module):
         self.local_rope = cfg.local_rope_theta is not None and window is not None  # (Gemma 3's own base)
         self.o = lin(h, self.q_size, False)
         self.o_bias = p(h) if cfg.o_bias else None
-        self.post_norm = p(h)  # before the MLP; OLMo 2: after attention, before the residual add
-        self.attn_norm_after = p(h) if cfg.gemma else None  # Gemma 3: after attention too, before the add
-        self.ffn_norm_after = p(h) if cfg.norm_after or cfg.gemma else None  # after the MLP, before the add
+        self.post_norm = p(h)  # before the MLP; norms after only: after attention, before the residual add
+        self.attn_norm_after = p(h) if sandwich else None  # (four norms a layer) after attention, before the add
+        self.ffn_norm_after = p(h) if post or sandwich else None  # after the MLP, before the add
         # (Qwen3-MoE, Mixtral, gpt-oss) experts in place of the dense MLP, which such a layer then has not
         moe = cfg.moe is not None and index in cfg.moe.layers
         self.experts = ExpertsMLP(cfg.moe, h, activation(cfg.hidden_act), tp, dtype, device) if moe else None
@@ -79,6 +82,7 @@ class LlamaLayer(nn.Module):
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         att, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        mlp_norm = "pre_feedforward" if cfg.norm_layout == "sandwich" else "post_attention"  # (transformers' names)
 
         def qkv(kind: str) -> tuple:
             shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
@@ -110,10 +114,7 @@ class LlamaLayer(nn.Module):
         specs = [
             WeightSpec(self.qkv.weight, qkv("weight")),
             WeightSpec(self.o.weight, (cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size),)),
-            WeightSpec(
-                self.post_norm,
-                (whole(f"{prefix}.{'pre_feedforward' if cfg.gemma else 'post_attention'}_layernorm.weight", (h,)),),
-            ),
+            WeightSpec(self.post_norm, (whole(f"{prefix}.{mlp_norm}_layernorm.weight", (h,)),)),
         ]
         if self.experts is not None:
             specs += self.experts.weight_specs(prefix, h)
@@ -146,7 +147,7 @@ class LlamaLayer(nn.Module):
         return specs
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -170,16 +171,24 @@ class LlamaForCausalLM(nn.Module):
         ends = stage.has_ends
         self.embed = p(tp.vocab, cfg.hidden_size) if ends else None  # this rank's vocabulary block
         self.windows = tuple(cfg.sliding_windows[n] for n in stage.layers)  # this stage's layers' windows
-        self.layers = nn.ModuleList(LlamaLayer(cfg, tp, n, cfg.sliding_windows[n], dtype, device) for n in stage.layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, n, cfg.sliding_windows[n], dtype, device) for n in stage.layers
+        )
         self.norm = p(cfg.hidden_size) if ends else None
         self.lm_head = Linear(tp.vocab, cfg.hidden_size, False, dtype, device) if ends else None
         self.rotary = Rotary(cfg, max_len, dtype, device)
-        # Gemma 3's sliding-window layers rotate with a base of their own
+        # sliding-window layers that rotate with a base of their own
         self.local_rotary = Rotary(cfg, max_len, dtype, device, local=True) if cfg.local_rope_theta else None
-        # Gemma 3's embeddings are scaled by sqrt(hidden), that factor rounded as transformers' (float32, then dtype)
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(device=device, dtype=dtype) if cfg.gemma else None
-        # Gemma 3: (1 + weight), OLMo 2: the weight, each in float32 and rounded once; else rounded twice
-        self.norm_fn = offset_rms_norm if cfg.gemma else wide_weight_rms_norm if cfg.norm_after else rms_norm
+        # the embeddings' factor: a Python float, or rounded as the reference rounds it (float32, then dtype)
+        self.embed_scale = cfg.embed_scale
+        if cfg.embed_scale is not None and cfg.embed_scale_rounded:
+            self.embed_scale = torch.tensor(cfg.embed_scale).to(device=device, dtype=dtype)
+        # offset + weight, or the weight, in float32 and rounded once; else the normalised rows rounded first
+        if cfg.norm_offset:
+            self.norm_fn = functools.partial(offset_rms_norm, offset=cfg.norm_offset)
+        else:
+            self.norm_fn = wide_weight_rms_norm if cfg.norm_float32 else rms_norm
+        self.residual_scale = cfg.residual_scale  # each block's output times it before the residual add
         self.act = activation(cfg.hidden_act)
 
     def weight_specs(self) -> list[WeightSpec]:
@@ -206,65 +215,76 @@ class LlamaForCausalLM(nn.Module):
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         """[T] token ids -> [T, hidden] (the first stage)."""
         hidden = vocab_embedding(batch.input_ids, self.embed, self.tp, self.comm)  # [T, hidden]
-        if self.embed_scale is not None:  # (Gemma 3)
+        if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, hidden] residual rows -> [B, vocab block of this rank] (the first stage)."""
-        return self.lm_head(self.norm_fn(hidden, self.norm, self.cfg.norm_eps))
+        logits = self.lm_head(self.norm_fn(hidden, self.norm, self.cfg.norm_eps))
+        return logits if self.cfg.logit_scale is None else logits / self.cfg.logit_scale
 
     def run_layers(self, hidden: torch.Tensor, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
         """This stage's layers over the residual rows [T, hidden] -> [T, hidden]. kv: per layer of
         the stage, as forward's."""
-        cfg, tp, comm = self.cfg, self.tp, self.comm
-        tokens = batch.input_ids.shape[0]
+        eps, norm = self.cfg.norm_eps, self.norm_fn
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
         local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
-        norm = self.norm_fn
-        qk_heads = tp.heads + tp.kv_heads
         for n, layer in enumerate(self.layers):
-            x = hidden if layer.input_norm is None else norm(hidden, layer.input_norm, cfg.norm_eps)
-            qkv = layer.qkv(x)  # [T, q + 2 kv]
-            qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
-            if cfg.qk_norm == "head":  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
-                qk = torch.cat(
-                    (
-                        norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
-                        norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps),
-                    ),
-                    dim=1,
-                )
-            elif cfg.qk_norm == "projection":  # [T, heads * head_dim] and [T, kv_heads * head_dim], each whole
-                q_flat, k_flat = qk.flatten(1).split((layer.q_size, layer.kv_size), dim=1)
-                qk = torch.cat(
-                    (norm(q_flat, layer.q_norm, cfg.norm_eps), norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1
-                ).view(tokens, qk_heads, cfg.head_dim)
-            if layer.rope and layer.local_rope:
-                qk = self.local_rotary(qk, batch.positions, local_tables)
-            elif layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
-                qk = self.rotary(qk, batch.positions, tables)
-            q, k = qk[:, : tp.heads], qk[:, tp.heads :]
-            v = qkv[:, layer.q_size + layer.kv_size :]
-            rows = batch.window if batch.window is not None and layer.attn_opts.window is not None else batch
-            write_kv(kv[n][0], kv[n][1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), rows)
-            attn = attention(q, kv[n][0], kv[n][1], rows, layer.attn_opts)  # [T, heads * head_dim]
-            out = all_reduce(layer.o(attn), comm)  # [T, hidden]
-            out = out if layer.o_bias is None else out + layer.o_bias
-            if layer.attn_norm_after is not None:  # Gemma 3: normed, added, then normed again for the MLP
-                hidden = hidden + norm(out, layer.attn_norm_after, cfg.norm_eps)
-                x = norm(hidden, layer.post_norm, cfg.norm_eps)
-            elif cfg.norm_after:  # OLMo 2: normed, then added; the MLP reads the sum as it is
-                hidden = hidden + norm(out, layer.post_norm, cfg.norm_eps)
+            x = hidden if layer.input_norm is None else norm(hidden, layer.input_norm, eps)
+            out = self._attention(layer, x, batch, kv[n], local_tables if layer.local_rope else tables)
+            if layer.attn_norm_after is not None:  # (four norms) normed, added, then normed again for the MLP
+                hidden = self._add(hidden, norm(out, layer.attn_norm_after, eps))
+                x = norm(hidden, layer.post_norm, eps)
+            elif layer.input_norm is None:  # (norms after only) normed, then added; the MLP reads the sum as it is
+                hidden = self._add(hidden, norm(out, layer.post_norm, eps))
                 x = hidden
             else:
-                hidden = hidden + out
-                x = norm(hidden, layer.post_norm, cfg.norm_eps)
-            if layer.experts is not None:  # (mixtures of experts) this rank's columns of each chosen expert
-                out = all_reduce(layer.experts(x), comm)
-            else:
-                gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
-                out = all_reduce(layer.down(self.act(gate) * up), comm)
-            out = out if layer.down_bias is None else out + layer.down_bias
-            hidden = hidden + (out if layer.ffn_norm_after is None else norm(out, layer.ffn_norm_after, cfg.norm_eps))
+                hidden = self._add(hidden, out)
+                x = norm(hidden, layer.post_norm, eps)
+            out = self._mlp(layer, x)
+            hidden = self._add(hidden, out if layer.ffn_norm_after is None else norm(out, layer.ffn_norm_after, eps))
         return hidden
+
+    def _add(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The residual add of a block's output [T, hidden] (times the residual scale, if any)."""
+        return hidden + (out if self.residual_scale is None else out * self.residual_scale)
+
+    def _attention(
+        self, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, kv: torch.Tensor, tables: tuple
+    ) -> torch.Tensor:
+        """Attention over the normed rows x [T, hidden] -> its output [T, hidden] (all-reduced, o's
+        bias added); this row's keys and values written to kv ([2, slots, kv_heads, positions, head_dim])."""
+        cfg, tp, norm = self.cfg, self.tp, self.norm_fn
+        tokens, qk_heads = x.shape[0], tp.heads + tp.kv_heads
+        qkv = layer.qkv(x)  # [T, q + 2 kv]
+        qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
+            q_normed, k_normed = (
+                norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
+                norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps),
+            )
+            qk = torch.cat((q_normed, k_normed), dim=1)
+        elif cfg.qk_norm == "projection":  # [T, heads * head_dim] and [T, kv_heads * head_dim], each whole
+            q_flat, k_flat = qk.flatten(1).split((layer.q_size, layer.kv_size), dim=1)
+            qk = torch.cat(
+                (norm(q_flat, layer.q_norm, cfg.norm_eps), norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1
+            ).view(tokens, qk_heads, cfg.head_dim)
+        if layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
+            qk = (self.local_rotary if layer.local_rope else self.rotary)(qk, batch.positions, tables)
+        q, k = qk[:, : tp.heads], qk[:, tp.heads :]
+        v = qkv[:, layer.q_size + layer.kv_size :]
+        rows = batch.window if batch.window is not None and layer.attn_opts.window is not None else batch
+        write_kv(kv[0], kv[1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), rows)
+        attn = attention(q, kv[0], kv[1], rows, layer.attn_opts)  # [T, heads * head_dim]
+        out = all_reduce(layer.o(attn), self.comm)  # [T, hidden]
+        return out if layer.o_bias is None else out + layer.o_bias
+
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """The MLP (or the experts) over x [T, hidden] -> [T, hidden] (all-reduced, down's bias added)."""
+        if layer.experts is not None:  # (mixtures of experts) this rank's columns of each chosen expert
+            out = all_reduce(layer.experts(x), self.comm)
+        else:
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
+            out = all_reduce(layer.down(self.act(gate) * up), self.comm)
+        return out if layer.down_bias is None else out + layer.down_bias
