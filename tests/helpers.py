@@ -148,6 +148,11 @@ VARIANTS = {
         ),
     ),
     "gptj": ("gptj", {}),
+    # the embeddings times 12, each block's output times 0.22 before the add, scores times 1/32, logits / 8
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03125, logits_scaling=8.0),
+    ),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
     # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head

@@ -49,6 +49,7 @@ def reference(path: str, dtype: torch.dtype, config=None):
 
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    model.generation_config.eos_token_id = None  # (as ignore_eos: else min_new_tokens masks the end token out)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0, len(prompt) :].tolist()
@@ -74,13 +75,14 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         ("qwen3-moe", "F32", "float64"),
         ("mixtral", "F32", "float64"),
         ("gpt-oss", "F32", "float64"),
+        ("granite", "F32", "float64"),
     ],
 )
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(gguf_file, make_model, variant, qtype, dtype):
     path = gguf_file(variant, qtype)
     torch_dtype = getattr(torch, dtype)
-    if variant in ("smollm3", "olmo2", "gemma3-7", "phi3-gguf", "qwen3-moe", "mixtral", "gpt-oss"):  # (the directory)
-        assert qtype == "F32"
+    if variant in ("smollm3", "olmo2", "gemma3-7", "phi3-gguf", "qwen3-moe", "mixtral", "gpt-oss", "granite"):
+        assert qtype == "F32"  # (the directory)
         ref = transformers.AutoModelForCausalLM.from_pretrained(  # (experts: the eager loop runs float64)
             make_model(variant), dtype=torch_dtype, experts_implementation="eager"
         ).eval()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flover import LLM, SamplingParams
-from flover.models.checkpoint import open_checkpoint
 from flover.models import CheckpointError, load_model_config
+from flover.models.checkpoint import open_checkpoint
 from flover.testing.tiny_model import write_gguf
 from tests.helpers import Server
 

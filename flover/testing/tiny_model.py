@@ -174,6 +174,8 @@ def write_gguf(
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     w.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads if arch == "phi3" else head_dim)
     _write_gguf_tokenizer(w, model_dir)
+    for key, value in (family.test_gguf_metadata(config) if family.test_gguf_metadata else {}).items():
+        w.add_float32(key, value)
     if arch == "phi3":
         _write_phi3_rope(w, config, rope)
     if arch == "gemma3":  # as the converter writes it (the pattern stays llama.cpp's default: every 6th global)

@@ -1,0 +1,94 @@
+"""Check a family end to end the way users get its files: a tiny random checkpoint of it (SmolLM2's
+tokenizer, which llama.cpp's converter recognizes), converted by llama.cpp's own
+convert_hf_to_gguf.py, then flover in float64 on the directory and on the GGUF file against
+transformers on the directory: greedy tokens of several prompts run fused in one engine, and the
+largest logit difference. (The tests do the same with flover.testing's GGUF writer; this is the
+check against the converter people use. docs/architecture.md, "Adding a family".)
+
+    python scripts/check_family.py granite --llama-cpp DIR/vendor/llama.cpp \
+        --tokenizer-gguf ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --set embedding_multiplier=12 residual_multiplier=0.22 attention_multiplier=0.03125 logits_scaling=8
+
+Needs the `tools` extra, and sentencepiece + protobuf for the converter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+from flover import LLM, SamplingParams
+from flover.testing.tiny_model import hf_config
+
+PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+PROMPTS = [
+    "Hello, the cat runs fast",
+    "A",
+    "One two three four five six seven eight nine ten",
+    "数据 模型 over the river",
+]
+
+
+def make_checkpoint(family: str, tokenizer_gguf: Path, out: Path, overrides: dict) -> None:
+    """Random weights (seed 0) in the family's config class, SmolLM2's tokenizer."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_gguf.parent, gguf_file=tokenizer_gguf.name)
+    preset = {**PRESET, "vocab_size": len(tok), "max_position_embeddings": 512, "tie_word_embeddings": False}
+    config = hf_config(family, preset, tok.eos_token_id, **overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def convert(hf: Path, llama_cpp: Path, out: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f32", "--outfile", str(out)]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def compare(model: str, ref, tok, new_tokens: int = 24) -> dict:
+    """flover (float64, every prompt fused in one engine) against transformers' greedy tokens, one
+    prompt at a time, and the largest |logit difference| over a prompt."""
+    llm = LLM(model, dtype="float64", max_slots=4, max_seq_len=256)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    ref.generation_config.eos_token_id = None
+    same = 0
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, len(prompt) :]
+        same += out.token_ids == want.tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompts[0]])).logits[0]
+    diff = (llm.engine.score(prompts[0]).double() - expected).abs().max().item()
+    return {"greedy prompts equal": f"{same}/{len(prompts)}", "max |logit diff|": f"{diff:.2e}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", help="a file of flover/models/families (its name)")
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source (convert_hf_to_gguf.py)")
+    parser.add_argument("--tokenizer-gguf", type=Path, required=True, help="a GGUF file with SmolLM2's tokenizer")
+    parser.add_argument("--set", nargs="*", default=[], help="config.json fields KEY=JSON for the checkpoint")
+    args = parser.parse_args()
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, gguf = Path(tmp) / "hf", Path(tmp) / f"{args.family}-f32.gguf"
+        make_checkpoint(args.family, args.tokenizer_gguf, hf, overrides)
+        convert(hf, args.llama_cpp, gguf)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(hf)
+        for name, model in (("directory", hf), ("llama.cpp's GGUF", gguf)):
+            print(f"{args.family} {name}: {compare(str(model), ref, tok)}")
+
+
+if __name__ == "__main__":
+    main()
