@@ -33,7 +33,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from flover.protocol import ENGINE_UNRESPONSIVE, MAX_MESSAGE_BYTES, MESSAGE_TOO_LARGE, pack, tcp_keepalive, unpack
-from flover.structured import Structured
+from flover.structured.spec import Structured
 
 TERMINAL = ("final", "error")
 CONNECTION_LOST = "connection_lost"  # client-side code: the connection dropped with the request in flight

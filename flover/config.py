@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 from flover.chat_template import TemplateLimits
-from flover.structured import GrammarLimits, Structured
+from flover.structured.spec import GrammarLimits, Structured
 
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
 # float32) and keep the sampler's arithmetic finite; the per-token stop check must stay cheap.
@@ -247,7 +247,7 @@ class EngineConfig:
     # with the native step, keep PyTorch's copy of the projections too (twice the weight memory):
     # for comparing the two forwards on one engine (tests)
     keep_pytorch_weights: bool = False
-    # what one request's structure may cost (flover/structured.py GrammarLimits, docs/hardening.md)
+    # what one request's structure may cost (flover/structured/spec.py GrammarLimits, docs/hardening.md)
     grammar_limits: GrammarLimits = GrammarLimits()
     # what rendering one chat with the model's template may cost (flover/chat_template.py)
     template_limits: TemplateLimits = TemplateLimits()

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from flover.reasoning import speaks_harmony
-from flover.structured import COMPACT
+from flover.structured.spec import COMPACT
 
 HERMES, LLAMA3, MISTRAL, PHI4, HARMONY = "hermes", "llama3", "mistral", "phi4", "harmony"
 PREFIXES = {MISTRAL: "[TOOL_CALLS]", PHI4: "functools"}  # what opens a JSON list of calls

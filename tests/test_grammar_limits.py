@@ -19,7 +19,8 @@ import zmq
 
 from flover import LLM, SamplingParams
 from flover.client import FloverError
-from flover.structured import NUMBER_BOUND, GrammarLimits, Grammars, Structured
+from flover.structured.grammars import Grammars
+from flover.structured.spec import NUMBER_BOUND, GrammarLimits, Structured
 from tests.helpers import Server
 
 # 27 string patterns a{1} ... a{27} under allOf: llguidance proves their intersection non-empty

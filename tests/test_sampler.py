@@ -422,7 +422,7 @@ def test_a_structure_bitmask_draws_what_the_definition_draws_on_the_masked_logit
     sampler masks in its first pass): the ids are the definition's on logits with every
     disallowed token at -inf, greedy and sampled rows alike, a NaN among disallowed tokens
     ignored; rows without a structure (every bit set) are unchanged."""
-    from flover.structured import unpack_bits
+    from flover.structured.grammars import unpack_bits
 
     vocab, rows = 49152, 12
     logits = shaped_logits(rows, vocab, seed=31)

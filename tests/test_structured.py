@@ -1,4 +1,4 @@
-"""Structured output in the engine (flover/structured.py): on tiny random models (random weights
+"""Structured output in the engine (flover/structured/): on tiny random models (random weights
 would write anything, so every constrained output is a real test of the mask), every output
 matches its structure; unconstrained requests fused with constrained ones are untouched; bad
 structures are refused before anything is queued."""
@@ -12,7 +12,7 @@ import llguidance
 import pytest
 
 from flover import LLM, SamplingParams
-from flover.structured import Structured
+from flover.structured.spec import Structured
 
 SCHEMA = {
     "type": "object",

@@ -16,7 +16,7 @@ from pathlib import Path
 from flover.chat_template import TemplateLimits
 from flover.config import DTYPES, NATIVE_KERNELS, QUANTIZATIONS, EngineConfig, SamplingParams
 from flover.protocol import MAX_MESSAGE_BYTES
-from flover.structured import GrammarLimits
+from flover.structured.spec import GrammarLimits
 
 log = logging.getLogger("flover")
 

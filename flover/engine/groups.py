@@ -18,12 +18,12 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
 from flover.config import SamplingParams
-from flover.engine.engine import Engine, EngineStats
-from flover.engine.interface import ServingEngine
+from flover.engine.engine import Engine
+from flover.engine.interface import EngineStats, ServingEngine
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import GroupLayout, Mailbox
 from flover.request import Request, RequestOutput
-from flover.structured import Structured
+from flover.structured.spec import Structured
 
 log = logging.getLogger(__name__)
 

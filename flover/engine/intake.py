@@ -15,7 +15,8 @@ from flover.hardware import return_freed_heap
 from flover.models import ModelConfig
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens
 from flover.request import Request, Timings
-from flover.structured import GrammarLimits, Grammars
+from flover.structured.grammars import Grammars
+from flover.structured.spec import GrammarLimits
 
 log = logging.getLogger(__name__)
 

@@ -4,16 +4,43 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from flover.config import EngineConfig, SamplingParams
 from flover.engine.intake import Intake
 from flover.parallel.comm import Communicator
 from flover.request import Request, RequestOutput
-from flover.structured import Grammars
+from flover.structured.grammars import Grammars
 
-if TYPE_CHECKING:
-    from flover.engine.engine import EngineStats
+
+@dataclass
+class EngineStats:
+    """What the engine can tell about itself (like vLLM's SchedulerStats): for the daemon's stats,
+    /metrics, batch progress and benchmarks."""
+
+    running: int  # requests in a slot, not finished
+    waiting: int  # queued for a slot
+    slots_total: int
+    kv_bytes: int
+    kv_tokens: int  # positions cached for the running requests
+    kv_use: float  # kv_tokens / every slot's positions
+    iterations: int  # that ran a forward
+    last_step_tokens: int  # rows of the last iteration's token matrix
+    shuffle_moves: int
+    shuffle_bytes: int
+    shuffle_seconds: float
+    draft_tokens: int  # speculation: draft rows computed ...
+    accepted_tokens: int  # ... and accepted
+    prefix_cache: dict | None  # its counters and blocks, or None when off
+    native_kernels: str | None  # the native step's kernel family (e.g. "AVX2+FMA"), None: PyTorch runs
+    groups: list[dict] | None = None  # data-parallel groups (engine/groups.py): each one's figures
+    # a mixture of experts: per layer of experts {"layer": n, "rows": rows routed to each expert so far}
+    # (routing skew: an expert far above the others' mean is the one every iteration waits on)
+    expert_load: list[dict] | None = None
+    # pipeline stages: {"stages", "in_flight": plans now, "busy": each stage's share of time at work
+    # since the start (1 - busy: its bubble), "busy_s": those seconds, "mib_sent": each stage's activations sent}
+    pipeline: dict | None = None
 
 
 class ServingEngine(ABC):

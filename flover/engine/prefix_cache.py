@@ -28,20 +28,12 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:  # the windowed layers' bound (a type only)
-    from flover.runner.kv_window import WindowedKV
+from flover.runner.kv_window import WindowedKV
+from flover.runner.plan import BlockCopy
 
 BLOCK_TOKENS = 16  # positions per block: the granularity (and the shortest prefix) reused
-
-
-@dataclass(frozen=True)
-class BlockCopy:
-    slot: int
-    position: int  # the block's first sequence position in the slot
-    block: int  # its row in the pool
-    window_row: int | None = None  # where the windowed layers keep it in the slot (None: they do not)
 
 
 @dataclass(frozen=True)

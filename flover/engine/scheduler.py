@@ -30,24 +30,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from flover.engine.prefix_cache import BlockCopy, PrefixCache
+from flover.engine.prefix_cache import PrefixCache
 from flover.engine.speculation import IterationCost, Speculation, drafts_for
 from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
-from flover.runner.kv_buffer import Move, plan_compaction
-from flover.runner.kv_window import WindowedKV, WindowShift
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    request: Request
-    start: int  # first prompt position of this chunk
-    length: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.length == self.request.prompt_len
+from flover.runner.kv_buffer import plan_compaction
+from flover.runner.kv_window import WindowedKV
+from flover.runner.plan import PrefillChunk, StepPlan
 
 
 @dataclass(frozen=True)
@@ -65,29 +55,6 @@ class PromptFirst:
 
     iterations: int = 3
     tokens: int = 192
-
-
-@dataclass
-class StepPlan:
-    retired: list[Request] = field(default_factory=list)
-    moves: list[Move] = field(default_factory=list)
-    decode: list[Request] = field(default_factory=list)  # in slot order
-    drafts: list[list[int]] = field(default_factory=list)  # per decode request when speculating: its draft
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)  # got a slot in this plan
-    saves: list[BlockCopy] = field(default_factory=list)  # slot -> prefix pool, before the moves
-    loads: list[BlockCopy] = field(default_factory=list)  # prefix pool -> admitted slots, after them
-    shifts: list[WindowShift] = field(default_factory=list)  # windowed layers' rows slide, after the loads
-    num_live: int = 0  # live slots are [0, num_live) after this plan
-    moved_kv_len: int = 0  # the longest cached sequence among the moved slots (what the moves copy)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(map(len, self.drafts)) + sum(c.length for c in self.prefill)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
 
 
 class Scheduler:

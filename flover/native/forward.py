@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import torch
 
@@ -30,8 +30,15 @@ from flover.native.grids import Run, check_runs, grid_struct, runs_of
 from flover.native.sampling import NativeSampler
 from flover.native.weights import HeadScreen, WeightArena, block_weight, blocked_shape
 
-if TYPE_CHECKING:  # the runner's buffer (a type only: the runner imports this module)
-    from flover.runner.kv_buffer import SlotBuffer
+
+class KVSlots(Protocol):
+    """What the native step reads of the runner's KV buffer (runner/kv_buffer.SlotBuffer)."""
+
+    layers: Sequence[torch.Tensor]  # per layer [2, slots, kv_heads, positions, head_dim]
+    max_seq_len: int
+    window_base: torch.Tensor | None  # int64 [slots]: each slot's window base, where layers slide
+    window: object | None  # the windowed layers (runner/kv_window.WindowedKV: .layers), or None
+
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +169,7 @@ class NativeForward:
     def __init__(
         self,
         model: DecoderForCausalLM,
-        buffer: "SlotBuffer",
+        buffer: KVSlots,
         dtype: torch.dtype,
         threads: int,
         max_rows: int,
@@ -311,7 +318,7 @@ class NativeForward:
         screen = plan.screen.place(self._arena) if plan.screen is not None else (0, 0, 0)
         return fields | dict(zip(("head_screen", "head_screen_scales", "head_bounds"), screen))
 
-    def _model_struct_of(self, plan: WeightPlan, buffer: "SlotBuffer", comm) -> abi.Model:
+    def _model_struct_of(self, plan: WeightPlan, buffer: KVSlots, comm) -> abi.Model:
         """native.h's Model, checked by the C code's own assumptions."""
         model, cfg = self.model, self.model.cfg
         struct = abi.Model(
@@ -343,7 +350,7 @@ class NativeForward:
             raise ValueError(f"native step: the model's shape breaks its assumptions: {SHAPE_CHECKS[failed]} ({shape})")
         return struct
 
-    def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: "SlotBuffer") -> ctypes.Array:
+    def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: KVSlots) -> ctypes.Array:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
         layers = (abi.Layer * len(self.model.layers))()
         for i, (layer, window) in enumerate(zip(self.model.layers, self.model.windows)):

@@ -242,7 +242,6 @@ int tile_q8g_bf16_dot(int mt, const int8_t *codes, const float *scales, int64_t 
                       const uint16_t *x, const float *xsum, float *out);
 int keys_bf16_dot(const uint16_t *qb, const uint16_t *k_base, int64_t pos, int64_t d, int64_t t0, int64_t keys,
                   v16 acc[16]);
-int has_bf16_dot(void);
 
 /* The rows a tile of `kind` reads: bfloat16 for AVX-512 BF16's dot products; elsewhere float32
  * (widened pairs meet the rows' own values, which hold bfloat16 values in a bfloat16 model). */

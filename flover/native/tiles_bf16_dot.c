@@ -5,8 +5,6 @@
 
 #if defined(__AVX512BF16__) && !defined(FLOVER_GENERIC)
 
-int has_bf16_dot(void) { return 1; }
-
 #define PAIR(x, kp) ((__m512bh)_mm512_set1_epi32(((const int32_t *)(x))[kp]))
 /* LOAD(w, kp): block w's 16 rows at input pair kp as bfloat16 pairs (bfloat16 weights: one
  * load; int8: widened and narrowed, exact for 8 bits) */
@@ -158,7 +156,6 @@ int keys_bf16_dot(const uint16_t *qb, const uint16_t *k_base, int64_t pos, int64
 
 #else
 
-int has_bf16_dot(void) { return 0; }
 int tile_bf16_dot(const void *w, int64_t k, const void *x, int mt, int nt_blocks, int kind, float *out,
                   const char *pf) {
     (void)w, (void)k, (void)x, (void)mt, (void)nt_blocks, (void)kind, (void)out, (void)pf;

@@ -13,23 +13,14 @@ import logging
 import math
 import mmap
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from flover.runner.kv_window import WindowedKV, WindowShift
-
-if TYPE_CHECKING:  # the copies the prefix index plans (a type only)
-    from flover.engine.prefix_cache import BlockCopy
+from flover.runner.plan import BlockCopy, Move
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Move:
-    src: int  # a live slot at or beyond the new live count
-    dst: int  # a hole below the new live count
 
 
 def plan_compaction(occupied: Sequence[bool]) -> list[Move]:

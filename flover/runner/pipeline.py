@@ -30,8 +30,8 @@ import torch
 from flover.models.attention import ForwardBatch, PrefillSpan
 from flover.parallel.pipeline import StageLink, StageTimeout, wire_dtype
 from flover.request import StepResult
-from flover.runner.kv_buffer import Move
 from flover.runner.kv_window import WindowShift
+from flover.runner.plan import Move
 from flover.runner.runner import IterationRows, ModelRunner, plain_greedy
 
 log = logging.getLogger(__name__)

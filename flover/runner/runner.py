@@ -12,7 +12,6 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,11 +21,9 @@ from flover.parallel.comm import Communicator
 from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
+from flover.runner.plan import StepPlan
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
-from flover.structured import allowed_bits
-
-if TYPE_CHECKING:  # the plan it carries out (a type only: the engine's scheduler makes it)
-    from flover.engine.scheduler import StepPlan
+from flover.structured.grammars import allowed_bits
 
 log = logging.getLogger(__name__)
 

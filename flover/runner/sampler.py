@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flover.structured import unpack_bits
+from flover.structured.grammars import unpack_bits
 
 _MASK64 = (1 << 64) - 1
 

@@ -19,7 +19,7 @@ from flover.models.model_config import ModelConfig
 from flover.protocol import MAX_MESSAGE_BYTES
 from flover.reasoning import template_format
 from flover.server import openai_api as oa
-from flover.structured import GrammarLimits
+from flover.structured.spec import GrammarLimits
 from flover.tools import syntax_of
 
 log = logging.getLogger("flover.http")

@@ -29,8 +29,8 @@ from dataclasses import asdict
 import msgpack
 
 from flover.config import EngineConfig, SamplingParams
-from flover.engine.engine import EngineStats
 from flover.engine.groups import EngineGroups, _wire
+from flover.engine.interface import EngineStats
 from flover.engine.output import OutputProcessor
 from flover.parallel.groups import GroupLayout
 from flover.request import FinishReason, Request, RequestState, Timings

@@ -17,7 +17,8 @@ import statistics
 import time
 
 from flover import LLM, SamplingParams
-from flover.structured import Grammars, Structured, allowed_bits
+from flover.structured.grammars import Grammars, allowed_bits
+from flover.structured.spec import Structured
 
 SCHEMAS = {
     "answer (2 fields)": {

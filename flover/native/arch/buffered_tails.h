@@ -1,6 +1,8 @@
-/* AVX2 and NEON: partial loads and stores through a buffer of 16 (tails only), horizontal sums one vector at a time: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* AVX2 and NEON: partial loads and stores through a buffer of 16 (tails only), horizontal sums one vector at a time: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_BUFFERED_TAILS_H
 #define FLOVER_ARCH_BUFFERED_TAILS_H
+
+#include "common.h"
 
 static inline v16 v_loadn(const float *p, int64_t n) {
     if (n >= 16) return v_load(p);

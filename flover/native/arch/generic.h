@@ -1,6 +1,8 @@
-/* Generic C, the reference: float[16] and plain loops: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* Generic C, the reference: float[16] and plain loops: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_GENERIC_H
 #define FLOVER_ARCH_GENERIC_H
+
+#include "common.h"
 
 #define V_FAMILY_SIMD "generic C"
 typedef struct {

@@ -1,6 +1,8 @@
-/* Generic C: simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* Generic C: simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_GENERIC_INT8_H
 #define FLOVER_ARCH_GENERIC_INT8_H
+
+#include "common.h"
 
 typedef struct {
     uint8_t b[64];

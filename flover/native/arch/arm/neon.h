@@ -1,6 +1,8 @@
-/* NEON (aarch64): four float32x4_t: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* NEON (aarch64): four float32x4_t: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_NEON_H
 #define FLOVER_ARCH_NEON_H
+
+#include "../common.h"
 
 #include <arm_neon.h>
 

@@ -1,6 +1,8 @@
-/* NEON (sdot where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* NEON (sdot where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_NEON_INT8_H
 #define FLOVER_ARCH_NEON_INT8_H
+
+#include "../common.h"
 
 typedef struct {
     uint8x16_t q[4]; /* rows 4i..4i+3 */

@@ -1,6 +1,8 @@
-/* AVX2 + FMA: two __m256: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* AVX2 + FMA: two __m256: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_AVX2_H
 #define FLOVER_ARCH_AVX2_H
+
+#include "../common.h"
 
 #include <immintrin.h>
 

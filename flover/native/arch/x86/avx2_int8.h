@@ -1,6 +1,8 @@
-/* AVX2 (AVX-VNNI where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* AVX2 (AVX-VNNI where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_AVX2_INT8_H
 #define FLOVER_ARCH_AVX2_INT8_H
+
+#include "../common.h"
 
 typedef struct {
     __m256i lo, hi; /* rows 0-7, 8-15 */

@@ -1,6 +1,8 @@
-/* AVX-512F: one __m512: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* AVX-512F: one __m512: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_AVX512_H
 #define FLOVER_ARCH_AVX512_H
+
+#include "../common.h"
 
 #include <immintrin.h>
 

@@ -1,6 +1,8 @@
-/* AVX-512 (VNNI where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family). */
+/* AVX-512 (VNNI where present): simd_int8.h's integer dot products: simd.h's 16 float lanes (included by simd.h only, which chose this family; on arch/common.h). */
 #ifndef FLOVER_ARCH_AVX512_INT8_H
 #define FLOVER_ARCH_AVX512_INT8_H
+
+#include "../common.h"
 
 typedef __m512i q64;
 typedef __m512i i16;

@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict
 
 from flover.child_process import BoundedChild, ChildStopped, cap_address_space, memory_now, read_frame, write_frame
+from flover.structured.spec import GrammarLimitReached, GrammarLimits, parser_limits, short
 
 
 class GrammarSandbox:
@@ -27,12 +28,12 @@ class GrammarSandbox:
         setup = {"tokenizer": tokenizer_json, "vocab": vocab_size, "eos": eos, "limits": asdict(limits)}
         self.seconds, self.memory_mib = limits.compile_seconds, limits.compile_mib
         self.child = BoundedChild(
-            "flover.grammar_sandbox", setup, env={"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+            "flover.structured.grammar_sandbox",
+            setup,
+            env={"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"},
         )
 
     def check(self, grammar: str, kind: str) -> int:
-        from flover.structured import GrammarLimitReached, short
-
         try:
             reply = self.child.ask({"grammar": grammar}, self.seconds)
         except ChildStopped as stopped:
@@ -74,7 +75,6 @@ def _serve() -> int:
     import llguidance
 
     from flover.hardware import return_freed_heap
-    from flover.structured import GrammarLimits, parser_limits
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = read_frame(stdin)
