@@ -15,9 +15,10 @@ The variables cross as msgpack (messages, tools and template kwargs are JSON val
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flover.child_process import BoundedChild, ChildStopped, cap_address_space, read_frame, write_frame
+from flover.flags import flag
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,21 @@ class TemplateLimits:
     """What rendering one chat may cost (docs/hardening.md): seconds, and MiB of address space
     over the child's start-up size (real templates: a few ms and well under a MiB)."""
 
-    seconds: float = 2.0
-    mib: int = 256
+    seconds: float = field(
+        default=2.0,
+        metadata=flag(
+            "--template-seconds",
+            "the model's chat template renders each chat in a child process, killed after S seconds "
+            "(the request gets a 400 naming the limit; default %(default)g)",
+            metavar="S",
+        ),
+    )
+    mib: int = field(
+        default=256,
+        metadata=flag(
+            "--template-mib", "... and held to MIB of memory, its compile too (default %(default)d)", metavar="MIB"
+        ),
+    )
 
 
 class TemplateLimitReached(ValueError):

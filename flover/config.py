@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from flover.chat_template import TemplateLimits
+from flover.flags import flag
 from flover.structured.spec import GrammarLimits, Structured
 
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
@@ -211,39 +212,129 @@ class EngineConfig:
     """How one engine instance is sized. Everything is fixed at start-up."""
 
     model: str
-    dtype: str = "auto"  # bfloat16 where the device computes it natively, else float32
-    device: str = "cpu"
-    # weight-only int8/int4 projections (CPU, bfloat16); auto: a Q4_0/Q4_1 GGUF file's projections keep
-    # their 4-bit codes where the native step runs in bfloat16, else none
-    quantization: str = "auto"
-    max_slots: int = 32  # requests in flight at once
-    max_seq_len: int | None = None  # prompt + generated tokens; None = min(model limit, 2048)
-    max_batch_tokens: int = 512  # token budget of one iteration (prompts are chunked to fit)
+    dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "--dtype", "auto (default): bfloat16 where the CPU/GPU computes it natively, else float32", choices=DTYPES
+        ),
+    )
+    device: str = field(default="cpu", metadata=flag("--device", "cpu, cuda, cuda:N"))
+    quantization: str = field(
+        default="auto",
+        metadata=flag(
+            "--quantization",
+            "weight-only int8/int4 projections for fast single streams (CPU, bfloat16); file: a GGUF "
+            "file's projections keep their own codes (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
+            "auto (default): file where the native step runs in bfloat16 and the file allows, else "
+            "none (none: dequantized to the dtype)",
+            choices=QUANTIZATIONS,
+        ),
+    )
+    max_slots: int = field(default=32, metadata=flag("--max-slots", "requests in flight at once"))
+    max_seq_len: int | None = field(  # None = min(model limit, 2048)
+        default=None, metadata=flag("--max-seq-len", "prompt + output tokens (default: model limit, <= 2048)", type=int)
+    )
+    max_batch_tokens: int = field(  # prompts are chunked to fit
+        default=512, metadata=flag("--max-batch-tokens", "token budget of one iteration")
+    )
     # while prompts wait, up to this many iterations in a row run prompts alone (scheduler.PromptFirst;
     # 0: every iteration decodes), each of at most prompt_first_tokens
-    prompt_first_iterations: int = 3
-    prompt_first_tokens: int = 192
-    num_threads: int | None = None  # torch intra-op threads; None = cores available
-    # prompt-lookup speculation (flover/engine/speculation.py): up to this many draft tokens per greedy
-    # request and iteration, found by its last `speculate_ngram` tokens; 0 = off; None = 8 where
-    # the engine can (the native CPU step, on every rank under TP), off elsewhere. Asked for where
-    # it cannot, the engine says so and runs without.
-    speculate: int | None = None
-    speculate_ngram: int = 3
-    seed: int = 0  # seeds requests that bring no seed of their own
-    prefix_cache_mib: float = 256  # KV blocks of recent prompts kept for reuse (per rank); 0 = off
-    # Touch the prefix pool's pages at start-up (`flover serve --prefault-prefix-cache`): faulted in one
-    # by one, its first stores cost page faults inside iterations; left lazy, memory grows as it fills.
-    prefault_prefix_cache: bool = False
-    # Sliding-window layers keep every position, as full layers do (llama.cpp's --swa-full): more
-    # memory, and prefix-cache hits for prompts whose shared start lies beyond a window. Default:
+    prompt_first_iterations: int = field(
+        default=3,
+        metadata=flag(
+            "--prompt-first",
+            "while prompts wait, up to N iterations in a row run prompt tokens alone before the running "
+            "requests decode again (lower time to first token under bursts; default 3; 0: every "
+            "iteration decodes)",
+            metavar="N",
+        ),
+    )
+    prompt_first_tokens: int = field(
+        default=192, metadata=flag("--prompt-first-tokens", "prompt tokens of one such iteration (default 192)")
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata=flag(
+            "--threads", "torch threads (default: the cores available, shared by the ranks on this node)", type=int
+        ),
+    )
+    # prompt-lookup speculation (flover/engine/speculation.py). Asked for where it cannot, the engine
+    # says so and runs without.
+    speculate: int | None = field(
+        default=None,
+        metadata=flag(
+            "--speculate",
+            "prompt-lookup speculation: greedy requests draft up to K tokens per iteration from where "
+            "their last tokens occurred before (prompt or output), checked by the same forward: the "
+            "same tokens in fewer iterations (default: 8 where the native CPU step runs, on every "
+            "rank under TP; else off; 0: off)",
+            type=int,
+            metavar="K",
+        ),
+    )
+    speculate_ngram: int = field(
+        default=3,
+        metadata=flag("--speculate-ngram", "the last N tokens are looked up for a draft (default 3)", metavar="N"),
+    )
+    seed: int = field(default=0, metadata=flag("--seed", "seeds requests that bring no seed"))
+    prefix_cache_mib: float = field(
+        default=256,
+        metadata=flag(
+            "--prefix-cache",
+            "MiB (per rank) of KV blocks of recent prompts kept for reuse by later prompts that start "
+            "the same way (LRU; default 256; 0 turns it off)",
+            type=float,
+            metavar="MIB",
+        ),
+    )
+    # Touch the prefix pool's pages at start-up: faulted in one by one, its first stores cost page
+    # faults inside iterations; left lazy, memory grows as it fills. (A flag of `flover serve` only.)
+    prefault_prefix_cache: bool = field(
+        default=False,
+        metadata=flag(
+            "--prefault-prefix-cache",
+            "take the prefix cache's memory at start-up instead of as it fills (its first stores "
+            "then cost no page faults inside iterations: ~1.5%% of a fresh daemon's time)",
+        ),
+    )
+    # Sliding-window layers keep every position, as full layers do (llama.cpp's --swa-full). Default:
     # they keep about their window (flover/runner/kv_window.py).
-    full_window_kv: bool = False
-    cuda_graphs: str = "auto"  # one of CUDA_GRAPHS
-    native_forward: str = "auto"  # one of NATIVE_FORWARD
-    # the native step's kernel family (flover/native/simd.h): auto = the widest this CPU runs;
-    # else one of NATIVE_KERNELS (side-by-side runs, tests); FLOVER_NATIVE_KERNELS overrides auto
-    native_kernels: str = "auto"
+    full_window_kv: bool = field(
+        default=False,
+        metadata=flag(
+            "--full-window-kv",
+            "sliding-window layers (Gemma 3, Mistral's window) keep every position, not about their "
+            "window: more memory, more prefix-cache hits on long shared prompts (llama.cpp's --swa-full)",
+        ),
+    )
+    cuda_graphs: str = field(  # one of CUDA_GRAPHS
+        default="auto",
+        metadata=flag(
+            "--cuda-graphs",
+            "auto (default): on CUDA at TP=1, decode-only iterations replay graphs captured at start-up",
+            choices=("auto", "off"),
+        ),
+    )
+    native_forward: str = field(  # one of NATIVE_FORWARD
+        default="auto",
+        metadata=flag(
+            "--native-forward",
+            "auto (default): on CPU (float32/bfloat16, quantized or not; each rank's shard under TP), "
+            "iterations run as one native call compiled for this CPU on first use (needs a C compiler)",
+            choices=NATIVE_FORWARD,
+        ),
+    )
+    # the native step's kernel family (flover/native/simd.h); FLOVER_NATIVE_KERNELS overrides auto
+    native_kernels: str = field(
+        default="auto",
+        metadata=flag(
+            "--native-kernels",
+            "the native step's kernel family: auto (default) = the widest this CPU "
+            "runs; another forces it where the CPU can run it (side-by-side runs with llama.cpp built for "
+            "the same instruction set). The FLOVER_NATIVE_KERNELS variable overrides auto",
+            choices=NATIVE_KERNELS,
+        ),
+    )
     # with the native step, keep PyTorch's copy of the projections too (twice the weight memory):
     # for comparing the two forwards on one engine (tests)
     keep_pytorch_weights: bool = False
@@ -251,8 +342,15 @@ class EngineConfig:
     grammar_limits: GrammarLimits = GrammarLimits()
     # what rendering one chat with the model's template may cost (flover/chat_template.py)
     template_limits: TemplateLimits = TemplateLimits()
-    # pipeline stages: seconds the leader waits for a plan's rows before it ends the job
-    stage_timeout: float = 60.0
+    stage_timeout: float = field(
+        default=60.0,
+        metadata=flag(
+            "--stage-timeout",
+            "pipeline stages: a stage whose rows do not come back within S seconds (frozen, its host "
+            "gone silent) ends the job: every request in flight gets an engine_unresponsive error first",
+            metavar="S",
+        ),
+    )
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -67,7 +67,8 @@ def test_openmp_workers_stop_spinning_soon_unless_the_caller_says():
 
 
 def test_the_prefix_pool_is_taken_at_start_up_only_when_a_server_asks():
-    from flover.apps.cli import build_parser, engine_config
+    from flover.apps.cli import build_parser
+    from flover.apps.flags import engine_config
 
     parse = build_parser().parse_args
     assert not engine_config(parse(["serve", "--model", "m"])).prefault_prefix_cache

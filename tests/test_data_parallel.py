@@ -373,7 +373,8 @@ def test_tp_that_does_not_divide_the_ranks_is_refused(llama_dir, tmp_path):
 
 def test_every_rank_of_a_job_takes_its_own_gpu_whatever_its_groups_size(monkeypatch):
     """`mpirun -np 8 flover serve --device cuda --tp 1`: 8 groups of one rank, one GPU each (not all on cuda:0)."""
-    from flover.apps.cli import build_parser, engine_config
+    from flover.apps.cli import build_parser
+    from flover.apps.flags import engine_config
 
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")

@@ -8,11 +8,21 @@ Ctrl-C stops the reply being written. The engine is in this process (`--model`) 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import asdict
 from typing import Callable, Iterator
 
+from flover.apps.flags import (
+    add_connect_args,
+    add_engine_args,
+    add_sampling_args,
+    connect,
+    require_model,
+    sampling_params,
+    start_engine,
+)
 from flover.config import SamplingParams
 
 
@@ -111,3 +121,27 @@ def chat_loop(
                 file=err,
                 flush=True,
             )
+
+
+def add_chat_command(sub) -> None:
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal (the checkpoint's chat template)")
+    add_engine_args(chat, model_required=False)
+    add_sampling_args(chat)
+    add_connect_args(chat)
+    chat.add_argument("--system", default=None, help="a system message that starts every conversation")
+    chat.set_defaults(func=cmd_chat, max_new_tokens=512)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    require_model(args)
+    params = sampling_params(args)
+    if args.connect:
+        with connect(args) as client:
+            return chat_loop(RemoteReplies(client, params), args.system)
+    engine = start_engine(args)
+    if engine is None:  # a follower rank
+        return 0
+    try:
+        return chat_loop(LocalReplies(engine, params), args.system)
+    finally:
+        engine.shutdown()

@@ -12,17 +12,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flover.apps.batch import BatchRunner, BatchSummary, arrival_offsets
 from flover.apps.prompt_file import iter_records
 from flover.apps.results_file import ResultsFile
-from flover.config import EngineConfig, SamplingParams
-from flover.engine.engine import Engine
+from flover.config import DTYPES, EngineConfig, SamplingParams
+
+if TYPE_CHECKING:  # (the command is registered without loading torch: apps/cli.py)
+    from flover.apps.batch import BatchRunner, BatchSummary
+    from flover.engine.engine import Engine
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "demo_prompts.txt"
 
@@ -59,7 +63,7 @@ class LiveView:
         self.tty = stream.isatty()
         self._last = None
 
-    def __call__(self, runner: BatchRunner, outputs) -> None:
+    def __call__(self, runner: "BatchRunner", outputs) -> None:
         stats = runner.engine.stats()
         running, waiting = stats.running, stats.waiting  # (a finished request is not running)
         finished = runner.summary.completed + runner.summary.errors
@@ -95,8 +99,10 @@ def read_prompts(path: Path, chat: bool) -> list:
 
 
 def run_once(
-    engine: Engine, records: list, params: SamplingParams, rate: float, seed: int, view=None
-) -> tuple[BatchSummary, list[dict]]:
+    engine: "Engine", records: list, params: SamplingParams, rate: float, seed: int, view=None
+) -> tuple["BatchSummary", list[dict]]:
+    from flover.apps.batch import BatchRunner, arrival_offsets
+
     with tempfile.TemporaryDirectory() as tmp:
         out_path = f"{tmp}/out.jsonl"
         out = ResultsFile(out_path)
@@ -122,6 +128,8 @@ def run_demo(
     stream=sys.stdout,
     show: int = 4,
 ) -> dict:
+    from flover.engine.engine import Engine
+
     say = lambda text: print(text, file=stream, flush=True)  # noqa: E731
     model_path, real = ensure_model(model, preset, models_dir, say)
     if not real:
@@ -179,3 +187,35 @@ def _pct(a: list[dict], b: list[dict], key: str, q: int) -> tuple[float, float]:
         return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
     return pct(a), pct(b)
+
+
+def add_demo_command(sub) -> None:
+    demo = sub.add_parser("demo", help="see temporal fusion at work (makes a small random model if needed)")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file, checkpoint directory or hub id (default: "
+        "SmolLM2-135M-Instruct, fetched once into --models-dir)",
+    )
+    demo.add_argument("--preset", default=None, help="a random demo model instead: bench-124m or tiny (quicker)")
+    demo.add_argument("--models-dir", default="models", help="where the demo model is made")
+    demo.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--max-slots", type=int, default=32)
+    demo.add_argument("--dtype", choices=DTYPES, default="auto")
+    demo.add_argument("--threads", type=int, default=None)
+    demo.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    run_demo(
+        args.model,
+        args.preset,
+        args.models_dir,
+        args.rate,
+        args.max_new_tokens,
+        args.max_slots,
+        args.dtype,
+        args.threads,
+    )
+    return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ import time
 from fastapi import FastAPI
 
 from flover.client import AsyncClient
+from flover.flags import add_flags, from_flags
 from flover.protocol import MAX_MESSAGE_BYTES
 from flover.server.http_front import CURVE_ENV, HttpLimits, parse_listen
 from flover.server.http_guard import guarded_protocol, usable_connections
@@ -107,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     ap.add_argument("--parent", type=int, default=None, help="stop when this process (the daemon) is gone")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger request bodies get a 413")
-    defaults = HttpLimits()
-    ap.add_argument("--header-timeout", type=float, default=defaults.header_timeout)
-    ap.add_argument("--body-timeout", type=float, default=defaults.body_timeout)
-    ap.add_argument("--keep-alive", type=float, default=defaults.keep_alive_timeout)
-    ap.add_argument("--max-connections", type=int, default=defaults.max_connections)
-    ap.add_argument("--engine-timeout", type=float, default=defaults.engine_timeout)
+    add_flags(ap, HttpLimits)
     ap.add_argument("--reasoning-format", choices=("auto", "none"), default="auto")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
@@ -130,17 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         curve=tuple(keys) if all(keys) else None,
         max_body_bytes=args.max_body_bytes,
         reasoning_format=args.reasoning_format,
-        engine_timeout=args.engine_timeout,
+        engine_timeout=args.http_engine_timeout,
     )
     started = time.perf_counter()
     where = dict(fd=args.fd) if args.fd is not None else dict(host=host, port=port)
-    limits = HttpLimits(
-        args.header_timeout,
-        args.body_timeout,
-        args.keep_alive,
-        usable_connections(args.max_connections),
-        args.engine_timeout,
-    )
+    limits = from_flags(HttpLimits, args)
+    limits = dataclasses.replace(limits, max_connections=usable_connections(limits.max_connections))
     config = uvicorn.Config(
         build_app(front),
         log_level="warning",

@@ -13,8 +13,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from flover.flags import flag, to_argv
 from flover.protocol import MAX_MESSAGE_BYTES
 
 
@@ -37,13 +38,39 @@ def parse_listen(text: str) -> tuple[str, int]:
 class HttpLimits:
     """What one HTTP connection may take (enforced by http_guard.GuardedH11Protocol)."""
 
-    header_timeout: float = 10.0  # seconds from a connection's start (or its previous answer) to whole headers
-    body_timeout: float = 30.0  # seconds from the headers to the whole body
-    keep_alive_timeout: float = 5.0  # an idle connection between requests is closed after this
-    max_connections: int = 1024  # open at once; more are closed as they arrive
-    # a request whose daemon sent nothing at all (no token, no keepalive) for this long ends with
-    # `engine_unresponsive` (a frozen daemon or pipeline stage; /health says 503 meanwhile)
-    engine_timeout: float = 60.0
+    header_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            "--http-header-timeout",
+            "a request's headers must arrive within this (from the connection or its previous answer)",
+            metavar="SECONDS",
+        ),
+    )
+    body_timeout: float = field(
+        default=30.0,
+        metadata=flag(
+            "--http-body-timeout", "a request's body must arrive within this after its headers", metavar="SECONDS"
+        ),
+    )
+    keep_alive_timeout: float = field(
+        default=5.0,
+        metadata=flag(
+            "--http-keep-alive", "an idle connection between requests is closed after this", metavar="SECONDS"
+        ),
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=flag("--http-max-connections", "open HTTP connections at once; more are closed as they arrive"),
+    )
+    engine_timeout: float = field(
+        default=60.0,
+        metadata=flag(
+            "--http-engine-timeout",
+            "a request whose daemon sends nothing (no token, no keepalive) for this long ends with an "
+            "engine_unresponsive error (a frozen daemon or pipeline stage); /health says 503 meanwhile",
+            metavar="SECONDS",
+        ),
+    )
 
 
 CURVE_ENV = ("FLOVER_CURVE_SERVER_KEY", "FLOVER_CURVE_PUBLIC_KEY", "FLOVER_CURVE_SECRET_KEY")
@@ -93,16 +120,7 @@ def start_http_front(
                 str(os.getpid()),
                 "--max-body-bytes",
                 str(max_body_bytes),
-                "--header-timeout",
-                str(limits.header_timeout),
-                "--body-timeout",
-                str(limits.body_timeout),
-                "--keep-alive",
-                str(limits.keep_alive_timeout),
-                "--max-connections",
-                str(limits.max_connections),
-                "--engine-timeout",
-                str(limits.engine_timeout),
+                *to_argv(limits),
                 "--reasoning-format",
                 reasoning_format,
             ],

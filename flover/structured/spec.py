@@ -5,7 +5,9 @@ llguidance or the grammar checker's child (flover/config.py reads it)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from flover.flags import flag
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a schema / regex / grammar's text; the HTTP body limit is the other bound
@@ -27,13 +29,54 @@ class GrammarLimits:
     reuse hold at most `cache_mib`; a request's token masks may take `mask_ms_per_token` on
     average, with `mask_burst_ms` in hand (the first masks build the lexer)."""
 
-    compile_seconds: float = 5.0
-    compile_mib: int = 256  # far above a large real schema's (docs/hardening.md)
-    cache_mib: int = 512
-    mask_ms_per_token: float = 5.0
-    mask_burst_ms: float = 250.0
+    compile_seconds: float = field(
+        default=5.0,
+        metadata=flag(
+            "--grammar-compile-seconds",
+            "structured output: a new grammar compiles first in a child process, killed after S "
+            "seconds (the request gets a 400 naming the limit; default %(default)g)",
+            metavar="S",
+        ),
+    )
+    compile_mib: int = field(  # far above a large real schema's (docs/hardening.md)
+        default=256,
+        metadata=flag("--grammar-compile-mib", "... and held to MIB of memory (default %(default)d)", metavar="MIB"),
+    )
+    cache_mib: int = field(
+        default=512,
+        metadata=flag(
+            "--grammar-cache-mib",
+            "compiled grammars kept for reuse, least recently used first out (default %(default)d)",
+            metavar="MIB",
+        ),
+    )
+    mask_ms_per_token: float = field(
+        default=5.0,
+        metadata=flag(
+            "--grammar-mask-ms",
+            "a request's token masks may take MS a token on average; a request past it ends with an "
+            "error naming the limit (default %(default)g)",
+            metavar="MS",
+        ),
+    )
+    mask_burst_ms: float = field(
+        default=250.0,
+        metadata=flag(
+            "--grammar-mask-burst-ms",
+            "... with MS in hand at any time (the first masks build the lexer; default %(default)g)",
+            metavar="MS",
+        ),
+    )
     lexer_states: int = 20_000  # llguidance's lexer DFA per grammar (its own default: 250,000)
-    lexer_fuel: int = 50_000  # llguidance's lexer work for one token mask (its own default: 200,000)
+    lexer_fuel: int = field(  # llguidance's lexer work for one token mask (its own default: 200,000)
+        default=50_000,
+        metadata=flag(
+            "--grammar-lexer-fuel",
+            "llguidance's lexer work for one token mask (its step_lexer_fuel; default %(default)d, "
+            "llguidance's own 200000); a grammar past it ends its request with an error",
+            metavar="N",
+        ),
+    )
 
 
 def parser_limits(limits: GrammarLimits):
