@@ -6,6 +6,7 @@ import enum
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from flover.config import SamplingParams
 
@@ -57,6 +58,21 @@ class Timings:
             "tpot": self.tpot(num_output_tokens),
             "e2e": self.e2e,
         }
+
+
+@dataclass
+class RequestInput:
+    """What a caller gives for one request, before the engine validates and tokenizes it
+    (ServingEngine.make_request, engine/intake.py)."""
+
+    prompt: "str | Sequence[int] | None" = None  # text, or token ids
+    params: SamplingParams | None = None  # None: SamplingParams()
+    request_id: str | None = None  # None: the engine's next free number
+    arrival_time: float | None = None  # time.perf_counter() of its real arrival, if earlier than now
+    stream: bool = False  # text deltas with every new token
+    messages: list | None = None  # a chat instead of `prompt`, rendered with the checkpoint's template
+    cache_salt: str | None = None  # it shares cached prompt prefixes only with requests of the same salt
+    tokenized: "tuple[list[int], str | None] | None" = None  # what tokenize(prompt, messages) already gave
 
 
 @dataclass

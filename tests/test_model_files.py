@@ -16,6 +16,7 @@ import pytest
 
 from flover import LLM, SamplingParams
 from flover.models import CheckpointError, load_model_config
+from flover.request import RequestInput
 from tests.helpers import Server
 
 gguf = pytest.importorskip("gguf")
@@ -147,7 +148,7 @@ def test_a_broken_chat_template_turns_chat_off_not_the_model(make_model, tmp_pat
     plain = llm.generate(["Hello the cat"], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(plain[0].token_ids) == 3
     with pytest.raises(ValueError, match="chat template is broken .*send a plain prompt"):
-        llm.engine.make_request(None, messages=[{"role": "user", "content": "hi"}])
+        llm.engine.make_request(RequestInput(None, messages=[{"role": "user", "content": "hi"}]))
 
 
 def test_a_tokenizer_id_outside_the_model_is_refused_and_nothing_else_fails(make_model, tmp_path):
@@ -170,7 +171,7 @@ def test_a_tokenizer_id_outside_the_model_is_refused_and_nothing_else_fails(make
     for dtype in ("float32", "float64"):
         llm = LLM(str(model), dtype=dtype, max_seq_len=64, max_slots=2)
         with pytest.raises(ValueError, match=r"token id \d+, outside the model's vocabulary of 512"):
-            llm.engine.make_request("Hello <extra> cat")
+            llm.engine.make_request(RequestInput("Hello <extra> cat"))
     for ranks in (1, 2):  # under mpirun the followers never see the ids: the job stays up
         server = Server(str(model), "--dtype", "float32", ranks=ranks)
         try:

@@ -20,7 +20,7 @@ from flover.engine.speculation import (
     Speculation,
     drafts_for,
 )
-from flover.request import Request, StepResult
+from flover.request import Request, RequestInput, StepResult
 from flover.runner.runner import verify
 
 
@@ -210,7 +210,7 @@ def test_a_stop_inside_the_accepted_tokens_ends_the_request_there(llama_dir, sto
         "string": SamplingParams(max_new_tokens=50, stop=(tokenizer.decode([41, 42]),)),
         "length": SamplingParams(max_new_tokens=3),
     }[stop]
-    r = engine.make_request([1, 2, 3], params)
+    r = engine.make_request(RequestInput([1, 2, 3], params))
     result = StepResult(sampled=[r], token_ids=[40], accepted={0: [41, 42, 43, 44]})
     out = OutputProcessor(tokenizer).emit(engine.scheduler.update(StepPlan(), result, now=1.0), now=1.0)[0]
     assert out.finished and out.finish_reason == ("length" if stop == "length" else "stop")

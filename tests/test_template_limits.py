@@ -16,6 +16,7 @@ import pytest
 
 from flover import LLM, SamplingParams
 from flover.client import FloverError
+from flover.request import RequestInput
 from tests.helpers import Server, read_records, write_jsonl
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -118,7 +119,7 @@ def test_malformed_chat_template_fields_turn_chat_off_naming_the_file(llama_dir,
     if named is not None:
         assert f"{model}/tokenizer_config.json: {named}" in caplog.text and "chat is off" in caplog.text
     with pytest.raises(ValueError, match="chat template"):
-        llm.engine.make_request(None, messages=chat("hi"))
+        llm.engine.make_request(RequestInput(None, messages=chat("hi")))
     assert len(llm.generate(["Hello"], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
@@ -141,5 +142,5 @@ def test_a_gguf_chat_template_that_is_not_a_string_turns_chat_off(llama_dir, tmp
     path = write_gguf(model, tmp_path / "m.gguf", "Q8_0")
     llm = LLM(str(path), max_seq_len=64, max_slots=2)
     with pytest.raises(ValueError, match=r"m\.gguf: tokenizer\.chat_template must be a string, not int"):
-        llm.engine.make_request(None, messages=chat("hi"))
+        llm.engine.make_request(RequestInput(None, messages=chat("hi")))
     assert len(llm.generate(["Hello"], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2

@@ -22,7 +22,7 @@ from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
 from flover.engine.interface import ServingEngine
 from flover.protocol import PERMANENT
-from flover.request import RequestOutput
+from flover.request import RequestInput, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +231,14 @@ class BatchRunner:
                 else None
             )
             request = self.engine.make_request(
-                record.prompt,
-                params,
-                request_id=record.id,
-                arrival_time=arrival_time,
-                messages=record.messages,
-                tokenized=tokenized,
+                RequestInput(
+                    record.prompt,
+                    params,
+                    request_id=record.id,
+                    arrival_time=arrival_time,
+                    messages=record.messages,
+                    tokenized=tokenized,
+                )
             )
         except PromptTooLong as e:
             return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")

@@ -24,6 +24,7 @@ from flover.apps.flags import (
     start_engine,
 )
 from flover.config import SamplingParams
+from flover.request import RequestInput
 
 
 class LocalReplies:
@@ -34,7 +35,7 @@ class LocalReplies:
 
     def __call__(self, messages: list[dict]) -> Iterator[str]:
         engine = self.engine
-        request = engine.make_request(None, self.params, stream=True, messages=messages)
+        request = engine.make_request(RequestInput(None, self.params, stream=True, messages=messages))
         rid = engine.enqueue(request)
         try:
             while True:

@@ -23,6 +23,7 @@ from pathlib import Path
 from flover.bench.workload import BenchRequest
 from flover.config import EngineConfig, SamplingParams, default_num_threads
 from flover.engine.engine import Engine
+from flover.request import RequestInput
 
 MODES = ("fused", "serial", "window", "instances", "hf")
 
@@ -90,7 +91,7 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
 
     def submit(r: BenchRequest) -> None:  # latencies count from the scheduled arrival
         params = SamplingParams(max_new_tokens=r.new_tokens, ignore_eos=True)
-        engine.enqueue(engine.make_request(r.prompt_ids, params, r.id, arrival_time=t0 + r.arrival_s))
+        engine.enqueue(engine.make_request(RequestInput(r.prompt_ids, params, r.id, arrival_time=t0 + r.arrival_s)))
 
     while pending or held or engine.has_unfinished():
         now = time.perf_counter() - t0

@@ -38,7 +38,7 @@ from flover.parallel.comm import Communicator
 from flover.parallel.launch import local_ranks
 from flover.parallel.pipeline import StageLink
 from flover.parallel.plan import AddEvent
-from flover.request import Request, RequestOutput, StepResult
+from flover.request import Request, RequestInput, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
@@ -187,25 +187,15 @@ class Engine(ServingEngine):
     ) -> str:
         """Queue a request; it joins the running batch at the next iteration. Raises
         ValueError (and changes nothing) when the request cannot be served."""
-        return self.enqueue(self.make_request(prompt, params, request_id))
+        return self.enqueue(self.make_request(RequestInput(prompt, params, request_id)))
 
-    def make_request(
-        self,
-        prompt: str | Sequence[int] | None,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        stream: bool = False,
-        messages: list | None = None,
-        cache_salt: str | None = None,
-        tokenized: tuple[list[int], str | None] | None = None,
-    ) -> Request:
+    def make_request(self, given: RequestInput) -> Request:
         """Validate and tokenize (Intake.build: ValueError naming what is wrong), under an id not
         in flight (the next free number if None). Queues nothing."""
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request_id = str(next(self._ids)) if given.request_id is None else str(given.request_id)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        return self.intake.build(request_id, prompt, params, arrival_time, stream, messages, cache_salt, tokenized)
+        return self.intake.build(request_id, given)
 
     def enqueue(self, request: Request) -> str:
         self.scheduler.add(request)  # (refuses an id in flight)
@@ -306,7 +296,9 @@ class Engine(ServingEngine):
             for event in message.events:
                 if isinstance(event, AddEvent):
                     self.enqueue(
-                        self.make_request(event.token_ids, event.params, event.request_id, cache_salt=event.cache_salt)
+                        self.make_request(
+                            RequestInput(event.token_ids, event.params, event.request_id, cache_salt=event.cache_salt)
+                        )
                     )
                 else:
                     self.abort(event)
@@ -421,7 +413,7 @@ class LLM:
         requests = []
         for n, (prompt, p) in enumerate(zip(prompts, params)):
             try:  # validate everything before queueing anything
-                requests.append(engine.make_request(prompt, p))
+                requests.append(engine.make_request(RequestInput(prompt, p)))
             except ValueError as e:
                 raise ValueError(f"prompt {n}: {e}") from None
         ids = [engine.enqueue(r) for r in requests]

@@ -22,7 +22,7 @@ from flover.engine.engine import Engine
 from flover.engine.interface import EngineStats, ServingEngine
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import GroupLayout, Mailbox
-from flover.request import Request, RequestOutput
+from flover.request import Request, RequestInput, RequestOutput
 from flover.structured.spec import Structured
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,9 @@ class EngineGroups(ServingEngine):
         self.group_stats: list[dict | None] = [None] * layout.count  # the latest each leader sent
         self._timed: deque[tuple[float, int]] = deque(maxlen=1024)  # the other groups' iterations, not yet read
 
-    def make_request(self, *args, **kwargs) -> Request:
+    def make_request(self, given: RequestInput) -> Request:
         """Rank 0's engine makes it (its ids: unique across the groups, which never make their own)."""
-        return self.engine.make_request(*args, **kwargs)
+        return self.engine.make_request(given)
 
     def enqueue(self, request: Request) -> str:
         group = self.router.choose(request.prompt_token_ids, request.cache_salt)
@@ -392,12 +392,14 @@ def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
     try:
         engine.enqueue(
             engine.make_request(
-                token_ids,
-                SamplingParams(**params),
-                request_id,
-                stream=stream,
-                cache_salt=salt,
-                arrival_time=time.perf_counter() - age,
+                RequestInput(
+                    token_ids,
+                    SamplingParams(**params),
+                    request_id,
+                    stream=stream,
+                    cache_salt=salt,
+                    arrival_time=time.perf_counter() - age,
+                )
             )
         )
     except (ValueError, TypeError) as e:  # rank 0 validated it alike: a mismatch, said, not hidden

@@ -14,7 +14,7 @@ from flover.config import SamplingParams
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens
-from flover.request import Request, Timings
+from flover.request import Request, RequestInput, Timings
 from flover.structured.grammars import Grammars
 from flover.structured.spec import GrammarLimits
 
@@ -45,27 +45,15 @@ class Intake:
         self.refuse_over_context = refuse_over_context
         self._grammars: Grammars | None = None
 
-    def build(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int] | None,
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        stream: bool = False,
-        messages: list | None = None,
-        cache_salt: str | None = None,
-        tokenized: tuple[list[int], str | None] | None = None,
-    ) -> Request:
-        """Validate and tokenize; raises ValueError naming what is wrong. Queues nothing.
-        `messages` (instead of `prompt`): chat messages, rendered with the checkpoint's template.
-        `arrival_time` (time.perf_counter) is when the request really arrived, if earlier than now:
-        latencies count from it. `stream`: report text deltas with every new token. `cache_salt`:
-        the request shares cached prompt prefixes only with requests of the same salt. `tokenized`:
-        what `tokenize(prompt, messages)` already gave (the daemon tokenizes off its loop)."""
+    def build(self, request_id: str, given: RequestInput) -> Request:
+        """Validate and tokenize `given` under `request_id`; raises ValueError naming what is
+        wrong. Queues nothing."""
+        params, stream, arrival_time = given.params, given.stream, given.arrival_time
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        token_ids, text = tokenized if tokenized is not None else self.tokenize(prompt, messages)
+        tokenized = given.tokenized
+        token_ids, text = tokenized if tokenized is not None else self.tokenize(given.prompt, given.messages)
         limit = self.max_seq_len
         if params.max_new_tokens is None:  # the rest of the context (OpenAI's chat default)
             params = params.with_updates(max_new_tokens=max(1, limit - len(token_ids)))
@@ -91,7 +79,7 @@ class Intake:
             detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None,
             stream=stream,
             timings=Timings(arrival=time.perf_counter() if arrival_time is None else arrival_time),
-            cache_salt=cache_salt,
+            cache_salt=given.cache_salt,
             grammar=grammar,
         )
         if params.stop:

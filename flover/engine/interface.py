@@ -7,10 +7,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from flover.config import EngineConfig, SamplingParams
+from flover.config import EngineConfig
 from flover.engine.intake import Intake
 from flover.parallel.comm import Communicator
-from flover.request import Request, RequestOutput
+from flover.request import Request, RequestInput, RequestOutput
 from flover.structured.grammars import Grammars
 
 
@@ -72,17 +72,7 @@ class ServingEngine(ABC):
         self.intake.prepare_grammars(checked_elsewhere)
 
     @abstractmethod
-    def make_request(
-        self,
-        prompt: str | Sequence[int] | None,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        stream: bool = False,
-        messages: list | None = None,
-        cache_salt: str | None = None,
-        tokenized: tuple[list[int], str | None] | None = None,
-    ) -> Request:
+    def make_request(self, given: RequestInput) -> Request:
         """Validated and tokenized, not queued; ValueError naming what is wrong."""
 
     # -- requests in flight -----------------------------------------------------------------------

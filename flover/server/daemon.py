@@ -40,7 +40,7 @@ from flover import protocol
 from flover.engine.intake import PromptTooLong
 from flover.engine.interface import ServingEngine
 from flover.parallel.pipeline import StageTimeout
-from flover.request import RequestOutput
+from flover.request import RequestInput, RequestOutput
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairTokenizer, Job
 
@@ -532,14 +532,16 @@ class Daemon:
         try:
             # With CURVE, each client key is a prefix-cache partition of its own (prefix_cache.py).
             request = self.engine.make_request(
-                req.prompt,
-                req.params,
-                engine_id,
-                stream=req.stream,
-                messages=req.messages,
-                cache_salt=flight.user,
-                arrival_time=flight.arrived,
-                tokenized=tokenized,
+                RequestInput(
+                    req.prompt,
+                    req.params,
+                    engine_id,
+                    stream=req.stream,
+                    messages=req.messages,
+                    cache_salt=flight.user,
+                    arrival_time=flight.arrived,
+                    tokenized=tokenized,
+                )
             )
         except (ValueError, TypeError) as e:
             raise _refusal(e, req.id) from None

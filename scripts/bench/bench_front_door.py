@@ -33,7 +33,7 @@ from flover.engine.groups import EngineGroups, _wire
 from flover.engine.interface import EngineStats
 from flover.engine.output import OutputProcessor
 from flover.parallel.groups import GroupLayout
-from flover.request import FinishReason, Request, RequestState, Timings
+from flover.request import FinishReason, Request, RequestInput, RequestState, Timings
 from flover.server.daemon import Daemon, ServeConfig
 
 
@@ -140,7 +140,9 @@ class InProcessLeaders:
         engine = self.leaders.get(dest)
         if "add" in message:
             request_id, token_ids, params, salt, stream, age = message["add"]
-            engine.enqueue(engine.make_request(token_ids, SamplingParams(**params), request_id, cache_salt=salt))
+            engine.enqueue(
+                engine.make_request(RequestInput(token_ids, SamplingParams(**params), request_id, cache_salt=salt))
+            )
         elif "cancel" in message:
             engine.abort(message["cancel"])
 
