@@ -42,6 +42,7 @@ def random_params(rng: random.Random) -> SamplingParams:
         ("llama", 1, "float64", "none"),
         ("mistral-window8", 2, "float64", "none"),
         ("gptj", 3, "float64", "none"),
+        ("granite", 10, "float64", "none"),  # (its residual and logit scales)
         # the native step (CPU): every output summed in the same order whatever rows share the
         # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
         ("llama", 4, "float32", "none"),

@@ -6,10 +6,10 @@ import select
 import threading
 import time
 
-from flover.server.tokenizing import FairTokenizer, Job
+from flover.server.tokenizing import FairWorker, Job
 
 
-def collect(tok: FairTokenizer, count: int, timeout: float = 10.0) -> list[Job]:
+def collect(tok: FairWorker, count: int, timeout: float = 10.0) -> list[Job]:
     done: list[Job] = []
     deadline = time.monotonic() + timeout
     while len(done) < count and time.monotonic() < deadline:
@@ -26,7 +26,7 @@ def test_connections_take_turns_and_one_pile_delays_another_by_one_job():
         order.append(payload)
         return payload.upper()
 
-    tok = FairTokenizer(work, workers=1)
+    tok = FairWorker(work, workers=1)
     for i in range(5):
         tok.submit(Job(b"A", f"a{i}", f"a{i}"))
     tok.submit(Job(b"B", "b0", "b0"))
@@ -48,7 +48,7 @@ def test_errors_cancels_and_gone_connections():
             raise ValueError("the template refused")
         return payload
 
-    tok = FairTokenizer(work, workers=1)
+    tok = FairWorker(work, workers=1)
     tok.submit(Job(b"A", "1", "bad"))
     tok.submit(Job(b"A", "2", "ok"))
     tok.submit(Job(b"B", "3", "gone"))

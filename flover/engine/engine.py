@@ -33,11 +33,11 @@ from flover.models import file_quantization, open_checkpoint
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
-from flover.parallel.channel import PlanChannel
+from flover.parallel.channel import IntakeChannel
 from flover.parallel.comm import Communicator
+from flover.parallel.intake_events import AddEvent
 from flover.parallel.launch import local_ranks
 from flover.parallel.pipeline import StageLink
-from flover.parallel.plan import AddEvent
 from flover.request import Request, RequestInput, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
@@ -150,7 +150,7 @@ class Engine(ServingEngine):
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
         # TP: the leader's intake reaches every rank's scheduler (pipeline stages: the leader's plans do)
-        self.channel = PlanChannel(tp_comm) if tp_comm is not None and pipe is None else None
+        self.channel = IntakeChannel(tp_comm) if tp_comm is not None and pipe is None else None
         self._flights: deque[InFlight] = deque()  # pipeline stages: plans started, not finished
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)

@@ -1,18 +1,18 @@
 """The leader/follower channel of tensor parallelism: what rank 0 took in since the last iteration
 (requests queued and cancelled, shutdown, its cost fit) reaches every rank at the start of the
-next one, in the order it happened (StepPlanMessage). Followers wait for it without spinning."""
+next one, in the order it happened (IntakeMessage). Followers wait for it without spinning."""
 
 from __future__ import annotations
 
 from flover.parallel.comm import Communicator
-from flover.parallel.plan import AddEvent, StepPlanMessage
+from flover.parallel.intake_events import AddEvent, IntakeMessage
 
 
-class PlanChannel:
+class IntakeChannel:
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.is_leader = comm.rank == 0
-        self._intake = StepPlanMessage()  # the leader's, since the last exchange
+        self._intake = IntakeMessage()  # the leader's, since the last exchange
         self.closed = False  # the leader sent (or a follower received) shutdown
 
     # -- the leader ----------------------------------------------------------------------
@@ -32,14 +32,14 @@ class PlanChannel:
             self.closed = True
 
     # -- both ----------------------------------------------------------------------------
-    def exchange(self, knee: float) -> StepPlanMessage | None:
+    def exchange(self, knee: float) -> IntakeMessage | None:
         """The start of an iteration. Leader: send its intake (and `knee`, its cost fit), None
         back. Follower: the leader's message, to apply before scheduling."""
         if self.is_leader:
             self._intake.knee = knee
             self.comm.broadcast_bytes(self._intake.encode())
-            self._intake = StepPlanMessage()
+            self._intake = IntakeMessage()
             return None
-        message = StepPlanMessage.decode(self.comm.broadcast_bytes(None))
+        message = IntakeMessage.decode(self.comm.broadcast_bytes(None))
         self.closed = message.shutdown
         return message

@@ -42,7 +42,7 @@ from flover.engine.interface import ServingEngine
 from flover.parallel.pipeline import StageTimeout
 from flover.request import RequestInput, RequestOutput
 from flover.server.metrics import ServingMetrics
-from flover.server.tokenizing import FairTokenizer, Job
+from flover.server.tokenizing import FairWorker, Job
 
 log = logging.getLogger("flover.serve")
 # On exit the socket waits this long for zmq to hand over what was sent last (linger is 0 while
@@ -132,9 +132,9 @@ class Daemon:
         # (in the template's bounded child) and tokenized by a worker of their own, and requests with
         # a structure compiled by a third, so that neither a slow template nor a costly grammar ever
         # delays a request that has none.
-        self.tokenizing = FairTokenizer(self._prepare)
-        self.rendering = FairTokenizer(self._prepare)
-        self.compiling = FairTokenizer(self._prepare)
+        self.tokenizing = FairWorker(self._prepare)
+        self.rendering = FairWorker(self._prepare)
+        self.compiling = FairWorker(self._prepare)
         self.workers = (self.tokenizing, self.rendering, self.compiling)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)

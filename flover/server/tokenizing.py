@@ -31,7 +31,10 @@ class Job:
     future: Future | None = field(default=None, repr=False)
 
 
-class FairTokenizer:
+class FairWorker:
+    """A worker pool shared fairly by connections (round robin over their queues): the daemon's
+    tokenizing, chat-rendering and grammar-compiling lanes each are one."""
+
     def __init__(self, work: Callable[[Any], Any], workers: int = 1):
         self.work, self.workers = work, workers
         self.pool = ThreadPoolExecutor(

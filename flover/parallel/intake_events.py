@@ -1,6 +1,5 @@
-"""The step plan rank 0 broadcasts at the start of every iteration (msgpack, never pickle).
-
-It carries only intake since the previous iteration, in the order it happened: requests queued
+"""What rank 0 broadcasts at the start of every iteration (msgpack, never pickle): not a plan, but
+the intake since the previous iteration, in the order it happened: requests queued
 (token ids and sampling parameters), requests cancelled, and shutdown; and the one scheduling
 input that is measured rather than derived, the leader's fit of iteration cost (how long a
 speculative draft may be; flover/engine/speculation.py). Every rank feeds the same events to its own
@@ -25,7 +24,7 @@ class AddEvent:
 
 
 @dataclass
-class StepPlanMessage:
+class IntakeMessage:
     events: list[AddEvent | str] = field(default_factory=list)  # an AddEvent, or the id of a cancelled request
     shutdown: bool = False
     knee: float | None = None  # the leader's IterationCost.knee, for this iteration's drafts
@@ -44,7 +43,7 @@ class StepPlanMessage:
         return msgpack.packb({"events": wire, "shutdown": self.shutdown, "knee": self.knee})
 
     @classmethod
-    def decode(cls, data: bytes) -> "StepPlanMessage":
+    def decode(cls, data: bytes) -> "IntakeMessage":
         raw = msgpack.unpackb(data)
         events = [AddEvent(e[1], e[2], SamplingParams(**e[3]), e[4]) if e[0] == "a" else e[1] for e in raw["events"]]
         return cls(events=events, shutdown=raw["shutdown"], knee=raw["knee"])
