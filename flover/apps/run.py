@@ -53,10 +53,8 @@ def add_run_command(sub) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from flover.apps.batch import BatchRunner, RemoteBatchRunner, arrival_offsets
-    from flover.apps.prompt_file import check_unique_ids, detect_format, iter_records
-    from flover.apps.results_file import file_sha256, open_results
-    from flover.client import FloverError
+    from flover.apps.batch import arrival_offsets
+    from flover.apps.prompt_file import check_unique_ids
 
     require_model(args)
     if is_follower_rank():  # only the leader touches the files; the others serve its iterations
@@ -66,77 +64,86 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--arrival poisson needs --rate (requests per second)")
     if args.arrival == "interval" and args.interval is None:
         raise ValueError("--arrival interval needs --interval MS")
-    if args.prompts == "-":
-        data = sys.stdin.buffer.read()
-        first = next((x for x in data.split(b"\n") if x.strip()), b"").decode("utf-8", "replace")
-        fmt = args.format if args.format != "auto" else detect_format("-", first)
-        read = lambda: iter_records(io.BytesIO(data), fmt)  # noqa: E731
-        digest = hashlib.sha256(data).hexdigest()
-    else:
-        fmt = args.format if args.format != "auto" else detect_format(args.prompts)
-
-        def read():
-            with open(args.prompts, "rb") as f:  # split on b"\n" only, decoded line by line
-                yield from iter_records(f, fmt)
-
-        digest = file_sha256(args.prompts)
+    read, digest = _prompts(args)
     ids = check_unique_ids(read())  # before any work: duplicate ids are an error
     params = sampling_params(args)
     parts = {"prompts_sha256": digest, "params": asdict(params), "token_ids": args.token_ids}
     offsets = arrival_offsets(args.arrival, args.rate, args.interval, args.seed)
-    if args.connect:
-        with connect(args) as client:
-            try:
-                health = client.health(timeout=args.timeout or 10.0)
-            except (TimeoutError, FloverError) as e:
-                raise OSError(f"no flover server answers at {args.connect} ({e})") from None
-            client.max_message_bytes = health.get("max_message_bytes", client.max_message_bytes)
-            out, done = open_results(args.out, {**parts, "model": health.get("model")})
-            try:
-                summary = _run_records(
-                    args,
-                    read,
-                    ids,
-                    done,
-                    offsets,
-                    lambda progress: RemoteBatchRunner(
-                        client,
-                        out,
-                        params,
-                        ordered=args.ordered,
-                        token_ids=args.token_ids,
-                        max_in_flight=args.max_in_flight,
-                        progress=progress,
-                        timeout=args.timeout,
-                    ),
-                )
-            finally:
-                out.close()
-    else:
-        out, done = open_results(args.out, {**parts, "model": str(Path(args.model).resolve()), "dtype": args.dtype})
-        engine = None
-        try:
-            engine = start_engine(args)
-            summary = _run_records(
-                args,
-                read,
-                ids,
-                done,
-                offsets,
-                lambda progress: BatchRunner(
-                    engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress
-                ),
-            )
-        finally:
-            out.close()
-            if engine is not None:
-                engine.shutdown()
+    run = _run_remote if args.connect else _run_local
+    summary = run(args, read, ids, parts, offsets, params)
     print(f"flover run: {summary.line()}", file=sys.stderr)
     incomplete = summary.incomplete_line()
     if incomplete:
         print(f"flover run: {incomplete}", file=sys.stderr)
         return 3
     return 0
+
+
+def _prompts(args: argparse.Namespace):
+    """(a function that reads the prompt file's records anew, the file's sha256)."""
+    from flover.apps.prompt_file import detect_format, iter_records
+    from flover.apps.results_file import file_sha256
+
+    if args.prompts == "-":
+        data = sys.stdin.buffer.read()
+        first = next((x for x in data.split(b"\n") if x.strip()), b"").decode("utf-8", "replace")
+        fmt = args.format if args.format != "auto" else detect_format("-", first)
+        return (lambda: iter_records(io.BytesIO(data), fmt)), hashlib.sha256(data).hexdigest()
+    fmt = args.format if args.format != "auto" else detect_format(args.prompts)
+
+    def read():
+        with open(args.prompts, "rb") as f:  # split on b"\n" only, decoded line by line
+            yield from iter_records(f, fmt)
+
+    return read, file_sha256(args.prompts)
+
+
+def _run_remote(args, read, ids: set[str], parts: dict, offsets, params):
+    """Through a running daemon (--connect)."""
+    from flover.apps.batch import RemoteBatchRunner
+    from flover.apps.results_file import open_results
+    from flover.client import FloverError
+
+    with connect(args) as client:
+        try:
+            health = client.health(timeout=args.timeout or 10.0)
+        except (TimeoutError, FloverError) as e:
+            raise OSError(f"no flover server answers at {args.connect} ({e})") from None
+        client.max_message_bytes = health.get("max_message_bytes", client.max_message_bytes)
+        out, done = open_results(args.out, {**parts, "model": health.get("model")})
+        try:
+            runner = lambda progress: RemoteBatchRunner(  # noqa: E731
+                client,
+                out,
+                params,
+                ordered=args.ordered,
+                token_ids=args.token_ids,
+                max_in_flight=args.max_in_flight,
+                progress=progress,
+                timeout=args.timeout,
+            )
+            return _run_records(args, read, ids, done, offsets, runner)
+        finally:
+            out.close()
+
+
+def _run_local(args, read, ids: set[str], parts: dict, offsets, params):
+    """Through an engine in this process (and its ranks under mpirun)."""
+    from flover.apps.batch import BatchRunner
+    from flover.apps.results_file import open_results
+
+    out, done = open_results(args.out, {**parts, "model": str(Path(args.model).resolve()), "dtype": args.dtype})
+    engine = None
+    try:
+        engine = start_engine(args)
+        runner = lambda progress: BatchRunner(  # noqa: E731
+            engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress
+        )
+        return _run_records(args, read, ids, done, offsets, runner)
+    finally:
+        out.close()
+        if engine is not None:
+            engine.shutdown()
 
 
 def _run_records(args, read, ids: set[str], done: set[str], offsets, make_runner):

@@ -74,8 +74,21 @@ def run_suite(
     ]
     run = lambda name, workload, ms: run_benchmark(model, workload, ms, settings, out_dir, name, roof, log)  # noqa: E731
 
-    # 1: overall latency at 500 ms intervals.
-    md += [
+    md += _overall_latency(run, sc)
+    md += _concurrency(run, sc, modes, out_dir, docs)
+    md += _lambda_sweep(run, sc, modes)
+    md += _shuffle(run, sc)
+    md += _comprehensive(run, sc, modes, roof, docs)
+    md += ["", f"Suite wall time: {(time.time() - started) / 60:.1f} min.", "", END]
+    text = "\n".join(md) + "\n"
+    if docs is not None:
+        _splice(Path(docs), text)
+    return text
+
+
+def _overall_latency(run, sc: dict) -> list[str]:
+    """1: overall latency at 500 ms intervals (fused vs serial)."""
+    md = [
         "### 1. Overall latency, requests arriving every 500 ms (fused vs serial)",
         "",
         f"{sc['gen']} new tokens per request, 64-token prompts. Overall latency = time until the last request "
@@ -92,9 +105,12 @@ def run_suite(
             f"| {n} | {s['makespan_s']:.2f} | {f['makespan_s']:.2f} | {f['speedup_makespan']:.2f}x | "
             f"{s['mean_e2e_s']:.2f} | {f['mean_e2e_s']:.2f} | {f['speedup_mean_latency']:.2f}x |"
         )
+    return md
 
-    # 2: concurrency sweep, everything arrives at once.
-    md += [
+
+def _concurrency(run, sc: dict, modes: list[str], out_dir: Path, docs) -> list[str]:
+    """2: the concurrency sweep, everything arriving at once."""
+    md = [
         "",
         "### 2. Throughput and per-token latency against concurrency (all requests at once)",
         "",
@@ -123,9 +139,12 @@ def run_suite(
         )
     plot = plot_concurrency(out_dir, "exp2-concurrency", sweep)
     md += ["", f"![concurrency]({_rel(plot, docs)})"]
+    return md
 
-    # 3: lambda sweep.
-    md += [
+
+def _lambda_sweep(run, sc: dict, modes: list[str]) -> list[str]:
+    """3: the Poisson lambda sweep."""
+    md = [
         "",
         f"### 3. Poisson arrivals: the lambda sweep ({sc['n']} requests, {sc['gen3']} new tokens)",
         "",
@@ -145,9 +164,12 @@ def run_suite(
             + " | ".join(fmt(r[m]["summary"]["speedup_makespan"], "{:.2f}x") for m in modes if m != "serial")
             + " |"
         )
+    return md
 
-    # 4: memory shuffle.
-    md += [
+
+def _shuffle(run, sc: dict) -> list[str]:
+    """4: the memory shuffle under generation lengths U(a, b)."""
+    md = [
         "",
         "### 4. Memory shuffle with generation lengths U(a, b), all requests at once (fused)",
         "",
@@ -164,11 +186,14 @@ def run_suite(
             f"| U({a}, {b}) | {f['shuffle_moves']} | {1000 * f['shuffle_s']:.2f} | "
             f"{f['shuffle_s'] / f['makespan_s']:.2%} | {f['makespan_s']:.2f} | {f['output_tok_s']:.0f} |"
         )
+    return md
 
-    # 6: comprehensive comparison.
+
+def _comprehensive(run, sc: dict, modes: list[str], roof, docs) -> list[str]:
+    """6: the comprehensive comparison, every mode."""
     w6 = Workload(sc["n6"], (16, 96), (max(2, sc["gen"] // 2), sc["gen"] * 2), "poisson", 100)
     res6 = run("exp6-comprehensive", w6, modes)
-    md += [
+    md = [
         "",
         f"### 6. Comprehensive comparison: {w6.describe()}",
         "",
@@ -178,11 +203,7 @@ def run_suite(
         "",
     ]
     md += [f"![{Path(p).stem}]({_rel(Path(p), docs)})" for p in res6["files"]["plots"]]
-    md += ["", f"Suite wall time: {(time.time() - started) / 60:.1f} min.", "", END]
-    text = "\n".join(md) + "\n"
-    if docs is not None:
-        _splice(Path(docs), text)
-    return text
+    return md
 
 
 def _rel(path: Path, docs: str | Path | None) -> str:

@@ -69,14 +69,12 @@ class Engine(ServingEngine):
         config.validate()
         checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
         self.model_config = cfg = checkpoint.model_config()
-        asked = config.quantization
-        self.config = config = resolve_config(config, cfg, file_quantization(checkpoint))
+        asked, config = config.quantization, resolve_config(config, cfg, file_quantization(checkpoint))
+        self.config = config
         if asked == "auto" and config.quantization != "none":
-            log.info(
-                "weights: the file's %s projections keep their codes (%s; --quantization none dequantizes them)",
-                "/".join(sorted(checkpoint.projection_types())),
-                config.quantization,
-            )
+            why = "--quantization none dequantizes them"
+            types = "/".join(sorted(checkpoint.projection_types()))
+            log.info("weights: the file's %s projections keep their codes (%s; %s)", types, config.quantization, why)
         tp_comm = comm if comm is not None and comm.size > 1 else None
         self.pipe = pipe
         self.comm = pipe.group if pipe is not None else tp_comm  # every rank of the engine
@@ -90,27 +88,8 @@ class Engine(ServingEngine):
         self.tp = TPLayout.build(cfg, tp_comm.rank if tp_comm else 0, tp_comm.size if tp_comm else 1)
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg)
-        self.tokenizer = load_tokenizer(checkpoint)
-        if self.tokenizer is not None:
-            self.tokenizer.set_template_limits(config.template_limits)
-        # new grammars are tried in a child first (a data-parallel group's leader: not, prepare_grammars)
-        self.intake = Intake(self.tokenizer, cfg, max_seq_len, config.grammar_limits, checks_grammars=self.is_leader)
-        if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
-            log.warning(
-                "the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
-                "vocabulary is refused",
-                self.tokenizer.vocab_size,
-                cfg.vocab_size,
-            )
-        # Per rank; the same block count on every rank (kv heads split evenly), which keeps their
-        # prefix indexes making the same decisions (docs/prefix_cache.md).
-        block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
-        prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
-        window = (
-            None
-            if config.full_window_kv
-            else WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
-        )
+        self.tokenizer, self.intake = self._intake(checkpoint, max_seq_len)
+        prefix_blocks, window = self._kv_plan(max_seq_len)
         if pipe is not None and self.is_leader:
             log.info(
                 "pipeline: %d stages of %d rank(s), layers %s (the first stage also the embedding and head)",
@@ -118,24 +97,7 @@ class Engine(ServingEngine):
                 pipe.place.tp,
                 ", ".join(f"{a}-{b - 1}" for a, b in StageLayout.ranges(cfg, pipe.place.stages)),
             )
-        self.runner = build_runner(
-            checkpoint,
-            RankSetup(
-                config,
-                cfg,
-                self.tp,
-                self.dtype,
-                self.device,
-                max_seq_len,
-                prefix_blocks,
-                BLOCK_TOKENS,
-                tp_comm,
-                self.is_leader,
-                window,
-                self.stage,
-                pipe,
-            ),
-        )
+        self.runner = self._build_runner(checkpoint, max_seq_len, prefix_blocks, window, tp_comm)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window) if prefix_blocks else None
         self.scheduler = Scheduler(
@@ -147,15 +109,64 @@ class Engine(ServingEngine):
             window,
             depth=pipe.place.stages if pipe is not None else 1,
         )
-        self._ids = itertools.count()
-        self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
         # TP: the leader's intake reaches every rank's scheduler (pipeline stages: the leader's plans do)
         self.channel = IntakeChannel(tp_comm) if tp_comm is not None and pipe is None else None
+        self._start_counters()
+
+    def _build_runner(self, checkpoint, max_seq_len: int, prefix_blocks: int, window, tp_comm):
+        setup = RankSetup(
+            self.config,
+            self.model_config,
+            self.tp,
+            self.dtype,
+            self.device,
+            max_seq_len,
+            prefix_blocks,
+            BLOCK_TOKENS,
+            tp_comm,
+            self.is_leader,
+            window,
+            self.stage,
+            self.pipe,
+        )
+        return build_runner(checkpoint, setup)
+
+    def _start_counters(self) -> None:
+        self._ids = itertools.count()
+        self._pending: list[RequestOutput] = []  # outputs of requests cancelled between steps
         self._flights: deque[InFlight] = deque()  # pipeline stages: plans started, not finished
         self.iterations = 0
         self.last_step_tokens = 0  # rows of the last iteration's token matrix (stats, benchmarks)
         self._timed: deque[tuple[float, int]] = deque(maxlen=256)  # (seconds, rows) of recent iterations
         self.draft_tokens = self.accepted_tokens = 0  # speculation: rows of draft tokens, and those accepted
+
+    def _intake(self, checkpoint, max_seq_len: int) -> tuple[Tokenizer | None, Intake]:
+        """The checkpoint's tokenizer (None: token ids only) and the intake that checks requests."""
+        config, cfg = self.config, self.model_config
+        tokenizer = load_tokenizer(checkpoint)
+        if tokenizer is not None:
+            tokenizer.set_template_limits(config.template_limits)
+        # new grammars are tried in a child first (a data-parallel group's leader: not, prepare_grammars)
+        intake = Intake(tokenizer, cfg, max_seq_len, config.grammar_limits, checks_grammars=self.is_leader)
+        if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size and self.is_leader:
+            log.warning(
+                "the tokenizer knows %d ids, the model %d: a text whose tokens fall outside the model's "
+                "vocabulary is refused",
+                tokenizer.vocab_size,
+                cfg.vocab_size,
+            )
+        return tokenizer, intake
+
+    def _kv_plan(self, max_seq_len: int) -> tuple[int, WindowedKV | None]:
+        """(the prefix cache's blocks, the sliding-window layers' bound). Per rank; the same block
+        count on every rank (kv heads split evenly), which keeps their prefix indexes making the
+        same decisions (docs/prefix_cache.md)."""
+        config, cfg = self.config, self.model_config
+        block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
+        prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
+        if config.full_window_kv:
+            return prefix_blocks, None
+        return prefix_blocks, WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
         """The drafts' settings, or off where rows cannot carry them (said when they were asked

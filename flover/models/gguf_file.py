@@ -539,8 +539,6 @@ _FAST = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1}
 
 
 def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
-    import gguf
-
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(raw)
     if bytes(buf[:4]) != b"GGUF":
@@ -548,54 +546,64 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (flover reads 2 and 3)")
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        text = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8")
-        pos += 8 + n
-        return text
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == _STRING:
-            return string()
-        if kind == _ARRAY:
-            inner, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if inner == _STRING:
-                return [string() for _ in range(count)]
-            if inner == _ARRAY:
-                return [value(_ARRAY) for _ in range(count)]
-            fmt = _SCALARS[inner]
-            size = struct.calcsize(fmt)
-            items = np.frombuffer(buf, dtype=np.dtype(fmt), count=count, offset=pos).tolist()
-            pos += size * count
-            return items
-        fmt = _SCALARS[kind]
-        (item,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return item
-
+    cursor = _Cursor(buf, 24)
     metadata = {}
     for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        metadata[key] = value(kind)
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.unpack("<I"))
     infos = []
     for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
+        name = cursor.string()
+        n_dims = cursor.unpack("<I")
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, cursor.pos)
+        cursor.pos += 8 * n_dims
+        qtype, offset = struct.unpack_from("<IQ", buf, cursor.pos)
+        cursor.pos += 12
         infos.append((name, dims, qtype, offset))
     alignment = metadata.get("general.alignment", 32)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
         raise ValueError(f"general.alignment {alignment!r} is not a positive multiple of 8")
-    start = (pos + alignment - 1) // alignment * alignment
+    start = (cursor.pos + alignment - 1) // alignment * alignment
+    return metadata, _place_tensors(raw, infos, start, alignment), raw
+
+
+class _Cursor:
+    """Reads the header's values one after another (strings, arrays, scalars) from `pos` on."""
+
+    def __init__(self, buf: memoryview, pos: int):
+        self.buf, self.pos = buf, pos
+
+    def unpack(self, fmt: str):
+        (item,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return item
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        self.pos += n
+        return text
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            return self.unpack(_SCALARS[kind])
+        inner, count = struct.unpack_from("<IQ", self.buf, self.pos)
+        self.pos += 12
+        if inner in (_STRING, _ARRAY):
+            return [self.value(inner) for _ in range(count)]
+        fmt = _SCALARS[inner]
+        items = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos).tolist()
+        self.pos += struct.calcsize(fmt) * count
+        return items
+
+
+def _place_tensors(raw: np.memmap, infos: list, start: int, alignment: int) -> dict[str, GGUFTensor]:
+    """Each tensor's bytes in the file: whole blocks, aligned, inside the file, none listed twice
+    and none overlapping another."""
+    import gguf
+
     sizes = {t.value: block_and_bytes for t, block_and_bytes in gguf.GGML_QUANT_SIZES.items()}
     tensors, spans = {}, []
     for name, dims, qtype, offset in infos:
@@ -619,4 +627,4 @@ def parse_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor], np.memmap]:
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:  # another tensor's bytes read as this one's: garbage, not an error, at run time
             raise ValueError(f"tensors {first} and {second} overlap")
-    return metadata, tensors, raw
+    return tensors

@@ -126,40 +126,50 @@ RANDOM_BLOCK_SCALES = {"Q4_K": 0.0004, "Q5_K": 0.0002, "Q6_K": 0.0001}
 def write_gguf(
     model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", types: dict[str, str] | None = None, seed: int = 0
 ) -> Path:
-    """Write a Hugging Face directory (Llama family) as one GGUF file the way llama.cpp's
-    convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation for llama, 1-D
-    tensors kept in F32), with 2-D tensors stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-    ... whatever the `gguf` package's quantizer implements). `types`: GGUF name ending ->
-    type, for mixes such as Q4_K_M's (attn_v.weight: Q6_K); K-quants (RANDOM_BLOCK_SCALES) hold
-    random blocks, not the checkpoint's values. For tests: real GGUF files of random models, in
-    the types users download."""
+    """Write a Hugging Face directory (of a family flover reads GGUF files of) as one GGUF file the
+    way llama.cpp's convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation where
+    the converter permutes, 1-D tensors kept in F32), with 2-D tensors stored as `qtype` (F32,
+    F16, BF16, Q8_0, Q4_0, Q4_1, ... whatever the `gguf` package's quantizer implements). `types`:
+    GGUF name ending -> type, for mixes such as Q4_K_M's (attn_v.weight: Q6_K); K-quants
+    (RANDOM_BLOCK_SCALES) hold random blocks, not the checkpoint's values. For tests: real GGUF
+    files of random models, in the types users download."""
     import gguf
-    import numpy as np
     from safetensors.numpy import load_file
-
-    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, gguf_layer_names
 
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
     family = BY_ARCHITECTURE.get((config.get("architectures") or [""])[0])
     gguf_family = family if family is None or family.gguf_arch else FAMILIES["llama"]  # (as llama.cpp: Mistral)
-    arch = gguf_family.gguf_arch if gguf_family is not None else None
-    if arch is None:
+    if gguf_family is None or gguf_family.gguf_arch is None:
         raise ValueError(f"{model_dir}: its family's GGUF files are not read by flover")
     tensors = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
+    w = gguf.GGUFWriter(str(out), gguf_family.gguf_arch)
+    w.add_name(model_dir.name)
+    rope = _write_gguf_metadata(w, config, gguf_family.gguf_arch)
+    _write_gguf_tokenizer(w, model_dir)
+    for key, value in (family.test_gguf_metadata(config) if family.test_gguf_metadata else {}).items():
+        w.add_float32(key, value)
+    tensors = _write_family_metadata(w, config, gguf_family.gguf_arch, rope, tensors)
+    _write_gguf_tensors(w, config, gguf_family, tensors, qtype, types or {}, seed)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_gguf_metadata(w, config: dict, arch: str) -> dict:
+    """The keys every file names alike, as the converter writes them; the RoPE settings back."""
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     rope_parameters = config.get("rope_parameters") or {}
     if arch == "gemma3":  # (per layer type: the global layers' in the usual keys, the local base apart)
         rope_parameters = rope_parameters.get("full_attention") or {}
-    layers, theta = config["num_hidden_layers"], rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_name(model_dir.name)
+    theta = rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(layers)
+    w.add_block_count(config["num_hidden_layers"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
@@ -170,12 +180,17 @@ def write_gguf(
     if head_dim != config["hidden_size"] // heads:  # as the converter: only a head_dim of its own
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    rope = {**(config.get("rope_scaling") or {}), **rope_parameters}
+    rope = {**(config.get("rope_scaling") or {}), **rope_parameters, "rope_theta": theta}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     w.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads if arch == "phi3" else head_dim)
-    _write_gguf_tokenizer(w, model_dir)
-    for key, value in (family.test_gguf_metadata(config) if family.test_gguf_metadata else {}).items():
-        w.add_float32(key, value)
+    return rope
+
+
+def _write_family_metadata(w, config: dict, arch: str, rope: dict, tensors: dict) -> dict:
+    """What the converter writes for these families beyond the common keys (its per-architecture
+    classes); the tensors back, experts stacked as it stacks them."""
+    import gguf
+
     if arch == "phi3":
         _write_phi3_rope(w, config, rope)
     if arch == "gemma3":  # as the converter writes it (the pattern stays llama.cpp's default: every 6th global)
@@ -199,29 +214,39 @@ def write_gguf(
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
     if rope.get("rope_type") == "llama3":  # as convert_hf_to_gguf.py: per-dimension divisors
-        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, float(theta), config["hidden_size"] // heads))
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, float(rope["rope_theta"]), head_dim))
+    return tensors
 
+
+def _write_gguf_tensors(w, config: dict, family, tensors: dict, qtype: str, types: dict, seed: int) -> None:
+    """Every tensor under its GGUF name, Q/K permuted where the converter permutes, in its type."""
+    import gguf
+    import numpy as np
+
+    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, gguf_layer_names
+
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     rng = np.random.default_rng(seed)
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
     names = dict(GGUF_GLOBAL_NAMES)
-    for i in range(layers):
-        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(gguf_family).items()})
+    for i in range(config["num_hidden_layers"]):
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(family).items()})
         for block in ("mlp", "block_sparse_moe"):  # (Qwen3-MoE's, Mixtral's router)
             names[f"model.layers.{i}.{block}.gate.weight"] = f"blk.{i}.ffn_gate_inp.weight"
         for kind in ("weight", "bias"):  # (gpt-oss's)
             names[f"model.layers.{i}.mlp.router.{kind}"] = f"blk.{i}.ffn_gate_inp.{kind}"
+    offset = float(family.from_hf(config).get("norm_offset", 0.0))  # (Gemma's: the converter stores 1 + w)
     for hf_name, data in tensors.items():
         if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
             continue
         name = names.get(hf_name, hf_name)  # (stacked experts: already their GGUF name)
         data = data.astype(np.float32)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):  # the converter stores Gemma's 1 + w
-            data = data + 1
-        if gguf_family.gguf_qk_permuted and name.endswith("attn_q.weight"):
-            data = permute(data, heads)
-        elif gguf_family.gguf_qk_permuted and name.endswith("attn_k.weight"):
-            data = permute(data, kv_heads)
-        kind = next((t for end, t in (types or {}).items() if name.endswith(end)), qtype)
+        if offset and hf_name.endswith("norm.weight"):
+            data = data + offset
+        if family.gguf_qk_permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = permute(data, heads if name.endswith("attn_q.weight") else kv_heads)
+        kind = next((t for end, t in types.items() if name.endswith(end)), qtype)
         qt = gguf.GGMLQuantizationType[kind]
         if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or name.endswith(("ffn_gate_inp.weight", ".bias")):
             w.add_tensor(name, data)
@@ -231,11 +256,6 @@ def write_gguf(
             w.add_tensor(name, _random_k_blocks(rng, data.shape, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def _stack_experts(tensors: dict) -> dict:
