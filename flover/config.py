@@ -74,7 +74,7 @@ class SamplingParams:
         if self.temperature < GREEDY_BELOW:
             set_("temperature", 0.0)
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: C901 (a flat list of field checks)
         """Raise ValueError naming the first bad field."""
 
         def bad(name: str, why: str) -> None:
@@ -122,18 +122,7 @@ class SamplingParams:
             bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
             bad("top_logprobs", "needs logprobs or prompt_logprobs set to true")
-        if (
-            not isinstance(self.logit_bias, tuple)
-            or len(self.logit_bias) > MAX_LOGIT_BIAS
-            or not all(
-                isinstance(pair, tuple)
-                and len(pair) == 2
-                and _int_in(pair[0], 0, MAX_INT32)
-                and _number_in(pair[1], -100, 100)
-                for pair in self.logit_bias
-            )
-            or len({pair[0] for pair in self.logit_bias}) != len(self.logit_bias)
-        ):
+        if not _logit_bias_ok(self.logit_bias):
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} distinct token ids to numbers in [-100, 100]")
 
     @property
@@ -164,6 +153,22 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logit_bias_ok(bias) -> bool:
+    """At most MAX_LOGIT_BIAS (token id, bias) pairs, distinct ids in the int32 range, biases in [-100, 100]."""
+    return (
+        isinstance(bias, tuple)
+        and len(bias) <= MAX_LOGIT_BIAS
+        and all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and _int_in(pair[0], 0, MAX_INT32)
+            and _number_in(pair[1], -100, 100)
+            for pair in bias
+        )
+        and len({pair[0] for pair in bias}) == len(bias)
+    )
 
 
 def _int_in(value, low: int, high: int) -> bool:
@@ -353,16 +358,16 @@ class EngineConfig:
     )
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-        if self.cuda_graphs not in CUDA_GRAPHS:
-            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
-        if self.native_forward not in NATIVE_FORWARD:
-            raise ValueError(f"native_forward={self.native_forward!r}: choose one of {', '.join(NATIVE_FORWARD)}")
-        if self.native_kernels not in NATIVE_KERNELS:
-            raise ValueError(f"native_kernels={self.native_kernels!r}: choose one of {', '.join(NATIVE_KERNELS)}")
+        choices = {
+            "dtype": DTYPES,
+            "quantization": QUANTIZATIONS,
+            "cuda_graphs": CUDA_GRAPHS,
+            "native_forward": NATIVE_FORWARD,
+            "native_kernels": NATIVE_KERNELS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots}: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -135,7 +135,7 @@ def run_demo(
     if not real:
         say(
             "  (for real text: flover demo without --preset fetches a real model, or --model PATH: a GGUF "
-            "file or a Llama, Mistral, Qwen2 or GPT-J checkpoint directory)"
+            "file or a checkpoint directory of a family flover serves)"
         )
     # fusion alone (no speculation): one token per request and iteration in both runs
     fused_engine = Engine(EngineConfig(model_path, dtype=dtype, max_slots=max_slots, num_threads=threads, speculate=0))
@@ -166,6 +166,11 @@ def run_demo(
     view.close()
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 
+    _say_comparison(say, fused, serial, fused_results, serial_results)
+    return {"fused": fused, "serial": serial}
+
+
+def _say_comparison(say, fused, serial, fused_results: list[dict], serial_results: list[dict]) -> None:
     rows = [
         ("makespan (s)", fused.wall_s, serial.wall_s, "{:.2f}"),
         ("output tokens/s", fused.tokens_per_s, serial.tokens_per_s, "{:.0f}"),
@@ -178,7 +183,6 @@ def run_demo(
     for name, a, b, fmt in rows:
         say(f"{name:30s}{fmt.format(a):>12s}{fmt.format(b):>16s}")
     say(f"\ntemporal fusion finished the same work {serial.wall_s / fused.wall_s:.1f}x sooner.")
-    return {"fused": fused, "serial": serial}
 
 
 def _pct(a: list[dict], b: list[dict], key: str, q: int) -> tuple[float, float]:

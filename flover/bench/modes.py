@@ -67,6 +67,21 @@ def _traces(reqs: list[BenchRequest]) -> dict[str, RequestTrace]:
     return {r.id: RequestTrace(r.id, r.arrival_s, len(r.prompt_ids), r.new_tokens) for r in reqs}
 
 
+def _step_and_record(engine, trace: RunTrace, by_id: dict, t0: float) -> list[str]:
+    """One iteration, its time and rows logged, each request's tokens timed; the finished ids."""
+    started = time.perf_counter()
+    outputs = engine.step()
+    end = time.perf_counter() - t0
+    rows = engine.num_running + sum(o.finished for o in outputs)
+    trace.iteration_log.append((end, rows, time.perf_counter() - started, engine.last_step_tokens))
+    for out in outputs:
+        t = by_id[out.request_id]
+        if t.start is None and out.timings["queue_time"] is not None:
+            t.start = t.arrival + out.timings["queue_time"]
+        t.token_times += [end] * len(out.new_token_ids)
+    return [out.request_id for out in outputs if out.finished]
+
+
 def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> RunTrace:
     """fused, serial (the same engine with one slot) and window, on flover's engine."""
     slots = 1 if mode == "serial" else s.max_slots
@@ -114,24 +129,8 @@ def run_engine_mode(mode: str, reqs: list[BenchRequest], s: ModeSettings) -> Run
             if wake:
                 time.sleep(max(0.0, min(wake) - (time.perf_counter() - t0)))
             continue
-        started = time.perf_counter()
-        outputs = engine.step()
-        end = time.perf_counter() - t0
-        trace.iteration_log.append(
-            (
-                end,
-                engine.num_running + sum(o.finished for o in outputs),
-                time.perf_counter() - started,
-                engine.last_step_tokens,
-            )
-        )
-        for out in outputs:
-            t = by_id[out.request_id]
-            if t.start is None and out.timings["queue_time"] is not None:
-                t.start = t.arrival + out.timings["queue_time"]
-            t.token_times += [end] * len(out.new_token_ids)
-            if out.finished:
-                running_batch.discard(out.request_id)
+        for finished in _step_and_record(engine, trace, by_id, t0):
+            running_batch.discard(finished)
     after = engine.stats()
     trace.iterations = after.iterations - before.iterations
     trace.kernels = after.native_kernels or ""

@@ -278,26 +278,30 @@ class Scheduler:
                     r.output_top_logprobs.append(alternatives[: r.params.top_logprobs])
             if r.timings.first_token is None:
                 r.timings.first_token = now
-            tokens = [token, *result.accepted.get(i, ())]
-            for n, t in enumerate(tokens, 1):
-                r.output_token_ids.append(t)
-                broke = r.grammar.advance(t) if r.grammar is not None else None
-                if broke is not None:
-                    r.finish(FinishReason.ERROR, now, error=broke)
-                elif t in r.stop_token_set or (r.grammar is not None and r.grammar.done):
-                    r.finish(FinishReason.STOP, now)
-                elif len(r.output_token_ids) >= r.params.max_new_tokens:
-                    r.finish(FinishReason.LENGTH, now)
-                if r.finished:
-                    tokens = tokens[:n]
-                    break
-            updates.append(NewTokens(r, tokens))
+            updates.append(NewTokens(r, _append_tokens(r, [token, *result.accepted.get(i, ())], now)))
         for i, r in enumerate(plan.decode if plan.drafts else ()):  # what drafting achieved, for the next drafts
             if r.drafting is not None:
                 r.drafting.learn(len(plan.drafts[i]), len(result.accepted.get(i, ())))
         if result.rows:
             self.iteration_cost.observe(result.rows, result.seconds)
         return updates
+
+
+def _append_tokens(r: Request, tokens: list[int], now: float) -> list[int]:
+    """`tokens` appended to r's output one by one, each checked: a broken grammar, a stop id, a
+    finished grammar or the length limit ends the request at that token. Those appended."""
+    for n, t in enumerate(tokens, 1):
+        r.output_token_ids.append(t)
+        broke = r.grammar.advance(t) if r.grammar is not None else None
+        if broke is not None:
+            r.finish(FinishReason.ERROR, now, error=broke)
+        elif t in r.stop_token_set or (r.grammar is not None and r.grammar.done):
+            r.finish(FinishReason.STOP, now)
+        elif len(r.output_token_ids) >= r.params.max_new_tokens:
+            r.finish(FinishReason.LENGTH, now)
+        if r.finished:
+            return tokens[:n]
+    return tokens
 
 
 def _record_prompt_logprobs(result: StepResult) -> None:

@@ -81,36 +81,11 @@ class DecoderLayer(nn.Module):
     def weight_specs(self, cfg: ModelConfig, tp: TPLayout, prefix: str) -> list[WeightSpec]:
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         att, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
-        q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_full = cfg.num_heads * d
         mlp_norm = "pre_feedforward" if cfg.norm_layout == "sandwich" else "post_attention"  # (transformers' names)
 
-        def qkv(kind: str) -> tuple:
-            shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
-            if cfg.fused_projections:  # (Phi-3) q, k and v: rows of one tensor
-                name, fused = f"{att}.qkv_proj.{kind}", shape(q_full + 2 * kv_full)
-                return (
-                    rows(name, fused, tp.head_start * d, self.q_size),
-                    rows(name, fused, q_full + tp.kv_head_start * d, self.kv_size),
-                    rows(name, fused, q_full + kv_full + tp.kv_head_start * d, self.kv_size),
-                )
-            return (
-                rows(f"{att}.q_proj.{kind}", shape(q_full), tp.head_start * d, self.q_size),
-                rows(f"{att}.k_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
-                rows(f"{att}.v_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
-            )
-
-        def gate_up(kind: str) -> tuple:
-            shape = (inter, h) if kind == "weight" else (inter,)
-            if cfg.fused_projections:  # (Phi-3) gate then up: rows of one tensor
-                name, fused = f"{mlp}.gate_up_proj.{kind}", (2 * inter, *shape[1:])
-                return (
-                    rows(name, fused, tp.intermediate_start, tp.intermediate),
-                    rows(name, fused, inter + tp.intermediate_start, tp.intermediate),
-                )
-            return tuple(
-                rows(f"{mlp}.{n}_proj.{kind}", shape, tp.intermediate_start, tp.intermediate) for n in ("gate", "up")
-            )
-
+        qkv = lambda kind: self._qkv_sources(cfg, tp, att, kind)  # noqa: E731
+        gate_up = lambda kind: self._gate_up_sources(cfg, tp, mlp, kind)  # noqa: E731
         specs = [
             WeightSpec(self.qkv.weight, qkv("weight")),
             WeightSpec(self.o.weight, (cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size),)),
@@ -145,6 +120,38 @@ class DecoderLayer(nn.Module):
             specs.append(WeightSpec(self.gate_up.bias, gate_up("bias")))
             specs.append(WeightSpec(self.down_bias, (whole(f"{mlp}.down_proj.bias", (h,)),)))
         return specs
+
+    def _qkv_sources(self, cfg: ModelConfig, tp: TPLayout, att: str, kind: str) -> tuple:
+        """This rank's rows of q, k and v ("weight" or "bias"), stored apart or fused."""
+        h, d = cfg.hidden_size, cfg.head_dim
+        q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
+        if cfg.fused_projections:  # q, k and v: rows of one tensor
+            name, fused = f"{att}.qkv_proj.{kind}", shape(q_full + 2 * kv_full)
+            return (
+                rows(name, fused, tp.head_start * d, self.q_size),
+                rows(name, fused, q_full + tp.kv_head_start * d, self.kv_size),
+                rows(name, fused, q_full + kv_full + tp.kv_head_start * d, self.kv_size),
+            )
+        return (
+            rows(f"{att}.q_proj.{kind}", shape(q_full), tp.head_start * d, self.q_size),
+            rows(f"{att}.k_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
+            rows(f"{att}.v_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size),
+        )
+
+    def _gate_up_sources(self, cfg: ModelConfig, tp: TPLayout, mlp: str, kind: str) -> tuple:
+        """This rank's rows of the gate and up projections, stored apart or fused."""
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        shape = (inter, h) if kind == "weight" else (inter,)
+        if cfg.fused_projections:  # gate then up: rows of one tensor
+            name, fused = f"{mlp}.gate_up_proj.{kind}", (2 * inter, *shape[1:])
+            return (
+                rows(name, fused, tp.intermediate_start, tp.intermediate),
+                rows(name, fused, inter + tp.intermediate_start, tp.intermediate),
+            )
+        return tuple(
+            rows(f"{mlp}.{n}_proj.{kind}", shape, tp.intermediate_start, tp.intermediate) for n in ("gate", "up")
+        )
 
 
 class DecoderForCausalLM(nn.Module):

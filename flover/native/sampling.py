@@ -50,50 +50,61 @@ class NativeSampler:
             i64(seed),
             i64(counter),
         )
+        block = self._buffers(rows, vocab)
+        ids = torch.empty(rows, dtype=torch.int64)
+        at = torch.empty(block, dtype=torch.int64)  # the block's row of each scaled row
+        for first in range(0, rows, block):  # each call sees the block as its batch
+            rows_of = (temperature, top_k, top_p, min_p, seed, counter)
+            self._sample_block(logits, first, min(block, rows - first), rows_of, allowed, ids, at)
+        return ids
+
+    def _buffers(self, rows: int, vocab: int) -> int:
+        """The scratch and the scaled rows' buffers large enough; the rows of one block."""
         need = self.threads * vocab * SCRATCH_BYTES_PER_TOKEN
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
-        ids = torch.empty(rows, dtype=torch.int64)
         block = min(rows, max(8, self.BLOCK_BYTES // (4 * vocab) // 8 * 8))
         if self._scaled.numel() < block * vocab:
             self._scaled, self._probs = torch.empty(block * vocab), torch.empty(block * vocab)
-        at = torch.empty(block, dtype=torch.int64)  # the block's row of each scaled row
+        return block
+
+    def _sample_block(self, logits, first: int, size: int, rows_of: tuple, allowed, ids, at) -> None:
+        """Rows [first, first + size): scaled and masked in C, PyTorch's softmax, drawn in C."""
+        vocab = logits.shape[1]
+        temperature, top_k, top_p, min_p, seed, counter = rows_of
         address = lambda t, first: t.data_ptr() + first * t.element_size()  # noqa: E731
-        for first in range(0, rows, block):  # each call sees the block as its batch
-            size = min(block, rows - first)
-            n = self.lib.flover_sample_scale(
-                address(logits, first * logits.stride(0)),
-                size,
+        n = self.lib.flover_sample_scale(
+            address(logits, first * logits.stride(0)),
+            size,
+            vocab,
+            logits.stride(0),
+            address(temperature, first),
+            address(top_k, first),
+            None if allowed is None else address(allowed, first * allowed.shape[1]),
+            0 if allowed is None else allowed.shape[1],
+            self._scaled.data_ptr(),
+            at.data_ptr(),
+            address(ids, first),
+            self._scratch.data_ptr(),
+            self.threads,
+        )
+        if n < 0:
+            raise FloatingPointError(
+                f"row {first - 1 - n}: the logits hold NaN or +inf, or no finite value: nothing to sample from"
+            )
+        if n:  # the definition's probabilities: PyTorch's softmax, into a buffer of our own
+            probs = self._probs[: n * vocab].view(n, vocab)
+            torch.ops.aten._softmax.out(self._scaled[: n * vocab].view(n, vocab), -1, False, out=probs)
+            self.lib.flover_sample_draw(
+                probs.data_ptr(),
+                n,
                 vocab,
-                logits.stride(0),
-                address(temperature, first),
-                address(top_k, first),
-                None if allowed is None else address(allowed, first * allowed.shape[1]),
-                0 if allowed is None else allowed.shape[1],
-                self._scaled.data_ptr(),
                 at.data_ptr(),
+                address(top_p, first),
+                address(min_p, first),
+                address(seed, first),
+                address(counter, first),
                 address(ids, first),
                 self._scratch.data_ptr(),
                 self.threads,
             )
-            if n < 0:
-                raise FloatingPointError(
-                    f"row {first - 1 - n}: the logits hold NaN or +inf, or no finite value: nothing to sample from"
-                )
-            if n:  # the definition's probabilities: PyTorch's softmax, into a buffer of our own
-                probs = self._probs[: n * vocab].view(n, vocab)
-                torch.ops.aten._softmax.out(self._scaled[: n * vocab].view(n, vocab), -1, False, out=probs)
-                self.lib.flover_sample_draw(
-                    probs.data_ptr(),
-                    n,
-                    vocab,
-                    at.data_ptr(),
-                    address(top_p, first),
-                    address(min_p, first),
-                    address(seed, first),
-                    address(counter, first),
-                    address(ids, first),
-                    self._scratch.data_ptr(),
-                    self.threads,
-                )
-        return ids

@@ -66,47 +66,11 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
         pack=not native_wanted,
         stage=s.stage,
     )
-    layers = s.stage.layers if s.stage is not None else range(cfg.num_layers)
-    window = s.window
-    if window is not None and s.stage is not None:  # this stage's windowed layers, numbered as its buffer's
-        window = dataclasses.replace(window, layers=frozenset(n - layers.start for n in window.layers if n in layers))
-    # Static decode batches (CUDA graphs) pad with rows that write a scratch slot.
-    # (Not with windowed KV: a static batch has no window bases; those iterations run eagerly. Nor
-    # for mixtures of experts: which experts run, on how many rows, depends on the rows' values.)
-    static_decode = (
-        s.comm is None
-        and s.link is None
-        and s.window is None
-        and cfg.moe is None
-        and (config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda"))
-    )
-    buffer = SlotBuffer(
-        len(layers),
-        config.max_slots,
-        s.tp.kv_heads,
-        s.max_seq_len,
-        cfg.head_dim,
-        s.dtype,
-        s.device,
-        prefix_blocks=s.prefix_blocks,
-        block_tokens=s.block_tokens,
-        scratch_slots=1 if static_decode else 0,
-        prefault_pool=config.prefault_prefix_cache,
-        window=window,
-    )
+    static_decode = _static_decode(s)
+    buffer = _slot_buffer(s, scratch_slots=1 if static_decode else 0)
     if s.is_leader:
         _log_memory(s, buffer)
-    graphs = None
-    if static_decode:
-        graphs = DecodeGraphs(model, buffer, capture=config.cuda_graphs == "auto")
-        log.info(
-            "CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s",
-            graphs.count,
-            config.max_slots,
-            buffer.max_seq_len,
-            "captured" if config.cuda_graphs == "auto" else "prepared (eager)",
-            graphs.capture_s,
-        )
+    graphs = _decode_graphs(model, buffer, config) if static_decode else None
     native = _native_forward(model, buffer, s) if native_wanted else None
     return_freed_heap()  # loading's dequantized tensors and dense copies
     if s.link is not None:
@@ -123,6 +87,56 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
             timeout=config.stage_timeout,
         )
     return ModelRunner(model, buffer, cfg.vocab_size, s.device, s.comm, config.seed, graphs, native)
+
+
+def _static_decode(s: RankSetup) -> bool:
+    """Static decode batches (CUDA graphs) pad with rows that write a scratch slot. (Not with
+    windowed KV: a static batch has no window bases; those iterations run eagerly. Nor for
+    mixtures of experts: which experts run, on how many rows, depends on the rows' values.)"""
+    config = s.config
+    return (
+        s.comm is None
+        and s.link is None
+        and s.window is None
+        and s.cfg.moe is None
+        and (config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda"))
+    )
+
+
+def _slot_buffer(s: RankSetup, scratch_slots: int) -> SlotBuffer:
+    """This rank's KV: its stage's layers (numbered as its buffer's), its kv heads."""
+    config, cfg = s.config, s.cfg
+    layers = s.stage.layers if s.stage is not None else range(cfg.num_layers)
+    window = s.window
+    if window is not None and s.stage is not None:  # this stage's windowed layers, numbered as its buffer's
+        window = dataclasses.replace(window, layers=frozenset(n - layers.start for n in window.layers if n in layers))
+    return SlotBuffer(
+        len(layers),
+        config.max_slots,
+        s.tp.kv_heads,
+        s.max_seq_len,
+        cfg.head_dim,
+        s.dtype,
+        s.device,
+        prefix_blocks=s.prefix_blocks,
+        block_tokens=s.block_tokens,
+        scratch_slots=scratch_slots,
+        prefault_pool=config.prefault_prefix_cache,
+        window=window,
+    )
+
+
+def _decode_graphs(model, buffer: SlotBuffer, config) -> DecodeGraphs:
+    graphs = DecodeGraphs(model, buffer, capture=config.cuda_graphs == "auto")
+    log.info(
+        "CUDA graphs: %d decode shapes (rows <= %d, keys <= %d) %s in %.2f s",
+        graphs.count,
+        config.max_slots,
+        buffer.max_seq_len,
+        "captured" if config.cuda_graphs == "auto" else "prepared (eager)",
+        graphs.capture_s,
+    )
+    return graphs
 
 
 def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) -> NativeForward | None:

@@ -106,19 +106,9 @@ class SlotBuffer:
         windowed = sorted(window.layers) if window else []
         full = [n for n in range(num_layers) if n not in set(windowed)]
         slots = max_slots + scratch_slots
-        need = kv_cache_bytes(len(full), slots, kv_heads, max_seq_len, head_dim, dtype)
-        if window:
-            need += kv_cache_bytes(len(windowed), slots, kv_heads, window.capacity, head_dim, dtype)
-        pool = kv_cache_bytes(num_layers, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
-        have = available_memory_bytes(device)
-        if need + pool > have:
-            raise MemoryError(
-                f"KV cache needs {need / 2**20:.1f} MiB ({num_layers} layers x 2 x {max_slots} slots x "
-                f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}"
-                f"{f', {len(windowed)} sliding-window layers x {window.capacity} positions' if window else ''})"
-                f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''} but only "
-                f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
-            )
+        shape = (kv_heads, max_seq_len, head_dim, dtype, block_tokens)
+        need, pool = _fitting_bytes(len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device)
+        pool_shape = (prefix_blocks, kv_heads, block_tokens, head_dim)
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
         self.kv = zeroed_tensor((len(full), 2, slots, kv_heads, max_seq_len, head_dim), dtype, device)
         self.kv_window = (
@@ -131,20 +121,7 @@ class SlotBuffer:
             self.layers[n] = self.kv[i]
         for i, n in enumerate(windowed):
             self.layers[n] = self.kv_window[i]
-        # Pool rows are only read after a store wrote them: empty is safe, and its pages are taken
-        # by the stores that first touch them, inside iterations; a server takes them now instead
-        # (docs/design_notes.md, "prefix pool"). Split as the KV is.
-        self.pool, self.pool_window = (
-            (
-                torch.empty(len(layers), 2, prefix_blocks, kv_heads, block_tokens, head_dim, dtype=dtype, device=device)
-                for layers in (full, windowed)
-            )
-            if prefix_blocks
-            else (None, None)
-        )
-        if self.pool is not None and prefault_pool:
-            self.pool.zero_()
-            self.pool_window.zero_()
+        self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
         self.window = window
         self.block_tokens = block_tokens
         self.nbytes, self.pool_nbytes = need, pool
@@ -255,3 +232,41 @@ def _block_views(
 def _index(picked: list[tuple[int, int, int]], block_tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     t = torch.tensor(picked, dtype=torch.int64, device=device)  # [n, (slot, row, pool row)]
     return t[:, 0], t[:, 1] // block_tokens, t[:, 2]
+
+
+def _fitting_bytes(
+    full: int, windowed: int, max_slots: int, slots: int, shape: tuple, window, prefix_blocks: int, device
+):
+    """(the KV's bytes, the prefix pool's) where they fit the device's memory, else MemoryError
+    naming the sizes and the flags that lower them. shape: (kv_heads, positions, head_dim, dtype,
+    a block's positions)."""
+    kv_heads, max_seq_len, head_dim, dtype, block_tokens = shape
+    need = kv_cache_bytes(full, slots, kv_heads, max_seq_len, head_dim, dtype)
+    if window:
+        need += kv_cache_bytes(windowed, slots, kv_heads, window.capacity, head_dim, dtype)
+    pool = kv_cache_bytes(full + windowed, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
+    have = available_memory_bytes(device)
+    if need + pool > have:
+        raise MemoryError(
+            f"KV cache needs {need / 2**20:.1f} MiB ({full + windowed} layers x 2 x {max_slots} slots x "
+            f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}"
+            f"{f', {windowed} sliding-window layers x {window.capacity} positions' if window else ''})"
+            f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''} but only "
+            f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
+        )
+    return need, pool
+
+
+def _prefix_pools(full: int, windowed: int, shape: tuple, dtype: torch.dtype, device, prefault: bool):
+    """The prefix pool of the full layers and of the windowed ones: [layers, 2, blocks, kv_heads,
+    block_tokens, head_dim] each, or (None, None) without blocks. Pool rows are only read after a
+    store wrote them: empty is safe, and its pages are taken by the stores that first touch them,
+    inside iterations; a server takes them now instead (`prefault`; docs/design_notes.md, "prefix
+    pool"). Split as the KV is."""
+    if not shape[0]:
+        return None, None
+    pools = tuple(torch.empty(layers, 2, *shape, dtype=dtype, device=device) for layers in (full, windowed))
+    if prefault:
+        for pool in pools:
+            pool.zero_()
+    return pools

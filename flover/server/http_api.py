@@ -95,12 +95,7 @@ async def _stop_when_orphaned(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
 
 
-def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    from flover.models import open_checkpoint
-    from flover.models.tokenizer import load_tokenizer
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="flover's OpenAI-compatible HTTP front")
     ap.add_argument("--engine", required=True, help="the daemon's ZeroMQ address")
     ap.add_argument("--listen", default="127.0.0.1:8000")
@@ -111,7 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-body-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger request bodies get a 413")
     add_flags(ap, HttpLimits)
     ap.add_argument("--reasoning-format", choices=("auto", "none"), default="auto")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from flover.models import open_checkpoint
+    from flover.models.tokenizer import load_tokenizer
+
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="flover http: %(message)s", stream=sys.stderr)
     host, port = parse_listen(args.listen)
     checkpoint = open_checkpoint(args.model)

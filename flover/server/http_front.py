@@ -95,39 +95,16 @@ def start_http_front(
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise OSError(f"cannot serve HTTP on {listen}: {e.strerror or e}") from None
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("FLOVER_API_KEY", *CURVE_ENV):
-        env.pop(name, None)
-    if api_key:
-        env["FLOVER_API_KEY"] = api_key
-    if curve:
-        env.update({name: key.decode() for name, key in zip(CURVE_ENV, curve)})
+    argv = ["--engine", engine_address(bind), "--fd", str(sock.fileno()), "--listen", listen, "--model", model]
+    argv += ["--parent", str(os.getpid()), "--max-body-bytes", str(max_body_bytes), *to_argv(limits)]
+    argv += ["--reasoning-format", reasoning_format]
     with sock:
+        # its own session: a job launcher that kills the daemon's process group (mpirun, when a
+        # rank dies) must not cut the front's streams off unanswered; it ends them itself once the
+        # daemon is gone
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flover.server.http_api",
-                "--engine",
-                engine_address(bind),
-                "--fd",
-                str(sock.fileno()),
-                "--listen",
-                listen,
-                "--model",
-                model,
-                "--parent",
-                str(os.getpid()),
-                "--max-body-bytes",
-                str(max_body_bytes),
-                *to_argv(limits),
-                "--reasoning-format",
-                reasoning_format,
-            ],
-            # its own session: a job launcher that kills the daemon's process group
-            # (mpirun, when a rank dies) must not cut the front's streams off
-            # unanswered; it ends them itself once the daemon is gone
-            env=env,
+            [sys.executable, "-m", "flover.server.http_api", *argv],
+            env=_front_env(api_key, curve),
             pass_fds=[sock.fileno()],
             start_new_session=True,
         )
@@ -144,6 +121,18 @@ def start_http_front(
             time.sleep(0.1)
     stop_http_front(proc)
     raise OSError(f"cannot serve HTTP on {listen}: no answer after {timeout:g} s")
+
+
+def _front_env(api_key: str | None, curve: tuple[bytes, bytes, bytes] | None) -> dict:
+    """The front's environment: the key and the CURVE keys through it (never on its command line)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in ("FLOVER_API_KEY", *CURVE_ENV):
+        env.pop(name, None)
+    if api_key:
+        env["FLOVER_API_KEY"] = api_key
+    if curve:
+        env.update({name: key.decode() for name, key in zip(CURVE_ENV, curve)})
+    return env
 
 
 def stop_http_front(proc: subprocess.Popen) -> None:

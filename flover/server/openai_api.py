@@ -209,7 +209,7 @@ def _boolean(body: dict, key: str) -> bool | None:
     return value
 
 
-def sampling_params(body: dict, chat: bool) -> dict:
+def sampling_params(body: dict, chat: bool) -> dict:  # noqa: C901 (a flat mapping of fields)
     """The daemon's `params` from OpenAI's fields (the daemon validates values further)."""
     if body.get("functions"):
         raise unsupported("functions", "the legacy functions API is not supported; send tools")
