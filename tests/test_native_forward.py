@@ -112,6 +112,7 @@ VARIANTS = [
     "qwen3-moe",
     "mixtral",
     "gpt-oss",
+    "granite",
 ]
 
 
@@ -142,6 +143,7 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
         "qwen3-moe",
         "mixtral",
         "gpt-oss",
+        "granite",
     ],
 )
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):

@@ -25,6 +25,7 @@ static const AbiEntry ABI[] = {
     AT(Model, embed_scale), AT(Model, attn_scale), AT(Model, norm_f32), AT(Model, act), AT(Model, local_cos),
     AT(Model, local_sin), AT(Model, experts), AT(Model, top_k), AT(Model, expert_inter), AT(Model, norm_topk),
     AT(Model, weights_f32), AT(Model, topk_softmax), AT(Model, swiglu_limit), AT(Model, swiglu_alpha),
+    AT(Model, residual_scale),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),

@@ -65,7 +65,7 @@ Model = _int64_struct(
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
     head_screen head_screen_scales head_bounds screen_rows rotary_dim
     embed_scale:d attn_scale:d norm_f32 act local_cos local_sin
-    experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d""",
+    experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d residual_scale:d""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(

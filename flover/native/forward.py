@@ -82,8 +82,6 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     cfg = model.cfg
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
-    if cfg.residual_scale is not None or cfg.logit_scale is not None:
-        return "a residual or logit scale"
     if cfg.norm_layout == "post" and (cfg.o_bias or cfg.mlp_bias):
         return "norms after attention and the MLP with o / down biases"
     if cfg.hidden_act not in ACTIVATIONS and not (cfg.moe is not None and cfg.moe.swiglu_limit is not None):
@@ -248,6 +246,8 @@ class NativeForward:
         fields = dict(act=ACTIVATIONS[cfg.hidden_act], norm_f32=norm_f32, attn_scale=cfg.attn_scale or 0.0)
         if model.embed_scale is not None:  # as the PyTorch forward rounds it
             fields["embed_scale"] = float(model.embed_scale)
+        if cfg.residual_scale is not None:
+            fields["residual_scale"] = float(cfg.residual_scale)
         if model.local_rotary is not None:
             fields.update(local_cos=model.local_rotary.cos.data_ptr(), local_sin=model.local_rotary.sin.data_ptr())
         return fields
@@ -458,8 +458,9 @@ class NativeForward:
         return True, self._screen_scores
 
     def _head_result(self, ids_back: bool, logits: torch.Tensor, n_out: int, full: int) -> torch.Tensor | list[int]:
-        if not ids_back:
-            return logits
+        if not ids_back:  # (greedy ids: a positive logit scale changes no argmax)
+            scale = self.model.cfg.logit_scale
+            return logits if scale is None else logits.div_(scale)
         self.screened_rows += n_out
         self.full_head_rows += full
         return self._ids[:n_out]

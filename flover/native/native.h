@@ -70,6 +70,8 @@ typedef struct {
      * (up + 1) gate sigmoid(swiglu_alpha gate)) */
     int64_t topk_softmax;
     double swiglu_limit, swiglu_alpha;
+    /* each block's output times residual_scale before the residual add (0: none; Granite's) */
+    double residual_scale;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the

@@ -54,11 +54,13 @@ void rope(float *x, const void *cos_row, const void *sin_row, int64_t d, int bf)
     }
 }
 
-/* hidden += rnd(out + bias): a residual add after a row-parallel projection. */
-static void add_residual(float *hidden, const float *out, const void *bias, int64_t h, int bf) {
+/* hidden += rnd(rnd(out + bias) * scale): a residual add after a row-parallel projection (scale
+ * 0: none), rounded where PyTorch rounds. */
+static void add_residual(float *hidden, const float *out, const void *bias, int64_t h, int bf, float scale) {
     for (int64_t i = 0; i < h; i += 16) {
         v16 o = v_loadn(out + i, h - i);
         if (bias) o = v_rnd(v_add(o, v_loadx(bias, i, bf, h - i)), bf);
+        if (scale != 0.f) o = v_rnd(v_mul(o, v_set1(scale)), bf);
         v_storen(hidden + i, v_rnd(v_add(v_loadn(hidden + i, h - i), o), bf), h - i);
     }
 }
@@ -69,7 +71,7 @@ void residual_and_norm(const Model *md, float *hidden, float *out, int rows, int
                        int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
-        add_residual(hidden + r * h, out + r * h, (const void *)bias, h, bf);
+        add_residual(hidden + r * h, out + r * h, (const void *)bias, h, bf, (float)md->residual_scale);
         if (norm) norm_row(md, hidden + r * h, norm, eps, h, bf, out + r * h);
     }
 }
@@ -81,7 +83,7 @@ void norm_then_residual(const Model *md, float *hidden, float *out, int rows, in
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
         norm_row(md, out + r * h, norm, eps, h, bf, out + r * h);
-        add_residual(hidden + r * h, out + r * h, 0, h, bf);
+        add_residual(hidden + r * h, out + r * h, 0, h, bf, (float)md->residual_scale);
         if (next_norm) norm_row(md, hidden + r * h, next_norm, eps, h, bf, out + r * h);
         else memcpy(out + r * h, hidden + r * h, h * sizeof(float));
     }
