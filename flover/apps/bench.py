@@ -52,7 +52,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from flover.bench.modes import MODES, ModeSettings
     from flover.bench.runner import run_benchmark
     from flover.bench.suite import run_suite
-    from flover.bench.workload import Workload, parse_range
 
     if args.endpoint:
         return _bench_endpoint(args)
@@ -78,18 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         text = run_suite(args.model, args.out, docs, settings, quick=args.quick, modes=modes, log=say)
         print(text)
         return 0
-    if args.quick:
-        workload = Workload(4, (4, 12), (4, 8), "interval", 30, args.bench_seed)
-    else:
-        workload = Workload(
-            args.requests,
-            parse_range(args.prompt_len),
-            parse_range(args.gen_len),
-            args.arrival,
-            args.interval_ms,
-            args.bench_seed,
-        )
-    result = run_benchmark(args.model, workload, modes, settings, args.out, args.name, log=say)
+    result = run_benchmark(args.model, _workload(args), modes, settings, args.out, args.name, log=say)
     print(Path(result["files"]["json"]).with_suffix(".md").read_text())
     return 0
 
@@ -98,27 +86,16 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
     """The workload against any OpenAI-compatible server; --model names the served model (default:
     the first it lists), or is a local checkpoint whose vocabulary sizes the random prompts."""
     from flover.bench.runner import run_endpoint_benchmark
-    from flover.bench.workload import Workload, parse_range
 
     vocab, served = args.vocab_size, args.model
     if args.model and Path(args.model).exists():
         from flover.models import load_model_config
 
         vocab, served = vocab or load_model_config(args.model).vocab_size, None
-    workload = Workload(
-        args.requests,
-        parse_range(args.prompt_len),
-        parse_range(args.gen_len),
-        args.arrival,
-        args.interval_ms,
-        args.bench_seed,
-    )
-    if args.quick:
-        workload = Workload(4, (4, 12), (4, 8), "interval", 30, args.bench_seed)
     result = run_endpoint_benchmark(
         args.endpoint,
         served,
-        workload,
+        _workload(args),
         vocab or 32000,
         args.out,
         args.name,
@@ -127,3 +104,19 @@ def _bench_endpoint(args: argparse.Namespace) -> int:
     )
     print(Path(result["files"]["json"]).with_suffix(".md").read_text())
     return 0
+
+
+def _workload(args: argparse.Namespace):
+    """The seeded workload of the flags (--quick: a tiny one, a smoke test of the harness)."""
+    from flover.bench.workload import Workload, parse_range
+
+    if args.quick:
+        return Workload(4, (4, 12), (4, 8), "interval", 30, args.bench_seed)
+    return Workload(
+        args.requests,
+        parse_range(args.prompt_len),
+        parse_range(args.gen_len),
+        args.arrival,
+        args.interval_ms,
+        args.bench_seed,
+    )
