@@ -175,7 +175,7 @@ def test_tokenizer_and_chat_template_equal_transformers_gguf_conversion(gguf_fil
     assert mine.decode(ids) == tok.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
 def test_k_quant_tensors_dequantize_as_transformers_does(tmp_path, qtype):
     """The gguf package cannot quantize to K-quants, so the tensors hold random blocks with sane
     scales; flover and transformers must read the same weights out of them."""

@@ -120,7 +120,17 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
 
 # K-quants the `gguf` package cannot make: random blocks, with this super-block scale (d, dmin)
 # so that the weights stay small
-RANDOM_BLOCK_SCALES = {"Q4_K": 0.0004, "Q5_K": 0.0002, "Q6_K": 0.0001}
+RANDOM_BLOCK_SCALES = {
+    "Q4_K": 0.0004,
+    "Q5_K": 0.0002,
+    "Q6_K": 0.0001,
+    "Q2_K": 0.0004,
+    "Q3_K": 0.0002,
+    "IQ4_XS": 0.00001,  # (times a 6-bit scale times a table value up to 127)
+    "IQ4_NL": 0.0004,
+}
+# where each type's float16 block scales sit in a block (ggml-common.h's block layouts): byte offsets
+BLOCK_SCALE_OFFSETS = {"Q6_K": (-2,), "Q2_K": (-4, -2), "Q3_K": (-2,), "IQ4_XS": (0,), "IQ4_NL": (0,)}
 
 
 def write_gguf(
@@ -337,19 +347,18 @@ def _llama3_rope_factors(rope: dict, base: float, dim: int):
 
 
 def _random_k_blocks(rng, shape: tuple[int, ...], qt):
-    """Random K-quant blocks for a [..., rows, cols] tensor (cols a multiple of 256), scales sane."""
+    """Random blocks of a K-quant or IQ4 type for a [..., rows, cols] tensor (cols a multiple of the
+    type's block), their float16 scales set so that the weights stay small."""
     import gguf
     import numpy as np
 
     *outer, cols = shape
     rows = math.prod(outer)
-    size = gguf.GGML_QUANT_SIZES[qt][1]
-    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(RANDOM_BLOCK_SCALES[qt.name]).tobytes(), dtype=np.uint8)
-    if qt == gguf.GGMLQuantizationType.Q6_K:
-        raw[..., -2:] = scale  # d last
-    else:
-        raw[..., 0:2] = raw[..., 2:4] = scale  # d, dmin first
+    for at in BLOCK_SCALE_OFFSETS.get(qt.name, (0, 2)):  # (Q4_K, Q5_K: d, dmin first)
+        raw[..., at : at + 2 if at + 2 else None] = scale
     return raw.reshape(*outer, -1)
 
 
