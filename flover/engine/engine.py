@@ -69,8 +69,8 @@ class Engine(ServingEngine):
         config.validate()
         checkpoint = open_checkpoint(config.model)  # a Hugging Face directory or a GGUF file
         self.model_config = cfg = checkpoint.model_config()
-        asked, config = config.quantization, resolve_config(config, cfg, file_quantization(checkpoint))
-        self.config = config
+        asked = config.quantization
+        self.config = config = resolve_config(config, cfg, file_quantization(checkpoint))
         if asked == "auto" and config.quantization != "none":
             why = "--quantization none dequantizes them"
             types = "/".join(sorted(checkpoint.projection_types()))

@@ -84,17 +84,15 @@ class DecoderLayer(nn.Module):
         q_full = cfg.num_heads * d
         mlp_norm = "pre_feedforward" if cfg.norm_layout == "sandwich" else "post_attention"  # (transformers' names)
 
-        qkv = lambda kind: self._qkv_sources(cfg, tp, att, kind)  # noqa: E731
-        gate_up = lambda kind: self._gate_up_sources(cfg, tp, mlp, kind)  # noqa: E731
         specs = [
-            WeightSpec(self.qkv.weight, qkv("weight")),
+            WeightSpec(self.qkv.weight, self._qkv_sources(cfg, tp, att, "weight")),
             WeightSpec(self.o.weight, (cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size),)),
             WeightSpec(self.post_norm, (whole(f"{prefix}.{mlp_norm}_layernorm.weight", (h,)),)),
         ]
         if self.experts is not None:
             specs += self.experts.weight_specs(prefix, h)
         else:
-            specs.append(WeightSpec(self.gate_up.weight, gate_up("weight")))
+            specs.append(WeightSpec(self.gate_up.weight, self._gate_up_sources(cfg, tp, mlp, "weight")))
             specs.append(
                 WeightSpec(
                     self.down.weight,
@@ -108,7 +106,7 @@ class DecoderLayer(nn.Module):
         if self.ffn_norm_after is not None:
             specs.append(WeightSpec(self.ffn_norm_after, (whole(f"{prefix}.post_feedforward_layernorm.weight", (h,)),)))
         if self.qkv.bias is not None:
-            specs.append(WeightSpec(self.qkv.bias, qkv("bias")))
+            specs.append(WeightSpec(self.qkv.bias, self._qkv_sources(cfg, tp, att, "bias")))
         if self.q_norm is not None:  # (whole: under TP the projection norm is refused, the per-head one replicated)
             specs.append(WeightSpec(self.q_norm, (whole(f"{att}.q_norm.weight", tuple(self.q_norm.shape)),)))
             specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", tuple(self.k_norm.shape)),)))
@@ -117,7 +115,7 @@ class DecoderLayer(nn.Module):
         if self.sinks is not None:
             specs.append(WeightSpec(self.sinks, (rows(f"{att}.sinks", (cfg.num_heads,), tp.head_start, tp.heads),)))
         if self.gate_up is not None and self.gate_up.bias is not None:
-            specs.append(WeightSpec(self.gate_up.bias, gate_up("bias")))
+            specs.append(WeightSpec(self.gate_up.bias, self._gate_up_sources(cfg, tp, mlp, "bias")))
             specs.append(WeightSpec(self.down_bias, (whole(f"{mlp}.down_proj.bias", (h,)),)))
         return specs
 
@@ -195,7 +193,6 @@ class DecoderForCausalLM(nn.Module):
             self.norm_fn = functools.partial(offset_rms_norm, offset=cfg.norm_offset)
         else:
             self.norm_fn = wide_weight_rms_norm if cfg.norm_float32 else rms_norm
-        self.residual_scale = cfg.residual_scale  # each block's output times it before the residual add
         self.act = activation(cfg.hidden_act)
 
     def weight_specs(self) -> list[WeightSpec]:
@@ -255,7 +252,8 @@ class DecoderForCausalLM(nn.Module):
 
     def _add(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The residual add of a block's output [T, hidden] (times the residual scale, if any)."""
-        return hidden + (out if self.residual_scale is None else out * self.residual_scale)
+        scale = self.cfg.residual_scale
+        return hidden + (out if scale is None else out * scale)
 
     def _attention(
         self, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, kv: torch.Tensor, tables: tuple

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flover.models.families import GGUF_ARCHES, family_of, gguf_family
+from flover.models.families import GGUF_ARCHES, gguf_family
 from flover.models.families._shared import Family
 from flover.models.gguf_grids import block_grid
 from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
@@ -213,15 +213,18 @@ class GGUFFile:
             bos_token_id=self.integer("tokenizer.ggml.bos_token_id"),
             checkpoint_dtype=None,
         )
-        if self.get(f"{a}.expert_count") is not None or self._has_routers():
+        if self.has_experts():
             cfg = self._experts(cfg)  # (an expert_count of 0 is refused there, naming the field)
         if family.from_gguf is not None:
             cfg = family.from_gguf(self, cfg)
         validate_model_config(cfg, where)
         return cfg
 
-    def _has_routers(self) -> bool:
-        return any(name.endswith(".ffn_gate_inp.weight") for name in self.tensors)
+    def has_experts(self) -> bool:
+        """An expert count in the metadata, or a layer with a router (ffn_gate_inp)."""
+        return self.get(f"{self.arch}.expert_count") is not None or any(
+            name.endswith(".ffn_gate_inp.weight") for name in self.tensors
+        )
 
     def _experts(self, cfg: ModelConfig) -> ModelConfig:
         """A mixture of experts, read as llama.cpp reads it: expert_count, expert_used_count, each
@@ -316,7 +319,7 @@ class GGUFReader:
         self.experts: dict[str, int] = {}
         self._grids: dict[str, object] = {}
         self.norm_offset = cfg.norm_offset  # (the converter stored w + offset: llama.cpp's norms add nothing)
-        family = family_of(cfg)
+        family = gguf_file.family
         permuted = family.gguf_qk_permuted
         for hf, name in GGUF_GLOBAL_NAMES.items():
             self.names[hf] = (name, None)

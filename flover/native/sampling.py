@@ -53,8 +53,8 @@ class NativeSampler:
         block = self._buffers(rows, vocab)
         ids = torch.empty(rows, dtype=torch.int64)
         at = torch.empty(block, dtype=torch.int64)  # the block's row of each scaled row
+        rows_of = (temperature, top_k, top_p, min_p, seed, counter)
         for first in range(0, rows, block):  # each call sees the block as its batch
-            rows_of = (temperature, top_k, top_p, min_p, seed, counter)
             self._sample_block(logits, first, min(block, rows - first), rows_of, allowed, ids, at)
         return ids
 

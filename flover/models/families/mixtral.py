@@ -23,18 +23,12 @@ def from_hf(raw: dict) -> dict:
     return decoder_fields(raw, windows="every_layer") | dict(moe=moe)
 
 
-def has_experts(file) -> bool:
-    return file.get(f"{file.arch}.expert_count") is not None or any(
-        name.endswith(".ffn_gate_inp.weight") for name in file.tensors
-    )
-
-
 FAMILY = Family(
     name="mixtral",
     hf_architectures=("MixtralForCausalLM",),
     from_hf=from_hf,
     gguf_arch="llama",
-    gguf_claims=has_experts,
+    gguf_claims=lambda file: file.has_experts(),
     gguf_qk_permuted=True,
     from_gguf=lambda file, cfg: dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, weights_float32=True)),
     test_config="MixtralConfig",
