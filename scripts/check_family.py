@@ -9,7 +9,7 @@ check against the converter people use. docs/architecture.md, "Adding a family".
         --tokenizer-gguf ~/.cache/flover-tests/SmolLM2-135M-Instruct.Q4_1.gguf \
         --set embedding_multiplier=12 residual_multiplier=0.22 attention_multiplier=0.03125 logits_scaling=8
 
-Needs the `tools` extra, and sentencepiece + protobuf for the converter.
+Needs the `compare` extra (transformers; sentencepiece and protobuf for the converter).
 """
 
 from __future__ import annotations
