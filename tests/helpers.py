@@ -153,6 +153,11 @@ VARIANTS = {
         "granite",
         dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03125, logits_scaling=8.0),
     ),
+    # Qwen3.5: three Gated DeltaNet layers (2 q/k heads of 16, 4 value heads of 24: two per q/k
+    # head) then one full-attention layer with an output gate, RoPE over a quarter of each head
+    "qwen3_5": ("qwen3_5", {}, dict(num_layers=4)),
+    # and its MoE sibling: 8 experts of 32, 2 a token, plus a shared expert of 48, every layer
+    "qwen3_5-moe": ("qwen3_5_moe", {}, dict(num_layers=4)),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
     # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head
@@ -407,3 +412,37 @@ def run_random_arrivals(model_dir: str, seed: int, cuda_graphs: str, device: str
         )
     )
     return run_arrivals(engine, random_arrival_jobs(seed)), engine
+
+
+def widened_delta_rule(dtype):
+    """transformers' Gated DeltaNet functions compute in float32 whatever the model's dtype: for a
+    float64 reference, the same functions (their code, unchanged) with float32 read as float64;
+    the float32 / 16-bit references stay as they are. A context manager."""
+    import contextlib
+    import inspect
+    import types
+
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    class Widened:
+        def __getattr__(self, name):
+            return torch.float64 if name == "float32" else getattr(torch, name)
+
+    @contextlib.contextmanager
+    def patched():
+        saved = []
+        for module in (modeling_qwen3_5, modeling_qwen3_5_moe):
+            for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+                f = inspect.unwrap(getattr(module, name))
+                wide = types.FunctionType(f.__code__, {**f.__globals__, "torch": Widened()}, name, f.__defaults__)
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, wide)
+        try:
+            yield
+        finally:
+            for module, name, f in saved:
+                setattr(module, name, f)
+
+    return patched() if dtype == torch.float64 else contextlib.nullcontext()

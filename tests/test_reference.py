@@ -10,14 +10,30 @@ import transformers
 
 from flover import LLM, SamplingParams
 from flover.models import load_model_config
-from tests.helpers import PROMPTS, VARIANTS, rewrite_config
+from tests.helpers import PROMPTS, VARIANTS, rewrite_config, widened_delta_rule
 
 
-def reference(model_dir: str, dtype: torch.dtype):
-    # (experts: transformers' eager loop; its grouped matmul takes float32 only)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, experts_implementation="eager"
-    ).eval()
+class Reference:
+    """transformers' model on a checkpoint: (experts: its eager loop; its grouped matmul takes
+    float32 only; Gated DeltaNet: its delta rule at float64 for a float64 model, helpers)."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, experts_implementation="eager"
+        ).eval()
+        self.generation_config, self.dtype = self.model.generation_config, dtype
+
+    def __call__(self, *args, **kwargs):
+        with widened_delta_rule(self.dtype):
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        with widened_delta_rule(self.dtype):
+            return self.model.generate(*args, **kwargs)
+
+
+def reference(model_dir: str, dtype: torch.dtype) -> Reference:
+    return Reference(model_dir, dtype)
 
 
 def max_logit_diff(llm: LLM, ref, prompt: str) -> tuple[float, float]:

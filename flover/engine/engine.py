@@ -162,8 +162,13 @@ class Engine(ServingEngine):
         count on every rank (kv heads split evenly), which keeps their prefix indexes making the
         same decisions (docs/prefix_cache.md)."""
         config, cfg = self.config, self.model_config
-        block_bytes = kv_cache_bytes(cfg.num_layers, 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
+        block_bytes = kv_cache_bytes(len(cfg.kv_layers()), 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
         prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
+        if cfg.linear_attention is not None and prefix_blocks:
+            # a recurrent layer cannot rebuild its state from cached KV blocks
+            if self.is_leader:
+                log.info("prefix cache off: the recurrent (Gated DeltaNet) layers need state snapshots")
+            prefix_blocks = 0
         if config.full_window_kv:
             return prefix_blocks, None
         return prefix_blocks, WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)

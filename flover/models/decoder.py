@@ -2,7 +2,8 @@
 file reads only the features, models/model_config.py): GQA, RoPE (per layer: none, the model's,
 or the local layers' own base), optional QKV / o / MLP biases, q/k RMSNorms per head or over the
 whole projection, norms before, after, or before and after attention and the MLP, sliding
-windows, attention sinks, a dense gated MLP or a mixture of experts (models/moe.py), and the
+windows, attention sinks, an output gate, Gated DeltaNet layers in place of attention
+(models/gated_deltanet.py), a dense gated MLP or a mixture of experts (models/moe.py), and the
 scales some families put on the embeddings, the residual adds, the scores and the logits.
 
 Tensor parallelism (Megatron): QKV and gate/up are split by output columns, attention-out and
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from flover.models.attention import AttentionOptions, ForwardBatch, attention, write_kv
+from flover.models.gated_deltanet import GatedDeltaNet
 from flover.models.layers import (
     Linear,
     Rotary,
@@ -53,14 +55,22 @@ class DecoderLayer(nn.Module):
         lin = lambda out, inp, bias: Linear(out, inp, bias, dtype, device)  # noqa: E731
         post, sandwich = cfg.norm_layout == "post", cfg.norm_layout == "sandwich"
         self.input_norm = None if post else p(h)  # (norms after attention and the MLP only: none before)
-        self.qkv = lin(self.q_size + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
+        # (Qwen3.5) a Gated DeltaNet layer in place of attention: a recurrent state instead of KV
+        recurrent = cfg.linear_attention is not None and index in cfg.linear_attention.layers
+        self.linear = GatedDeltaNet(cfg, tp, dtype, device) if recurrent else None
+        # (Qwen3.5) each head's query followed by its output gate: q_proj twice as wide
+        self.gate_size = self.q_size if cfg.attn_output_gate else 0
+        q_width = self.q_size + self.gate_size
+        self.qkv = None if recurrent else lin(q_width + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
         # before RoPE: per head (Qwen3), or over the whole of q and of k (OLMo 2)
         norm_sizes = {"head": (d, d), "projection": (self.q_size, self.kv_size)}.get(cfg.qk_norm)
-        self.q_norm, self.k_norm = (p(norm_sizes[0]), p(norm_sizes[1])) if norm_sizes else (None, None)
+        self.q_norm, self.k_norm = (
+            (p(norm_sizes[0]), p(norm_sizes[1])) if norm_sizes and not recurrent else (None, None)
+        )
         self.rope = index not in cfg.nope_layers  # (SmolLM3's NoPE layers: positions only through the causal mask)
         self.local_rope = cfg.local_rope_theta is not None and window is not None  # (Gemma 3's own base)
-        self.o = lin(h, self.q_size, False)
-        self.o_bias = p(h) if cfg.o_bias else None
+        self.o = None if recurrent else lin(h, self.q_size, False)
+        self.o_bias = p(h) if cfg.o_bias and not recurrent else None
         self.post_norm = p(h)  # before the MLP; norms after only: after attention, before the residual add
         self.attn_norm_after = p(h) if sandwich else None  # (four norms a layer) after attention, before the add
         self.ffn_norm_after = p(h) if post or sandwich else None  # after the MLP, before the add
@@ -84,11 +94,13 @@ class DecoderLayer(nn.Module):
         q_full = cfg.num_heads * d
         mlp_norm = "pre_feedforward" if cfg.norm_layout == "sandwich" else "post_attention"  # (transformers' names)
 
-        specs = [
-            WeightSpec(self.qkv.weight, self._qkv_sources(cfg, tp, att, "weight")),
-            WeightSpec(self.o.weight, (cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size),)),
-            WeightSpec(self.post_norm, (whole(f"{prefix}.{mlp_norm}_layernorm.weight", (h,)),)),
-        ]
+        specs = [WeightSpec(self.post_norm, (whole(f"{prefix}.{mlp_norm}_layernorm.weight", (h,)),))]
+        if self.linear is not None:
+            specs += self.linear.weight_specs(cfg, prefix)
+        else:
+            specs.append(WeightSpec(self.qkv.weight, self._qkv_sources(cfg, tp, att, "weight")))
+            o_cols = cols(f"{att}.o_proj.weight", (h, q_full), tp.head_start * d, self.q_size)
+            specs.append(WeightSpec(self.o.weight, (o_cols,)))
         if self.experts is not None:
             specs += self.experts.weight_specs(prefix, h)
         else:
@@ -105,7 +117,7 @@ class DecoderLayer(nn.Module):
             specs.append(WeightSpec(self.attn_norm_after, (whole(f"{prefix}.post_attention_layernorm.weight", (h,)),)))
         if self.ffn_norm_after is not None:
             specs.append(WeightSpec(self.ffn_norm_after, (whole(f"{prefix}.post_feedforward_layernorm.weight", (h,)),)))
-        if self.qkv.bias is not None:
+        if self.qkv is not None and self.qkv.bias is not None:
             specs.append(WeightSpec(self.qkv.bias, self._qkv_sources(cfg, tp, att, "bias")))
         if self.q_norm is not None:  # (whole: under TP the projection norm is refused, the per-head one replicated)
             specs.append(WeightSpec(self.q_norm, (whole(f"{att}.q_norm.weight", tuple(self.q_norm.shape)),)))
@@ -124,6 +136,13 @@ class DecoderLayer(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
         shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
+        if cfg.attn_output_gate and kind == "weight":  # q_proj: per head its query's rows, then its gate's
+            d2 = 2 * d
+            return (
+                rows(f"{att}.q_proj.weight", shape(2 * q_full), tp.head_start * d2, 2 * self.q_size),
+                rows(f"{att}.k_proj.weight", shape(kv_full), tp.kv_head_start * d, self.kv_size),
+                rows(f"{att}.v_proj.weight", shape(kv_full), tp.kv_head_start * d, self.kv_size),
+            )
         if cfg.fused_projections:  # q, k and v: rows of one tensor
             name, fused = f"{att}.qkv_proj.{kind}", shape(q_full + 2 * kv_full)
             return (
@@ -236,7 +255,10 @@ class DecoderForCausalLM(nn.Module):
         local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
         for n, layer in enumerate(self.layers):
             x = hidden if layer.input_norm is None else norm(hidden, layer.input_norm, eps)
-            out = self._attention(layer, x, batch, kv[n], local_tables if layer.local_rope else tables)
+            if layer.linear is not None:  # (Qwen3.5) kv[n]: the layer's (conv, recurrent) state
+                out = all_reduce(layer.linear(x, batch, kv[n]), self.comm)
+            else:
+                out = self._attention(layer, x, batch, kv[n], local_tables if layer.local_rope else tables)
             if layer.attn_norm_after is not None:  # (four norms) normed, added, then normed again for the MLP
                 hidden = self._add(hidden, norm(out, layer.attn_norm_after, eps))
                 x = norm(hidden, layer.post_norm, eps)
@@ -262,7 +284,12 @@ class DecoderForCausalLM(nn.Module):
         bias added); this row's keys and values written to kv ([2, slots, kv_heads, positions, head_dim])."""
         cfg, tp, norm = self.cfg, self.tp, self.norm_fn
         tokens, qk_heads = x.shape[0], tp.heads + tp.kv_heads
-        qkv = layer.qkv(x)  # [T, q + 2 kv]
+        qkv = layer.qkv(x)  # [T, q + 2 kv]; with an output gate [T, (q + gate) + 2 kv]
+        gate = None
+        if layer.gate_size:  # per head [query, gate]: the queries to the front, the gates apart
+            q_gate = qkv[:, : 2 * layer.q_size].view(tokens, tp.heads, 2, cfg.head_dim)
+            gate = q_gate[:, :, 1].reshape(tokens, layer.q_size)
+            qkv = torch.cat((q_gate[:, :, 0].reshape(tokens, layer.q_size), qkv[:, 2 * layer.q_size :]), dim=1)
         qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
         if cfg.qk_norm == "head":  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
             q_normed, k_normed = (
@@ -282,6 +309,8 @@ class DecoderForCausalLM(nn.Module):
         rows = batch.window if batch.window is not None and layer.attn_opts.window is not None else batch
         write_kv(kv[0], kv[1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), rows)
         attn = attention(q, kv[0], kv[1], rows, layer.attn_opts)  # [T, heads * head_dim]
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
         out = all_reduce(layer.o(attn), self.comm)  # [T, hidden]
         return out if layer.o_bias is None else out + layer.o_bias
 

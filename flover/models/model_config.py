@@ -90,8 +90,32 @@ def validate_model_config(cfg: "ModelConfig", where: str) -> None:
         )
         if moe.top_k > moe.experts or not moe.layers <= set(range(cfg.num_layers)):
             problems.append(f"{moe.top_k} experts a token of {moe.experts}, in layers {sorted(moe.layers)}")
+    problems += _linear_attention_problems(cfg)
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+def _linear_attention_problems(cfg: "ModelConfig") -> list[str]:
+    la = cfg.linear_attention
+    if la is None:
+        return []
+    check_sizes(
+        {
+            "linear_num_key_heads": la.key_heads,
+            "linear_num_value_heads": la.value_heads,
+            "linear_key_head_dim": la.key_dim,
+            "linear_value_head_dim": la.value_dim,
+        },
+        "linear attention",
+    )
+    problems = []
+    if la.value_heads % la.key_heads:
+        problems.append(f"{la.value_heads} linear-attention value heads cannot share {la.key_heads} key heads evenly")
+    if isinstance(la.conv_kernel, bool) or not isinstance(la.conv_kernel, int) or not 2 <= la.conv_kernel <= 64:
+        problems.append(f"linear_conv_kernel_dim {la.conv_kernel!r} must be an integer in [2, 64]")
+    if not la.layers <= set(range(cfg.num_layers)):
+        problems.append(f"linear-attention layers {sorted(la.layers)} beyond the {cfg.num_layers} layers")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -123,6 +147,34 @@ class MoEConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     stacked: bool = False
+    # Qwen3.5-MoE: beside the routed experts a dense "shared expert" MLP of this width (0: none)
+    # runs on every row, its output times sigmoid(shared_expert_gate(x)), added to theirs
+    shared_intermediate: int = 0
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3.5 / 3.6, Qwen3-Next) in place of attention in `layers`
+    (models/gated_deltanet.py): a causal depthwise conv of `conv_kernel` taps over q, k and v,
+    `key_heads` q/k heads of `key_dim` and `value_heads` value heads of `value_dim` (each q/k head
+    serves value_heads / key_heads of them), a recurrent state [value heads, key_dim, value_dim]
+    per sequence instead of KV."""
+
+    layers: frozenset[int]
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    # which value heads share a q/k head: Hugging Face's "grouped" order (value head j reads q/k
+    # head j // (value_heads / key_heads)), or llama.cpp's "tiled" one (j % key_heads)
+    tiled: bool = False
+    # the decay rates as stored: "A_log" (Hugging Face: A = -exp(A_log)), or "A" itself (GGUF's ssm_a)
+    decay_stored: str = "A_log"
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
 @dataclass(frozen=True)
@@ -174,3 +226,11 @@ class ModelConfig:
     nope_layers: frozenset[int] = frozenset()  # layers that skip RoPE
     moe: MoEConfig | None = None  # a mixture of experts in place of the MLP of some layers
     attn_sinks: bool = False  # a learned logit per head in each softmax's denominator
+    # (Qwen3.5) q_proj yields per head the query and a gate: attention's output times sigmoid(gate)
+    attn_output_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None  # recurrent layers in place of some attention
+
+    def kv_layers(self) -> list[int]:
+        """The layers that keep keys and values (the others keep a recurrent state instead)."""
+        recurrent = self.linear_attention.layers if self.linear_attention is not None else frozenset()
+        return [n for n in range(self.num_layers) if n not in recurrent]

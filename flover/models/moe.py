@@ -36,6 +36,11 @@ class ExpertsMLP(nn.Module):
             lin.bias.data.zero_()
         # rows routed to each expert since the model was built (int64 [experts]; the native step adds to it too)
         self.load = torch.zeros(moe.experts, dtype=torch.int64)
+        # (Qwen3.5-MoE) the shared expert: a dense MLP on every row, gated by sigmoid(shared_gate x)
+        shared = moe.shared_intermediate // tp.size if moe.shared_intermediate else 0
+        self.shared_gate_up = Linear(2 * shared, hidden, False, dtype, device) if shared else None
+        self.shared_down = Linear(hidden, shared, False, dtype, device) if shared else None
+        self.shared_gate = new_param(1, hidden, dtype=dtype, device=device) if shared else None
 
     def weight_specs(self, prefix: str, hidden: int) -> list[WeightSpec]:
         """The checkpoint's per-expert tensors ({block}.experts.{e}.{gate} ...) into each expert's pair."""
@@ -57,6 +62,21 @@ class ExpertsMLP(nn.Module):
                 specs.append(WeightSpec(self.gate_up[e].bias, biases))
                 if tp.rank == 0:
                     specs.append(WeightSpec(self.down[e].bias, (whole(f"{expert}.{down}.bias", (hidden,)),)))
+        if self.shared_gate is not None:
+            full, start, inter = (
+                moe.shared_intermediate,
+                tp.rank * self.shared_down.weight.shape[1],
+                self.shared_down.weight.shape[1],
+            )
+            shared = f"{block}.shared_expert"
+            gate_up = tuple(
+                rows(f"{shared}.{n}.weight", (full, hidden), start, inter) for n in ("gate_proj", "up_proj")
+            )
+            specs.append(WeightSpec(self.shared_gate_up.weight, gate_up))
+            specs.append(
+                WeightSpec(self.shared_down.weight, (cols(f"{shared}.down_proj.weight", (hidden, full), start, inter),))
+            )
+            specs.append(WeightSpec(self.shared_gate, (whole(f"{block}.shared_expert_gate.weight", (1, hidden)),)))
         return specs
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +102,9 @@ class ExpertsMLP(nn.Module):
             gate, up = self.gate_up[e](x[row]).chunk(2, dim=-1)  # [n, inter] each
             y = self.down[e](self.glu(gate, up)) * weights[row, slot, None]  # [n, hidden]
             out.index_add_(0, row, y.to(out.dtype))
+        if self.shared_gate is not None:  # added after the routed experts' sum, as the reference adds it
+            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared_down(self.act(gate) * up)
         return out
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -94,4 +117,5 @@ class ExpertsMLP(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def linears(self) -> list[Linear]:
-        return [*self.gate_up, *self.down]
+        shared = [self.shared_gate_up, self.shared_down] if self.shared_gate is not None else []
+        return [*self.gate_up, *self.down, *shared]

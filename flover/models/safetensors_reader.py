@@ -45,6 +45,9 @@ class WeightSpec:
     pad: bool = False  # fewer rows than the parameter: zero the rest (last vocabulary block)
 
 
+LANGUAGE_MODEL = "model.language_model."
+
+
 class CheckpointReader:
     """Maps tensor names to the safetensors file holding them."""
 
@@ -54,6 +57,10 @@ class CheckpointReader:
         self._handles: dict[Path, object] = {}
         self.files = self._weight_map()
         self.stacked = stacked or {}
+        # a multimodal checkpoint's language model (model.language_model.*) read as model.*
+        aliases = {"model." + n.removeprefix(LANGUAGE_MODEL): n for n in self.files if n.startswith(LANGUAGE_MODEL)}
+        self.stored = {alias: name for alias, name in aliases.items() if alias not in self.files}
+        self.files |= {alias: self.files[name] for alias, name in self.stored.items()}
 
     def _weight_map(self) -> dict[str, Path]:
         index = self.dir / "model.safetensors.index.json"
@@ -87,7 +94,7 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from its file's header (nothing is read)."""
         try:
-            return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+            return tuple(self._open(self.files[name]).get_slice(self.stored.get(name, name)).get_shape())
         except SafetensorError as e:
             raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
 
@@ -107,7 +114,7 @@ class CheckpointReader:
             return self._read_stacked(source, self.stacked[source.name])
         file = self._file(source.name)
         try:
-            view = self._open(file).get_slice(source.name)
+            view = self._open(file).get_slice(self.stored.get(source.name, source.name))
             shape = tuple(view.get_shape())
             if shape != source.shape:
                 raise CheckpointError(

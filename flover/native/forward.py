@@ -80,6 +80,8 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if not isinstance(model, DecoderForCausalLM):
         return f"{type(model).__name__} is not models/decoder.py's graph"
     cfg = model.cfg
+    if cfg.linear_attention is not None or cfg.attn_output_gate:
+        return "Gated DeltaNet layers and gated attention (Qwen3.5: PyTorch's forward runs them)"
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if cfg.norm_layout == "post" and (cfg.o_bias or cfg.mlp_bias):

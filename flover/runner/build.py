@@ -14,6 +14,7 @@ import torch
 from flover.config import EngineConfig
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig, load_model, pack_projections, release_projections
+from flover.models.gated_deltanet import state_dtype, state_shapes
 from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
 from flover.native.build import NativeUnavailable
@@ -21,7 +22,7 @@ from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.parallel.pipeline import StageLink
 from flover.runner.cuda_graphs import DecodeGraphs
-from flover.runner.kv_buffer import SlotBuffer
+from flover.runner.kv_buffer import RecurrentLayout, SlotBuffer
 from flover.runner.kv_window import WindowedKV
 from flover.runner.pipeline import PipelineRunner
 from flover.runner.runner import ModelRunner
@@ -92,13 +93,15 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
 def _static_decode(s: RankSetup) -> bool:
     """Static decode batches (CUDA graphs) pad with rows that write a scratch slot. (Not with
     windowed KV: a static batch has no window bases; those iterations run eagerly. Nor for
-    mixtures of experts: which experts run, on how many rows, depends on the rows' values.)"""
+    mixtures of experts: which experts run, on how many rows, depends on the rows' values. Nor
+    for recurrent layers, whose padding rows would step a real slot's state.)"""
     config = s.config
     return (
         s.comm is None
         and s.link is None
         and s.window is None
         and s.cfg.moe is None
+        and s.cfg.linear_attention is None
         and (config.cuda_graphs == "eager" or (config.cuda_graphs == "auto" and s.device.type == "cuda"))
     )
 
@@ -123,7 +126,18 @@ def _slot_buffer(s: RankSetup, scratch_slots: int) -> SlotBuffer:
         scratch_slots=scratch_slots,
         prefault_pool=config.prefault_prefix_cache,
         window=window,
+        recurrent=_recurrent_layout(s, layers),
     )
+
+
+def _recurrent_layout(s: RankSetup, layers: range) -> RecurrentLayout | None:
+    """This rank's recurrent layers (numbered as its buffer's) and their per-slot state, or None."""
+    la = s.cfg.linear_attention
+    if la is None or not la.layers & set(layers):
+        return None
+    conv, state = state_shapes(la, s.tp)
+    own = frozenset(n - layers.start for n in la.layers if n in layers)
+    return RecurrentLayout(own, conv, state, state_dtype(s.dtype))
 
 
 def _decode_graphs(model, buffer: SlotBuffer, config) -> DecodeGraphs:

@@ -13,6 +13,7 @@ import logging
 import math
 import mmap
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,6 +22,24 @@ from flover.runner.kv_window import WindowedKV, WindowShift
 from flover.runner.plan import BlockCopy, Move
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecurrentLayout:
+    """The layers that keep a recurrent state instead of KV (Gated DeltaNet), in the buffer's
+    numbering, and one slot's state of each: conv [channels, K - 1] in the model's dtype and the
+    recurrent state [value heads, dk, dv] in `state_dtype` (models/gated_deltanet.py)."""
+
+    layers: frozenset[int]
+    conv_shape: tuple[int, ...]
+    state_shape: tuple[int, ...]
+    state_dtype: torch.dtype
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        """One slot's state over all of these layers."""
+        conv = math.prod(self.conv_shape) * torch.empty((), dtype=dtype).element_size()
+        state = math.prod(self.state_shape) * torch.empty((), dtype=self.state_dtype).element_size()
+        return len(self.layers) * (conv + state)
 
 
 def plan_compaction(occupied: Sequence[bool]) -> list[Move]:
@@ -73,6 +92,10 @@ def available_memory_bytes(device: torch.device) -> int:
 class SlotBuffer:
     """KV cache `[layers, 2, max_slots, kv_heads, max_seq_len, head_dim]` plus per-slot state.
 
+    Recurrent layers (Gated DeltaNet) keep no KV: their per-slot conv and recurrent states lie in
+    `conv` [layers, slots, channels, K - 1] and `recurrent_state` [layers, slots, heads, dk, dv],
+    `layers[n]` is the pair of layer n's, and the shuffle moves them with the KV rows.
+
     With windowed KV (kv_window.py) the sliding-window layers live apart, in `kv_window`
     `[windowed layers, 2, max_slots, kv_heads, capacity, head_dim]`, and `kv` holds the others;
     `layers[n]` is layer n's `[2, slots, kv_heads, positions, head_dim]` in either, and the
@@ -96,18 +119,27 @@ class SlotBuffer:
         scratch_slots: int = 0,
         prefault_pool: bool = False,
         window: WindowedKV | None = None,
+        recurrent: RecurrentLayout | None = None,
     ):
         """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none).
         `scratch_slots`: KV slots past the last real one that padding rows may write (CUDA graphs).
         `prefault_pool`: write the pool once now, so that its host memory is taken at start-up.
-        `window`: the sliding-window layers' bound (None: every layer keeps max_seq_len positions)."""
+        `window`: the sliding-window layers' bound (None: every layer keeps max_seq_len positions).
+        `recurrent`: the layers that keep a recurrent state per slot instead of KV (None: none)."""
         if prefix_blocks or window:  # whole blocks per slot, so that a slot's blocks are one view away
             max_seq_len = -(-max_seq_len // block_tokens) * block_tokens
         windowed = sorted(window.layers) if window else []
-        full = [n for n in range(num_layers) if n not in set(windowed)]
+        stateful = sorted(recurrent.layers) if recurrent else []
+        full = [n for n in range(num_layers) if n not in set(windowed) | set(stateful)]
         slots = max_slots + scratch_slots
         shape = (kv_heads, max_seq_len, head_dim, dtype, block_tokens)
         need, pool = _fitting_bytes(len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device)
+        state_bytes = recurrent.slot_bytes(dtype) * slots if recurrent else 0
+        if state_bytes and need + pool + state_bytes > available_memory_bytes(device):
+            raise MemoryError(
+                f"the recurrent layers' state needs {state_bytes / 2**20:.1f} MiB ({slots} slots) beside "
+                f"{(need + pool) / 2**20:.1f} MiB of KV; lower --max-slots"
+            )
         pool_shape = (prefix_blocks, kv_heads, block_tokens, head_dim)
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
         self.kv = zeroed_tensor((len(full), 2, slots, kv_heads, max_seq_len, head_dim), dtype, device)
@@ -121,6 +153,17 @@ class SlotBuffer:
             self.layers[n] = self.kv[i]
         for i, n in enumerate(windowed):
             self.layers[n] = self.kv_window[i]
+        # (Gated DeltaNet) per layer [slots, ...] conv and recurrent states: layers[n] = (conv, state)
+        self.conv = self.recurrent_state = None
+        if recurrent:
+            self.conv = zeroed_tensor((len(stateful), slots, *recurrent.conv_shape), dtype, device)
+            self.recurrent_state = zeroed_tensor(
+                (len(stateful), slots, *recurrent.state_shape), recurrent.state_dtype, device
+            )
+            for i, n in enumerate(stateful):
+                self.layers[n] = (self.conv[i], self.recurrent_state[i])
+        self.recurrent = recurrent
+        self.state_nbytes = state_bytes
         self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
         self.window = window
         self.block_tokens = block_tokens
@@ -160,6 +203,10 @@ class SlotBuffer:
             else:
                 kv.index_copy_(2, dst, kv.index_select(2, src))
             self.bytes_moved += len(moves) * kv[:, :, 0].numel() * kv.element_size()
+        for states in (self.conv, self.recurrent_state) if self.recurrent else ():  # [layers, slots, ...]: whole
+            for m in moves:
+                states[:, m.dst].copy_(states[:, m.src])
+            self.bytes_moved += len(moves) * states[:, 0].numel() * states.element_size()
         self.moves_done += len(moves)
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))

@@ -58,6 +58,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"flover serves {', '.join(SUPPORTED)}"
         )
     family = BY_ARCHITECTURE[arch]
+    if isinstance(raw.get("text_config"), dict):  # (a multimodal checkpoint: its language model's fields)
+        raw = {**raw, **raw["text_config"]}
     check_fields(raw, str(path), family.number_fields)
     try:
         fields = family.from_hf(raw)
