@@ -1,0 +1,114 @@
+"""Qwen3.5 / 3.6: the Gated DeltaNet layers' state in the slot buffer, against transformers.
+
+Each request's recurrent and conv state lives in its slot; these tests make the engine carry a
+state across prompt chunks, move it with the shuffle, and reuse slots, and check every token
+against transformers' own greedy generation of that prompt alone (float64; its delta rule run at
+float64, tests/helpers.widened_delta_rule)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from flover import LLM, SamplingParams
+from flover.models.gated_deltanet import chunked_delta_rule, delta_step
+from tests.helpers import PROMPTS, widened_delta_rule
+
+
+def reference_tokens(model_dir: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    ref.generation_config.eos_token_id = None
+    out = []
+    with widened_delta_rule(torch.float64), torch.no_grad():
+        for ids, n in zip(prompts, new_tokens):
+            got = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            out.append(got[0, len(ids) :].tolist())
+    return out
+
+
+def long_prompts(llm: LLM) -> list[list[int]]:
+    """Prompts of 20 to ~210 tokens: several span more than one 64-token chunk of the delta rule."""
+    tok = llm.tokenizer
+    return [tok.encode(" ".join(PROMPTS[i % len(PROMPTS)] for i in range(n))) for n in (1, 3, 6, 9, 2, 5)]
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5-moe"])
+def test_state_carried_across_chunks_moved_by_the_shuffle_and_slots_reused(make_model, variant):
+    """Six prompts in 3 slots, chunks of at most 40 tokens fused with decode rows; answers of
+    different lengths so that finished slots leave holes the shuffle fills by moving live slots
+    (with their states), and later prompts take slots earlier requests held. Each answer equals
+    transformers' for that prompt alone. Fails when a chunk does not start from its slot's state,
+    when a moved slot's state stays behind, or when a new request starts from an old state."""
+    model_dir = make_model(variant)
+    llm = LLM(model_dir, dtype="float64", max_slots=3, max_seq_len=320, max_batch_tokens=40)
+    prompts = long_prompts(llm)
+    new_tokens = [30, 6, 18, 3, 25, 9]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new_tokens]
+    outputs = llm.generate(prompts, params)
+    buffer = llm.engine.runner.buffer
+    assert buffer.moves_done > 0, "the shuffle moved no slot: the test would not see a state left behind"
+    assert max(map(len, prompts)) > 2 * 64
+    expected = reference_tokens(model_dir, prompts, new_tokens)
+    for out, want in zip(outputs, expected):
+        assert out.token_ids == want
+
+
+def test_fused_rows_do_not_depend_on_each_other(make_model):
+    """One prompt's tokens are the same run alone and fused with five others (float64)."""
+    model_dir = make_model("qwen3_5")
+    llm = LLM(model_dir, dtype="float64", max_slots=6, max_seq_len=320, max_batch_tokens=64)
+    prompts = long_prompts(llm)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    fused = [o.token_ids for o in llm.generate(prompts, params)]
+    solo = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert fused == solo
+
+
+def test_chunked_delta_rule_equals_the_token_by_token_recurrence():
+    """The chunked form (prompt chunks) against one step a token (decode rows), from a state,
+    across chunk edges, in float64 and float32."""
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+        length, heads, dk, dv = 150, 3, 16, 24
+        q = torch.nn.functional.normalize(torch.randn(length, heads, dk, dtype=dtype), dim=-1) * dk**-0.5
+        k = torch.nn.functional.normalize(torch.randn(length, heads, dk, dtype=dtype), dim=-1)
+        v = torch.randn(length, heads, dv, dtype=dtype)
+        g, beta = -torch.rand(length, heads, dtype=dtype), torch.rand(length, heads, dtype=dtype)
+        start = torch.randn(heads, dk, dv, dtype=dtype)
+        out, state = chunked_delta_rule(q, k, v, g, beta, start)
+        s, steps = start[None], []
+        for t in range(length):
+            o, s = delta_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
+            steps.append(o)
+        assert (out - torch.cat(steps)).abs().max() < tol
+        assert (state - s[0]).abs().max() < tol
+
+
+def test_a_multimodal_checkpoint_reads_its_language_model(make_model, tmp_path):
+    """Hub checkpoints are Qwen3_5ForConditionalGeneration: the text config nested, the weights
+    under model.language_model (a vision tower beside them): the same logits as the text model."""
+    src = Path(make_model("qwen3_5"))
+    out = tmp_path / "conditional"
+    shutil.copytree(src, out)
+    raw = json.loads((src / "config.json").read_text())
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": raw}
+    (out / "config.json").write_text(json.dumps(nested))
+    tensors = load_file(src / "model.safetensors")
+    renamed = {
+        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v for k, v in tensors.items()
+    }
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    (out / "model.safetensors").unlink()
+    save_file(renamed, out / "model.safetensors")
+    ids = LLM(str(src), dtype="float64").tokenizer.encode(PROMPTS[0])
+    a = LLM(str(src), dtype="float64").engine.score(ids)
+    b = LLM(str(out), dtype="float64").engine.score(ids)
+    assert torch.equal(a, b)
