@@ -109,6 +109,7 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     config = hf_config(arch, preset, eos_id, **config_overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _slow_decays(model)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.bos_token_id = eos_id
     model.save_pretrained(out)
@@ -116,6 +117,20 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return out
+
+
+def _slow_decays(model) -> None:
+    """Recurrent layers (Gated DeltaNet): every other head forgets slowly (a decay of ~0.9995 a
+    token, as trained models have heads that keep context), so that a state a test gets wrong
+    shows in the tokens long after (random init forgets within a few tokens)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.A_log"):
+                param[::2] = torch.log(torch.tensor(0.05))
+            elif name.endswith("linear_attn.dt_bias"):
+                param[::2] = -4.0
 
 
 # K-quants the `gguf` package cannot make: random blocks, with this super-block scale (d, dmin)
