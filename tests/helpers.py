@@ -153,7 +153,7 @@ VARIANTS = {
         "granite",
         dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03125, logits_scaling=8.0),
     ),
-    # Qwen3.5: three Gated DeltaNet layers (2 q/k heads of 16, 4 value heads of 24: two per q/k
+    # Qwen3.5: three Gated DeltaNet layers (2 q/k heads of 16, 4 value heads of 32: two per q/k
     # head) then one full-attention layer with an output gate, RoPE over a quarter of each head
     "qwen3_5": ("qwen3_5", {}, dict(num_layers=4)),
     # and its MoE sibling: 8 experts of 32, 2 a token, plus a shared expert of 48, every layer

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from flover import LLM, SamplingParams
 from flover.models.gated_deltanet import chunked_delta_rule, delta_step
+from flover.testing.tiny_model import write_gguf
 from tests.helpers import PROMPTS, widened_delta_rule
 
 
@@ -112,3 +113,29 @@ def test_a_multimodal_checkpoint_reads_its_language_model(make_model, tmp_path):
     a = LLM(str(src), dtype="float64").engine.score(ids)
     b = LLM(str(out), dtype="float64").engine.score(ids)
     assert torch.equal(a, b)
+
+
+def test_a_quantized_file_equals_transformers_on_its_dequantized_weights(make_model, tmp_path):
+    """A Q8_0 GGUF file (value heads in llama.cpp's order; blocks of 32 columns, one value head
+    each, so the reorder commutes with the quantization) against transformers on the directory
+    whose 2-D tensors are what gguf-py dequantizes of their Q8_0 codes: float64 tokens, logits."""
+    import gguf
+
+    src = Path(make_model("qwen3_5"))
+    path = write_gguf(src, tmp_path / "q8.gguf", "Q8_0")
+    ref_dir = tmp_path / "dequantized"
+    shutil.copytree(src, ref_dir)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tensors = {
+        name: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), q8), q8)) if x.dim() == 2 else x
+        for name, x in load_file(src / "model.safetensors").items()
+    }
+    save_file(tensors, ref_dir / "model.safetensors")
+    llm = LLM(str(path), dtype="float64", max_slots=4, max_seq_len=256)
+    prompts = long_prompts(llm)[:4]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference_tokens(str(ref_dir), prompts, [10] * 4)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float64).eval()
+    with widened_delta_rule(torch.float64), torch.no_grad():
+        expected = ref(torch.tensor([prompts[2]])).logits[0]
+    assert (llm.engine.score(prompts[2]) - expected).abs().max() < 1e-9

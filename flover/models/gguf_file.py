@@ -79,6 +79,8 @@ GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# norms the converter stores as they are where a family's others hold w + offset (Qwen3.5's gated one)
+UNOFFSET_NORMS = ("ssm_norm.weight",)
 MAX_ROW_SUM = 2.0**64  # |w| x row length above it: refused (GGUFWeights._check_magnitude)
 
 
@@ -357,7 +359,8 @@ class GGUFReader:
                 f"{self.dir}: tensor {name} has type {t.type_name}, which flover does not "
                 f"read (it reads {', '.join(DEQUANTIZED_TYPES)})"
             )
-        if t.shape != tuple(source.shape):
+        squeezed = t.shape != tuple(source.shape) and t.shape == tuple(d for d in source.shape if d != 1)
+        if t.shape != tuple(source.shape) and not squeezed:  # (the converter squeezes a conv's [C, 1, K])
             raise CheckpointError(f"{self.dir}: tensor {name} has shape {list(t.shape)}, expected {list(source.shape)}")
         import torch  # (this module is read without torch by the HTTP front)
 
@@ -376,11 +379,14 @@ class GGUFReader:
             self._check_magnitude(name, max(-float(low), float(high)), t.shape[-1])
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
-        if self.norm_offset and name.endswith("norm.weight"):
+        if self.norm_offset and name.endswith("norm.weight") and not name.endswith(UNOFFSET_NORMS):
             weight = weight - self.norm_offset
+        weight = weight.reshape(source.shape)
         if source.dim is None:
             return weight
-        index = tuple(slice(source.start, source.stop) if d == source.dim else slice(None) for d in range(len(t.shape)))
+        index = tuple(
+            slice(source.start, source.stop) if d == source.dim else slice(None) for d in range(len(source.shape))
+        )
         return weight[index]
 
     def read_grid(self, source):

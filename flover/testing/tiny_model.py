@@ -144,6 +144,8 @@ RANDOM_BLOCK_SCALES = {
     "IQ4_XS": 0.00001,  # (times a 6-bit scale times a table value up to 127)
     "IQ4_NL": 0.0004,
 }
+# 2-D tensors the converter and llama-quantize keep in F32 (routers, Qwen3.5's conv taps)
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", ".bias")
 # where each type's float16 block scales sit in a block (ggml-common.h's block layouts): byte offsets
 BLOCK_SCALE_OFFSETS = {"Q6_K": (-2,), "Q2_K": (-4, -2), "Q3_K": (-2,), "IQ4_XS": (0,), "IQ4_NL": (0,)}
 
@@ -175,7 +177,14 @@ def write_gguf(
     rope = _write_gguf_metadata(w, config, gguf_family.gguf_arch)
     _write_gguf_tokenizer(w, model_dir)
     for key, value in (family.test_gguf_metadata(config) if family.test_gguf_metadata else {}).items():
-        w.add_float32(key, value)
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_float32(key, value)
+    if family.test_gguf_tensors is not None:
+        tensors = family.test_gguf_tensors(config, tensors)
     tensors = _write_family_metadata(w, config, gguf_family.gguf_arch, rope, tensors)
     _write_gguf_tensors(w, config, gguf_family, tensors, qtype, types or {}, seed)
     w.write_header_to_file()
@@ -207,7 +216,9 @@ def _write_gguf_metadata(w, config: dict, arch: str) -> dict:
         w.add_value_length(head_dim)
     rope = {**(config.get("rope_scaling") or {}), **rope_parameters, "rope_theta": theta}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    w.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads if arch == "phi3" else head_dim)
+    w.add_rope_dimension_count(
+        int(partial * config["hidden_size"]) // heads if arch == "phi3" else int(partial * head_dim)
+    )
     return rope
 
 
@@ -226,7 +237,7 @@ def _write_family_metadata(w, config: dict, arch: str, rope: dict, tensors: dict
     if experts:  # as the converter: the experts' counts and width; their tensors stacked below
         w.add_expert_count(experts)
         w.add_expert_used_count(config["num_experts_per_tok"])
-        if arch in ("qwen3moe", "gpt-oss"):
+        if arch in ("qwen3moe", "gpt-oss", "qwen35moe"):
             w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
         tensors = _gpt_oss_experts(tensors) if arch == "gpt-oss" else _stack_experts(tensors)
     if arch == "gpt-oss":  # its window, every other layer from the first (llama.cpp's pattern of 2)
@@ -249,7 +260,7 @@ def _write_gguf_tensors(w, config: dict, family, tensors: dict, qtype: str, type
     import gguf
     import numpy as np
 
-    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, gguf_layer_names
+    from flover.models.gguf_file import GGUF_GLOBAL_NAMES, UNOFFSET_NORMS, gguf_layer_names
 
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     rng = np.random.default_rng(seed)
@@ -267,13 +278,13 @@ def _write_gguf_tensors(w, config: dict, family, tensors: dict, qtype: str, type
             continue
         name = names.get(hf_name, hf_name)  # (stacked experts: already their GGUF name)
         data = data.astype(np.float32)
-        if offset and hf_name.endswith("norm.weight"):
+        if offset and name.endswith("norm.weight") and not name.endswith(UNOFFSET_NORMS):
             data = data + offset
         if family.gguf_qk_permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             data = permute(data, heads if name.endswith("attn_q.weight") else kv_heads)
         kind = next((t for end, t in types.items() if name.endswith(end)), qtype)
         qt = gguf.GGMLQuantizationType[kind]
-        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or name.endswith(("ffn_gate_inp.weight", ".bias")):
+        if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or name.endswith(F32_TENSORS):
             w.add_tensor(name, data)
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, data.astype(np.float16))

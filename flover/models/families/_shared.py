@@ -42,9 +42,11 @@ class Family:
     # that class needs beyond the common sizes (preset, eos id -> keywords)
     test_config: str = ""
     test_kwargs: Callable[[dict, int], dict] | None = None
-    # what llama.cpp's converter writes of config.json beyond the common keys, as {GGUF key: float}
-    # (flover.testing.tiny_model.write_gguf writes it into test files)
+    # what llama.cpp's converter writes of config.json beyond the common keys, as {GGUF key: a
+    # float, an int or a list of bools}, and its tensors (numpy, Hugging Face names) as it
+    # transforms them (flover.testing.tiny_model.write_gguf writes both into test files)
     test_gguf_metadata: Callable[[dict], dict] | None = None
+    test_gguf_tensors: Callable[[dict, dict], dict] | None = None
     number_fields: tuple[str, ...] = ()  # its own config.json fields, each a number where present
 
     def decoder_class(self):

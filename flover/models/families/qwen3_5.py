@@ -99,10 +99,58 @@ def from_gguf(file, cfg):
     return dataclasses.replace(cfg, **FEATURES, rotary_dim=rotary, linear_attention=la)
 
 
+def test_gguf_metadata(config: dict) -> dict:
+    """What llama.cpp's converter writes of a config.json beyond the common keys."""
+    la = linear_attention(config)
+    return {
+        "qwen35.ssm.conv_kernel": la.conv_kernel,
+        "qwen35.ssm.state_size": la.key_dim,
+        "qwen35.ssm.group_count": la.key_heads,
+        "qwen35.ssm.time_step_rank": la.value_heads,
+        "qwen35.ssm.inner_size": la.value_heads * la.value_dim,
+        "qwen35.attention.recurrent_layers": [i in la.layers for i in range(config["num_hidden_layers"])],
+        "qwen35.full_attention_interval": config.get("full_attention_interval", 4),
+    }
+
+
+def test_gguf_tensors(config: dict, tensors: dict) -> dict:
+    """The DeltaNet tensors (numpy, Hugging Face names) as the converter writes them: A as
+    -exp(A_log), the conv squeezed to [channels, K], value heads from grouped to tiled order."""
+    import numpy as np
+    import torch
+
+    la = linear_attention(config)
+    r, kh = la.value_heads // la.key_heads, la.key_heads
+
+    def tiled(x, dim: int, per_head: int):  # [.., (kh, r, d), ..] -> [.., (r, kh, d), ..]
+        shape = list(x.shape)
+        grouped = x.reshape(*shape[:dim], kh, r, per_head, *shape[dim + 1 :])
+        return np.ascontiguousarray(np.swapaxes(grouped, dim, dim + 1)).reshape(shape)
+
+    out = {}
+    for name, x in tensors.items():
+        if ".linear_attn." in name and r > 1:
+            qk = 2 * la.key_heads * la.key_dim
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                x = np.concatenate([x[:qk], tiled(x[qk:], 0, la.value_dim)])
+            elif name.endswith("in_proj_z.weight"):
+                x = tiled(x, 0, la.value_dim)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                x = tiled(x, 0, 1)
+            elif name.endswith("out_proj.weight"):
+                x = tiled(x, 1, la.value_dim)
+        if name.endswith("linear_attn.A_log"):  # (in torch, as the converter: numpy's exp rounds otherwise)
+            name, x = name.removesuffix("_log"), -torch.from_numpy(x).float().exp().numpy()
+        if name.endswith("linear_attn.conv1d.weight"):
+            x = x[:, 0]
+        out[name] = x
+    return out
+
+
 def test_kwargs(preset: dict, eos_id: int) -> dict:
     """Four layers (three DeltaNet, one full attention) of the preset's width."""
     return own_head_dim(preset, eos_id) | dict(
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32
     )
 
 
@@ -116,5 +164,7 @@ FAMILY = Family(
     native=False,
     test_config="Qwen3_5TextConfig",
     test_kwargs=test_kwargs,
+    test_gguf_metadata=test_gguf_metadata,
+    test_gguf_tensors=test_gguf_tensors,
     number_fields=("linear_conv_kernel_dim", "full_attention_interval"),
 )

@@ -43,6 +43,15 @@ def from_gguf(file, cfg):
     return qwen3_5.from_gguf(file, cfg)
 
 
+def test_gguf_metadata(config: dict) -> dict:
+    keys = qwen3_5.test_gguf_metadata(config) | {
+        "expert_shared_feed_forward_length": config["shared_expert_intermediate_size"]
+    }
+    return {
+        k.replace("qwen35.", "qwen35moe.") if k.startswith("qwen35.") else f"qwen35moe.{k}": v for k, v in keys.items()
+    }
+
+
 def test_kwargs(preset: dict, eos_id: int) -> dict:
     return qwen3_5.test_kwargs(preset, eos_id) | dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
@@ -59,5 +68,7 @@ FAMILY = Family(
     native=False,
     test_config="Qwen3_5MoeTextConfig",
     test_kwargs=test_kwargs,
+    test_gguf_metadata=test_gguf_metadata,
+    test_gguf_tensors=qwen3_5.test_gguf_tensors,
     number_fields=qwen3_5.FAMILY.number_fields,
 )
