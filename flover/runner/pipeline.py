@@ -142,7 +142,7 @@ class PipelineRunner(ModelRunner):
         self.broken = False  # a stage timed out: nothing more is sent or waited for
         self.place = link.place
         self.broadcasts_ids = False
-        self.wire = wire_dtype(self.buffer.layers[0].dtype)
+        self.wire = wire_dtype(self.buffer.dtype)
         self.hidden_size = self.model.cfg.hidden_size
         self.busy_seconds = 0.0  # in this stage's layers and head (the rest: waiting, the bubble)
         self.started_at = time.perf_counter()
@@ -173,7 +173,7 @@ class PipelineRunner(ModelRunner):
         started = time.perf_counter()
         out = self.native.run_stage(batch, hidden_in) if self.native is not None else None
         if out is None:
-            dtype = self.buffer.layers[0].dtype
+            dtype = self.buffer.dtype
             hidden = self.model.embed_tokens(batch) if hidden_in is None else hidden_in.to(self.device, dtype)
             out = self.model.run_layers(hidden, batch, self.buffer.layers).to(self.wire)
         self.busy_seconds += time.perf_counter() - started
@@ -183,7 +183,7 @@ class PipelineRunner(ModelRunner):
         started = time.perf_counter()
         out = self.native.head(hidden, greedy) if self.native is not None else None
         if out is None:
-            out = self.model.head(hidden.to(self.device, self.buffer.layers[0].dtype))
+            out = self.model.head(hidden.to(self.device, self.buffer.dtype))
         self.busy_seconds += time.perf_counter() - started
         return out
 
