@@ -86,6 +86,10 @@ class Request:
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
     cached_tokens: int = 0  # of those, copied from the prefix cache instead of computed
     prompt_saved: bool = False  # the prompt's blocks went to the prefix cache
+    # recurrent layers: (block edge, snapshot row) of states taken for the prefix cache, not yet
+    # attached to their blocks: at the prompt's last block edge, and at the last one decoded
+    prompt_snapshot: tuple[int, int] | None = None
+    decode_snapshot: tuple[int, int] | None = None
     window_base: int = 0  # first position its slot keeps for sliding-window layers (runner/kv_window.py)
     in_flight: int = 0  # pipeline stages (--pp): positions a plan still in the pipeline writes for it
     cache_salt: str | None = None  # prefix-cache partition: shared only with requests of the same salt

@@ -175,3 +175,58 @@ def test_tp2_pp2_and_groups_give_one_engines_tokens(make_model, variant, tmp_pat
     assert len(results["one"]) == len(REQUESTS)
     for name in results:
         assert results[name] == results["one"], name
+
+
+def test_the_next_turn_of_a_conversation_resumes_from_a_state_snapshot(make_model):
+    """The prefix cache keeps the recurrent layers' state at the prompt's last block edge and at
+    the last block edge decoded: the next turn (history + answer + a new message) starts there,
+    gives the tokens of an engine without a cache, and so does a third turn; a prompt that
+    shares only part of a block chain without a snapshot starts from scratch. Fails when a
+    snapshot is taken at another position than the block it is kept for."""
+    model_dir = make_model("qwen3_5")
+    cached = LLM(model_dir, dtype="float64", max_slots=2, max_seq_len=512, prefix_cache_mib=8)
+    cold = LLM(model_dir, dtype="float64", max_slots=2, max_seq_len=512, prefix_cache_mib=0)
+    assert cold.engine.prefix_cache is None
+    tok = cached.tokenizer
+    params = SamplingParams(max_new_tokens=21, ignore_eos=True)
+    history = tok.encode(" ".join(PROMPTS) * 3)
+    first = cached.generate([history], params)[0]
+    # the same start with another ending (a regenerated answer, a shared system prompt): it
+    # resumes from the prompt's snapshot, the generated blocks beyond it do not match
+    other = history + tok.encode(" something else entirely")
+    out = cached.generate([other], params)[0]
+    assert out.token_ids == cold.generate([other], params)[0].token_ids
+    assert out.cached_tokens == (len(history) - 1) // 16 * 16
+    assert first.token_ids == cold.generate([history], params)[0].token_ids
+    for turn in range(3):
+        out = cached.generate([history], params)[0]
+        assert out.token_ids == cold.generate([history], params)[0].token_ids, turn
+        if turn:  # resumed past everything but the last, partial block of the previous prompt and answer
+            assert out.cached_tokens >= (len(history) - 21 - 12) // 16 * 16 - 16, (turn, out.cached_tokens)
+        history = history + out.token_ids + tok.encode(f" and turn {turn} asks more")
+    stats = cached.engine.prefix_cache.stats
+    assert stats.hits == 4  # the other ending, the repeated first turn, turns 2 and 3
+
+
+def test_snapshot_rows_follow_their_blocks():
+    """Bookkeeping: a lookup ends at the last block that has a snapshot; a reserved row stolen
+    from the least recently used block takes that block's snapshot away; rows of evicted blocks
+    come back."""
+    from flover.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(num_blocks=6, block_tokens=4, snapshots=2)
+    tokens = list(range(20))
+    cache.store(tokens, 16, slot=0)  # blocks [0, 4) .. [12, 16)
+    assert cache.lookup(tokens, 19, slot=1) == []  # no snapshot: nothing to resume from
+    row = cache.reserve_snapshot()
+    assert cache.attach_snapshot(tokens, 8, None, row)
+    hit = cache.lookup(tokens, 19, slot=1)
+    assert len(hit) == 2 and cache.snapshot_after(hit) == row
+    other = list(range(100, 120))
+    cache.store(other, 8, slot=2)
+    assert cache.attach_snapshot(other, 8, None, cache.reserve_snapshot())
+    stolen = cache.reserve_snapshot()  # none free: the least recently used block's
+    assert stolen == row and cache.lookup(tokens, 19, slot=1) == []
+    cache.release_snapshot(stolen)
+    assert not cache.attach_snapshot(tokens, 6, None, cache.reserve_snapshot())  # not a block edge: released
+    assert cache.reserve_snapshot() is not None

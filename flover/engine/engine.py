@@ -30,6 +30,7 @@ from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
+from flover.models.gated_deltanet import state_dtype, state_shapes
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
@@ -41,7 +42,7 @@ from flover.parallel.pipeline import StageLink
 from flover.request import Request, RequestInput, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner
 from flover.runner.cuda_graphs import DecodeGraphs
-from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
+from flover.runner.kv_buffer import RecurrentLayout, SlotBuffer, kv_cache_bytes
 from flover.runner.kv_window import WindowedKV
 from flover.runner.pipeline import InFlight
 
@@ -89,7 +90,7 @@ class Engine(ServingEngine):
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg)
         self.tokenizer, self.intake = self._intake(checkpoint, max_seq_len)
-        prefix_blocks, window = self._kv_plan(max_seq_len)
+        prefix_blocks, window, snapshots = self._kv_plan(max_seq_len)
         if pipe is not None and self.is_leader:
             log.info(
                 "pipeline: %d stages of %d rank(s), layers %s (the first stage also the embedding and head)",
@@ -97,9 +98,9 @@ class Engine(ServingEngine):
                 pipe.place.tp,
                 ", ".join(f"{a}-{b - 1}" for a, b in StageLayout.ranges(cfg, pipe.place.stages)),
             )
-        self.runner = self._build_runner(checkpoint, max_seq_len, prefix_blocks, window, tp_comm)
+        self.runner = self._build_runner(checkpoint, max_seq_len, prefix_blocks, window, tp_comm, snapshots)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
-        self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window) if prefix_blocks else None
+        self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window, snapshots) if prefix_blocks else None
         self.scheduler = Scheduler(
             config.max_slots,
             config.max_batch_tokens,
@@ -113,7 +114,7 @@ class Engine(ServingEngine):
         self.channel = IntakeChannel(tp_comm) if tp_comm is not None and pipe is None else None
         self._start_counters()
 
-    def _build_runner(self, checkpoint, max_seq_len: int, prefix_blocks: int, window, tp_comm):
+    def _build_runner(self, checkpoint, max_seq_len: int, prefix_blocks: int, window, tp_comm, snapshots: int):
         setup = RankSetup(
             self.config,
             self.model_config,
@@ -128,6 +129,7 @@ class Engine(ServingEngine):
             window,
             self.stage,
             self.pipe,
+            snapshots,
         )
         return build_runner(checkpoint, setup)
 
@@ -157,21 +159,42 @@ class Engine(ServingEngine):
             )
         return tokenizer, intake
 
-    def _kv_plan(self, max_seq_len: int) -> tuple[int, WindowedKV | None]:
-        """(the prefix cache's blocks, the sliding-window layers' bound). Per rank; the same block
-        count on every rank (kv heads split evenly), which keeps their prefix indexes making the
-        same decisions (docs/prefix_cache.md)."""
+    def _kv_plan(self, max_seq_len: int) -> tuple[int, WindowedKV | None, int]:
+        """(the prefix cache's blocks, the sliding-window layers' bound, the recurrent layers'
+        state snapshots). Per rank; the same counts on every rank (heads split evenly), which keeps
+        their prefix indexes making the same decisions (docs/prefix_cache.md)."""
         config, cfg = self.config, self.model_config
         block_bytes = kv_cache_bytes(len(cfg.kv_layers()), 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
-        prefix_blocks = int(config.prefix_cache_mib * 2**20 // block_bytes)
-        if cfg.linear_attention is not None and prefix_blocks:
-            # a recurrent layer cannot rebuild its state from cached KV blocks
-            if self.is_leader:
-                log.info("prefix cache off: the recurrent (Gated DeltaNet) layers need state snapshots")
-            prefix_blocks = 0
+        budget = config.prefix_cache_mib * 2**20
+        snapshots = 0
+        if cfg.linear_attention is not None and budget:
+            budget, snapshots = self._snapshot_plan(budget)
+        prefix_blocks = int(budget // block_bytes) if budget else 0
         if config.full_window_kv:
-            return prefix_blocks, None
-        return prefix_blocks, WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
+            return prefix_blocks, None, snapshots
+        window = WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
+        return prefix_blocks, window, snapshots
+
+    def _snapshot_plan(self, budget: float) -> tuple[float, int]:
+        """Recurrent layers keep no KV to rebuild their state from: half the prefix cache's bytes
+        go to snapshots of their state (one a cached block edge worth resuming at), half to the
+        other layers' KV blocks. (the KV blocks' bytes, the snapshots); (0, 0): the cache is off."""
+        la = self.model_config.linear_attention
+        conv, state = state_shapes(la, self.tp)
+        one = RecurrentLayout(la.layers, conv, state, state_dtype(self.dtype)).slot_bytes(self.dtype)
+        snapshots = int(budget / 2 // one)
+        why = "pipeline stages" if self.pipe is not None else "a snapshot is larger than half" if snapshots < 2 else ""
+        if why:
+            if self.is_leader:
+                log.info("prefix cache off: the recurrent layers' state snapshots and %s", why)
+            return 0, 0
+        if self.is_leader:
+            log.info(
+                "prefix cache: %d state snapshots of %.1f MiB (the recurrent layers' state at a block edge)",
+                snapshots,
+                one / 2**20,
+            )
+        return budget - snapshots * one, snapshots
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
         """The drafts' settings, or off where rows cannot carry them (said when they were asked

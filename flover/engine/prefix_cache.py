@@ -18,6 +18,14 @@ window base on, so a block saved from before it holds the other layers' rows alo
 A prompt can start after m cached blocks only if the blocks its first query's window reaches back
 into are whole; the lookup takes the longest such prefix.
 
+Recurrent layers (Gated DeltaNet, `snapshots` > 0): a layer that keeps a state instead of KV
+cannot rebuild it from cached blocks, so a block may carry a *snapshot* of every recurrent layer's
+state after its last token, in a pool of its own; a lookup then takes the longest prefix whose
+last block has one. The scheduler reserves a snapshot row when a sequence is about to reach a
+block edge worth keeping (the last one of its prompt, the last one it generated) and attaches it
+to that block when the block is stored; rows are evicted with their blocks, or alone (least
+recently used first) when another is wanted.
+
 Pure bookkeeping, no tensors: the scheduler plans the copies, the slot buffer makes them. Every
 rank of a tensor-parallel job keeps its own index over its own shard of the pool and, seeing the
 same requests in the same order, makes the same decisions.
@@ -55,14 +63,20 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_tokens: int = BLOCK_TOKENS, window: WindowedKV | None = None):
-        """`window`: the model's windowed layers' bound (None: every layer keeps every position)."""
+    def __init__(
+        self, num_blocks: int, block_tokens: int = BLOCK_TOKENS, window: WindowedKV | None = None, snapshots: int = 0
+    ):
+        """`window`: the model's windowed layers' bound (None: every layer keeps every position).
+        `snapshots`: rows of recurrent state (0: the model has no recurrent layers)."""
         self.num_blocks, self.block_tokens, self.window = num_blocks, block_tokens, window
         self._by_key: dict[tuple, _Block] = {}
         self._lru: OrderedDict[int, _Block] = OrderedDict()  # pool row -> block, least recently used first
         self._free = list(range(num_blocks - 1, -1, -1))
         self._uids = itertools.count(1)
         self.stats = PrefixStats()
+        self.recurrent = snapshots > 0
+        self._snapshot_of: OrderedDict[int, int] = OrderedDict()  # block uid -> snapshot row, LRU first
+        self._free_snapshots = list(range(snapshots - 1, -1, -1))
 
     @property
     def used_blocks(self) -> int:
@@ -85,8 +99,21 @@ class PrefixCache:
         base = self.window.base_for(len(blocks) * t) if self.window else None
         return [BlockCopy(slot, i * t, b.index, self._row(i * t, base)) for i, b in enumerate(blocks)]
 
+    def snapshot_after(self, copies: list[BlockCopy]) -> int | None:
+        """The snapshot row of the last block a lookup returned (recurrent models), or None."""
+        if not copies:
+            return None
+        block = self._lru[copies[-1].block]
+        self._snapshot_of.move_to_end(block.uid)
+        return self._snapshot_of[block.uid]
+
     def _usable(self, chain: list[_Block]) -> list[_Block]:
-        """The longest start of `chain` after which a query finds its window's rows in whole blocks."""
+        """The longest start of `chain` after which a query finds its window's rows in whole blocks
+        (recurrent models: whose last block carries a state snapshot)."""
+        if self.recurrent:
+            while chain and chain[-1].uid not in self._snapshot_of:
+                chain = chain[:-1]
+            return chain
         if self.window is None:
             return chain
         for m in range(len(chain), 0, -1):
@@ -146,9 +173,36 @@ class PrefixCache:
         for index, block in self._lru.items():  # least recently used first
             if index not in keep:
                 del self._lru[index], self._by_key[block.key]
+                if block.uid in self._snapshot_of:
+                    self._free_snapshots.append(self._snapshot_of.pop(block.uid))
                 self.stats.evicted_blocks += 1
                 return index
         return None
+
+    # -- recurrent layers' state snapshots -----------------------------------------------------
+    def reserve_snapshot(self) -> int | None:
+        """A snapshot row for a state about to be taken (the scheduler attaches or releases it):
+        a free one, else the least recently used block's (that block stays, without it)."""
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        if self._snapshot_of:
+            _uid, row = self._snapshot_of.popitem(last=False)
+            return row
+        return None
+
+    def release_snapshot(self, row: int) -> None:
+        self._free_snapshots.append(row)
+
+    def attach_snapshot(self, tokens: Sequence[int], end: int, salt: str | None, row: int) -> bool:
+        """Row `row` holds the state after tokens[:end] (`end` a block edge): it becomes the
+        snapshot of the cached block ending there; False (the row released) where that block is
+        not cached or already has one."""
+        chain = self._chain(tokens, end, salt)
+        if len(chain) * self.block_tokens != end or not chain or chain[-1].uid in self._snapshot_of:
+            self.release_snapshot(row)
+            return False
+        self._snapshot_of[chain[-1].uid] = row
+        return True
 
 
 def _root(salt: str | None):

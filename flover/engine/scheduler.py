@@ -37,7 +37,7 @@ from flover.engine.speculation import IterationCost, Speculation, drafts_for
 from flover.request import FinishReason, NewTokens, Request, RequestState, StepResult
 from flover.runner.kv_buffer import plan_compaction
 from flover.runner.kv_window import WindowedKV
-from flover.runner.plan import PrefillChunk, StepPlan
+from flover.runner.plan import PrefillChunk, StateCopy, StepPlan
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,25 @@ class Scheduler:
                 budget -= self._add_chunk(plan, request, budget)
 
         # 4b. admit waiting requests FCFS into the slots after the live range.
+        budget = self._admit(plan, budget)
+
+        # 5. drafts, in what budget prompts left, of tokens likely enough to be accepted to pay
+        #    for their rows in an iteration of this size (speculation.py).
+        if self.speculation.tokens and plan.decode and budget > 0:
+            min_acceptance = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
+            plan.drafts = drafts_for(plan.decode, self.speculation, budget, min_acceptance)
+        if self.prefix is not None and self.prefix.recurrent and not plan.drafts:
+            self._decode_snapshots(plan)
+        if self.window is not None:
+            self._slide_windows(plan)
+        plan.num_live = self.num_live
+        if self.depth > 1:
+            _mark_in_flight(plan)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> int:
+        """Step 4b: waiting requests into the slots after the live range, each after its longest
+        cached prefix, while a slot is free and the budget allows; the budget left."""
         now = time.perf_counter()
         while self.waiting and budget > 0 and self.num_live < self.max_slots:
             request = self.waiting.popleft()
@@ -158,24 +177,25 @@ class Scheduler:
                 )
                 request.num_computed = request.cached_tokens = len(loads) * self.prefix.block_tokens
                 plan.loads += loads
+                if self.prefix.recurrent and loads:  # (the recurrent layers' state after those blocks)
+                    plan.state_loads.append(StateCopy(request.slot, self.prefix.snapshot_after(loads)))
             request.window_base = self.window.base_for(request.num_computed) if self.window else 0
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
+        return budget
 
-        # 5. drafts, in what budget prompts left, of tokens likely enough to be accepted to pay
-        #    for their rows in an iteration of this size (speculation.py).
-        if self.speculation.tokens and plan.decode and budget > 0:
-            min_acceptance = len(plan.decode) / (self.iteration_cost.knee + plan.num_tokens)
-            plan.drafts = drafts_for(plan.decode, self.speculation, budget, min_acceptance)
-        if self.window is not None:
-            self._slide_windows(plan)
-        plan.num_live = self.num_live
-        if self.depth > 1:
-            for i, r in enumerate(plan.decode):
-                r.in_flight = 1 + (len(plan.drafts[i]) if plan.drafts else 0)
-            for chunk in plan.prefill:
-                chunk.request.in_flight = chunk.length
-        return plan
+    def _decode_snapshots(self, plan: StepPlan) -> None:
+        """Recurrent layers: a decoding request whose next token completes a block has its state
+        after it kept (one row a request, overwritten at each later block edge), so that the
+        sequence's blocks, stored when it leaves, end in a snapshot."""
+        t = self.prefix.block_tokens
+        for i, r in enumerate(plan.decode):
+            if (r.kv_len + 1) % t or r.params.prompt_logprobs:
+                continue
+            row = r.decode_snapshot[1] if r.decode_snapshot is not None else self.prefix.reserve_snapshot()
+            if row is not None:
+                r.decode_snapshot = (r.kv_len + 1, row)
+                plan.decode_snapshots[i] = row
 
     def _slide_windows(self, plan: StepPlan) -> None:
         """Step 6: each slot that writes past its windowed rows slides first (drafts longer than a
@@ -215,6 +235,7 @@ class Scheduler:
                     plan.saves += self.prefix.store(
                         tokens, request.kv_len, slot, request.cache_salt, request.window_base
                     )
+                    self._attach_snapshots(request, tokens, request.kv_len)
                 self.slots[slot] = None
                 request.slot = None
                 plan.retired.append(request)
@@ -232,6 +253,22 @@ class Scheduler:
                 plan.saves += self.prefix.store(
                     request.prompt_token_ids, request.prompt_len, request.slot, request.cache_salt, request.window_base
                 )
+                self._attach_snapshots(request, request.prompt_token_ids, request.prompt_len)
+
+    def _attach_snapshots(self, request: Request, tokens: list[int], stored: int) -> None:
+        """The request's states taken at block edges within the `stored` positions just stored
+        become their blocks' snapshots (a request leaving releases the rest)."""
+        for name in ("prompt_snapshot", "decode_snapshot"):
+            taken = getattr(request, name)
+            if taken is None:
+                continue
+            end, row = taken
+            if end <= stored:
+                self.prefix.attach_snapshot(tokens, end, request.cache_salt, row)
+                setattr(request, name, None)
+            elif request.finished:
+                self.prefix.release_snapshot(row)
+                setattr(request, name, None)
 
     def _compact(self, plan: StepPlan) -> None:
         occupied = [r is not None for r in self.slots[: self.num_live]]
@@ -246,9 +283,31 @@ class Scheduler:
     def _add_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
         if self.window is not None:  # a slot's windowed rows take at most `chunk` new positions at once
             budget = min(budget, self.window.chunk)
-        length = min(request.prompt_len - request.num_computed, budget)
-        plan.prefill.append(PrefillChunk(request, request.num_computed, length))
+        start = request.num_computed
+        length = min(request.prompt_len - start, budget)
+        edge = self._prompt_snapshot_edge(request)
+        if edge is not None and start < edge <= start + length:
+            row = self.prefix.reserve_snapshot()
+            if row is not None:  # two chunks in this iteration: the recurrent layers' state between them is kept
+                request.prompt_snapshot = (edge, row)
+                plan.prefill.append(PrefillChunk(request, start, edge - start, snapshot=row))
+                if start + length > edge:
+                    plan.prefill.append(PrefillChunk(request, edge, start + length - edge))
+                return length
+        plan.prefill.append(PrefillChunk(request, start, length))
         return length
+
+    def _prompt_snapshot_edge(self, request: Request) -> int | None:
+        """Recurrent layers: the last block edge before the prompt's last token, where a later
+        prompt that extends this one (the next turn of a conversation) can start; None where no
+        snapshot is wanted."""
+        if self.prefix is None or not self.prefix.recurrent or request.params.prompt_logprobs:
+            return None
+        if request.prompt_snapshot is not None:
+            return None
+        t = self.prefix.block_tokens
+        edge = (request.prompt_len - 1) // t * t
+        return edge if edge > request.cached_tokens else None
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[NewTokens]:
         """The runner carried `plan` out: the chunks' K/V are in the cache, and each sampled
@@ -285,6 +344,16 @@ class Scheduler:
         if result.rows:
             self.iteration_cost.observe(result.rows, result.seconds)
         return updates
+
+
+def _mark_in_flight(plan: StepPlan) -> None:
+    """Pipeline stages: the positions the plan writes for each of its requests."""
+    for i, r in enumerate(plan.decode):
+        r.in_flight = 1 + (len(plan.drafts[i]) if plan.drafts else 0)
+    for chunk in plan.prefill:
+        chunk.request.in_flight = 0
+    for chunk in plan.prefill:  # (a prompt may have two chunks: before and after a snapshot)
+        chunk.request.in_flight += chunk.length
 
 
 def _append_tokens(r: Request, tokens: list[int], now: float) -> list[int]:

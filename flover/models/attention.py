@@ -39,6 +39,8 @@ class ForwardBatch:
     # decode rows that carry speculative drafts (a slot's later positions, speculation.py): only
     # the native step attends per row; the decode attention here would not see them
     draft_rows: int = 0
+    # recurrent layers: token row -> prefix-cache snapshot row their states go to after that row
+    snapshots: dict[int, int] = field(default_factory=dict)
     # the same rows for the sliding-window layers when they keep only their window
     # (runner/kv_window.py): positions, lengths and chunk starts relative to each slot's base
     window: ForwardBatch | None = None

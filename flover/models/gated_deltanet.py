@@ -147,15 +147,16 @@ class GatedDeltaNet(nn.Module):
         return specs
 
     # -- the forward -----------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden] (this rank's partial sum). state: this layer's
-        (conv [slots, channels, K - 1], recurrent [slots, value heads, dk, dv]), read and written
-        for the iteration's slots."""
+        share of the slot buffer (kv_buffer.RecurrentLayerState: conv [slots, channels, K - 1],
+        recurrent [slots, value heads, dk, dv], read and written for the iteration's slots; their
+        snapshots, written after the rows `batch.snapshots` names)."""
         la, hd = self.la, self.heads
         tokens = x.shape[0]
         widths = (2 * self.qk_size + self.v_size, self.v_size, hd.value_count, hd.value_count)
         mixed, z, b, a = self.in_proj(x).split(widths, dim=-1)
-        mixed = F.silu(self._conv(mixed, batch, state[0]))  # [T, channels]
+        mixed = F.silu(self._conv(mixed, batch, state.conv, state.snapshot_conv))  # [T, channels]
         q, k, v = mixed.split((self.qk_size, self.qk_size, self.v_size), dim=-1)
         q = q.reshape(tokens, hd.key_count, la.key_dim)
         k = k.reshape(tokens, hd.key_count, la.key_dim)
@@ -163,11 +164,11 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()  # [T, value heads]
         decay_rate = -self.A_log.float().exp() if self.A is None else self.A  # (as the reference rounds it)
         g = decay_rate * F.softplus(a.float() + self.dt_bias)  # [T, value heads], log of the decay
-        o = self._delta_rule(q, k, v, g, beta, batch, state[1])  # [T, value heads, dv] in x's dtype
+        o = self._delta_rule(q, k, v, g, beta, batch, state.state, state.snapshot_state)  # [T, heads, dv]
         o = self._gated_norm(o, z.reshape(tokens, hd.value_count, la.value_dim))
         return self.out(o.reshape(tokens, self.v_size))
 
-    def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
+    def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, snapshots) -> torch.Tensor:
         """The causal depthwise conv over each sequence's rows [T, channels] -> [T, channels],
         each slot's last K - 1 inputs kept in conv_state [slots, channels, K - 1]."""
         weight = self.conv  # [channels, 1, K]
@@ -178,6 +179,7 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((conv_state[slots], mixed[:n, :, None]), dim=-1)  # [n, channels, K]
             out[:n] = (window * weight[:, 0]).sum(-1)
             conv_state[slots] = window[:, :, 1:]
+            _keep_decoded(batch, snapshots, conv_state, slots)
         for span in batch.prefills:
             rows_ = mixed[span.token_start : span.token_start + span.length].t()  # [channels, L]
             kept = weight.shape[-1] - 1
@@ -186,9 +188,10 @@ class GatedDeltaNet(nn.Module):
             conv = F.conv1d(seq[None], weight, groups=seq.shape[0])[0]  # [channels, L]
             out[span.token_start : span.token_start + span.length] = conv.t()
             conv_state[span.slot] = seq[:, -kept:]
+            _keep_after(batch, span, snapshots, conv_state)
         return out
 
-    def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, ssm: torch.Tensor) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, ssm: torch.Tensor, snapshots) -> torch.Tensor:
         """q, k [T, key heads, dk], v [T, value heads, dv], g and beta [T, value heads] -> the
         outputs [T, value heads, dv] (v's dtype); ssm [slots, value heads, dk, dv] read and written."""
         wide = ssm.dtype
@@ -201,10 +204,12 @@ class GatedDeltaNet(nn.Module):
         if n:
             slots = _decode_slots(batch, v.device)
             out[:n], ssm[slots] = delta_step(q[:n], k[:n], v[:n], g[:n], beta[:n], ssm[slots])
+            _keep_decoded(batch, snapshots, ssm, slots)
         for span in batch.prefills:
             r = slice(span.token_start, span.token_start + span.length)
             start = ssm[span.slot] if span.start_pos > 0 else None
             out[r], ssm[span.slot] = chunked_delta_rule(q[r], k[r], v[r], g[r], beta[r], start)
+            _keep_after(batch, span, snapshots, ssm)
         return out.to(self.norm.dtype)
 
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,6 +232,20 @@ def _decode_slots(batch: ForwardBatch, device: torch.device) -> torch.Tensor:
     if batch.decode_rows is not None:
         return batch.decode_rows
     return torch.arange(batch.num_decode, device=device)
+
+
+def _keep_decoded(batch: ForwardBatch, snapshots: torch.Tensor | None, states: torch.Tensor, slots: torch.Tensor):
+    """The states [slots, ...] of decode rows named in batch.snapshots into their snapshot rows."""
+    for row, snapshot in batch.snapshots.items():
+        if row < batch.num_decode:
+            snapshots[snapshot] = states[slots[row]]
+
+
+def _keep_after(batch: ForwardBatch, span, snapshots: torch.Tensor | None, states: torch.Tensor) -> None:
+    """A prompt chunk's slot's state after it into its snapshot row, where batch.snapshots names one."""
+    snapshot = batch.snapshots.get(span.token_start + span.length - 1)
+    if snapshot is not None:
+        snapshots[snapshot] = states[span.slot]
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

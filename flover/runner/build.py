@@ -47,6 +47,7 @@ class RankSetup:
     window: WindowedKV | None = None  # the sliding-window layers' bound (None: they keep every position)
     stage: StageLayout | None = None  # pipeline stages: this rank's layers (None: all)
     link: StageLink | None = None  # and its links to the other stages
+    snapshots: int = 0  # rows of the recurrent layers' state snapshots (prefix cache)
 
 
 def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
@@ -137,7 +138,7 @@ def _recurrent_layout(s: RankSetup, layers: range) -> RecurrentLayout | None:
         return None
     conv, state = state_shapes(la, s.tp)
     own = frozenset(n - layers.start for n in la.layers if n in layers)
-    return RecurrentLayout(own, conv, state, state_dtype(s.dtype))
+    return RecurrentLayout(own, conv, state, state_dtype(s.dtype), s.snapshots)
 
 
 def _decode_graphs(model, buffer: SlotBuffer, config) -> DecodeGraphs:

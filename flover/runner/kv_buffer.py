@@ -14,12 +14,12 @@ import math
 import mmap
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from flover.runner.kv_window import WindowedKV, WindowShift
-from flover.runner.plan import BlockCopy, Move
+from flover.runner.plan import BlockCopy, Move, StateCopy
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,24 @@ class RecurrentLayout:
     conv_shape: tuple[int, ...]
     state_shape: tuple[int, ...]
     state_dtype: torch.dtype
+    snapshots: int = 0  # rows of the prefix cache's state snapshots (engine/prefix_cache.py)
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """One slot's state over all of these layers."""
         conv = math.prod(self.conv_shape) * torch.empty((), dtype=dtype).element_size()
         state = math.prod(self.state_shape) * torch.empty((), dtype=self.state_dtype).element_size()
         return len(self.layers) * (conv + state)
+
+
+class RecurrentLayerState(NamedTuple):
+    """One recurrent layer's share of the buffer: every slot's conv [slots, channels, K - 1] and
+    recurrent state [slots, heads, dk, dv], and the prefix cache's snapshots of them [rows, ...]
+    (None without a prefix cache)."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+    snapshot_conv: torch.Tensor | None
+    snapshot_state: torch.Tensor | None
 
 
 def plan_compaction(occupied: Sequence[bool]) -> list[Move]:
@@ -134,7 +146,7 @@ class SlotBuffer:
         slots = max_slots + scratch_slots
         shape = (kv_heads, max_seq_len, head_dim, dtype, block_tokens)
         need, pool = _fitting_bytes(len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device)
-        state_bytes = recurrent.slot_bytes(dtype) * slots if recurrent else 0
+        state_bytes = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0
         if state_bytes and need + pool + state_bytes > available_memory_bytes(device):
             raise MemoryError(
                 f"the recurrent layers' state needs {state_bytes / 2**20:.1f} MiB ({slots} slots) beside "
@@ -153,15 +165,19 @@ class SlotBuffer:
             self.layers[n] = self.kv[i]
         for i, n in enumerate(windowed):
             self.layers[n] = self.kv_window[i]
-        # (Gated DeltaNet) per layer [slots, ...] conv and recurrent states: layers[n] = (conv, state)
-        self.conv = self.recurrent_state = None
+        # (Gated DeltaNet) per layer [slots, ...] conv and recurrent states, and the prefix cache's
+        # snapshots of them [rows, ...]: layers[n] = RecurrentLayerState
+        self.conv = self.recurrent_state = self.snapshot_conv = self.snapshot_state = None
         if recurrent:
-            self.conv = zeroed_tensor((len(stateful), slots, *recurrent.conv_shape), dtype, device)
-            self.recurrent_state = zeroed_tensor(
-                (len(stateful), slots, *recurrent.state_shape), recurrent.state_dtype, device
-            )
+            r, count = recurrent, len(stateful)
+            self.conv = zeroed_tensor((count, slots, *r.conv_shape), dtype, device)
+            self.recurrent_state = zeroed_tensor((count, slots, *r.state_shape), r.state_dtype, device)
+            if r.snapshots:
+                self.snapshot_conv = zeroed_tensor((count, r.snapshots, *r.conv_shape), dtype, device)
+                self.snapshot_state = zeroed_tensor((count, r.snapshots, *r.state_shape), r.state_dtype, device)
             for i, n in enumerate(stateful):
-                self.layers[n] = (self.conv[i], self.recurrent_state[i])
+                snaps = (self.snapshot_conv[i], self.snapshot_state[i]) if r.snapshots else (None, None)
+                self.layers[n] = RecurrentLayerState(self.conv[i], self.recurrent_state[i], *snaps)
         self.recurrent = recurrent
         self.state_nbytes = state_bytes
         self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
@@ -211,6 +227,12 @@ class SlotBuffer:
         for tensor in self.state.values():
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
         self.move_seconds += time.perf_counter() - started
+
+    def load_states(self, copies: Sequence[StateCopy]) -> None:
+        """Snapshot rows -> the recurrent layers' states of newly admitted slots (with the loads)."""
+        for c in copies:
+            self.conv[:, c.slot].copy_(self.snapshot_conv[:, c.row])
+            self.recurrent_state[:, c.slot].copy_(self.snapshot_state[:, c.row])
 
     def _caches(self) -> list[torch.Tensor]:
         return [kv for kv in (self.kv, self.kv_window) if kv is not None and kv.shape[0]]

@@ -24,10 +24,19 @@ class BlockCopy:
 
 
 @dataclass(frozen=True)
+class StateCopy:
+    """A recurrent state snapshot (prefix pool row `row`) into a slot's recurrent layers."""
+
+    slot: int
+    row: int
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     request: Request
     start: int  # first prompt position of this chunk
     length: int
+    snapshot: int | None = None  # recurrent layers: their states after this chunk into this snapshot row
 
     @property
     def completes_prompt(self) -> bool:
@@ -45,6 +54,8 @@ class StepPlan:
     saves: list[BlockCopy] = field(default_factory=list)  # slot -> prefix pool, before the moves
     loads: list[BlockCopy] = field(default_factory=list)  # prefix pool -> admitted slots, after them
     shifts: list[WindowShift] = field(default_factory=list)  # windowed layers' rows slide, after the loads
+    state_loads: list[StateCopy] = field(default_factory=list)  # snapshots -> admitted slots, with the loads
+    decode_snapshots: dict[int, int] = field(default_factory=dict)  # decode index -> row its state goes to
     num_live: int = 0  # live slots are [0, num_live) after this plan
     moved_kv_len: int = 0  # the longest cached sequence among the moved slots (what the moves copy)
 

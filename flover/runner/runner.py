@@ -148,6 +148,8 @@ class ModelRunner:
         """Write the per-slot state of requests that got a slot in this plan, and copy their
         cached prefixes into their slots."""
         self.buffer.load_blocks(plan.loads)
+        if plan.state_loads:
+            self.buffer.load_states(plan.state_loads)
         for request in plan.admitted:
             if self.buffer.window_base is not None:
                 self.buffer.window_base[request.slot] = request.window_base
@@ -183,6 +185,7 @@ class ModelRunner:
         draft_rows = num_decode - len(decode)
 
         prefills, sample_rows, score_rows = [], list(range(num_decode)), []
+        snapshots = dict(plan.decode_snapshots)  # (no drafts then: decode index = token row)
         rows_of = IterationRows(list(decode), drafts=plan.drafts if draft_rows else [])
         row = num_decode
         for chunk in plan.prefill:
@@ -196,6 +199,8 @@ class ModelRunner:
                 rows_of.scoring.append(PromptRows(r, chunk.start + 1, scored))
                 score_rows += range(row, row + scored)
             row += chunk.length
+            if chunk.snapshot is not None:
+                snapshots[row - 1] = chunk.snapshot
             if chunk.completes_prompt:
                 sample_rows.append(row - 1)
                 rows_of.sampled.append(r)
@@ -212,6 +217,7 @@ class ModelRunner:
             prefills=prefills,
             sample_rows=as_tensor(sample_rows + score_rows),
             draft_rows=draft_rows,
+            snapshots=snapshots,
         )
         if self.buffer.window is not None:
             bases = {r.slot: r.window_base for r in (*decode, *(c.request for c in plan.prefill))}

@@ -6,6 +6,8 @@
     python scripts/bench/make_1b_model.py --shape gemma3-1b     # -> gemma3-1b-...
     python scripts/bench/make_1b_model.py --shape qwen3-moe-1.8b   # -> qwen3-moe-1.8b-... (64 experts, 4 a token)
     python scripts/bench/make_1b_model.py --shape gpt-oss-1.6b --types MXFP4_MOE   # as gpt-oss ships
+    python scripts/bench/make_1b_model.py --shape qwen3.5-2b          # Gated DeltaNet, dense
+    python scripts/bench/make_1b_model.py --shape qwen3.5-moe-1.9b    # ... and 64 experts + a shared one
 
 Real dimensions (llama-1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, tied embeddings, llama3 RoPE; qwen3-1.7b: Qwen3-1.7B's, 28 layers, 16/8 heads of
@@ -142,6 +144,49 @@ GPT_OSS = dict(
     ),
 )
 
+# Qwen3.5-2B's dimensions: 24 layers (18 Gated DeltaNet, every 4th full attention with an output
+# gate), hidden 2048, 8/2 heads of 256 (RoPE over 64 of them), 16 DeltaNet q/k and value heads of 128
+QWEN35_2B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+)
+
+# Qwen3.5-35B-A3B's ratios scaled down to ~1.9B parameters: its hidden size and heads (16/2 of 256,
+# 16 q/k and 32 value DeltaNet heads of 128), 64 experts of 512 with 8 a token (it: 256) plus the
+# shared expert of 512, 8 layers (6 DeltaNet, 2 full) instead of 40
+QWEN35_MOE = dict(
+    hidden_size=2048,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+)
+
 SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
@@ -149,7 +194,11 @@ SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "qwen3-moe-1.8b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
     "qwen3-moe-dense-active": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_MOE_DENSE_ACTIVE),
     "gpt-oss-1.6b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS),
+    "qwen3.5-2b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_2B),
+    "qwen3.5-moe-1.9b": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", QWEN35_MOE),
 }
+# what the converter needs beyond the directory: random Qwen3.5 checkpoints have no MTP head
+CONVERTER_FLAGS = {"qwen3.5-2b": ["--no-mtp"], "qwen3.5-moe-1.9b": ["--no-mtp"]}
 
 
 def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
@@ -176,7 +225,18 @@ def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
     model = getattr(transformers, model_class)(config).to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if shape.startswith(
+        "qwen3.5"
+    ):  # (else AutoTokenizer swaps in Qwen's pre-tokenizer, which the converter does not know)
+        _pin_tokenizer_class(out)
     return out
+
+
+def _pin_tokenizer_class(out: Path) -> None:
+    import json
+
+    path = out / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 def quantized(f16: Path, kind: str, cache: Path, build: str) -> Path:
@@ -213,7 +273,8 @@ def main() -> None:
         src = llama_cpp_source(cache)
         log("converting to f16 with llama.cpp's convert_hf_to_gguf.py")
         subprocess.run(
-            [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16", "--outfile", str(f16)],
+            [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16", "--outfile", str(f16)]
+            + CONVERTER_FLAGS.get(args.shape, []),
             check=True,
             env={**os.environ, "PYTHONPATH": str(src / "gguf-py")},
             stdout=subprocess.DEVNULL,
