@@ -165,19 +165,7 @@ class SlotBuffer:
             self.layers[n] = self.kv[i]
         for i, n in enumerate(windowed):
             self.layers[n] = self.kv_window[i]
-        # (Gated DeltaNet) per layer [slots, ...] conv and recurrent states, and the prefix cache's
-        # snapshots of them [rows, ...]: layers[n] = RecurrentLayerState
-        self.conv = self.recurrent_state = self.snapshot_conv = self.snapshot_state = None
-        if recurrent:
-            r, count = recurrent, len(stateful)
-            self.conv = zeroed_tensor((count, slots, *r.conv_shape), dtype, device)
-            self.recurrent_state = zeroed_tensor((count, slots, *r.state_shape), r.state_dtype, device)
-            if r.snapshots:
-                self.snapshot_conv = zeroed_tensor((count, r.snapshots, *r.conv_shape), dtype, device)
-                self.snapshot_state = zeroed_tensor((count, r.snapshots, *r.state_shape), r.state_dtype, device)
-            for i, n in enumerate(stateful):
-                snaps = (self.snapshot_conv[i], self.snapshot_state[i]) if r.snapshots else (None, None)
-                self.layers[n] = RecurrentLayerState(self.conv[i], self.recurrent_state[i], *snaps)
+        self._recurrent_buffers(recurrent, stateful, slots, dtype, device)
         self.recurrent = recurrent
         self.state_nbytes = state_bytes
         self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
@@ -193,6 +181,21 @@ class SlotBuffer:
         self.moves_done = 0  # slots moved by the shuffle so far (metrics)
         self.bytes_moved = 0  # KV bytes those moves copied
         self.move_seconds = 0.0  # and the time they took (on CUDA: to queue them)
+
+    def _recurrent_buffers(self, recurrent, stateful: list[int], slots: int, dtype, device) -> None:
+        """(Gated DeltaNet) per layer [slots, ...] conv and recurrent states, and the prefix
+        cache's snapshots of them [rows, ...]: layers[n] = RecurrentLayerState."""
+        self.conv = self.recurrent_state = self.snapshot_conv = self.snapshot_state = None
+        if recurrent:
+            r, count = recurrent, len(stateful)
+            self.conv = zeroed_tensor((count, slots, *r.conv_shape), dtype, device)
+            self.recurrent_state = zeroed_tensor((count, slots, *r.state_shape), r.state_dtype, device)
+            if r.snapshots:
+                self.snapshot_conv = zeroed_tensor((count, r.snapshots, *r.conv_shape), dtype, device)
+                self.snapshot_state = zeroed_tensor((count, r.snapshots, *r.state_shape), r.state_dtype, device)
+            for i, n in enumerate(stateful):
+                snaps = (self.snapshot_conv[i], self.snapshot_state[i]) if r.snapshots else (None, None)
+                self.layers[n] = RecurrentLayerState(self.conv[i], self.recurrent_state[i], *snaps)
 
     def add_state(self, name: str, dtype: torch.dtype, fill=0) -> torch.Tensor:
         tensor = torch.full((self.max_slots,), fill, dtype=dtype, device=self.device)

@@ -239,6 +239,21 @@ def _pin_tokenizer_class(out: Path) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+def converter(src: Path, shape: str) -> list[str]:
+    """The command that runs convert_hf_to_gguf.py. For Qwen3.5-MoE its tokenizer check loads
+    the directory's tokenizer as Qwen3.5's own class (by the config's model_type), whose
+    pre-tokenizer it does not know: told that it is SmolLM2's, which it is."""
+    script = str(src / "convert_hf_to_gguf.py")
+    if shape != "qwen3.5-moe-1.9b":
+        return [sys.executable, script]
+    patch = (
+        "import runpy, sys; sys.path.insert(0, sys.argv[1]); import conversion.base as b; "
+        "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'; "
+        "script = sys.argv[2]; sys.argv = sys.argv[2:]; runpy.run_path(script, run_name='__main__')"
+    )
+    return [sys.executable, "-c", patch, str(src), script]
+
+
 def quantized(f16: Path, kind: str, cache: Path, build: str) -> Path:
     out = f16.with_name(f16.name.replace("-f16.gguf", f"-{kind}.gguf"))
     if out.is_file():
@@ -273,7 +288,7 @@ def main() -> None:
         src = llama_cpp_source(cache)
         log("converting to f16 with llama.cpp's convert_hf_to_gguf.py")
         subprocess.run(
-            [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16", "--outfile", str(f16)]
+            [*converter(src, args.shape), str(hf), "--outtype", "f16", "--outfile", str(f16)]
             + CONVERTER_FLAGS.get(args.shape, []),
             check=True,
             env={**os.environ, "PYTHONPATH": str(src / "gguf-py")},
