@@ -17,12 +17,14 @@ def template_thinks(template_source: str | None) -> bool:
     return template_source is not None and OPEN in template_source and CLOSE in template_source
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """(the thinking, the answer) of a whole chat answer: the thinking is the text of a block
     that opens the answer (whitespace may come first), None without one; an unclosed block (the
-    answer was cut) is all thinking. The answer loses the whitespace after the block. Defined as
-    ReasoningStream over the whole text: a streamed answer's deltas add up to it by construction."""
-    stream = ReasoningStream()
+    answer was cut) is all thinking. The answer loses the whitespace after the block. `opened`:
+    the prompt opened the block (Qwen3.5's generation prompt ends in "<think>\n"), so the answer
+    starts inside it. Defined as ReasoningStream over the whole text: a streamed answer's deltas
+    add up to it by construction."""
+    stream = ReasoningStream.inside() if opened else ReasoningStream()
     thinking, answer = stream.feed(text)
     more = stream.finish()
     return (thinking + more[0] if stream.thought else None), answer + more[1]
@@ -38,6 +40,11 @@ class ReasoningStream:
     held: str = ""
     after_block: bool = False  # the whitespace right after the block is dropped
     thought: bool = False  # a block opened (split_reasoning's thinking is None without one)
+
+    @classmethod
+    def inside(cls) -> "ReasoningStream":
+        """A stream whose answer starts inside the thinking block (the prompt opened it)."""
+        return cls(state="thinking", thought=True)
 
     def feed(self, text: str) -> tuple[str, str]:
         self.held += text
@@ -99,10 +106,21 @@ def speaks_harmony(template_source: str | None) -> bool:
 
 def template_format(template_source: str | None) -> str:
     """How a chat template's model writes its thinking: "harmony" (gpt-oss's channels), "think"
-    (a <think> block), or "" (it does not)."""
+    (a <think> block), "think_open" (a block its generation prompt opens: the answer starts
+    inside it, unless the request turns thinking off), or "" (it does not)."""
     if speaks_harmony(template_source):
         return "harmony"
-    return "think" if template_thinks(template_source) else ""
+    if not template_thinks(template_source):
+        return ""
+    return "think_open" if opens_thinking(template_source) else "think"
+
+
+def opens_thinking(template_source: str) -> bool:
+    """Whether the template's generation prompt writes an opening <think> tag that it does not
+    close (Qwen3.5: '<think>\n'; Qwen3 writes an empty, closed block only to turn thinking off)."""
+    at = template_source.rfind("add_generation_prompt")
+    tail = template_source[at:] if at >= 0 else ""
+    return re.search(r"""['"]<think>(\\n|\n|\s)*['"]""", tail) is not None
 
 
 @dataclass
@@ -177,9 +195,11 @@ def split_harmony(text: str) -> tuple[str | None, str]:
 
 def split_answer(text: str, style: str) -> tuple[str | None, str]:
     """split_reasoning or split_harmony, by the template's style (template_format)."""
-    return split_harmony(text) if style == "harmony" else split_reasoning(text)
+    return split_harmony(text) if style == "harmony" else split_reasoning(text, opened=style == "think_open")
 
 
 def answer_stream(style: str):
     """A streamed answer's splitter, by the template's style."""
-    return HarmonyStream() if style == "harmony" else ReasoningStream()
+    if style == "harmony":
+        return HarmonyStream()
+    return ReasoningStream.inside() if style == "think_open" else ReasoningStream()

@@ -4,6 +4,7 @@ structure that makes a required call parse (docs/tool_calling.md).
 The syntax follows the chat template: Hermes-style `<tool_call>{json}</tool_call>` (Qwen 2 / 2.5 /
 3, SmolLM3, Hermes, and the fallback), Llama 3.x's bare JSON object, Mistral's `[TOOL_CALLS][...]`,
 Phi-4-mini's `functools[...]` (its template reads the tools from the system message's `tools`),
+Qwen3-Coder's and Qwen3.5's XML (`<tool_call><function=NAME><parameter=P>value</parameter>...`),
 gpt-oss's harmony messages to `functions.NAME` (`<|channel|>commentary to=functions.NAME ...
 <|message|>{json}<|call|>`). A
 template that does not render `tools` (SmolLM2's, for one) gets them as a Hermes-style system
@@ -20,6 +21,7 @@ from flover.reasoning import speaks_harmony
 from flover.structured.spec import COMPACT
 
 HERMES, LLAMA3, MISTRAL, PHI4, HARMONY = "hermes", "llama3", "mistral", "phi4", "harmony"
+QWEN_XML = "qwen_xml"  # Qwen3-Coder's and Qwen3.5's <tool_call><function=NAME><parameter=P>...
 PREFIXES = {MISTRAL: "[TOOL_CALLS]", PHI4: "functools"}  # what opens a JSON list of calls
 MAX_TOOLS = 128
 _NOT_JSON = (ValueError, RecursionError)  # (a model's text can nest past the parser's recursion)
@@ -50,6 +52,8 @@ def syntax_of(template_source: str | None) -> str:
         return PHI4
     if "<|python_tag|>" in source or "ipython" in source:
         return LLAMA3
+    if "<function=" in source and "<parameter=" in source:
+        return QWEN_XML
     return HERMES
 
 
@@ -93,6 +97,12 @@ def _arguments_object(arguments) -> dict:
 
 def call_text(name: str, arguments, syntax: str) -> str:
     """How the model writes one call."""
+    if syntax == QWEN_XML:
+        params = "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+            for k, v in _arguments_object(arguments).items()
+        )
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
     body = {"name": name, "arguments" if syntax != LLAMA3 else "parameters": _arguments_object(arguments)}
     text = json.dumps(body, ensure_ascii=False)
     if syntax in PREFIXES:
@@ -207,13 +217,15 @@ def _json_values(text: str) -> list:
     return values
 
 
-def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
+def parse_calls(text: str, syntax: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
     """(the text before the calls, the calls) from a model's answer: every complete call (as
     vLLM's parsers: a call cut off by max_tokens is left out, the ones before it count); no
-    calls where none parse."""
+    calls where none parse. `tools`: the request's (the XML syntax types its values by them)."""
     found: list[tuple[int, object]] = []
     if syntax == HARMONY:
         return _harmony_calls(text)
+    if syntax == QWEN_XML:
+        return _xml_calls(text, tools or [])
     if syntax in PREFIXES and f"{PREFIXES[syntax]}[" in text:
         start = text.index(f"{PREFIXES[syntax]}[")
         found = [(start, v) for v in _json_values(text[start + len(PREFIXES[syntax]) :])]
@@ -240,6 +252,42 @@ def parse_calls(text: str, syntax: str) -> tuple[str, list[ToolCall]]:
     if not calls:
         return text, []
     return text[: found[0][0]].strip(), calls
+
+
+_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_calls(text: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
+    """Qwen3-Coder's / Qwen3.5's calls: each complete <tool_call><function=NAME> block, its
+    <parameter=P> values typed as the function's parameters schema says (a string parameter
+    keeps its text; another is read as JSON where it parses, else kept as text), as vLLM's
+    qwen3_coder parser does."""
+    schemas = {
+        t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+        for t in tools
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    }
+    calls, first = [], None
+    for match in _XML_CALL.finditer(text):
+        name = match.group(1).strip()
+        properties = schemas.get(name, {})
+        arguments = {}
+        for key, value in _XML_PARAMETER.findall(match.group(2)):
+            arguments[key.strip()] = _xml_value(value, properties.get(key.strip()))
+        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        first = match.start() if first is None else first
+    return (text, []) if not calls else (text[:first].strip(), calls)
+
+
+def _xml_value(text: str, schema) -> object:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and "null" not in kind):
+        return text
+    try:
+        return json.loads(text)
+    except _NOT_JSON:
+        return text
 
 
 # a harmony message that ends in a call: its header (the recipient before or after the channel),
@@ -289,6 +337,8 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
         )
     if syntax == HARMONY:  # (its calls open with special tokens, which a grammar here does not write)
         raise ValueError('tool_choice: this model writes harmony tool calls; only "auto" and "none" are supported')
+    if syntax == QWEN_XML:  # (its parameters are XML around each value, no JSON schema to hold them to)
+        raise ValueError('tool_choice: this model writes XML tool calls; only "auto" and "none" are supported')
     key = "parameters" if syntax == LLAMA3 else "arguments"
     one_of = [
         {

@@ -76,7 +76,7 @@ THINKING_TEMPLATE = (
 )
 
 
-def front_with_template(make_model, tmp_path_factory, template: str):
+def front_with_template(make_model, tmp_path_factory, template: str, max_seq_len: int = 256):
     """A daemon and HTTP front on the llama test checkpoint with `template` as its chat template."""
     model = tmp_path_factory.mktemp("front") / "model"
     shutil.copytree(make_model("llama"), model)
@@ -85,7 +85,7 @@ def front_with_template(make_model, tmp_path_factory, template: str):
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     port = free_port()
-    server = Server(str(model), "--max-seq-len", "256", "--http", f"127.0.0.1:{port}")
+    server = Server(str(model), "--max-seq-len", str(max_seq_len), "--http", f"127.0.0.1:{port}")
     yield server, f"http://127.0.0.1:{port}"
     server.stop(signal.SIGKILL)
 
@@ -266,3 +266,62 @@ def test_harmony_thinking_and_answer_come_back_apart_whole_and_streamed(harmony_
     assert len(message["reasoning_content"]) == 3 and set(message["reasoning_content"]) <= set("abcd")
     assert len(message["content"]) == 4 and set(message["content"]) <= set("efgh")
     assert streamed_fields(url, forced) == (message["reasoning_content"], message["content"])
+
+
+# Qwen3.5's shape (llama.cpp's models/templates/Qwen3.5-4B.jinja): its generation prompt opens the
+# thinking block ('<think>\n'), or writes it empty and closed when thinking is off; tools in its
+# XML call syntax
+OPENING_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def opening_front(make_model, tmp_path_factory):
+    yield from front_with_template(make_model, tmp_path_factory, OPENING_TEMPLATE, max_seq_len=512)  # (tools)
+
+
+def test_a_template_that_opens_the_thinking_block():
+    assert template_format(OPENING_TEMPLATE) == "think_open" and template_format(THINKING_TEMPLATE) == "think"
+    assert split_answer("a plan\n</think>\n\nThe answer.", "think_open") == ("a plan\n", "The answer.")
+    assert split_answer("cut off while thinking", "think_open") == ("cut off while thinking", "")
+    stream, fields = answer_stream("think_open"), ["", ""]
+    for piece in ["a pl", "an\n</th", "ink>\n", "\nThe answer."]:
+        for i, part in enumerate(stream.feed(piece)):
+            fields[i] += part
+    assert tuple(fields) == ("a plan\n", "The answer.")
+
+
+def test_thinking_opened_by_the_prompt_and_xml_tool_calls_over_http(opening_front):
+    """Qwen3.5's way: the answer starts inside the thinking block the prompt opened (whole and
+    streamed), plain when the request turns thinking off; its XML tool calls become tool_calls,
+    each value typed by the tool's parameters."""
+    _, url = opening_front
+    forced = {"guided_regex": "[a-d]{3}</think>\\n\\n[e-h]{4}", "temperature": 0, "max_tokens": 40}
+    message = chat(url, **forced).json()["choices"][0]["message"]
+    assert len(message["reasoning_content"]) == 3 and len(message["content"]) == 4
+    assert streamed_fields(url, forced) == (message["reasoning_content"], message["content"])
+    off = {"guided_regex": "[e-h]{4}", "chat_template_kwargs": {"enable_thinking": False}}
+    message = chat(url, **off).json()["choices"][0]["message"]
+    assert message.get("reasoning_content") is None and len(message["content"]) == 4
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+    call = "<tool_call>\\n<function=get_weather>\\n<parameter=city>\\n42\\n</parameter>\\n<parameter=days>\\n2\\n"
+    call += "</parameter>\\n</function>\\n</tool_call>"
+    body = {"tools": [weather], "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 120}
+    answer = chat(url, guided_regex=call, **body).json()["choices"][0]
+    assert answer["finish_reason"] == "tool_calls"
+    (found,) = answer["message"]["tool_calls"]
+    assert found["function"]["name"] == "get_weather"
+    assert json.loads(found["function"]["arguments"]) == {"city": "42", "days": 2}  # a string stays a string

@@ -122,9 +122,10 @@ class Plan:
     parallel_tool_calls: bool = True  # False: an answer's first call only
     echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) before the completion
     score_only: bool = False  # completions with echo and max_tokens 0: the prompt's logprobs, no completion
-    # chats: the thinking ("think": an opening <think> block; "harmony": gpt-oss's analysis channel)
-    # is reasoning_content (flover/reasoning.py); "": none
+    # chats: the thinking ("think": an opening <think> block; "think_open": the same, opened by
+    # the prompt; "harmony": gpt-oss's analysis channel) is reasoning_content (flover/reasoning.py); "": none
     reasoning: str = ""
+    tools: list | None = None  # the request's tools, where answers are parsed for calls (their parameters' types)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -435,8 +436,18 @@ def plan(
         score_only=echo and body.get("max_tokens") == 0,
         tool_syntax=syntax,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-        reasoning=reasoning if chat else "",
+        reasoning=_reasoning_style(body, reasoning) if chat else "",
+        tools=body.get("tools") if syntax is not None else None,
     )
+
+
+def _reasoning_style(body: dict, style: str) -> str:
+    """A template whose generation prompt opens the thinking block closes it at once when the
+    request turns thinking off (chat_template_kwargs enable_thinking false): the answer then
+    starts outside it."""
+    if style == "think_open" and (body.get("chat_template_kwargs") or {}).get("enable_thinking") is False:
+        return "think"
+    return style
 
 
 def template_kwargs(body: dict) -> dict | None:
@@ -556,7 +567,7 @@ def chat_message(p: Plan, text: str, finish_reason: str) -> tuple[dict, str]:
         thinking = {"reasoning_content": reasoning}
     calls = []
     if p.tool_syntax is not None and finish_reason in ("stop", "length"):
-        content, calls = tool_calling.parse_calls(text, p.tool_syntax)
+        content, calls = tool_calling.parse_calls(text, p.tool_syntax, p.tools)
         calls = calls if p.parallel_tool_calls else calls[:1]
     if not calls:
         return {"role": "assistant", "content": text, **thinking}, finish_reason
