@@ -156,7 +156,7 @@ VARIANTS = {
     # Qwen3.5: three Gated DeltaNet layers (2 q/k heads of 16, 4 value heads of 32: two per q/k
     # head) then one full-attention layer with an output gate, RoPE over a quarter of each head
     "qwen3_5": ("qwen3_5", {}, dict(num_layers=4)),
-    # and its MoE sibling: 8 experts of 32, 2 a token, plus a shared expert of 48, every layer
+    # and its MoE sibling: 8 experts of 32, 2 a token, plus a shared expert of 64, every layer
     "qwen3_5-moe": ("qwen3_5_moe", {}, dict(num_layers=4)),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),

@@ -202,6 +202,11 @@ class Engine(ServingEngine):
         config = self.config
         if config.speculate == 0:
             return Speculation()
+        if self.model_config.linear_attention is not None:  # (every rank alike: the model's)
+            # a draft's rejected tokens would stay in the recurrent layers' state (no rollback yet)
+            if config.speculate is not None and self.is_leader:
+                log.warning("speculation off: recurrent (Gated DeltaNet) layers cannot take back rejected drafts")
+            return Speculation()
         why = "the native step is off" if native is None else "CUDA graphs" if graphs is not None else None
         if self.comm is not None:
             ready = torch.tensor([0.0 if why else 1.0], device=self.device)

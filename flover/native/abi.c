@@ -25,7 +25,9 @@ static const AbiEntry ABI[] = {
     AT(Model, embed_scale), AT(Model, attn_scale), AT(Model, norm_f32), AT(Model, act), AT(Model, local_cos),
     AT(Model, local_sin), AT(Model, experts), AT(Model, top_k), AT(Model, expert_inter), AT(Model, norm_topk),
     AT(Model, weights_f32), AT(Model, topk_softmax), AT(Model, swiglu_limit), AT(Model, swiglu_alpha),
-    AT(Model, residual_scale),
+    AT(Model, residual_scale), AT(Model, delta_key_heads), AT(Model, delta_value_heads), AT(Model, delta_dk),
+    AT(Model, delta_dv), AT(Model, delta_conv), AT(Model, delta_tiled), AT(Model, snapshot_rows), AT(Model, attn_gate),
+    AT(Model, shared_inter),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
@@ -34,7 +36,11 @@ static const AbiEntry ABI[] = {
     AT(Layer, ffn_norm_after), AT(Layer, kv), AT(Layer, kv_kind), AT(Layer, kv_slot), AT(Layer, kv_head), AT(Layer, kv_len),
     AT(Layer, windowed_kv), AT(Layer, router), AT(Layer, expert_gate_up), AT(Layer, expert_down),
     AT(Layer, expert_gate_up_grid), AT(Layer, expert_down_grid), AT(Layer, expert_load), AT(Layer, router_bias),
-    AT(Layer, expert_gate_up_bias), AT(Layer, expert_down_bias), AT(Layer, sinks),
+    AT(Layer, expert_gate_up_bias), AT(Layer, expert_down_bias), AT(Layer, sinks), AT(Layer, delta), AT(Layer, delta_in),
+    AT(Layer, delta_in_grid), AT(Layer, delta_out), AT(Layer, delta_out_grid), AT(Layer, delta_conv_w),
+    AT(Layer, delta_dt_bias), AT(Layer, delta_a), AT(Layer, delta_norm), AT(Layer, conv_state), AT(Layer, ssm_state),
+    AT(Layer, snap_conv), AT(Layer, snap_ssm), AT(Layer, shared_gate_up), AT(Layer, shared_gate_up_grid),
+    AT(Layer, shared_down), AT(Layer, shared_down_grid), AT(Layer, shared_gate),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

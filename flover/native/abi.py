@@ -65,7 +65,8 @@ Model = _int64_struct(
     embed final_norm head head_scales cos sin head_grid embed_grid vocab_start all_reduce
     head_screen head_screen_scales head_bounds screen_rows rotary_dim
     embed_scale:d attn_scale:d norm_f32 act local_cos local_sin
-    experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d residual_scale:d""",
+    experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d residual_scale:d
+    delta_key_heads delta_value_heads delta_dk delta_dv delta_conv delta_tiled snapshot_rows attn_gate shared_inter""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(
@@ -75,7 +76,10 @@ Layer = _int64_struct(
     qkv_grid o_grid gate_up_grid down_grid q_norm k_norm no_rope qk_norm_whole attn_norm_after local_rope
     ffn_norm_after kv kv_kind kv_slot kv_head kv_len windowed_kv
     router expert_gate_up expert_down expert_gate_up_grid expert_down_grid expert_load
-    router_bias expert_gate_up_bias expert_down_bias sinks""",
+    router_bias expert_gate_up_bias expert_down_bias sinks
+    delta delta_in delta_in_grid delta_out delta_out_grid delta_conv_w delta_dt_bias delta_a delta_norm
+    conv_state ssm_state snap_conv snap_ssm
+    shared_gate_up shared_gate_up_grid shared_down shared_down_grid shared_gate""",
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0; its KV; "
     "its experts' tables.",
 )

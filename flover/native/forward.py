@@ -23,7 +23,7 @@ import torch
 
 from flover.models.attention import ForwardBatch
 from flover.models.decoder import DecoderForCausalLM
-from flover.native import abi
+from flover.native import abi, recurrent
 from flover.native.abi import ALL_REDUCE, kernels_of, load_library
 from flover.native.build import NativeUnavailable
 from flover.native.grids import Run, check_runs, grid_struct, runs_of
@@ -57,6 +57,8 @@ SHAPE_CHECKS = {
     6: "a layer's KV strides overlap, or its positions exceed max_seq_len",
     7: "the experts' sizes are not positive (top k within the experts, an even width), or a layer lacks its MLP",
     8: "the activation's code or the clamped SwiGLU's limit and alpha",
+    9: "the Gated DeltaNet layers' heads (value heads a multiple of key heads), dims (at most 512) or conv taps "
+    "(2 to 64), or a layer of them lacks its weights or states",
 }
 CLAMPED_SWIGLU = 2  # Model.act of gpt-oss's experts (native.h)
 
@@ -80,8 +82,6 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     if not isinstance(model, DecoderForCausalLM):
         return f"{type(model).__name__} is not models/decoder.py's graph"
     cfg = model.cfg
-    if cfg.linear_attention is not None or cfg.attn_output_gate:
-        return "Gated DeltaNet layers and gated attention (Qwen3.5: PyTorch's forward runs them)"
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if cfg.norm_layout == "post" and (cfg.o_bias or cfg.mlp_bias):
@@ -116,6 +116,7 @@ def layer_linears(model: DecoderForCausalLM) -> list:
     linears = []
     for layer in model.layers:
         linears += [getattr(layer, name) for name in PROJECTIONS if getattr(layer, name) is not None]
+        linears += [layer.linear.in_proj, layer.linear.out] if layer.linear is not None else []
         linears += layer.experts.linears() if layer.experts is not None else []
     return linears
 
@@ -284,11 +285,15 @@ class NativeForward:
                 values = biases if column is None else [p[column] for p in placed]
                 self._expert_tables.append(torch.tensor(values, dtype=torch.int64))
                 tables[field] = self._expert_tables[-1].data_ptr() if any(values) else 0
+        shared = recurrent.shared_expert_fields(experts, lambda lin: self._projection(plan, lin), self._address)
+        for lin in (experts.shared_gate_up, experts.shared_down) if shared and release else ():
+            lin.release()
         return dict(
             router=self._address(experts.router, block=True),
             router_bias=self._address(experts.router_bias),
             expert_load=experts.load.data_ptr(),
             **tables,
+            **shared,
         )
 
     def _placed(self, runs: list[Run]) -> list[tuple[torch.Tensor, ...]]:
@@ -333,7 +338,7 @@ class NativeForward:
             vocab=self.vocab,
             dtype=DTYPE_CODES[self.dtype],
             max_seq=buffer.max_seq_len,
-            kv_pos=buffer.layers[0].stride(3),
+            kv_pos=next(kv for kv in buffer.layers if isinstance(kv, torch.Tensor)).stride(3),
             window_base=buffer.window_base.data_ptr() if buffer.window_base is not None else 0,
             embed=model.embed.data_ptr() if model.embed is not None else 0,
             final_norm=self._norm_address(model.norm),
@@ -343,7 +348,7 @@ class NativeForward:
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
-            **(self._feature_fields() | self._experts_fields()),
+            **(self._feature_fields() | self._experts_fields() | recurrent.model_fields(model)),
             **self._head_fields(plan),
         )
         failed = self.lib.flover_check_model(struct)
@@ -356,6 +361,9 @@ class NativeForward:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
         layers = (abi.Layer * len(self.model.layers))()
         for i, (layer, window) in enumerate(zip(self.model.layers, self.model.windows)):
+            if layer.linear is not None:  # (Qwen3.5) a DeltaNet layer: its states in the buffer, no KV
+                layers[i] = abi.Layer(**self._delta_layer_fields(plan, layer, buffer.layers[i], release))
+                continue
             kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
             assert kv.is_contiguous() and kv.dtype == self.dtype
             present = [name for name in PROJECTIONS if getattr(layer, name) is not None]  # (experts: no MLP)
@@ -397,6 +405,27 @@ class NativeForward:
                 **experts,
             )
         return layers
+
+    def _delta_layer_fields(self, plan: WeightPlan, layer, state, release: bool) -> dict:
+        """A DeltaNet layer's Layer fields (native/recurrent.py), its MLP's or experts' as any layer's."""
+        projection = lambda lin: self._projection(plan, lin)  # noqa: E731
+        fields = recurrent.layer_fields(layer.linear, state, projection, self._address, self._norm_weights)
+        if release:
+            layer.linear.in_proj.release()
+            layer.linear.out.release()
+        fields.update(input_norm=self._norm_address(layer.input_norm), post_norm=self._norm_address(layer.post_norm))
+        if layer.experts is not None:
+            fields |= self._experts_layer_fields(plan, layer.experts, release)
+        else:
+            (gate_up, gate_up_grid), (down, down_grid) = (
+                self._projection(plan, layer.gate_up),
+                self._projection(plan, layer.down),
+            )
+            fields.update(gate_up=gate_up, gate_up_grid=gate_up_grid, down=down, down_grid=down_grid)
+            if release:
+                layer.gate_up.release()
+                layer.down.release()
+        return fields
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Greedy ids of the iteration's logits [B, vocab] (the sampler's `greedy`), through a
@@ -472,6 +501,7 @@ class NativeForward:
         # named, so that a contiguous copy (if one is made) lives until the call returns
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         slots = batch.write_slots.contiguous()
+        self._model_struct.snapshot_rows = self._snapshot_rows(batch)
         full = self.lib.flover_forward(
             self._model_struct,
             self._layer_structs,
@@ -494,6 +524,15 @@ class NativeForward:
             raise RuntimeError("native step: a row's position or token id is out of range")
         self.iterations += 1
         return full
+
+    def _snapshot_rows(self, batch: ForwardBatch) -> int:
+        """The address of each row's prefix-cache snapshot row (-1: none), or 0 without any."""
+        if not batch.snapshots:
+            return 0
+        self._snapshots = torch.full((batch.input_ids.shape[0],), -1, dtype=torch.int64)
+        for row, snapshot in batch.snapshots.items():
+            self._snapshots[row] = snapshot
+        return self._snapshots.data_ptr()
 
     def run_stage(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor | None:
         """A pipeline stage's layers: [rows, hidden] float32 residual rows after them, from the

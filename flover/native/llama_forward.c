@@ -19,6 +19,7 @@
  * kernel family chosen) into a cache directory and loaded with ctypes; it shares PyTorch's
  * OpenMP runtime (same soname).
  */
+#include <math.h>
 #include <omp.h>
 
 #include "native.h"
@@ -52,15 +53,19 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
  * inputs their sum (grids with minimums), and the prompt blocks (first row and row count, int64). `end`: the floats the
  * caller allocates (flover_work_floats). */
 typedef struct {
-    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, experts, fused, end;
+    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, runs, experts, fused, end;
 } Work;
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
+/* q's rows per head: the query, and with attn_gate its gate after it */
+static inline int64_t q_rows(const Model *md) { return (md->attn_gate ? 2 : 1) * md->heads * md->head_dim; }
+
 static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
-    const int64_t h = md->hidden, qkv = (md->heads + 2 * md->kv_heads) * md->head_dim;
-    const int64_t widest = max3(qkv, 2 * md->inter, 2 * md->expert_inter);
-    const int64_t inner = max3(md->inter, h, md->expert_inter);
+    const int64_t h = md->hidden, qkv = q_rows(md) + 2 * md->kv_heads * md->head_dim;
+    const int64_t delta = md->delta_value_heads ? delta_in_width(md) : 0, shared = 2 * md->shared_inter;
+    const int64_t widest = max3(max3(qkv, 2 * md->inter, 2 * md->expert_inter), max3(delta, shared, h), 0);
+    const int64_t inner = max3(max3(md->inter, h, md->expert_inter), md->delta_value_heads * md->delta_dv, 0);
     Work w;
     w.hidden = 0;
     w.normed = w.hidden + rows * h;
@@ -69,10 +74,13 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     w.xb = w.mid + rows * inner;
     w.scores = w.xb + rows * widest; /* the model-dtype copies (or int8 inputs: 1.375 bytes an input) fit */
     const int64_t decode = md->heads * md->max_seq, prompt = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq) + 6 * md->head_dim;
-    w.per_thread = decode > prompt ? decode : prompt;
+    /* (also: a row's q and gates while they are reordered; a DeltaNet head's q, k, and two dv rows) */
+    const int64_t other = max3(qkv, 2 * md->delta_dk + 2 * md->delta_dv, 0);
+    w.per_thread = max3(decode, prompt, other);
     w.xsum = w.scores + nt * w.per_thread;
     w.blocks = w.xsum + rows * (widest / 16 + 1);
-    w.experts = w.blocks + 4 * rows; /* 2 int64 per block, at most one block per row */
+    w.runs = w.blocks + 4 * rows;      /* 2 int64 per block, at most one block per row */
+    w.experts = w.runs + 4 * rows;     /* DeltaNet: 2 int64 per run of one sequence's rows */
     /* a layer of experts: logits, picks (int64) and weights, each expert's first entry (int64), the
      * entries' rows (int64) and weights, an expert's rows' inputs and outputs, the rows' sums (ExpertsWork) */
     w.fused = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 3 * h) + 2 * (md->experts + 1) : 0);
@@ -109,6 +117,44 @@ static ExpertsWork experts_work(float *work, const Work *at, const Model *md, in
 
 API int64_t flover_work_floats(const Model *md, int rows, int nt) { return work_layout(md, rows, nt).end; }
 
+/* A row of a gated q projection, per head [query, gate] then k and v, reordered in place to
+ * [queries | k | v | gates] (`tmp`: the row's first 2 q_size floats). */
+static void split_gates(float *row, float *tmp, int64_t heads, int64_t kv_size, int64_t d) {
+    const int64_t q_size = heads * d;
+    memcpy(tmp, row, 2 * q_size * sizeof(float));
+    memmove(row + q_size, row + 2 * q_size, 2 * kv_size * sizeof(float));
+    for (int64_t hh = 0; hh < heads; hh++) {
+        memcpy(row + hh * d, tmp + 2 * hh * d, d * sizeof(float));
+        memcpy(row + q_size + 2 * kv_size + hh * d, tmp + 2 * hh * d + d, d * sizeof(float));
+    }
+}
+
+/* Attention's output rows mid [rows, q_size] times sigmoid of their gates (at `gates` in each
+ * qkv row), rounded as PyTorch's sigmoid then product. */
+static void apply_gates(float *mid, const float *wide, int rows, int64_t q_size, int64_t qkv_n, int64_t gates, int bf,
+                        int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < q_size; i++) {
+            const float g = wide[r * qkv_n + gates + i];
+            mid[r * q_size + i] = rnd(mid[r * q_size + i] * rnd(1.f / (1.f + expf(-g)), bf), bf);
+        }
+}
+
+/* sum += sigmoid(gate . x) * shared, per row: the shared expert's output `shared` [rows, h] on the
+ * routed experts' sum, rounded as PyTorch's linear, sigmoid, product and add. */
+static void add_shared(const Model *md, const Layer *ly, const float *x, const float *shared, float *sum, int rows,
+                       int bf, int nt) {
+    const int64_t h = md->hidden;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < h; i++) dot += x[r * h + i] * load((const void *)ly->shared_gate, i, bf);
+        const float gate = rnd(1.f / (1.f + expf(-rnd(dot, bf))), bf);
+        for (int64_t i = 0; i < h; i++) sum[r * h + i] = rnd(sum[r * h + i] + rnd(gate * shared[r * h + i], bf), bf);
+    }
+}
+
 /* What flover_forward assumes of a model's shape, checked once before any call (a model file
  * is not trusted): 0, or which assumption fails (native_forward.py names it). */
 API int flover_check_model(const Model *md) {
@@ -124,6 +170,10 @@ API int flover_check_model(const Model *md) {
                                             md->expert_inter % 2)))
         return 7;
     if (md->act < 0 || md->act > 2 || (md->act == 2 && !(md->swiglu_limit > 0 && md->swiglu_alpha > 0))) return 8;
+    if (md->delta_value_heads && (md->delta_key_heads <= 0 || md->delta_value_heads % md->delta_key_heads ||
+                                  md->delta_dk <= 0 || md->delta_dk > 512 || md->delta_dv <= 0 || md->delta_dv > 512 ||
+                                  md->delta_conv < 2 || md->delta_conv > 64))
+        return 9;
     return 0;
 }
 
@@ -131,7 +181,12 @@ API int flover_check_model(const Model *md) {
 API int flover_check_layers(const Model *md, const Layer *layers) {
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
-        if (!ly->kv || ly->kv_len <= 0 || ly->kv_len > md->max_seq || ly->kv_head < ly->kv_len * md->kv_pos ||
+        if (ly->delta) { /* a DeltaNet layer: its projections and states instead of KV */
+            if (!md->delta_value_heads || !(ly->delta_in || ly->delta_in_grid) || !(ly->delta_out || ly->delta_out_grid) ||
+                !ly->delta_conv_w || !ly->delta_dt_bias || !ly->delta_a || !ly->delta_norm || !ly->conv_state ||
+                !ly->ssm_state)
+                return 9;
+        } else if (!ly->kv || ly->kv_len <= 0 || ly->kv_len > md->max_seq || ly->kv_head < ly->kv_len * md->kv_pos ||
             ly->kv_slot < md->kv_heads * ly->kv_head || ly->kv_kind <= 0 || (ly->windowed_kv && !md->window_base))
             return 6; /* a slot's rows and heads must not overlap one another */
         if (ly->router ? !md->experts || !ly->expert_load || !(ly->expert_gate_up || ly->expert_gate_up_grid) ||
@@ -207,7 +262,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     for (int r = 0; r < rows; r++) /* a row past its slot's positions would touch another slot's */
         if (positions[r] < 0 || positions[r] >= md->max_seq || (!hidden_in && tokens[r] < 0)) return -1;
     for (int64_t l = 0; l < md->layers; l++) /* and in a windowed layer, one outside its slot's window rows */
-        for (int r = 0; layers[l].windowed_kv && r < rows; r++) {
+        for (int r = 0; layers[l].windowed_kv && !layers[l].delta && r < rows; r++) {
             const int64_t at = positions[r] - row_base(md, &layers[l], slots[r]);
             if (at < 0 || at >= layers[l].kv_len) return -1;
         }
@@ -215,7 +270,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     const float eps = (float)eps_d;
     const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
     const int64_t group = heads / kvh;
-    const int64_t q_size = heads * d, kv_size = kvh * d, qkv_n = q_size + 2 * kv_size;
+    const int64_t q_size = heads * d, kv_size = kvh * d, qkv_n = q_rows(md) + 2 * kv_size;
     const Work at = work_layout(md, rows, nt);
     float *hidden = work + at.hidden, *normed = work + at.normed, *wide = work + at.wide, *mid = work + at.mid;
     float *scores = work + at.scores, *xsum = work + at.xsum;
@@ -248,6 +303,8 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         single_from = rows;
     }
     const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
+    int64_t *runs = (int64_t *)(work + at.runs); /* DeltaNet: each sequence's rows */
+    const int64_t n_runs = md->delta_value_heads ? delta_runs(slots, positions, rows, runs) : 0;
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
@@ -258,12 +315,21 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         const Layer *ly = &layers[l];
         /* normed: the input norm of the hidden rows (of the embedding, or by the last layer's
          * residual pass) */
+        if (ly->delta) { /* (Qwen3.5) a Gated DeltaNet layer in place of attention: its output lands in normed */
+            const int64_t in_n = delta_in_width(md), v_n = md->delta_value_heads * md->delta_dv;
+            PROJECT(delta_in, 0, normed, in_n, h, wide)
+            delta_conv(md, ly, wide, in_n, slots, positions, runs, n_runs, bf, nt);
+            delta_heads(md, ly, wide, in_n, mid, slots, positions, runs, n_runs, eps, bf, scores, at.per_thread, nt);
+            PROJECT(delta_out, 0, mid, h, v_n, normed)
+        } else {
         PROJECT(qkv, ly->qkv_bias, normed, qkv_n, h, wide)
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) {
             float *row = wide + r * qkv_n;
             const int64_t p = positions[r];
+            if (md->attn_gate) /* per head [query, gate] -> [queries | k | v | gates] */
+                split_gates(row, scores + (int64_t)omp_get_thread_num() * at.per_thread, heads, kv_size, d);
             const int64_t rot = md->rotary_dim;
             const int64_t cos_base = ly->local_rope ? md->local_cos : md->cos, sin_base = ly->local_rope ? md->local_sin : md->sin;
             const void *cos_row = (const char *)cos_base + p * rot * es, *sin_row = (const char *)sin_base + p * rot * es;
@@ -302,7 +368,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
                    kv_head_base(md, ly, 1, slots[r], g), first > 0 ? first : 0, len - base,
                    sinks ? sinks + g * group : 0, scratch, mid + r * q_size + g * group * d);
         }
+        if (md->attn_gate) /* (Qwen3.5) attention's output times sigmoid(gate) */
+            apply_gates(mid, wide, rows, q_size, qkv_n, q_size + 2 * kv_size, bf, nt);
         PROJECT(o, 0, mid, h, q_size, normed)
+        }
         reduce_rows(md, normed, rows * h);
         if (ly->attn_norm_after) /* Gemma 3: attention's output normed, added, the sum normed for the MLP */
             norm_then_residual(md, hidden, normed, rows, ly->attn_norm_after, ly->post_norm, eps, h, bf, nt);
@@ -313,6 +382,14 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         if (ly->router) { /* experts in place of the MLP: their sum lands in normed, as the down projection's */
             const ExpertsWork ew = experts_work(work, &at, md, rows);
             experts_step(md, ly, normed, rows, ew.sum, &ew, xb, xsum, wide, mid, nt);
+            if (ly->shared_gate) { /* (Qwen3.5-MoE) the shared expert, gated, added to the routed ones' sum */
+                const int64_t si = md->shared_inter;
+                PROJECT(shared_gate_up, 0, normed, 2 * si, h, wide)
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+                for (int r = 0; r < rows; r++) silu_mul(wide + r * 2 * si, si, bf, mid + r * si);
+                PROJECT(shared_down, 0, mid, h, si, wide)
+                add_shared(md, ly, normed, wide, ew.sum, rows, bf, nt);
+            }
             memcpy(normed, ew.sum, rows * h * sizeof(float));
         } else {
             PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)

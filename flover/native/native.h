@@ -16,6 +16,7 @@
  *   greedy.c           argmax, and greedy ids through a screen of the LM head
  *   sampling.c         the sampler's filters and draw around PyTorch's softmax
  *   experts.c          a layer's mixture of experts: routing, each chosen expert once over its rows
+ *   gated_deltanet.c   Gated DeltaNet layers: the conv and the delta rule over each sequence's rows
  *   llama_forward.c    one fused iteration, top to bottom
  *   abi.c              the sizes, offsets and codes below, for flover/native/abi.py to check
  *
@@ -72,6 +73,14 @@ typedef struct {
     double swiglu_limit, swiglu_alpha;
     /* each block's output times residual_scale before the residual add (0: none; Granite's) */
     double residual_scale;
+    /* Gated DeltaNet layers (Qwen3.5; gated_deltanet.c; value heads 0: none): this rank's q/k and
+     * value heads, their dims, the conv's taps, value head j reads q/k head j % key heads (tiled,
+     * llama.cpp's order) or j / (value heads / key heads); snapshot_rows: the address of an int64
+     * [rows] array, each row's prefix-cache snapshot row or -1 (0: none this iteration) */
+    int64_t delta_key_heads, delta_value_heads, delta_dk, delta_dv, delta_conv, delta_tiled, snapshot_rows;
+    /* attn_gate: q's projection holds per head the query, then a gate: attention's output times
+     * sigmoid(gate) (Qwen3.5); shared_inter: a shared expert of that width beside the routed ones */
+    int64_t attn_gate, shared_inter;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
@@ -100,6 +109,17 @@ typedef struct {
     /* gpt-oss: the router's bias (model dtype), int64 [experts] arrays of each expert's gate_up and
      * down biases (model dtype), and each query head's sink logit (float32 [heads]); else 0 */
     int64_t router_bias, expert_gate_up_bias, expert_down_bias, sinks;
+    /* a Gated DeltaNet layer in place of attention (delta 1; then the attention fields are 0): its
+     * fused input and its output projections (blocked, or Grids), float32 copies of its conv taps
+     * [channels, taps] and A = -exp(A_log) [value heads], its dt bias [value heads] and the gated
+     * norm's weight [dv] (model dtype); the
+     * slots' conv states [slots, channels, taps - 1] (model dtype) and recurrent states [slots,
+     * value heads, dk, dv] (float32), and the prefix cache's snapshots of both (0: none) */
+    int64_t delta, delta_in, delta_in_grid, delta_out, delta_out_grid, delta_conv_w, delta_dt_bias, delta_a, delta_norm;
+    int64_t conv_state, ssm_state, snap_conv, snap_ssm;
+    /* Qwen3.5-MoE's shared expert beside the routed ones (0: none): its gate_up and down, and its
+     * gate [hidden] (model dtype): its output times sigmoid(gate . x) */
+    int64_t shared_gate_up, shared_gate_up_grid, shared_down, shared_down_grid, shared_gate;
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -330,6 +350,16 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
 int64_t argmax_row(const void *row, int64_t vocab, int bf, const uint16_t *allowed);
 API void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, int bf, int64_t *ids, int nt);
+/* gated_deltanet.c */
+int64_t delta_channels(const Model *md);
+int64_t delta_in_width(const Model *md);
+int64_t delta_runs(const int64_t *slots, const int64_t *positions, int rows, int64_t *runs);
+void delta_conv(const Model *md, const Layer *ly, float *x, int64_t stride, const int64_t *slots,
+                const int64_t *positions, const int64_t *runs, int64_t n_runs, int bf, int nt);
+void delta_heads(const Model *md, const Layer *ly, const float *x, int64_t stride, float *out, const int64_t *slots,
+                 const int64_t *positions, const int64_t *runs, int64_t n_runs, float eps, int bf, float *scratch,
+                 int64_t per_thread, int nt);
+
 int screened_greedy(const Model *md, const float *x, void *xb, int rows, float *scores, int64_t *ids, int nt);
 int head_greedy(const Model *md, const float *x, void *xb, int rows, int64_t *ids, int nt);
 

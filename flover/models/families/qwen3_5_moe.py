@@ -54,7 +54,7 @@ def test_gguf_metadata(config: dict) -> dict:
 
 def test_kwargs(preset: dict, eos_id: int) -> dict:
     return qwen3_5.test_kwargs(preset, eos_id) | dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
     )
 
 
