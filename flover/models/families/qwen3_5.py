@@ -161,7 +161,6 @@ FAMILY = Family(
     gguf_arch="qwen35",
     from_gguf=from_gguf,
     gguf_names=GGUF_NAMES,
-    native=False,
     test_config="Qwen3_5TextConfig",
     test_kwargs=test_kwargs,
     test_gguf_metadata=test_gguf_metadata,

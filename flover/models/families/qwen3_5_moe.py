@@ -65,7 +65,6 @@ FAMILY = Family(
     gguf_arch="qwen35moe",
     from_gguf=from_gguf,
     gguf_names=GGUF_NAMES,
-    native=False,
     test_config="Qwen3_5MoeTextConfig",
     test_kwargs=test_kwargs,
     test_gguf_metadata=test_gguf_metadata,
