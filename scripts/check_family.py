@@ -26,7 +26,8 @@ import torch
 import transformers
 
 from flover import LLM, SamplingParams
-from flover.testing.tiny_model import hf_config
+from flover.testing.references import widened_delta_rule
+from flover.testing.tiny_model import hf_config, slow_decays
 
 PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 PROMPTS = [
@@ -44,13 +45,29 @@ def make_checkpoint(family: str, tokenizer_gguf: Path, out: Path, overrides: dic
     config = hf_config(family, preset, tok.eos_token_id, **overrides)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    slow_decays(model)
     model.save_pretrained(out)
     tok.save_pretrained(out)
 
 
-def convert(hf: Path, llama_cpp: Path, out: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f32", "--outfile", str(out)]
+# what the converter needs beyond the directory: random Qwen3.5 checkpoints have no MTP head
+CONVERTER_FLAGS = {"qwen3_5": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
+# the converter checks the tokenizer by loading it with AutoTokenizer, which picks Qwen3.5-MoE's
+# own class (another pre-tokenizer) by the config's model_type: told it is SmolLM2's, which it is
+PRE_TOKENIZER = {"qwen3_5_moe": "smollm"}
+
+
+def convert(family: str, hf: Path, llama_cpp: Path, out: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{llama_cpp / 'gguf-py'}{os.pathsep}{llama_cpp}"}
+    script = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py")]
+    if family in PRE_TOKENIZER:
+        patch = (
+            "import runpy, sys; import conversion.base as b; "
+            f"b.TextModel.get_vocab_base_pre = lambda self, tokenizer: {PRE_TOKENIZER[family]!r}; "
+            "script = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(script, run_name='__main__')"
+        )
+        script = [sys.executable, "-c", patch, script[1]]
+    cmd = [*script, str(hf), "--outtype", "f32", "--outfile", str(out), *CONVERTER_FLAGS.get(family, [])]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -62,11 +79,10 @@ def compare(model: str, ref, tok, new_tokens: int = 24) -> dict:
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     ref.generation_config.eos_token_id = None
     same = 0
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
+    with widened_delta_rule(torch.float64), torch.no_grad():  # (Qwen3.5's delta rule at float64 too)
+        for prompt, out in zip(prompts, outs):
             want = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, len(prompt) :]
-        same += out.token_ids == want.tolist()
-    with torch.no_grad():
+            same += out.token_ids == want.tolist()
         expected = ref(torch.tensor([prompts[0]])).logits[0]
     diff = (llm.engine.score(prompts[0]).double() - expected).abs().max().item()
     return {"greedy prompts equal": f"{same}/{len(prompts)}", "max |logit diff|": f"{diff:.2e}"}
@@ -83,9 +99,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf, gguf = Path(tmp) / "hf", Path(tmp) / f"{args.family}-f32.gguf"
         make_checkpoint(args.family, args.tokenizer_gguf, hf, overrides)
-        convert(hf, args.llama_cpp, gguf)
-        ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64).eval()
-        tok = transformers.AutoTokenizer.from_pretrained(hf)
+        convert(args.family, hf, args.llama_cpp, gguf)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            hf, dtype=torch.float64, experts_implementation="eager"
+        ).eval()
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(hf)  # (its tokenizer.json as it is)
         for name, model in (("directory", hf), ("llama.cpp's GGUF", gguf)):
             print(f"{args.family} {name}: {compare(str(model), ref, tok)}")
 

@@ -149,7 +149,7 @@ def test_tp2_pp2_and_groups_give_one_engines_tokens(make_model, variant, tmp_pat
     each, their states on their stages) and 2 data-parallel groups (the dense model) - each the
     tokens of one engine."""
     model_dir = make_model(variant)
-    gguf_path = str(write_gguf(model_dir, tmp_path / "f32.gguf", "F32"))
+    gguf_path = str(write_gguf(model_dir, tmp_path / "f32.gguf", "F32")) if variant == "qwen3_5" else None
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, [dict(r, input_ids=r["input_ids"] * 6) for r in REQUESTS])  # up to 198 tokens
     extra = (
@@ -165,9 +165,13 @@ def test_tp2_pp2_and_groups_give_one_engines_tokens(make_model, variant, tmp_pat
         "320",
     )
     results = {}
-    runs = [("one", model_dir, 1, ()), ("tp2", model_dir, 2, ()), ("gguf-tp2", gguf_path, 2, ())]
-    if variant == "qwen3_5":  # (stages and groups place whole layers: the MoE's are no different)
-        runs += [("pp2", model_dir, 2, ("--pp", "2")), ("dp2", model_dir, 2, ("--tp", "1"))]
+    runs = [("one", model_dir, 1, ()), ("tp2", model_dir, 2, ())]
+    if variant == "qwen3_5":  # (the layout, stages and groups place whole layers: the MoE's are no different)
+        runs += [
+            ("gguf-tp2", gguf_path, 2, ()),
+            ("pp2", model_dir, 2, ("--pp", "2")),
+            ("dp2", model_dir, 2, ("--tp", "1")),
+        ]
     for name, model, ranks, flags in runs:
         out = tmp_path / f"{name}.jsonl"
         flover_run_ok(ranks, model, prompts, out, *extra, *flags)
@@ -230,3 +234,19 @@ def test_snapshot_rows_follow_their_blocks():
     cache.release_snapshot(stolen)
     assert not cache.attach_snapshot(tokens, 6, None, cache.reserve_snapshot())  # not a block edge: released
     assert cache.reserve_snapshot() is not None
+
+
+def test_speculation_is_off_for_recurrent_layers(make_model, caplog):
+    """A draft's rejected tokens would stay in the recurrent state (no rollback): asked for, it is
+    turned off with the reason, and the tokens are those of an engine without it."""
+    import logging
+
+    model_dir = make_model("qwen3_5")
+    with caplog.at_level(logging.WARNING):
+        asked = LLM(model_dir, dtype="float32", max_slots=2, speculate=4)
+    assert asked.engine.scheduler.speculation.tokens == 0
+    assert "cannot take back rejected drafts" in caplog.text
+    prompt = asked.tokenizer.encode(" ".join(PROMPTS) * 2)  # (repeats: prompt lookup would draft)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    off = LLM(model_dir, dtype="float32", max_slots=2, speculate=0)
+    assert asked.generate([prompt], params)[0].token_ids == off.generate([prompt], params)[0].token_ids

@@ -180,7 +180,7 @@ class GGUFFile:
             "embedding_length": hidden,
             "attention.head_count": heads,
             "block_count": self.integer(f"{a}.block_count", required=True),
-            "feed_forward_length": self.integer(f"{a}.feed_forward_length", required=True),
+            "feed_forward_length": self._dense_width(),
             "context_length": self.integer(f"{a}.context_length", 2048),
             "attention.head_count_kv": self.integer(f"{a}.attention.head_count_kv"),
             "attention.key_length": self.integer(f"{a}.attention.key_length"),
@@ -221,6 +221,14 @@ class GGUFFile:
             cfg = family.from_gguf(self, cfg)
         validate_model_config(cfg, where)
         return cfg
+
+    def _dense_width(self) -> int:
+        """feed_forward_length; a file with experts in every layer may lack it (Qwen3.5-MoE's):
+        then the experts' width stands in (no layer reads it)."""
+        a = self.arch
+        if self.get(f"{a}.feed_forward_length") is None and self.has_experts():
+            return self.integer(f"{a}.expert_feed_forward_length", required=True)
+        return self.integer(f"{a}.feed_forward_length", required=True)
 
     def has_experts(self) -> bool:
         """An expert count in the metadata, or a layer with a router (ffn_gate_inp)."""

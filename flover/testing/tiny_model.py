@@ -109,7 +109,7 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     config = hf_config(arch, preset, eos_id, **config_overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _slow_decays(model)
+    slow_decays(model)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.bos_token_id = eos_id
     model.save_pretrained(out)
@@ -119,7 +119,7 @@ def make_tiny_model(arch: str, preset: str | dict, out: str | Path, seed: int = 
     return out
 
 
-def _slow_decays(model) -> None:
+def slow_decays(model) -> None:
     """Recurrent layers (Gated DeltaNet): every other head forgets slowly (a decay of ~0.9995 a
     token, as trained models have heads that keep context), so that a state a test gets wrong
     shows in the tokens long after (random init forgets within a few tokens)."""
@@ -204,7 +204,8 @@ def _write_gguf_metadata(w, config: dict, arch: str) -> dict:
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config:  # (as the converter: not for experts-only models such as Qwen3.5-MoE)
+        w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(float(theta))

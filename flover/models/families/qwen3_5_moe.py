@@ -53,7 +53,10 @@ def test_gguf_metadata(config: dict) -> dict:
 
 
 def test_kwargs(preset: dict, eos_id: int) -> dict:
-    return qwen3_5.test_kwargs(preset, eos_id) | dict(
+    """As the hub's configs: no dense intermediate_size (so llama.cpp's converter writes no
+    feed_forward_length either)."""
+    kwargs = {k: v for k, v in qwen3_5.test_kwargs(preset, eos_id).items() if k != "intermediate_size"}
+    return kwargs | dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
     )
 
