@@ -146,12 +146,6 @@ class SlotBuffer:
         slots = max_slots + scratch_slots
         shape = (kv_heads, max_seq_len, head_dim, dtype, block_tokens)
         need, pool = _fitting_bytes(len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device)
-        state_bytes = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0
-        if state_bytes and need + pool + state_bytes > available_memory_bytes(device):
-            raise MemoryError(
-                f"the recurrent layers' state needs {state_bytes / 2**20:.1f} MiB ({slots} slots) beside "
-                f"{(need + pool) / 2**20:.1f} MiB of KV; lower --max-slots"
-            )
         pool_shape = (prefix_blocks, kv_heads, block_tokens, head_dim)
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
         self.kv = zeroed_tensor((len(full), 2, slots, kv_heads, max_seq_len, head_dim), dtype, device)
@@ -165,9 +159,8 @@ class SlotBuffer:
             self.layers[n] = self.kv[i]
         for i, n in enumerate(windowed):
             self.layers[n] = self.kv_window[i]
+        self.recurrent, self.state_nbytes = recurrent, _state_bytes(recurrent, slots, dtype, need + pool, device)
         self._recurrent_buffers(recurrent, stateful, slots, dtype, device)
-        self.recurrent = recurrent
-        self.state_nbytes = state_bytes
         self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
         self.window = window
         self.block_tokens = block_tokens
@@ -304,6 +297,17 @@ def _block_views(
 def _index(picked: list[tuple[int, int, int]], block_tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     t = torch.tensor(picked, dtype=torch.int64, device=device)  # [n, (slot, row, pool row)]
     return t[:, 0], t[:, 1] // block_tokens, t[:, 2]
+
+
+def _state_bytes(recurrent: RecurrentLayout | None, slots: int, dtype, kv_bytes: int, device) -> int:
+    """The recurrent layers' states and snapshots where they fit beside the KV, else MemoryError."""
+    state_bytes = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0
+    if state_bytes and kv_bytes + state_bytes > available_memory_bytes(device):
+        raise MemoryError(
+            f"the recurrent layers' state needs {state_bytes / 2**20:.1f} MiB ({slots} slots) beside "
+            f"{kv_bytes / 2**20:.1f} MiB of KV; lower --max-slots or --prefix-cache-mib"
+        )
+    return state_bytes
 
 
 def _fitting_bytes(
