@@ -361,11 +361,7 @@ class NativeForward:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
         layers = (abi.Layer * len(self.model.layers))()
         for i, (layer, window) in enumerate(zip(self.model.layers, self.model.windows)):
-            if layer.linear is not None:  # (Qwen3.5) a DeltaNet layer: its states in the buffer, no KV
-                layers[i] = abi.Layer(**self._delta_layer_fields(plan, layer, buffer.layers[i], release))
-                continue
-            kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
-            assert kv.is_contiguous() and kv.dtype == self.dtype
+            # (a DeltaNet layer: no qkv / o, its states in the buffer instead of KV, native/recurrent.py)
             present = [name for name in PROJECTIONS if getattr(layer, name) is not None]  # (experts: no MLP)
             blocked = {name: self._projection(plan, getattr(layer, name)) for name in present}
             blocked.update({name: (0, 0) for name in PROJECTIONS if name not in present})
@@ -376,10 +372,14 @@ class NativeForward:
             if layer.sinks is not None:  # (gpt-oss) a float32 copy of its heads' sink logits
                 self._norm_weights.append(layer.sinks.detach().float().contiguous())
                 experts["sinks"] = self._norm_weights[-1].data_ptr()
+            if layer.linear is not None:
+                state = self._delta_fields(plan, layer.linear, buffer.layers[i], release)
+            else:
+                state = self._kv_fields(buffer, i)
             layers[i] = abi.Layer(
                 input_norm=self._norm_address(layer.input_norm),
                 qkv=blocked["qkv"][0],
-                qkv_bias=self._address(layer.qkv.bias),
+                qkv_bias=self._address(layer.qkv.bias if layer.qkv is not None else None),
                 o=blocked["o"][0],
                 o_bias=self._address(layer.o_bias),
                 post_norm=self._norm_address(layer.post_norm),
@@ -395,36 +395,32 @@ class NativeForward:
                 ffn_norm_after=self._norm_address(layer.ffn_norm_after),
                 attn_norm_after=self._norm_address(layer.attn_norm_after),
                 local_rope=int(layer.local_rope),
-                kv=kv.data_ptr(),
-                kv_kind=kv.stride(0),
-                kv_slot=kv.stride(1),
-                kv_head=kv.stride(2),
-                kv_len=kv.shape[3],
-                windowed_kv=int(buffer.window is not None and i in buffer.window.layers),
+                **state,
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
                 **experts,
             )
         return layers
 
-    def _delta_layer_fields(self, plan: WeightPlan, layer, state, release: bool) -> dict:
-        """A DeltaNet layer's Layer fields (native/recurrent.py), its MLP's or experts' as any layer's."""
+    def _kv_fields(self, buffer: KVSlots, i: int) -> dict:
+        """An attention layer's KV: its address and strides in elements, positions a slot keeps."""
+        kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
+        assert kv.is_contiguous() and kv.dtype == self.dtype
+        return dict(
+            kv=kv.data_ptr(),
+            kv_kind=kv.stride(0),
+            kv_slot=kv.stride(1),
+            kv_head=kv.stride(2),
+            kv_len=kv.shape[3],
+            windowed_kv=int(buffer.window is not None and i in buffer.window.layers),
+        )
+
+    def _delta_fields(self, plan: WeightPlan, linear, state, release: bool) -> dict:
+        """A DeltaNet layer's projections, small tensors and states (native/recurrent.py)."""
         projection = lambda lin: self._projection(plan, lin)  # noqa: E731
-        fields = recurrent.layer_fields(layer.linear, state, projection, self._address, self._norm_weights)
+        fields = recurrent.layer_fields(linear, state, projection, self._address, self._norm_weights)
         if release:
-            layer.linear.in_proj.release()
-            layer.linear.out.release()
-        fields.update(input_norm=self._norm_address(layer.input_norm), post_norm=self._norm_address(layer.post_norm))
-        if layer.experts is not None:
-            fields |= self._experts_layer_fields(plan, layer.experts, release)
-        else:
-            (gate_up, gate_up_grid), (down, down_grid) = (
-                self._projection(plan, layer.gate_up),
-                self._projection(plan, layer.down),
-            )
-            fields.update(gate_up=gate_up, gate_up_grid=gate_up_grid, down=down, down_grid=down_grid)
-            if release:
-                layer.gate_up.release()
-                layer.down.release()
+            linear.in_proj.release()
+            linear.out.release()
         return fields
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
