@@ -30,7 +30,6 @@ from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
-from flover.models.gated_deltanet import state_dtype, state_shapes
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
@@ -40,9 +39,9 @@ from flover.parallel.intake_events import AddEvent
 from flover.parallel.launch import local_ranks
 from flover.parallel.pipeline import StageLink
 from flover.request import Request, RequestInput, RequestOutput, StepResult
-from flover.runner.build import RankSetup, build_runner
+from flover.runner.build import RankSetup, build_runner, recurrent_layout
 from flover.runner.cuda_graphs import DecodeGraphs
-from flover.runner.kv_buffer import RecurrentLayout, SlotBuffer, kv_cache_bytes
+from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
 from flover.runner.kv_window import WindowedKV
 from flover.runner.pipeline import InFlight
 
@@ -179,9 +178,8 @@ class Engine(ServingEngine):
         """Recurrent layers keep no KV to rebuild their state from: half the prefix cache's bytes
         go to snapshots of their state (one a cached block edge worth resuming at), half to the
         other layers' KV blocks. (the KV blocks' bytes, the snapshots); (0, 0): the cache is off."""
-        la = self.model_config.linear_attention
-        conv, state = state_shapes(la, self.tp)
-        one = RecurrentLayout(la.layers, conv, state, state_dtype(self.dtype)).slot_bytes(self.dtype)
+        cfg = self.model_config
+        one = recurrent_layout(cfg, self.tp, self.dtype, range(cfg.num_layers)).slot_bytes(self.dtype)
         snapshots = int(budget / 2 // one)
         why = "pipeline stages" if self.pipe is not None else "a snapshot is larger than half" if snapshots < 2 else ""
         if why:

@@ -127,18 +127,21 @@ def _slot_buffer(s: RankSetup, scratch_slots: int) -> SlotBuffer:
         scratch_slots=scratch_slots,
         prefault_pool=config.prefault_prefix_cache,
         window=window,
-        recurrent=_recurrent_layout(s, layers),
+        recurrent=recurrent_layout(cfg, s.tp, s.dtype, layers, s.snapshots),
     )
 
 
-def _recurrent_layout(s: RankSetup, layers: range) -> RecurrentLayout | None:
-    """This rank's recurrent layers (numbered as its buffer's) and their per-slot state, or None."""
-    la = s.cfg.linear_attention
+def recurrent_layout(
+    cfg: ModelConfig, tp: TPLayout, dtype: torch.dtype, layers: range, snapshots: int = 0
+) -> RecurrentLayout | None:
+    """This rank's recurrent layers among `layers` (numbered from layers.start, as its buffer's)
+    and their per-slot state, or None where it has none."""
+    la = cfg.linear_attention
     if la is None or not la.layers & set(layers):
         return None
-    conv, state = state_shapes(la, s.tp)
+    conv, state = state_shapes(la, tp)
     own = frozenset(n - layers.start for n in la.layers if n in layers)
-    return RecurrentLayout(own, conv, state, state_dtype(s.dtype), s.snapshots)
+    return RecurrentLayout(own, conv, state, state_dtype(dtype), snapshots)
 
 
 def _decode_graphs(model, buffer: SlotBuffer, config) -> DecodeGraphs:

@@ -145,7 +145,10 @@ class SlotBuffer:
         full = [n for n in range(num_layers) if n not in set(windowed) | set(stateful)]
         slots = max_slots + scratch_slots
         shape = (kv_heads, max_seq_len, head_dim, dtype, block_tokens)
-        need, pool = _fitting_bytes(len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device)
+        state = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0  # (with snapshots)
+        need, pool = _fitting_bytes(
+            len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device, state
+        )
         pool_shape = (prefix_blocks, kv_heads, block_tokens, head_dim)
         # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
         self.kv = zeroed_tensor((len(full), 2, slots, kv_heads, max_seq_len, head_dim), dtype, device)
@@ -159,7 +162,7 @@ class SlotBuffer:
             self.layers[n] = self.kv[i]
         for i, n in enumerate(windowed):
             self.layers[n] = self.kv_window[i]
-        self.recurrent, self.state_nbytes = recurrent, _state_bytes(recurrent, slots, dtype, need + pool, device)
+        self.recurrent, self.state_nbytes = recurrent, state
         self._recurrent_buffers(recurrent, stateful, slots, dtype, device)
         self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
         self.window = window
@@ -299,35 +302,25 @@ def _index(picked: list[tuple[int, int, int]], block_tokens: int, device: torch.
     return t[:, 0], t[:, 1] // block_tokens, t[:, 2]
 
 
-def _state_bytes(recurrent: RecurrentLayout | None, slots: int, dtype, kv_bytes: int, device) -> int:
-    """The recurrent layers' states and snapshots where they fit beside the KV, else MemoryError."""
-    state_bytes = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0
-    if state_bytes and kv_bytes + state_bytes > available_memory_bytes(device):
-        raise MemoryError(
-            f"the recurrent layers' state needs {state_bytes / 2**20:.1f} MiB ({slots} slots) beside "
-            f"{kv_bytes / 2**20:.1f} MiB of KV; lower --max-slots or --prefix-cache-mib"
-        )
-    return state_bytes
-
-
 def _fitting_bytes(
-    full: int, windowed: int, max_slots: int, slots: int, shape: tuple, window, prefix_blocks: int, device
+    full: int, windowed: int, max_slots: int, slots: int, shape: tuple, window, prefix_blocks: int, device, state: int
 ):
-    """(the KV's bytes, the prefix pool's) where they fit the device's memory, else MemoryError
-    naming the sizes and the flags that lower them. shape: (kv_heads, positions, head_dim, dtype,
-    a block's positions)."""
+    """(the KV's bytes, the prefix pool's) where they fit the device's memory beside `state` bytes
+    of recurrent layers' states and snapshots, else MemoryError naming the sizes and the flags
+    that lower them. shape: (kv_heads, positions, head_dim, dtype, a block's positions)."""
     kv_heads, max_seq_len, head_dim, dtype, block_tokens = shape
     need = kv_cache_bytes(full, slots, kv_heads, max_seq_len, head_dim, dtype)
     if window:
         need += kv_cache_bytes(windowed, slots, kv_heads, window.capacity, head_dim, dtype)
     pool = kv_cache_bytes(full + windowed, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
     have = available_memory_bytes(device)
-    if need + pool > have:
+    if need + pool + state > have:
         raise MemoryError(
             f"KV cache needs {need / 2**20:.1f} MiB ({full + windowed} layers x 2 x {max_slots} slots x "
             f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}"
             f"{f', {windowed} sliding-window layers x {window.capacity} positions' if window else ''})"
-            f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''} but only "
+            f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''}"
+            f"{f' + {state / 2**20:.1f} MiB of recurrent state' if state else ''} but only "
             f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
         )
     return need, pool
