@@ -367,8 +367,10 @@ class GGUFReader:
                 f"{self.dir}: tensor {name} has type {t.type_name}, which flover does not "
                 f"read (it reads {', '.join(DEQUANTIZED_TYPES)})"
             )
-        squeezed = t.shape != tuple(source.shape) and t.shape == tuple(d for d in source.shape if d != 1)
-        if t.shape != tuple(source.shape) and not squeezed:  # (the converter squeezes a conv's [C, 1, K])
+        if t.shape not in (
+            tuple(source.shape),
+            tuple(d for d in source.shape if d != 1),
+        ):  # (a conv's [C, 1, K] squeezed)
             raise CheckpointError(f"{self.dir}: tensor {name} has shape {list(t.shape)}, expected {list(source.shape)}")
         import torch  # (this module is read without torch by the HTTP front)
 

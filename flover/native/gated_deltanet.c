@@ -21,7 +21,6 @@
 
 #include "native.h"
 
-static inline float sigmoid1(float x) { return 1.f / (1.f + expf(-x)); }
 static inline float silu1(float x) { return x / (1.f + expf(-x)); }
 static inline float softplus1(float x) { return x > 20.f ? x : log1pf(expf(x)); } /* (PyTorch's threshold) */
 

@@ -137,7 +137,7 @@ static void apply_gates(float *mid, const float *wide, int rows, int64_t q_size,
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < q_size; i++) {
             const float g = wide[r * qkv_n + gates + i];
-            mid[r * q_size + i] = rnd(mid[r * q_size + i] * rnd(1.f / (1.f + expf(-g)), bf), bf);
+            mid[r * q_size + i] = rnd(mid[r * q_size + i] * rnd(sigmoid1(g), bf), bf);
         }
 }
 
@@ -150,7 +150,7 @@ static void add_shared(const Model *md, const Layer *ly, const float *x, const f
     for (int r = 0; r < rows; r++) {
         float dot = 0.f;
         for (int64_t i = 0; i < h; i++) dot += x[r * h + i] * load((const void *)ly->shared_gate, i, bf);
-        const float gate = rnd(1.f / (1.f + expf(-rnd(dot, bf))), bf);
+        const float gate = rnd(sigmoid1(rnd(dot, bf)), bf);
         for (int64_t i = 0; i < h; i++) sum[r * h + i] = rnd(sum[r * h + i] + rnd(gate * shared[r * h + i], bf), bf);
     }
 }

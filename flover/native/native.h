@@ -26,6 +26,7 @@
 #ifndef FLOVER_NATIVE_H
 #define FLOVER_NATIVE_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "simd.h"
@@ -350,6 +351,9 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
 int64_t argmax_row(const void *row, int64_t vocab, int bf, const uint16_t *allowed);
 API void flover_argmax(const void *logits, int rows, int64_t vocab, int64_t stride, int bf, int64_t *ids, int nt);
+/* A scalar's sigmoid in float32 (gates: Qwen3.5's attention output, its shared expert, DeltaNet's beta). */
+static inline float sigmoid1(float x) { return 1.f / (1.f + expf(-x)); }
+
 /* gated_deltanet.c */
 int64_t delta_channels(const Model *md);
 int64_t delta_in_width(const Model *md);
