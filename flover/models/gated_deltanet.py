@@ -162,11 +162,14 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(tokens, hd.key_count, la.key_dim)
         v = v.reshape(tokens, hd.value_count, la.value_dim)
         beta = b.sigmoid()  # [T, value heads]
-        decay_rate = -self.A_log.float().exp() if self.A is None else self.A  # (as the reference rounds it)
-        g = decay_rate * F.softplus(a.float() + self.dt_bias)  # [T, value heads], log of the decay
+        g = self.decay_rates() * F.softplus(a.float() + self.dt_bias)  # [T, value heads], log of the decay
         o = self._delta_rule(q, k, v, g, beta, batch, state.state, state.snapshot_state)  # [T, heads, dv]
         o = self._gated_norm(o, z.reshape(tokens, hd.value_count, la.value_dim))
         return self.out(o.reshape(tokens, self.v_size))
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) [value heads], float32, as the reference rounds it (or A as the file holds it)."""
+        return -self.A_log.detach().float().exp() if self.A is None else self.A
 
     def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, snapshots) -> torch.Tensor:
         """The causal depthwise conv over each sequence's rows [T, channels] -> [T, channels],

@@ -45,7 +45,6 @@ def layer_fields(linear: GatedDeltaNet, state, projection, address, keep: list[t
         keep.append(t.detach().float().contiguous())
         return keep[-1].data_ptr()
 
-    decay = linear.A if linear.A is not None else -linear.A_log.detach().float().exp()  # (as the reference rounds it)
     (delta_in, delta_in_grid), (delta_out, delta_out_grid) = projection(linear.in_proj), projection(linear.out)
     assert state.conv.is_contiguous() and state.state.is_contiguous() and state.state.dtype == torch.float32
     return dict(
@@ -56,7 +55,7 @@ def layer_fields(linear: GatedDeltaNet, state, projection, address, keep: list[t
         delta_out_grid=delta_out_grid,
         delta_conv_w=f32(linear.conv[:, 0]),
         delta_dt_bias=address(linear.dt_bias),
-        delta_a=f32(decay),
+        delta_a=f32(linear.decay_rates()),
         delta_norm=address(linear.norm),
         conv_state=state.conv.data_ptr(),
         ssm_state=state.state.data_ptr(),

@@ -26,13 +26,19 @@ GGUF_NAMES = {
 }
 
 
+def default_pattern(layers: int, interval: int) -> list[bool]:
+    """Which layers are recurrent where a checkpoint does not list them: all but every
+    interval-th (transformers' and llama.cpp's default)."""
+    return [(i + 1) % interval != 0 for i in range(layers)]
+
+
 def layer_types(raw: dict) -> list[str]:
     layers = raw["num_hidden_layers"]
     interval = raw.get("full_attention_interval", 4)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ValueError(f"full_attention_interval {interval!r} must be a positive integer")
     types = raw.get("layer_types") or [
-        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+        "linear_attention" if recurrent else "full_attention" for recurrent in default_pattern(layers, interval)
     ]
     if len(types) != layers or not set(types) <= {"linear_attention", "full_attention"}:
         raise ValueError("layer_types must name linear_attention or full_attention for every layer")
@@ -71,7 +77,7 @@ def gguf_linear_attention(file, layers: int) -> LinearAttentionConfig:
     if listed is not None:
         recurrent = [bool(x) for x in listed][:layers]
     else:
-        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        recurrent = default_pattern(layers, interval)
     key_heads = file.integer(f"{a}.ssm.group_count", required=True)
     value_heads = file.integer(f"{a}.ssm.time_step_rank", required=True)
     inner = file.integer(f"{a}.ssm.inner_size", required=True)
