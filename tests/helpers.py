@@ -159,6 +159,26 @@ VARIANTS = {
     "qwen3_5": ("qwen3_5", {}, dict(num_layers=4)),
     # and its MoE sibling: 8 experts of 32, 2 a token, plus a shared expert of 64, every layer
     "qwen3_5-moe": ("qwen3_5_moe", {}, dict(num_layers=4)),
+    # Gemma 4's E-series: per-layer inputs, the last two layers reading earlier layers' KV (their MLPs
+    # twice as wide), global layers with heads of 32 (RoPE over a quarter), logits capped
+    "gemma4": ("gemma4", {}),
+    # and its MoE (26B-A4B's shape): 4 experts of 32, 2 a token, beside every layer's MLP; the global
+    # layer's values its keys' projection, one global kv head; no per-layer inputs, no shared KV
+    "gemma4-moe": (
+        "gemma4",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     # a vocabulary that does not split evenly over 2 or 4 ranks, 4 kv heads (split, not replicated)
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
     # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head

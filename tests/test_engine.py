@@ -43,6 +43,8 @@ def random_params(rng: random.Random) -> SamplingParams:
         ("mistral-window8", 2, "float64", "none"),
         ("gptj", 3, "float64", "none"),
         ("granite", 10, "float64", "none"),  # (its residual and logit scales)
+        ("gemma4", 11, "float64", "none"),  # (per-layer inputs, layers reading others' KV, two head shapes)
+        ("gemma4-moe", 12, "float64", "none"),  # (experts beside the MLP)
         # the native step (CPU): every output summed in the same order whatever rows share the
         # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
         ("llama", 4, "float32", "none"),

@@ -186,7 +186,7 @@ def test_gpt_oss_config(make_model):
     assert cfg.attn_sinks and cfg.sliding_windows == (8, None) and cfg.qkv_bias and cfg.o_bias
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
     assert (moe.experts, moe.top_k, moe.intermediate, moe.router) == (4, 2, 64, "router")
-    assert moe.softmax_after_topk and moe.expert_bias and moe.stacked and moe.swiglu_limit == 7.0
+    assert moe.softmax_after_topk and moe.expert_bias and moe.stacked == "interleaved" and moe.swiglu_limit == 7.0
 
 
 def test_a_layer_of_experts_holds_no_dense_mlp(make_model):

@@ -39,9 +39,9 @@ from flover.parallel.intake_events import AddEvent
 from flover.parallel.launch import local_ranks
 from flover.parallel.pipeline import StageLink
 from flover.request import Request, RequestInput, RequestOutput, StepResult
-from flover.runner.build import RankSetup, build_runner, recurrent_layout
+from flover.runner.build import RankSetup, build_runner, kv_bytes_per_position, recurrent_layout
 from flover.runner.cuda_graphs import DecodeGraphs
-from flover.runner.kv_buffer import SlotBuffer, kv_cache_bytes
+from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.kv_window import WindowedKV
 from flover.runner.pipeline import InFlight
 
@@ -163,7 +163,7 @@ class Engine(ServingEngine):
         state snapshots). Per rank; the same counts on every rank (heads split evenly), which keeps
         their prefix indexes making the same decisions (docs/prefix_cache.md)."""
         config, cfg = self.config, self.model_config
-        block_bytes = kv_cache_bytes(len(cfg.kv_layers()), 1, self.tp.kv_heads, BLOCK_TOKENS, cfg.head_dim, self.dtype)
+        block_bytes = kv_bytes_per_position(cfg, self.tp, self.dtype) * BLOCK_TOKENS
         budget = config.prefix_cache_mib * 2**20
         snapshots = 0
         if cfg.linear_attention is not None and budget:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
 
 def stacked_experts(cfg: ModelConfig) -> dict:
     """Each expert's per-expert names (models/moe.py asks for) -> where a checkpoint that stacks
-    the experts (gpt-oss: mlp.experts.gate_up_proj [experts, hidden, 2 inter], ...) keeps them."""
+    the experts (gpt-oss: mlp.experts.gate_up_proj [experts, hidden, 2 inter], ...; Gemma 4:
+    experts.gate_up_proj [experts, 2 inter, hidden], ...) keeps them."""
     from flover.models.safetensors_reader import Stacked
 
     moe = cfg.moe
@@ -28,15 +29,15 @@ def stacked_experts(cfg: ModelConfig) -> dict:
     names = {}
     gate, up, down = moe.projections
     for i in sorted(moe.layers):
-        block = f"model.layers.{i}.{moe.block}.experts"
+        block = f"{moe.block_of(f'model.layers.{i}')}.experts"
         for e in range(moe.experts):
             for projection, stack, part in (
                 (gate, "gate_up_proj", "gate"),
                 (up, "gate_up_proj", "up"),
                 (down, "down_proj", "down"),
             ):
-                names[f"{block}.{e}.{projection}.weight"] = Stacked(f"{block}.{stack}", e, part)
-                names[f"{block}.{e}.{projection}.bias"] = Stacked(f"{block}.{stack}_bias", e, part)
+                names[f"{block}.{e}.{projection}.weight"] = Stacked(f"{block}.{stack}", e, part, moe.stacked)
+                names[f"{block}.{e}.{projection}.bias"] = Stacked(f"{block}.{stack}_bias", e, part, moe.stacked)
     return names
 
 

@@ -15,6 +15,7 @@ embedding, final norm and LM head (`embed_tokens`, `run_layers` and `head`: the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -29,6 +30,7 @@ from flover.models.layers import (
     activation,
     all_reduce,
     cols,
+    float32_rms_norm,
     new_param,
     offset_rms_norm,
     rms_norm,
@@ -39,6 +41,7 @@ from flover.models.layers import (
 )
 from flover.models.model_config import ModelConfig
 from flover.models.moe import ExpertsMLP
+from flover.models.per_layer_inputs import PerLayerInputs
 from flover.models.safetensors_reader import WeightSpec
 from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
@@ -49,8 +52,15 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, tp: TPLayout, index: int, window: int | None, dtype: torch.dtype, device: torch.device
     ):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.layer_head_dim(index)
+        if cfg.layer_kv_heads(index) != cfg.num_kv_heads:  # (Gemma 4's full-attention layers) kv heads of their own
+            tp = tp.with_kv_heads(cfg.layer_kv_heads(index))
+        self.tp, self.index, self.head_dim = tp, index, d
         self.q_size, self.kv_size = tp.heads * d, tp.kv_heads * d
+        # (Gemma 4) a layer reading an earlier layer's keys and values projects queries only;
+        # a full-attention layer's values may be its keys' projection (no v_proj)
+        self.reads_kv = cfg.kv_source(index) == index
+        self.v_from_k = cfg.global_k_eq_v and cfg.is_global(index)
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         lin = lambda out, inp, bias: Linear(out, inp, bias, dtype, device)  # noqa: E731
         post, sandwich = cfg.norm_layout == "post", cfg.norm_layout == "sandwich"
@@ -61,11 +71,14 @@ class DecoderLayer(nn.Module):
         # (Qwen3.5) each head's query followed by its output gate: q_proj twice as wide
         self.gate_size = self.q_size if cfg.attn_output_gate else 0
         q_width = self.q_size + self.gate_size
-        self.qkv = None if recurrent else lin(q_width + 2 * self.kv_size, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
+        kv_width = 0 if not self.reads_kv else self.kv_size if self.v_from_k else 2 * self.kv_size
+        self.qkv = None if recurrent else lin(q_width + kv_width, h, cfg.qkv_bias)  # q, k, v fused: one GEMM
         # before RoPE: per head (Qwen3), or over the whole of q and of k (OLMo 2)
         norm_sizes = {"head": (d, d), "projection": (self.q_size, self.kv_size)}.get(cfg.qk_norm)
         self.q_norm, self.k_norm = (
-            (p(norm_sizes[0]), p(norm_sizes[1])) if norm_sizes and not recurrent else (None, None)
+            (p(norm_sizes[0]), p(norm_sizes[1]) if self.reads_kv else None)
+            if norm_sizes and not recurrent
+            else (None, None)
         )
         self.rope = index not in cfg.nope_layers  # (SmolLM3's NoPE layers: positions only through the causal mask)
         self.local_rope = cfg.local_rope_theta is not None and window is not None  # (Gemma 3's own base)
@@ -76,11 +89,15 @@ class DecoderLayer(nn.Module):
         self.ffn_norm_after = p(h) if post or sandwich else None  # after the MLP, before the add
         # (Qwen3-MoE, Mixtral, gpt-oss) experts in place of the dense MLP, which such a layer then has not
         moe = cfg.moe is not None and index in cfg.moe.layers
-        self.experts = ExpertsMLP(cfg.moe, h, activation(cfg.hidden_act), tp, dtype, device) if moe else None
-        self.gate_up = None if moe else lin(2 * tp.intermediate, h, cfg.mlp_bias)  # gate and up fused
-        self.down = None if moe else lin(h, tp.intermediate, False)
+        act = activation(cfg.hidden_act)
+        self.experts = ExpertsMLP(cfg.moe, h, act, tp, dtype, device, cfg.norm_eps) if moe else None
+        dense = not moe or cfg.moe.beside_mlp  # (Gemma 4: experts beside the dense MLP)
+        self.wide = 2 if index in cfg.wide_mlp_layers else 1  # (Gemma 4) twice as wide an MLP
+        self.gate_up = lin(2 * self.wide * tp.intermediate, h, cfg.mlp_bias) if dense else None  # gate and up fused
+        self.down = lin(h, self.wide * tp.intermediate, False) if dense else None
         self.down_bias = p(h) if cfg.mlp_bias else None
         self.sinks = p(tp.heads) if cfg.attn_sinks else None  # (gpt-oss) this rank's heads' sink logits
+        self._gemma4_parts(cfg, p, lin, moe)
         self.attn_opts = AttentionOptions(
             sinks=self.sinks,
             window=window,
@@ -88,8 +105,20 @@ class DecoderLayer(nn.Module):
             scale=cfg.attn_scale,
         )
 
+    def _gemma4_parts(self, cfg: ModelConfig, p, lin, moe: bool) -> None:
+        """The experts' norms beside the MLP (before the experts, after the MLP, after the
+        experts); the per-layer input's gate [width, hidden], projection [hidden, width] and norm;
+        the layer's output scalar: None where the model has none."""
+        h, pl = cfg.hidden_size, cfg.per_layer_input
+        self.beside = (p(h), p(h), p(h)) if moe and cfg.moe.beside_mlp else None
+        self.pl_gate = lin(pl.width, h, False) if pl else None
+        self.pl_proj = lin(h, pl.width, False) if pl else None
+        self.pl_norm = p(h) if pl else None
+        self.scalar = p(1) if cfg.layer_scalar else None
+
     def weight_specs(self, cfg: ModelConfig, tp: TPLayout, prefix: str) -> list[WeightSpec]:
-        h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        tp = self.tp  # (its own kv heads where the layer's differ)
+        h, d, inter = cfg.hidden_size, self.head_dim, cfg.intermediate_size
         att, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         q_full = cfg.num_heads * d
         mlp_norm = "pre_feedforward" if cfg.norm_layout == "sandwich" else "post_attention"  # (transformers' names)
@@ -103,14 +132,14 @@ class DecoderLayer(nn.Module):
             specs.append(WeightSpec(self.o.weight, (o_cols,)))
         if self.experts is not None:
             specs += self.experts.weight_specs(prefix, h)
-        else:
+        if self.gate_up is not None:
             specs.append(WeightSpec(self.gate_up.weight, self._gate_up_sources(cfg, tp, mlp, "weight")))
-            specs.append(
-                WeightSpec(
-                    self.down.weight,
-                    (cols(f"{mlp}.down_proj.weight", (h, inter), tp.intermediate_start, tp.intermediate),),
-                )
+            wide = self.wide
+            down_cols = cols(
+                f"{mlp}.down_proj.weight", (h, wide * inter), wide * tp.intermediate_start, wide * tp.intermediate
             )
+            specs.append(WeightSpec(self.down.weight, (down_cols,)))
+        specs += self._gemma4_specs(cfg, prefix)
         if self.input_norm is not None:
             specs.append(WeightSpec(self.input_norm, (whole(f"{prefix}.input_layernorm.weight", (h,)),)))
         if self.attn_norm_after is not None:
@@ -121,6 +150,7 @@ class DecoderLayer(nn.Module):
             specs.append(WeightSpec(self.qkv.bias, self._qkv_sources(cfg, tp, att, "bias")))
         if self.q_norm is not None:  # (whole: under TP the projection norm is refused, the per-head one replicated)
             specs.append(WeightSpec(self.q_norm, (whole(f"{att}.q_norm.weight", tuple(self.q_norm.shape)),)))
+        if self.k_norm is not None:
             specs.append(WeightSpec(self.k_norm, (whole(f"{att}.k_norm.weight", tuple(self.k_norm.shape)),)))
         if self.o_bias is not None:
             specs.append(WeightSpec(self.o_bias, (whole(f"{att}.o_proj.bias", (h,)),)))
@@ -131,11 +161,32 @@ class DecoderLayer(nn.Module):
             specs.append(WeightSpec(self.down_bias, (whole(f"{mlp}.down_proj.bias", (h,)),)))
         return specs
 
+    def _gemma4_specs(self, cfg: ModelConfig, prefix: str) -> list[WeightSpec]:
+        """The experts' norms beside the MLP, the per-layer input's gate, projection and norm, the
+        layer's scalar: where the layer has them."""
+        h, specs = cfg.hidden_size, []
+        if self.beside is not None:
+            names = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+            specs += [WeightSpec(w, (whole(f"{prefix}.{n}.weight", (h,)),)) for w, n in zip(self.beside, names)]
+        if self.pl_gate is not None:
+            w = cfg.per_layer_input.width
+            specs.append(WeightSpec(self.pl_gate.weight, (whole(f"{prefix}.per_layer_input_gate.weight", (w, h)),)))
+            specs.append(WeightSpec(self.pl_proj.weight, (whole(f"{prefix}.per_layer_projection.weight", (h, w)),)))
+            specs.append(WeightSpec(self.pl_norm, (whole(f"{prefix}.post_per_layer_input_norm.weight", (h,)),)))
+        if self.scalar is not None:
+            specs.append(WeightSpec(self.scalar, (whole(f"{prefix}.layer_scalar", (1,)),)))
+        return specs
+
     def _qkv_sources(self, cfg: ModelConfig, tp: TPLayout, att: str, kind: str) -> tuple:
-        """This rank's rows of q, k and v ("weight" or "bias"), stored apart or fused."""
-        h, d = cfg.hidden_size, cfg.head_dim
-        q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        """This rank's rows of q, k and v ("weight" or "bias"), stored apart or fused (q alone for a
+        layer reading another's KV; q and k where the values are the keys' projection)."""
+        h, d = cfg.hidden_size, self.head_dim
+        q_full, kv_full = cfg.num_heads * d, cfg.layer_kv_heads(self.index) * d
         shape = (lambda n: (n, h)) if kind == "weight" else (lambda n: (n,))
+        if not self.reads_kv or self.v_from_k:
+            q = rows(f"{att}.q_proj.{kind}", shape(q_full), tp.head_start * d, self.q_size)
+            k = rows(f"{att}.k_proj.{kind}", shape(kv_full), tp.kv_head_start * d, self.kv_size)
+            return (q,) if not self.reads_kv else (q, k)
         if cfg.attn_output_gate and kind == "weight":  # q_proj: per head its query's rows, then its gate's
             d2 = 2 * d
             return (
@@ -158,7 +209,12 @@ class DecoderLayer(nn.Module):
 
     def _gate_up_sources(self, cfg: ModelConfig, tp: TPLayout, mlp: str, kind: str) -> tuple:
         """This rank's rows of the gate and up projections, stored apart or fused."""
-        h, inter = cfg.hidden_size, cfg.intermediate_size
+        h, inter, wide = cfg.hidden_size, cfg.intermediate_size, self.wide
+        if wide > 1:  # (Gemma 4's wide layers: their own rows, stored apart)
+            return tuple(
+                rows(f"{mlp}.{n}_proj.{kind}", (wide * inter, h), wide * tp.intermediate_start, wide * tp.intermediate)
+                for n in ("gate", "up")
+            )
         shape = (inter, h) if kind == "weight" else (inter,)
         if cfg.fused_projections:  # gate then up: rows of one tensor
             name, fused = f"{mlp}.gate_up_proj.{kind}", (2 * inter, *shape[1:])
@@ -193,22 +249,28 @@ class DecoderForCausalLM(nn.Module):
         self.cfg, self.tp, self.comm = cfg, tp, comm
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         ends = stage.has_ends
-        self.embed = p(tp.vocab, cfg.hidden_size) if ends else None  # this rank's vocabulary block
+        # this rank's vocabulary block (every stage's where per-layer inputs read the embeddings)
+        self.embed = p(tp.vocab, cfg.hidden_size) if ends or cfg.per_layer_input else None
+        self.per_layer = PerLayerInputs(cfg, stage.layers, dtype, device) if cfg.per_layer_input else None
         self.windows = tuple(cfg.sliding_windows[n] for n in stage.layers)  # this stage's layers' windows
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, n, cfg.sliding_windows[n], dtype, device) for n in stage.layers
         )
         self.norm = p(cfg.hidden_size) if ends else None
         self.lm_head = Linear(tp.vocab, cfg.hidden_size, False, dtype, device) if ends else None
-        self.rotary = Rotary(cfg, max_len, dtype, device)
+        # (Gemma 4: the full-attention layers' wider heads, all of each head in the tables)
+        wide = dataclasses.replace(cfg, rotary_dim=cfg.global_head_dim) if cfg.global_head_dim else cfg
+        self.rotary = Rotary(wide, max_len, dtype, device)
         # sliding-window layers that rotate with a base of their own
         self.local_rotary = Rotary(cfg, max_len, dtype, device, local=True) if cfg.local_rope_theta else None
-        # the embeddings' factor: a Python float, or rounded as the reference rounds it (float32, then dtype)
+        # the embeddings' factor: a Python float, or rounded to the model's dtype as the reference rounds it
         self.embed_scale = cfg.embed_scale
         if cfg.embed_scale is not None and cfg.embed_scale_rounded:
-            self.embed_scale = torch.tensor(cfg.embed_scale).to(device=device, dtype=dtype)
+            self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype, device=device)
         # offset + weight, or the weight, in float32 and rounded once; else the normalised rows rounded first
-        if cfg.norm_offset:
+        if cfg.norm_exact_float32:
+            self.norm_fn = float32_rms_norm
+        elif cfg.norm_offset:
             self.norm_fn = functools.partial(offset_rms_norm, offset=cfg.norm_offset)
         else:
             self.norm_fn = wide_weight_rms_norm if cfg.norm_float32 else rms_norm
@@ -220,6 +282,10 @@ class DecoderForCausalLM(nn.Module):
         specs = []
         for n, layer in zip(self.stage.layers, self.layers):
             specs += layer.weight_specs(cfg, tp, f"model.layers.{n}")
+        if self.per_layer is not None:
+            specs += self.per_layer.weight_specs()
+            if not self.stage.has_ends:
+                specs.append(WeightSpec(self.embed, vocab_block("model.embed_tokens.weight"), pad=True))
         if self.stage.has_ends:
             specs.append(WeightSpec(self.embed, vocab_block("model.embed_tokens.weight"), pad=True))
             specs.append(WeightSpec(self.norm, (whole("model.norm.weight", (h,)),)))
@@ -245,7 +311,10 @@ class DecoderForCausalLM(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, hidden] residual rows -> [B, vocab block of this rank] (the first stage)."""
         logits = self.lm_head(self.norm_fn(hidden, self.norm, self.cfg.norm_eps))
-        return logits if self.cfg.logit_scale is None else logits / self.cfg.logit_scale
+        if self.cfg.logit_scale is not None:
+            logits = logits / self.cfg.logit_scale
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def run_layers(self, hidden: torch.Tensor, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
         """This stage's layers over the residual rows [T, hidden] -> [T, hidden]. kv: per layer of
@@ -253,6 +322,8 @@ class DecoderForCausalLM(nn.Module):
         eps, norm = self.cfg.norm_eps, self.norm_fn
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
         local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
+        # (Gemma 4) [T, stage layers, width]: each layer's own input, from the tokens and their embeddings
+        per_layer = self.per_layer(batch.input_ids, self.embed_tokens(batch)) if self.per_layer is not None else None
         for n, layer in enumerate(self.layers):
             x = hidden if layer.input_norm is None else norm(hidden, layer.input_norm, eps)
             if layer.linear is not None:  # (Qwen3.5) kv[n]: the layer's (conv, recurrent) state
@@ -268,8 +339,13 @@ class DecoderForCausalLM(nn.Module):
             else:
                 hidden = self._add(hidden, out)
                 x = norm(hidden, layer.post_norm, eps)
-            out = self._mlp(layer, x)
+            out = self._mlp(layer, x, hidden)
             hidden = self._add(hidden, out if layer.ffn_norm_after is None else norm(out, layer.ffn_norm_after, eps))
+            if per_layer is not None:  # gelu(gate(h)) times the layer's input, projected back, normed, added
+                gated = self.act(layer.pl_gate(hidden)) * per_layer[:, n]  # [T, width]
+                hidden = hidden + norm(layer.pl_proj(gated), layer.pl_norm, eps)
+            if layer.scalar is not None:
+                hidden = hidden * layer.scalar
         return hidden
 
     def _add(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -282,43 +358,52 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Attention over the normed rows x [T, hidden] -> its output [T, hidden] (all-reduced, o's
         bias added); this row's keys and values written to kv ([2, slots, kv_heads, positions, head_dim])."""
-        cfg, tp, norm = self.cfg, self.tp, self.norm_fn
-        tokens, qk_heads = x.shape[0], tp.heads + tp.kv_heads
-        qkv = layer.qkv(x)  # [T, q + 2 kv]; with an output gate [T, (q + gate) + 2 kv]
+        cfg, tp, norm, d = self.cfg, layer.tp, self.norm_fn, layer.head_dim
+        tokens = x.shape[0]
+        qk_heads = tp.heads + (tp.kv_heads if layer.reads_kv else 0)
+        qkv = layer.qkv(x)  # [T, q + 2 kv]; with an output gate [T, (q + gate) + 2 kv]; [T, q] reading another's KV
         gate = None
         if layer.gate_size:  # per head [query, gate]: the queries to the front, the gates apart
-            q_gate = qkv[:, : 2 * layer.q_size].view(tokens, tp.heads, 2, cfg.head_dim)
+            q_gate = qkv[:, : 2 * layer.q_size].view(tokens, tp.heads, 2, d)
             gate = q_gate[:, :, 1].reshape(tokens, layer.q_size)
             qkv = torch.cat((q_gate[:, :, 0].reshape(tokens, layer.q_size), qkv[:, 2 * layer.q_size :]), dim=1)
-        qk = qkv[:, : layer.q_size + layer.kv_size].view(tokens, qk_heads, cfg.head_dim)
+        kv_width = layer.kv_size if layer.reads_kv else 0
+        qk = qkv[:, : layer.q_size + kv_width].view(tokens, qk_heads, d)
+        # (Gemma 4) values that are the keys' projection: taken before the keys' norm and RoPE
+        v = qkv[:, layer.q_size : layer.q_size + kv_width] if layer.v_from_k else qkv[:, layer.q_size + kv_width :]
         if cfg.qk_norm == "head":  # [T, heads, head_dim] and [T, kv_heads, head_dim], each head alone
-            q_normed, k_normed = (
-                norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps),
-                norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps),
-            )
+            q_normed = norm(qk[:, : tp.heads], layer.q_norm, cfg.norm_eps)
+            k_normed = norm(qk[:, tp.heads :], layer.k_norm, cfg.norm_eps) if layer.reads_kv else qk[:, tp.heads :]
             qk = torch.cat((q_normed, k_normed), dim=1)
         elif cfg.qk_norm == "projection":  # [T, heads * head_dim] and [T, kv_heads * head_dim], each whole
             q_flat, k_flat = qk.flatten(1).split((layer.q_size, layer.kv_size), dim=1)
             qk = torch.cat(
                 (norm(q_flat, layer.q_norm, cfg.norm_eps), norm(k_flat, layer.k_norm, cfg.norm_eps)), dim=1
-            ).view(tokens, qk_heads, cfg.head_dim)
+            ).view(tokens, qk_heads, d)
         if layer.rope:  # q and k rotated together: [T, heads + kv_heads, head_dim]
             qk = (self.local_rotary if layer.local_rope else self.rotary)(qk, batch.positions, tables)
         q, k = qk[:, : tp.heads], qk[:, tp.heads :]
-        v = qkv[:, layer.q_size + layer.kv_size :]
         rows = batch.window if batch.window is not None and layer.attn_opts.window is not None else batch
-        write_kv(kv[0], kv[1], k, v.view(tokens, tp.kv_heads, cfg.head_dim), rows)
+        if layer.reads_kv:  # (else an earlier layer wrote this iteration's keys and values already)
+            v = v.view(tokens, tp.kv_heads, d)
+            write_kv(kv[0], kv[1], k, float32_rms_norm(v, None, cfg.norm_eps) if cfg.v_norm else v, rows)
         attn = attention(q, kv[0], kv[1], rows, layer.attn_opts)  # [T, heads * head_dim]
         if gate is not None:
             attn = attn * torch.sigmoid(gate)
         out = all_reduce(layer.o(attn), self.comm)  # [T, hidden]
         return out if layer.o_bias is None else out + layer.o_bias
 
-    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        """The MLP (or the experts) over x [T, hidden] -> [T, hidden] (all-reduced, down's bias added)."""
-        if layer.experts is not None:  # (mixtures of experts) this rank's columns of each chosen expert
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The MLP (or the experts) over the normed x [T, hidden] -> [T, hidden] (all-reduced,
+        down's bias added). (Gemma 4) Experts beside the MLP: the router reads the residual rows, the
+        experts their own norm of it; each output normed, the two added."""
+        if layer.experts is not None and layer.beside is None:  # this rank's columns of each chosen expert
             out = all_reduce(layer.experts(x), self.comm)
         else:
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate / ranks] each
             out = all_reduce(layer.down(self.act(gate) * up), self.comm)
+        if layer.beside is not None:
+            eps, (before, after_mlp, after_experts) = self.cfg.norm_eps, layer.beside
+            experts = all_reduce(layer.experts(self.norm_fn(residual, before, eps), route_input=residual), self.comm)
+            out = self.norm_fn(out, after_mlp, eps) + self.norm_fn(experts, after_experts, eps)
         return out if layer.down_bias is None else out + layer.down_bias

@@ -49,6 +49,14 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: f
     return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (offset + weight.float())).to(x.dtype)
 
 
+def float32_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(Gemma 4) normalised as x * (mean(x^2) + eps)^-0.5 in float32, times the weight in float32
+    (none: 1), rounded to x's dtype once, whatever x's dtype (float64 too, as Gemma4RMSNorm)."""
+    x32 = x.float()
+    normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (normed if weight is None else normed * weight.float()).to(x.dtype)
+
+
 def activation(name: str):
     if name == "silu":
         return F.silu
@@ -88,6 +96,9 @@ def _inv_freq(config: ModelConfig, max_len: int = 0) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "proportional":  # (Gemma 4) the first pairs turn, the rest not (frequency 0)
+        turned = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+        return torch.cat((inv_freq[:turned], torch.zeros(dim // 2 - turned))) / scaling.get("factor", 1.0)
     if scaling["rope_type"] == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if scaling["rope_type"] == "yarn":

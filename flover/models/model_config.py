@@ -90,9 +90,42 @@ def validate_model_config(cfg: "ModelConfig", where: str) -> None:
         )
         if moe.top_k > moe.experts or not moe.layers <= set(range(cfg.num_layers)):
             problems.append(f"{moe.top_k} experts a token of {moe.experts}, in layers {sorted(moe.layers)}")
-    problems += _linear_attention_problems(cfg)
+    problems += _linear_attention_problems(cfg) + _per_layer_shape_problems(cfg)
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+def _per_layer_shape_problems(cfg: "ModelConfig") -> list[str]:
+    """(Gemma 4) the full-attention layers' own sizes, the layers reading another's KV, the soft cap."""
+    check_sizes(
+        {"global_head_dim": cfg.global_head_dim, "global_kv_heads": cfg.global_kv_heads}, "attention", optional=True
+    )
+    problems = []
+    if cfg.global_head_dim and cfg.global_head_dim % 2:
+        problems.append(f"global head_dim {cfg.global_head_dim}: RoPE needs an even size")
+    if cfg.global_kv_heads and cfg.num_heads % cfg.global_kv_heads:
+        problems.append(f"{cfg.num_heads} attention heads cannot share {cfg.global_kv_heads} global kv heads evenly")
+    sources = cfg.kv_sources
+    if sources and (
+        len(sources) != cfg.num_layers
+        or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= n for n, s in enumerate(sources))
+        or any(cfg.kv_source(s) != s or cfg.is_global(s) != cfg.is_global(n) for n, s in enumerate(sources))
+    ):
+        problems.append("each layer must read its own KV or that of an earlier layer of its kind that keeps its own")
+    if not cfg.wide_mlp_layers <= set(range(cfg.num_layers)):
+        problems.append(f"wide MLP layers {sorted(cfg.wide_mlp_layers)} beyond the {cfg.num_layers} layers")
+    cap = cfg.final_softcap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+        problems.append(f"final_logit_softcapping {cap!r} must be a positive number")
+    if cfg.per_layer_input is not None:
+        check_sizes(
+            {
+                "hidden_size_per_layer_input": cfg.per_layer_input.width,
+                "vocab_size_per_layer_input": cfg.per_layer_input.vocab,
+            },
+            "per-layer inputs",
+        )
+    return problems
 
 
 def _linear_attention_problems(cfg: "ModelConfig") -> list[str]:
@@ -146,10 +179,32 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
-    stacked: bool = False
+    # how a checkpoint stacks the experts: "" one tensor each; "interleaved" (gpt-oss) [experts, in,
+    # out] with gate and up alternating in out; "halves" (Gemma 4) [experts, out, in], gate's rows then up's
+    stacked: str = ""
     # Qwen3.5-MoE: beside the routed experts a dense "shared expert" MLP of this width (0: none)
     # runs on every row, its output times sigmoid(shared_expert_gate(x)), added to theirs
     shared_intermediate: int = 0
+    # Gemma 4: the experts run beside the dense MLP (each with a norm before and after, the two
+    # outputs added), the router reads the residual RMS-normed (no weight) times a learned scale
+    # and hidden^-0.5, and each chosen expert's weight is multiplied by a learned per-expert scale
+    beside_mlp: bool = False
+    router_scaled: bool = False
+
+    def block_of(self, layer: str) -> str:
+        """The checkpoint's name of a layer's module holding the router and the experts."""
+        return f"{layer}.{self.block}" if self.block else layer
+
+
+@dataclass(frozen=True)
+class PerLayerInputConfig:
+    """(Gemma 4's E-series) a small input per layer and token: a table of `vocab` rows of
+    layers x `width` (looked up by token, times sqrt(width)) plus a projection of the scaled
+    embedding (times hidden^-0.5, RMS-normed per layer), the two summed times 1/sqrt(2); each layer
+    multiplies it into gelu(gate(x)) after its MLP and adds norm(proj(...)) to the residual."""
+
+    width: int
+    vocab: int
 
 
 @dataclass(frozen=True)
@@ -212,11 +267,13 @@ class ModelConfig:
     # norm multiplies offset + weight)
     norm_float32: bool = False
     norm_offset: float = 0.0
+    # (Gemma 4) every norm in float32 whatever the dtype (float64 too), as x * (mean(x^2) + eps)^-0.5
+    norm_exact_float32: bool = False
     fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused
     gated_mlp: bool = True  # down(act(gate) * up); False: fc_out(act(fc_in)) (a parallel block's MLP)
     rope_interleaved: bool = False  # RoPE turns pairs (2i, 2i + 1); else the halves (rotate_half)
-    # the embeddings times embed_scale (None: 1); `embed_scale_rounded`: that factor rounded to
-    # float32 and then to the model's dtype before it multiplies, else applied as a Python float
+    # the embeddings times embed_scale (None: 1); `embed_scale_rounded`: that factor rounded to the
+    # model's dtype before it multiplies (as Gemma's scaled embedding), else applied as a Python float
     embed_scale: float | None = None
     embed_scale_rounded: bool = False
     residual_scale: float | None = None  # each block's output times it before the residual add
@@ -229,8 +286,33 @@ class ModelConfig:
     # (Qwen3.5) q_proj yields per head the query and a gate: attention's output times sigmoid(gate)
     attn_output_gate: bool = False
     linear_attention: LinearAttentionConfig | None = None  # recurrent layers in place of some attention
+    # (Gemma 4) the full-attention layers' own head size and kv heads (None: as the others')
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    global_k_eq_v: bool = False  # the full-attention layers' values are their keys' projection (no v_proj)
+    v_norm: bool = False  # values RMS-normed per head (no weight) before they are stored
+    # per layer, the layer whose keys and values it reads: itself, or an earlier one's (it then
+    # projects only queries and stores none); (): every layer its own
+    kv_sources: tuple[int, ...] = ()
+    wide_mlp_layers: frozenset[int] = frozenset()  # layers whose MLP is 2 x intermediate_size wide
+    per_layer_input: PerLayerInputConfig | None = None
+    final_softcap: float | None = None  # the logits as cap * tanh(logits / cap)
+    layer_scalar: bool = False  # each layer's output times a learned scalar
 
     def kv_layers(self) -> list[int]:
-        """The layers that keep keys and values (the others keep a recurrent state instead)."""
+        """The layers that keep keys and values (the others keep a recurrent state instead, or
+        read another layer's)."""
         recurrent = self.linear_attention.layers if self.linear_attention is not None else frozenset()
-        return [n for n in range(self.num_layers) if n not in recurrent]
+        return [n for n in range(self.num_layers) if n not in recurrent and self.kv_source(n) == n]
+
+    def kv_source(self, n: int) -> int:
+        return self.kv_sources[n] if self.kv_sources else n
+
+    def is_global(self, n: int) -> bool:
+        return self.sliding_windows[n] is None
+
+    def layer_head_dim(self, n: int) -> int:
+        return self.global_head_dim if self.global_head_dim and self.is_global(n) else self.head_dim
+
+    def layer_kv_heads(self, n: int) -> int:
+        return self.global_kv_heads if self.global_kv_heads and self.is_global(n) else self.num_kv_heads

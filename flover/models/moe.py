@@ -17,19 +17,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flover.models.layers import Linear, cols, new_param, rows, whole
+from flover.models.layers import Linear, cols, float32_rms_norm, new_param, rows, whole
 from flover.models.model_config import MoEConfig
 from flover.models.safetensors_reader import WeightSpec
 from flover.models.tp_layout import TPLayout
 
 
 class ExpertsMLP(nn.Module):
-    def __init__(self, moe: MoEConfig, hidden: int, act, tp: TPLayout, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        moe: MoEConfig,
+        hidden: int,
+        act,
+        tp: TPLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        eps: float = 1e-6,
+    ):
         super().__init__()
-        self.cfg, self.act, self.tp = moe, act, tp
+        self.cfg, self.act, self.tp, self.eps = moe, act, tp, eps
         inter, bias = tp.expert_intermediate, moe.expert_bias  # this rank's columns of each expert
         self.router = new_param(moe.experts, hidden, dtype=dtype, device=device)  # [experts, hidden], every rank's
         self.router_bias = new_param(moe.experts, dtype=dtype, device=device) if moe.router_bias else None
+        # (Gemma 4) the router input's learned scale [hidden] and each expert's weight's [experts]
+        self.router_scale = new_param(hidden, dtype=dtype, device=device) if moe.router_scaled else None
+        self.expert_scale = new_param(moe.experts, dtype=dtype, device=device) if moe.router_scaled else None
         self.gate_up = nn.ModuleList(Linear(2 * inter, hidden, bias, dtype, device) for _ in range(moe.experts))
         self.down = nn.ModuleList(Linear(hidden, inter, bias, dtype, device) for _ in range(moe.experts))
         for lin in self.down if bias and tp.rank > 0 else ():  # (gpt-oss) down's bias: added by rank 0 alone
@@ -45,12 +57,16 @@ class ExpertsMLP(nn.Module):
     def weight_specs(self, prefix: str, hidden: int) -> list[WeightSpec]:
         """The checkpoint's per-expert tensors ({block}.experts.{e}.{gate} ...) into each expert's pair."""
         moe, tp = self.cfg, self.tp
-        block, (gate, up, down) = f"{prefix}.{moe.block}", moe.projections
+        block, (gate, up, down) = moe.block_of(prefix), moe.projections
         full, start, inter = moe.intermediate, tp.expert_intermediate_start, tp.expert_intermediate
         router = f"{block}.{moe.router}"
         specs = [WeightSpec(self.router, (whole(f"{router}.weight", (moe.experts, hidden)),))]
         if self.router_bias is not None:
             specs.append(WeightSpec(self.router_bias, (whole(f"{router}.bias", (moe.experts,)),)))
+        if self.router_scale is not None:  # (Gemma 4: router.proj beside router.scale, router.per_expert_scale)
+            parent = router.rsplit(".", 1)[0]
+            specs.append(WeightSpec(self.router_scale, (whole(f"{parent}.scale", (hidden,)),)))
+            specs.append(WeightSpec(self.expert_scale, (whole(f"{parent}.per_expert_scale", (moe.experts,)),)))
         for e in range(moe.experts):
             expert = f"{block}.experts.{e}"
             gate_up = tuple(rows(f"{expert}.{n}.weight", (full, hidden), start, inter) for n in (gate, up))
@@ -82,6 +98,8 @@ class ExpertsMLP(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (experts [T, k], weights [T, k]: float32 where the family multiplies so,
         else in x's dtype)."""
+        if self.router_scale is not None:  # (Gemma 4) normed (no weight), times its scale and hidden^-0.5
+            x = float32_rms_norm(x, None, self.eps) * self.router_scale * x.shape[-1] ** -0.5
         logits = F.linear(x, self.router, self.router_bias)  # [T, experts]
         if self.cfg.softmax_after_topk:  # (gpt-oss) the top k logits, then their softmax in x's dtype
             top, experts = torch.topk(logits, self.cfg.top_k, dim=-1)
@@ -90,11 +108,14 @@ class ExpertsMLP(nn.Module):
         weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.expert_scale is not None:  # (float32 times the model's dtype: the wider of the two)
+            weights = weights * self.expert_scale[experts]
         return experts, weights if self.cfg.weights_float32 else weights.to(logits.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (this rank's partial sum under tensor parallelism)."""
-        experts, weights = self.route(x)
+    def forward(self, x: torch.Tensor, route_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (this rank's partial sum under tensor parallelism).
+        `route_input`: the rows the router reads, where they are not x (Gemma 4: the residual)."""
+        experts, weights = self.route(x if route_input is None else route_input)
         self.load += torch.bincount(experts.flatten(), minlength=self.cfg.experts).to(self.load.device)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():  # ascending: each row's sum in the experts' order

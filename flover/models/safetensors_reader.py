@@ -29,13 +29,15 @@ class Source:
 
 @dataclass(frozen=True)
 class Stacked:
-    """Where one expert's tensor lies in a checkpoint that stacks them (gpt-oss): weights
-    [experts, in, out] (gate and up interleaved in out: every other column from 0 and from 1),
-    biases [experts, out]; read as the per-expert [out, in] / [out] tensor."""
+    """Where one expert's tensor lies in a checkpoint that stacks them, read as the per-expert
+    [out, in] / [out] tensor. Layout "interleaved" (gpt-oss): weights [experts, in, out] (gate
+    and up interleaved in out: every other column from 0 and from 1), biases [experts, out];
+    "halves" (Gemma 4): weights [experts, out, in], gate's rows then up's."""
 
     name: str
     expert: int
     part: str  # "gate", "up" or "down"
+    layout: str = "interleaved"
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,14 @@ class CheckpointReader:
             tensor = view[where.expert]
         except SafetensorError as e:
             raise CheckpointError(f"{file}: cannot read tensor {where.name!r} ({e})") from None
-        if where.part in ("gate", "up"):
-            tensor = tensor[..., 0 if where.part == "gate" else 1 :: 2]
-        tensor = tensor.t().contiguous() if tensor.dim() == 2 else tensor.contiguous()
+        if where.layout == "halves":
+            if where.part in ("gate", "up"):
+                tensor = tensor.chunk(2, dim=0)[0 if where.part == "gate" else 1]
+            tensor = tensor.contiguous()
+        else:
+            if where.part in ("gate", "up"):
+                tensor = tensor[..., 0 if where.part == "gate" else 1 :: 2]
+            tensor = tensor.t().contiguous() if tensor.dim() == 2 else tensor.contiguous()
         if tuple(tensor.shape) != source.shape:
             raise CheckpointError(
                 f"{file}: {where.name!r} gives expert {where.expert}'s {where.part} of shape {list(tensor.shape)}, "

@@ -41,7 +41,15 @@ class StageLayout:
     @staticmethod
     def ranges(cfg: ModelConfig, count: int) -> list[tuple[int, int]]:
         """Every stage's (first, end) layers."""
-        return split_layers(layer_parameters(cfg), end_parameters(cfg), count)
+        # a layer reading another's KV (Gemma 4) lies on that layer's stage: no cut between them
+        cuttable = [all(cfg.kv_source(n) >= j for n in range(j, cfg.num_layers)) for j in range(cfg.num_layers + 1)]
+        most = sum(cuttable[1:])  # (cuttable[num_layers]: the end, always)
+        if count > most:
+            raise ValueError(
+                f"--pp {count}: a layer reading an earlier layer's KV shares its stage; this model "
+                f"splits into at most {most} stages (--pp 1..{most})"
+            )
+        return split_layers(layer_parameters(cfg), end_parameters(cfg), count, cuttable)
 
 
 def layer_parameters(cfg: ModelConfig) -> list[int]:
@@ -64,10 +72,12 @@ def end_parameters(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.hidden_size
 
 
-def split_layers(layers: list[int], ends: int, count: int) -> list[tuple[int, int]]:
+def split_layers(layers: list[int], ends: int, count: int, cuttable: list[bool] | None = None) -> list[tuple[int, int]]:
     """Contiguous (first, end) layer ranges, one per stage (each at least one layer), the first
-    carrying `ends` besides its layers, that make the largest stage's sum the smallest."""
+    carrying `ends` besides its layers, that make the largest stage's sum the smallest.
+    `cuttable[j]`: whether a stage may start at layer j (None: at any)."""
     n = len(layers)
+    cuttable = cuttable or [True] * (n + 1)
     if not 1 <= count <= n:
         raise ValueError(f"--pp {count}: the model has {n} layers; each stage needs at least one (--pp 1..{n})")
     prefix = [0]
@@ -82,6 +92,8 @@ def split_layers(layers: list[int], ends: int, count: int) -> list[tuple[int, in
     for s in range(1, count + 1):
         for i in range(s, n - (count - s) + 1):
             for j in range(s - 1, i):
+                if j and not cuttable[j]:
+                    continue
                 stage = prefix[i] - prefix[j] + (ends if s == 1 else 0)
                 worst = max(best[s - 1][j], stage)
                 if worst < best[s][i]:

@@ -8,6 +8,7 @@ The vocabulary is split in equal padded blocks: rank r owns ids [r * V_r, (r + 1
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from flover.models.model_config import ModelConfig
@@ -15,6 +16,19 @@ from flover.models.model_config import ModelConfig
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _kv_split(kv: int, rank: int, size: int) -> tuple[int, int]:
+    """(this rank's kv heads, the first of them): split, or replicated where fewer than ranks."""
+    if kv >= size and kv % size:
+        raise ValueError(f"tensor parallelism over {size} ranks: num_key_value_heads={kv} is not divisible by {size}")
+    if kv < size and size % kv:
+        raise ValueError(
+            f"tensor parallelism over {size} ranks: {kv} kv heads cannot be shared evenly "
+            f"(the rank count must be a multiple of {kv})"
+        )
+    local = max(1, kv // size)
+    return local, rank * kv // size if kv < size else rank * local
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,11 @@ class TPLayout:
         """Rows of this rank's block that exist in the checkpoint (the last block may be short)."""
         return max(0, min(self.vocab, self.vocab_total - self.vocab_start))
 
+    def with_kv_heads(self, kv: int) -> "TPLayout":
+        """This layout for layers with `kv` kv heads of their own (Gemma 4's full-attention layers)."""
+        kv_local, kv_start = _kv_split(kv, self.rank, self.size)
+        return dataclasses.replace(self, kv_heads=kv_local, kv_head_start=kv_start)
+
     @classmethod
     def build(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> "TPLayout":
         h, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -46,15 +65,9 @@ class TPLayout:
                 f"tensor parallelism over {size} ranks: num_attention_heads={h} is not divisible "
                 f"by {size}; use -np in {{{_divisors(h)}}}"
             )
-        if kv >= size and kv % size:
-            raise ValueError(
-                f"tensor parallelism over {size} ranks: num_key_value_heads={kv} is not divisible by {size}"
-            )
-        if kv < size and size % kv:
-            raise ValueError(
-                f"tensor parallelism over {size} ranks: {kv} kv heads cannot be shared evenly "
-                f"(the rank count must be a multiple of {kv})"
-            )
+        kv_local, kv_start = _kv_split(kv, rank, size)
+        if cfg.global_kv_heads:  # (Gemma 4) the full-attention layers' own count must split too
+            _kv_split(cfg.global_kv_heads, rank, size)
         if inter % size:
             raise ValueError(
                 f"tensor parallelism over {size} ranks: intermediate_size={inter} is not divisible by {size}"
@@ -65,7 +78,6 @@ class TPLayout:
                 f"tensor parallelism over {size} ranks: each expert's intermediate size {expert_inter} "
                 f"is not divisible by {size}"
             )
-        kv_local = max(1, kv // size)
         vocab = -(-cfg.vocab_size // size)
         return cls(
             rank=rank,
@@ -73,7 +85,7 @@ class TPLayout:
             heads=h // size,
             head_start=rank * (h // size),
             kv_heads=kv_local,
-            kv_head_start=rank * kv // size if kv < size else rank * kv_local,
+            kv_head_start=kv_start,
             intermediate=inter // size,
             intermediate_start=rank * (inter // size),
             vocab=vocab,

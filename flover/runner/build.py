@@ -13,7 +13,7 @@ import torch
 
 from flover.config import EngineConfig
 from flover.hardware import return_freed_heap
-from flover.models import ModelConfig, load_model, pack_projections, release_projections
+from flover.models import ModelConfig, family_of, load_model, pack_projections, release_projections
 from flover.models.gated_deltanet import state_dtype, state_shapes
 from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
@@ -22,7 +22,7 @@ from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.parallel.pipeline import StageLink
 from flover.runner.cuda_graphs import DecodeGraphs
-from flover.runner.kv_buffer import RecurrentLayout, SlotBuffer
+from flover.runner.kv_buffer import RecurrentLayout, SlotBuffer, kv_cache_bytes
 from flover.runner.kv_window import WindowedKV
 from flover.runner.pipeline import PipelineRunner
 from flover.runner.runner import ModelRunner
@@ -53,7 +53,10 @@ class RankSetup:
 def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
     config, cfg = s.config, s.cfg
     native_wanted = (
-        config.native_forward == "auto" and s.device.type == "cpu" and s.dtype in (torch.float32, torch.bfloat16)
+        config.native_forward == "auto"
+        and family_of(cfg).native  # (its file says whether the native step knows its features)
+        and s.device.type == "cpu"
+        and s.dtype in (torch.float32, torch.bfloat16)
     )
     model = load_model(
         checkpoint,
@@ -128,7 +131,23 @@ def _slot_buffer(s: RankSetup, scratch_slots: int) -> SlotBuffer:
         prefault_pool=config.prefault_prefix_cache,
         window=window,
         recurrent=recurrent_layout(cfg, s.tp, s.dtype, layers, s.snapshots),
+        shapes=kv_shapes(cfg, s.tp, layers),
+        kv_sources=[cfg.kv_source(n) - layers.start for n in layers] if cfg.kv_sources else None,
     )
+
+
+def kv_shapes(cfg: ModelConfig, tp: TPLayout, layers: range) -> list[tuple[int, int]] | None:
+    """Per layer of `layers`, this rank's (kv heads, head_dim) where layers differ in them (Gemma
+    4's full-attention layers), else None."""
+    if not cfg.global_head_dim and not cfg.global_kv_heads:
+        return None
+    return [(tp.with_kv_heads(cfg.layer_kv_heads(n)).kv_heads, cfg.layer_head_dim(n)) for n in layers]
+
+
+def kv_bytes_per_position(cfg: ModelConfig, tp: TPLayout, dtype: torch.dtype) -> int:
+    """This rank's KV bytes of one position over every layer that keeps KV."""
+    shapes = kv_shapes(cfg, tp, range(cfg.num_layers)) or [(tp.kv_heads, cfg.head_dim)] * cfg.num_layers
+    return sum(kv_cache_bytes(1, 1, shapes[n][0], 1, shapes[n][1], dtype) for n in cfg.kv_layers())
 
 
 def recurrent_layout(

@@ -101,6 +101,18 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+@dataclass
+class KVGroup:
+    """Layers whose KV lie in one tensor: the same kind (full length, or windowed) and the same
+    head shape. kv [layers, 2, slots, kv_heads, positions, head_dim]; its prefix pool [layers, 2,
+    blocks, kv_heads, block_tokens, head_dim] (None without one)."""
+
+    layers: list[int]
+    windowed: bool
+    kv: torch.Tensor
+    pool: torch.Tensor | None
+
+
 class SlotBuffer:
     """KV cache `[layers, 2, max_slots, kv_heads, max_seq_len, head_dim]` plus per-slot state.
 
@@ -108,10 +120,12 @@ class SlotBuffer:
     `conv` [layers, slots, channels, K - 1] and `recurrent_state` [layers, slots, heads, dk, dv],
     `layers[n]` is the pair of layer n's, and the shuffle moves them with the KV rows.
 
-    With windowed KV (kv_window.py) the sliding-window layers live apart, in `kv_window`
-    `[windowed layers, 2, max_slots, kv_heads, capacity, head_dim]`, and `kv` holds the others;
-    `layers[n]` is layer n's `[2, slots, kv_heads, positions, head_dim]` in either, and the
-    per-slot state `window_base` says which position each slot's row 0 holds there.
+    With windowed KV (kv_window.py) the sliding-window layers live apart, `[windowed layers, 2,
+    max_slots, kv_heads, capacity, head_dim]`, and the per-slot state `window_base` says which
+    position each slot's row 0 holds there. Layers of another head shape (Gemma 4's full-attention
+    layers) lie in a tensor of their own too: one `KVGroup` per kind and shape; `layers[n]` is
+    layer n's `[2, slots, kv_heads, positions, head_dim]` in its group's. A layer reading another
+    layer's KV (Gemma 4's shared KV) keeps none: `layers[n]` is that layer's.
 
     Per-slot state tensors (`[max_slots]` each) are registered with `add_state` and move with
     the KV rows, so everything about slot i is always found at index i.
@@ -132,39 +146,32 @@ class SlotBuffer:
         prefault_pool: bool = False,
         window: WindowedKV | None = None,
         recurrent: RecurrentLayout | None = None,
+        shapes: Sequence[tuple[int, int]] | None = None,
+        kv_sources: Sequence[int] | None = None,
     ):
         """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none).
         `scratch_slots`: KV slots past the last real one that padding rows may write (CUDA graphs).
         `prefault_pool`: write the pool once now, so that its host memory is taken at start-up.
         `window`: the sliding-window layers' bound (None: every layer keeps max_seq_len positions).
-        `recurrent`: the layers that keep a recurrent state per slot instead of KV (None: none)."""
+        `recurrent`: the layers that keep a recurrent state per slot instead of KV (None: none).
+        `shapes`: per layer (kv_heads, head_dim) where they differ between layers (None: all alike).
+        `kv_sources`: per layer, the layer whose KV it reads (None: each its own)."""
         if prefix_blocks or window:  # whole blocks per slot, so that a slot's blocks are one view away
             max_seq_len = -(-max_seq_len // block_tokens) * block_tokens
-        windowed = sorted(window.layers) if window else []
         stateful = sorted(recurrent.layers) if recurrent else []
-        full = [n for n in range(num_layers) if n not in set(windowed) | set(stateful)]
+        sources = list(kv_sources) if kv_sources is not None else list(range(num_layers))
+        shapes = list(shapes) if shapes is not None else [(kv_heads, head_dim)] * num_layers
+        keeping = [n for n in range(num_layers) if n not in set(stateful) and sources[n] == n]
+        kinds = _kinds(keeping, shapes, window, max_seq_len)
         slots = max_slots + scratch_slots
-        shape = (kv_heads, max_seq_len, head_dim, dtype, block_tokens)
         state = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0  # (with snapshots)
-        need, pool = _fitting_bytes(
-            len(full), len(windowed), max_slots, slots, shape, window, prefix_blocks, device, state
-        )
-        pool_shape = (prefix_blocks, kv_heads, block_tokens, head_dim)
-        # Zeros, not empty: masked-out positions are multiplied by 0 in attention and must not be NaN.
-        self.kv = zeroed_tensor((len(full), 2, slots, kv_heads, max_seq_len, head_dim), dtype, device)
-        self.kv_window = (
-            zeroed_tensor((len(windowed), 2, slots, kv_heads, window.capacity, head_dim), dtype, device)
-            if window
-            else None
-        )
-        self.layers: list[torch.Tensor] = [None] * num_layers  # [2, slots, kv_heads, positions, head_dim] each
-        for i, n in enumerate(full):
-            self.layers[n] = self.kv[i]
-        for i, n in enumerate(windowed):
-            self.layers[n] = self.kv_window[i]
+        sized = [(len(layers), heads, dim, positions) for (_, heads, dim, positions), layers in kinds.items()]
+        need, pool = _fitting_bytes(sized, max_slots, slots, dtype, block_tokens, prefix_blocks, device, state)
+        self.groups = _groups(kinds, slots, (prefix_blocks, block_tokens), dtype, device, prefault_pool)
+        self.kv = self.groups[0].kv if self.groups else None  # (the first group's: what most models have)
+        self.layers = _layer_views(self.groups, sources)  # per layer [2, slots, kv_heads, positions, head_dim]
         self.recurrent, self.state_nbytes = recurrent, state
         self._recurrent_buffers(recurrent, stateful, slots, dtype, device)
-        self.pool, self.pool_window = _prefix_pools(len(full), len(windowed), pool_shape, dtype, device, prefault_pool)
         self.window = window
         self.block_tokens = block_tokens
         self.nbytes, self.pool_nbytes = need, pool
@@ -234,15 +241,17 @@ class SlotBuffer:
             self.recurrent_state[:, c.slot].copy_(self.snapshot_state[:, c.row])
 
     def _caches(self) -> list[torch.Tensor]:
-        return [kv for kv in (self.kv, self.kv_window) if kv is not None and kv.shape[0]]
+        return [g.kv for g in self.groups]
 
     # -- windowed layers: a slot's rows slide down as its window moves on ----------------------
     def apply_shifts(self, shifts: Sequence[WindowShift]) -> None:
         """Rows [start, start + count) of each shifted slot's windowed layers move to [0, count)
         (through a copy: the ranges may overlap), and the slot's window base follows."""
         for shift in shifts:
-            rows = self.kv_window[:, :, shift.slot, :]  # [layers, 2, heads, capacity, dim]
-            rows[:, :, :, : shift.count] = rows[:, :, :, shift.start : shift.start + shift.count].clone()
+            for group in self.groups:
+                if group.windowed:
+                    rows = group.kv[:, :, shift.slot, :]  # [layers, 2, heads, capacity, dim]
+                    rows[:, :, :, : shift.count] = rows[:, :, :, shift.start : shift.start + shift.count].clone()
             self.window_base[shift.slot] = shift.base
 
     # -- the prefix pool: a copy per block on CPU, one batched copy each way on CUDA -----------
@@ -275,11 +284,10 @@ class SlotBuffer:
         """(KV, pool, [(slot, row in the slot, pool row)]) for the full layers, then the windowed ones."""
         if not copies:
             return []
-        pairs = [(self.kv, self.pool, [(c.slot, c.position, c.block) for c in copies])]
-        if self.kv_window is not None:
-            windowed = [(c.slot, c.window_row, c.block) for c in copies if c.window_row is not None]
-            pairs.append((self.kv_window, self.pool_window, windowed))
-        return [(kv, pool, picked) for kv, pool, picked in pairs if picked and kv.shape[0]]
+        full = [(c.slot, c.position, c.block) for c in copies]
+        windowed = [(c.slot, c.window_row, c.block) for c in copies if c.window_row is not None]
+        pairs = [(g.kv, g.pool, windowed if g.windowed else full) for g in self.groups if g.pool is not None]
+        return [(kv, pool, picked) for kv, pool, picked in pairs if picked]
 
 
 def _slot_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
@@ -302,23 +310,70 @@ def _index(picked: list[tuple[int, int, int]], block_tokens: int, device: torch.
     return t[:, 0], t[:, 1] // block_tokens, t[:, 2]
 
 
+def _groups(kinds: dict, slots: int, blocks: tuple[int, int], dtype, device, prefault: bool) -> list[KVGroup]:
+    """One KV tensor (and prefix pool: `blocks` of `block_tokens`) per kind of layers. Zeros, not
+    empty: masked-out positions are multiplied by 0 in attention and must not be NaN."""
+    count, tokens = blocks
+    return [
+        KVGroup(
+            layers,
+            windowed,
+            zeroed_tensor((len(layers), 2, slots, heads, positions, dim), dtype, device),
+            _prefix_pool((len(layers), 2, count, heads, tokens, dim), dtype, device, prefault),
+        )
+        for (windowed, heads, dim, positions), layers in kinds.items()
+    ]
+
+
+def _layer_views(groups: list[KVGroup], sources: list[int]) -> list:
+    """Per layer its [2, slots, kv_heads, positions, head_dim] in its group's tensor, or the layer's
+    it reads (Gemma 4's shared KV); None for a layer keeping none (recurrent: set after)."""
+    views: list = [None] * len(sources)
+    for group in groups:
+        for i, n in enumerate(group.layers):
+            views[n] = group.kv[i]
+    for n, source in enumerate(sources):
+        if source != n:
+            views[n] = views[source]
+    return views
+
+
+def _kinds(keeping: list[int], shapes: list[tuple[int, int]], window, max_seq_len: int) -> dict[tuple, list[int]]:
+    """The layers that keep KV by (windowed, kv_heads, head_dim, positions): one tensor each,
+    the full-length layers' first."""
+    windowed = set(window.layers) if window else set()
+    kinds: dict[tuple, list[int]] = {}
+    for n in sorted(keeping, key=lambda n: n in windowed):
+        positions = window.capacity if n in windowed else max_seq_len
+        kinds.setdefault((n in windowed, *shapes[n], positions), []).append(n)
+    return kinds
+
+
 def _fitting_bytes(
-    full: int, windowed: int, max_slots: int, slots: int, shape: tuple, window, prefix_blocks: int, device, state: int
+    sized: list[tuple[int, int, int, int]],
+    max_slots: int,
+    slots: int,
+    dtype: torch.dtype,
+    block_tokens: int,
+    prefix_blocks: int,
+    device,
+    state: int,
 ):
     """(the KV's bytes, the prefix pool's) where they fit the device's memory beside `state` bytes
     of recurrent layers' states and snapshots, else MemoryError naming the sizes and the flags
-    that lower them. shape: (kv_heads, positions, head_dim, dtype, a block's positions)."""
-    kv_heads, max_seq_len, head_dim, dtype, block_tokens = shape
-    need = kv_cache_bytes(full, slots, kv_heads, max_seq_len, head_dim, dtype)
-    if window:
-        need += kv_cache_bytes(windowed, slots, kv_heads, window.capacity, head_dim, dtype)
-    pool = kv_cache_bytes(full + windowed, prefix_blocks, kv_heads, block_tokens, head_dim, dtype)
+    that lower them. sized: per KV group (layers, kv heads, head_dim, positions)."""
+    need = sum(kv_cache_bytes(layers, slots, heads, positions, dim, dtype) for layers, heads, dim, positions in sized)
+    pool = sum(
+        kv_cache_bytes(layers, prefix_blocks, heads, block_tokens, dim, dtype) for layers, heads, dim, _ in sized
+    )
     have = available_memory_bytes(device)
     if need + pool + state > have:
+        groups = " + ".join(
+            f"{layers} layers x 2 x {max_slots} slots x {heads} kv heads x {positions} positions x {dim}"
+            for layers, heads, dim, positions in sized
+        )
         raise MemoryError(
-            f"KV cache needs {need / 2**20:.1f} MiB ({full + windowed} layers x 2 x {max_slots} slots x "
-            f"{kv_heads} kv heads x {max_seq_len} positions x {head_dim} x {dtype}"
-            f"{f', {windowed} sliding-window layers x {window.capacity} positions' if window else ''})"
+            f"KV cache needs {need / 2**20:.1f} MiB ({groups or 'no layers'} x {dtype})"
             f"{f' + {pool / 2**20:.1f} MiB of prefix cache' if pool else ''}"
             f"{f' + {state / 2**20:.1f} MiB of recurrent state' if state else ''} but only "
             f"{have / 2**20:.1f} MiB is available on {device}; lower --max-slots, --max-seq-len or --prefix-cache"
@@ -326,16 +381,14 @@ def _fitting_bytes(
     return need, pool
 
 
-def _prefix_pools(full: int, windowed: int, shape: tuple, dtype: torch.dtype, device, prefault: bool):
-    """The prefix pool of the full layers and of the windowed ones: [layers, 2, blocks, kv_heads,
-    block_tokens, head_dim] each, or (None, None) without blocks. Pool rows are only read after a
-    store wrote them: empty is safe, and its pages are taken by the stores that first touch them,
-    inside iterations; a server takes them now instead (`prefault`; docs/design_notes.md, "prefix
-    pool"). Split as the KV is."""
-    if not shape[0]:
-        return None, None
-    pools = tuple(torch.empty(layers, 2, *shape, dtype=dtype, device=device) for layers in (full, windowed))
+def _prefix_pool(shape: tuple, dtype: torch.dtype, device, prefault: bool) -> torch.Tensor | None:
+    """A KV group's prefix pool [layers, 2, blocks, kv_heads, block_tokens, head_dim], or None
+    without blocks. Pool rows are only read after a store wrote them: empty is safe, and its
+    pages are taken by the stores that first touch them, inside iterations; a server takes them
+    now instead (`prefault`; docs/design_notes.md, "prefix pool")."""
+    if not shape[2]:
+        return None
+    pool = torch.empty(shape, dtype=dtype, device=device)
     if prefault:
-        for pool in pools:
-            pool.zero_()
-    return pools
+        pool.zero_()
+    return pool

