@@ -10,6 +10,13 @@ import re
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<think>", "</think>"
+# Gemma 4's thinking channel (llama.cpp's models/templates/google-gemma-4-31B-it.jinja): its
+# answers open with "<|channel>thought\n...<channel|>" when thinking is on; the generation prompt
+# writes it empty and closed when thinking is off. Special tokens that its answers are parsed by
+# (decode keeps them, as llama.cpp's converter makes them always rendered).
+CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>thought", "<channel|>"
+CHANNEL_TOKENS = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>")
+TAGS = {"think": (OPEN, CLOSE), "think_open": (OPEN, CLOSE), "channel": (CHANNEL_OPEN, CHANNEL_CLOSE)}
 
 
 def template_thinks(template_source: str | None) -> bool:
@@ -17,14 +24,26 @@ def template_thinks(template_source: str | None) -> bool:
     return template_source is not None and OPEN in template_source and CLOSE in template_source
 
 
-def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+def speaks_channels(template_source: str | None) -> bool:
+    """Whether a chat template writes Gemma 4's thinking channel."""
+    return template_source is not None and CHANNEL_OPEN in template_source and CHANNEL_CLOSE in template_source
+
+
+def visible_special_tokens(template_source: str | None) -> set[str]:
+    """The special tokens a chat template's answers are parsed by, kept when answers are decoded."""
+    if not speaks_channels(template_source):
+        return set()
+    return {t for t in CHANNEL_TOKENS if t in template_source}
+
+
+def split_reasoning(text: str, opened: bool = False, style: str = "think") -> tuple[str | None, str]:
     """(the thinking, the answer) of a whole chat answer: the thinking is the text of a block
     that opens the answer (whitespace may come first), None without one; an unclosed block (the
     answer was cut) is all thinking. The answer loses the whitespace after the block. `opened`:
     the prompt opened the block (Qwen3.5's generation prompt ends in "<think>\n"), so the answer
     starts inside it. Defined as ReasoningStream over the whole text: a streamed answer's deltas
     add up to it by construction."""
-    stream = ReasoningStream.inside() if opened else ReasoningStream()
+    stream = ReasoningStream.inside() if opened else ReasoningStream.of(style)
     thinking, answer = stream.feed(text)
     more = stream.finish()
     return (thinking + more[0] if stream.thought else None), answer + more[1]
@@ -40,30 +59,39 @@ class ReasoningStream:
     held: str = ""
     after_block: bool = False  # the whitespace right after the block is dropped
     thought: bool = False  # a block opened (split_reasoning's thinking is None without one)
+    open: str = OPEN  # the block's tags
+    close: str = CLOSE
 
     @classmethod
     def inside(cls) -> "ReasoningStream":
         """A stream whose answer starts inside the thinking block (the prompt opened it)."""
         return cls(state="thinking", thought=True)
 
+    @classmethod
+    def of(cls, style: str) -> "ReasoningStream":
+        """A stream for a template's style (template_format) whose answers open their own block."""
+        tags = TAGS.get(style, (OPEN, CLOSE))
+        return cls(open=tags[0], close=tags[1])
+
     def feed(self, text: str) -> tuple[str, str]:
         self.held += text
         thinking = answer = ""
+        opening, closing = self.open, self.close
         if self.state == "start":
             stripped = self.held.lstrip()
-            if OPEN.startswith(stripped) and stripped != OPEN:  # (whitespace, or part of the tag): undecided
+            if opening.startswith(stripped) and stripped != opening:  # (whitespace, or part of the tag): undecided
                 return "", ""
-            if not stripped.startswith(OPEN):
+            if not stripped.startswith(opening):
                 self.state, answer, self.held = "answer", self.held, ""
                 return "", answer
-            self.state, self.held, self.thought = "thinking", stripped[len(OPEN) :], True
+            self.state, self.held, self.thought = "thinking", stripped[len(opening) :], True
         if self.state == "thinking":
-            end = self.held.find(CLOSE)
+            end = self.held.find(closing)
             if end < 0:
-                keep = _partial_tag(self.held, CLOSE)
+                keep = _partial_tag(self.held, closing)
                 thinking, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
                 return thinking, ""
-            thinking, self.held = self.held[:end], self.held[end + len(CLOSE) :]
+            thinking, self.held = self.held[:end], self.held[end + len(closing) :]
             self.state, self.after_block = "answer", True
         if self.state == "answer":
             answer, self.held = self.held, ""
@@ -105,11 +133,14 @@ def speaks_harmony(template_source: str | None) -> bool:
 
 
 def template_format(template_source: str | None) -> str:
-    """How a chat template's model writes its thinking: "harmony" (gpt-oss's channels), "think"
-    (a <think> block), "think_open" (a block its generation prompt opens: the answer starts
-    inside it, unless the request turns thinking off), or "" (it does not)."""
+    """How a chat template's model writes its thinking: "harmony" (gpt-oss's channels), "channel"
+    (Gemma 4's thinking channel), "think" (a <think> block), "think_open" (a block its generation
+    prompt opens: the answer starts inside it, unless the request turns thinking off), or "" (it
+    does not)."""
     if speaks_harmony(template_source):
         return "harmony"
+    if speaks_channels(template_source):
+        return "channel"
     if not template_thinks(template_source):
         return ""
     return "think_open" if opens_thinking(template_source) else "think"
@@ -195,11 +226,13 @@ def split_harmony(text: str) -> tuple[str | None, str]:
 
 def split_answer(text: str, style: str) -> tuple[str | None, str]:
     """split_reasoning or split_harmony, by the template's style (template_format)."""
-    return split_harmony(text) if style == "harmony" else split_reasoning(text, opened=style == "think_open")
+    if style == "harmony":
+        return split_harmony(text)
+    return split_reasoning(text, opened=style == "think_open", style=style)
 
 
 def answer_stream(style: str):
     """A streamed answer's splitter, by the template's style."""
     if style == "harmony":
         return HarmonyStream()
-    return ReasoningStream.inside() if style == "think_open" else ReasoningStream()
+    return ReasoningStream.inside() if style == "think_open" else ReasoningStream.of(style)

@@ -325,3 +325,58 @@ def test_thinking_opened_by_the_prompt_and_xml_tool_calls_over_http(opening_fron
     (found,) = answer["message"]["tool_calls"]
     assert found["function"]["name"] == "get_weather"
     assert json.loads(found["function"]["arguments"]) == {"city": "42", "days": 2}  # a string stays a string
+
+
+# Gemma 4's shape (llama.cpp's models/templates/google-gemma-4-31B-it.jinja): answers open a
+# thinking channel when thinking is on; the generation prompt writes it empty and closed otherwise
+CHANNEL_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}"
+    "{% if not enable_thinking | default(false) %}{{ '<|channel>thought\\n<channel|>' }}{% endif %}{% endif %}"
+)
+
+
+def test_gemma4_thinking_channel_split_whole_and_piece_by_piece():
+    assert template_format(CHANNEL_TEMPLATE) == "channel"
+    answer = "<|channel>thought\na plan<channel|>The answer."
+    assert split_answer(answer, "channel") == ("\na plan", "The answer.")
+    assert split_answer("The answer.", "channel") == (None, "The answer.")
+    assert split_answer("<think>x</think>y", "channel") == (None, "<think>x</think>y")
+    stream, fields = answer_stream("channel"), ["", ""]
+    for piece in ["<|chan", "nel>thou", "ght\na pl", "an<chan", "nel|>The answer."]:
+        for i, part in enumerate(stream.feed(piece)):
+            fields[i] += part
+    assert tuple(fields) == ("\na plan", "The answer.")
+
+
+def test_a_gemma4_models_text_keeps_its_channel_tokens_only(make_model):
+    """Its channel and tool-call markers are special tokens: decoding keeps those the template
+    uses (so the front can split the answer) and drops the other special tokens (its turn end)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from flover.models.tokenizer import Tokenizer
+
+    backend = HFTokenizer.from_file(f"{make_model('llama')}/tokenizer.json")
+    backend.add_special_tokens([AddedToken(m, special=True) for m in ("<|channel>", "<channel|>", "<turn|>")])
+    ids = backend.encode("<|channel>thought a<channel|>b<turn|>", add_special_tokens=False).ids
+    assert Tokenizer(backend, {}, CHANNEL_TEMPLATE).decode(ids) == "<|channel>thought a<channel|>b"
+    assert Tokenizer(backend, {}, THINKING_TEMPLATE).decode(ids) == "thought ab"
+
+
+@pytest.fixture(scope="module")
+def channel_front(make_model, tmp_path_factory):
+    yield from front_with_template(make_model, tmp_path_factory, CHANNEL_TEMPLATE)
+
+
+def test_gemma4_thinking_over_http_whole_and_streamed(channel_front):
+    """With enable_thinking the answer's channel becomes reasoning_content (whole and streamed
+    alike); without it the prompt closed the channel and the answer is all content."""
+    _, url = channel_front
+    forced = {"guided_regex": "<\\|channel>thought\\n[a-d]{3}<channel\\|>[e-h]{4}", "temperature": 0}
+    forced["chat_template_kwargs"] = {"enable_thinking": True}
+    message = chat(url, **forced).json()["choices"][0]["message"]
+    assert len(message["reasoning_content"].strip()) == 3 and len(message["content"]) == 4
+    assert streamed_fields(url, forced) == (message["reasoning_content"], message["content"])
+    message = chat(url, guided_regex="[e-h]{4}").json()["choices"][0]["message"]
+    assert message.get("reasoning_content") is None and len(message["content"]) == 4

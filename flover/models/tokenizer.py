@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from flover.chat_template import TemplateLimits, TemplateSandbox, parse_template
 from flover.models.gguf_file import GGUFFile, GGUFTokenizerSpec
 from flover.models.model_config import CheckpointError
-from flover.reasoning import speaks_harmony
+from flover.reasoning import speaks_harmony, visible_special_tokens
 from flover.tools import prompt_messages
 
 # tokenizer.ggml.pre -> the split regex the merges were learned with (as transformers' GGUF
@@ -61,6 +61,12 @@ class Tokenizer:
         chat_template, self.chat_template_error = _template_text(chat_template, where)
         self.chat_template_source = chat_template  # its text: which tool-call syntax the model writes
         self.keeps_special = speaks_harmony(chat_template)  # (decode keeps its channels)
+        # (Gemma 4) the special tokens its answers are parsed by, kept; the other special ids, dropped
+        visible = visible_special_tokens(chat_template)
+        added = backend.get_added_tokens_decoder()
+        self._hidden_special = (
+            {i for i, t in added.items() if t.special and t.content not in visible} if visible else None
+        )
         if chat_template:
             try:
                 parse_template(chat_template)  # (its syntax here; compiling it is the child's)
@@ -179,8 +185,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`; special tokens left out, but for a chat template in gpt-oss's harmony
-        format, whose channels are special tokens (flover/reasoning.py parses them)."""
-        return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=not self.keeps_special)
+        format, whose channels are special tokens (flover/reasoning.py parses them), and Gemma 4's
+        thinking channel and tool-call tokens."""
+        ids = [i for i in ids if i < self.vocab_size]
+        if self._hidden_special is not None:  # (Gemma 4: its thinking channel's and tool calls' tokens kept)
+            return self._tok.decode([i for i in ids if i not in self._hidden_special], skip_special_tokens=False)
+        return self._tok.decode(ids, skip_special_tokens=not self.keeps_special)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for — possibly part of a multi-byte character — as the
