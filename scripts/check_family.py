@@ -27,7 +27,7 @@ import transformers
 
 from flover import LLM, SamplingParams
 from flover.testing.references import widened_delta_rule
-from flover.testing.tiny_model import hf_config, slow_decays
+from flover.testing.tiny_model import hf_config, slow_decays, train_spm_style_tokenizer
 
 PRESET = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 PROMPTS = [
@@ -38,9 +38,14 @@ PROMPTS = [
 ]
 
 
-def make_checkpoint(family: str, tokenizer_gguf: Path, out: Path, overrides: dict) -> None:
-    """Random weights (seed 0) in the family's config class, SmolLM2's tokenizer."""
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_gguf.parent, gguf_file=tokenizer_gguf.name)
+def make_checkpoint(family: str, tokenizer_gguf: Path | None, out: Path, overrides: dict) -> None:
+    """Random weights (seed 0) in the family's config class, SmolLM2's tokenizer (Gemma 4: a
+    byte-fallback BPE of Gemma's kind, which its converter wants)."""
+    if family in SPM_TOKENIZER:
+        special = dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+        tok = transformers.PreTrainedTokenizerFast(tokenizer_object=train_spm_style_tokenizer(768), **special)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_gguf.parent, gguf_file=tokenizer_gguf.name)
     preset = {**PRESET, "vocab_size": len(tok), "max_position_embeddings": 512, "tie_word_embeddings": False}
     config = hf_config(family, preset, tok.eos_token_id, **overrides)
     torch.manual_seed(0)
@@ -55,6 +60,7 @@ CONVERTER_FLAGS = {"qwen3_5": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
 # the converter checks the tokenizer by loading it with AutoTokenizer, which picks Qwen3.5-MoE's
 # own class (another pre-tokenizer) by the config's model_type: told it is SmolLM2's, which it is
 PRE_TOKENIZER = {"qwen3_5_moe": "smollm"}
+SPM_TOKENIZER = {"gemma4"}  # (its converter reads tokenizer.json as Gemma's: byte-fallback BPE)
 
 
 def convert(family: str, hf: Path, llama_cpp: Path, out: Path) -> None:
@@ -76,6 +82,8 @@ def compare(model: str, ref, tok, new_tokens: int = 24) -> dict:
     prompt at a time, and the largest |logit difference| over a prompt."""
     llm = LLM(model, dtype="float64", max_slots=4, max_seq_len=256)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    ours = [llm.tokenizer.encode(p) for p in PROMPTS]  # (a GGUF file's tokenizer may add a BOS)
+    tokens_equal = sum(o == p or o[1:] == p for o, p in zip(ours, prompts))
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     ref.generation_config.eos_token_id = None
     same = 0
@@ -85,14 +93,18 @@ def compare(model: str, ref, tok, new_tokens: int = 24) -> dict:
             same += out.token_ids == want.tolist()
         expected = ref(torch.tensor([prompts[0]])).logits[0]
     diff = (llm.engine.score(prompts[0]).double() - expected).abs().max().item()
-    return {"greedy prompts equal": f"{same}/{len(prompts)}", "max |logit diff|": f"{diff:.2e}"}
+    return {
+        "tokenized alike": f"{tokens_equal}/{len(prompts)}",
+        "greedy prompts equal": f"{same}/{len(prompts)}",
+        "max |logit diff|": f"{diff:.2e}",
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", help="a file of flover/models/families (its name)")
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source (convert_hf_to_gguf.py)")
-    parser.add_argument("--tokenizer-gguf", type=Path, required=True, help="a GGUF file with SmolLM2's tokenizer")
+    parser.add_argument("--tokenizer-gguf", type=Path, help="a GGUF file with SmolLM2's tokenizer (not for gemma4)")
     parser.add_argument("--set", nargs="*", default=[], help="config.json fields KEY=JSON for the checkpoint")
     args = parser.parse_args()
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}

@@ -131,3 +131,57 @@ def test_tp2_and_pp2_give_one_engines_tokens(make_model, variant, tmp_path):
     assert len(results["one"]) == len(REQUESTS)
     for name in results:
         assert results[name] == results["one"], name
+
+
+def test_gemma4_gguf_tokenizer_equals_its_tokenizer_json():
+    """llama.cpp writes Gemma's byte-fallback BPE as tokenizer model "gemma4" (tokens in id order,
+    merges "a b", control tokens type 3): the tokenizer flover builds from it gives the ids of the
+    tokenizer.json it came from (after the BOS the file asks for) and decodes them back, bytes the
+    vocabulary lacks (emoji) through <0xNN> tokens."""
+    from flover.models.gguf_file import GGUFTokenizerSpec
+    from flover.models.tokenizer import Tokenizer
+    from flover.testing.tiny_model import train_spm_style_tokenizer
+
+    source = train_spm_style_tokenizer(700)
+    model = json.loads(source.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    types = [3 if t in ("<pad>", "<eos>", "<bos>", "<unk>") else 6 if t.startswith("<0x") else 1 for t in tokens]
+    spec = GGUFTokenizerSpec("gemma4", "gemma4", tokens, types, merges, None, 2, 1, True, None)
+    ours = Tokenizer.from_gguf(spec)
+    for text in ["Hello, the cat runs fast", "  two  spaces\n\nand new lines", "数据 模型 éè 😀 12345!"]:
+        ids = source.encode(text).ids
+        assert ours.encode(text) == [2, *ids]
+        assert ours.decode([2, *ids]) == text
+
+
+def test_a_q8_0_file_equals_transformers_on_its_dequantized_weights(make_model, tmp_path):
+    """The MoE variant as a Q8_0 GGUF file (experts' gate and up fused in one stacked tensor, as
+    llama.cpp writes them; the router in F32) against transformers on the directory whose
+    quantized tensors are what gguf-py dequantizes of their codes: float64 tokens and logits."""
+    import gguf
+
+    from flover.testing.tiny_model import write_gguf
+
+    src = Path(make_model("gemma4-moe"))
+    path = write_gguf(src, tmp_path / "q8.gguf", "Q8_0")
+    ref_dir = tmp_path / "dequantized"
+    shutil.copytree(src, ref_dir)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tensors = {
+        name: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), q8), q8))
+        if x.dim() >= 2 and not name.endswith("router.proj.weight")
+        else x
+        for name, x in load_file(src / "model.safetensors").items()
+    }
+    save_file(tensors, ref_dir / "model.safetensors")
+    llm = LLM(str(path), dtype="float64", max_slots=4, max_seq_len=256)
+    prompts = [llm.tokenizer.encode(" ".join(PROMPTS[i % 4] for i in range(n))) for n in (1, 3, 6, 2)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference_tokens(str(ref_dir), prompts, [10] * 4)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        ref_dir, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompts[2]])).logits[0]
+    assert (llm.engine.score(prompts[2]) - expected).abs().max() < 1e-9

@@ -67,6 +67,8 @@ DIRECTORY_REFERENCE = (
     "granite",
     "qwen3_5",
     "qwen3_5-moe",
+    "gemma4",
+    "gemma4-moe",
 )
 
 
@@ -93,6 +95,8 @@ DIRECTORY_REFERENCE = (
         ("granite", "F32", "float64"),
         ("qwen3_5", "F32", "float64"),
         ("qwen3_5-moe", "F32", "float64"),
+        ("gemma4", "F32", "float64"),
+        ("gemma4-moe", "F32", "float64"),
     ],
 )
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_file(gguf_file, make_model, variant, qtype, dtype):

@@ -182,7 +182,7 @@ class GGUFFile:
             "block_count": self.integer(f"{a}.block_count", required=True),
             "feed_forward_length": self._dense_width(),
             "context_length": self.integer(f"{a}.context_length", 2048),
-            "attention.head_count_kv": self.integer(f"{a}.attention.head_count_kv"),
+            "attention.head_count_kv": self.first_integer(f"{a}.attention.head_count_kv"),
             "attention.key_length": self.integer(f"{a}.attention.key_length"),
             "attention.sliding_window": self.integer(f"{a}.attention.sliding_window"),
             "vocab_size": self.integer(f"{a}.vocab_size") or len(self.get("tokenizer.ggml.tokens") or ()),
@@ -228,7 +228,17 @@ class GGUFFile:
         a = self.arch
         if self.get(f"{a}.feed_forward_length") is None and self.has_experts():
             return self.integer(f"{a}.expert_feed_forward_length", required=True)
-        return self.integer(f"{a}.feed_forward_length", required=True)
+        return self.first_integer(f"{a}.feed_forward_length", required=True)
+
+    def first_integer(self, key: str, default=None, required: bool = False) -> int | None:
+        """An integer field, or the first layer's of a per-layer array (Gemma 4's widths and kv
+        heads: its family file reads the others)."""
+        value = self.require(key) if required else self.get(key, default)
+        if isinstance(value, list) and value:
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise CheckpointError(f"{self.path}: metadata {key!r} must hold integers")
+            return value[0]
+        return self.integer(key, default, required)
 
     def has_experts(self) -> bool:
         """An expert count in the metadata, or a layer with a router (ffn_gate_inp)."""
@@ -327,11 +337,12 @@ class GGUFReader:
         # HF name -> (GGUF name, heads to un-permute); an expert's: its index in the stacked tensor
         self.names: dict[str, tuple[str, int | None]] = {}
         self.experts: dict[str, int] = {}
+        self.halves: dict[str, int] = {}  # an expert's gate (0) or up (1): rows of a fused gate_up tensor
         self._grids: dict[str, object] = {}
         self.norm_offset = cfg.norm_offset  # (the converter stored w + offset: llama.cpp's norms add nothing)
         family = gguf_file.family
         permuted = family.gguf_qk_permuted
-        for hf, name in GGUF_GLOBAL_NAMES.items():
+        for hf, name in {**GGUF_GLOBAL_NAMES, **family.gguf_global_names}.items():
             self.names[hf] = (name, None)
         for i in range(cfg.num_layers):
             for hf, name in gguf_layer_names(family).items():
@@ -342,14 +353,24 @@ class GGUFReader:
                     heads = cfg.num_kv_heads
                 self.names[f"model.layers.{i}.{hf}"] = (f"blk.{i}.{name}", heads)
             if cfg.moe is not None and i in cfg.moe.layers:
-                block = f"model.layers.{i}.{cfg.moe.block}"
-                for kind in ("weight", "bias"):  # (biases: gpt-oss's router and experts)
-                    self.names[f"{block}.{cfg.moe.router}.{kind}"] = (f"blk.{i}.ffn_gate_inp.{kind}", None)
-                    for e in range(cfg.moe.experts):
-                        for hf, name in zip(cfg.moe.projections, GGUF_EXPERT_NAMES):
-                            stacked = name.replace(".weight", f".{kind}")
-                            self.names[f"{block}.experts.{e}.{hf}.{kind}"] = (f"blk.{i}.{stacked}", None)
-                            self.experts[f"{block}.experts.{e}.{hf}.{kind}"] = e
+                self._expert_names(cfg.moe, i)
+
+    def _expert_names(self, moe, i: int) -> None:
+        """Layer i's router and each expert's gate, up and down: parts of the stacked tensors
+        (gate and up: the halves of ffn_gate_up_exps where the file fuses them, as Gemma 4's)."""
+        block = moe.block_of(f"model.layers.{i}")
+        fused = f"blk.{i}.ffn_gate_up_exps.weight" in self.file.tensors
+        for kind in ("weight", "bias"):  # (biases: gpt-oss's router and experts)
+            self.names[f"{block}.{moe.router}.{kind}"] = (f"blk.{i}.ffn_gate_inp.{kind}", None)
+            for e in range(moe.experts):
+                for half, (hf, name) in enumerate(zip(moe.projections, GGUF_EXPERT_NAMES)):
+                    stacked = name.replace(".weight", f".{kind}")
+                    key = f"{block}.experts.{e}.{hf}.{kind}"
+                    if fused and half < 2:
+                        stacked = f"ffn_gate_up_exps.{kind}"
+                        self.halves[key] = half
+                    self.names[key] = (f"blk.{i}.{stacked}", None)
+                    self.experts[key] = e
 
     def has(self, name: str) -> bool:
         return name in self.names and self.names[name][0] in self.file.tensors
@@ -483,7 +504,14 @@ class GGUFReader:
                 f"{self.dir}: tensor {t.name} has shape {list(t.shape)}, expected [experts, out, in] or [experts, out]"
             )
         size = t.data.size // t.shape[0]  # (whole blocks: parse_gguf checked each row is)
-        return GGUFTensor(t.name, t.shape[1:], t.qtype, t.data[expert * size : (expert + 1) * size])
+        data, shape = t.data[expert * size : (expert + 1) * size], t.shape[1:]
+        half = self.halves.get(hf_name)
+        if half is not None:  # (the first or the second half of the expert's rows)
+            if shape[0] % 2:
+                raise CheckpointError(f"{self.dir}: tensor {t.name} has an odd row count {shape[0]}")
+            size //= 2
+            data, shape = data[half * size : (half + 1) * size], (shape[0] // 2, *shape[1:])
+        return GGUFTensor(t.name, shape, t.qtype, data)
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

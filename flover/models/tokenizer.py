@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from flover.chat_template import TemplateLimits, TemplateSandbox, parse_template
@@ -94,12 +94,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, spec: GGUFTokenizerSpec, where: str = "GGUF") -> "Tokenizer":
-        if spec.model != "gpt2":
+        builders = {"gpt2": _byte_level_bpe, "gemma4": _spm_style_bpe}
+        if spec.model not in builders:
             raise CheckpointError(
                 f"{where}: tokenizer model {spec.model!r} is not supported yet (flover builds "
-                f"byte-level BPE tokenizers, tokenizer.ggml.model 'gpt2')"
+                f"tokenizer.ggml.model {' and '.join(map(repr, builders))})"
             )
-        backend = _byte_level_bpe(spec)
+        backend = builders[spec.model](spec)
         name = lambda i: spec.tokens[i] if i is not None and 0 <= i < len(spec.tokens) else None  # noqa: E731
         special = {
             "bos_token": name(spec.bos_token_id),
@@ -306,6 +307,25 @@ def _byte_level_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
     ]
     backend.add_special_tokens(control)
     backend.add_tokens(user)
+    return backend
+
+
+def _spm_style_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
+    """Gemma 4's tokenizer ("gemma4"): BPE over raw UTF-8 with spaces spelled U+2581 and bytes
+    the vocabulary lacks as <0xNN> tokens, split only at newlines, as llama.cpp reads it; the
+    file's control tokens special, its user-defined ones added."""
+    vocab = {t: i for i, t in enumerate(spec.tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in spec.merges]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, byte_fallback=True, fuse_unk=False))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in zip(spec.tokens, spec.token_types) if kind == 3]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, kind in zip(spec.tokens, spec.token_types) if kind == 4]
+    )
     return backend
 
 

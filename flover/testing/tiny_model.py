@@ -67,6 +67,23 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     return tok
 
 
+def train_spm_style_tokenizer(vocab_size: int, seed: int = 0):
+    """A BPE over raw UTF-8 with spaces spelled U+2581 and byte fallback (<0xNN> tokens), as
+    Gemma's tokenizer.json: the kind llama.cpp's converter writes as tokenizer model "gemma4"."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    spec = json.loads(tok.to_str())  # (the byte tokens: vocabulary entries, not added tokens, as Gemma's)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def load_preset(name_or_path: str) -> dict:
     path = Path(name_or_path)
     if not path.is_file():
@@ -237,7 +254,7 @@ def _write_family_metadata(w, config: dict, arch: str, rope: dict, tensors: dict
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts:  # as the converter: the experts' counts and width; their tensors stacked below
         w.add_expert_count(experts)
-        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_used_count(config.get("num_experts_per_tok") or config["top_k_experts"])
         if arch in ("qwen3moe", "gpt-oss", "qwen35moe"):
             w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
         tensors = _gpt_oss_experts(tensors) if arch == "gpt-oss" else _stack_experts(tensors)
@@ -266,7 +283,7 @@ def _write_gguf_tensors(w, config: dict, family, tensors: dict, qtype: str, type
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     rng = np.random.default_rng(seed)
     permute = lambda x, n: x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)  # noqa
-    names = dict(GGUF_GLOBAL_NAMES)
+    names = {**GGUF_GLOBAL_NAMES, **family.gguf_global_names}
     for i in range(config["num_hidden_layers"]):
         names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in gguf_layer_names(family).items()})
         for block in ("mlp", "block_sparse_moe"):  # (Qwen3-MoE's, Mixtral's router)

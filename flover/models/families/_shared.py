@@ -33,6 +33,7 @@ class Family:
     gguf_claims: Callable[[Any], bool] | None = None
     gguf_qk_permuted: bool = False  # llama.cpp's converter permuted Q and K's rows for its RoPE
     gguf_names: Mapping[str, str] = field(default_factory=dict)  # layer tensor: HF name -> GGUF name, its own
+    gguf_global_names: Mapping[str, str] = field(default_factory=dict)  # and its own tensors outside the layers
     gguf_rope_types: tuple[str, ...] = ("none", "linear")  # the rope.scaling.type its files may state
     decoder: str = DECODER  # "module:class" of its graph (imported when a model is built: torch)
     native: bool = True  # the native step runs it (its features are the decoder's)

@@ -10,8 +10,11 @@ wide with use_double_wide_mlp). 26B-A4B: experts beside every layer's MLP (enabl
 Hub checkpoints are Gemma4ForConditionalGeneration (text_config; model.language_model.*, served as
 model.*); the vision and audio towers are not read."""
 
+import dataclasses
+import re
+
 from flover.models.families._shared import Family, sizes
-from flover.models.model_config import MoEConfig, PerLayerInputConfig, check_sizes
+from flover.models.model_config import CheckpointError, MoEConfig, PerLayerInputConfig, check_sizes
 
 KINDS = ("sliding_attention", "full_attention")
 
@@ -154,6 +157,144 @@ def from_hf(raw: dict) -> dict:
     )
 
 
+GGUF_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+}
+GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def per_layer(file, key: str, count: int, default: int) -> list[int]:
+    """A per-layer integer field (an array), or one value for every layer."""
+    value = file.get(key, default)
+    values = value if isinstance(value, list) else [value] * count
+    if len(values) != count or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise CheckpointError(f"{file.path}: metadata {key!r} must be a positive integer, or one per layer")
+    return values
+
+
+def from_gguf(file, cfg):
+    """As llama.cpp reads a gemma4 file: the sliding layers by the pattern (flags), their head
+    size (key_length_swa; key_length is the full layers'), the kv heads and MLP widths per layer,
+    the full layers' RoPE through rope_freqs (1 for the turning pairs, 1e30 for the others), the
+    shared layers (shared_kv_layers), per-layer inputs (embedding_length_per_layer_input)."""
+    a, layers = file.arch, cfg.num_layers
+    pattern = file.get(f"{a}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != layers or not all(isinstance(f, bool) for f in pattern):
+        raise CheckpointError(f"{file.path}: {a}.attention.sliding_window_pattern needs a flag per layer")
+    types = ["sliding_attention" if f else "full_attention" for f in pattern]
+    head_dim = file.integer(f"{a}.attention.key_length_swa", required=True)
+    kv = per_layer(file, f"{a}.attention.head_count_kv", layers, cfg.num_heads)
+    widths = per_layer(file, f"{a}.feed_forward_length", layers, cfg.intermediate_size)
+    raw = {"num_hidden_layers": layers, "num_kv_shared_layers": file.integer(f"{a}.attention.shared_kv_layers", 0)}
+    try:
+        sources = kv_sources(raw, types)
+    except ValueError as e:
+        raise CheckpointError(f"{file.path}: {e}") from None
+    global_kv = {kv[n] for n, t in enumerate(types) if t == "full_attention"}
+    if (
+        len(global_kv) != 1
+        or len({kv[n] for n, t in enumerate(types) if t != "full_attention"} | {cfg.num_kv_heads}) != 1
+    ):
+        raise CheckpointError(f"{file.path}: {a}.attention.head_count_kv must be one count per kind of layer")
+    wide = frozenset(n for n, w in enumerate(widths) if w != cfg.intermediate_size)
+    if any(widths[n] != 2 * cfg.intermediate_size for n in wide):
+        raise CheckpointError(f"{file.path}: {a}.feed_forward_length: a layer's MLP is 1 or 2 times the first's")
+    width = file.integer(f"{a}.embedding_length_per_layer_input", 0)
+    table = file.tensors.get("per_layer_token_embd.weight")
+    if width and table is None:
+        raise CheckpointError(f"{file.path}: per-layer inputs of {width} but no per_layer_token_embd.weight")
+    window = file.integer(f"{a}.attention.sliding_window", required=True)
+    global_kv_heads = global_kv.pop()
+    moe = cfg.moe and dataclasses.replace(
+        cfg.moe, block="", router="router.proj", weights_float32=True, beside_mlp=True, router_scaled=True
+    )
+    return dataclasses.replace(
+        cfg,
+        **FEATURES,
+        hidden_act="gelu_pytorch_tanh",
+        embed_scale=cfg.hidden_size**0.5,
+        embed_scale_rounded=True,
+        head_dim=head_dim,
+        rotary_dim=head_dim,
+        local_rope_theta=file.number(f"{a}.rope.freq_base_swa", 10_000.0),
+        sliding_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        global_head_dim=cfg.head_dim,
+        global_kv_heads=global_kv_heads,
+        # (values its keys' where a full layer keeping KV has no attn_v)
+        global_k_eq_v=any(f"blk.{n}.attn_v.weight" not in file.tensors for n in range(layers) if sources[n] == n),
+        kv_sources=sources if any(s != n for n, s in enumerate(sources)) else (),
+        wide_mlp_layers=wide,
+        per_layer_input=PerLayerInputConfig(width, table.shape[0]) if width and table else None,
+        final_softcap=file.get(f"{a}.final_logit_softcapping"),
+        moe=moe,
+    )
+
+
+def test_gguf_metadata(config: dict) -> dict:
+    """What llama.cpp's converter writes of a config.json beyond the common keys."""
+    fields = from_hf(config)
+    layers, types = config["num_hidden_layers"], layer_types(config)
+    full, local = rope_parameters(config)
+    kv = [fields["global_kv_heads"] if t == "full_attention" else fields["num_kv_heads"] for t in types]
+    widths = [config["intermediate_size"] * (2 if n in fields["wide_mlp_layers"] else 1) for n in range(layers)]
+    out = {
+        "gemma4.feed_forward_length": widths if fields["wide_mlp_layers"] else config["intermediate_size"],
+        "gemma4.attention.head_count_kv": kv if len(set(kv)) > 1 else kv[0],
+        "gemma4.attention.key_length": fields["global_head_dim"],
+        "gemma4.attention.value_length": fields["global_head_dim"],
+        "gemma4.attention.key_length_swa": fields["head_dim"],
+        "gemma4.attention.value_length_swa": fields["head_dim"],
+        "gemma4.attention.sliding_window": config["sliding_window"],
+        "gemma4.attention.sliding_window_pattern": [t == "sliding_attention" for t in types],
+        "gemma4.attention.shared_kv_layers": config.get("num_kv_shared_layers") or 0,
+        "gemma4.embedding_length_per_layer_input": config.get("hidden_size_per_layer_input") or 0,
+        "gemma4.rope.freq_base": float(full.get("rope_theta", 1_000_000.0)),
+        "gemma4.rope.freq_base_swa": float(local.get("rope_theta", 10_000.0)),
+        "gemma4.rope.dimension_count": fields["global_head_dim"],
+        "gemma4.rope.dimension_count_swa": fields["head_dim"],
+    }
+    if config.get("final_logit_softcapping"):
+        out["gemma4.final_logit_softcapping"] = float(config["final_logit_softcapping"])
+    if fields["moe"] is not None:
+        out["gemma4.expert_count"] = fields["moe"].experts
+        out["gemma4.expert_used_count"] = fields["moe"].top_k
+        out["gemma4.expert_feed_forward_length"] = fields["moe"].intermediate
+    return out
+
+
+def test_gguf_tensors(config: dict, tensors: dict) -> dict:
+    """The converter's extra tensors: the full layers' RoPE factors (1 for the pairs that turn,
+    1e30 for the others) and each layer's experts, stacked as transformers stacks them, under their
+    GGUF names."""
+    import numpy as np
+
+    fields = from_hf(config)
+    half = fields["global_head_dim"] // 2
+    turned = int(fields["global_head_dim"] * fields["rope_scaling"]["partial_rotary_factor"] / 2)
+    out = {"rope_freqs.weight": np.array([1.0] * turned + [1e30] * (half - turned), dtype=np.float32)}
+    for name, x in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$", name)
+        if m:
+            name = f"blk.{m.group(1)}.ffn_{'gate_up' if m.group(2) == 'gate_up_proj' else 'down'}_exps.weight"
+        out[name] = x
+    return out
+
+
 def test_kwargs(preset: dict, eos_id: int) -> dict:
     """Five layers of the preset's width: sliding, sliding, full, then two reading the KV of the
     last sliding and the full one (their MLPs twice as wide); heads of 16, global ones of 32 and
@@ -186,9 +327,15 @@ FAMILY = Family(
     name="gemma4",
     hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     from_hf=from_hf,
+    gguf_arch="gemma4",
+    from_gguf=from_gguf,
+    gguf_names=GGUF_NAMES,
+    gguf_global_names=GGUF_GLOBAL_NAMES,
     native=False,
     test_config="Gemma4TextConfig",
     test_kwargs=test_kwargs,
+    test_gguf_metadata=test_gguf_metadata,
+    test_gguf_tensors=test_gguf_tensors,
     number_fields=(
         "global_head_dim",
         "num_global_key_value_heads",
