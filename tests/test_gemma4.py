@@ -185,3 +185,35 @@ def test_a_q8_0_file_equals_transformers_on_its_dequantized_weights(make_model, 
     with torch.no_grad():
         expected = ref(torch.tensor([prompts[2]])).logits[0]
     assert (llm.engine.score(prompts[2]) - expected).abs().max() < 1e-9
+
+
+def test_the_per_layer_table_is_read_a_row_at_a_time_from_the_files_codes(tmp_path):
+    """E-series files hold a table of vocab x layers x width (E2B's: 4.7 GB as bfloat16): flover
+    keeps it in the file's Q8_0 codes, dequantizing the rows each iteration's tokens ask for, and
+    gives transformers' tokens and logits on the directory of what gguf-py dequantizes."""
+    import gguf
+
+    from flover.testing.tiny_model import make_tiny_model, write_gguf
+    from tests.helpers import TEST_PRESET
+
+    src = make_tiny_model("gemma4", TEST_PRESET, tmp_path / "hf", hidden_size_per_layer_input=32)
+    path = write_gguf(src, tmp_path / "q8.gguf", "Q8_0")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tensors = {
+        name: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), q8), q8)) if x.dim() >= 2 else x
+        for name, x in load_file(src / "model.safetensors").items()
+    }
+    ref_dir = tmp_path / "dequantized"
+    shutil.copytree(src, ref_dir)
+    save_file(tensors, ref_dir / "model.safetensors")
+    llm = LLM(str(path), dtype="float64", max_slots=4, max_seq_len=256)
+    per_layer = llm.engine.runner.model.per_layer
+    assert per_layer.codes is not None and per_layer.table.numel() == 0
+    assert per_layer.codes.tensor.type_name == "Q8_0"
+    prompts = [llm.tokenizer.encode(" ".join(PROMPTS[i % 4] for i in range(n))) for n in (1, 3, 6, 2)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference_tokens(str(ref_dir), prompts, [10] * 4)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompts[2]])).logits[0]
+    assert (llm.engine.score(prompts[2]) - expected).abs().max() < 1e-9

@@ -58,6 +58,8 @@ def load_model(
         raise CheckpointError(f"--quantization file keeps a GGUF file's codes; {checkpoint.path} is not one")
     with torch.no_grad():
         reader = checkpoint.reader(cfg)
+        if getattr(model, "per_layer", None) is not None:  # (Gemma 4: its big table left in the file)
+            model.per_layer.keep_codes(reader)
         take = _quantize_as_read(model, quantization, not pack, reader) if quantization != "none" else None
         load_weights(reader, model.weight_specs(), take)
         if quantization != "none":

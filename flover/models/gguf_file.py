@@ -372,6 +372,15 @@ class GGUFReader:
                     self.names[key] = (f"blk.{i}.{stacked}", None)
                     self.experts[key] = e
 
+    def row_table(self, source) -> "RowTable | None":
+        """A table read a row at a time from the file's codes (Gemma 4's per-layer embeddings:
+        GBs dequantized, a few rows an iteration used): `source`'s columns of the rows asked for."""
+        name, _ = self.names[source.name]
+        t = self.file.tensors.get(name)
+        if t is None or t.type_name not in DEQUANTIZED_TYPES or t.shape != tuple(source.shape) or len(t.shape) != 2:
+            return None
+        return RowTable(t, source.start if source.dim == 1 else 0, source.stop if source.dim == 1 else t.shape[1])
+
     def has(self, name: str) -> bool:
         return name in self.names and self.names[name][0] in self.file.tensors
 
@@ -512,6 +521,22 @@ class GGUFReader:
             size //= 2
             data, shape = data[half * size : (half + 1) * size], (shape[0] // 2, *shape[1:])
         return GGUFTensor(t.name, shape, t.qtype, data)
+
+
+@dataclass
+class RowTable:
+    """Rows of a GGUF tensor dequantized on demand: columns [start, stop) of each."""
+
+    tensor: "GGUFTensor"
+    start: int
+    stop: int
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """ids [n] -> float32 [n, stop - start] (ids must lie within the table: the caller's check)."""
+        t = self.tensor
+        raw = t.data.reshape(t.shape[0], -1)[ids]  # [n, a row's bytes]: whole blocks each
+        values = GGUFTensor(t.name, (len(ids), t.shape[1]), t.qtype, raw.reshape(-1)).dequantize()
+        return values[:, self.start : self.stop]
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

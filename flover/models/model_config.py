@@ -125,6 +125,8 @@ def _per_layer_shape_problems(cfg: "ModelConfig") -> list[str]:
             },
             "per-layer inputs",
         )
+        if cfg.per_layer_input.vocab < cfg.vocab_size:
+            problems.append(f"per-layer inputs for {cfg.per_layer_input.vocab} of the {cfg.vocab_size} token ids")
     return problems
 
 

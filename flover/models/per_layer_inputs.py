@@ -34,12 +34,27 @@ class PerLayerInputs(nn.Module):
         self.norm = new_param(pl.width, dtype=dtype, device=device)
         # as the reference scales its embeddings: sqrt(width) rounded to the model's dtype
         self.table_scale = torch.tensor(pl.width**0.5, dtype=dtype, device=device)
+        self.codes = None  # a GGUF file's table: its rows dequantized as tokens ask for them (keep_codes)
+
+    def table_source(self):
+        pl, cfg = self.cfg.per_layer_input, self.cfg
+        total, start, count = cfg.num_layers * pl.width, self.layers.start * pl.width, len(self.layers) * pl.width
+        return cols(TABLE, (pl.vocab, total), start, count)
+
+    def keep_codes(self, reader) -> bool:
+        """Read the table a row at a time from a GGUF file's codes instead of holding it whole
+        (E2B's: 262,144 x 35 x 256 values, 4.7 GB as bfloat16); False where the file cannot."""
+        codes = reader.row_table(self.table_source()) if hasattr(reader, "row_table") else None
+        if codes is not None:
+            self.codes, self.table = codes, nn.Parameter(self.table.new_empty(0, 0), requires_grad=False)
+        return codes is not None
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, pl = self.cfg, self.cfg.per_layer_input
         total, start, count = cfg.num_layers * pl.width, self.layers.start * pl.width, len(self.layers) * pl.width
+        table = [] if self.codes is not None else [WeightSpec(self.table, (self.table_source(),))]
         return [
-            WeightSpec(self.table, (cols(TABLE, (pl.vocab, total), start, count),)),
+            *table,
             WeightSpec(self.projection.weight, (rows(PROJECTION, (total, cfg.hidden_size), start, count),)),
             WeightSpec(self.norm, (whole(NORM, (pl.width,)),)),
         ]
@@ -47,7 +62,13 @@ class PerLayerInputs(nn.Module):
     def forward(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """ids [T], the scaled embeddings [T, hidden] -> [T, stage layers, width]."""
         tokens = ids.shape[0]
-        by_token = (F.embedding(ids, self.table) * self.table_scale).view(tokens, len(self.layers), self.width)
+        if self.codes is not None:  # (rounded to the dtype as a loaded table is, then scaled)
+            rows = torch.from_numpy(self.codes.rows(ids.cpu().numpy())).to(
+                self.table_scale.device, self.table_scale.dtype
+            )
+        else:
+            rows = F.embedding(ids, self.table)
+        by_token = (rows * self.table_scale).view(tokens, len(self.layers), self.width)
         projected = self.projection(embedded) * self.cfg.hidden_size**-0.5
         projected = float32_rms_norm(projected.view(tokens, len(self.layers), self.width), self.norm, self.cfg.norm_eps)
         return (projected + by_token) * 2.0**-0.5
