@@ -15,7 +15,15 @@ OPEN, CLOSE = "<think>", "</think>"
 # writes it empty and closed when thinking is off. Special tokens that its answers are parsed by
 # (decode keeps them, as llama.cpp's converter makes them always rendered).
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>thought", "<channel|>"
-CHANNEL_TOKENS = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>")
+CHANNEL_TOKENS = (
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+)
 TAGS = {"think": (OPEN, CLOSE), "think_open": (OPEN, CLOSE), "channel": (CHANNEL_OPEN, CHANNEL_CLOSE)}
 
 

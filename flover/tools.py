@@ -5,6 +5,7 @@ The syntax follows the chat template: Hermes-style `<tool_call>{json}</tool_call
 3, SmolLM3, Hermes, and the fallback), Llama 3.x's bare JSON object, Mistral's `[TOOL_CALLS][...]`,
 Phi-4-mini's `functools[...]` (its template reads the tools from the system message's `tools`),
 Qwen3-Coder's and Qwen3.5's XML (`<tool_call><function=NAME><parameter=P>value</parameter>...`),
+Gemma 4's `<|tool_call>call:NAME{key:value,...}<tool_call|>` (strings between `<|"|>` marks),
 gpt-oss's harmony messages to `functions.NAME` (`<|channel|>commentary to=functions.NAME ...
 <|message|>{json}<|call|>`). A
 template that does not render `tools` (SmolLM2's, for one) gets them as a Hermes-style system
@@ -22,6 +23,7 @@ from flover.structured.spec import COMPACT
 
 HERMES, LLAMA3, MISTRAL, PHI4, HARMONY = "hermes", "llama3", "mistral", "phi4", "harmony"
 QWEN_XML = "qwen_xml"  # Qwen3-Coder's and Qwen3.5's <tool_call><function=NAME><parameter=P>...
+GEMMA4 = "gemma4"  # <|tool_call>call:NAME{key:value,...}<tool_call|>, strings between <|"|> marks
 PREFIXES = {MISTRAL: "[TOOL_CALLS]", PHI4: "functools"}  # what opens a JSON list of calls
 MAX_TOOLS = 128
 _NOT_JSON = (ValueError, RecursionError)  # (a model's text can nest past the parser's recursion)
@@ -54,6 +56,8 @@ def syntax_of(template_source: str | None) -> str:
         return LLAMA3
     if "<function=" in source and "<parameter=" in source:
         return QWEN_XML
+    if "<|tool_call>call:" in source:
+        return GEMMA4
     return HERMES
 
 
@@ -103,6 +107,8 @@ def call_text(name: str, arguments, syntax: str) -> str:
             for k, v in _arguments_object(arguments).items()
         )
         return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    if syntax == GEMMA4:
+        return f"<|tool_call>call:{name}{gemma4_value(_arguments_object(arguments), keys_marked=False)}<tool_call|>"
     body = {"name": name, "arguments" if syntax != LLAMA3 else "parameters": _arguments_object(arguments)}
     text = json.dumps(body, ensure_ascii=False)
     if syntax in PREFIXES:
@@ -226,6 +232,8 @@ def parse_calls(text: str, syntax: str, tools: list[dict] | None = None) -> tupl
         return _harmony_calls(text)
     if syntax == QWEN_XML:
         return _xml_calls(text, tools or [])
+    if syntax == GEMMA4:
+        return _gemma4_calls(text)
     if syntax in PREFIXES and f"{PREFIXES[syntax]}[" in text:
         start = text.index(f"{PREFIXES[syntax]}[")
         found = [(start, v) for v in _json_values(text[start + len(PREFIXES[syntax]) :])]
@@ -290,6 +298,91 @@ def _xml_value(text: str, schema) -> object:
         return text
 
 
+# -- Gemma 4's calls: <|tool_call>call:NAME{key:value,...}<tool_call|> ------------------------
+QUOTE = '<|"|>'  # (a special token of its vocabulary: strings hold anything but it, unescaped)
+_GEMMA4_CALL = re.compile(r"<\|tool_call>call:([A-Za-z0-9_.-]+)(?=\{)")
+MAX_NESTING = 64
+
+
+def gemma4_value(value, keys_marked: bool = True) -> str:
+    """A value as Gemma 4's template writes it (its format_argument macro)."""
+    if isinstance(value, str):
+        return f"{QUOTE}{value}{QUOTE}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        key = (lambda k: f"{QUOTE}{k}{QUOTE}") if keys_marked else str  # noqa: E731
+        return "{" + ",".join(f"{key(k)}:{gemma4_value(v, keys_marked)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(gemma4_value(v, keys_marked) for v in value) + "]"
+    return "null" if value is None else json.dumps(value)
+
+
+def _gemma4_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """Each complete call (its argument object read whole and closed by <tool_call|>); a call cut
+    off, or one whose arguments do not read, ends the calls (the ones before it count)."""
+    calls, first = [], None
+    for match in _GEMMA4_CALL.finditer(text):
+        try:
+            arguments, end = _gemma4_read(text, match.end(), 0)
+        except ValueError:
+            break
+        if not isinstance(arguments, dict) or not text.startswith("<tool_call|>", end):
+            break
+        calls.append(ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False)))
+        first = match.start() if first is None else first
+    return (text, []) if not calls else (text[:first].strip(), calls)
+
+
+def _gemma4_read(text: str, at: int, depth: int) -> tuple[object, int]:
+    """(the value at `at`, where it ends); ValueError where none reads."""
+    if depth > MAX_NESTING:
+        raise ValueError("nested too deep")
+    if text.startswith(QUOTE, at):
+        end = text.find(QUOTE, at + len(QUOTE))
+        if end < 0:
+            raise ValueError("a string not closed")
+        return text[at + len(QUOTE) : end], end + len(QUOTE)
+    if text.startswith("{", at) or text.startswith("[", at):
+        mapping, close, items, at = text[at] == "{", "}" if text[at] == "{" else "]", [], at + 1
+        while not text.startswith(close, at):
+            if items:
+                if not text.startswith(",", at):
+                    raise ValueError("items not separated")
+                at += 1
+            key = None
+            if mapping:
+                key, at = _gemma4_key(text, at)
+            value, at = _gemma4_read(text, at, depth + 1)
+            items.append((key, value))
+        return (dict(items) if mapping else [v for _, v in items]), at + 1
+    m = re.compile(r"[^,}\]<]+").match(text, at)
+    if m is None:
+        raise ValueError("no value")
+    word = m.group(0).strip()
+    literals = {"true": True, "false": False, "null": None, "None": None}
+    if word in literals:
+        return literals[word], m.end()
+    try:
+        return json.loads(word), m.end()
+    except _NOT_JSON:
+        return word, m.end()
+
+
+def _gemma4_key(text: str, at: int) -> tuple[str, int]:
+    """A mapping's key (bare, or between quote marks) and the colon after it."""
+    if text.startswith(QUOTE, at):
+        key, at = _gemma4_read(text, at, 0)
+    else:
+        m = re.compile(r"[^:{}\[\],<]+").match(text, at)
+        if m is None:
+            raise ValueError("no key")
+        key, at = m.group(0).strip(), m.end()
+    if not text.startswith(":", at):
+        raise ValueError("a key without a value")
+    return key, at + 1
+
+
 # a harmony message that ends in a call: its header (the recipient before or after the channel),
 # its body, <|call|>
 _HARMONY_CALL = re.compile(
@@ -339,6 +432,8 @@ def required_structure(tools: list[dict], choice, parallel: bool, syntax: str) -
         raise ValueError('tool_choice: this model writes harmony tool calls; only "auto" and "none" are supported')
     if syntax == QWEN_XML:  # (its parameters are XML around each value, no JSON schema to hold them to)
         raise ValueError('tool_choice: this model writes XML tool calls; only "auto" and "none" are supported')
+    if syntax == GEMMA4:  # (its values are not JSON: strings between <|"|> marks, bare keys)
+        raise ValueError('tool_choice: this model writes Gemma 4 tool calls; only "auto" and "none" are supported')
     key = "parameters" if syntax == LLAMA3 else "arguments"
     one_of = [
         {

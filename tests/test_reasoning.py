@@ -330,7 +330,10 @@ def test_thinking_opened_by_the_prompt_and_xml_tool_calls_over_http(opening_fron
 # Gemma 4's shape (llama.cpp's models/templates/google-gemma-4-31B-it.jinja): answers open a
 # thinking channel when thinking is on; the generation prompt writes it empty and closed otherwise
 CHANNEL_TEMPLATE = (
-    "{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n{% endfor %}"
+    "{% if tools %}<|turn>system\n{% for t in tools %}<|tool>{{ t | tojson }}<tool|>{% endfor %}<turn|>\n{% endif %}"
+    "{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{{ '<|tool_call>call:' + c['function']['name'] + '{}<tool_call|>' }}"
+    "{% endfor %}<turn|>\n{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}"
     "{% if not enable_thinking | default(false) %}{{ '<|channel>thought\\n<channel|>' }}{% endif %}{% endif %}"
 )
@@ -366,7 +369,7 @@ def test_a_gemma4_models_text_keeps_its_channel_tokens_only(make_model):
 
 @pytest.fixture(scope="module")
 def channel_front(make_model, tmp_path_factory):
-    yield from front_with_template(make_model, tmp_path_factory, CHANNEL_TEMPLATE)
+    yield from front_with_template(make_model, tmp_path_factory, CHANNEL_TEMPLATE, max_seq_len=512)  # (tools)
 
 
 def test_gemma4_thinking_over_http_whole_and_streamed(channel_front):
@@ -380,3 +383,16 @@ def test_gemma4_thinking_over_http_whole_and_streamed(channel_front):
     assert streamed_fields(url, forced) == (message["reasoning_content"], message["content"])
     message = chat(url, guided_regex="[e-h]{4}").json()["choices"][0]["message"]
     assert message.get("reasoning_content") is None and len(message["content"]) == 4
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+    call = '<\\|tool_call>call:get_weather\\{city:<\\|"\\|>42<\\|"\\|>,days:2\\}<tool_call\\|>'
+    answer = chat(url, guided_regex=call, tools=[weather], max_tokens=80).json()["choices"][0]
+    assert answer["finish_reason"] == "tool_calls"
+    (found,) = answer["message"]["tool_calls"]
+    assert found["function"]["name"] == "get_weather"
+    assert json.loads(found["function"]["arguments"]) == {"city": "42", "days": 2}  # (a string stays a string)

@@ -71,6 +71,12 @@ TIME = {
             '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>',
             "Let me check.",
         ),
+        (  # (Gemma 4's: bare keys, strings between <|"|> marks; what the split of its thinking leaves)
+            tools.GEMMA4,
+            'Sure.<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:2}<tool_call|>'
+            '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>}<tool_call|>',
+            "Sure.",
+        ),
     ],
 )
 def test_each_syntax_is_parsed_into_calls(syntax, text, content):
@@ -93,6 +99,24 @@ def test_the_syntax_follows_the_template():
     with pytest.raises(ValueError, match="harmony tool calls; only .auto. and .none."):
         tools.required_structure([WEATHER], "required", True, tools.HARMONY)
     assert tools.syntax_of(None) == tools.HERMES and not tools.renders_tools(None)
+    assert tools.syntax_of("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == tools.GEMMA4
+    with pytest.raises(ValueError, match="Gemma 4 tool calls; only .auto. and .none."):
+        tools.required_structure([WEATHER], "required", True, tools.GEMMA4)
+
+
+def test_gemma4_values_read_back_as_its_template_writes_them():
+    """Every kind of value its format_argument macro writes (nested mappings, lists, booleans,
+    numbers, strings holding commas, braces and quotes) reads back; a call cut off, a string not
+    closed or an unbalanced object ends the calls, the complete ones before it counted."""
+    args = {"q": 'a, {b} "c"', "n": -2.5, "ok": False, "none": None, "tags": ["x", 1, [True]], "o": {"k": {"d": "e"}}}
+    text = tools.call_text("search", args, tools.GEMMA4)
+    assert text.startswith("<|tool_call>call:search{n:-2.5,") and text.endswith("<tool_call|>")
+    (call,) = tools.parse_calls(text, tools.GEMMA4)[1]
+    assert call.name == "search" and json.loads(call.arguments) == args
+    for cut in (text[:-3], text + '<|tool_call>call:more{a:<|"|>open', text + "<|tool_call>call:more{a:{b:1}"):
+        assert [c.name for c in tools.parse_calls(cut, tools.GEMMA4)[1]] == ([] if cut == text[:-3] else ["search"])
+    deep = "<|tool_call>call:f{a:" + "[" * 5000
+    assert tools.parse_calls(deep, tools.GEMMA4) == (deep, [])
 
 
 # Phi-4-mini-instruct's chat template: the tools come from the system message's own `tools`
