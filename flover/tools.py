@@ -311,7 +311,7 @@ def gemma4_value(value, keys_marked: bool = True) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
-        key = (lambda k: f"{QUOTE}{k}{QUOTE}") if keys_marked else str  # noqa: E731
+        key = (lambda k: f"{QUOTE}{k}{QUOTE}") if keys_marked else str
         return "{" + ",".join(f"{key(k)}:{gemma4_value(v, keys_marked)}" for k, v in sorted(value.items())) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(gemma4_value(v, keys_marked) for v in value) + "]"
