@@ -49,6 +49,21 @@ def test_each_layer_keeps_kv_of_its_own_shape_and_sharing_layers_keep_none(make_
     assert kept == 3 * 2 * 64 * 8 * (2 * 2 * 16 + 2 * 32)  # slots x 2 x positions x bytes x (layers' heads x dims)
 
 
+def test_a_directorys_per_layer_table_is_read_from_its_memory_map_and_checked(make_model, tmp_path):
+    """The table is not copied into the model (its rows come from the safetensors file's memory
+    map; test_reference.py checks the values), and a non-finite value in it is refused at load."""
+    src = Path(make_model("gemma4"))
+    per_layer = LLM(str(src), dtype="float64").engine.runner.model.per_layer
+    assert per_layer.codes is not None and per_layer.table.numel() == 0
+    bad = tmp_path / "nan"
+    shutil.copytree(src, bad)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.embed_tokens_per_layer.weight"][7, 3] = float("nan")
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match="embed_tokens_per_layer.weight.* not finite"):
+        LLM(str(bad), dtype="float64")
+
+
 @pytest.mark.parametrize("variant", ["gemma4", "gemma4-moe"])
 def test_windowed_kv_prefix_cache_and_shuffle_give_transformers_tokens(make_model, variant):
     """Six prompts of 20 to ~200 tokens in 3 slots, chunks of at most 40 tokens fused with decode

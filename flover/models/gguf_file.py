@@ -538,6 +538,13 @@ class RowTable:
         values = GGUFTensor(t.name, (len(ids), t.shape[1]), t.qtype, raw.reshape(-1)).dequantize()
         return values[:, self.start : self.stop]
 
+    def finite(self, chunk: int = 4096) -> bool:
+        """Whether every value is finite (checked once at load, a chunk of rows at a time)."""
+        return all(
+            np.isfinite(self.rows(np.arange(at, min(at + chunk, self.tensor.shape[0])))).all()
+            for at in range(0, self.tensor.shape[0], chunk)
+        )
+
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf.py's `permute`: per head, its rows were reordered from

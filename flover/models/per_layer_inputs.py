@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flover.models.layers import Linear, cols, float32_rms_norm, new_param, rows, whole
-from flover.models.model_config import ModelConfig
+from flover.models.model_config import CheckpointError, ModelConfig
 from flover.models.safetensors_reader import WeightSpec
 
 TABLE = "model.embed_tokens_per_layer.weight"
@@ -34,7 +34,7 @@ class PerLayerInputs(nn.Module):
         self.norm = new_param(pl.width, dtype=dtype, device=device)
         # as the reference scales its embeddings: sqrt(width) rounded to the model's dtype
         self.table_scale = torch.tensor(pl.width**0.5, dtype=dtype, device=device)
-        self.codes = None  # a GGUF file's table: its rows dequantized as tokens ask for them (keep_codes)
+        self.codes = None  # the file's table: its rows read as tokens ask for them (keep_codes)
 
     def table_source(self):
         pl, cfg = self.cfg.per_layer_input, self.cfg
@@ -42,12 +42,16 @@ class PerLayerInputs(nn.Module):
         return cols(TABLE, (pl.vocab, total), start, count)
 
     def keep_codes(self, reader) -> bool:
-        """Read the table a row at a time from a GGUF file's codes instead of holding it whole
-        (E2B's: 262,144 x 35 x 256 values, 4.7 GB as bfloat16); False where the file cannot."""
+        """Read the table a row at a time from the file (a GGUF file's codes, a safetensors file's
+        memory map) instead of holding it whole (E2B's: 262,144 x 35 x 256 values, 4.7 GB as
+        bfloat16); False where the file cannot. Its values are checked finite here, once."""
         codes = reader.row_table(self.table_source()) if hasattr(reader, "row_table") else None
-        if codes is not None:
-            self.codes, self.table = codes, nn.Parameter(self.table.new_empty(0, 0), requires_grad=False)
-        return codes is not None
+        if codes is None:
+            return False
+        if not codes.finite():
+            raise CheckpointError(f"{reader.dir}: tensor {TABLE!r} holds values that are not finite (NaN or infinity)")
+        self.codes, self.table = codes, nn.Parameter(self.table.new_empty(0, 0), requires_grad=False)
+        return True
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, pl = self.cfg, self.cfg.per_layer_input
