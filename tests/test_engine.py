@@ -45,6 +45,7 @@ def random_params(rng: random.Random) -> SamplingParams:
         ("granite", 10, "float64", "none"),  # (its residual and logit scales)
         ("gemma4", 11, "float64", "none"),  # (per-layer inputs, layers reading others' KV, two head shapes)
         ("gemma4-moe", 12, "float64", "none"),  # (experts beside the MLP)
+        ("gemma4", 13, "bfloat16", "none"),  # (the native step: two head shapes, shared KV, per-layer inputs)
         # the native step (CPU): every output summed in the same order whatever rows share the
         # iteration, so even float32, bfloat16, int4 and int8 results do not depend on the batch
         ("llama", 4, "float32", "none"),

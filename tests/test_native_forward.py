@@ -31,8 +31,8 @@ from flover.native.build import (
     runnable_families,
 )
 from flover.native.forward import argmax
-from flover.testing.tiny_model import write_gguf
-from tests.helpers import random_arrival_jobs, run_arrivals
+from flover.testing.tiny_model import make_tiny_model, write_gguf
+from tests.helpers import TEST_PRESET, random_arrival_jobs, run_arrivals
 
 FAMILIES = runnable_families()
 
@@ -122,6 +122,7 @@ VARIANTS = [
     "granite",
     "qwen3_5",
     "qwen3_5-moe",
+    "gemma4",
 ]
 
 
@@ -134,8 +135,11 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
     decode_only = {decode for decode, prompt, *_ in compared if not prompt}
     assert decode_only == set(range(1, 7))  # rows in tiles of 6, 4, 2 and 1
     assert sum(1 for decode, prompt, *_ in compared if decode and prompt) > 5  # mixed iterations
+    # (Gemma 4: scores unscaled over normed q and k, softmax inputs up to head_dim wide; its
+    # float32 noise is ~1e-6, ~2.5x the others', in every variant of its features alike)
+    bound = 1e-5 if variant.startswith("gemma4") else 2e-6
     for decode, prompt, diff, scale, _ in compared:
-        assert diff <= 2e-6 * max(1.0, scale), (decode, prompt, diff, scale)
+        assert diff <= bound * max(1.0, scale), (decode, prompt, diff, scale)
 
 
 @pytest.mark.parametrize(
@@ -155,6 +159,7 @@ def test_native_step_gives_the_pytorch_logits_in_float32(make_model, variant):
         "granite",
         "qwen3_5",
         "qwen3_5-moe",
+        "gemma4",
     ],
 )
 def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
@@ -170,6 +175,9 @@ def test_native_step_rounds_as_pytorch_in_bfloat16(make_model, variant):
     flips = 2 if variant in ("qwen3-moe", "mixtral", "gpt-oss") else 0
     if variant == "qwen3_5-moe":  # (4 routed layers over up to 24 rows an iteration: ~1 in 8 iterations, each ~5%)
         flips = 15
+    if variant == "gemma4":  # (unscaled scores over normed q, k: a prompt's bfloat16 scores, which PyTorch
+        # rounds before its softmax and the native step does not, step by 1/8 near 20; decode rows as the others)
+        far = [f for f in far if not f[1]]
     assert len(far) <= flips and all(diff <= 0.1 * max(1.0, scale) for *_, diff, scale in far), far
     agree = sum(same for *_, same in compared) / len(compared)
     assert agree >= 0.9, agree
@@ -613,6 +621,28 @@ def test_recurrent_layers_fused_equal_solo_bit_for_bit(make_model, tmp_path, var
 
     def run(slots: int) -> list[tuple[list[int], list[float]]]:
         config = EngineConfig(model, dtype=dtype, max_slots=slots, max_batch_tokens=40, max_seq_len=256)
+        llm = LLM.from_engine(Engine(config))
+        assert llm.engine.runner.native is not None
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+
+    assert run(6) == run(1)
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "file")])
+def test_gemma4_layers_fused_equal_solo_bit_for_bit(tmp_path, dtype, quantization):
+    """Gemma 4's E shape on the native step (layers of two head shapes, two reading earlier layers'
+    KV, per-layer inputs, wide MLPs, layer scalars, soft-capped logits): six prompts fused in
+    iterations of 40 rows give each prompt's tokens and log-probabilities as it gets alone, bit for
+    bit; on a Q8_0 file's own codes too (its per-layer table read a row at a time)."""
+    model = make_tiny_model("gemma4", TEST_PRESET, tmp_path / "hf", hidden_size_per_layer_input=32)
+    if quantization == "file":
+        model = write_gguf(model, tmp_path / "gemma4-Q8_0.gguf", "Q8_0")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (5, 190, 33, 70, 12, 129)]
+    params = [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True, logprobs=True) for i in range(len(prompts))]
+
+    def run(slots: int) -> list[tuple[list[int], list[float]]]:
+        config = EngineConfig(str(model), dtype=dtype, max_slots=slots, max_batch_tokens=40, max_seq_len=256)
         llm = LLM.from_engine(Engine(config))
         assert llm.engine.runner.native is not None
         return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flover.models.layers import Linear, cols, float32_rms_norm, new_param, rows, whole
+from flover.models.layers import cols, float32_rms_norm, new_param, rows, whole
 from flover.models.model_config import CheckpointError, ModelConfig
 from flover.models.safetensors_reader import WeightSpec
 
@@ -30,7 +30,9 @@ class PerLayerInputs(nn.Module):
         self.cfg, self.layers, self.width = cfg, layers, pl.width
         columns = len(layers) * pl.width
         self.table = new_param(pl.vocab, columns, dtype=dtype, device=device)  # [vocab, stage layers x width]
-        self.projection = Linear(columns, cfg.hidden_size, False, dtype, device)
+        # [stage layers x width, hidden]: a plain weight (not a Linear: the native step, which releases
+        # those, calls this module every iteration; 27 MB for E2B as bfloat16)
+        self.projection = new_param(columns, cfg.hidden_size, dtype=dtype, device=device)
         self.norm = new_param(pl.width, dtype=dtype, device=device)
         # as the reference scales its embeddings: sqrt(width) rounded to the model's dtype
         self.table_scale = torch.tensor(pl.width**0.5, dtype=dtype, device=device)
@@ -59,20 +61,22 @@ class PerLayerInputs(nn.Module):
         table = [] if self.codes is not None else [WeightSpec(self.table, (self.table_source(),))]
         return [
             *table,
-            WeightSpec(self.projection.weight, (rows(PROJECTION, (total, cfg.hidden_size), start, count),)),
+            WeightSpec(self.projection, (rows(PROJECTION, (total, cfg.hidden_size), start, count),)),
             WeightSpec(self.norm, (whole(NORM, (pl.width,)),)),
         ]
 
-    def forward(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """ids [T], the scaled embeddings [T, hidden] -> [T, stage layers, width]."""
-        tokens = ids.shape[0]
+    def by_token(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> the table's rows, scaled: [T, stage layers, width] (the native step adds the rest)."""
         if self.codes is not None:  # (rounded to the dtype as a loaded table is, then scaled)
-            rows = torch.from_numpy(self.codes.rows(ids.cpu().numpy())).to(
-                self.table_scale.device, self.table_scale.dtype
-            )
+            rows = torch.from_numpy(self.codes.rows(ids.cpu().numpy()))
+            rows = rows.to(self.table_scale.device, self.table_scale.dtype)
         else:
             rows = F.embedding(ids, self.table)
-        by_token = (rows * self.table_scale).view(tokens, len(self.layers), self.width)
-        projected = self.projection(embedded) * self.cfg.hidden_size**-0.5
+        return (rows * self.table_scale).view(ids.shape[0], len(self.layers), self.width)
+
+    def forward(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """ids [T], the scaled embeddings [T, hidden] -> [T, stage layers, width]."""
+        tokens, by_token = ids.shape[0], self.by_token(ids)
+        projected = F.linear(embedded, self.projection) * self.cfg.hidden_size**-0.5
         projected = float32_rms_norm(projected.view(tokens, len(self.layers), self.width), self.norm, self.cfg.norm_eps)
         return (projected + by_token) * 2.0**-0.5

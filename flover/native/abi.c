@@ -27,7 +27,8 @@ static const AbiEntry ABI[] = {
     AT(Model, weights_f32), AT(Model, topk_softmax), AT(Model, swiglu_limit), AT(Model, swiglu_alpha),
     AT(Model, residual_scale), AT(Model, delta_key_heads), AT(Model, delta_value_heads), AT(Model, delta_dk),
     AT(Model, delta_dv), AT(Model, delta_conv), AT(Model, delta_tiled), AT(Model, snapshot_rows), AT(Model, attn_gate),
-    AT(Model, shared_inter),
+    AT(Model, shared_inter), AT(Model, max_head_dim), AT(Model, max_kv_heads), AT(Model, max_inter), AT(Model, v_norm),
+    AT(Model, per_layer_width), AT(Model, per_layer_inputs), AT(Model, per_layer_proj), AT(Model, per_layer_norm),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
@@ -40,7 +41,9 @@ static const AbiEntry ABI[] = {
     AT(Layer, delta_in_grid), AT(Layer, delta_out), AT(Layer, delta_out_grid), AT(Layer, delta_conv_w),
     AT(Layer, delta_dt_bias), AT(Layer, delta_a), AT(Layer, delta_norm), AT(Layer, conv_state), AT(Layer, ssm_state),
     AT(Layer, snap_conv), AT(Layer, snap_ssm), AT(Layer, shared_gate_up), AT(Layer, shared_gate_up_grid),
-    AT(Layer, shared_down), AT(Layer, shared_down_grid), AT(Layer, shared_gate),
+    AT(Layer, shared_down), AT(Layer, shared_down_grid), AT(Layer, shared_gate), AT(Layer, head_dim),
+    AT(Layer, kv_heads), AT(Layer, kv_pos), AT(Layer, inter), AT(Layer, q_only), AT(Layer, v_from_k), AT(Layer, pl_gate),
+    AT(Layer, pl_gate_grid), AT(Layer, pl_proj), AT(Layer, pl_proj_grid), AT(Layer, pl_norm), AT(Layer, scalar),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

@@ -66,7 +66,8 @@ Model = _int64_struct(
     head_screen head_screen_scales head_bounds screen_rows rotary_dim
     embed_scale:d attn_scale:d norm_f32 act local_cos local_sin
     experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d residual_scale:d
-    delta_key_heads delta_value_heads delta_dk delta_dv delta_conv delta_tiled snapshot_rows attn_gate shared_inter""",
+    delta_key_heads delta_value_heads delta_dk delta_dv delta_conv delta_tiled snapshot_rows attn_gate shared_inter
+    max_head_dim max_kv_heads max_inter v_norm per_layer_width per_layer_inputs per_layer_proj per_layer_norm""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(
@@ -79,7 +80,8 @@ Layer = _int64_struct(
     router_bias expert_gate_up_bias expert_down_bias sinks
     delta delta_in delta_in_grid delta_out delta_out_grid delta_conv_w delta_dt_bias delta_a delta_norm
     conv_state ssm_state snap_conv snap_ssm
-    shared_gate_up shared_gate_up_grid shared_down shared_down_grid shared_gate""",
+    shared_gate_up shared_gate_up_grid shared_down shared_down_grid shared_gate
+    head_dim kv_heads kv_pos inter q_only v_from_k pl_gate pl_gate_grid pl_proj pl_proj_grid pl_norm scalar:d""",
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0; its KV; "
     "its experts' tables.",
 )

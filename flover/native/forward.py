@@ -42,7 +42,7 @@ class KVSlots(Protocol):
 
 log = logging.getLogger(__name__)
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "pl_gate", "pl_proj")  # (pl_*: Gemma 4's per-layer input)
 DTYPE_CODES = {torch.float32: abi.DT_F32, torch.bfloat16: abi.DT_BF16}
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}  # Model.act (native.h)
 SCREEN_INT8_ROWS = 8  # a bfloat16 model's greedy rows go through its int8 head screen up to this many
@@ -59,6 +59,7 @@ SHAPE_CHECKS = {
     8: "the activation's code or the clamped SwiGLU's limit and alpha",
     9: "the Gated DeltaNet layers' heads (value heads a multiple of key heads), dims (at most 512) or conv taps "
     "(2 to 64), or a layer of them lacks its weights or states",
+    10: "a layer's per-layer input lacks its projection or norm, or the model its width",
 }
 CLAMPED_SWIGLU = 2  # Model.act of gpt-oss's experts (native.h)
 
@@ -88,8 +89,10 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return "norms after attention and the MLP with o / down biases"
     if cfg.hidden_act not in ACTIVATIONS and not (cfg.moe is not None and cfg.moe.swiglu_limit is not None):
         return f"activation {cfg.hidden_act!r} ({', '.join(ACTIVATIONS)} only)"
-    if model.rotary.interleaved or cfg.head_dim > 512:
+    if model.rotary.interleaved or max(cfg.head_dim, cfg.global_head_dim or 0) > 512:
         return "rotary embedding other than rotate-half over heads of at most 512 dims"
+    if cfg.moe is not None and cfg.moe.beside_mlp:
+        return "experts beside the MLP (Gemma 4's mixture of experts)"
     sizes = {
         "hidden size": cfg.hidden_size,
         "attention width": model.tp.heads * cfg.head_dim,
@@ -153,6 +156,7 @@ class WeightPlan:
         head_runs = id(model.lm_head) in runs
         dense = ([] if head_runs or head is None else [head]) + [lin.weight for lin in linears if id(lin) not in runs]
         dense += [layer.experts.router for layer in model.layers if layer.experts is not None]
+        dense += [model.per_layer.projection] if model.per_layer is not None else []  # (Gemma 4)
         screen = HeadScreen.of(head) if screened and not head_runs and head is not None else None
         return cls(head, runs, [lin for lin in linears + ends if id(lin) in runs], dense, screen)
 
@@ -344,18 +348,56 @@ class NativeForward:
             final_norm=self._norm_address(model.norm),
             cos=model.rotary.cos.data_ptr(),
             sin=model.rotary.sin.data_ptr(),
-            rotary_dim=model.rotary.rotary_dim,
+            rotary_dim=model.rotary.rotary_dim if not cfg.global_head_dim else cfg.head_dim,
             vocab_start=model.tp.vocab_start,
             all_reduce=self._all_reduce_hook(comm),
             screen_rows=self.screen_rows,
             **(self._feature_fields() | self._experts_fields() | recurrent.model_fields(model)),
             **self._head_fields(plan),
+            **self._layer_shape_fields(),
         )
         failed = self.lib.flover_check_model(struct)
         if failed:
             shape = ", ".join(f"{name}={getattr(struct, name)}" for name, _ in abi.Model._fields_[:9])
             raise ValueError(f"native step: the model's shape breaks its assumptions: {SHAPE_CHECKS[failed]} ({shape})")
         return struct
+
+    def _layer_shape_fields(self) -> dict:
+        """(Gemma 4) Model's widest layer geometry, the value norm's ones, the per-layer inputs' width."""
+        model, cfg = self.model, self.model.cfg
+        attention = [layer for layer in model.layers if layer.qkv is not None]
+        fields = dict(
+            max_head_dim=max((layer.head_dim for layer in attention), default=0),
+            max_kv_heads=max((layer.tp.kv_heads for layer in attention), default=0),
+            max_inter=max((layer.wide * model.tp.intermediate for layer in model.layers), default=0),
+            per_layer_width=cfg.per_layer_input.width if cfg.per_layer_input is not None else 0,
+        )
+        if model.per_layer is not None:
+            fields["per_layer_proj"] = self._address(model.per_layer.projection, block=True)
+            fields["per_layer_norm"] = self._norm_address(model.per_layer.norm)
+        if cfg.v_norm:  # (a norm without weight: times float32 ones)
+            self._norm_weights.append(torch.ones(fields["max_head_dim"], dtype=torch.float32))
+            fields["v_norm"] = self._norm_weights[-1].data_ptr()
+        return fields
+
+    def _gemma4_layer_fields(self, layer, blocked: dict, kv: dict) -> dict:
+        """Layer's own head shape, KV readers and per-layer input (Gemma 4; the model's otherwise)."""
+        if layer.qkv is None:  # (a DeltaNet layer)
+            return {}
+        fields = dict(
+            head_dim=layer.head_dim,
+            kv_heads=layer.tp.kv_heads,
+            kv_pos=kv.get("kv_pos", 0),
+            inter=layer.wide * self.model.tp.intermediate if layer.gate_up is not None else 0,
+            q_only=int(not layer.reads_kv),
+            v_from_k=int(layer.v_from_k),
+            pl_gate=blocked["pl_gate"][0],
+            pl_proj=blocked["pl_proj"][0],
+            pl_norm=self._norm_address(layer.pl_norm),
+        )
+        if layer.scalar is not None:
+            fields["scalar"] = float(layer.scalar)
+        return fields
 
     def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: KVSlots) -> ctypes.Array:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
@@ -395,7 +437,8 @@ class NativeForward:
                 ffn_norm_after=self._norm_address(layer.ffn_norm_after),
                 attn_norm_after=self._norm_address(layer.attn_norm_after),
                 local_rope=int(layer.local_rope),
-                **state,
+                **self._gemma4_layer_fields(layer, blocked, state),
+                **{k: v for k, v in state.items() if k != "kv_pos"},
                 **{f"{name}_grid": blocked[name][1] for name in PROJECTIONS},
                 **experts,
             )
@@ -412,6 +455,7 @@ class NativeForward:
             kv_head=kv.stride(2),
             kv_len=kv.shape[3],
             windowed_kv=int(buffer.window is not None and i in buffer.window.layers),
+            kv_pos=kv.stride(3),
         )
 
     def _delta_fields(self, plan: WeightPlan, linear, state, release: bool) -> dict:
@@ -485,9 +529,10 @@ class NativeForward:
         return True, self._screen_scores
 
     def _head_result(self, ids_back: bool, logits: torch.Tensor, n_out: int, full: int) -> torch.Tensor | list[int]:
-        if not ids_back:  # (greedy ids: a positive logit scale changes no argmax)
-            scale = self.model.cfg.logit_scale
-            return logits if scale is None else logits.div_(scale)
+        if not ids_back:  # (greedy ids: a positive logit scale, a soft cap change no argmax)
+            scale, cap = self.model.cfg.logit_scale, self.model.cfg.final_softcap
+            logits = logits if scale is None else logits.div_(scale)
+            return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
         self.screened_rows += n_out
         self.full_head_rows += full
         return self._ids[:n_out]
@@ -498,6 +543,7 @@ class NativeForward:
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         slots = batch.write_slots.contiguous()
         self._model_struct.snapshot_rows = self._snapshot_rows(batch)
+        self._model_struct.per_layer_inputs = self._per_layer_inputs(batch)
         full = self.lib.flover_forward(
             self._model_struct,
             self._layer_structs,
@@ -520,6 +566,16 @@ class NativeForward:
             raise RuntimeError("native step: a row's position or token id is out of range")
         self.iterations += 1
         return full
+
+    def _per_layer_inputs(self, batch: ForwardBatch) -> int:
+        """(Gemma 4) the address of this iteration's per-layer table rows, float32 [rows, layers,
+        width] of the model dtype's values, scaled, or 0."""
+        model = self.model
+        if model.per_layer is None:
+            return 0
+        with torch.no_grad():  # (the table's part, a lookup; the projection's runs in the step, batch-invariant)
+            self._inputs = model.per_layer.by_token(batch.input_ids).float().contiguous()  # (kept until the call)
+        return self._inputs.data_ptr()
 
     def _snapshot_rows(self, batch: ForwardBatch) -> int:
         """The address of each row's prefix-cache snapshot row (-1: none), or 0 without any."""

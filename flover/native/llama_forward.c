@@ -53,7 +53,7 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
  * inputs their sum (grids with minimums), and the prompt blocks (first row and row count, int64). `end`: the floats the
  * caller allocates (flover_work_floats). */
 typedef struct {
-    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, runs, experts, fused, end;
+    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, runs, experts, fused, per_layer, end;
 } Work;
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -61,11 +61,34 @@ static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a 
 /* q's rows per head: the query, and with attn_gate its gate after it */
 static inline int64_t q_rows(const Model *md) { return (md->attn_gate ? 2 : 1) * md->heads * md->head_dim; }
 
-static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
+/* The model as layer ly sees it (Gemma 4: its own head size, kv heads, KV row stride, RoPE tables'
+ * width and MLP width); for other models the model itself. */
+static inline Model layer_view(const Model *md, const Layer *ly) {
+    Model v = *md;
+    if (ly->head_dim && ly->head_dim != md->head_dim) v.head_dim = ly->head_dim, v.rotary_dim = ly->head_dim;
+    if (ly->kv_heads) v.kv_heads = ly->kv_heads;
+    if (ly->kv_pos) v.kv_pos = ly->kv_pos;
+    if (ly->inter) v.inter = ly->inter;
+    return v;
+}
+
+/* The widest layer's geometry (the scratch is laid out for it). */
+static inline Model widest_view(const Model *md) {
+    Model v = *md;
+    if (md->max_head_dim > v.head_dim) v.head_dim = md->max_head_dim;
+    if (md->max_kv_heads > v.kv_heads) v.kv_heads = md->max_kv_heads;
+    if (md->max_inter > v.inter) v.inter = md->max_inter;
+    return v;
+}
+
+static Work work_layout(const Model *model, int64_t rows, int64_t nt) {
+    const Model wv = widest_view(model), *md = &wv;
     const int64_t h = md->hidden, qkv = q_rows(md) + 2 * md->kv_heads * md->head_dim;
     const int64_t delta = md->delta_value_heads ? delta_in_width(md) : 0, shared = 2 * md->shared_inter;
-    const int64_t widest = max3(max3(qkv, 2 * md->inter, 2 * md->expert_inter), max3(delta, shared, h), 0);
-    const int64_t inner = max3(max3(md->inter, h, md->expert_inter), md->delta_value_heads * md->delta_dv, 0);
+    const int64_t pl = md->per_layer_width; /* (Gemma 4) a per-layer input's gate, then [gate | input] pairs */
+    const int64_t widest =
+        max3(max3(qkv, 2 * md->inter, 2 * md->expert_inter), max3(delta, shared, h), max3(3 * pl, md->layers * pl, 0));
+    const int64_t inner = max3(max3(md->inter, h, md->expert_inter), md->delta_value_heads * md->delta_dv, pl);
     Work w;
     w.hidden = 0;
     w.normed = w.hidden + rows * h;
@@ -87,8 +110,37 @@ static Work work_layout(const Model *md, int64_t rows, int64_t nt) {
     /* the experts' single region: per entry its int8 inputs (1.625 bytes an input, codes rounded to
      * whole floats) and its gate_up, activation and output floats; each row's entries (int64) */
     const int64_t entries = fused_expert_entries(md, rows), widest_in = h > md->expert_inter ? h : md->expert_inter;
-    w.end = w.fused + entries * ((widest_in + 3) / 4 + widest_in * 5 / 32 + 3 * md->expert_inter + h + 2);
+    w.per_layer = w.fused + entries * ((widest_in + 3) / 4 + widest_in * 5 / 32 + 3 * md->expert_inter + h + 2);
+    w.end = w.per_layer + rows * md->layers * pl; /* (Gemma 4) the rows' per-layer inputs */
     return w;
+}
+
+/* The largest group of query heads a kv head serves over the attention layers, where every one
+ * of them takes the blocked prompt kernel (keys stored as rows of head_dim), else 0. */
+static int64_t prompt_blocks_group(const Model *md, const Layer *layers) {
+    int64_t most = 0;
+    for (int64_t l = 0; l < md->layers; l++) {
+        if (layers[l].delta) continue;
+        const Model v = layer_view(md, &layers[l]);
+        if (!vector_attention(&v) || v.kv_pos != v.head_dim) return 0;
+        if (v.heads / v.kv_heads > most) most = v.heads / v.kv_heads;
+    }
+    return most;
+}
+
+/* (Gemma 4) the end of a layer after its per-layer input: the output times the layer's scalar
+ * (rounded as PyTorch's product), then the next layer's input norm (0: the rows themselves). */
+static void finish_layer(const Model *md, const Layer *ly, float *hidden, float *normed, int rows, int64_t next_norm,
+                         float eps, int bf, int nt) {
+    const int64_t h = md->hidden;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        float *x = hidden + r * h;
+        if (ly->scalar != 0)
+            for (int64_t i = 0; i < h; i++) x[i] = rnd(x[i] * (float)ly->scalar, bf);
+        if (next_norm) norm_row(md, x, next_norm, eps, h, bf, normed + r * h);
+        else memcpy(normed + r * h, x, h * sizeof(float));
+    }
 }
 
 static ExpertsWork experts_work(float *work, const Work *at, const Model *md, int64_t rows) {
@@ -162,7 +214,8 @@ API int flover_check_model(const Model *md) {
         md->inter <= 0 || md->vocab <= 0 || md->max_seq <= 0)
         return 1;
     if (md->heads % md->kv_heads) return 2; /* every kv head serves a whole group of query heads */
-    if (md->head_dim % 2 || md->head_dim > 512 || md->rotary_dim % 2 || md->rotary_dim <= 0 || md->rotary_dim > md->head_dim)
+    if (md->head_dim % 2 || md->head_dim > 512 || md->rotary_dim % 2 || md->rotary_dim <= 0 || md->rotary_dim > md->head_dim ||
+        md->max_head_dim % 2 || md->max_head_dim > 512)
         return 3;
     if (md->hidden % 2 || md->inter % 2) return 4;
     if (md->kv_pos < md->head_dim) return 5; /* a KV row holds a head's head_dim values */
@@ -186,9 +239,16 @@ API int flover_check_layers(const Model *md, const Layer *layers) {
                 !ly->delta_conv_w || !ly->delta_dt_bias || !ly->delta_a || !ly->delta_norm || !ly->conv_state ||
                 !ly->ssm_state)
                 return 9;
-        } else if (!ly->kv || ly->kv_len <= 0 || ly->kv_len > md->max_seq || ly->kv_head < ly->kv_len * md->kv_pos ||
-            ly->kv_slot < md->kv_heads * ly->kv_head || ly->kv_kind <= 0 || (ly->windowed_kv && !md->window_base))
+        } else if (!ly->kv || ly->kv_len <= 0 || ly->kv_len > md->max_seq ||
+                   ly->kv_head < ly->kv_len * layer_view(md, ly).kv_pos ||
+                   ly->kv_slot < layer_view(md, ly).kv_heads * ly->kv_head || ly->kv_kind <= 0 ||
+                   (ly->windowed_kv && !md->window_base) || layer_view(md, ly).kv_pos < layer_view(md, ly).head_dim ||
+                   md->heads % layer_view(md, ly).kv_heads || layer_view(md, ly).head_dim % 2 ||
+                   layer_view(md, ly).head_dim > widest_view(md).head_dim ||
+                   layer_view(md, ly).kv_heads > widest_view(md).kv_heads || layer_view(md, ly).inter > widest_view(md).inter)
             return 6; /* a slot's rows and heads must not overlap one another */
+        if ((ly->pl_gate || ly->pl_gate_grid) && (!md->per_layer_width || !(ly->pl_proj || ly->pl_proj_grid) || !ly->pl_norm))
+            return 10; /* a per-layer input: its gate, projection and norm */
         if (ly->router ? !md->experts || !ly->expert_load || !(ly->expert_gate_up || ly->expert_gate_up_grid) ||
                              !(ly->expert_down || ly->expert_down_grid)
                        : !ly->gate_up && !ly->gate_up_grid)
@@ -214,6 +274,27 @@ static void embed_rows(const Model *md, const int64_t *tokens, int rows, float *
     reduce_rows(md, hidden, rows * h);
     if (md->embed_scale != 0) /* (Gemma 3) times sqrt(hidden), that factor already in the model dtype */
         for (int64_t i = 0; i < rows * h; i++) hidden[i] = rnd(hidden[i] * (float)md->embed_scale, bf);
+}
+
+/* (Gemma 4) The rows' per-layer inputs [rows, layers, width] into `out`: the embedding's projection
+ * [rows, layers x width] times hidden^-0.5, each layer's part RMS-normed, plus the table's rows
+ * (md->per_layer_inputs), times 1/sqrt(2), rounded where PyTorch rounds. `emb`: [rows, hidden]
+ * scratch for the embedding; `proj`: [rows, layers x width] scratch. */
+static void per_layer_inputs(const Model *md, const int64_t *tokens, int rows, float *emb, float *proj, void *xb,
+                             float *out, float eps, int bf, int nt) {
+    const int64_t w = md->per_layer_width, lw = md->layers * w, h = md->hidden;
+    embed_rows(md, tokens, rows, emb, bf);
+    project(md, md->per_layer_proj, 0, emb, xb, rows, lw, h, proj, nt);
+    const float *table = (const float *)md->per_layer_inputs;
+    const float scale = (float)(1.0 / sqrt((double)h)), half = (float)(1.0 / sqrt(2.0));
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++)
+        for (int64_t l = 0; l < md->layers; l++) {
+            float *x = proj + r * lw + l * w, *y = out + r * lw + l * w;
+            for (int64_t i = 0; i < w; i++) x[i] = rnd(x[i] * scale, bf);
+            norm_row(md, x, md->per_layer_norm, eps, w, bf, y);
+            for (int64_t i = 0; i < w; i++) y[i] = rnd(rnd(y[i] + table[r * lw + l * w + i], bf) * half, bf);
+        }
 }
 
 /* The final norm of the rows whose logits are wanted (out_rows of hidden, or rows 0..n_out-1
@@ -268,9 +349,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
     const int bf = md->dtype == DT_BF16;
     const float eps = (float)eps_d;
-    const int64_t h = md->hidden, d = md->head_dim, heads = md->heads, kvh = md->kv_heads, inter = md->inter;
-    const int64_t group = heads / kvh;
-    const int64_t q_size = heads * d, kv_size = kvh * d, qkv_n = q_rows(md) + 2 * kv_size;
+    const int64_t h = md->hidden, heads = md->heads;
     const Work at = work_layout(md, rows, nt);
     float *hidden = work + at.hidden, *normed = work + at.normed, *wide = work + at.wide, *mid = work + at.mid;
     float *scores = work + at.scores, *xsum = work + at.xsum;
@@ -286,13 +365,17 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         memcpy(hidden, hidden_in, rows * h * sizeof(float));
     else
         embed_rows(md, tokens, rows, hidden, bf);
+    float *pl_inputs = work + at.per_layer; /* (Gemma 4; embedding and projection in normed and wide, free here) */
+    if (md->per_layer_width) per_layer_inputs(md, tokens, rows, normed, wide, xb, pl_inputs, eps, bf, nt);
 
     /* Attention tasks: prompt rows in blocks (consecutive positions of one slot, up to
-     * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies; decode rows (the
-     * first decode_rows), and prompt rows otherwise, one by one. */
+     * MAX_BLOCK_QUERIES queries per kv head) where the blocked kernel applies to every attention
+     * layer (blocks sized for the largest group of query heads); decode rows (the first
+     * decode_rows), and prompt rows otherwise, one by one. */
     int64_t *blocks = (int64_t *)(work + at.blocks), n_blocks = 0, single_from = decode_rows;
-    if (vector_attention(md) && md->kv_pos == d) {
-        const int64_t per_block = MAX_BLOCK_QUERIES / group;
+    const int64_t group_most = prompt_blocks_group(md, layers);
+    if (group_most) {
+        const int64_t per_block = MAX_BLOCK_QUERIES / group_most;
         for (int64_t r = decode_rows; r < rows;) {
             int64_t n = 1;
             while (r + n < rows && n < per_block && slots[r + n] == slots[r] && positions[r + n] == positions[r + n - 1] + 1)
@@ -302,7 +385,6 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
         single_from = rows;
     }
-    const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
     int64_t *runs = (int64_t *)(work + at.runs); /* DeltaNet: each sequence's rows */
     const int64_t n_runs = md->delta_value_heads ? delta_runs(slots, positions, rows, runs) : 0;
 
@@ -313,6 +395,10 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
     }
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
+        const Model view = layer_view(md, ly), *lmd = &view; /* (Gemma 4: the layer's own head shape) */
+        const int64_t d = lmd->head_dim, kvh = lmd->kv_heads, inter = lmd->inter, group = heads / kvh;
+        const int64_t q_size = heads * d, kv_size = kvh * d, qkv_n = q_rows(lmd) + (ly->q_only ? 0 : 2 * kv_size);
+        const int64_t single_tasks = (decode_rows + rows - single_from) * kvh;
         /* normed: the input norm of the hidden rows (of the embedding, or by the last layer's
          * residual pass) */
         if (ly->delta) { /* (Qwen3.5) a Gated DeltaNet layer in place of attention: its output lands in normed */
@@ -322,7 +408,12 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             delta_heads(md, ly, wide, in_n, mid, slots, positions, runs, n_runs, eps, bf, scores, at.per_thread, nt);
             PROJECT(delta_out, 0, mid, h, v_n, normed)
         } else {
-        PROJECT(qkv, ly->qkv_bias, normed, qkv_n, h, wide)
+        if (ly->v_from_k) { /* (Gemma 4) q and k projected: each row spread to [q | k | v], v filled below */
+            PROJECT(qkv, ly->qkv_bias, normed, q_size + kv_size, h, wide)
+            for (int r = rows - 1; r >= 0; r--) memmove(wide + r * qkv_n, wide + r * (q_size + kv_size), (q_size + kv_size) * sizeof(float));
+        } else {
+            PROJECT(qkv, ly->qkv_bias, normed, qkv_n, h, wide)
+        }
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) {
@@ -330,22 +421,25 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             const int64_t p = positions[r];
             if (md->attn_gate) /* per head [query, gate] -> [queries | k | v | gates] */
                 split_gates(row, scores + (int64_t)omp_get_thread_num() * at.per_thread, heads, kv_size, d);
-            const int64_t rot = md->rotary_dim;
+            if (ly->v_from_k) memcpy(row + q_size + kv_size, row + q_size, kv_size * sizeof(float));
+            const int64_t rot = lmd->rotary_dim, turned = heads + (ly->q_only ? 0 : kvh); /* heads q (and k) */
             const int64_t cos_base = ly->local_rope ? md->local_cos : md->cos, sin_base = ly->local_rope ? md->local_sin : md->sin;
             const void *cos_row = (const char *)cos_base + p * rot * es, *sin_row = (const char *)sin_base + p * rot * es;
             if (ly->q_norm && ly->qk_norm_whole) { /* (OLMo 2) all of q, then all of k: in place */
                 norm_row(md, row, ly->q_norm, eps, q_size, bf, row);
                 norm_row(md, row + q_size, ly->k_norm, eps, kv_size, bf, row + q_size);
             } else if (ly->q_norm) /* (Qwen3) each head of q, then of k, alone: in place */
-                for (int64_t hh = 0; hh < heads + kvh; hh++)
+                for (int64_t hh = 0; hh < turned; hh++)
                     norm_row(md, row + hh * d, hh < heads ? ly->q_norm : ly->k_norm, eps, d, bf, row + hh * d);
             if (!ly->no_rope)
-                for (int64_t hh = 0; hh < heads + kvh; hh++) rope(row + hh * d, cos_row, sin_row, rot, bf);
+                for (int64_t hh = 0; hh < turned; hh++) rope(row + hh * d, cos_row, sin_row, rot, bf);
+            if (ly->q_only) continue; /* (Gemma 4) an earlier layer wrote this row's keys and values */
             const int64_t at = p - row_base(md, ly, slots[r]); /* its row in the layer's cache */
             for (int64_t g = 0; g < kvh; g++) {
-                to_model_dtype(row + q_size + g * d, kv_head_base(md, ly, 0, slots[r], g) + at * md->kv_pos * es, d, bf);
-                to_model_dtype(row + q_size + kv_size + g * d, kv_head_base(md, ly, 1, slots[r], g) + at * md->kv_pos * es,
-                               d, bf);
+                float *v = row + q_size + kv_size + g * d;
+                if (md->v_norm) norm_row(md, v, md->v_norm, eps, d, bf, v); /* (Gemma 4) ones: no weight */
+                to_model_dtype(row + q_size + g * d, kv_head_base(md, ly, 0, slots[r], g) + at * lmd->kv_pos * es, d, bf);
+                to_model_dtype(v, kv_head_base(md, ly, 1, slots[r], g) + at * lmd->kv_pos * es, d, bf);
             }
         }
         const float *sinks = (const float *)ly->sinks; /* (gpt-oss) each query head's sink logit, or none */
@@ -355,7 +449,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             float *scratch = scores + (int64_t)omp_get_thread_num() * at.per_thread;
             if (task < n_blocks * kvh) {
                 const int64_t *b = blocks + 2 * (task / kvh), g = task % kvh;
-                attend_prompt(md, wide, qkv_n, q_size, b[0], b[1], g, positions, row_base(md, ly, slots[b[0]]),
+                attend_prompt(lmd, wide, qkv_n, q_size, b[0], b[1], g, positions, row_base(md, ly, slots[b[0]]),
                               ly->window, kv_head_base(md, ly, 0, slots[b[0]], g),
                               kv_head_base(md, ly, 1, slots[b[0]], g), sinks ? sinks + g * group : 0, scratch, mid);
                 continue;
@@ -364,7 +458,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             const int r = (int)(nth < decode_rows ? nth : single_from + nth - decode_rows);
             const int64_t len = positions[r] + 1, base = row_base(md, ly, slots[r]); /* keys: rows from 0 at base */
             const int64_t first = first_key(len, ly->window) - base;
-            attend(md, wide + r * qkv_n + g * group * d, group, kv_head_base(md, ly, 0, slots[r], g),
+            attend(lmd, wide + r * qkv_n + g * group * d, group, kv_head_base(md, ly, 0, slots[r], g),
                    kv_head_base(md, ly, 1, slots[r], g), first > 0 ? first : 0, len - base,
                    sinks ? sinks + g * group : 0, scratch, mid + r * q_size + g * group * d);
         }
@@ -402,10 +496,28 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
         reduce_rows(md, normed, rows * h);
         const int64_t next_norm = l + 1 < md->layers ? layers[l + 1].input_norm : 0;
+        const int tail = ly->pl_gate || ly->pl_gate_grid || ly->scalar != 0; /* (Gemma 4) after the residual add */
         if (ly->ffn_norm_after)
-            norm_then_residual(md, hidden, normed, rows, ly->ffn_norm_after, next_norm, eps, h, bf, nt);
+            norm_then_residual(md, hidden, normed, rows, ly->ffn_norm_after, tail ? 0 : next_norm, eps, h, bf, nt);
         else
-            residual_and_norm(md, hidden, normed, rows, ly->down_bias, next_norm, eps, h, bf, nt);
+            residual_and_norm(md, hidden, normed, rows, ly->down_bias, tail ? 0 : next_norm, eps, h, bf, nt);
+        if (tail) {
+            if (ly->pl_gate || ly->pl_gate_grid) { /* hidden += norm(proj(gelu(gate(hidden)) x the layer's input)) */
+                const int64_t w = md->per_layer_width;
+                const float *inputs = pl_inputs;
+                PROJECT(pl_gate, 0, hidden, w, h, wide)
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+                for (int r = 0; r < rows; r++) { /* [gate | input] rows for gelu_mul: act(gate) x input */
+                    float *pair = wide + rows * w + r * 2 * w;
+                    memcpy(pair, wide + r * w, w * sizeof(float));
+                    memcpy(pair + w, inputs + (r * md->layers + l) * w, w * sizeof(float));
+                    gelu_mul(pair, w, bf, mid + r * w);
+                }
+                PROJECT(pl_proj, 0, mid, h, w, normed)
+                norm_then_residual(md, hidden, normed, rows, ly->pl_norm, 0, eps, h, bf, nt);
+            }
+            finish_layer(md, ly, hidden, normed, rows, next_norm, eps, bf, nt);
+        }
     }
 #undef PROJECT
     if (hidden_out) { /* a pipeline stage before the head: its residual rows go on */

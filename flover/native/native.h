@@ -82,6 +82,14 @@ typedef struct {
     /* attn_gate: q's projection holds per head the query, then a gate: attention's output times
      * sigmoid(gate) (Qwen3.5); shared_inter: a shared expert of that width beside the routed ones */
     int64_t attn_gate, shared_inter;
+    /* Gemma 4: layers of other head shapes and widths (Layer.head_dim, kv_heads, inter): the widest
+     * of them, for the scratch (0: the model's); v_norm: the address of float32 ones [max_head_dim]
+     * where values are RMS-normed (no weight), else 0; per-layer inputs of per_layer_width a layer
+     * (0: none): this iteration's table rows, float32 [rows, layers, width] of model-dtype values
+     * already scaled (an address set per call), the projection [layers x width, hidden] of the
+     * embedding (blocked) and the norm of its parts (float32 [width]) */
+    int64_t max_head_dim, max_kv_heads, max_inter, v_norm, per_layer_width, per_layer_inputs;
+    int64_t per_layer_proj, per_layer_norm;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
@@ -121,6 +129,14 @@ typedef struct {
     /* Qwen3.5-MoE's shared expert beside the routed ones (0: none): its gate_up and down, and its
      * gate [hidden] (model dtype): its output times sigmoid(gate . x) */
     int64_t shared_gate_up, shared_gate_up_grid, shared_down, shared_down_grid, shared_gate;
+    /* Gemma 4: the layer's own head size, kv heads, KV row stride and MLP width (0: the model's);
+     * q_only 1: it reads an earlier layer's KV (kv is that layer's): it projects queries only and
+     * writes no KV; v_from_k 1: its values are its keys' projection (before the key norm); its
+     * per-layer input's gate [width, hidden] and projection [hidden, width] (blocked, or Grids) and
+     * the projection's norm; its output's scalar (0: none) */
+    int64_t head_dim, kv_heads, kv_pos, inter, q_only, v_from_k;
+    int64_t pl_gate, pl_gate_grid, pl_proj, pl_proj_grid, pl_norm;
+    double scalar;
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -337,7 +353,7 @@ void experts_step(const Model *md, const Layer *ly, const float *x, int rows, fl
 
 /* ---- attention.c ------------------------------------------------------------------------------- */
 #define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 512
 #define MAX_BLOCK_QUERIES 64
 int vector_attention(const Model *md);
 static inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }

@@ -331,7 +331,6 @@ FAMILY = Family(
     from_gguf=from_gguf,
     gguf_names=GGUF_NAMES,
     gguf_global_names=GGUF_GLOBAL_NAMES,
-    native=False,
     test_config="Gemma4TextConfig",
     test_kwargs=test_kwargs,
     test_gguf_metadata=test_gguf_metadata,
