@@ -44,7 +44,7 @@ class StageLayout:
         # a layer reading another's KV (Gemma 4) lies on that layer's stage: no cut between them
         cuttable = [all(cfg.kv_source(n) >= j for n in range(j, cfg.num_layers)) for j in range(cfg.num_layers + 1)]
         most = sum(cuttable[1:])  # (cuttable[num_layers]: the end, always)
-        if count > most:
+        if cfg.kv_sources and count > most:
             raise ValueError(
                 f"--pp {count}: a layer reading an earlier layer's KV shares its stage; this model "
                 f"splits into at most {most} stages (--pp 1..{most})"

