@@ -15,7 +15,7 @@ from pathlib import Path
 
 from flover import LLM, Engine, EngineConfig, SamplingParams
 from flover.client import Client
-from flover.testing.references import widened_delta_rule  # noqa: F401 (the test files' import)
+from flover.testing.references import widened_delta_rule
 
 # Small enough that a whole reference comparison takes well under a second.
 TEST_PRESET = dict(
@@ -433,3 +433,45 @@ def run_random_arrivals(model_dir: str, seed: int, cuda_graphs: str, device: str
         )
     )
     return run_arrivals(engine, random_arrival_jobs(seed)), engine
+
+
+def conditional_checkpoint(src, out, architecture: str, model_type: str, tower: str):
+    """A text checkpoint laid out as the hub's multimodal ones: the text config nested
+    (text_config), the weights under model.language_model, a tower's tensor beside them."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    raw = json.loads((src / "config.json").read_text())
+    nested = {"architectures": [architecture], "model_type": model_type, "text_config": raw}
+    (out / "config.json").write_text(json.dumps(nested))
+    tensors = load_file(src / "model.safetensors")
+    renamed = {
+        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v for k, v in tensors.items()
+    }
+    renamed[tower] = torch.zeros(4, 4)
+    (out / "model.safetensors").unlink()
+    save_file(renamed, out / "model.safetensors")
+    return out
+
+
+def reference_tokens(model_dir: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+    """transformers' float64 greedy tokens of each prompt alone (experts: its eager loop; Gated
+    DeltaNet: its delta rule at float64), the end token not stopping it."""
+    import torch
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    ref.generation_config.eos_token_id = None
+    out = []
+    with widened_delta_rule(torch.float64), torch.no_grad():
+        for ids, n in zip(prompts, new_tokens):
+            got = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            out.append(got[0, len(ids) :].tolist())
+    return out

@@ -20,20 +20,16 @@ from safetensors.torch import load_file, save_file
 from flover import LLM, SamplingParams
 from flover.models.families import load_model_config
 from flover.models.model_config import CheckpointError
-from tests.helpers import MPIRUN, PROMPTS, REQUESTS, flover_run_ok, tokens_by_id, write_jsonl
-
-
-def reference_tokens(model_dir: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float64, experts_implementation="eager"
-    ).eval()
-    ref.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for ids, n in zip(prompts, new_tokens):
-            got = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            out.append(got[0, len(ids) :].tolist())
-    return out
+from tests.helpers import (
+    MPIRUN,
+    PROMPTS,
+    REQUESTS,
+    conditional_checkpoint,
+    flover_run_ok,
+    reference_tokens,
+    tokens_by_id,
+    write_jsonl,
+)
 
 
 def test_each_layer_keeps_kv_of_its_own_shape_and_sharing_layers_keep_none(make_model):
@@ -110,16 +106,8 @@ def test_a_multimodal_checkpoint_reads_its_language_model(make_model, tmp_path):
     """Hub checkpoints are Gemma4ForConditionalGeneration: the text config nested, the weights
     under model.language_model (towers beside them): the same logits as the text model."""
     src = Path(make_model("gemma4"))
-    out = tmp_path / "conditional"
-    shutil.copytree(src, out)
-    raw = json.loads((src / "config.json").read_text())
-    nested = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": raw}
-    (out / "config.json").write_text(json.dumps(nested))
-    tensors = load_file(src / "model.safetensors")
-    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
-    renamed["model.vision_tower.patch_embedder.input_proj.weight"] = torch.zeros(4, 4)
-    (out / "model.safetensors").unlink()
-    save_file(renamed, out / "model.safetensors")
+    tower = "model.vision_tower.patch_embedder.input_proj.weight"
+    out = conditional_checkpoint(src, tmp_path / "conditional", "Gemma4ForConditionalGeneration", "gemma4", tower)
     ids = LLM(str(src), dtype="float64").tokenizer.encode(PROMPTS[2])
     a = LLM(str(src), dtype="float64").engine.score(ids)
     b = LLM(str(out), dtype="float64").engine.score(ids)

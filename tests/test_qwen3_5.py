@@ -7,7 +7,6 @@ float64, tests/helpers.widened_delta_rule)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -19,20 +18,17 @@ from safetensors.torch import load_file, save_file
 from flover import LLM, SamplingParams
 from flover.models.gated_deltanet import chunked_delta_rule, delta_step
 from flover.testing.tiny_model import write_gguf
-from tests.helpers import MPIRUN, PROMPTS, REQUESTS, flover_run_ok, tokens_by_id, widened_delta_rule, write_jsonl
-
-
-def reference_tokens(model_dir: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float64, experts_implementation="eager"
-    ).eval()
-    ref.generation_config.eos_token_id = None
-    out = []
-    with widened_delta_rule(torch.float64), torch.no_grad():
-        for ids, n in zip(prompts, new_tokens):
-            got = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            out.append(got[0, len(ids) :].tolist())
-    return out
+from tests.helpers import (
+    MPIRUN,
+    PROMPTS,
+    REQUESTS,
+    conditional_checkpoint,
+    flover_run_ok,
+    reference_tokens,
+    tokens_by_id,
+    widened_delta_rule,
+    write_jsonl,
+)
 
 
 def long_prompts(llm: LLM) -> list[list[int]]:
@@ -97,18 +93,8 @@ def test_a_multimodal_checkpoint_reads_its_language_model(make_model, tmp_path):
     """Hub checkpoints are Qwen3_5ForConditionalGeneration: the text config nested, the weights
     under model.language_model (a vision tower beside them): the same logits as the text model."""
     src = Path(make_model("qwen3_5"))
-    out = tmp_path / "conditional"
-    shutil.copytree(src, out)
-    raw = json.loads((src / "config.json").read_text())
-    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": raw}
-    (out / "config.json").write_text(json.dumps(nested))
-    tensors = load_file(src / "model.safetensors")
-    renamed = {
-        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v for k, v in tensors.items()
-    }
-    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
-    (out / "model.safetensors").unlink()
-    save_file(renamed, out / "model.safetensors")
+    tower = "model.visual.patch_embed.proj.weight"
+    out = conditional_checkpoint(src, tmp_path / "conditional", "Qwen3_5ForConditionalGeneration", "qwen3_5", tower)
     ids = LLM(str(src), dtype="float64").tokenizer.encode(PROMPTS[0])
     a = LLM(str(src), dtype="float64").engine.score(ids)
     b = LLM(str(out), dtype="float64").engine.score(ids)

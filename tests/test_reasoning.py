@@ -282,6 +282,16 @@ OPENING_TEMPLATE = (
 )
 
 
+# a tool with a string and an integer parameter (a string value that looks like a number stays a string)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    },
+}
+
+
 @pytest.fixture(scope="module")
 def opening_front(make_model, tmp_path_factory):
     yield from front_with_template(make_model, tmp_path_factory, OPENING_TEMPLATE, max_seq_len=512)  # (tools)
@@ -310,16 +320,9 @@ def test_thinking_opened_by_the_prompt_and_xml_tool_calls_over_http(opening_fron
     off = {"guided_regex": "[e-h]{4}", "chat_template_kwargs": {"enable_thinking": False}}
     message = chat(url, **off).json()["choices"][0]["message"]
     assert message.get("reasoning_content") is None and len(message["content"]) == 4
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
-        },
-    }
     call = "<tool_call>\\n<function=get_weather>\\n<parameter=city>\\n42\\n</parameter>\\n<parameter=days>\\n2\\n"
     call += "</parameter>\\n</function>\\n</tool_call>"
-    body = {"tools": [weather], "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 120}
+    body = {"tools": [WEATHER], "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 120}
     answer = chat(url, guided_regex=call, **body).json()["choices"][0]
     assert answer["finish_reason"] == "tool_calls"
     (found,) = answer["message"]["tool_calls"]
@@ -383,15 +386,8 @@ def test_gemma4_thinking_over_http_whole_and_streamed(channel_front):
     assert streamed_fields(url, forced) == (message["reasoning_content"], message["content"])
     message = chat(url, guided_regex="[e-h]{4}").json()["choices"][0]["message"]
     assert message.get("reasoning_content") is None and len(message["content"]) == 4
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
-        },
-    }
     call = '<\\|tool_call>call:get_weather\\{city:<\\|"\\|>42<\\|"\\|>,days:2\\}<tool_call\\|>'
-    answer = chat(url, guided_regex=call, tools=[weather], max_tokens=80).json()["choices"][0]
+    answer = chat(url, guided_regex=call, tools=[WEATHER], max_tokens=80).json()["choices"][0]
     assert answer["finish_reason"] == "tool_calls"
     (found,) = answer["message"]["tool_calls"]
     assert found["function"]["name"] == "get_weather"
