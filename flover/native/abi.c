@@ -44,6 +44,8 @@ static const AbiEntry ABI[] = {
     AT(Layer, shared_down), AT(Layer, shared_down_grid), AT(Layer, shared_gate), AT(Layer, head_dim),
     AT(Layer, kv_heads), AT(Layer, kv_pos), AT(Layer, inter), AT(Layer, q_only), AT(Layer, v_from_k), AT(Layer, pl_gate),
     AT(Layer, pl_gate_grid), AT(Layer, pl_proj), AT(Layer, pl_proj_grid), AT(Layer, pl_norm), AT(Layer, scalar),
+    AT(Layer, beside_pre), AT(Layer, beside_post_mlp), AT(Layer, beside_post_experts), AT(Layer, router_scale),
+    AT(Layer, expert_scale),
 
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),

@@ -81,7 +81,8 @@ Layer = _int64_struct(
     delta delta_in delta_in_grid delta_out delta_out_grid delta_conv_w delta_dt_bias delta_a delta_norm
     conv_state ssm_state snap_conv snap_ssm
     shared_gate_up shared_gate_up_grid shared_down shared_down_grid shared_gate
-    head_dim kv_heads kv_pos inter q_only v_from_k pl_gate pl_gate_grid pl_proj pl_proj_grid pl_norm scalar:d""",
+    head_dim kv_heads kv_pos inter q_only v_from_k pl_gate pl_gate_grid pl_proj pl_proj_grid pl_norm scalar:d
+    beside_pre beside_post_mlp beside_post_experts router_scale expert_scale""",
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0; its KV; "
     "its experts' tables.",
 )

@@ -15,7 +15,7 @@
 /* Row r's top k of its logits: softmax in float32, the k largest probabilities (the first index
  * among equals), renormalised by their sum (taken largest first, as torch.topk orders them); or
  * (gpt-oss, topk_softmax) the k largest logits, then the softmax of those k, rounded to the model dtype. */
-static void route_row(const Model *md, const float *logits, int64_t *picked, float *weight) {
+static void route_row(const Model *md, const float *logits, int64_t *picked, float *weight, const float *scales) {
     const int64_t n = md->experts, k = md->top_k;
     float top = logits[0], sum = 0.f;
     for (int64_t e = 1; e < n; e++) top = logits[e] > top ? logits[e] : top;
@@ -36,6 +36,7 @@ static void route_row(const Model *md, const float *logits, int64_t *picked, flo
         for (int64_t j = 0; j < k; j++) chosen += weight[j];
         for (int64_t j = 0; j < k; j++) weight[j] /= chosen;
     }
+    for (int64_t j = 0; j < k && scales; j++) weight[j] *= scales[picked[j]]; /* (Gemma 4) each expert's scale */
     if (!md->weights_f32)
         for (int64_t j = 0; j < k; j++) weight[j] = rnd(weight[j], md->dtype == DT_BF16);
 }
@@ -155,15 +156,16 @@ static void experts_fused(const Model *md, const float *x, int rows, float *y, c
 }
 
 void experts_step(const Model *md, const Layer *ly, const float *x, int rows, float *y, const ExpertsWork *w,
-                  void *xb, float *xsum, float *wide, float *mid, int nt) {
+                  void *xb, float *xsum, float *wide, float *mid, int nt, const float *route_x) {
     const int bf = md->dtype == DT_BF16;
     const int64_t h = md->hidden, n = md->experts, k = md->top_k, inter = md->expert_inter;
     int64_t *load = (int64_t *)ly->expert_load;
     int64_t *start = w->start;
-    project(md, ly->router, ly->router_bias, x, xb, rows, n, h, w->logits, nt); /* [rows, experts], rounded */
+    /* [rows, experts], rounded; (Gemma 4) from rows of their own */
+    project(md, ly->router, ly->router_bias, route_x ? route_x : x, xb, rows, n, h, w->logits, nt);
     for (int64_t e = 0; e <= n; e++) start[e] = 0;
     for (int r = 0; r < rows; r++) {
-        route_row(md, w->logits + r * n, w->picked + r * k, w->weight + r * k);
+        route_row(md, w->logits + r * n, w->picked + r * k, w->weight + r * k, (const float *)ly->expert_scale);
         for (int64_t j = 0; j < k; j++) start[w->picked[r * k + j] + 1]++;
     }
     for (int64_t e = 0; e < n; e++) load[e] += start[e + 1], start[e + 1] += start[e];

@@ -91,8 +91,6 @@ def unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return f"activation {cfg.hidden_act!r} ({', '.join(ACTIVATIONS)} only)"
     if model.rotary.interleaved or max(cfg.head_dim, cfg.global_head_dim or 0) > 512:
         return "rotary embedding other than rotate-half over heads of at most 512 dims"
-    if cfg.moe is not None and cfg.moe.beside_mlp:
-        return "experts beside the MLP (Gemma 4's mixture of experts)"
     sizes = {
         "hidden size": cfg.hidden_size,
         "attention width": model.tp.heads * cfg.head_dim,
@@ -375,8 +373,8 @@ class NativeForward:
         if model.per_layer is not None:
             fields["per_layer_proj"] = self._address(model.per_layer.projection, block=True)
             fields["per_layer_norm"] = self._norm_address(model.per_layer.norm)
-        if cfg.v_norm:  # (a norm without weight: times float32 ones)
-            self._norm_weights.append(torch.ones(fields["max_head_dim"], dtype=torch.float32))
+        if cfg.v_norm:  # (a norm without weight: times float32 ones; the router's input is as wide as hidden)
+            self._norm_weights.append(torch.ones(max(fields["max_head_dim"], cfg.hidden_size), dtype=torch.float32))
             fields["v_norm"] = self._norm_weights[-1].data_ptr()
         return fields
 
@@ -397,6 +395,12 @@ class NativeForward:
         )
         if layer.scalar is not None:
             fields["scalar"] = float(layer.scalar)
+        if layer.beside is not None:  # (experts beside the MLP: their norms, the router's scales)
+            names = ("beside_pre", "beside_post_mlp", "beside_post_experts")
+            fields.update({name: self._norm_address(w) for name, w in zip(names, layer.beside)})
+            for name in ("router_scale", "expert_scale"):
+                self._norm_weights.append(getattr(layer.experts, name).detach().float().contiguous())
+                fields[name] = self._norm_weights[-1].data_ptr()
         return fields
 
     def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: KVSlots) -> ctypes.Array:

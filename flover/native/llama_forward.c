@@ -106,7 +106,7 @@ static Work work_layout(const Model *model, int64_t rows, int64_t nt) {
     w.experts = w.runs + 4 * rows;     /* DeltaNet: 2 int64 per run of one sequence's rows */
     /* a layer of experts: logits, picks (int64) and weights, each expert's first entry (int64), the
      * entries' rows (int64) and weights, an expert's rows' inputs and outputs, the rows' sums (ExpertsWork) */
-    w.fused = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 3 * h) + 2 * (md->experts + 1) : 0);
+    w.fused = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 5 * h) + 2 * (md->experts + 1) : 0);
     /* the experts' single region: per entry its int8 inputs (1.625 bytes an input, codes rounded to
      * whole floats) and its gate_up, activation and output floats; each row's entries (int64) */
     const int64_t entries = fused_expert_entries(md, rows), widest_in = h > md->expert_inter ? h : md->expert_inter;
@@ -143,6 +143,35 @@ static void finish_layer(const Model *md, const Layer *ly, float *hidden, float 
     }
 }
 
+/* (Gemma 4) What the router reads of the residual rows (normed without weight, times its scale,
+ * times hidden^-0.5) and what the experts read (the residual normed by beside_pre), rounded where
+ * PyTorch rounds. */
+static void beside_inputs(const Model *md, const Layer *ly, const float *hidden, int rows, float *route_in,
+                          float *input, float eps, int bf, int nt) {
+    const int64_t h = md->hidden;
+    const float *scale = (const float *)ly->router_scale, root = (float)(1.0 / sqrt((double)h));
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++) {
+        float *x = route_in + r * h;
+        norm_row(md, hidden + r * h, md->v_norm, eps, h, bf, x); /* (ones: no weight) */
+        for (int64_t i = 0; i < h; i++) x[i] = rnd(rnd(x[i] * scale[i], bf) * root, bf);
+        norm_row(md, hidden + r * h, ly->beside_pre, eps, h, bf, input + r * h);
+    }
+}
+
+/* (Gemma 4) normed = norm(the MLP's output) + norm(the experts' sum), rounded as PyTorch's add. */
+static void beside_sum(const Model *md, const Layer *ly, float *normed, float *experts, int rows, float eps, int bf,
+                       int nt) {
+    const int64_t h = md->hidden;
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++) {
+        float *a = normed + r * h, *b = experts + r * h;
+        norm_row(md, a, ly->beside_post_mlp, eps, h, bf, a);
+        norm_row(md, b, ly->beside_post_experts, eps, h, bf, b);
+        for (int64_t i = 0; i < h; i++) a[i] = rnd(a[i] + b[i], bf);
+    }
+}
+
 static ExpertsWork experts_work(float *work, const Work *at, const Model *md, int64_t rows) {
     float *p = work + at->experts;
     ExpertsWork w;
@@ -154,7 +183,9 @@ static ExpertsWork experts_work(float *work, const Work *at, const Model *md, in
     w.member_weight = p, p += rows * md->top_k;
     w.gathered = p, p += rows * md->hidden;
     w.out = p, p += rows * md->hidden;
-    w.sum = p;
+    w.sum = p, p += rows * md->hidden;
+    w.route_in = p, p += rows * md->hidden;
+    w.input = p;
     const int64_t entries = fused_expert_entries(md, rows), h = md->hidden;
     const int64_t widest_in = h > md->expert_inter ? h : md->expert_inter;
     p = work + at->fused;
@@ -473,9 +504,20 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             norm_then_residual(md, hidden, normed, rows, ly->post_norm, 0, eps, h, bf, nt);
         else
             residual_and_norm(md, hidden, normed, rows, ly->o_bias, ly->post_norm, eps, h, bf, nt);
-        if (ly->router) { /* experts in place of the MLP: their sum lands in normed, as the down projection's */
+        if (ly->router && ly->beside_pre) { /* (Gemma 4) experts beside the MLP: both normed, then added */
             const ExpertsWork ew = experts_work(work, &at, md, rows);
-            experts_step(md, ly, normed, rows, ew.sum, &ew, xb, xsum, wide, mid, nt);
+            beside_inputs(md, ly, hidden, rows, ew.route_in, ew.input, eps, bf, nt);
+            experts_step(md, ly, ew.input, rows, ew.sum, &ew, xb, xsum, wide, mid, nt, ew.route_in);
+            reduce_rows(md, ew.sum, rows * h);
+            PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
+            for (int r = 0; r < rows; r++) gelu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+            PROJECT(down, 0, mid, h, inter, normed)
+            reduce_rows(md, normed, rows * h);
+            beside_sum(md, ly, normed, ew.sum, rows, eps, bf, nt);
+        } else if (ly->router) { /* experts in place of the MLP: their sum lands in normed, as the down projection's */
+            const ExpertsWork ew = experts_work(work, &at, md, rows);
+            experts_step(md, ly, normed, rows, ew.sum, &ew, xb, xsum, wide, mid, nt, 0);
             if (ly->shared_gate) { /* (Qwen3.5-MoE) the shared expert, gated, added to the routed ones' sum */
                 const int64_t si = md->shared_inter;
                 PROJECT(shared_gate_up, 0, normed, 2 * si, h, wide)
@@ -494,7 +536,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             }
             PROJECT(down, 0, mid, h, inter, normed)
         }
-        reduce_rows(md, normed, rows * h);
+        if (!ly->beside_pre) reduce_rows(md, normed, rows * h); /* (beside: each part reduced before its norm) */
         const int64_t next_norm = l + 1 < md->layers ? layers[l + 1].input_norm : 0;
         const int tail = ly->pl_gate || ly->pl_gate_grid || ly->scalar != 0; /* (Gemma 4) after the residual add */
         if (ly->ffn_norm_after)

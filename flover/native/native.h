@@ -137,6 +137,10 @@ typedef struct {
     int64_t head_dim, kv_heads, kv_pos, inter, q_only, v_from_k;
     int64_t pl_gate, pl_gate_grid, pl_proj, pl_proj_grid, pl_norm;
     double scalar;
+    /* Gemma 4's experts beside the MLP (0: none): the norms before the experts, after the MLP and
+     * after the experts; the router input's scale [hidden] and each expert's scale [experts]
+     * (float32 copies of the model-dtype values) */
+    int64_t beside_pre, beside_post_mlp, beside_post_experts, router_scale, expert_scale;
 } Layer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
@@ -329,6 +333,7 @@ typedef struct {
     int64_t *members;        /* [rows, top_k]: the rows, expert by expert (rows ascending within one) */
     float *member_weight;    /* [rows, top_k]: their weights for that expert */
     float *gathered, *out, *sum; /* [rows, hidden]: the inputs of the expert's rows, its outputs; the sums */
+    float *route_in, *input;     /* [rows, hidden]: (Gemma 4) what the router reads, what the experts read */
     /* an iteration of at most fused_expert_rows rows whose experts take int8 inputs (experts.c):
      * every entry's int8 inputs ([entries, max(hidden, expert_inter)], int8_rows_at's arrays, the
      * sums per 16 in entry_ds16), gate_up outputs, activations and outputs; each row's entries in
@@ -349,7 +354,7 @@ static inline int64_t fused_expert_entries(const Model *md, int64_t rows) {
 /* x [rows, hidden] (normed rows) -> y [rows, hidden]: the layer's experts' weighted sum per row.
  * xb, xsum, wide, mid: the projections' scratch (as the dense MLP's) */
 void experts_step(const Model *md, const Layer *ly, const float *x, int rows, float *y, const ExpertsWork *w,
-                  void *xb, float *xsum, float *wide, float *mid, int nt);
+                  void *xb, float *xsum, float *wide, float *mid, int nt, const float *route_x);
 
 /* ---- attention.c ------------------------------------------------------------------------------- */
 #define MAX_GROUP 16
