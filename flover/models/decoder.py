@@ -323,7 +323,11 @@ class DecoderForCausalLM(nn.Module):
         tables = self.rotary.tables(batch.positions)  # the same positions in every layer
         local_tables = self.local_rotary.tables(batch.positions) if self.local_rotary is not None else None
         # (Gemma 4) [T, stage layers, width]: each layer's own input, from the tokens and their embeddings
-        per_layer = self.per_layer(batch.input_ids, self.embed_tokens(batch)) if self.per_layer is not None else None
+        # (the first stage is given those embeddings; a later one looks them up itself)
+        per_layer = None
+        if self.per_layer is not None:
+            embedded = hidden if self.stage.has_ends else self.embed_tokens(batch)
+            per_layer = self.per_layer(batch.input_ids, embedded)
         for n, layer in enumerate(self.layers):
             x = hidden if layer.input_norm is None else norm(hidden, layer.input_norm, eps)
             if layer.linear is not None:  # (Qwen3.5) kv[n]: the layer's (conv, recurrent) state
