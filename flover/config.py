@@ -229,7 +229,7 @@ class EngineConfig:
         metadata=flag(
             "--quantization",
             "weight-only int8/int4 projections for fast single streams (CPU, bfloat16); file: a GGUF "
-            "file's projections keep their own codes (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
+            "file's projections keep their own codes (Q2_K ... Q6_K, Q4_0 ... Q8_0, IQ4_NL, IQ4_XS, MXFP4); "
             "auto (default): file where the native step runs in bfloat16 and the file allows, else "
             "none (none: dequantized to the dtype)",
             choices=QUANTIZATIONS,

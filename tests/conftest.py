@@ -15,7 +15,7 @@ from tests.helpers import GGUF_MIX, TEST_PRESET, VARIANTS
 @pytest.fixture(scope="session")
 def make_model(tmp_path_factory):
     """make_model(variant) -> checkpoint directory (made once per session)."""
-    made: dict[str, str] = {}
+    made: dict[tuple, str] = {}
 
     def make(variant: str) -> str:
         if variant not in made:
@@ -35,12 +35,13 @@ def make_gguf_mix(make_model, tmp_path_factory):
     that type."""
     made: dict[str, str] = {}
 
-    def make(embedding: str = "Q6_K") -> str:
-        if embedding not in made:
+    def make(embedding: str = "Q6_K", mix: dict[str, str] = GGUF_MIX) -> str:
+        key = (embedding, tuple(mix.items()))
+        if key not in made:
             out = tmp_path_factory.mktemp("gguf-mix") / f"mix-{embedding}.gguf"
-            types = {**GGUF_MIX, "token_embd.weight": embedding}
-            made[embedding] = str(write_gguf(make_model("llama-256"), out, "Q4_K", types=types))
-        return made[embedding]
+            types = {**mix, "token_embd.weight": embedding}
+            made[key] = str(write_gguf(make_model("llama-256"), out, "Q4_K", types=types))
+        return made[key]
 
     return make
 

@@ -186,6 +186,11 @@ VARIANTS = {
     # inputs in multiples of 256 (K-quants' super-blocks) for GGUF files of mixed block types,
     # tied embeddings (as SmolLM2's and Llama 3.2's)
     "llama-256": ("llama", {}, dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True)),
+    "qwen3-moe-256": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+        dict(hidden_size=256, intermediate_size=512),
+    ),
 }
 
 # GGUF name ending -> block type: a file mixing every type whose codes the native step runs, as
@@ -199,6 +204,17 @@ GGUF_MIX = {
     "ffn_up.weight": "Q5_1",
     "ffn_down.weight": "Q8_0",
     "token_embd.weight": "Q6_K",
+}
+# ... and the small types of "dynamic" and Q2_K / Q3_K_* files (a fused q/k/v of three kinds of codes)
+GGUF_LOW_BITS = {
+    "attn_q.weight": "Q3_K",
+    "attn_k.weight": "Q2_K",
+    "attn_v.weight": "IQ4_NL",
+    "attn_output.weight": "IQ4_XS",
+    "ffn_gate.weight": "Q2_K",
+    "ffn_up.weight": "Q3_K",
+    "ffn_down.weight": "IQ4_XS",
+    "token_embd.weight": "Q3_K",
 }
 
 

@@ -142,7 +142,7 @@ static void check_q8_groups(void) {
 /* int8 inputs (tiles_int8.c): the rows quantized, and the tiles of every code kind (4-bit with
  * stored scales or Q4_K's, bytes with groups of 16 or 32, with and without minimums, signed bytes
  * of the whole range: Q8_0's, Q6_K's 6-bit and Q5_K's 5-bit codes, and those two as bytes with their
- * super-blocks' scales), each with
+ * super-blocks' scales, MXFP4's, Q2_K's 2-bit and Q3_K's 3-bit codes, the IQ4 types' table indexes), each with
  * its "reference": the sums of its grid_row weights times the dequantized inputs, in double (the
  * test holds every family's tiles to it) */
 static void check_x8(void) {
@@ -154,6 +154,7 @@ static void check_x8(void) {
     static uint8_t nibbles[GROUPS * 256], bytes[16 * K], signed_bytes[16 * K], supers[SUPERS * Q4K_SUPER_BYTES];
     static uint8_t six_bits[GROUPS * 384], supers6[SUPERS * Q6K_SUPER_BYTES];
     static uint8_t five_bits[GROUPS * 320], bytes5[16 * K];
+    static uint8_t crumbs[GROUPS * 192], supers2[SUPERS * Q2K_SUPER_BYTES], supers_iq4[SUPERS * IQ4XS_SUPER_BYTES];
     fill(x, ROWS * K, 2.f);
     for (int j = 0; j < 32; j++) x[3 * K + 64 + j] = 0.f; /* a block of zeros: d = 0 */
     x[0] = x[1] = -2.f, x[2] = x[3] = 2.f;
@@ -185,8 +186,18 @@ static void check_x8(void) {
         fill((float *)(supers6 + s * Q6K_SUPER_BYTES), 16, 0.01f);
         for (int i = 64; i < Q6K_SUPER_BYTES; i++) supers6[s * Q6K_SUPER_BYTES + i] = (uint8_t)(int)((uniform() + 1.f) * 127.99f);
     }
+    for (int i = 0; i < GROUPS * 192; i++) crumbs[i] = (uint8_t)((int)((uniform() + 1.f) * 128.f) & 0xff);
+    for (int i = 0; i < 64; i++) crumbs[i] = 0xff, crumbs[128 + i] = 0xff; /* u = 3 (Q3_K: 7) against row 0's ends */
+    for (int s = 0; s < SUPERS; s++) {
+        float *f = (float *)(supers2 + s * Q2K_SUPER_BYTES);
+        fill(f, 16, 0.01f), fill(f + 16, 16, 0.01f);
+        for (int i = 128; i < Q2K_SUPER_BYTES; i++) supers2[s * Q2K_SUPER_BYTES + i] = (uint8_t)((uniform() + 1.f) * 127.99f);
+        fill((float *)(supers_iq4 + s * IQ4XS_SUPER_BYTES), 16, 0.01f);
+        for (int i = 64; i < IQ4XS_SUPER_BYTES; i++) /* the file's 6-bit scales less 32 */
+            supers_iq4[s * IQ4XS_SUPER_BYTES + i] = (uint8_t)(int8_t)((int)((uniform() + 1.f) * 31.99f) - 32);
+    }
     fill(flat, GROUPS * 32, 0.1f), fill(scales, (K / 16) * 2 * 16, 0.1f);
-    const GridPart parts[12] = {
+    const GridPart parts[16] = {
         {G_INT4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 8},
         {G_INT4_K, 16, 32, 1, (int64_t)nibbles, (int64_t)supers, 1, 8},
         {G_INT8_GROUPS, 16, 16, 0, (int64_t)bytes, (int64_t)scales, 1, 32},
@@ -199,10 +210,14 @@ static void check_x8(void) {
         {G_INT8_K5, 16, 32, 1, (int64_t)bytes5, (int64_t)supers, 1, 0},
         {G_INT8_K6, 16, 16, 0, (int64_t)bytes, (int64_t)supers6, 1, 32},
         {G_MXFP4, 16, 32, 1, (int64_t)nibbles, (int64_t)flat, 1, 12}, /* (each code through MXFP4_U) */
+        {G_Q2_K, 16, 16, 1, (int64_t)crumbs, (int64_t)supers2, 1, 0},
+        {G_Q3_K, 16, 16, 0, (int64_t)crumbs, (int64_t)supers6, 1, 4},
+        {G_IQ4_NL, 16, 32, 0, (int64_t)nibbles, (int64_t)flat, 2, 0}, /* (each code through IQ4_VALUES) */
+        {G_IQ4_XS, 16, 32, 0, (int64_t)nibbles, (int64_t)supers_iq4, 2, 0},
     };
     const int mts[5] = {1, 2, 4, 8, 12};
     char name[64];
-    for (int p = 0; p < 12; p++) {
+    for (int p = 0; p < 16; p++) {
         const Grid grid = {1, {parts[p]}};
         for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
         for (int i = 0; i < ROWS; i++)

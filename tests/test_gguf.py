@@ -291,7 +291,10 @@ def test_unsupported_files_say_what_and_where(make_model, tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr and f"{garbage}: not a readable GGUF" in run.stderr
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize(
+    "qtype",
+    ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"],
+)
 def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     """Random blocks (sane f16 scales, every other byte random) -> codes, scales and minimums
     (models/gguf_grids.py): scale * q + low is gguf's dequantization bit for bit, and the codes
@@ -304,7 +307,15 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
     rng = np.random.default_rng(1)
     rows, cols = 8, 512
     raw = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
-    scales = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])
+    scales = {
+        "Q6_K": [208],
+        "Q4_1": [0, 2],
+        "Q5_1": [0, 2],
+        "Q4_K": [0, 2],
+        "Q5_K": [0, 2],
+        "Q2_K": [80, 82],
+        "Q3_K": [108],
+    }.get(qtype, [0])
     for at in scales if qtype != "MXFP4" else ():
         raw[:, at : at + 2] = rng.uniform(-0.05, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
     if qtype == "MXFP4":  # (its scale: one byte, an exponent: 0 to 127, and the largest three)
@@ -331,17 +342,25 @@ def test_block_grids_give_the_values_the_gguf_package_dequantizes(qtype):
         "Q6_K": (-32, 31),
         "Q8_0": (-128, 127),
         "MXFP4": (-12, 12),
+        "Q2_K": (0, 3),
+        "Q3_K": (-4, 3),
+        "IQ4_NL": (-127, 113),
+        "IQ4_XS": (-127, 113),
     }[qtype]
     assert (grid.codes.min(), grid.codes.max()) == (low, high) and grid.bits == (4 if (low, high) == (0, 15) else 8)
-    if qtype in ("Q4_K", "Q5_K"):  # the factors the kernels read give the scales and minimums bit for bit
+    if qtype.startswith("IQ4"):  # codes: the 16 values of its table, no others
+        assert len(np.unique(grid.codes)) == 16
+    if qtype in ("Q4_K", "Q5_K", "Q2_K"):  # the factors the kernels read give the scales and minimums bit for bit
         d, neg_dmin, sc, m = grid.supers
-        assert np.array_equal(np.repeat(d, 8, axis=1) * sc.astype(np.float32), grid.scale)
-        assert np.array_equal(np.repeat(neg_dmin, 8, axis=1) * m.astype(np.float32), grid.low)
-        assert sc.max() <= 63 and m.max() <= 63
-    if qtype == "Q6_K":
+        per = sc.shape[1] // d.shape[1]  # groups per super-block: 8, Q2_K's 16
+        assert np.array_equal(np.repeat(d, per, axis=1) * sc.astype(np.float32), grid.scale)
+        assert np.array_equal(np.repeat(neg_dmin, per, axis=1) * m.astype(np.float32), grid.low)
+        assert sc.max() <= (15 if qtype == "Q2_K" else 63) and m.max() <= (15 if qtype == "Q2_K" else 63)
+    if qtype in ("Q6_K", "Q3_K", "IQ4_XS"):  # signed scales (Q3_K's, IQ4_XS's: the file's 6 bits less 32)
         d, sc = grid.supers
         assert sc.dtype == np.int8 and sc.shape == grid.scale.shape
-        assert np.array_equal(np.repeat(d, 16, axis=1) * sc.astype(np.float32), grid.scale)
+        assert qtype == "Q6_K" or (sc.min() >= -32 and sc.max() <= 31)
+        assert np.array_equal(np.repeat(d, sc.shape[1] // d.shape[1], axis=1) * sc.astype(np.float32), grid.scale)
 
 
 def test_quantization_file_takes_every_block_type_it_runs_and_names_the_others(make_model, gguf_mix, tmp_path):

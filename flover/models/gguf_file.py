@@ -49,7 +49,6 @@ DEQUANTIZED_TYPES = (
     "Q6_K",
     "Q8_K",
     "MXFP4",
-    # dequantized by the gguf package (the native step does not run their codes yet)
     "Q2_K",
     "Q3_K",
     "IQ4_XS",

@@ -15,11 +15,17 @@ weight dequantize gives, bit for bit.
 | Q5_1 | 0..31 | 32 | d | m |
 | Q5_K | 0..31 | 32 | d sc | -dmin m |
 | Q6_K | -32..31 | 16 | d sc | 0 |
+| Q2_K | 0..3 | 16 | d sc | -dmin m |
+| Q3_K | -4..3 | 16 | d sc | 0 |
+| IQ4_NL | the 16 values of IQ4_VALUES (-127..113) | 32 | d | 0 |
+| IQ4_XS | the same | 32 | d sc | 0 |
 | Q8_0 | -128..127 | 32 | d | 0 |
 | MXFP4 | -12..12 (twice FP4's values, as bytes) | 32 | 2^(e - 128) | 0 |
 
 4-bit codes run the int4 kernels; the others are bytes (int8 kernels with group scales), which
-the native step may pack again (Q5_K's in 5 bits, Q6_K's in 6: native/grids.py).
+the native step may pack again (Q5_K's in 5 bits, Q6_K's in 6, Q2_K's in 2, Q3_K's in 3, the IQ4
+types' values as their 4-bit indexes into IQ4_VALUES: native/grids.py). Q3_K's sc and IQ4_XS's
+are the file's 6-bit scales less 32.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class BlockGrid:
     # The factors of the K-quants' scales (the kernels read these, a quarter of the stored
     # scales' bytes or less), [rows, cols / 256] or [rows, cols / group]: Q4_K's and Q5_K's d, -dmin
     # (float32) and sc, m (uint8): scale = d sc, low = -dmin m; Q6_K's d (float32) and sc (int8): scale = d sc
+    # (Q2_K's: as Q4_K's, a sc and m per 16 inputs; Q3_K's: as Q6_K's; IQ4_XS's: d, sc int8 per 32)
     supers: tuple[np.ndarray, ...] | None = None
 
     def values(self) -> np.ndarray:
@@ -140,6 +147,53 @@ def _q6_k(b):
     return q.reshape(n, 256), _f16(b, 208) * sc.astype(np.float32), None, (_f16(b, 208), sc)
 
 
+def _q2_k(b):
+    """Q2_K: 16 bytes of 4-bit sc (low nibble) and m (high), 64 of 2-bit codes, d, dmin. Value
+    128 h + 32 j + i holds bits 2j of byte 32 h + i (ggml's dequantize_row_q2_K)."""
+    n = b.shape[0]
+    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    sc, m = b[:, :16] & 0x0F, b[:, :16] >> 4
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    scale, low = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    return q.reshape(n, 256).astype(np.int8), scale, low, (d, -dmin, sc, m)
+
+
+def _q3_k(b):
+    """Q3_K: 32 bytes of high bits, 64 of low 2-bit codes, 12 of 6-bit scales, d. Value 128 h +
+    32 j + i: low bits 2j of byte 32 h + i, high bit 4 h + j of byte i; q = low - 4 where that bit
+    is clear (ggml's dequantize_row_q3_K)."""
+    n = b.shape[0]
+    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    high = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # [n, 4 h + j, i]
+    q = low.reshape(n, 8, 32).astype(np.int8) + (high.astype(np.int8) << 2) - np.int8(4)
+    packed = b[:, 96:108]
+    lows = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    highs = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((lows & 0x0F) | ((highs & 0x03) << 4)).astype(np.int8) - np.int8(32)
+    d = _f16(b, 108)
+    return q.reshape(n, 256), d * sc.astype(np.float32), None, (d, sc)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(b):
+    """IQ4_NL: d, then 16 bytes of indexes into IQ4_VALUES (value i low nibble of byte i, 16 + i its high)."""
+    return IQ4_VALUES[_nibbles(b[:, 2:])], _f16(b, 0), None
+
+
+def _iq4_xs(b):
+    """IQ4_XS: d, 2 bytes of the 6-bit scales' high bits, 4 of their low nibbles, then 8 sub-blocks
+    of 32 values as IQ4_NL's (ggml's dequantize_row_iq4_xs)."""
+    n = b.shape[0]
+    high = (b[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, 8]
+    low = (b[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(n, 8) & 0x0F
+    sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    qs = b[:, 8:].reshape(n * 8, 16)
+    d = _f16(b, 0)
+    return IQ4_VALUES[_nibbles(qs)].reshape(n, 256), d * sc.astype(np.float32), None, (d, sc)
+
+
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # twice e2m1's
 
 
@@ -163,6 +217,10 @@ BLOCK_TYPES = {
     "Q6_K": (210, 256, 16, 8, _q6_k),
     "Q8_0": (34, 32, 32, 8, _q8_0),
     "MXFP4": (17, 32, 32, 8, _mxfp4),
+    "Q2_K": (84, 256, 16, 8, _q2_k),
+    "Q3_K": (110, 256, 16, 8, _q3_k),
+    "IQ4_NL": (18, 32, 32, 8, _iq4_nl),
+    "IQ4_XS": (136, 256, 32, 8, _iq4_xs),
 }
 # type -> the smallest and the largest code q (the table above)
 CODE_RANGES = {
@@ -175,6 +233,10 @@ CODE_RANGES = {
     "Q6_K": (-32, 31),
     "Q8_0": (-128, 127),
     "MXFP4": (-12, 12),
+    "Q2_K": (0, 3),
+    "Q3_K": (-4, 3),
+    "IQ4_NL": (-127, 113),
+    "IQ4_XS": (-127, 113),
 }
 
 

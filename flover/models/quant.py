@@ -11,7 +11,7 @@ through the cores once. Stored in fewer bits they stream faster:
   gets int8 in this mode, as llama.cpp's 4-bit files keep their token embedding in 8 bits (int4
   there cost 10 points of top-1 agreement with float32 on SmolLM2).
 * file: a GGUF file's projections keep the codes and scales of their own blocks (`Grid`s, read by
-  models/gguf_grids.py: Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K), for the native step only; PyTorch runs
+  models/gguf_grids.py: Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS, MXFP4), for the native step only; PyTorch runs
   their dequantized values.
 
 These kernels win only for a few rows (docs/design_notes.md, "PyTorch's quantized kernels"). So a

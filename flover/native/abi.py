@@ -14,20 +14,11 @@ I64 = ctypes.c_int64
 
 # codes (native.h): dtypes, the kinds of codes a run of output rows holds, how a run takes int8 inputs
 DT_F32, DT_BF16 = 0, 1
-G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6, G_MXFP4 = (
-    4,
-    5,
-    6,
-    7,
-    8,
-    9,
-    10,
-    11,
-    12,
-)
+(G_INT4, G_INT4_K, G_INT6_K, G_INT5_K, G_INT8_ROWS, G_INT8_GROUPS, G_INT8_K5, G_INT8_K6, G_MXFP4) = range(4, 13)
+G_Q2_K, G_Q3_K, G_IQ4_NL, G_IQ4_XS = range(13, 17)
 X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2
 MAX_PARTS = 4  # runs of codes per projection
-Q4K_SUPER_BYTES, Q6K_SUPER_BYTES = 384, 320  # per 256 inputs and block of 16 rows
+Q4K_SUPER_BYTES, Q6K_SUPER_BYTES, Q2K_SUPER_BYTES, IQ4XS_SUPER_BYTES = 384, 320, 384, 192  # per 256 inputs, 16 rows
 SAMPLE_SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c: per thread, per vocabulary entry
 CODES = (
     "DT_F32",
@@ -41,12 +32,18 @@ CODES = (
     "G_INT8_K5",
     "G_INT8_K6",
     "G_MXFP4",
+    "G_Q2_K",
+    "G_Q3_K",
+    "G_IQ4_NL",
+    "G_IQ4_XS",
     "X8_NONE",
     "X8_SMALL",
     "X8_SIGNED",
     "MAX_PARTS",
     "Q4K_SUPER_BYTES",
     "Q6K_SUPER_BYTES",
+    "Q2K_SUPER_BYTES",
+    "IQ4XS_SUPER_BYTES",
     "SAMPLE_SCRATCH_BYTES_PER_TOKEN",
 )
 

@@ -1,7 +1,8 @@
 """Quantized projections in the native step's layouts (native.h: Grid, GridPart; tiles.c: the
 tiles that read them). A projection's output rows are one run or a few, each in its own codes:
-int4 (4-bit codes, a scale and a zero per 32 inputs), Q5_K's 5-bit and Q6_K's 6-bit codes with
-their super-blocks' scales (packed, or as bytes where unpacking costs more than it saves), int8
+int4 (4-bit codes, a scale and a zero per 32 inputs), Q2_K's 2-bit, Q3_K's 3-bit, Q5_K's 5-bit
+and Q6_K's 6-bit codes with their super-blocks' scales (Q5_K's and Q6_K's packed, or as bytes
+where unpacking costs more than it saves), the IQ4 types' 4-bit indexes into their table, int8
 with a scale per row, or int8 with a scale (and a minimum) per group of 16 or 32 inputs (a GGUF
 file's Q5_0 / Q5_1 / Q8_0 blocks)."""
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flover.models.gguf_grids import MXFP4_VALUES
+from flover.models.gguf_grids import CODE_RANGES, IQ4_VALUES, MXFP4_VALUES
 from flover.models.quant import Grid, QuantizedWeight
 from flover.native import abi
 from flover.native.abi import (
@@ -24,8 +25,14 @@ from flover.native.abi import (
     G_INT8_K5,
     G_INT8_K6,
     G_INT8_ROWS,
+    G_IQ4_NL,
+    G_IQ4_XS,
     G_MXFP4,
+    G_Q2_K,
+    G_Q3_K,
+    IQ4XS_SUPER_BYTES,
     MAX_PARTS,
+    Q2K_SUPER_BYTES,
     Q4K_SUPER_BYTES,
     Q6K_SUPER_BYTES,
     X8_NONE,
@@ -256,6 +263,112 @@ def _int6_k_run(grid: Grid) -> Run:
     )
 
 
+def crumb_planes(u: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Codes u [n, k] -> their low 2 bits as [blocks, k / 32, 2, 64] (tiles_int8.c's 2-bit layout:
+    in the h-th 64 bytes of a group, lane r's byte j holds input 16h + 4c + j at bits 2c)."""
+    n, k = u.shape
+    low = (u & 3).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+    packed = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
+    return lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64)
+
+
+def q2k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
+    """Q2_K's scale factors -> scales_out uint8 [n / 16, k / 256, 384]: per block of 16 rows and
+    super-block, d[16] and -dmin[16] in float32, then sc | m << 4 [16][16] bytes."""
+    (n, k), blocks = grid.codes.shape, scales_out.shape[0]
+    supers = k // 256
+    d, neg_dmin, sc, m = grid.supers
+    factors = rows_last(torch.stack((d, neg_dmin), dim=-1), blocks)  # [blocks, supers, 2, 16]
+    both = rows_last((sc | (m << 4)).view(n, supers, 16), blocks)  # [blocks, supers, 16, 16]
+    scales_out.copy_(
+        torch.cat(
+            (
+                factors.contiguous().view(torch.uint8).view(blocks, supers, 128),
+                both.contiguous().view(blocks, supers, 256),
+            ),
+            dim=-1,
+        )
+    )
+
+
+def _crumbs_run(grid: Grid) -> Run:
+    """Q2_K (u = q, 0..3: 2 bits, scales as q2k_super_scales) or Q3_K (u = q + 4, 0..7: the 2-bit
+    layout of the low 2 bits, then a plane of third bits: lane r's byte j holds that of input
+    16h + 4c + j at bit 4h + c; scales as q6k_super_scales): 2.75 and 3.6 bits a weight (the
+    file: 2.63, 3.44)."""
+    n, k = grid.codes.shape
+    blocks, supers = -(-n // 16), k // 256
+    q3 = grid.code_range == CODE_RANGES["Q3_K"]
+    planes = 3 if q3 else 2
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        u = (grid.codes.to(torch.int16) + (4 if q3 else 0)).to(torch.uint8)  # [n, k]
+        out = codes_out.view(blocks, k // 32, planes, 64)
+        out[:, :, :2].copy_(crumb_planes(u, blocks))
+        if q3:
+            third = ((u >> 2) & 1).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+            packed = sum(third[:, :, half, c] << (4 * half + c) for half in range(2) for c in range(4))
+            out[:, :, 2].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 64))
+        (q6k_super_scales if q3 else q2k_super_scales)(grid, scales_out)
+
+    return Run(
+        G_Q3_K if q3 else G_Q2_K,
+        n,
+        16,
+        0 if q3 else 1,
+        [
+            ((blocks, k // 32, planes, 64), torch.uint8),
+            ((blocks, supers, Q6K_SUPER_BYTES if q3 else Q2K_SUPER_BYTES), torch.uint8),
+        ],
+        fill,
+        X8_SMALL,
+        4 if q3 else 0,
+    )
+
+
+def _iq4_index_of() -> torch.Tensor:
+    """IQ4's values + 128 -> their 4-bit index into IQ4_VALUES."""
+    table = torch.zeros(256, dtype=torch.uint8)
+    for index, value in enumerate(IQ4_VALUES.tolist()):
+        table[value + 128] = index
+    return table
+
+
+IQ4_INDEX_OF = _iq4_index_of()
+
+
+def _iq4_run(grid: Grid) -> Run:
+    """IQ4_NL / IQ4_XS: the values' indexes into IQ4_VALUES in the 4-bit layout (block_nibble_quads),
+    scales stored [n / 16, k / 32, 1, 16] (IQ4_NL) or from IQ4_XS's super-blocks: d[16] float32,
+    then sc[8][16] int8 per 256 inputs (4.4 bits a weight; the file: 4.25)."""
+    n, k = grid.codes.shape
+    blocks = -(-n // 16)
+    xs = grid.supers is not None
+
+    def fill(codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        block_nibble_quads(IQ4_INDEX_OF[grid.codes.to(torch.int64) + 128], codes_out)
+        if not xs:
+            scales_out.copy_(rows_last(grid.scale[..., None], blocks))
+            return
+        d, sc = grid.supers
+        supers = k // 256
+        factors = rows_last(d, blocks).contiguous().view(torch.uint8).view(blocks, supers, 64)
+        bytes_ = rows_last(sc.view(n, supers, 8), blocks).contiguous().view(torch.uint8).view(blocks, supers, 128)
+        scales_out.copy_(torch.cat((factors, bytes_), dim=-1))
+
+    scales = ((blocks, k // 256, IQ4XS_SUPER_BYTES), torch.uint8) if xs else ((blocks, k // 32, 1, 16), torch.float32)
+    return Run(
+        G_IQ4_XS if xs else G_IQ4_NL,
+        n,
+        32,
+        0,
+        [((blocks, k // 32, 16, 16), torch.uint8), scales],
+        fill,
+        X8_SIGNED,
+        0,
+    )
+
+
 def int8_rows_run(quantized: QuantizedWeight) -> Run:
     """--quantization int8: codes as block_pairs, a float32 scale per row (padded to the blocks)."""
     n, k = quantized.data.shape
@@ -349,6 +462,10 @@ def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
             runs.append(_int6_k_run(grid) if packed else _bytes_k_run(grid))
         elif x8 and grid.code_range == (-12, 12):  # MXFP4's, in 4 bits
             runs.append(_mxfp4_run(grid))
+        elif x8 and k_quant and grid.code_range in (CODE_RANGES["Q2_K"], CODE_RANGES["Q3_K"]):
+            runs.append(_crumbs_run(grid))
+        elif x8 and grid.code_range == CODE_RANGES["IQ4_NL"] and (k_quant or grid.supers is None):
+            runs.append(_iq4_run(grid))
         elif grid.bits == 8:
             runs.append(_groups_run(grid, x8))
         elif k_quant:

@@ -8,8 +8,8 @@
  *                      int8 / int4 weights widened to float32 in registers)
  *   tiles_bf16_dot.c   the same tiles through AVX-512 BF16's dot-product instruction
  *   simd_int8.h        4-byte integer dot products on 16 lanes (the mapping, for int8 inputs;
- *                      arch/*_int8.h per family)
- *   tiles_int8.c       a GGUF file's codes (up to 6 bits, Q8_0's bytes) times int8 inputs
+ *                      an arch/ header per family, e.g. arch/x86/avx2_int8.h)
+ *   tiles_int8.c       a GGUF file's codes (up to 6 bits, Q8_0's bytes, IQ4's table) times int8 inputs
  *   project.c          a whole projection: threads, tiles, bias and rounding of the outputs
  *   row_ops.c          norms, RoPE, residuals, SiLU: a few vector loops per row
  *   attention.c        decode rows over their slot's keys; blocks of prompt rows
@@ -149,9 +149,13 @@ typedef struct {
  * scale per row; int8 codes with a scale (and a minimum: lows) per group of 16 or 32 inputs
  * (GGUF's Q8_0, Q5_0, Q5_1); and where the CPU reads bytes faster than it unpacks bits, Q5_K's and
  * Q6_K's codes as bytes with their super-blocks' scales (G_INT8_K5, G_INT8_K6: int8 inputs only);
- * MXFP4's FP4 codes (G_MXFP4, below). */
+ * MXFP4's FP4 codes (G_MXFP4, below); Q2_K's 2-bit and Q3_K's 3-bit codes with their super-blocks'
+ * scales per 16 inputs, the IQ4 types' 4-bit indexes into IQ4_VALUES with a scale per 32 inputs
+ * (stored: G_IQ4_NL, or IQ4_XS's super-blocks: G_IQ4_XS) (int8 inputs only; tiles_int8.c). */
 enum { G_INT4 = 4, G_INT4_K = 5, G_INT6_K = 6, G_INT5_K = 7, G_INT8_ROWS = 8, G_INT8_GROUPS = 9, G_INT8_K5 = 10,
-       G_INT8_K6 = 11, G_MXFP4 = 12 };
+       G_INT8_K6 = 11, G_MXFP4 = 12, G_Q2_K = 13, G_Q3_K = 14, G_IQ4_NL = 15, G_IQ4_XS = 16 };
+/* the IQ4 types' 16 values (ggml's kvalues_iq4nl), as bytes for q_lut16 */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* G_MXFP4 (int8 inputs only): MXFP4's 4-bit codes of FP4 values in G_INT4's layout (its zero form:
  * the value at code 8 is 0, so zero = -4 scale), each code looked up as twice its FP4 value + 12
  * (0..24: MXFP4_U) before the dot products */
@@ -211,6 +215,21 @@ static inline void k_group_scale_low(const void *scales, int64_t g, v16 *scale, 
 static inline v16 q6k_group_scale(const void *scales, int64_t g) {
     const uint8_t *super = (const uint8_t *)scales + (g / 16) * Q6K_SUPER_BYTES;
     return v_mul(v_load((const float *)super), v_load_i8((const int8_t *)super + 64 + (g % 16) * 16));
+}
+#define Q2K_SUPER_BYTES 384 /* per 256 inputs and block of 16 rows: d[16], -dmin[16] (float32), sc | m << 4 [16][16] */
+/* group g (of 16 inputs) of Q2_K's super-blocks: its scales d sc and minimums -dmin m (w = scale u + low) */
+static inline void q2k_group_scale_low(const void *scales, int64_t g, v16 *scale, v16 *low) {
+    const uint8_t *super = (const uint8_t *)scales + (g / 16) * Q2K_SUPER_BYTES, *both = super + 128 + (g % 16) * 16;
+    uint8_t sc[16], m[16];
+    for (int r = 0; r < 16; r++) sc[r] = both[r] & 15, m[r] = both[r] >> 4;
+    *scale = v_mul(v_load((const float *)super), v_load_u8(sc));
+    *low = v_mul(v_load((const float *)super + 16), v_load_u8(m));
+}
+#define IQ4XS_SUPER_BYTES 192 /* per 256 inputs and block of 16 rows: d[16] (float32), sc[8][16] (int8) */
+/* group g (of 32 inputs) of IQ4_XS's super-blocks: its 16 scales d sc */
+static inline v16 iq4xs_group_scale(const void *scales, int64_t g) {
+    const uint8_t *super = (const uint8_t *)scales + (g / 8) * IQ4XS_SUPER_BYTES;
+    return v_mul(v_load((const float *)super), v_load_i8((const int8_t *)super + 64 + (g % 8) * 16));
 }
 /* The codes PREFETCH_AHEAD bytes past a group's (`bytes` of them) asked for while the grouped tiles
  * sum it: the hardware's own prefetch leaves the cores waiting (figures: docs/design_notes.md,

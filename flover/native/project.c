@@ -78,13 +78,16 @@ static void group_sums(const float *x, float *xsum, int rows, int64_t k, int gro
  * K-quants' super-blocks), for k inputs */
 static const uint8_t *block_codes(const GridPart *part, int64_t nb, int64_t k) {
     const int kind = (int)part->kind, bytes = kind == G_INT8_GROUPS || kind == G_INT8_K5 || kind == G_INT8_K6;
-    const int64_t code_bytes = bytes ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k : 8 * k;
+    const int64_t code_bytes = bytes ? 16 * k : kind == G_INT6_K ? 12 * k : kind == G_INT5_K ? 10 * k
+                               : kind == G_Q3_K ? 6 * k : kind == G_Q2_K ? 4 * k : 8 * k;
     return (const uint8_t *)part->codes + nb * code_bytes;
 }
 static const char *block_scales(const GridPart *part, int64_t nb, int64_t k) {
     const int kind = (int)part->kind;
     const int64_t scale_bytes = kind == G_INT4_K || kind == G_INT5_K || kind == G_INT8_K5 ? (k / 256) * Q4K_SUPER_BYTES
-                                : kind == G_INT6_K || kind == G_INT8_K6 ? (k / 256) * Q6K_SUPER_BYTES
+                                : kind == G_INT6_K || kind == G_INT8_K6 || kind == G_Q3_K ? (k / 256) * Q6K_SUPER_BYTES
+                                : kind == G_Q2_K ? (k / 256) * Q2K_SUPER_BYTES
+                                : kind == G_IQ4_XS ? (k / 256) * IQ4XS_SUPER_BYTES
                                                                         : (k / part->group) * 16 * (1 + part->lows) * 4;
     return (const char *)part->scales + nb * scale_bytes;
 }
@@ -167,6 +170,34 @@ void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void
     }
 }
 
+/* grid_row of a Q2_K, Q3_K or IQ4 run (tiles_int8.c's 2-bit, 3-bit and 4-bit layouts): row `lane` of block `block` */
+static void packed_row(const GridPart *part, int64_t block, int64_t lane, int64_t k, float *out) {
+    const int kind = (int)part->kind, iq4 = kind == G_IQ4_NL || kind == G_IQ4_XS;
+    const uint8_t *c = block_codes(part, block, k);
+    const char *s = block_scales(part, block, k);
+    const int64_t group_bytes = iq4 ? 256 : kind == G_Q3_K ? 192 : 128;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t g = j / 32, i = j % 32, half = i / 16, quad = (i % 16) / 4, at = lane * 4 + i % 4;
+        const uint8_t *gc = c + g * group_bytes;
+        v16 scale, low = v_zero();
+        float u;
+        if (iq4) {
+            const uint8_t nibbles = gc[quad * 64 + at];
+            u = (float)IQ4_VALUES[half ? nibbles >> 4 : nibbles & 15];
+            scale = kind == G_IQ4_XS ? iq4xs_group_scale(s, g) : v_load((const float *)s + g * 16);
+        } else {
+            int code = (gc[half * 64 + at] >> (2 * quad)) & 3;
+            if (kind == G_Q3_K) code |= ((gc[128 + at] >> (4 * half + quad)) & 1) << 2;
+            u = (float)(kind == G_Q3_K ? code - 4 : code);
+            if (kind == G_Q3_K) scale = q6k_group_scale(s, j / 16);
+            else q2k_group_scale_low(s, j / 16, &scale, &low);
+        }
+        float sc[16], lw[16];
+        v_store(sc, scale), v_store(lw, low);
+        out[j] = sc[lane] * u + lw[lane];
+    }
+}
+
 /* Row `row` of a grid's weights (k inputs) -> out, floats: a tied embedding's lookup where the
  * head's codes are its only copy. Reads the blocked layouts of tiles.c and tiles_int8.c lane by lane. */
 void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
@@ -191,6 +222,10 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
                 out[g * 32 + j] = sc[lane] * (float)(u - 8) + zr[lane];
             }
         }
+        return;
+    }
+    if (part->kind >= G_Q2_K) {
+        packed_row(part, block, lane, k, out);
         return;
     }
     if (part->kind == G_INT6_K) {

@@ -15,13 +15,17 @@
  *                       6-bit codes from nibbles and their high bits
  *   q_lut16(b, table)    each byte (below 16) replaced by table[byte]: MXFP4's FP4 codes to
  *                       their values (plus 12, unsigned)
+ *   q_crumb(&h)         h's lowest 2 bits of each byte (then h shifts down by 2): 2-bit codes
+ *   q_bit2(&h)          h's lowest bit of each byte moved to bit 2 (then h shifts down by 1):
+ *                       q_or joins it to a crumb, Q3_K's 3-bit codes
  *   q_fifth(&h, &lo, &hi)  5-bit codes from nibbles: h's bit 0 joins lo at bit 4, its bit 4
  *                       joins hi there, then h shifts down by 1 for the next call
  *   s64   64 bytes of signed codes (-128..127: Q8_0's), as s_load prepares them
  *   s_dot4(acc, w, x)   i_dot4 for signed codes: VNNI adds (w + 128) x (its first operand is
  *                       unsigned), which s_done(acc, sum of the group's x) takes back once per
  *                       group; maddubs takes |w| times x with w's sign (at most 2 x 128 x 127);
- *                       NEON's sdot is signed already
+ *                       NEON's sdot is signed already; s_from(w) prepares a q64 of signed
+ *                       bytes the same way (IQ4's table values, looked up by q_lut16)
  *
  * Every sum is exact (integers), so the families differ in no bit here.
  */

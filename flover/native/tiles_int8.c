@@ -1,5 +1,5 @@
-/* Tiles on int8 inputs: a GGUF file's codes of up to 6 bits (Q4_0 / Q4_1 / Q4_K / Q5_* / Q6_K)
- * and Q8_0's signed bytes times the rows quantized to int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in
+/* Tiles on int8 inputs: a GGUF file's codes of up to 6 bits (Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_* /
+ * Q6_K), Q8_0's signed bytes and the IQ4 types' table values times the rows quantized to int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in
  * int32 by 4-byte dot products (simd_int8.h), then scaled in float32 once per group.
  *
  * Inputs: each row's 32-input blocks x ~ d q, d = max|x| / 127, q = round-to-even(x / d) in
@@ -18,6 +18,10 @@
  *          2c, 2c + 1 (c = 0..3); in the second, those of input 16 + 4c + j
  *   5-bit: per group of 32 inputs the 4-bit layout of the low 4 bits, then 64 bytes: lane r's
  *          byte j holds the fifth bit of input 4c + j at bit c and of 16 + 4c + j at bit 4 + c
+ *   2-bit: per group of 32 inputs 2 x 64 bytes: in the h-th, lane r's byte j holds input
+ *          16h + 4c + j at bits 2c, 2c + 1 (c = 0..3)
+ *   3-bit: the 2-bit layout of the low 2 bits, then 64 bytes: lane r's byte j holds the third
+ *          bit of input 16h + 4c + j at bit 4h + c
  */
 #include <omp.h>
 
@@ -190,6 +194,83 @@ TILE_Q6K_X8(4)
 TILE_Q6K_X8(2)
 TILE_Q6K_X8(1)
 
+/* ---- Q2_K's 2-bit codes (offset 0, a scale and a minimum per 16 inputs) and Q3_K's 3-bit ones
+ * (offset 4, a scale per 16: CRUMBS_HIGH), from their super-blocks -------------------------------- */
+static inline void q3k_scale_low(const void *scales, int64_t g, v16 *scale, v16 *low) {
+    *scale = q6k_group_scale(scales, g), *low = v_mul(v_set1(-4.f), *scale);
+}
+#define TILE_CRUMBS_X8(NAME, MT, HIGH, GROUP_SCALE_LOW)                                                    \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t groups = k / 32, group_bytes = 128 + 64 * (HIGH);                                    \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            const uint8_t *c = codes + g * group_bytes;                                                    \
+            prefetch_ahead(c, (int)group_bytes);                                                           \
+            q64 high;                                                                                      \
+            if (HIGH) high = q_load(c + 128);                                                              \
+            for (int half = 0; half < 2; half++) { /* inputs 0..15, 16..31: a scale each */                \
+                q64 crumbs = q_load(c + 64 * half);                                                        \
+                i16 dot[MT];                                                                               \
+                for (int i = 0; i < MT; i++) dot[i] = i_zero();                                            \
+                for (int q = 0; q < 4; q += 2) {                                                           \
+                    q64 w0 = q_crumb(&crumbs), w1 = q_crumb(&crumbs);                                      \
+                    if (HIGH) w0 = q_or(w0, q_bit2(&high)), w1 = q_or(w1, q_bit2(&high));                  \
+                    for (int i = 0; i < MT; i++) {                                                         \
+                        const int8_t *xq = x->q + i * k + g * 32 + 16 * half + 4 * q;                      \
+                        dot[i] = i_dot4x2(dot[i], w0, xq, w1, xq + 4);                                     \
+                    }                                                                                      \
+                }                                                                                          \
+                v16 scale, low;                                                                            \
+                GROUP_SCALE_LOW(scales, 2 * g + half, &scale, &low);                                       \
+                add_group_x8(acc, dot, MT, scale, low, x->d + g, x->ds16 + 2 * g + half, groups, 2 * groups); \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+#define CRUMBS_X8_TILES(NAME, HIGH, GROUP_SCALE_LOW)                                                       \
+    TILE_CRUMBS_X8(NAME, 12, HIGH, GROUP_SCALE_LOW) TILE_CRUMBS_X8(NAME, 8, HIGH, GROUP_SCALE_LOW)         \
+    TILE_CRUMBS_X8(NAME, 4, HIGH, GROUP_SCALE_LOW) TILE_CRUMBS_X8(NAME, 2, HIGH, GROUP_SCALE_LOW)          \
+    TILE_CRUMBS_X8(NAME, 1, HIGH, GROUP_SCALE_LOW)
+CRUMBS_X8_TILES(q2k_x8, 0, q2k_group_scale_low)
+CRUMBS_X8_TILES(q3k_x8, 1, q3k_scale_low)
+
+/* ---- the IQ4 types: 4-bit indexes (the 4-bit layout) into IQ4_VALUES, signed bytes once looked
+ * up; a scale per 32 inputs, stored (IQ4_NL) or from IQ4_XS's super-blocks ------------------------- */
+static inline v16 stored_scale(const void *scales, int64_t g) { return v_load((const float *)scales + g * 16); }
+#define TILE_IQ4_X8(NAME, MT, GROUP_SCALE)                                                                 \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t groups = k / 32;                                                                     \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t g = 0; g < groups; g++) {                                                             \
+            const uint8_t *c = codes + g * 256;                                                            \
+            prefetch_ahead(c, 256);                                                                        \
+            i16 dot[MT];                                                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int q = 0; q < 4; q++) {                                                                  \
+                q64 lo, hi;                                                                                \
+                q_nibbles(q_load(c + q * 64), &lo, &hi);                                                   \
+                const s64 w0 = s_from(q_lut16(lo, (const uint8_t *)IQ4_VALUES));                          \
+                const s64 w1 = s_from(q_lut16(hi, (const uint8_t *)IQ4_VALUES));                          \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + g * 32 + 4 * q;                                      \
+                    dot[i] = s_dot4(s_dot4(dot[i], w0, xq), w1, xq + 16);                                  \
+                }                                                                                          \
+            }                                                                                              \
+            const v16 scale = GROUP_SCALE(scales, g);                                                      \
+            for (int i = 0; i < MT; i++)                                                                   \
+                acc[i] = v_fmadd(v_mul(scale, v_set1(x->d[i * groups + g])),                               \
+                                 v_from_i(s_done(dot[i], x->qs32[i * groups + g])), acc[i]);               \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+#define IQ4_X8_TILES(NAME, GROUP_SCALE)                                                                    \
+    TILE_IQ4_X8(NAME, 12, GROUP_SCALE) TILE_IQ4_X8(NAME, 8, GROUP_SCALE) TILE_IQ4_X8(NAME, 4, GROUP_SCALE) \
+    TILE_IQ4_X8(NAME, 2, GROUP_SCALE) TILE_IQ4_X8(NAME, 1, GROUP_SCALE)
+IQ4_X8_TILES(iq4nl_x8, stored_scale)
+IQ4_X8_TILES(iq4xs_x8, iq4xs_group_scale)
+
 /* ---- signed bytes (Q8_0: -128..127), a scale per 32 inputs --------------------------------------- */
 #define TILE_SIGNED_X8(MT)                                                                                 \
     static void signed_x8_##MT(const uint8_t *codes, const float *scales, int64_t k, const Int8Rows *x, float *out) { \
@@ -237,6 +318,10 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
     else if (part->kind == G_MXFP4) GROUP_TILE(mxfp4_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT6_K) GROUP_TILE(q6k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT5_K) GROUP_TILE(q5k_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_Q2_K) GROUP_TILE(q2k_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_Q3_K) GROUP_TILE(q3k_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_IQ4_NL) GROUP_TILE(iq4nl_x8, mt, codes, scales, k, x, out);
+    else if (part->kind == G_IQ4_XS) GROUP_TILE(iq4xs_x8, mt, codes, scales, k, x, out);
     else if (part->x8 == X8_SIGNED) GROUP_TILE(signed_x8, mt, codes, (const float *)scales, k, x, out);
     else if (part->kind == G_INT8_K5) GROUP_TILE(bytes_q5k_x8, mt, codes, scales, k, 32, 1, 0, x, out);
     else if (part->kind == G_INT8_K6) GROUP_TILE(bytes_q6k_x8, mt, codes, scales, k, 16, 0, 32, x, out);

@@ -34,6 +34,16 @@ static inline q64 q_or(q64 a, q64 b) {
 static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
     for (int i = 0; i < 64; i++) lo->b[i] |= (uint8_t)((h->b[i] & 1) << 4), hi->b[i] |= h->b[i] & 0x10, h->b[i] >>= 1;
 }
+static inline q64 q_crumb(q64 *h) {
+    q64 r;
+    for (int i = 0; i < 64; i++) r.b[i] = h->b[i] & 3, h->b[i] >>= 2;
+    return r;
+}
+static inline q64 q_bit2(q64 *h) {
+    q64 r;
+    for (int i = 0; i < 64; i++) r.b[i] = (uint8_t)((h->b[i] & 1) << 2), h->b[i] >>= 1;
+    return r;
+}
 static inline i16 i_zero(void) { return (i16){{0}}; }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
     for (int r = 0; r < 16; r++)
@@ -44,6 +54,7 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
     return i_dot4(i_dot4(acc, w0, x0), w1, x1);
 }
 typedef q64 s64;
+static inline s64 s_from(q64 w) { return w; }
 static inline s64 s_load(const uint8_t *p) { return q_load(p); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
     for (int r = 0; r < 16; r++)

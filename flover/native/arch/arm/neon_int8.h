@@ -40,6 +40,16 @@ static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
         h->q[i] = vshrq_n_u8(h->q[i], 1);
     }
 }
+static inline q64 q_crumb(q64 *h) {
+    q64 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vandq_u8(h->q[i], vdupq_n_u8(3)), h->q[i] = vshrq_n_u8(h->q[i], 2);
+    return r;
+}
+static inline q64 q_bit2(q64 *h) {
+    q64 r;
+    for (int i = 0; i < 4; i++) r.q[i] = vandq_u8(vshlq_n_u8(h->q[i], 2), vdupq_n_u8(4)), h->q[i] = vshrq_n_u8(h->q[i], 1);
+    return r;
+}
 static inline i16 i_zero(void) {
     i16 a;
     for (int i = 0; i < 4; i++) a.q[i] = vdupq_n_s32(0);
@@ -65,6 +75,7 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
     return i_dot4(i_dot4(acc, w0, x0), w1, x1);
 }
 typedef q64 s64; /* sdot and vmull_s8 take the bytes as signed */
+static inline s64 s_from(q64 w) { return w; }
 static inline s64 s_load(const uint8_t *p) { return q_load(p); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
 static inline i16 s_done(i16 acc, int32_t xsum) { return (void)xsum, acc; }

@@ -33,6 +33,18 @@ static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
     *hi = (q64){fifth_8(hi->lo, h->lo), fifth_8(hi->hi, h->hi)};
     *h = (q64){_mm256_srli_epi16(h->lo, 1), _mm256_srli_epi16(h->hi, 1)};
 }
+static inline q64 q_crumb(q64 *h) { /* 16-bit shifts: only each byte's low 2 bits are kept */
+    const __m256i m = _mm256_set1_epi8(3);
+    const q64 r = {_mm256_and_si256(h->lo, m), _mm256_and_si256(h->hi, m)};
+    *h = (q64){_mm256_srli_epi16(h->lo, 2), _mm256_srli_epi16(h->hi, 2)};
+    return r;
+}
+static inline q64 q_bit2(q64 *h) {
+    const __m256i m = _mm256_set1_epi8(4);
+    const q64 r = {_mm256_and_si256(_mm256_slli_epi16(h->lo, 2), m), _mm256_and_si256(_mm256_slli_epi16(h->hi, 2), m)};
+    *h = (q64){_mm256_srli_epi16(h->lo, 1), _mm256_srli_epi16(h->hi, 1)};
+    return r;
+}
 static inline i16 i_zero(void) { return (i16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline __m256i dot4_8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
@@ -57,11 +69,11 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
 }
 #if defined(__AVXVNNI__)
 typedef q64 s64;
-static inline s64 s_load(const uint8_t *p) {
-    const q64 w = q_load(p);
+static inline s64 s_from(q64 w) {
     const __m256i flip = _mm256_set1_epi8(-128);
     return (s64){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
 }
+static inline s64 s_load(const uint8_t *p) { return s_from(q_load(p)); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
 static inline i16 s_done(i16 acc, int32_t xsum) {
     const __m256i c = _mm256_set1_epi32(128 * xsum);
@@ -71,10 +83,8 @@ static inline i16 s_done(i16 acc, int32_t xsum) {
 typedef struct {
     __m256i abs_lo, abs_hi, lo, hi;
 } s64;
-static inline s64 s_load(const uint8_t *p) {
-    const q64 w = q_load(p);
-    return (s64){_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi), w.lo, w.hi};
-}
+static inline s64 s_from(q64 w) { return (s64){_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi), w.lo, w.hi}; }
+static inline s64 s_load(const uint8_t *p) { return s_from(q_load(p)); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
     const __m256i xv = _mm256_set1_epi32(x4_bytes(x)), one = _mm256_set1_epi16(1);
     const __m256i lo = _mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(xv, w.lo));

@@ -26,6 +26,16 @@ static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) { /* 16-bit shifts: bits 0 
     *hi = _mm512_or_si512(*hi, _mm512_and_si512(*h, m));
     *h = _mm512_srli_epi16(*h, 1);
 }
+static inline q64 q_crumb(q64 *h) { /* 16-bit shifts: only each byte's low 2 bits are kept */
+    const q64 r = _mm512_and_si512(*h, _mm512_set1_epi8(3));
+    *h = _mm512_srli_epi16(*h, 2);
+    return r;
+}
+static inline q64 q_bit2(q64 *h) {
+    const q64 r = _mm512_and_si512(_mm512_slli_epi16(*h, 2), _mm512_set1_epi8(4));
+    *h = _mm512_srli_epi16(*h, 1);
+    return r;
+}
 static inline i16 i_zero(void) { return _mm512_setzero_si512(); }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
 #if defined(__AVX512VNNI__)
@@ -46,7 +56,8 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
 }
 #if defined(__AVX512VNNI__)
 typedef __m512i s64;
-static inline s64 s_load(const uint8_t *p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(-128)); }
+static inline s64 s_from(q64 w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
+static inline s64 s_load(const uint8_t *p) { return s_from(_mm512_loadu_si512(p)); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) { return i_dot4(acc, w, x); }
 static inline i16 s_done(i16 acc, int32_t xsum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * xsum)); }
 #else
@@ -54,10 +65,8 @@ typedef struct {
     __m512i abs;
     __mmask64 negative;
 } s64;
-static inline s64 s_load(const uint8_t *p) {
-    const __m512i w = _mm512_loadu_si512(p);
-    return (s64){_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
-}
+static inline s64 s_from(q64 w) { return (s64){_mm512_abs_epi8(w), _mm512_movepi8_mask(w)}; }
+static inline s64 s_load(const uint8_t *p) { return s_from(_mm512_loadu_si512(p)); }
 static inline i16 s_dot4(i16 acc, s64 w, const int8_t *x) {
     const __m512i xv = _mm512_set1_epi32(x4_bytes(x));
     const __m512i pairs = _mm512_maddubs_epi16(w.abs, _mm512_mask_sub_epi8(xv, w.negative, _mm512_setzero_si512(), xv));
