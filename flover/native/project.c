@@ -176,25 +176,29 @@ static void packed_row(const GridPart *part, int64_t block, int64_t lane, int64_
     const uint8_t *c = block_codes(part, block, k);
     const char *s = block_scales(part, block, k);
     const int64_t group_bytes = iq4 ? 256 : kind == G_Q3_K ? 192 : 128;
-    for (int64_t j = 0; j < k; j++) {
-        const int64_t g = j / 32, i = j % 32, half = i / 16, quad = (i % 16) / 4, at = lane * 4 + i % 4;
-        const uint8_t *gc = c + g * group_bytes;
+    for (int64_t j16 = 0; j16 < k; j16 += 16) { /* 16 inputs: one scale (and low) */
+        const int64_t g = j16 / 32, half = (j16 % 32) / 16;
         v16 scale, low = v_zero();
-        float u;
-        if (iq4) {
-            const uint8_t nibbles = gc[quad * 64 + at];
-            u = (float)IQ4_VALUES[half ? nibbles >> 4 : nibbles & 15];
-            scale = kind == G_IQ4_XS ? iq4xs_group_scale(s, g) : v_load((const float *)s + g * 16);
-        } else {
-            int code = (gc[half * 64 + at] >> (2 * quad)) & 3;
-            if (kind == G_Q3_K) code |= ((gc[128 + at] >> (4 * half + quad)) & 1) << 2;
-            u = (float)(kind == G_Q3_K ? code - 4 : code);
-            if (kind == G_Q3_K) scale = q6k_group_scale(s, j / 16);
-            else q2k_group_scale_low(s, j / 16, &scale, &low);
-        }
+        if (kind == G_IQ4_XS) scale = iq4xs_group_scale(s, g);
+        else if (kind == G_IQ4_NL) scale = v_load((const float *)s + g * 16);
+        else if (kind == G_Q3_K) scale = q6k_group_scale(s, j16 / 16);
+        else q2k_group_scale_low(s, j16 / 16, &scale, &low);
         float sc[16], lw[16];
         v_store(sc, scale), v_store(lw, low);
-        out[j] = sc[lane] * u + lw[lane];
+        const uint8_t *gc = c + g * group_bytes;
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t quad = i / 4, at = lane * 4 + i % 4;
+            float u;
+            if (iq4) {
+                const uint8_t nibbles = gc[quad * 64 + at];
+                u = (float)IQ4_VALUES[half ? nibbles >> 4 : nibbles & 15];
+            } else {
+                int code = (gc[half * 64 + at] >> (2 * quad)) & 3;
+                if (kind == G_Q3_K) code |= ((gc[128 + at] >> (4 * half + quad)) & 1) << 2;
+                u = (float)(kind == G_Q3_K ? code - 4 : code);
+            }
+            out[j16 + i] = sc[lane] * u + lw[lane];
+        }
     }
 }
 
