@@ -84,6 +84,13 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=1, bitorder="little")
 
 
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 64] bytes -> [blocks, 256] 2-bit codes: value 128 h + 32 j + i is bits 2j of byte
+    32 h + i (Q2_K's codes, Q3_K's low bits)."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 256)
+
+
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's 12 bytes -> 8 sub-block scales and 8 minimums of 6 bits each."""
     d, m, m_d = (scales[:, 4 * i : 4 * i + 4] for i in range(3))
@@ -150,12 +157,10 @@ def _q6_k(b):
 def _q2_k(b):
     """Q2_K: 16 bytes of 4-bit sc (low nibble) and m (high), 64 of 2-bit codes, d, dmin. Value
     128 h + 32 j + i holds bits 2j of byte 32 h + i (ggml's dequantize_row_q2_K)."""
-    n = b.shape[0]
-    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     sc, m = b[:, :16] & 0x0F, b[:, :16] >> 4
     d, dmin = _f16(b, 80), _f16(b, 82)
     scale, low = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
-    return q.reshape(n, 256).astype(np.int8), scale, low, (d, -dmin, sc, m)
+    return _crumbs(b[:, 16:80]).astype(np.int8), scale, low, (d, -dmin, sc, m)
 
 
 def _q3_k(b):
@@ -163,15 +168,14 @@ def _q3_k(b):
     32 j + i: low bits 2j of byte 32 h + i, high bit 4 h + j of byte i; q = low - 4 where that bit
     is clear (ggml's dequantize_row_q3_K)."""
     n = b.shape[0]
-    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     high = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # [n, 4 h + j, i]
-    q = low.reshape(n, 8, 32).astype(np.int8) + (high.astype(np.int8) << 2) - np.int8(4)
+    q = _crumbs(b[:, 32:96]).astype(np.int8) + (high.reshape(n, 256).astype(np.int8) << 2) - np.int8(4)
     packed = b[:, 96:108]
     lows = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
     highs = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
     sc = ((lows & 0x0F) | ((highs & 0x03) << 4)).astype(np.int8) - np.int8(32)
     d = _f16(b, 108)
-    return q.reshape(n, 256), d * sc.astype(np.float32), None, (d, sc)
+    return q, d * sc.astype(np.float32), None, (d, sc)
 
 
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)

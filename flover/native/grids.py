@@ -95,6 +95,25 @@ def block_nibble_quads(codes: torch.Tensor, codes_out: torch.Tensor) -> None:
     codes_out.view(quads.shape).copy_(quads)
 
 
+def crumb_planes(u: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Codes u [n, k] -> their low 2 bits as [blocks, k / 32, 2, 64] (tiles_int8.c's 2-bit layout,
+    and Q6_K's planes of high bits: in the h-th 64 bytes of a group, lane r's byte j holds input
+    16h + 4c + j at bits 2c)."""
+    n, k = u.shape
+    low = (u & 3).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+    packed = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
+    return lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64)
+
+
+def bit_plane(u: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Codes u [n, k] -> their lowest bit as [blocks, k / 32, 64] (Q5_K's fifth bits, Q3_K's third:
+    lane r's byte j holds that of input 16h + 4c + j at bit 4h + c)."""
+    n, k = u.shape
+    bit = (u & 1).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
+    packed = sum(bit[:, :, half, c] << (4 * half + c) for half in range(2) for c in range(4))  # [n, group, j]
+    return lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 64)
+
+
 def _int4_run(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x8: bool) -> Run:
     """w = scale * (q - 8) + zero, scale / zero float32 [n, k / 32]: scales [n / 16, k / 32, 2, 16]."""
     n, k = codes.shape
@@ -205,9 +224,7 @@ def _int5_k_run(grid: Grid) -> Run:
         nibbles = torch.empty(blocks, k // 32, 4, 16, 4, dtype=torch.uint8)
         block_nibble_quads(u & 15, nibbles)
         out[:, :, :4].copy_(nibbles.view(blocks, k // 32, 4, 64))
-        high = (u >> 4).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
-        packed = sum(high[:, :, half, c] << (4 * half + c) for half in range(2) for c in range(4))  # [n, group, j]
-        out[:, :, 4].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 64))
+        out[:, :, 4].copy_(bit_plane(u >> 4, blocks))
         k_super_scales(grid, scales_out)
 
     return Run(
@@ -246,9 +263,7 @@ def _int6_k_run(grid: Grid) -> Run:
         nibbles = torch.empty(blocks, k // 32, 4, 16, 4, dtype=torch.uint8)
         block_nibble_quads(u & 15, nibbles)
         out[:, :, :4].copy_(nibbles.view(blocks, k // 32, 4, 64))
-        high = (u >> 4).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
-        packed = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
-        out[:, :, 4:].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64))
+        out[:, :, 4:].copy_(crumb_planes(u >> 4, blocks))
         q6k_super_scales(grid, scales_out)
 
     return Run(
@@ -261,15 +276,6 @@ def _int6_k_run(grid: Grid) -> Run:
         X8_SMALL,
         32,
     )
-
-
-def crumb_planes(u: torch.Tensor, blocks: int) -> torch.Tensor:
-    """Codes u [n, k] -> their low 2 bits as [blocks, k / 32, 2, 64] (tiles_int8.c's 2-bit layout:
-    in the h-th 64 bytes of a group, lane r's byte j holds input 16h + 4c + j at bits 2c)."""
-    n, k = u.shape
-    low = (u & 3).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
-    packed = low[:, :, :, 0] | (low[:, :, :, 1] << 2) | (low[:, :, :, 2] << 4) | (low[:, :, :, 3] << 6)
-    return lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 2, 64)
 
 
 def q2k_super_scales(grid: Grid, scales_out: torch.Tensor) -> None:
@@ -306,9 +312,7 @@ def _crumbs_run(grid: Grid) -> Run:
         out = codes_out.view(blocks, k // 32, planes, 64)
         out[:, :, :2].copy_(crumb_planes(u, blocks))
         if q3:
-            third = ((u >> 2) & 1).view(n, k // 32, 2, 4, 4)  # [n, group, half, c, j]
-            packed = sum(third[:, :, half, c] << (4 * half + c) for half in range(2) for c in range(4))
-            out[:, :, 2].copy_(lanes_of_four(packed, blocks, fill=0).reshape(blocks, k // 32, 64))
+            out[:, :, 2].copy_(bit_plane(u >> 2, blocks))
         (q6k_super_scales if q3 else q2k_super_scales)(grid, scales_out)
 
     return Run(

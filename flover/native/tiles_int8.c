@@ -1,6 +1,7 @@
-/* Tiles on int8 inputs: a GGUF file's codes of up to 6 bits (Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_* /
- * Q6_K), Q8_0's signed bytes and the IQ4 types' table values times the rows quantized to int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in
- * int32 by 4-byte dot products (simd_int8.h), then scaled in float32 once per group.
+/* Tiles on int8 inputs: a GGUF file's codes of up to 6 bits (Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K /
+ * Q5_* / Q6_K), Q8_0's signed bytes and the IQ4 types' table values times the rows quantized to
+ * int8 per 32 inputs (as llama.cpp's Q8_0 rows), summed exactly in int32 by 4-byte dot products
+ * (simd_int8.h), then scaled in float32 once per group.
  *
  * Inputs: each row's 32-input blocks x ~ d q, d = max|x| / 127, q = round-to-even(x / d) in
  * -127..127 (int8_rows; models/quant.py's int8_inputs is the same in PyTorch). Weights: w =
