@@ -142,7 +142,8 @@ static void check_q8_groups(void) {
 /* int8 inputs (tiles_int8.c): the rows quantized, and the tiles of every code kind (4-bit with
  * stored scales or Q4_K's, bytes with groups of 16 or 32, with and without minimums, signed bytes
  * of the whole range: Q8_0's, Q6_K's 6-bit and Q5_K's 5-bit codes, and those two as bytes with their
- * super-blocks' scales, MXFP4's, Q2_K's 2-bit and Q3_K's 3-bit codes, the IQ4 types' table indexes), each with
+ * super-blocks' scales, MXFP4's, Q2_K's 2-bit and Q3_K's 3-bit codes, the IQ4 types' table indexes, and
+ * Q4_K's on inputs in blocks of 256), each with
  * its "reference": the sums of its grid_row weights times the dequantized inputs, in double (the
  * test holds every family's tiles to it) */
 static void check_x8(void) {
@@ -158,7 +159,7 @@ static void check_x8(void) {
     fill(x, ROWS * K, 2.f);
     for (int j = 0; j < 32; j++) x[3 * K + 64 + j] = 0.f; /* a block of zeros: d = 0 */
     x[0] = x[1] = -2.f, x[2] = x[3] = 2.f;
-    const Int8Rows rows = {q, d, ds16, ds32, qs32};
+    const Int8Rows rows = {q, d, ds16, ds32, qs32, 0, 0, 32};
     int8_rows(x, &rows, ROWS, K, 0, 1);
     for (int i = 0; i < ROWS * K; i++) qf[i] = q[i];
     for (int i = 0; i < ROWS * GROUPS; i++) qsf[i] = (float)qs32[i];
@@ -215,21 +216,45 @@ static void check_x8(void) {
         {G_IQ4_NL, 16, 32, 0, (int64_t)nibbles, (int64_t)flat, 2, 0}, /* (each code through IQ4_VALUES) */
         {G_IQ4_XS, 16, 32, 0, (int64_t)nibbles, (int64_t)supers_iq4, 2, 0},
     };
+    /* the same rows in blocks of 256 (Q8_K's), for the Q4_K tiles that take them (x8_block): row 0's
+     * first group all at 127 against codes of 15, the int16 pairs' largest sum (16 x 15 x 127) */
+    static float x256[ROWS * K], d256[ROWS * SUPERS], q256f[ROWS * K], s16f[ROWS * K / 16], s32f[ROWS * GROUPS];
+    static int8_t q256[ROWS * K];
+    static int16_t s16[ROWS * K / 16], s32[ROWS * GROUPS];
+    static uint8_t nibbles256[GROUPS * 256];
+    memcpy(x256, x, sizeof x256);
+    for (int j = 0; j < 32; j++) x256[j] = 2.f;
+    const Int8Rows rows256 = {q256, d256, 0, 0, 0, s16, s32, 256};
+    int8_rows(x256, &rows256, ROWS, K, 0, 1);
+    for (int i = 0; i < ROWS * K; i++) q256f[i] = q256[i];
+    for (int i = 0; i < ROWS * K / 16; i++) s16f[i] = s16[i];
+    for (int i = 0; i < ROWS * GROUPS; i++) s32f[i] = s32[i];
+    print("int8 codes (256)", q256f, ROWS * K), print("int8 d (256)", d256, ROWS * SUPERS);
+    print("int8 sums of 16 (256)", s16f, ROWS * K / 16), print("int8 sums of 32 (256)", s32f, ROWS * GROUPS);
+    memcpy(nibbles256, nibbles, sizeof nibbles256);
+    memset(nibbles256, 0xff, 256);
+    const GridPart q4k_256 = {G_INT4_K, 16, 32, 1, (int64_t)nibbles256, (int64_t)supers, 1, 8};
+
     const int mts[5] = {1, 2, 4, 8, 12};
     char name[64];
-    for (int p = 0; p < 16; p++) {
-        const Grid grid = {1, {parts[p]}};
+    for (int p = 0; p < 17; p++) {
+        const GridPart *part = p < 16 ? &parts[p] : &q4k_256;
+        const Int8Rows *in = p < 16 ? &rows : &rows256;
+        const Grid grid = {1, {*part}};
+        if (x8_block(&grid) != (p < 16 && p != 1 ? 32 : 256)) printf("# x8_block wrong for %d\n", p);
         for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
         for (int i = 0; i < ROWS; i++)
             for (int n = 0; n < 16; n++) {
                 double sum = 0.;
-                for (int j = 0; j < K; j++) sum += (double)w[n * K + j] * ((double)d[i * GROUPS + j / 32] * q[i * K + j]);
+                for (int j = 0; j < K; j++)
+                    sum += (double)w[n * K + j] * (p < 16 ? (double)d[i * GROUPS + j / 32] * q[i * K + j]
+                                                          : (double)d256[i * SUPERS + j / 256] * q256[i * K + j]);
                 ref[i * 16 + n] = (float)sum;
             }
         snprintf(name, sizeof name, "x8 reference %d", p);
         print(name, ref, ROWS * 16);
         for (int r = 0; r < 5; r++) {
-            tile_x8(mts[r], &parts[p], (const uint8_t *)parts[p].codes, (const void *)parts[p].scales, K, &rows, out);
+            tile_x8(mts[r], part, (const uint8_t *)part->codes, (const void *)part->scales, K, in, out);
             snprintf(name, sizeof name, "x8 tile %d, %d rows", p, mts[r]);
             print(name, out, mts[r] * 16);
         }

@@ -81,7 +81,7 @@ def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None
     inputs, in double): the same sums up to float32 rounding; a wrong code, scale or offset is
     off by the outputs' own size."""
     tiles = [name for name in sections if name.startswith("x8 tile ")]
-    assert len(tiles) == 80  # 16 kinds of codes x 5 row counts
+    assert len(tiles) == 85  # 16 kinds of codes x 5 row counts, and Q4_K's on inputs in blocks of 256
     for name in tiles:
         part = name.split()[2].rstrip(",")
         reference, got = sections[f"x8 reference {part}"], sections[name]
@@ -92,6 +92,12 @@ def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None
     assert min(codes) == -127 and max(codes) == 127 and all(c == int(c) for c in codes)
     per_block = [sum(codes[i : i + 32]) for i in range(0, len(codes), 32)]
     assert sections["int8 sums of 32"] == per_block
+    codes = sections["int8 codes (256)"]
+    assert min(codes) == -127 and max(codes) == 127 and all(c == int(c) for c in codes)
+    assert codes[:32] == [127.0] * 32  # (the int16 pairs' largest sum in the Q4_K tile: 16 x 15 x 127)
+    assert sections["int8 sums of 16 (256)"] == [sum(codes[i : i + 16]) for i in range(0, len(codes), 16)]
+    assert sections["int8 sums of 32 (256)"] == [sum(codes[i : i + 32]) for i in range(0, len(codes), 32)]
+    assert not any(name.startswith("x8_block wrong") for name in sections)
 
 
 @pytest.mark.parametrize("family", [f for f in runnable_families() if f != "generic"])

@@ -221,7 +221,7 @@ class Linear(nn.Module):
         self.bias = new_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None  # used for iterations of few rows
-        self.int8_inputs = False  # a file's codes: inputs quantized as the native step's (quant.py)
+        self.int8_inputs = 0  # a file's codes: inputs quantized as the native step's, in blocks of this many (quant.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -273,7 +273,7 @@ class Linear(nn.Module):
         if self.weight is None and self.packed is None and self.quantized is None:
             raise RuntimeError("this projection's weights were released: the native step runs every iteration")
         if self.int8_inputs:
-            x = int8_inputs(x)
+            x = int8_inputs(x, self.int8_inputs)
         if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias

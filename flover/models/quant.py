@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flover.models.gguf_grids import CODE_RANGES
+
 INT4_GROUP = 32
 # Iterations with at most this many rows use the quantized kernel (crossovers measured above).
 MAX_ROWS = {"int8": 2, "int4": 8}
@@ -49,8 +51,9 @@ class QuantizedWeight:
     exact_scales: torch.Tensor | None = None
     parts: list["Grid"] | None = None  # file: the output rows' grids, in order (the native step's)
     # file, codes the native step's integer kernels take (Grid.takes_int8_inputs): inputs are
-    # quantized to int8 first (int8_inputs), as those kernels take them
-    int8_inputs: bool = False
+    # quantized to int8 first (int8_inputs), as those kernels take them, in blocks of this many
+    # inputs (32, or 256 where every run is Q4_K's: int8_block); 0: not quantized
+    int8_inputs: int = 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] (no bias)."""
@@ -157,15 +160,27 @@ def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> 
     neighbours of the same kernel merged into one run; the values in `dtype`)."""
     runs = [Grid.cat(list(same)) for _, same in itertools.groupby(grids, key=Grid.kernel)]
     x8 = all(run.takes_int8_inputs() for run in runs)
-    return QuantizedWeight("file", None, None, 0, parts=runs, int8_inputs=x8), values.to(dtype)
+    return QuantizedWeight("file", None, None, 0, parts=runs, int8_inputs=int8_block(runs) if x8 else 0), values.to(
+        dtype
+    )
 
 
-def int8_inputs(x: torch.Tensor) -> torch.Tensor:
-    """x [T, in] -> its values quantized to int8 per 32 inputs, as llama.cpp's Q8_0 rows and the
-    native step's int8_rows (tiles_int8.c) do, step for step in float32: d = max |x| / 127,
-    q = round-to-even(x / d) (x * (1 / d)), x ~ q d; in x's dtype."""
+def int8_block(runs: list[Grid]) -> int:
+    """The block of inputs int8 rows are quantized in for these runs: 256 (as llama.cpp's Q8_K
+    rows) where every run is Q4_K's, whose native tiles sum a super-block in integers, else 32 (as
+    its Q8_0 rows). The native step decides the same from its runs' kinds (x8_block)."""
+    q4_k = all(
+        r.supers is not None and r.code_range == CODE_RANGES["Q4_K"] and r.codes.shape[1] % 256 == 0 for r in runs
+    )
+    return 256 if q4_k else 32
+
+
+def int8_inputs(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [T, in] -> its values quantized to int8 per `block` inputs, as llama.cpp's Q8_0 (32) or
+    Q8_K (256) rows and the native step's int8_rows (tiles_int8.c) do, step for step in float32:
+    d = max |x| / 127, q = round-to-even(x / d) (x * (1 / d)), x ~ q d; in x's dtype."""
     t, n = x.shape
-    blocks = x.to(torch.float32).view(t, n // 32, 32)
+    blocks = x.to(torch.float32).view(t, n // block, block)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse) * d).view(t, n).to(x.dtype)

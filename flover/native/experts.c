@@ -71,6 +71,9 @@ static void add_weighted(float *sum, const float *out, float weight, int64_t h, 
 /* Whether every expert's gate_up and down are codes that take int8 inputs (a GGUF file's) */
 static int experts_take_int8(const Model *md, const Layer *ly) {
     if (!ly->expert_gate_up_grid || !ly->expert_down_grid) return 0;
+    const Grid *first[2] = {(const Grid *)((const int64_t *)ly->expert_gate_up_grid)[0],
+                            (const Grid *)((const int64_t *)ly->expert_down_grid)[0]};
+    if (!first[0] || !first[1]) return 0;
     for (int64_t e = 0; e < md->experts; e++) {
         const Grid *grids[2] = {(const Grid *)((const int64_t *)ly->expert_gate_up_grid)[e],
                                 (const Grid *)((const int64_t *)ly->expert_down_grid)[e]};
@@ -78,6 +81,7 @@ static int experts_take_int8(const Model *md, const Layer *ly) {
             if (!grids[i]) return 0;
             for (int64_t p = 0; p < grids[i]->parts; p++)
                 if (!grids[i]->part[p].x8) return 0;
+            if (x8_block(grids[i]) != x8_block(first[i])) return 0; /* (one quantization of the inputs serves all) */
         }
     }
     return 1;
@@ -125,9 +129,12 @@ static void experts_fused(const Model *md, const float *x, int rows, float *y, c
     const int bf = md->dtype == DT_BF16;
     const int64_t h = md->hidden, k = md->top_k, inter = md->expert_inter, entries = rows * k;
     const int64_t *start = w->start;
-    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, h);
-    const Int8Rows in = int8_rows_at(w->entry_x8, w->entry_ds16, entries, h);
-    const Int8Rows act = int8_rows_at(w->entry_x8, w->entry_ds16, entries, inter);
+    /* (every expert's codes of a kind: the first's say the inputs' blocks) */
+    const int64_t in_block = x8_block((const Grid *)((const int64_t *)ly->expert_gate_up_grid)[0]);
+    const int64_t act_block = x8_block((const Grid *)((const int64_t *)ly->expert_down_grid)[0]);
+    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, h, in_block);
+    const Int8Rows in = int8_rows_at(w->entry_x8, w->entry_ds16, entries, h, in_block);
+    const Int8Rows act = int8_rows_at(w->entry_x8, w->entry_ds16, entries, inter, act_block);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();

@@ -261,33 +261,43 @@ static inline void add_group(v16 *acc, const v16 *part, int mt, const float *sca
 void tile_q8g(int mt, const int8_t *codes, const float *scales, int64_t k, int group, int lows, const void *x,
               const float *xsum, float *out);
 /* ---- tiles_int8.c ------------------------------------------------------------------------------ */
-/* rows quantized to int8 per 32 inputs, from a tile's first row: codes [rows][k], d [rows][k / 32]
- * (max |x| / 127), d times the sum of the codes per 16 inputs [rows][k / 16] and per 32
- * [rows][k / 32], and the sums per 32 themselves [rows][k / 32] */
+/* rows quantized to int8, from a tile's first row: codes [rows][k] and, per block of 32 inputs (as
+ * llama.cpp's Q8_0 rows), d [rows][k / 32] (max |x| / 127), d times the sum of the codes per 16
+ * inputs [rows][k / 16] and per 32 [rows][k / 32], and the sums per 32 themselves [rows][k / 32];
+ * or, per block of 256 (as llama.cpp's Q8_K rows: the K-quants' super-blocks, x8_block), d
+ * [rows][k / 256] and the codes' sums per 16 inputs in s16 [rows][k / 16] and per 32 in s32 [rows][k / 32] */
 typedef struct {
     const int8_t *q;
     const float *d, *ds16, *ds32;
     const int32_t *qs32;
+    const int16_t *s16, *s32;
+    int64_t block;
 } Int8Rows;
 /* thread t of T quantizes its share of x's rows [rows, k] into `out`'s arrays (from row 0) */
 void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, int T);
-/* the arrays of `rows` rows of k int8 inputs: codes, d, d sum(q) per 32 and sum(q) per 32 from
- * `codes` on, d sum(q) per 16 in ds16 (a projection's xb and xsum scratch) */
-static inline Int8Rows int8_rows_at(void *codes, float *ds16, int64_t rows, int64_t k) {
+/* the arrays of `rows` rows of k int8 inputs in blocks of `block`: codes, then (32) d, d sum(q) and
+ * sum(q) per 32, and d sum(q) per 16 in ds16, or (256) d, sum(q) per 32 in the place of d sum(q) per
+ * 32, and sum(q) per 16 in ds16's (a projection's xb and xsum scratch) */
+static inline Int8Rows int8_rows_at(void *codes, float *ds16, int64_t rows, int64_t k, int64_t block) {
     const float *d = (const float *)((int8_t *)codes + rows * k);
-    const Int8Rows x = {(const int8_t *)codes, d, ds16, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32))};
+    const Int8Rows x = {(const int8_t *)codes, d, ds16, d + rows * (k / 32), (const int32_t *)(d + 2 * rows * (k / 32)),
+                        (const int16_t *)ds16, (const int16_t *)(d + rows * (k / 32)), block};
     return x;
 }
 /* the same arrays from row `first` on */
 static inline Int8Rows int8_rows_from(const Int8Rows *x, int64_t first, int64_t k) {
-    const Int8Rows from = {x->q + first * k, x->d + first * (k / 32), x->ds16 + first * (k / 16),
-                           x->ds32 + first * (k / 32), x->qs32 + first * (k / 32)};
+    const Int8Rows from = {x->q + first * k, x->d + first * (k / x->block), x->ds16 + first * (k / 16),
+                           x->ds32 + first * (k / 32), x->qs32 + first * (k / 32), x->s16 + first * (k / 16),
+                           x->s32 + first * (k / 32), x->block};
     return from;
 }
 /* row r of `from` (k inputs) -> row i of `to` */
 void copy_int8_row(const Int8Rows *from, int64_t r, const Int8Rows *to, int64_t i, int64_t k);
 int x8_tile_rows(int left); /* rows of the next int8 tile over `left` rows */
-/* MT rows x one block of a run that takes int8 inputs (part->x8) */
+/* The block of inputs a projection's int8 rows are quantized in: 256 where every run is a K-quant
+ * whose tiles take them (the super-block tiles), else 32 */
+int x8_block(const Grid *grid);
+/* MT rows x one block of a run that takes int8 inputs (part->x8), in x's blocks */
 void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,
              float *out);
 const char *int8_dot_name(void); /* the dot-product instructions that sum them ("VNNI"), or "" */

@@ -131,13 +131,13 @@ static void block_groups(const GridPart *part, int64_t nb, int64_t k, const floa
 /* y = x W^T (+ bias) through a run of codes with group scales (tiles.c: 4-bit, or bytes; or
  * tiles_int8.c's on int8 inputs); x: float rows [rows, k] of bfloat16 values; y: float rows with
  * a stride of ldy. One row reads a quarter (4-bit) or half of bfloat16's bytes. xb and xsum:
- * the operand's scratch (int8 inputs: their codes and scales in xb, their sums in xsum; x8_ready:
- * an earlier run of the projection has put them there). */
+ * the operand's scratch (int8 inputs, in blocks of x8_inputs: their codes and scales in xb, their
+ * sums in xsum; x8_ready: an earlier run of the projection has put them there). */
 static void project_groups(const GridPart *part, const void *bias, const float *x, void *xb, float *xsum, int rows,
-                           int64_t k, float *y, int64_t ldy, int bf, int nt, int x8_ready) {
+                           int64_t k, float *y, int64_t ldy, int bf, int nt, int x8_ready, int x8_inputs) {
     const int group = (int)part->group, lows = (int)part->lows;
     const int64_t blocks = (part->rows + 15) / 16;
-    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, k);
+    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, k, x8_inputs);
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -158,11 +158,12 @@ static void project_groups(const GridPart *part, const void *bias, const float *
 void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void *xb, float *xsum, int rows,
                   int64_t n_out, int64_t k, float *y, int nt) {
     int64_t at = 0;
+    const int block = x8_block(grid);
     for (int64_t p = 0; p < grid->parts; p++) {
         const GridPart *part = &grid->part[p];
         const void *bias = b_addr ? (const char *)b_addr + at * (bf ? 2 : 4) : 0;
         if (part->kind != G_INT8_ROWS) /* the runs of a projection all take int8 inputs, or none (quant.py) */
-            project_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt, p > 0 && grid->part[p - 1].x8);
+            project_groups(part, bias, x, xb, xsum, rows, k, y + at, n_out, bf, nt, p > 0 && grid->part[p - 1].x8, block);
         else
             project_kind(W_Q8, bf, part->codes, part->scales, (int64_t)bias, x, xb, rows, part->rows, k, y + at, n_out,
                          0, nt, 0);

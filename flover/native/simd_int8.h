@@ -26,6 +26,14 @@
  *                       group; maddubs takes |w| times x with w's sign (at most 2 x 128 x 127);
  *                       NEON's sdot is signed already; s_from(w) prepares a q64 of signed
  *                       bytes the same way (IQ4's table values, looked up by q_lut16)
+ *   g16   a group's sums before its scale (Q4_K's super-block tiles): maddubs' int16 pairs, or
+ *         int32 where the family sums in int32 (VNNI, NEON, plain loops)
+ *   g_dot4x2(g, w0, x0, w1, x1)   i_dot4x2 into g: in int16 pairs at most 4 calls of codes below
+ *                       16 before g_scaled (4 x 4 x 15 x 127 fits)
+ *   g_scaled(acc, g, sc)   acc[r] += g[r] sc[r] (madd with the scale in both halves of a lane,
+ *                       mullo, multiply-accumulate), sc from i_scales_u8 (16 unsigned bytes)
+ *   i_pairs_u8(a, b), i_pairs_dot(acc, pairs, two)   two groups' minimums per row (16 bytes
+ *                       each), acc[r] += a[r] two[0] + b[r] two[1] (two int16: the inputs' sums)
  *
  * Every sum is exact (integers), so the families differ in no bit here.
  */

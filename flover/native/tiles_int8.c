@@ -29,28 +29,50 @@
 #include "native.h"
 #include "simd_int8.h"
 
+#define NO_UNROLL _Pragma("GCC unroll 1") /* (unrolled, the rows' partial sums spill: docs/journal.md) */
+
 /* ---- inputs to int8 ---------------------------------------------------------------------------- */
+/* one row's block of n inputs (32 or 256) from xb: codes, d and the codes' sums per 16 inputs */
+static float int8_block(const float *xb, int64_t n, int8_t *q, float *sums16) {
+    v16 most = v_zero();
+    for (int64_t i = 0; i < n; i += 16) most = v_max(most, v_abs(v_load(xb + i)));
+    const float d = v_reduce_max(most) / 127.f;
+    const v16 inv = v_set1(d != 0.f ? 1.f / d : 0.f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const v16 qv = v_round(v_mul(v_load(xb + i), inv));
+        v_store_i8(q + i, qv);
+        sums16[i / 16] = v_reduce_add(qv); /* whole numbers: exact */
+    }
+    return d;
+}
+
 void int8_rows(const float *x, const Int8Rows *out, int rows, int64_t k, int t, int T) {
-    const int64_t blocks = k / 32;
+    const int64_t n = out->block, blocks = k / n;
     for (int64_t m = (int64_t)rows * t / T; m < (int64_t)rows * (t + 1) / T; m++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + m * k + b * 32;
-            const v16 a = v_load(xb), c = v_load(xb + 16);
-            const float amax = v_reduce_max(v_max(v_abs(a), v_abs(c))), d = amax / 127.f;
-            const v16 inv = v_set1(d != 0.f ? 1.f / d : 0.f);
-            const v16 qa = v_round(v_mul(a, inv)), qc = v_round(v_mul(c, inv));
-            v_store_i8((int8_t *)out->q + m * k + b * 32, qa), v_store_i8((int8_t *)out->q + m * k + b * 32 + 16, qc);
-            const float sa = v_reduce_add(qa), sc = v_reduce_add(qc); /* whole numbers: exact */
+            float sums[16];
+            const float d = int8_block(x + m * k + b * n, n, (int8_t *)out->q + m * k + b * n, sums);
             ((float *)out->d)[m * blocks + b] = d;
-            ((float *)out->ds16)[m * 2 * blocks + 2 * b] = d * sa, ((float *)out->ds16)[m * 2 * blocks + 2 * b + 1] = d * sc;
-            ((float *)out->ds32)[m * blocks + b] = d * (sa + sc);
-            ((int32_t *)out->qs32)[m * blocks + b] = (int32_t)(sa + sc);
+            if (n == 256) {
+                for (int i = 0; i < 16; i++) ((int16_t *)out->s16)[m * (k / 16) + b * 16 + i] = (int16_t)sums[i];
+                for (int i = 0; i < 8; i++)
+                    ((int16_t *)out->s32)[m * (k / 32) + b * 8 + i] = (int16_t)(sums[2 * i] + sums[2 * i + 1]);
+                continue;
+            }
+            ((float *)out->ds16)[m * 2 * blocks + 2 * b] = d * sums[0], ((float *)out->ds16)[m * 2 * blocks + 2 * b + 1] = d * sums[1];
+            ((float *)out->ds32)[m * blocks + b] = d * (sums[0] + sums[1]);
+            ((int32_t *)out->qs32)[m * blocks + b] = (int32_t)(sums[0] + sums[1]);
         }
 }
 
 void copy_int8_row(const Int8Rows *from, int64_t r, const Int8Rows *to, int64_t i, int64_t k) {
     memcpy((int8_t *)to->q + i * k, from->q + r * k, k);
-    memcpy((float *)to->d + i * (k / 32), from->d + r * (k / 32), k / 32 * sizeof(float));
+    memcpy((float *)to->d + i * (k / from->block), from->d + r * (k / from->block), k / from->block * sizeof(float));
+    if (from->block == 256) {
+        memcpy((int16_t *)to->s16 + i * (k / 16), from->s16 + r * (k / 16), k / 16 * sizeof(int16_t));
+        memcpy((int16_t *)to->s32 + i * (k / 32), from->s32 + r * (k / 32), k / 32 * sizeof(int16_t));
+        return;
+    }
     memcpy((float *)to->ds16 + i * (k / 16), from->ds16 + r * (k / 16), k / 16 * sizeof(float));
     memcpy((float *)to->ds32 + i * (k / 32), from->ds32 + r * (k / 32), k / 32 * sizeof(float));
     memcpy((int32_t *)to->qs32 + i * (k / 32), from->qs32 + r * (k / 32), k / 32 * sizeof(int32_t));
@@ -299,6 +321,72 @@ TILE_SIGNED_X8(4)
 TILE_SIGNED_X8(2)
 TILE_SIGNED_X8(1)
 
+/* ---- Q4_K on inputs in blocks of 256 (x8_block: llama.cpp's Q8_K rows): a super-block's sums
+ * weighted by each group's integer scale in int32 (g16 sums a group's 32 inputs before g_scaled
+ * weighs them), its minimums' share from the inputs' sums per 32, then two float steps per
+ * super-block and row where blocks of 32 take one per group. Exact integers, the same order for
+ * every row. (Q5_K's, Q6_K's, Q2_K's and Q3_K's tiles of this kind were no faster on AVX2, where
+ * their scales and minimums cost what the float steps did: docs/journal.md.) */
+/* a super-block done: acc[i] += d dx_i dot_i + low dx_i lows_i, where w = d sc u + low m per group */
+static inline void add_super_x8(v16 *acc, const i16 *dot, const i16 *lows, int mt, v16 d, v16 low, const float *dx,
+                                int64_t stride) {
+    for (int i = 0; i < mt; i++) {
+        const v16 x = v_set1(dx[i * stride]);
+        acc[i] = v_fmadd(v_mul(d, x), v_from_i(dot[i]), v_fmadd(v_mul(low, x), v_from_i(lows[i]), acc[i]));
+    }
+}
+/* lows[i] = sum over the super-block's 8 groups of m (pairs of groups' 16 rows, i_pairs_u8) times
+ * the inputs' sum over the group (s32: a row's sums per 32, a row's stride apart) */
+static inline void super_lows(i16 *lows, int mt, const i16x2 *pairs, const int16_t *s32, int64_t stride) {
+    for (int i = 0; i < mt; i++) {
+        lows[i] = i_zero();
+        for (int j = 0; j < 4; j++) lows[i] = i_pairs_dot(lows[i], pairs[j], s32 + i * stride + 2 * j);
+    }
+}
+#define TILE_Q4K_K256(MT)                                                                                  \
+    static void q4k_k256_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t supers = k / 256;                                                                    \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t sb = 0; sb < supers; sb++) {                                                          \
+            const uint8_t *super = (const uint8_t *)scales + sb * Q4K_SUPER_BYTES;                         \
+            i16 dot[MT], lows[MT];                                                                         \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int g = 0; g < 8; g++) {                                                                  \
+                const uint8_t *c = codes + (sb * 8 + g) * 256;                                             \
+                prefetch_ahead(c, 256);                                                                    \
+                g16 part[MT];                                                                              \
+                for (int i = 0; i < MT; i++) part[i] = g_zero();                                           \
+                NO_UNROLL for (int q = 0; q < 4; q++) {                                                    \
+                    q64 lo, hi;                                                                            \
+                    q_nibbles(q_load(c + q * 64), &lo, &hi);                                               \
+                    for (int i = 0; i < MT; i++) {                                                         \
+                        const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * q;                       \
+                        part[i] = g_dot4x2(part[i], lo, xq, hi, xq + 16);                                  \
+                    }                                                                                      \
+                }                                                                                          \
+                const i16 sc = i_scales_u8(super + 128 + g * 16); /* (after the loop: a register less) */  \
+                for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                       \
+            }                                                                                              \
+            i16x2 m[4];                                                                                    \
+            for (int j = 0; j < 4; j++) m[j] = i_pairs_u8(super + 256 + 32 * j, super + 272 + 32 * j);     \
+            super_lows(lows, MT, m, x->s32 + sb * 8, k / 32);                                              \
+            add_super_x8(acc, dot, lows, MT, v_load((const float *)super), v_load((const float *)super + 16), x->d + sb, supers); \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+TILE_Q4K_K256(12)
+TILE_Q4K_K256(8)
+TILE_Q4K_K256(4)
+TILE_Q4K_K256(2)
+TILE_Q4K_K256(1)
+
+int x8_block(const Grid *grid) {
+    for (int64_t p = 0; p < grid->parts; p++)
+        if (!grid->part[p].x8 || grid->part[p].kind != G_INT4_K) return 32;
+    return 256;
+}
+
 /* accumulators (v16) and dot sums (i16) of a tile's rows, beside the codes' registers (AVX2: 4
  * rows beat 2: docs/journal.md; NEON's 32 registers hold them too) */
 #if defined(V_AVX512)
@@ -314,7 +402,8 @@ int x8_tile_rows(int left) {
 
 void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,
              float *out) {
-    if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
+    if (x->block == 256) GROUP_TILE(q4k_k256, mt, codes, scales, k, x, out);
+    else if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_MXFP4) GROUP_TILE(mxfp4_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT6_K) GROUP_TILE(q6k_x8, mt, codes, scales, k, x, out);

@@ -74,6 +74,31 @@ static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
 static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
     return i_dot4(i_dot4(acc, w0, x0), w1, x1);
 }
+/* A group's sums before its scale (the Q4_K super-block tiles, simd_int8.h): int32, scaled by a
+ * multiply-accumulate */
+typedef i16 g16;
+static inline g16 g_zero(void) { return i_zero(); }
+static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) { return i_dot4x2(g, w0, x0, w1, x1); }
+static inline i16 g_scaled(i16 acc, g16 g, i16 sc) {
+    for (int i = 0; i < 4; i++) acc.q[i] = vmlaq_s32(acc.q[i], g.q[i], sc.q[i]);
+    return acc;
+}
+static inline i16 widen_s16(int16x8_t lo, int16x8_t hi) {
+    return (i16){{vmovl_s16(vget_low_s16(lo)), vmovl_high_s16(lo), vmovl_s16(vget_low_s16(hi)), vmovl_high_s16(hi)}};
+}
+static inline i16 i_scales_u8(const uint8_t *s) {
+    const uint8x16_t v = vld1q_u8(s);
+    return widen_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(v))), vreinterpretq_s16_u16(vmovl_high_u8(v)));
+}
+/* two groups' minimums per row (a, b: kept as two lanes' worth here), acc += a two[0] + b two[1] */
+typedef struct {
+    i16 a, b;
+} i16x2;
+static inline i16x2 i_pairs_u8(const uint8_t *a, const uint8_t *b) { return (i16x2){i_scales_u8(a), i_scales_u8(b)}; }
+static inline i16 i_pairs_dot(i16 acc, i16x2 pairs, const int16_t *two) {
+    for (int i = 0; i < 4; i++) acc.q[i] = vmlaq_n_s32(vmlaq_n_s32(acc.q[i], pairs.a.q[i], two[0]), pairs.b.q[i], two[1]);
+    return acc;
+}
 typedef q64 s64; /* sdot and vmull_s8 take the bytes as signed */
 static inline s64 s_from(q64 w) { return w; }
 static inline s64 s_load(const uint8_t *p) { return q_load(p); }
