@@ -393,8 +393,10 @@ def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding
     native = engine.runner.native
     assert native.quantized_projections == 4 * 2 + 1 and not native.screens_greedy  # the head's codes: no screen
     assert "the file's own codes" in native.describe()
-    # every projection takes int8 inputs (tiles_int8.c), Q8_0's down and head included
+    # every projection takes int8 inputs (tiles_int8.c), Q8_0's down and head included; a head of
+    # Q4_K's takes them in blocks of 256 (x8_block), the PyTorch forward's too (quant.int8_block)
     assert native.int8_input_projections == native.quantized_projections
+    assert engine.runner.model.lm_head.int8_inputs == (256 if embedding == "Q4_K" else 32)
     rows = [decode + prompt for decode, prompt, *_ in compared]
     assert rows.count(1) >= 3 and max(rows) >= 9  # single rows, and more than one tile of rows
     # the kernels sum codes x inputs exactly where PyTorch reads bfloat16-rounded weights and

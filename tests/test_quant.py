@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,3 +134,66 @@ def test_the_engine_reports_the_dtype_auto_chose(llama_dir):
     engine = Engine(EngineConfig(llama_dir, max_seq_len=32, max_slots=1))
     assert engine.config.dtype == resolve_dtype("auto", "cpu")
     assert engine.buffer.kv.dtype == getattr(torch, engine.config.dtype)
+
+
+def test_int8_inputs_quantize_per_block_as_llama_cpps_q8_rows():
+    """int8_inputs(x, 32) and (x, 256): per block d = max |x| / 127, x ~ round(x / d) d, in float32
+    step for step (the native step's int8_rows): an outlier sets the step of its whole block, 32
+    inputs (Q8_0) or 256 (Q8_K)."""
+    from flover.models.quant import int8_inputs
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 512)
+    x[1, 5] = 40.0  # (an outlier in the first block of row 1)
+    for block in (32, 256):
+        got = int8_inputs(x, block)
+        blocks = x.view(3, -1, block)
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        want = (torch.round(blocks * (1 / d)) * d).view(3, 512)
+        assert torch.equal(got, want)
+        steps = (got.view(3, -1, block) / d).flatten()
+        assert (steps - steps.round()).abs().max() < 1e-3 and steps.abs().max().round() == 127
+    # the outlier's step reaches 256 inputs per 256, 32 per 32: inputs 32..255 of row 1 round coarser
+    coarse, fine = int8_inputs(x, 256)[1, 32:256], int8_inputs(x, 32)[1, 32:256]
+    assert (coarse - x[1, 32:256]).abs().max() > 4 * (fine - x[1, 32:256]).abs().max()
+
+
+def test_only_projections_all_in_q4_k_take_inputs_in_blocks_of_256():
+    """quant.int8_block: a projection whose runs are all Q4_K's (inputs a multiple of 256) takes
+    its int8 inputs per 256, as the native step's x8_block does for its G_INT4_K runs; a fused one
+    with a Q6_K run (a Q4_K_M file's q/k/v), another type or a slice off the super-blocks per 32.
+    The native runs refuse a QuantizedWeight that says otherwise."""
+    from flover.models.gguf_grids import block_grid
+    from flover.models.quant import Grid, file_weight
+    from flover.native.grids import runs_of
+
+    rng = np.random.default_rng(0)
+
+    def grid(type_name: str, rows: int, inputs: int):
+        block_bytes, block_values = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32)}[type_name]
+        raw = rng.integers(0, 256, rows * inputs // block_values * block_bytes, dtype=np.uint8)
+        for i in range(0, raw.size, block_bytes):  # float16 d (and dmin) small and finite
+            at = {"Q4_K": (0, 2), "Q6_K": (block_bytes - 2,), "Q8_0": (0,)}[type_name]
+            for j in at:
+                raw[i + j : i + j + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        found = block_grid(type_name, raw, (rows, inputs))
+        tensors = [None if a is None else torch.from_numpy(a) for a in (found.codes, found.scale, found.low)]
+        supers = tuple(torch.from_numpy(a) for a in found.supers) if found.supers else None
+        return Grid(*tensors, found.group, found.bits, found.code_range, supers)
+
+    def cut(g: Grid) -> Grid:  # a tensor-parallel slice through a super-block: the stored scales serve (gguf_file)
+        return Grid(g.codes[:, :384], g.scale[:, :12], g.low[:, :12], g.group, g.bits, g.code_range, None)
+
+    for grids, block in [
+        ([grid("Q4_K", 32, 512), grid("Q4_K", 32, 512)], 256),
+        ([grid("Q4_K", 32, 512), grid("Q6_K", 32, 512)], 32),
+        ([grid("Q4_K", 32, 512), grid("Q8_0", 32, 512)], 32),
+        ([cut(grid("Q4_K", 32, 512))], 32),
+    ]:
+        values = torch.zeros(sum(g.codes.shape[0] for g in grids), grids[0].codes.shape[1])
+        quantized, _ = file_weight(grids, values, torch.bfloat16)
+        assert quantized.int8_inputs == block
+        runs_of(quantized)
+        quantized.int8_inputs = 32 if block == 256 else 256
+        with pytest.raises(ValueError, match="int8 inputs in blocks of"):
+            runs_of(quantized)
