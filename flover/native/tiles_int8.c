@@ -4,7 +4,8 @@
  * (simd_int8.h), then scaled in float32 once per group.
  *
  * Inputs: each row's 32-input blocks x ~ d q, d = max|x| / 127, q = round-to-even(x / d) in
- * -127..127 (int8_rows; models/quant.py's int8_inputs is the same in PyTorch). Weights: w =
+ * -127..127 (int8_rows; models/quant.py's int8_inputs is the same in PyTorch); 256-input blocks
+ * for projections all in Q4_K (x8_block, the super-block tiles below). Weights: w =
  * scale (u - offset) + zero = scale u + low per group, u the stored unsigned code. So a group's
  * sum is (scale d) sum(u q) + low (d sum(q)), the integer sum exact, every float step per row in
  * the same order whatever the tile: fused rows give the bits they give alone.
@@ -29,7 +30,7 @@
 #include "native.h"
 #include "simd_int8.h"
 
-#define NO_UNROLL _Pragma("GCC unroll 1") /* (unrolled, the rows' partial sums spill: docs/journal.md) */
+#define NO_UNROLL _Pragma("GCC unroll 1") /* (unrolled, the rows' partial sums spill: docs/journal.md (r)) */
 
 /* ---- inputs to int8 ---------------------------------------------------------------------------- */
 /* one row's block of n inputs (32 or 256) from xb: codes, d and the codes' sums per 16 inputs */
@@ -325,8 +326,8 @@ TILE_SIGNED_X8(1)
  * weighted by each group's integer scale in int32 (g16 sums a group's 32 inputs before g_scaled
  * weighs them), its minimums' share from the inputs' sums per 32, then two float steps per
  * super-block and row where blocks of 32 take one per group. Exact integers, the same order for
- * every row. (Q5_K's, Q6_K's, Q2_K's and Q3_K's tiles of this kind were no faster on AVX2, where
- * their scales and minimums cost what the float steps did: docs/journal.md.) */
+ * every row. (The other K-quants' tiles of this kind ran 0.90-1.06x on AVX2's layouts: their
+ * scales and minimums per 16 cost what the float steps did: docs/journal.md (r).) */
 /* a super-block done: acc[i] += d dx_i dot_i + low dx_i lows_i, where w = d sc u + low m per group */
 static inline void add_super_x8(v16 *acc, const i16 *dot, const i16 *lows, int mt, v16 d, v16 low, const float *dx,
                                 int64_t stride) {
