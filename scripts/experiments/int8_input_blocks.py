@@ -20,39 +20,10 @@ import argparse
 import statistics
 
 import torch
+from quant_accuracy import PROMPTS, greedy  # (this directory's: the same prompts and greedy runs)
 
-from flover import Engine, EngineConfig, SamplingParams
+from flover import Engine, EngineConfig
 from flover.models.layers import Linear
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis simply.",
-    "List three uses of a paperclip.",
-    "How do I boil an egg?",
-    "What is 17 times 23?",
-    "Give me a tip for learning to code.",
-    "Why is the sky blue?",
-    "Describe a cat to someone who never saw one.",
-    "What should I pack for a beach trip?",
-    "Summarize the plot of Cinderella.",
-    "Translate 'good morning' to Spanish.",
-    "Name a famous painter and one of their works.",
-    "What is a prime number?",
-    "How does a bicycle stay upright?",
-    "Suggest a name for a pet goldfish.",
-]
-
-
-def greedy(engine: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
-    return [done[i] for i in ids]
 
 
 def set_blocks(engine: Engine, way: str, kept: dict[str, int]) -> None:
