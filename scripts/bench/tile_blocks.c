@@ -35,8 +35,9 @@ int main(int argc, char **argv) {
     const int64_t n = atol(argv[2]), k = atol(argv[3]);
     if (rows < 1 || rounds < 1 || n % 16 || k % 256) return fprintf(stderr, "N: 16s, K: 256s\n"), 2;
     uint8_t *codes = malloc(n * k / 2), *scales = malloc(n / 16 * (k / 256) * Q4K_SUPER_BYTES);
-    int8_t *q = malloc(rows * k);
-    float *d = malloc(rows * k / 32 * 5 * sizeof(float)), *ds16 = malloc(rows * k / 16 * sizeof(float));
+    /* the inputs' scratch as a projection lays it out (int8_rows_at): codes, then 3 floats per 32 */
+    int8_t *xb = calloc(rows * k + rows * (k / 32) * 3 * sizeof(float), 1);
+    float *xsum = calloc(rows * k / 16, sizeof(float));
     float *y = malloc(rows * n * sizeof(float));
     double *ratio = malloc(rounds * sizeof(double));
     for (int64_t i = 0; i < n * k / 2; i++) codes[i] = (uint8_t)rand();
@@ -45,12 +46,10 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 32; i++) f[i] = 0.001f * (1 + rand() % 100) * (i < 16 ? 1 : -1);
         for (int i = 128; i < Q4K_SUPER_BYTES; i++) scales[s * Q4K_SUPER_BYTES + i] = (uint8_t)(rand() & 63);
     }
-    for (int64_t i = 0; i < rows * k; i++) q[i] = (int8_t)(rand() % 255 - 127);
-    for (int64_t i = 0; i < rows * k / 32 * 5; i++) d[i] = 0.01f;
+    for (int64_t i = 0; i < rows * k; i++) xb[i] = (int8_t)(rand() % 255 - 127);
     const GridPart part = {G_INT4_K, n, 32, 1, (int64_t)codes, (int64_t)scales, 1, 8};
-    const Int8Rows x32 = int8_rows_at(q, ds16, rows, k, 32), x256 = int8_rows_at(q, ds16, rows, k, 256);
-    memcpy((void *)x32.d, d, rows * k / 32 * 4 * sizeof(float)); /* (finite scales for both) */
-    memset((void *)x256.s16, 0, rows * k / 16 * sizeof(int16_t)), memset((void *)x256.s32, 0, rows * k / 32 * sizeof(int16_t));
+    const Int8Rows x32 = int8_rows_at(xb, xsum, rows, k, 32), x256 = int8_rows_at(xb, xsum, rows, k, 256);
+    for (int64_t i = 0; i < rows * k / 32; i++) ((float *)x32.d)[i] = 0.01f; /* (x256's d: its first floats) */
     pass(&part, k, &x32, rows, y), pass(&part, k, &x256, rows, y); /* (warm) */
     for (int r = 0; r < rounds; r++) {
         const double a = pass(&part, k, &x32, rows, y);
@@ -59,5 +58,6 @@ int main(int argc, char **argv) {
     qsort(ratio, rounds, sizeof(double), by_value);
     printf("%d rows, %ld x %ld: 256 / 32 time median %.3f, quartiles %.3f %.3f\n", rows, (long)n, (long)k,
            ratio[rounds / 2], ratio[rounds / 4], ratio[3 * rounds / 4]);
+    free(codes), free(scales), free(xb), free(xsum), free(y), free(ratio);
     return 0;
 }
