@@ -41,13 +41,17 @@ static void route_row(const Model *md, const float *logits, int64_t *picked, flo
         for (int64_t j = 0; j < k; j++) weight[j] = rnd(weight[j], md->dtype == DT_BF16);
 }
 
+/* expert e's Grid in a layer's table of them (0: its weight is not in codes) */
+static inline const Grid *expert_grid(int64_t grids, int64_t e) { return (const Grid *)((const int64_t *)grids)[e]; }
+
 /* y = x W^T (+ b) for expert e's weight of one kind: its Grid where it has codes, else its blocked
  * weight; its bias where the experts have them (gpt-oss) */
 static void expert_project(const Model *md, int64_t grids, int64_t dense, int64_t biases, int64_t e, const float *x,
                            void *xb, float *xsum, int rows, int64_t n_out, int64_t k, float *y, int nt) {
-    const int64_t grid = grids ? ((const int64_t *)grids)[e] : 0, bias = biases ? ((const int64_t *)biases)[e] : 0;
+    const Grid *grid = grids ? expert_grid(grids, e) : 0;
+    const int64_t bias = biases ? ((const int64_t *)biases)[e] : 0;
     if (grid)
-        project_grid((const Grid *)grid, md->dtype == DT_BF16, bias, x, xb, xsum, rows, n_out, k, y, nt);
+        project_grid(grid, md->dtype == DT_BF16, bias, x, xb, xsum, rows, n_out, k, y, nt);
     else
         project(md, ((const int64_t *)dense)[e], bias, x, xb, rows, n_out, k, y, nt);
 }
@@ -68,20 +72,19 @@ static void add_weighted(float *sum, const float *out, float weight, int64_t h, 
     }
 }
 
-/* Whether every expert's gate_up and down are codes that take int8 inputs (a GGUF file's) */
+/* Whether every expert's gate_up and down are codes that take int8 inputs (a GGUF file's), in the
+ * same blocks as the first expert's (one quantization of the inputs serves them all) */
 static int experts_take_int8(const Model *md, const Layer *ly) {
     if (!ly->expert_gate_up_grid || !ly->expert_down_grid) return 0;
-    const Grid *first[2] = {(const Grid *)((const int64_t *)ly->expert_gate_up_grid)[0],
-                            (const Grid *)((const int64_t *)ly->expert_down_grid)[0]};
+    const Grid *first[2] = {expert_grid(ly->expert_gate_up_grid, 0), expert_grid(ly->expert_down_grid, 0)};
     if (!first[0] || !first[1]) return 0;
     for (int64_t e = 0; e < md->experts; e++) {
-        const Grid *grids[2] = {(const Grid *)((const int64_t *)ly->expert_gate_up_grid)[e],
-                                (const Grid *)((const int64_t *)ly->expert_down_grid)[e]};
+        const Grid *grids[2] = {expert_grid(ly->expert_gate_up_grid, e), expert_grid(ly->expert_down_grid, e)};
         for (int i = 0; i < 2; i++) {
             if (!grids[i]) return 0;
             for (int64_t p = 0; p < grids[i]->parts; p++)
                 if (!grids[i]->part[p].x8) return 0;
-            if (x8_block(grids[i]) != x8_block(first[i])) return 0; /* (one quantization of the inputs serves all) */
+            if (x8_block(grids[i]) != x8_block(first[i])) return 0;
         }
     }
     return 1;
@@ -105,7 +108,7 @@ static void experts_share(const Model *md, int64_t grids, int64_t biases, const 
         const int64_t j1 = j1_all < blocks ? j1_all : blocks;
         at += cost * blocks;
         if (j0 >= j1) continue;
-        const Grid *grid = (const Grid *)((const int64_t *)grids)[e];
+        const Grid *grid = expert_grid(grids, e);
         const char *bias = biases ? (const char *)((const int64_t *)biases)[e] : 0;
         const Int8Rows xe = int8_rows_from(in, start[e], k);
         float *ye = y + start[e] * n_out;
@@ -129,9 +132,9 @@ static void experts_fused(const Model *md, const float *x, int rows, float *y, c
     const int bf = md->dtype == DT_BF16;
     const int64_t h = md->hidden, k = md->top_k, inter = md->expert_inter, entries = rows * k;
     const int64_t *start = w->start;
-    /* (every expert's codes of a kind: the first's say the inputs' blocks) */
-    const int64_t in_block = x8_block((const Grid *)((const int64_t *)ly->expert_gate_up_grid)[0]);
-    const int64_t act_block = x8_block((const Grid *)((const int64_t *)ly->expert_down_grid)[0]);
+    /* (the first expert's blocks are every expert's: experts_take_int8) */
+    const int64_t in_block = x8_block(expert_grid(ly->expert_gate_up_grid, 0));
+    const int64_t act_block = x8_block(expert_grid(ly->expert_down_grid, 0));
     const Int8Rows x8 = int8_rows_at(xb, xsum, rows, h, in_block);
     const Int8Rows in = int8_rows_at(w->entry_x8, w->entry_ds16, entries, h, in_block);
     const Int8Rows act = int8_rows_at(w->entry_x8, w->entry_ds16, entries, inter, act_block);
