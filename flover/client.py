@@ -75,6 +75,11 @@ def _generate_message(request_id, prompt, input_ids, messages, stream: bool, par
     return message
 
 
+def embed_message(request_id, input: str | list[int], **options) -> dict:
+    """An embed op (docs/protocol.md): one input; `options` dimensions, truncate_prompt_tokens."""
+    return {"op": "embed", "id": request_id, "input": input, **options}
+
+
 def _setup(sock: zmq.Socket, addr: str, curve_server_key: bytes | None, curve_client_cert: str | tuple | None):
     """Configure and connect; returns the monitor socket that reports lost connections.
     `curve_client_cert`: a secret certificate file, or the (public, secret) z85 key pair itself."""
@@ -276,6 +281,14 @@ class Client:
         self.send(_generate_message(rid, prompt, input_ids, messages, False, params))
         return self.wait(rid)
 
+    def embed(self, input: str | list[int], *, request_id=None, **options) -> dict:
+        """One input's final event: its `embedding`, usage, timings. `options`: dimensions,
+        truncate_prompt_tokens. Many inputs: send them all first (embed_message) and wait for
+        each, so that they share the server's iterations."""
+        rid = self.new_id() if request_id is None else request_id
+        self.send(embed_message(rid, input, **options))
+        return self.wait(rid)
+
     def wait(self, request_id) -> dict:
         """The final event of a request sent earlier (raises FloverError on an error event)."""
         while True:
@@ -462,6 +475,13 @@ class AsyncClient:
     ) -> dict:
         rid = self._new_id(request_id)
         async for event in self._events(_generate_message(rid, prompt, input_ids, messages, False, params)):
+            if event["event"] == "final":
+                return event
+        raise FloverError("internal_error", "the event stream ended without a final event", rid)
+
+    async def embed(self, input: str | list[int], *, request_id=None, **options) -> dict:
+        rid = self._new_id(request_id)
+        async for event in self._events(embed_message(rid, input, **options)):
             if event["event"] == "final":
                 return event
         raise FloverError("internal_error", "the event stream ended without a final event", rid)

@@ -282,6 +282,16 @@ class EngineConfig:
         metadata=flag("--speculate-ngram", "the last N tokens are looked up for a draft (default 3)", metavar="N"),
     )
     seed: int = field(default=0, metadata=flag("--seed", "seeds requests that bring no seed"))
+    pooling: str | None = field(
+        default=None,
+        metadata=flag(
+            "--pooling",
+            "embeddings from any decoder: its final hidden states pooled (mean, cls, last: the last token's, "
+            "max, mean_sqrt_len), normalized (default: as a sentence-transformers directory's modules.json "
+            "or a GGUF file's pooling_type says; a model that says none serves no embeddings)",
+            choices=("mean", "cls", "last", "max", "mean_sqrt_len"),
+        ),
+    )
     prefix_cache_mib: float = field(
         default=256,
         metadata=flag(

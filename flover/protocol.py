@@ -3,6 +3,7 @@
 Requests from clients:
   {"op": "generate", "id": ID, "prompt": str | "input_ids": [int] | "messages": [...],
    "params": {SamplingParams fields}, "stream": bool}
+  {"op": "embed", "id": ID, "input": str | [int], "dimensions"?: int, "truncate_prompt_tokens"?: int}
   {"op": "cancel", "id": ID}
   {"op": "health", "id"?: ID}    {"op": "stats", "id"?: ID}
 Events to clients: "token", "final", "error", "health", "stats" (see the event helpers below).
@@ -19,10 +20,11 @@ import zmq
 from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams
 from flover.tools import check_tools
 
-OPS = ("generate", "cancel", "health", "stats")
+OPS = ("generate", "embed", "cancel", "health", "stats")
 MAX_MESSAGE_BYTES = 1 << 20  # the server's default bound on one message (--max-message-bytes)
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 GENERATE_KEYS = frozenset({"op", "id", "params", "stream", "tools", "chat_template_kwargs", *PROMPT_KEYS})
+EMBED_KEYS = frozenset({"op", "id", "input", "dimensions", "truncate_prompt_tokens"})
 MAX_ID_LENGTH = MAX_REQUEST_ID_LENGTH  # characters of a string id
 
 # Error codes a client can act on.
@@ -149,6 +151,40 @@ def parse_generate(message: dict) -> GenerateRequest:
     return GenerateRequest(rid, prompt, messages, params, stream, tools, template_kwargs)
 
 
+@dataclass
+class EmbedRequest:
+    id: str | int
+    input: str | list[int]
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+def parse_embed(message: dict) -> EmbedRequest:
+    """Check an embed message's shape (one input; the engine checks the numbers against the model)."""
+    rid = request_id_of(message)
+    if rid is None:
+        raise ProtocolError(
+            INVALID_REQUEST,
+            f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters or an integer",
+            echo_id(message),
+        )
+    bad = lambda why: ProtocolError(INVALID_REQUEST, why, rid)  # noqa: E731
+    unknown = sorted(str(k) for k in set(message) - EMBED_KEYS)
+    if unknown:
+        raise bad(f"unknown field(s) {unknown}")
+    value = message.get("input")
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if not isinstance(value, str) and not (isinstance(value, list) and all(map(integer, value))):
+        raise bad("`input` must be a string or a list of integers (token ids)")
+    numbers = {}
+    for key in ("dimensions", "truncate_prompt_tokens"):
+        number = message.get(key)
+        if number is not None and (not integer(number) or number < 1):
+            raise bad(f"`{key}` must be a positive integer")
+        numbers[key] = number
+    return EmbedRequest(rid, value, **numbers)
+
+
 def beside_messages(request: dict, key: str, has_messages: bool, check) -> object | None:
     """A field that only chat requests may carry (`tools`, `chat_template_kwargs`): its checked
     value, or None when absent or null; ValueError naming the problem."""
@@ -238,6 +274,9 @@ def final_event(request_id: str | int, out, streamed: bool) -> dict:
         "usage": out.usage,
         "timings": {"queue_s": t["queue_time"], "ttft_s": t["ttft"], "tpot_s": t["tpot"], "e2e_s": t["e2e"]},
     }
+    if out.embedding is not None:  # an embed request's answer: its vector
+        event["embedding"] = out.embedding
+        return event
     if not streamed:  # a stream already carried every token, all the text and the logprobs
         event["text"], event["token_ids"] = out.text, out.token_ids
         if out.logprobs is not None:

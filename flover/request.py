@@ -60,6 +60,15 @@ class Timings:
         }
 
 
+@dataclass(frozen=True)
+class EmbedParams:
+    """An embedding request: its prompt's pooled final hidden states (models/pooling.py) come
+    back instead of new tokens; it keeps no KV after."""
+
+    dimensions: int | None = None  # only the first so many components (normalized after the cut)
+    truncate_prompt_tokens: int | None = None  # a longer input keeps its first so many tokens (None: refused)
+
+
 @dataclass
 class RequestInput:
     """What a caller gives for one request, before the engine validates and tokenizes it
@@ -73,6 +82,7 @@ class RequestInput:
     messages: list | None = None  # a chat instead of `prompt`, rendered with the checkpoint's template
     cache_salt: str | None = None  # it shares cached prompt prefixes only with requests of the same salt
     tokenized: "tuple[list[int], str | None] | None" = None  # what tokenize(prompt, messages) already gave
+    embed: EmbedParams | None = None  # an embedding request (prompt only, never messages)
 
 
 @dataclass
@@ -111,6 +121,9 @@ class Request:
     emitted: int = 0  # characters of text already reported as deltas
     drafting: object | None = None  # speculation.Drafting, once it drafts
     grammar: object | None = None  # structured.GrammarState: the structure its text must match
+    embed: EmbedParams | None = None  # an embedding request: pooled, not sampled
+    pooled: list = field(default_factory=list)  # its kept rows so far, one tensor per prompt chunk (runner)
+    embedding: list[float] | None = None  # its vector, once its prompt is through
 
     @property
     def prompt_len(self) -> int:
@@ -158,6 +171,7 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None  # per prompt token (None for the first), when asked
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     group: int | None = None  # data-parallel groups: the engine group that ran it
+    embedding: list[float] | None = None  # an embedding request's vector (its final output)
 
     @property
     def usage(self) -> dict:
@@ -196,6 +210,7 @@ class StepResult:
     rows: int = 0  # tokens in the iteration's matrix; 0: no forward ran
     draft_rows: int = 0  # of them, draft tokens
     seconds: float = 0.0  # the forward and the sampling
+    embeddings: list[tuple[Request, list[float]]] = field(default_factory=list)  # inputs pooled in full
 
 
 @dataclass

@@ -30,6 +30,7 @@ from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
+from flover.models.pooling import chosen_pooling
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
@@ -38,7 +39,7 @@ from flover.parallel.comm import Communicator
 from flover.parallel.intake_events import AddEvent
 from flover.parallel.launch import local_ranks
 from flover.parallel.pipeline import StageLink
-from flover.request import Request, RequestInput, RequestOutput, StepResult
+from flover.request import EmbedParams, Request, RequestInput, RequestOutput, StepResult
 from flover.runner.build import RankSetup, build_runner, kv_bytes_per_position, recurrent_layout
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
@@ -98,6 +99,11 @@ class Engine(ServingEngine):
                 ", ".join(f"{a}-{b - 1}" for a, b in StageLayout.ranges(cfg, pipe.place.stages)),
             )
         self.runner = self._build_runner(checkpoint, max_seq_len, prefix_blocks, window, tp_comm, snapshots)
+        self.pooling = chosen_pooling(config.pooling, checkpoint.pooling())  # embeddings (None: it makes none)
+        self.runner.pooling = self.pooling
+        if self.pooling is not None and self.is_leader:
+            normed = "normalized" if self.pooling.normalize else "not normalized"
+            log.info("embeddings: %s pooling, %s (%s)", self.pooling.mode, normed, self.pooling.source)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window, snapshots) if prefix_blocks else None
         self.scheduler = Scheduler(
@@ -237,14 +243,29 @@ class Engine(ServingEngine):
         request_id = str(next(self._ids)) if given.request_id is None else str(given.request_id)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if given.embed is not None and self.embeddings_refused is not None:
+            raise ValueError(self.embeddings_refused)
         return self.intake.build(request_id, given)
+
+    @property
+    def embeddings_refused(self) -> str | None:
+        """Why this engine makes no embeddings (None: it makes them)."""
+        if self.pooling is None:
+            return (
+                "this model makes no embeddings: its checkpoint names no pooling (a sentence-transformers "
+                "modules.json, a GGUF pooling_type); serve it with --pooling mean|cls|last for a decoder's"
+            )
+        if self.pipe is not None:
+            return "embeddings run in one engine, not across pipeline stages (--pp)"
+        if not hasattr(self.runner.model, "final_norm"):
+            return f"{self.model_config.architecture} makes no embeddings"
+        return None
 
     def enqueue(self, request: Request) -> str:
         self.scheduler.add(request)  # (refuses an id in flight)
         if self.channel is not None:
-            self.channel.added(
-                AddEvent(request.request_id, request.prompt_token_ids, request.params, request.cache_salt)
-            )
+            r = request
+            self.channel.added(AddEvent(r.request_id, r.prompt_token_ids, r.params, r.cache_salt, r.embed))
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -339,7 +360,13 @@ class Engine(ServingEngine):
                 if isinstance(event, AddEvent):
                     self.enqueue(
                         self.make_request(
-                            RequestInput(event.token_ids, event.params, event.request_id, cache_salt=event.cache_salt)
+                            RequestInput(
+                                event.token_ids,
+                                None if event.embed else event.params,  # (an embedding's are the intake's)
+                                event.request_id,
+                                cache_salt=event.cache_salt,
+                                embed=event.embed,
+                            )
                         )
                     )
                 else:
@@ -451,13 +478,33 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        return self._run([RequestInput(prompt, p) for prompt, p in zip(prompts, params)], "prompt")
+
+    def embed(
+        self,
+        inputs: str | Sequence[int] | Iterable[str | Sequence[int]],
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[RequestOutput]:
+        """Each input's vector (`.embedding`), pooled as the model says (models/pooling.py), in
+        input order: the inputs ride in fused iterations as prompts do, and keep no KV after.
+        `dimensions`: the first so many components; `truncate_prompt_tokens`: an input longer
+        than max_seq_len keeps its first so many tokens (else it is refused)."""
+        if isinstance(inputs, str) or (isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        embed = EmbedParams(dimensions, truncate_prompt_tokens)
+        return self._run([RequestInput(text, embed=embed) for text in inputs], "input")
+
+    def _run(self, given: list[RequestInput], what: str) -> list[RequestOutput]:
+        """Every request validated before any is queued, then stepped until all are finished:
+        their final outputs in the order given."""
         engine = self.engine
         requests = []
-        for n, (prompt, p) in enumerate(zip(prompts, params)):
-            try:  # validate everything before queueing anything
-                requests.append(engine.make_request(RequestInput(prompt, p)))
+        for n, one in enumerate(given):
+            try:
+                requests.append(engine.make_request(one))
             except ValueError as e:
-                raise ValueError(f"prompt {n}: {e}") from None
+                raise type(e)(f"{what} {n}: {e}") from None  # (PromptTooLong stays one)
         ids = [engine.enqueue(r) for r in requests]
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):

@@ -22,7 +22,7 @@ from flover.engine.engine import Engine
 from flover.engine.interface import EngineStats, ServingEngine
 from flover.engine.prefix_cache import BLOCK_TOKENS
 from flover.parallel.groups import GroupLayout, Mailbox
-from flover.request import Request, RequestInput, RequestOutput
+from flover.request import EmbedParams, Request, RequestInput, RequestOutput
 from flover.structured.spec import Structured
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,10 @@ class EngineGroups(ServingEngine):
         self.group_stats: list[dict | None] = [None] * layout.count  # the latest each leader sent
         self._timed: deque[tuple[float, int]] = deque(maxlen=1024)  # the other groups' iterations, not yet read
 
+    @property
+    def embeddings_refused(self) -> str | None:
+        return self.engine.embeddings_refused  # (every group runs the same model alike)
+
     def make_request(self, given: RequestInput) -> Request:
         """Rank 0's engine makes it (its ids: unique across the groups, which never make their own)."""
         return self.engine.make_request(given)
@@ -147,6 +151,7 @@ class EngineGroups(ServingEngine):
                         request.cache_salt,
                         request.stream,
                         age,
+                        request.embed and asdict(request.embed),
                     ]
                 },
             )
@@ -388,17 +393,18 @@ def _apply(engine: Engine, mailbox: Mailbox, message: dict) -> None:
     if "cancel" in message:
         engine.abort(message["cancel"])
         return
-    request_id, token_ids, params, salt, stream, age = message["add"]
+    request_id, token_ids, params, salt, stream, age, embed = message["add"]
     try:
         engine.enqueue(
             engine.make_request(
                 RequestInput(
                     token_ids,
-                    SamplingParams(**params),
+                    None if embed else SamplingParams(**params),  # (an embedding's are the intake's)
                     request_id,
                     stream=stream,
                     cache_salt=salt,
                     arrival_time=time.perf_counter() - age,
+                    embed=EmbedParams(**embed) if embed else None,
                 )
             )
         )

@@ -25,6 +25,11 @@ class PromptTooLong(ValueError):
     """prompt + max_new_tokens does not fit in max_seq_len (refused, never truncated)."""
 
 
+# a text to be truncated (truncate_prompt_tokens) is tokenized whole up to this many times max_seq_len
+# tokens' worth of bytes: the bound on the tokenizer work one truncated input can cost
+TRUNCATED_TEXT_CONTEXTS = 4
+
+
 class Intake:
     def __init__(
         self,
@@ -48,6 +53,8 @@ class Intake:
     def build(self, request_id: str, given: RequestInput) -> Request:
         """Validate and tokenize `given` under `request_id`; raises ValueError naming what is
         wrong. Queues nothing."""
+        if given.embed is not None:
+            return self._embed_request(request_id, given)
         params, stream, arrival_time = given.params, given.stream, given.arrival_time
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -86,6 +93,62 @@ class Intake:
             request.stop_pattern = re.compile("|".join(map(re.escape, params.stop)))
             request.stop_holdback = max(map(len, params.stop)) - 1
         return request
+
+    def _embed_request(self, request_id: str, given: RequestInput) -> Request:
+        """An embedding input: text (special tokens added, as sentence-transformers' tokenizer
+        call does) or token ids, never a chat; longer than max_seq_len only when truncation is asked."""
+        embed, limit = given.embed, self.max_seq_len
+        if given.messages is not None or given.params is not None or given.stream:
+            raise ValueError("an embedding input is a text or token ids: no messages, sampling or streaming")
+        keep = embed.truncate_prompt_tokens
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= limit):
+            raise ValueError(f"truncate_prompt_tokens={keep!r}: must be an integer in [1, max_seq_len={limit}]")
+        dims, hidden = embed.dimensions, self.model_config.hidden_size
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= hidden):
+            raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {hidden}] (the model's width)")
+        try:
+            token_ids, text = given.tokenized if given.tokenized is not None else self.input_ids(given.prompt, keep)
+        except PromptTooLong as e:
+            raise PromptTooLong(f"{e}; truncate_prompt_tokens keeps an input's first tokens") from None
+        token_ids = token_ids[:keep] if keep is not None else token_ids
+        if len(token_ids) > limit:
+            raise PromptTooLong(
+                f"input of {len(token_ids)} tokens exceeds max_seq_len={limit}; "
+                f"truncate_prompt_tokens keeps its first tokens"
+            )
+        arrival = time.perf_counter() if given.arrival_time is None else given.arrival_time
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=SamplingParams(max_new_tokens=1),
+            prompt=text,
+            timings=Timings(arrival=arrival),
+            cache_salt=given.cache_salt,
+            embed=embed,
+        )
+
+    def input_ids(self, prompt, keep: int | None = None) -> tuple[list[int], str | None]:
+        """An embedding input's token ids (and its text if it came as text): special tokens added;
+        `keep`: the first so many of a longer input (None: longer than max_seq_len is refused)."""
+        return self._prompt_ids(prompt) if keep is None else self._truncated_ids(prompt, keep)
+
+    def _truncated_ids(self, prompt, keep: int) -> tuple[list[int], str | None]:
+        """The first `keep` tokens of an input that may be longer than max_seq_len."""
+        if isinstance(prompt, (list, tuple)):
+            return self._prompt_ids(list(prompt[:keep]))
+        if not isinstance(prompt, str):
+            return self._prompt_ids(prompt)  # (names what is wrong)
+        if self.tokenizer is None:
+            raise ValueError("text inputs need the checkpoint's tokenizer; pass token ids")
+        if self.tokenizer.cannot_fit(prompt, TRUNCATED_TEXT_CONTEXTS * self.max_seq_len):
+            raise PromptTooLong(
+                f"input of {len(prompt.encode('utf-8', 'surrogatepass'))} bytes: truncated inputs are read up "
+                f"to {TRUNCATED_TEXT_CONTEXTS} x max_seq_len={self.max_seq_len} tokens' worth of text"
+            )
+        ids = self._checked(self.tokenizer.encode(prompt, True))
+        if not ids:
+            raise ValueError("the input is empty")
+        return ids[:keep], prompt
 
     @property
     def grammars(self) -> Grammars:

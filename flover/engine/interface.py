@@ -64,6 +64,15 @@ class ServingEngine(ABC):
     ) -> tuple[list[int], str | None]:
         return self.intake.tokenize(prompt, messages, tools, template_kwargs=template_kwargs)
 
+    def input_ids(self, prompt: str | Sequence[int], keep: int | None = None) -> tuple[list[int], str | None]:
+        """An embedding input's (Intake.input_ids)."""
+        return self.intake.input_ids(prompt, keep)
+
+    @property
+    @abstractmethod
+    def embeddings_refused(self) -> str | None:
+        """Why this engine makes no embeddings (None: it makes them)."""
+
     @property
     def grammars(self) -> Grammars:
         return self.intake.grammars

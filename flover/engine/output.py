@@ -85,7 +85,7 @@ class OutputProcessor:
 
     def output(self, r: Request, new_tokens: list[int]) -> RequestOutput:
         text = None
-        if r.finished and self.tokenizer is not None:
+        if r.finished and self.tokenizer is not None and r.embed is None:
             stopped_by_string = (
                 r.params.stop
                 and r.finish_reason is FinishReason.STOP
@@ -107,6 +107,7 @@ class OutputProcessor:
             error=r.error,
             error_code=r.error_code,
             cached_tokens=r.cached_tokens,
+            embedding=r.embedding,
             top_logprobs=r.output_top_logprobs if r.params.logprobs and r.params.top_logprobs else None,
             **self._prompt_logprobs(r),
         )

@@ -22,8 +22,9 @@ the shuffle copies the positions its plan in flight writes too, and a request ca
 in flight keeps its slot until its plan returns.
 
 After the runner has carried a plan out, `update(plan, result)` takes its result: prompt chunks
-become computed, sampled and accepted draft tokens are appended up to a stop id or the length
-limit, and what drafts achieved and what the iteration cost feed the next plans.
+become computed, embedding requests whose prompt is through end with their vector, sampled and
+accepted draft tokens are appended up to a stop id or the length limit, and what drafts achieved
+and what the iteration cost feed the next plans.
 """
 
 from __future__ import annotations
@@ -171,7 +172,9 @@ class Scheduler:
             self.slots[self.num_live] = request
             self.num_live += 1
             plan.admitted.append(request)
-            if self.prefix is not None and not request.params.prompt_logprobs:  # scoring needs every prompt row
+            if request.embed is not None:  # pooled rows are computed ones; its KV is no one's prefix
+                request.prompt_saved = True
+            elif self.prefix is not None and not request.params.prompt_logprobs:  # scoring needs every prompt row
                 loads = self.prefix.lookup(
                     request.prompt_token_ids, request.prompt_len - 1, request.slot, request.cache_salt
                 )
@@ -230,7 +233,7 @@ class Scheduler:
         for slot in range(self.num_live):
             request = self.slots[slot]
             if request is not None and request.finished and not request.in_flight:
-                if self.prefix is not None:  # the whole sequence whose KV the slot holds
+                if self.prefix is not None and request.embed is None:  # the whole sequence whose KV the slot holds
                     tokens = request.prompt_token_ids + request.output_token_ids
                     plan.saves += self.prefix.store(
                         tokens, request.kv_len, slot, request.cache_salt, request.window_base
@@ -301,7 +304,7 @@ class Scheduler:
         """Recurrent layers: the last block edge before the prompt's last token, where a later
         prompt that extends this one (the next turn of a conversation) can start; None where no
         snapshot is wanted."""
-        if self.prefix is None or not self.prefix.recurrent or request.params.prompt_logprobs:
+        if self.prefix is None or not self.prefix.recurrent or request.params.prompt_logprobs or request.embed:
             return None
         if request.prompt_snapshot is not None:
             return None
@@ -322,6 +325,12 @@ class Scheduler:
         self._prefilling = [r for r in self._prefilling if r.prefilling]
         _record_prompt_logprobs(result)
         updates = []
+        for r, vector in result.embeddings:  # an embedding request ends with its prompt
+            if not r.finished:
+                r.embedding = vector
+                r.timings.first_token = now
+                r.finish(FinishReason.STOP, now)
+                updates.append(NewTokens(r, []))
         for i, (r, token) in enumerate(zip(result.sampled, result.token_ids)):
             if r.finished:  # (pipeline stages: cancelled while its plan was in flight)
                 continue

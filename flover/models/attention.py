@@ -44,6 +44,10 @@ class ForwardBatch:
     # the same rows for the sliding-window layers when they keep only their window
     # (runner/kv_window.py): positions, lengths and chunk starts relative to each slot's base
     window: ForwardBatch | None = None
+    # embeddings: rows whose final normed hidden states are wanted, and those states [P, hidden]
+    # (the forward fills `pooled`: an output, beside the logits it returns)
+    pool_rows: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:

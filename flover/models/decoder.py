@@ -310,11 +310,17 @@ class DecoderForCausalLM(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, hidden] residual rows -> [B, vocab block of this rank] (the first stage)."""
-        logits = self.lm_head(self.norm_fn(hidden, self.norm, self.cfg.norm_eps))
+        logits = self.lm_head(self.final_norm(hidden))
         if self.cfg.logit_scale is not None:
             logits = logits / self.cfg.logit_scale
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] residual rows -> the model's last norm of them: what the head reads, and
+        what embeddings pool (the native step's float32 rows: normed in float32)."""
+        weight = self.norm if hidden.dtype == self.norm.dtype else self.norm.to(hidden.dtype)
+        return self.norm_fn(hidden, weight, self.cfg.norm_eps)
 
     def run_layers(self, hidden: torch.Tensor, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
         """This stage's layers over the residual rows [T, hidden] -> [T, hidden]. kv: per layer of

@@ -29,6 +29,7 @@ from flover.models.families import GGUF_ARCHES, gguf_family
 from flover.models.families._shared import Family
 from flover.models.gguf_grids import block_grid
 from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
+from flover.models.pooling import Pooling, gguf_pooling
 
 if TYPE_CHECKING:
     import torch
@@ -146,6 +147,11 @@ class GGUFFile:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise CheckpointError(f"{self.path}: metadata {key!r} must be a number, got {value!r}")
         return float(value)
+
+    def pooling(self) -> Pooling | None:
+        """How it makes embeddings, where llama.cpp's converter wrote an embedding model's pooling."""
+        key = f"{self.arch}.pooling_type"
+        return gguf_pooling(self.integer(key), f"{self.path}: {key}")
 
     def check_tensors(self, cfg: ModelConfig) -> None:
         """The header's shape against the tensors the file holds, before anything is built from it."""

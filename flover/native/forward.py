@@ -518,7 +518,18 @@ class NativeForward:
         out_rows = batch.sample_rows.contiguous()  # (named: a contiguous copy lives until the call returns)
         n_out = out_rows.shape[0]
         ids_back, logits = self._head_output(n_out, greedy)
-        full = self._call(batch, n_out, out_rows.data_ptr(), logits.data_ptr(), self._ids if ids_back else None)
+        # embeddings: every row's residual after the last layer, of which the pooled ones are normed here
+        hidden = None if batch.pool_rows is None else torch.empty(rows, self.model.cfg.hidden_size, dtype=torch.float32)
+        full = self._call(
+            batch,
+            n_out,
+            out_rows.data_ptr(),
+            logits.data_ptr(),
+            self._ids if ids_back else None,
+            hidden_out=None if hidden is None else hidden.data_ptr(),
+        )
+        if hidden is not None:
+            batch.pooled = self.model.final_norm(hidden[batch.pool_rows])
         return self._head_result(ids_back, logits, n_out, full)
 
     def _head_output(self, n_out: int, greedy: bool) -> tuple[bool, torch.Tensor]:

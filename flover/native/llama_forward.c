@@ -367,7 +367,8 @@ API int flover_head(const Model *md, const float *hidden, int n_out, void *logit
  * head_screen), those rows' greedy ids, `logits` serving as [n_out, vocab] float32 scratch. Returns 0, or with greedy_ids the rows that took the whole head.
  * A pipeline stage (flover/runner/pipeline.py) runs its layers only: with hidden_in [rows, hidden]
  * float32 (the previous stage's residual rows) in place of the token embedding, and with
- * hidden_out the residual rows after its last layer are written there instead of any logits. */
+ * hidden_out the residual rows after its last layer are written there instead of any logits (n_out 0).
+ * Embeddings ask for both: hidden_out gets every row's residual, then the head its out_rows. */
 API int flover_forward(const Model *md, const Layer *layers, int rows, int decode_rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, int n_out, const int64_t *out_rows, void *logits,
                    int64_t *greedy_ids, const float *hidden_in, float *hidden_out, float *work, double eps_d, int nt) {
@@ -562,9 +563,9 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
     }
 #undef PROJECT
-    if (hidden_out) { /* a pipeline stage before the head: its residual rows go on */
+    if (hidden_out) { /* a pipeline stage before the head (n_out 0), or rows to pool: the residual rows */
         memcpy(hidden_out, hidden, rows * h * sizeof(float));
-        return 0;
+        if (!n_out) return 0;
     }
     return head_rows(md, &at, work, hidden, n_out, out_rows, logits, greedy_ids, eps, nt);
 }

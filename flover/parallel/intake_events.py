@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import msgpack
 
 from flover.config import SamplingParams
+from flover.request import EmbedParams
 
 
 @dataclass
@@ -21,6 +22,7 @@ class AddEvent:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None  # the request's prefix-cache partition
+    embed: EmbedParams | None = None  # an embedding request's
 
 
 @dataclass
@@ -37,7 +39,9 @@ class IntakeMessage:
 
     def encode(self) -> bytes:
         wire = [
-            ["a", e.request_id, e.token_ids, asdict(e.params), e.cache_salt] if isinstance(e, AddEvent) else ["c", e]
+            ["a", e.request_id, e.token_ids, asdict(e.params), e.cache_salt, e.embed and asdict(e.embed)]
+            if isinstance(e, AddEvent)
+            else ["c", e]
             for e in self.events
         ]
         return msgpack.packb({"events": wire, "shutdown": self.shutdown, "knee": self.knee})
@@ -45,5 +49,10 @@ class IntakeMessage:
     @classmethod
     def decode(cls, data: bytes) -> "IntakeMessage":
         raw = msgpack.unpackb(data)
-        events = [AddEvent(e[1], e[2], SamplingParams(**e[3]), e[4]) if e[0] == "a" else e[1] for e in raw["events"]]
+        events = [
+            AddEvent(e[1], e[2], SamplingParams(**e[3]), e[4], EmbedParams(**e[5]) if e[5] else None)
+            if e[0] == "a"
+            else e[1]
+            for e in raw["events"]
+        ]
         return cls(events=events, shutdown=raw["shutdown"], knee=raw["knee"])

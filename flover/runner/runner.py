@@ -16,27 +16,40 @@ from dataclasses import dataclass, field
 import torch
 
 from flover.models.attention import ForwardBatch, PrefillSpan
+from flover.models.pooling import Pooling, pooled_rows
 from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.plan import StepPlan
+from flover.runner.pooling import pool
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.structured.grammars import allowed_bits
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PoolRows:
+    """An embedding request's rows among the forward's pooled rows (batch.pool_rows)."""
+
+    request: Request
+    first: int  # index of its first row in the pooled rows
+    count: int  # (0: a chunk with none of the rows its pooling keeps)
+    completes: bool  # its prompt's last chunk: the vector is made
+
+
 @dataclass
 class IterationRows:
     """Which rows of the forward's logits are for what: first the sampled requests' rows (one
     each, and after a decoding request's own row one per token of its draft), then the
-    prompt-scoring rows."""
+    prompt-scoring rows; and which pooled rows are whose."""
 
     sampled: list[Request]
     scoring: list[PromptRows] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # of the first len(drafts) sampled requests
+    pooling: list[PoolRows] = field(default_factory=list)
 
     def request_drafts(self) -> list[list[int]]:
         """Each sampled request's draft (empty where it has none)."""
@@ -64,7 +77,12 @@ class PyTorchForward:
     def run(self, batch: ForwardBatch, greedy: bool = False) -> torch.Tensor:
         if batch.draft_rows:  # the scheduler keeps speculative iterations within the native step's rows
             raise RuntimeError("an iteration with speculative draft rows needs the native step")
-        return self.model(batch, self.buffer.layers)
+        if batch.pool_rows is None:
+            return self.model(batch, self.buffer.layers)
+        model = self.model  # (embeddings: the forward in its parts, to keep the pooled rows too)
+        hidden = model.run_layers(model.embed_tokens(batch), batch, self.buffer.layers)  # [T, hidden]
+        batch.pooled = model.final_norm(hidden[batch.pool_rows])
+        return model.head(hidden[batch.sample_rows])
 
 
 class ModelRunner:
@@ -88,6 +106,7 @@ class ModelRunner:
         self.backends = [b for b in (graphs, native) if b is not None] + [PyTorchForward(model, buffer)]
         self.is_leader = comm is None or comm.rank == 0
         self.broadcasts_ids = True  # the followers' schedulers take the sampled ids (not under --pp)
+        self.pooling: Pooling | None = None  # how embedding requests pool (the engine sets it)
         self._rng = random.Random(seed)  # seeds requests that bring none
         state = buffer.add_state  # per-slot sampling parameters (a request's lengths and tokens are its own)
         self._temperature = state("temperature", torch.float32)
@@ -116,6 +135,7 @@ class ModelRunner:
         batch, rows = self.build_batch(plan)
         logits = self.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
         result = self.sample(logits, rows)  # with drafts: the tokens each one's accepted part gives
+        result.embeddings = self.pool(batch.pooled, rows.pooling)
         result.rows, result.draft_rows = batch.input_ids.shape[0], batch.draft_rows
         result.seconds = time.perf_counter() - started
         return result
@@ -130,6 +150,21 @@ class ModelRunner:
             if out is not None:
                 return out
         raise AssertionError("PyTorch's forward runs every iteration")
+
+    def pool(self, pooled: torch.Tensor | None, pooling: list[PoolRows]) -> list[tuple[Request, list[float]]]:
+        """pooled [P, hidden]: the iteration's pooled rows -> each request whose prompt is through,
+        with its vector. A request's rows wait on it until then, so its vector is pooled from all of
+        them at once, whatever its chunks were."""
+        done = []
+        for p in pooling:
+            r = p.request
+            if p.count:
+                r.pooled.append(pooled[p.first : p.first + p.count].clone())
+            if p.completes:
+                vector = pool(torch.cat(r.pooled), self.pooling, r.embed.dimensions)
+                r.pooled = []
+                done.append((r, vector.tolist()))
+        return done
 
     def expert_load(self) -> list[dict] | None:
         """A mixture of experts: per layer of experts, the rows routed to each expert so far (both
@@ -184,7 +219,7 @@ class ModelRunner:
         num_decode = len(ids)
         draft_rows = num_decode - len(decode)
 
-        prefills, sample_rows, score_rows = [], list(range(num_decode)), []
+        prefills, sample_rows, score_rows, pool_rows = [], list(range(num_decode)), [], []
         snapshots = dict(plan.decode_snapshots)  # (no drafts then: decode index = token row)
         rows_of = IterationRows(list(decode), drafts=plan.drafts if draft_rows else [])
         row = num_decode
@@ -201,7 +236,11 @@ class ModelRunner:
             row += chunk.length
             if chunk.snapshot is not None:
                 snapshots[row - 1] = chunk.snapshot
-            if chunk.completes_prompt:
+            if r.embed is not None:  # pooled, never sampled
+                kept = pooled_rows(self.pooling, chunk.start, chunk.length, r.prompt_len)
+                rows_of.pooling.append(PoolRows(r, len(pool_rows), len(kept), chunk.completes_prompt))
+                pool_rows += [row - chunk.length + k for k in kept]
+            elif chunk.completes_prompt:
                 sample_rows.append(row - 1)
                 rows_of.sampled.append(r)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
@@ -218,6 +257,7 @@ class ModelRunner:
             sample_rows=as_tensor(sample_rows + score_rows),
             draft_rows=draft_rows,
             snapshots=snapshots,
+            pool_rows=as_tensor(pool_rows) if rows_of.pooling else None,
         )
         if self.buffer.window is not None:
             bases = {r.slot: r.window_base for r in (*decode, *(c.request for c in plan.prefill))}

@@ -40,7 +40,7 @@ from flover import protocol
 from flover.engine.intake import PromptTooLong
 from flover.engine.interface import ServingEngine
 from flover.parallel.pipeline import StageTimeout
-from flover.request import RequestInput, RequestOutput
+from flover.request import EmbedParams, RequestInput, RequestOutput
 from flover.server.metrics import ServingMetrics
 from flover.server.tokenizing import FairWorker, Job
 
@@ -452,7 +452,7 @@ class Daemon:
     def _handle(self, identity: bytes, payload: zmq.Frame, envelope: bool) -> None:
         message = protocol.unpack(payload.bytes)
         op = message.get("op")
-        if op == "generate":
+        if op in ("generate", "embed"):
             return self._generate(identity, message, envelope, _source_fd(payload), _user_id(payload))
         rid = protocol.echo_id(message)
         if op == "cancel":
@@ -465,6 +465,7 @@ class Daemon:
                 self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
             c, e = self.config, self.engine
+            embeds = e.embeddings_refused is None
             self._send(
                 identity,
                 {
@@ -475,6 +476,7 @@ class Daemon:
                     "max_message_bytes": c.max_message_bytes,
                     "max_seq_len": e.max_seq_len,
                     "max_slots": e.config.max_slots,
+                    "capabilities": ["completion", "chat"] + (["embeddings", "rerank"] if embeds else []),
                 },
                 envelope,
             )
@@ -486,8 +488,15 @@ class Daemon:
             )
 
     def _generate(self, identity: bytes, message: dict, envelope: bool, fd: int, user: str | None) -> None:
-        req = protocol.parse_generate(message)
-        if req.stream and envelope:
+        """A generate or an embed message: checked, then tokenized off the loop (or queued at once)."""
+        if message.get("op") == "embed":
+            req = protocol.parse_embed(message)
+            refused = self.engine.embeddings_refused
+            if refused is not None:
+                raise protocol.ProtocolError(protocol.INVALID_REQUEST, refused, req.id)
+        else:
+            req = protocol.parse_generate(message)
+        if getattr(req, "stream", False) and envelope:
             raise protocol.ProtocolError(
                 protocol.INVALID_REQUEST,
                 "a REQ socket takes one reply per request: send `stream: false`, or use a DEALER socket to stream",
@@ -502,8 +511,14 @@ class Daemon:
                 protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; retry later", req.id
             )
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
-        flight = InFlight(identity, req.id, req.stream, envelope, fd, user, arrived=time.perf_counter())
-        if req.params.structured is not None:
+        stream = getattr(req, "stream", False)
+        flight = InFlight(identity, req.id, stream, envelope, fd, user, arrived=time.perf_counter())
+        if isinstance(req, protocol.EmbedRequest):
+            if isinstance(req.input, str):
+                self.tokenizing.submit(Job(identity, engine_id, req))
+            else:
+                self._queue(engine_id, flight, req, None)
+        elif req.params.structured is not None:
             self.compiling.submit(Job(identity, engine_id, req))  # grammar work: off the loop, apart
         elif req.messages is not None:
             self.rendering.submit(Job(identity, engine_id, req))  # a template's work: off the loop, apart
@@ -522,6 +537,8 @@ class Daemon:
     def _prepare(self, req: protocol.GenerateRequest):
         """On the tokenizing worker: the prompt's tokens (text or chat), and the request's
         structure compiled (cached, so that queuing it on the loop finds it ready)."""
+        if isinstance(req, protocol.EmbedRequest):
+            return self.engine.input_ids(req.input, req.truncate_prompt_tokens)
         if req.params.structured is not None:
             self.engine.grammars.compile(req.params.structured)
         if req.messages is not None or isinstance(req.prompt, str):
@@ -529,6 +546,21 @@ class Daemon:
         return None
 
     def _queue(self, engine_id: str, flight: InFlight, req: protocol.GenerateRequest, tokenized) -> None:
+        if isinstance(req, protocol.EmbedRequest):
+            given = RequestInput(
+                req.input,
+                request_id=engine_id,
+                cache_salt=flight.user,
+                arrival_time=flight.arrived,
+                tokenized=tokenized,
+                embed=EmbedParams(req.dimensions, req.truncate_prompt_tokens),
+            )
+            try:
+                request = self.engine.make_request(given)
+            except (ValueError, TypeError) as e:
+                raise _refusal(e, req.id) from None
+            self.engine.enqueue(request)
+            return
         try:
             # With CURVE, each client key is a prefix-cache partition of its own (prefix_cache.py).
             request = self.engine.make_request(

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from flover.client import FloverError
 from flover.engine.intake import PromptTooLong
 from flover.server import openai_api as oa
+from flover.server.http_embeddings import embeddings, rerank
 from flover.server.http_state import TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json, wait_watching
 from flover.server.prometheus import render
 from flover.server.sse import StreamFramer
@@ -53,6 +54,7 @@ async def models(request: Request):
                 "created": 0,
                 "owned_by": "flover",
                 "max_model_len": front.max_model_len,
+                "capabilities": front.capabilities,
             }
         ],
     }
@@ -115,6 +117,9 @@ ROUTES = [
     ("GET", "/v1/models", models),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/embeddings", embeddings),
+    ("POST", "/v1/rerank", rerank),
+    ("POST", "/rerank", rerank),
     ("POST", "/tokenize", tokenize),
     ("POST", "/detokenize", detokenize),
 ]

@@ -79,6 +79,7 @@ class Front:
         self.engine_timeout = engine_timeout  # the daemon's silence a request waits out (HttpLimits)
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
+        self.capabilities: list[str] | None = None  # what the served model does (the daemon's health says)
         self.model_config = model_config
         self._intake: Intake | None = None
         # how this model writes tool calls (from its chat template: flover/tools.py)
@@ -122,6 +123,7 @@ class Front:
     async def health(self) -> dict:
         health = await self.client.health(timeout=2.0)
         self.max_model_len = health.get("max_seq_len", self.max_model_len)
+        self.capabilities = health.get("capabilities", self.capabilities)
         return health
 
     def intake(self, limit: int | None) -> Intake:

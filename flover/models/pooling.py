@@ -1,0 +1,98 @@
+"""Embeddings: how a model turns the final hidden rows of one input into one vector.
+
+Where the pooling comes from: a sentence-transformers directory says it (modules.json lists a
+Pooling module, whose config.json names the mode, and maybe a Normalize module); llama.cpp's GGUF
+files say it in `<arch>.pooling_type` (its server normalizes them); `--pooling` chooses one for
+any decoder (normalized, as every peer's embeddings endpoint is). The tensor half is
+runner/pooling.py (this file is read where torch is not imported: the HTTP front).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from flover.models.model_config import CheckpointError
+
+# what --pooling takes; "last" is the last token's row (decoder embedding models: Qwen3-Embedding)
+POOLING_MODES = ("mean", "cls", "last", "max", "mean_sqrt_len")
+# sentence-transformers' Pooling config keys -> our modes
+_ST_MODES = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+}
+# llama.cpp's LLAMA_POOLING_TYPE_*: 1 mean, 2 cls, 3 last (0 none; 4 rank is a reranker's)
+_GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
+
+
+@dataclass(frozen=True)
+class Pooling:
+    mode: str  # one of POOLING_MODES
+    normalize: bool  # each vector divided by its Euclidean length
+    source: str  # where it was read (said in the log and in errors)
+
+    @property
+    def every_row(self) -> bool:
+        """Whether every prompt row is pooled (else one: the first or the last)."""
+        return self.mode not in ("cls", "last")
+
+
+def _checked_mode(mode: str, source: str) -> str:
+    if mode not in POOLING_MODES:
+        raise CheckpointError(f"{source}: pooling {mode!r} is not one of {', '.join(POOLING_MODES)}")
+    return mode
+
+
+def directory_pooling(path: Path) -> Pooling | None:
+    """A sentence-transformers directory's pooling (modules.json), or None when it has none."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{modules_file}: not a sentence-transformers module list ({e!r})") from None
+    if "Pooling" not in kinds:
+        return None
+    unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+    if unknown:  # (EmbeddingGemma's Dense projections: not yet)
+        raise CheckpointError(f"{modules_file}: modules {', '.join(sorted(unknown))} are not supported")
+    config_file = path / kinds["Pooling"] / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_file}: cannot read the pooling config ({e!r})") from None
+    modes = [mode for key, mode in _ST_MODES.items() if config.get(key)]
+    if len(modes) != 1 or not config.get("include_prompt", True):
+        raise CheckpointError(f"{config_file}: one pooling mode with the whole prompt is supported; it asks {config}")
+    return Pooling(modes[0], "Normalize" in kinds, str(modules_file))
+
+
+def gguf_pooling(pooling_type: int | None, source: str) -> Pooling | None:
+    """llama.cpp's `<arch>.pooling_type` (None or 0: the file is no embedding model)."""
+    if not pooling_type:
+        return None
+    if pooling_type not in _GGUF_MODES:
+        raise CheckpointError(f"{source}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
+    return Pooling(_GGUF_MODES[pooling_type], True, source)
+
+
+def chosen_pooling(asked: str | None, found: Pooling | None) -> Pooling | None:
+    """`--pooling` over what the checkpoint says (the checkpoint's normalization kept)."""
+    if asked is None:
+        return found
+    mode = _checked_mode(asked, "--pooling")
+    return Pooling(mode, True if found is None else found.normalize, "--pooling")
+
+
+def pooled_rows(pooling: Pooling, start: int, length: int, prompt_len: int) -> range:
+    """Of a prompt chunk at positions [start, start + length), the offsets of the rows to keep."""
+    if pooling.every_row:
+        return range(length)
+    at = 0 if pooling.mode == "cls" else prompt_len - 1
+    return range(at - start, at - start + 1) if start <= at < start + length else range(0)

@@ -1,0 +1,163 @@
+"""OpenAI's `POST /v1/embeddings` and a rerank endpoint (`POST /v1/rerank`, the shape llama.cpp's
+server and vLLM answer) over the daemon's `embed` op: one op per input, at most IN_FLIGHT of one
+call in the daemon at a time (a call of many inputs never fills the waiting queue that other
+clients share), all of them riding the same fused iterations as the chats.
+
+Reranking with an embedding model is the cosine similarity of the query's vector and each
+document's (as vLLM scores with embedding models)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import uuid
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from flover.server import openai_api as oa
+from flover.server.http_state import Front, as_api_error, error_response, read_json, wait_watching
+
+MAX_INPUTS = 2048  # inputs of one call (OpenAI's own bound)
+IN_FLIGHT = 64  # of one call's inputs, sent to the daemon at once
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
+RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens"}
+
+
+def _positive(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise oa.ApiError(400, f"{name}: expected a positive integer", param=name)
+    return value
+
+
+def _is_ids(value) -> bool:
+    integer = lambda t: isinstance(t, int) and not isinstance(t, bool)  # noqa: E731
+    return isinstance(value, list) and bool(value) and all(map(integer, value))
+
+
+def embedding_inputs(value) -> list[str | list[int]]:
+    """OpenAI's `input`: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(value, str) or _is_ids(value):
+        inputs = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) or _is_ids(v) for v in value):
+        inputs = value
+    else:
+        raise oa.ApiError(
+            400, "input: expected a string, a list of strings, or (lists of) token ids, none empty", param="input"
+        )
+    if len(inputs) > MAX_INPUTS:
+        raise oa.ApiError(400, f"input: {len(inputs)} inputs; at most {MAX_INPUTS} in one call", param="input")
+    if any(i == "" for i in inputs):
+        raise oa.ApiError(400, "input: an input is an empty string", param="input")
+    return inputs
+
+
+async def embed_all(request: Request, front: Front, inputs: list, options: dict) -> list[dict] | None:
+    """Each input's final event, in order (None: the client hung up); the first refusal raises.
+    At most IN_FLIGHT in the daemon at once; whatever is unfinished when this ends is cancelled."""
+    prefix = f"http-{uuid.uuid4().hex[:12]}"
+    results: list[dict | None] = [None] * len(inputs)
+    running: dict[asyncio.Future, tuple[int, str]] = {}
+    following = iter(enumerate(inputs))
+    try:
+        while True:
+            while len(running) < IN_FLIGHT and (item := next(following, None)) is not None:
+                n, value = item
+                rid = f"{prefix}-{n}"
+                running[asyncio.ensure_future(front.client.embed(value, request_id=rid, **options))] = (n, rid)
+            if not running:
+                return results
+            if not await wait_watching(request, list(running)):
+                return None
+            for task in [t for t in running if t.done()]:
+                n, _ = running.pop(task)
+                results[n] = task.result()  # (a refusal raises: the call ends with it)
+    finally:
+        for task in running:
+            task.cancel()
+        front.cancel([rid for _, rid in running.values()])
+
+
+def _encoded(vector: list[float], encoding: str):
+    if encoding == "base64":  # float32, little-endian (as OpenAI's)
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+async def embeddings(request: Request):
+    front = front_of(request)
+    try:
+        body = await read_json(request, front.max_body_bytes, front.parse_off_loop, EMBEDDING_FIELDS)
+        inputs = await front.parse_off_loop(embedding_inputs, body.get("input"))
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise oa.ApiError(400, "encoding_format: expected float or base64", param="encoding_format")
+        options = {name: _positive(body, name) for name in ("dimensions", "truncate_prompt_tokens")}
+        finals = await embed_all(request, front, inputs, {k: v for k, v in options.items() if v is not None})
+    except Exception as e:  # the daemon's refusal, or anything else: this call ends here
+        return error_response(as_api_error(e))
+    if finals is None:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    tokens = sum(f["usage"]["prompt_tokens"] for f in finals)
+    data = [
+        {"object": "embedding", "index": n, "embedding": _encoded(f["embedding"], encoding)}
+        for n, f in enumerate(finals)
+    ]
+    answer = {
+        "object": "list",
+        "data": data,
+        "model": front.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return await front.off_loop(JSONResponse, answer)
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+async def rerank(request: Request):
+    """{query, documents, top_n?, return_documents?} -> results [{index, relevance_score,
+    document?}], the most relevant first."""
+    front = front_of(request)
+    try:
+        body = await read_json(request, front.max_body_bytes, front.parse_off_loop, RERANK_FIELDS)
+        query, documents = body.get("query"), body.get("documents")
+        if not isinstance(query, str) or not query:
+            raise oa.ApiError(400, "query: expected a non-empty string", param="query")
+        if not isinstance(documents, list) or not documents or not all(isinstance(d, str) and d for d in documents):
+            raise oa.ApiError(400, "documents: expected a list of non-empty strings", param="documents")
+        if len(documents) >= MAX_INPUTS:
+            raise oa.ApiError(400, f"documents: at most {MAX_INPUTS - 1} in one call", param="documents")
+        top_n = _positive(body, "top_n") or len(documents)
+        keep = _positive(body, "truncate_prompt_tokens")
+        options = {} if keep is None else {"truncate_prompt_tokens": keep}
+        finals = await embed_all(request, front, [query, *documents], options)
+    except Exception as e:
+        return error_response(as_api_error(e))
+    if finals is None:
+        return JSONResponse({}, status_code=499)
+    query_vector = finals[0]["embedding"]
+    scores = [_cosine(query_vector, f["embedding"]) for f in finals[1:]]
+    order = sorted(range(len(documents)), key=lambda n: -scores[n])[:top_n]
+    with_text = body.get("return_documents", True) is not False
+    results = [
+        {"index": n, "relevance_score": scores[n], **({"document": {"text": documents[n]}} if with_text else {})}
+        for n in order
+    ]
+    tokens = sum(f["usage"]["prompt_tokens"] for f in finals)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex[:12]}",
+        "model": front.model_name,
+        "results": results,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def front_of(request: Request) -> Front:
+    return request.app.state.front
