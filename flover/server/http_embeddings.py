@@ -91,6 +91,7 @@ async def embeddings(request: Request):
     front = front_of(request)
     try:
         body = await read_json(request, front.max_body_bytes, front.parse_off_loop, EMBEDDING_FIELDS)
+        oa.check_model(body, front.model_name)
         inputs = await front.parse_off_loop(embedding_inputs, body.get("input"))
         encoding = body.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
@@ -127,6 +128,7 @@ async def rerank(request: Request):
     front = front_of(request)
     try:
         body = await read_json(request, front.max_body_bytes, front.parse_off_loop, RERANK_FIELDS)
+        oa.check_model(body, front.model_name)
         query, documents = body.get("query"), body.get("documents")
         if not isinstance(query, str) or not query:
             raise oa.ApiError(400, "query: expected a non-empty string", param="query")

@@ -96,6 +96,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def check_model(body: dict, model_name: str) -> None:
+    """A body's `model`, if given, must be the served one (404 model_not_found)."""
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            404, f"model {model!r} does not exist; this server serves {model_name!r}", "model_not_found", "model"
+        )
+
+
 def unsupported(param: str, why: str) -> ApiError:
     return ApiError(400, f"{param}: {why}", "unsupported", param)
 
@@ -394,11 +403,7 @@ def plan(
     `warn(text)` is told of fields this server does not know; `tool_syntax`: how this model
     writes tool calls (flover/tools.py, from its chat template); `reasoning`: chat answers' opening
     thinking block goes to reasoning_content (flover/reasoning.py)."""
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise ApiError(
-            404, f"model {model!r} does not exist; this server serves {model_name!r}", "model_not_found", "model"
-        )
+    check_model(body, model_name)
     unknown = sorted(set(body) - NEUTRAL)
     if unknown:
         warn(f"ignoring unknown field(s) {', '.join(unknown)}")

@@ -1,0 +1,125 @@
+"""Embeddings and rerank through a real `flover serve --http`: the official `openai` client, raw
+HTTP for rerank, the ZeroMQ `embed` op; chats served by the same daemon meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import signal
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from flover import LLM
+from flover.client import FloverError
+from flover.testing.embedding_model import as_sentence_transformer
+from tests.helpers import Server, free_port
+
+TEXTS = ["the cat sat on the mat", "a river runs through the city", "hi", "red blue green yellow " * 5]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model, tmp_path_factory):
+    return str(as_sentence_transformer(make_model("qwen3"), tmp_path_factory.mktemp("st-qwen3"), "last"))
+
+
+@pytest.fixture(scope="module")
+def api(model_dir):
+    port = free_port()
+    server = Server(model_dir, "--max-slots", "4", "--max-seq-len", "128", "--http", f"127.0.0.1:{port}")
+    yield server, f"http://127.0.0.1:{port}"
+    server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir) -> LLM:
+    return LLM(model_dir, dtype="float64", max_seq_len=128)
+
+
+def test_openai_client_embeddings_equal_the_offline_vectors(api, offline):
+    _, url = api
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert {"embeddings", "rerank", "chat"} <= set(model["capabilities"])
+    answer = client.embeddings.create(model=model["id"], input=TEXTS)
+    want = np.array([o.embedding for o in offline.embed(TEXTS)])
+    got = np.array([d.embedding for d in sorted(answer.data, key=lambda d: d.index)])
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-6  # (the client asks float32 in base64)
+    floats = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS}, timeout=60).json()["data"]
+    assert np.abs(np.array([d["embedding"] for d in floats]) - want).max() < 1e-12  # (float64 rows of one iteration)
+    ids = offline.engine.tokenizer.encode(TEXTS[0])
+    assert answer.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in offline.embed(TEXTS))
+    # token ids in, base64 out (float32 little-endian), fewer dimensions
+    raw = httpx.post(
+        f"{url}/v1/embeddings", json={"input": [ids], "encoding_format": "base64", "dimensions": 8}, timeout=60
+    ).json()
+    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    cut = np.array(offline.embed(ids, dimensions=8)[0].embedding, dtype=np.float32)
+    assert vector.shape == (8,) and np.array_equal(vector, cut)
+
+
+def test_rerank_orders_documents_by_cosine_similarity(api, offline):
+    _, url = api
+    documents = TEXTS[1:]
+    body = {"query": TEXTS[0], "documents": documents, "top_n": 2}
+    answer = httpx.post(f"{url}/v1/rerank", json=body, timeout=60).json()
+    vectors = np.array([o.embedding for o in offline.embed([TEXTS[0], *documents])])
+    cosine = vectors[1:] @ vectors[0] / np.linalg.norm(vectors[1:], axis=1) / np.linalg.norm(vectors[0])
+    want = list(np.argsort(-cosine)[:2])
+    assert [r["index"] for r in answer["results"]] == want
+    assert [r["document"]["text"] for r in answer["results"]] == [documents[n] for n in want]
+    assert np.allclose([r["relevance_score"] for r in answer["results"]], cosine[want], atol=1e-9)
+
+
+def test_bad_embedding_calls_get_a_400_and_the_server_goes_on(api):
+    _, url = api
+    post = lambda body: httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)  # noqa: E731
+    for body, says in [
+        ({"input": []}, "input"),
+        ({"input": ""}, "empty"),
+        ({"input": ["x"] * 2049}, "at most 2048"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 10**6}, "dimensions"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": [list(range(1, 200))]}, "truncate_prompt_tokens"),
+    ]:
+        response = post(body)
+        assert response.status_code == 400 and says in response.json()["error"]["message"], (body, response.text)
+    long = post({"input": [list(range(1, 200))], "truncate_prompt_tokens": 100})
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 100
+    assert httpx.post(f"{url}/v1/rerank", json={"query": "q", "documents": []}).status_code == 400
+    assert post({"input": "x", "model": "another"}).status_code == 404
+
+
+def test_chats_and_embeddings_share_the_daemon(api):
+    server, url = api
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+    async def both():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
+        chats = [
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"tell me {n}"}], max_tokens=16, temperature=0
+            )
+            for n in range(3)
+        ]
+        embeddings = [client.embeddings.create(model=model, input=TEXTS * 4) for _ in range(3)]
+        return await asyncio.gather(*chats, *embeddings)
+
+    answers = asyncio.run(both())
+    assert all(a.choices[0].finish_reason in ("length", "stop") for a in answers[:3])
+    assert all(len(a.data) == 4 * len(TEXTS) for a in answers[3:])
+    with server.client() as zmq_client:  # the ZeroMQ op: one input, its final event
+        final = zmq_client.embed("the cat sat on the mat", dimensions=4)
+        assert len(final["embedding"]) == 4 and final["usage"]["prompt_tokens"] > 0
+        with pytest.raises(FloverError, match="dimensions"):
+            zmq_client.embed("x", dimensions=65)
+
+
+def test_a_model_without_pooling_refuses_embed_ops(server):
+    with server.client() as client:
+        with pytest.raises(FloverError, match="--pooling"):
+            client.embed("hello")
+        assert client.generate("hello", max_new_tokens=2)["finish_reason"] == "length"
