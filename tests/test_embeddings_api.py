@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import signal
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 from flover import LLM
 from flover.client import FloverError
 from flover.testing.embedding_model import as_sentence_transformer
-from tests.helpers import Server, free_port
+from tests.helpers import Server, flover_run, free_port, read_records, write_jsonl
 
 TEXTS = ["the cat sat on the mat", "a river runs through the city", "hi", "red blue green yellow " * 5]
 
@@ -123,3 +124,38 @@ def test_a_model_without_pooling_refuses_embed_ops(server):
         with pytest.raises(FloverError, match="--pooling"):
             client.embed("hello")
         assert client.generate("hello", max_new_tokens=2)["finish_reason"] == "length"
+
+
+def test_flover_run_embeds_a_file_resumably_and_through_a_daemon(api, model_dir, offline, tmp_path):
+    server, _ = api
+    lines = [
+        {"id": "a", "prompt": TEXTS[0]},
+        {"id": "b", "input_ids": [5, 6, 7, 8], "dimensions": 8},
+        {"id": "c", "messages": [{"role": "user", "content": "x"}]},  # not an input: its error record
+        {"id": "d", "input_ids": list(range(1, 300)), "truncate_prompt_tokens": 64},
+        {"id": "e", "input_ids": list(range(1, 300))},  # longer than the context: its error record
+    ]
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(prompts, lines)
+    assert flover_run(model_dir, prompts, out, "--embed", "--dtype", "float64").returncode == 0
+    first = read_records(out)
+    out.write_text("".join(json.dumps(r) + "\n" for r in first[:2]))  # a run cut short: a resume finishes it
+    run = flover_run(model_dir, prompts, out, "--embed", "--dtype", "float64")
+    assert run.returncode == 0 and "2 already done" in run.stderr, run.stderr
+    records = {r["id"]: r for r in read_records(out)}
+    assert len(read_records(out)) == 5
+    # (float64 runs PyTorch's forward, whose rows may round apart with other rows beside them)
+    close = lambda a, b: np.abs(np.array(a) - np.array(b)).max() < 1e-12  # noqa: E731
+    assert all(close(records[r["id"]]["embedding"], r["embedding"]) for r in first if "embedding" in r)
+    assert close(records["a"]["embedding"], offline.embed(TEXTS[0])[0].embedding)
+    assert close(records["b"]["embedding"], offline.embed([5, 6, 7, 8], dimensions=8)[0].embedding)
+    assert records["d"]["usage"]["prompt_tokens"] == 64
+    assert records["c"]["error"]["code"] == "invalid_request"
+    assert records["e"]["error"]["code"] == "prompt_too_long"
+    remote = tmp_path / "remote.jsonl"
+    connect = ["--connect", server.addr, "--embed"]
+    assert flover_run(model_dir, prompts, remote, *connect).returncode == 0
+    by_id = {r["id"]: r for r in read_records(remote)}
+    assert close(by_id["a"]["embedding"], records["a"]["embedding"])
+    assert close(by_id["b"]["embedding"], records["b"]["embedding"])
+    assert [by_id[k].get("error", {}).get("code") for k in "cde"] == ["invalid_request", None, "prompt_too_long"]

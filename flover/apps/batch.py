@@ -7,6 +7,7 @@ Re-running the same command resumes: ids already in the output are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -17,12 +18,12 @@ from typing import Iterable, Iterator
 
 from flover.apps.prompt_file import PromptRecord
 from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
-from flover.client import FloverError
+from flover.client import FloverError, embed_message
 from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
 from flover.engine.interface import ServingEngine
 from flover.protocol import PERMANENT
-from flover.request import RequestInput, RequestOutput
+from flover.request import EmbedParams, Request, RequestInput, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,13 @@ LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_log
 
 def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
     t = out.timings
+    if out.embedding is not None:  # an embedding input's
+        return {
+            "id": out.request_id,
+            "embedding": out.embedding,
+            "usage": {"prompt_tokens": len(out.prompt_token_ids)},
+            "latency": {"queue_s": t["queue_time"], "e2e_s": t["e2e"]},
+        }
     record = {
         "id": out.request_id,
         "text": out.text,
@@ -146,6 +154,14 @@ def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
         if getattr(out, key) is not None:
             record[key] = getattr(out, key)
     return record
+
+
+def check_kind(record: PromptRecord, embedding: bool) -> None:
+    """A record's fields against the run's kind (`flover run --embed` or not); ValueError if they clash."""
+    if embedding and (record.messages is not None or record.sampling):
+        raise ValueError("with --embed a line is an input (prompt or input_ids): no messages or sampling fields")
+    if not embedding and record.embed_options:
+        raise ValueError(f"{', '.join(sorted(record.embed_options))} go with flover run --embed")
 
 
 def error_record(record: PromptRecord, code: str, message: str) -> dict:
@@ -167,9 +183,11 @@ class BatchRunner:
         progress: Progress | None = None,
         on_step=None,
         max_held: int = MAX_HELD,
+        embed: EmbedParams | None = None,
     ):
-        """`max_held` (ordered): finished records kept behind a running earlier one, at most."""
-        self.engine = engine
+        """`max_held` (ordered): finished records kept behind a running earlier one, at most.
+        `embed`: every record is an embedding input, with these defaults (`flover run --embed`)."""
+        self.engine, self.embed = engine, embed
         self.writer = OrderedWriter(out, max_held) if ordered else UnorderedWriter(out)
         self.defaults = defaults
         self.token_ids = token_ids
@@ -224,22 +242,7 @@ class BatchRunner:
         if record.error is not None:
             return self._fail(record, record.code or "malformed_line", record.error)
         try:
-            params = self.defaults.with_updates(**record.sampling) if record.sampling else self.defaults
-            tokenized = (
-                self.engine.tokenize(None, record.messages, template_kwargs=record.template_kwargs)
-                if record.template_kwargs
-                else None
-            )
-            request = self.engine.make_request(
-                RequestInput(
-                    record.prompt,
-                    params,
-                    request_id=record.id,
-                    arrival_time=arrival_time,
-                    messages=record.messages,
-                    tokenized=tokenized,
-                )
-            )
+            request = self._request(record, arrival_time)
         except PromptTooLong as e:
             return self._fail(record, "prompt_too_long", f"line {record.line}: {e}")
         except (ValueError, TypeError) as e:
@@ -247,6 +250,31 @@ class BatchRunner:
         self._records[record.id] = record
         self.engine.enqueue(request)
         self.summary.prompt_tokens += len(request.prompt_token_ids)
+
+    def _request(self, record: PromptRecord, arrival_time: float | None) -> Request:
+        """The record's request, made (not queued); ValueError naming what is wrong with it."""
+        check_kind(record, self.embed is not None)
+        if self.embed is not None:
+            embed = dataclasses.replace(self.embed, **record.embed_options)
+            return self.engine.make_request(
+                RequestInput(record.prompt, request_id=record.id, arrival_time=arrival_time, embed=embed)
+            )
+        params = self.defaults.with_updates(**record.sampling) if record.sampling else self.defaults
+        tokenized = (
+            self.engine.tokenize(None, record.messages, template_kwargs=record.template_kwargs)
+            if record.template_kwargs
+            else None
+        )
+        return self.engine.make_request(
+            RequestInput(
+                record.prompt,
+                params,
+                request_id=record.id,
+                arrival_time=arrival_time,
+                messages=record.messages,
+                tokenized=tokenized,
+            )
+        )
 
     def _fail(self, record: PromptRecord, code: str, message: str) -> None:
         log.warning("%s", message)
@@ -269,6 +297,14 @@ class BatchRunner:
 
 
 def remote_result_record(event: dict, with_token_ids: bool) -> dict:
+    if "embedding" in event:
+        t = event["timings"]
+        return {
+            "id": event["id"],
+            "embedding": event["embedding"],
+            "usage": {"prompt_tokens": event["usage"]["prompt_tokens"]},
+            "latency": {"queue_s": t["queue_s"], "e2e_s": t["e2e_s"]},
+        }
     record = {
         "id": event["id"],
         "text": event.get("text"),
@@ -299,8 +335,9 @@ class RemoteBatchRunner:
         max_in_flight: int = 64,
         progress: Progress | None = None,
         timeout: float | None = None,
+        embed: EmbedParams | None = None,
     ):
-        self.client, self.token_ids = client, token_ids
+        self.client, self.token_ids, self.embed = client, token_ids, embed
         self.writer = OrderedWriter(out) if ordered else UnorderedWriter(out)
         self.max_in_flight = max_in_flight
         self.progress = progress or Progress(0, enabled=False)
@@ -357,7 +394,7 @@ class RemoteBatchRunner:
         if event["event"] == "final" and event["finish_reason"] in ("stop", "length"):
             s.completed += 1
             s.prompt_tokens += event["usage"]["prompt_tokens"]
-            s.completion_tokens += event["usage"]["completion_tokens"]
+            s.completion_tokens += event["usage"].get("completion_tokens", 0)
             self.writer.write(record.index, remote_result_record(event, self.token_ids))
             self.progress.update(1, s.completion_tokens, len(in_flight))
         elif event["event"] == "error" and event["code"] == "overloaded":
@@ -383,8 +420,15 @@ class RemoteBatchRunner:
         self.summary.stopped = f"no reply from the server for {self.timeout:g} s"
 
     def _send(self, record: PromptRecord, in_flight: dict) -> None:
+        try:
+            check_kind(record, self.embed is not None)
+        except ValueError as e:
+            return self._fail(record, "invalid_request", f"line {record.line}: {e}")
         message = {"op": "generate", "id": record.id, "stream": False, "params": {**self._base, **record.sampling}}
-        if record.messages is not None:
+        if self.embed is not None:
+            options = {**asdict(self.embed), **record.embed_options}
+            message = embed_message(record.id, record.prompt, **{k: v for k, v in options.items() if v is not None})
+        elif record.messages is not None:
             message["messages"] = record.messages
             if record.template_kwargs:
                 message["chat_template_kwargs"] = record.template_kwargs

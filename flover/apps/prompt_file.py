@@ -9,9 +9,10 @@ line number), exactly one of `prompt`
 (text), `input_ids` (token ids) or `messages` (chat, rendered with the checkpoint's template;
 with them `chat_template_kwargs`, more variables for the template, as vLLM's: e.g. Qwen3's
 `{"enable_thinking": false}`), and any SamplingParams field (`max_new_tokens`, `temperature`,
-`stop`, ...). Blank lines are skipped. A line that cannot be a request still yields a record
-carrying its error, so that the output says what was wrong with it (and a resumed run does not
-retry it).
+`stop`, ...); with `flover run --embed` a line is an embedding input (`prompt` or `input_ids`) and
+may carry `dimensions` and `truncate_prompt_tokens` instead. Blank lines are skipped. A line that
+cannot be a request still yields a record carrying its error, so that the output says what was
+wrong with it (and a resumed run does not retry it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS
 from flover.protocol import check_template_kwargs
 
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
+EMBED_KEYS = ("dimensions", "truncate_prompt_tokens")  # an embedding input's own options
 
 
 class PromptFileError(ValueError):
@@ -39,6 +41,7 @@ class PromptRecord:
     messages: list | None = None
     template_kwargs: dict | None = None  # more variables for the chat template (with messages)
     sampling: dict = field(default_factory=dict)  # per-request SamplingParams overrides
+    embed_options: dict = field(default_factory=dict)  # an embedding input's EMBED_KEYS
     error: str | None = None  # the line is malformed; `code` says how
     code: str | None = None
 
@@ -108,12 +111,18 @@ def _parse_json_line(index: int, number: int, text: str) -> PromptRecord:
         return bad(
             f"exactly one of {', '.join(PROMPT_KEYS)} is required (found {present or 'none'})", rid, "invalid_request"
         )
-    unknown = sorted(set(obj) - set(PROMPT_KEYS) - SAMPLING_KEYS - {"id", "chat_template_kwargs"})
+    unknown = sorted(set(obj) - set(PROMPT_KEYS) - SAMPLING_KEYS - set(EMBED_KEYS) - {"id", "chat_template_kwargs"})
     if unknown:
         return bad(f"unknown field(s) {unknown}", rid, "invalid_request")
     key = present[0]
     value = obj[key]
-    record = PromptRecord(index, number, rid, sampling={k: obj[k] for k in obj if k in SAMPLING_KEYS})
+    record = PromptRecord(
+        index,
+        number,
+        rid,
+        sampling={k: obj[k] for k in obj if k in SAMPLING_KEYS},
+        embed_options={k: obj[k] for k in EMBED_KEYS if k in obj},
+    )
     if key == "prompt":
         if not isinstance(value, str):
             return bad("`prompt` must be a string", rid, "invalid_request")

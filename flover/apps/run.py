@@ -37,6 +37,12 @@ def add_run_command(sub) -> None:
     run.add_argument("--out", required=True, help="JSONL results file (appended; - for stdout)")
     run.add_argument("--ordered", action="store_true", help="write results in input order")
     run.add_argument("--token-ids", action="store_true", help="include token ids in each record")
+    embed = run.add_argument_group("embeddings (a line is an input; its record carries its vector)")
+    embed.add_argument("--embed", action="store_true", help="embed every input instead of generating")
+    embed.add_argument("--dimensions", type=int, help="with --embed: the first N components (normalized after)")
+    embed.add_argument(
+        "--truncate-prompt-tokens", type=int, help="with --embed: a longer input keeps its first N tokens"
+    )
     run.add_argument(
         "--arrival",
         choices=("none", "poisson", "interval"),
@@ -55,6 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from flover.apps.batch import arrival_offsets
     from flover.apps.prompt_file import check_unique_ids
+    from flover.request import EmbedParams
 
     require_model(args)
     if is_follower_rank():  # only the leader touches the files; the others serve its iterations
@@ -67,10 +74,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     read, digest = _prompts(args)
     ids = check_unique_ids(read())  # before any work: duplicate ids are an error
     params = sampling_params(args)
+    embed = EmbedParams(args.dimensions, args.truncate_prompt_tokens) if args.embed else None
+    if embed is None and (args.dimensions is not None or args.truncate_prompt_tokens is not None):
+        raise ValueError("--dimensions and --truncate-prompt-tokens go with --embed")
     parts = {"prompts_sha256": digest, "params": asdict(params), "token_ids": args.token_ids}
+    if embed is not None:  # (a results file of another kind is not resumed by this one)
+        parts = {"prompts_sha256": digest, "embed": asdict(embed)}
     offsets = arrival_offsets(args.arrival, args.rate, args.interval, args.seed)
     run = _run_remote if args.connect else _run_local
-    summary = run(args, read, ids, parts, offsets, params)
+    summary = run(args, read, ids, parts, offsets, params, embed)
     print(f"flover run: {summary.line()}", file=sys.stderr)
     incomplete = summary.incomplete_line()
     if incomplete:
@@ -98,7 +110,7 @@ def _prompts(args: argparse.Namespace):
     return read, file_sha256(args.prompts)
 
 
-def _run_remote(args, read, ids: set[str], parts: dict, offsets, params):
+def _run_remote(args, read, ids: set[str], parts: dict, offsets, params, embed):
     """Through a running daemon (--connect)."""
     from flover.apps.batch import RemoteBatchRunner
     from flover.apps.results_file import open_results
@@ -121,13 +133,14 @@ def _run_remote(args, read, ids: set[str], parts: dict, offsets, params):
                 max_in_flight=args.max_in_flight,
                 progress=progress,
                 timeout=args.timeout,
+                embed=embed,
             )
             return _run_records(args, read, ids, done, offsets, runner)
         finally:
             out.close()
 
 
-def _run_local(args, read, ids: set[str], parts: dict, offsets, params):
+def _run_local(args, read, ids: set[str], parts: dict, offsets, params, embed):
     """Through an engine in this process (and its ranks under mpirun)."""
     from flover.apps.batch import BatchRunner
     from flover.apps.results_file import open_results
@@ -137,7 +150,7 @@ def _run_local(args, read, ids: set[str], parts: dict, offsets, params):
     try:
         engine = start_engine(args)
         runner = lambda progress: BatchRunner(  # noqa: E731
-            engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress
+            engine, out, params, ordered=args.ordered, token_ids=args.token_ids, progress=progress, embed=embed
         )
         return _run_records(args, read, ids, done, offsets, runner)
     finally:

@@ -22,7 +22,7 @@ from flover.parallel.comm import Communicator
 from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
-from flover.runner.plan import StepPlan
+from flover.runner.plan import PrefillChunk, StepPlan
 from flover.runner.pooling import pool
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.structured.grammars import allowed_bits
@@ -237,9 +237,7 @@ class ModelRunner:
             if chunk.snapshot is not None:
                 snapshots[row - 1] = chunk.snapshot
             if r.embed is not None:  # pooled, never sampled
-                kept = pooled_rows(self.pooling, chunk.start, chunk.length, r.prompt_len)
-                rows_of.pooling.append(PoolRows(r, len(pool_rows), len(kept), chunk.completes_prompt))
-                pool_rows += [row - chunk.length + k for k in kept]
+                self._pooled_chunk(chunk, row - chunk.length, pool_rows, rows_of)
             elif chunk.completes_prompt:
                 sample_rows.append(row - 1)
                 rows_of.sampled.append(r)
@@ -263,6 +261,14 @@ class ModelRunner:
             bases = {r.slot: r.window_base for r in (*decode, *(c.request for c in plan.prefill))}
             batch.window = self._window_rows(batch, positions, slots, bases, [r.slot for r in decode], span_lens)
         return batch, rows_of
+
+    def _pooled_chunk(self, chunk: PrefillChunk, first_row: int, pool_rows: list[int], rows_of: IterationRows) -> None:
+        """An embedding request's prompt chunk (its first token at `first_row`): the rows its
+        pooling keeps join the iteration's pooled rows."""
+        r = chunk.request
+        kept = pooled_rows(self.pooling, chunk.start, chunk.length, r.prompt_len)
+        rows_of.pooling.append(PoolRows(r, len(pool_rows), len(kept), chunk.completes_prompt))
+        pool_rows += [first_row + k for k in kept]
 
     def _window_rows(
         self,
