@@ -88,7 +88,9 @@ class Engine(ServingEngine):
         self.dtype = TORCH_DTYPES[config.dtype]
         self.tp = TPLayout.build(cfg, tp_comm.rank if tp_comm else 0, tp_comm.size if tp_comm else 1)
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
-        max_seq_len = resolve_max_seq_len(config, cfg)
+        max_seq_len = resolve_max_seq_len(config, cfg, checkpoint.default_max_tokens())
+        if cfg.encoder and config.max_batch_tokens < max_seq_len:  # (an encoder's input comes whole)
+            self.config = config = dataclasses.replace(config, max_batch_tokens=max_seq_len)
         self.tokenizer, self.intake = self._intake(checkpoint, max_seq_len)
         prefix_blocks, window, snapshots = self._kv_plan(max_seq_len)
         if pipe is not None and self.is_leader:
@@ -114,6 +116,7 @@ class Engine(ServingEngine):
             self._speculation(self.runner.native, self.runner.graphs),
             window,
             depth=pipe.place.stages if pipe is not None else 1,
+            whole_prompts=cfg.encoder,
         )
         # TP: the leader's intake reaches every rank's scheduler (pipeline stages: the leader's plans do)
         self.channel = IntakeChannel(tp_comm) if tp_comm is not None and pipe is None else None
@@ -169,6 +172,8 @@ class Engine(ServingEngine):
         state snapshots). Per rank; the same counts on every rank (heads split evenly), which keeps
         their prefix indexes making the same decisions (docs/prefix_cache.md)."""
         config, cfg = self.config, self.model_config
+        if cfg.encoder:  # (no KV kept: nothing to cache, no window)
+            return 0, None, 0
         block_bytes = kv_bytes_per_position(cfg, self.tp, self.dtype) * BLOCK_TOKENS
         budget = config.prefix_cache_mib * 2**20
         snapshots = 0
@@ -245,6 +250,8 @@ class Engine(ServingEngine):
             raise ValueError(f"request id {request_id!r} is already in flight")
         if given.embed is not None and self.embeddings_refused is not None:
             raise ValueError(self.embeddings_refused)
+        if given.embed is None and self.model_config.encoder:
+            raise ValueError(f"{self.model_config.architecture} is a text encoder: it makes embeddings, not text")
         return self.intake.build(request_id, given)
 
     @property

@@ -68,9 +68,11 @@ class Scheduler:
         speculation: Speculation = Speculation(),
         window: WindowedKV | None = None,
         depth: int = 1,
+        whole_prompts: bool = False,
     ):
         """`window`: the sliding-window layers' bounded rows (None: every layer keeps every position).
-        `depth`: plans in flight at most (pipeline stages)."""
+        `depth`: plans in flight at most (pipeline stages). `whole_prompts`: a prompt is never cut
+        into chunks (an encoder's input attends both ways): it waits for an iteration with room."""
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
@@ -80,6 +82,9 @@ class Scheduler:
         self.speculation = speculation
         self.window = window
         self.depth = depth
+        self.whole_prompts = whole_prompts
+        if whole_prompts and prompt_first.iterations and prompt_first.tokens < max_batch_tokens:
+            self.prompt_first = PromptFirst(iterations=0)  # (no decode rows to defer; it would cut the budget)
         self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
         self._prompt_only = 0  # prompt-only iterations in a row so far
         self.requests: dict[str, Request] = {}  # every request from add() until it leaves (all below)
@@ -165,6 +170,8 @@ class Scheduler:
         cached prefix, while a slot is free and the budget allows; the budget left."""
         now = time.perf_counter()
         while self.waiting and budget > 0 and self.num_live < self.max_slots:
+            if self.whole_prompts and self.waiting[0].prompt_len > budget:
+                break  # (FCFS: it goes first in a later iteration; the engine keeps any input within one's budget)
             request = self.waiting.popleft()
             request.state = RequestState.RUNNING
             request.timings.scheduled = now

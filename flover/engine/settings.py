@@ -36,10 +36,11 @@ def resolve_config(config: EngineConfig, cfg: ModelConfig, file_quantization: st
     return config
 
 
-def resolve_max_seq_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    """The positions a slot holds: asked for, or the model's up to DEFAULT_MAX_SEQ_LEN; never more
-    than the model knows."""
-    max_seq_len = config.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+def resolve_max_seq_len(config: EngineConfig, cfg: ModelConfig, suggested: int | None = None) -> int:
+    """The positions a slot holds: asked for, or the model's (`suggested` by its files, e.g. a
+    sentence-transformers max_seq_length) up to DEFAULT_MAX_SEQ_LEN; never more than the model knows."""
+    default = min(suggested or cfg.max_position_embeddings, cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = config.max_seq_len or default
     if max_seq_len > cfg.max_position_embeddings:
         raise ValueError(
             f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"

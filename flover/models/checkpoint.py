@@ -12,7 +12,7 @@ from flover.models.families import load_model_config as read_directory_config
 from flover.models.gguf_file import GGUFFile, is_gguf
 from flover.models.gguf_grids import BLOCK_TYPES
 from flover.models.model_config import CheckpointError, ModelConfig
-from flover.models.pooling import Pooling, directory_pooling
+from flover.models.pooling import Pooling, directory_pooling, sentence_max_tokens
 
 if TYPE_CHECKING:  # the tensor reader imports torch: only when weights are read
     from flover.models.safetensors_reader import CheckpointReader
@@ -54,6 +54,10 @@ class HFDirectory:
     def pooling(self) -> Pooling | None:
         """How it makes embeddings, where it is a sentence-transformers directory."""
         return directory_pooling(self.path)
+
+    def default_max_tokens(self) -> int | None:
+        """The positions its own files suggest (a sentence-transformers max_seq_length), if any."""
+        return sentence_max_tokens(self.path)
 
     def reader(self, cfg: ModelConfig) -> CheckpointReader:
         from flover.models.safetensors_reader import CheckpointReader

@@ -148,6 +148,9 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: metadata {key!r} must be a number, got {value!r}")
         return float(value)
 
+    def default_max_tokens(self) -> int | None:
+        return None  # (its context length is max_position_embeddings already)
+
     def pooling(self) -> Pooling | None:
         """How it makes embeddings, where llama.cpp's converter wrote an embedding model's pooling."""
         key = f"{self.arch}.pooling_type"

@@ -300,10 +300,16 @@ class ModelConfig:
     per_layer_input: PerLayerInputConfig | None = None
     final_softcap: float | None = None  # the logits as cap * tanh(logits / cap)
     layer_scalar: bool = False  # each layer's output times a learned scalar
+    # (BERT-family encoders, models/bert.py) attention both ways within each input, no KV kept,
+    # vectors made and no text; `token_types`: rows of its token-type table
+    encoder: bool = False
+    token_types: int = 0
 
     def kv_layers(self) -> list[int]:
         """The layers that keep keys and values (the others keep a recurrent state instead, or
         read another layer's)."""
+        if self.encoder:
+            return []
         recurrent = self.linear_attention.layers if self.linear_attention is not None else frozenset()
         return [n for n in range(self.num_layers) if n not in recurrent and self.kv_source(n) == n]
 

@@ -96,3 +96,18 @@ def pooled_rows(pooling: Pooling, start: int, length: int, prompt_len: int) -> r
         return range(length)
     at = 0 if pooling.mode == "cls" else prompt_len - 1
     return range(at - start, at - start + 1) if start <= at < start + length else range(0)
+
+
+def sentence_max_tokens(path: Path) -> int | None:
+    """A sentence-transformers directory's max_seq_length (sentence_bert_config.json): the tokens
+    its inputs are cut to there, and the positions flover gives them by default; None: unsaid."""
+    config_file = path / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        value = json.loads(config_file.read_text()).get("max_seq_length")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{config_file}: not a sentence-transformers config ({e!r})") from None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise CheckpointError(f"{config_file}: max_seq_length must be a positive integer, got {value!r}")
+    return value

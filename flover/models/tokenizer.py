@@ -48,6 +48,8 @@ class Tokenizer:
     def __init__(self, backend: HFTokenizer, special_tokens: dict, chat_template, where: str = "the checkpoint"):
         """`chat_template`: its source as the file holds it (a string; anything else turns chat off,
         named with `where`, the file and field it came from)."""
+        backend.no_padding()  # (a tokenizer.json may pad or cut every text: flover refuses, never cuts silently)
+        backend.no_truncation()
         self._tok = backend
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         # The most text one token can stand for (UTF-8 bytes of its vocabulary string, an upper
@@ -56,6 +58,8 @@ class Tokenizer:
         self.max_token_bytes = max(
             (len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)), default=1
         )
+        if isinstance(backend.model, models.WordPiece):  # (one [UNK] stands for a whole word up to this long)
+            self.max_token_bytes = max(self.max_token_bytes, 4 * backend.model.max_input_chars_per_word)
         self.special_tokens = special_tokens
         self.chat_template: TemplateSandbox | None = None  # compiled and rendered in a bounded child
         chat_template, self.chat_template_error = _template_text(chat_template, where)

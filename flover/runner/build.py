@@ -113,7 +113,7 @@ def _static_decode(s: RankSetup) -> bool:
 def _slot_buffer(s: RankSetup, scratch_slots: int) -> SlotBuffer:
     """This rank's KV: its stage's layers (numbered as its buffer's), its kv heads."""
     config, cfg = s.config, s.cfg
-    layers = s.stage.layers if s.stage is not None else range(cfg.num_layers)
+    layers = s.stage.layers if s.stage is not None else range(0 if cfg.encoder else cfg.num_layers)  # (encoders: no KV)
     window = s.window
     if window is not None and s.stage is not None:  # this stage's windowed layers, numbered as its buffer's
         window = dataclasses.replace(window, layers=frozenset(n - layers.start for n in window.layers if n in layers))

@@ -324,6 +324,8 @@ class ModelRunner:
 
     def _sample_all_rows(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
         """One id per sampled row (a drafting request has several)."""
+        if not rows.sampled and not rows.scoring:  # (only prompt chunks or embedding rows: every rank alike)
+            return StepResult()
         if isinstance(logits, list):
             return self._broadcast(logits, None, {}, [])
         if self.comm is not None:

@@ -1,0 +1,48 @@
+"""BERT-family text encoders (all-MiniLM, BGE, E5, GTE as sentence-transformers save them:
+BertModel's tensors at the top level): embeddings only, never text. Their graph is
+models/bert.py's (absolute positions, post-norm LayerNorms, erf GELU, attention both ways within
+an input); their pooling is the directory's modules.json (models/pooling.py)."""
+
+from flover.models.families._shared import Family, sizes
+from flover.models.model_config import CheckpointError
+
+
+def bert_fields(raw: dict) -> dict:
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise CheckpointError(
+            f"config.json: position_embedding_type {raw['position_embedding_type']!r}: absolute positions only"
+        )
+    if raw.get("is_decoder") or raw.get("add_cross_attention"):
+        raise CheckpointError("config.json: a BERT decoder or cross-attention is not an encoder flover serves")
+    heads = raw["num_attention_heads"]
+    head_dim = raw["hidden_size"] // heads
+    if head_dim * heads != raw["hidden_size"]:
+        raise CheckpointError(f"config.json: hidden_size {raw['hidden_size']} is not a multiple of {heads} heads")
+    return dict(
+        **{**sizes(raw, head_dim, 512), "norm_eps": raw.get("layer_norm_eps", 1e-12)},
+        hidden_act=raw.get("hidden_act", "gelu"),
+        tie_word_embeddings=False,
+        rope_theta=10000.0,  # (no RoPE: absolute position embeddings)
+        rope_scaling=None,
+        rotary_dim=head_dim,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        sliding_windows=(None,) * raw["num_hidden_layers"],
+        norm_layout="post",
+        gated_mlp=False,
+        encoder=True,
+        token_types=raw.get("type_vocab_size", 2),
+    )
+
+
+FAMILY = Family(
+    name="bert",
+    hf_architectures=("BertModel",),
+    from_hf=bert_fields,
+    decoder="flover.models.bert:BertEncoder",
+    native=False,  # (LayerNorm, erf GELU and attention both ways: not the native step's yet)
+    layer_prefix="encoder.layer",
+    embed_name="embeddings.word_embeddings.weight",
+    number_fields=("layer_norm_eps",),
+)
