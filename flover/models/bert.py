@@ -122,4 +122,3 @@ class BertEncoder(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """No token is ever sampled from an encoder: [B, 0]."""
         return hidden.new_zeros(hidden.shape[0], 0)
-

@@ -465,7 +465,6 @@ class Daemon:
                 self.engine.abort(engine_id)  # its `cancelled` final comes with the next iteration
         elif op == "health":
             c, e = self.config, self.engine
-            embeds = e.embeddings_refused is None
             self._send(
                 identity,
                 {
@@ -476,7 +475,7 @@ class Daemon:
                     "max_message_bytes": c.max_message_bytes,
                     "max_seq_len": e.max_seq_len,
                     "max_slots": e.config.max_slots,
-                    "capabilities": ["completion", "chat"] + (["embeddings", "rerank"] if embeds else []),
+                    "capabilities": e.capabilities,
                 },
                 envelope,
             )

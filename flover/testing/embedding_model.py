@@ -1,6 +1,7 @@
-"""Embedding checkpoints for tests and benchmarks: a decoder checkpoint directory made a
-sentence-transformers one (modules.json, 1_Pooling/config.json, Normalize), as Qwen3-Embedding's
-is, so that `sentence_transformers.SentenceTransformer(dir)` is the reference."""
+"""Embedding checkpoints for tests and benchmarks, as sentence-transformers directories (modules.json,
+1_Pooling/config.json, Normalize), so that `sentence_transformers.SentenceTransformer(dir)` is
+the reference: a decoder checkpoint made one (as Qwen3-Embedding's is), and small random BERT
+encoders (as all-MiniLM, BGE, E5 are) with a WordPiece tokenizer trained here."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def as_sentence_transformer(src: str | Path, out: str | Path, mode: str, normali
     """A copy of the checkpoint directory `src` at `out` that pools as `mode` (normalized or not);
     its tokenizer pads with its EOS (sentence-transformers pads a batch)."""
     out = Path(out)
-    shutil.copytree(src, out, dirs_exist_ok=True)
+    if Path(src).resolve() != out.resolve():
+        shutil.copytree(src, out, dirs_exist_ok=True)
     hidden = json.loads((out / "config.json").read_text())["hidden_size"]
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -40,3 +42,42 @@ def as_sentence_transformer(src: str | Path, out: str | Path, mode: str, normali
     config.setdefault("pad_token", config.get("eos_token"))
     tokenizer_config.write_text(json.dumps(config, indent=1))
     return out
+
+
+def train_wordpiece(vocab_size: int, seed: int = 0):
+    """A BERT-style (uncased WordPiece, [CLS] ... [SEP]) tokenizer trained on the test corpus."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from flover.testing.tiny_model import corpus
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials)
+    tok.train_from_iterator(corpus(seed=seed), trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return tok
+
+
+def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config) -> Path:
+    """A random BertModel (transformers, fixed seed; `config` overrides its sizes) with a trained
+    WordPiece tokenizer, as a sentence-transformers directory pooling as `mode`, normalized."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    tok = train_wordpiece(512, seed)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    bert = transformers.BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=128, **{**sizes, **config})
+    torch.manual_seed(seed)
+    transformers.BertModel(bert, add_pooling_layer=False).save_pretrained(out)
+    fast = transformers.BertTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+    fast.save_pretrained(out)
+    return as_sentence_transformer(out, out, mode)

