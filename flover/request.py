@@ -122,7 +122,7 @@ class Request:
     drafting: object | None = None  # speculation.Drafting, once it drafts
     grammar: object | None = None  # structured.GrammarState: the structure its text must match
     embed: EmbedParams | None = None  # an embedding request: pooled, not sampled
-    pooled: list = field(default_factory=list)  # its kept rows so far, one tensor per prompt chunk (runner)
+    pooled: object | None = None  # runner/pooling.PooledRows: its kept rows so far, reduced as they come
     embedding: list[float] | None = None  # its vector, once its prompt is through
 
     @property

@@ -10,7 +10,9 @@ import torch
 from flover import LLM, SamplingParams
 from flover.engine.intake import PromptTooLong
 from flover.models.model_config import CheckpointError
+from flover.models.pooling import Pooling
 from flover.request import EmbedParams, RequestInput
+from flover.runner.pooling import PooledRows
 from flover.testing.embedding_model import as_sentence_transformer
 
 TEXTS = [
@@ -130,3 +132,25 @@ def test_a_checkpoints_pooling_config_is_checked(make_model, tmp_path):
     (model_dir / "modules.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="modules.json"):
         LLM(str(model_dir))
+
+
+@pytest.mark.parametrize("mode", ["mean", "mean_sqrt_len", "max"])
+def test_pooled_rows_are_the_same_bits_however_the_prompt_is_cut(mode):
+    """Rows of very different sizes (where float sums depend on their order) fed in different
+    chunks give the same vector, and the sentence-transformers value within float64 rounding."""
+    scales = torch.logspace(-6, 4, 300, dtype=torch.float64)[:, None]
+    rows = torch.randn(300, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * scales
+    pooling = Pooling(mode, True, "test")
+
+    def vector(cuts: list[int]) -> torch.Tensor:
+        pooled, start = PooledRows(pooling), 0
+        for end in [*cuts, rows.shape[0]]:
+            pooled.add(rows[start:end])
+            start = end
+        return pooled.vector()
+
+    whole = vector([])
+    for cuts in ([1, 65, 130, 299], [64, 128, 192, 256], [7, 8, 9, 200]):
+        assert torch.equal(vector(cuts), whole), cuts
+    want = {"mean": rows.mean(0), "mean_sqrt_len": rows.sum(0) / 300**0.5, "max": rows.max(0).values}[mode]
+    assert torch.allclose(whole, torch.nn.functional.normalize(want, dim=0), rtol=0, atol=1e-12)

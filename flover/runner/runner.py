@@ -23,7 +23,7 @@ from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.plan import PrefillChunk, StepPlan
-from flover.runner.pooling import pool
+from flover.runner.pooling import PooledRows
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.structured.grammars import allowed_bits
 
@@ -153,17 +153,18 @@ class ModelRunner:
 
     def pool(self, pooled: torch.Tensor | None, pooling: list[PoolRows]) -> list[tuple[Request, list[float]]]:
         """pooled [P, hidden]: the iteration's pooled rows -> each request whose prompt is through,
-        with its vector. A request's rows wait on it until then, so its vector is pooled from all of
-        them at once, whatever its chunks were."""
+        with its vector. A request's rows are reduced on it as they come (PooledRows), the same
+        whatever its chunks were."""
         done = []
         for p in pooling:
             r = p.request
+            if r.pooled is None:
+                r.pooled = PooledRows(self.pooling)
             if p.count:
-                r.pooled.append(pooled[p.first : p.first + p.count].clone())
+                r.pooled.add(pooled[p.first : p.first + p.count])
             if p.completes:
-                vector = pool(torch.cat(r.pooled), self.pooling, r.embed.dimensions)
-                r.pooled = []
-                done.append((r, vector.tolist()))
+                done.append((r, r.pooled.vector(r.embed.dimensions).tolist()))
+                r.pooled = None
         return done
 
     def expert_load(self) -> list[dict] | None:

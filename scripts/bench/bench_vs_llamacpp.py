@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -238,11 +239,14 @@ def converted(hf_dir: Path, outtype: str, cache: Path) -> Path:
 # -- servers ---------------------------------------------------------------------------------------
 class Running:
     def __init__(self, cmd: list[str], ready, env=None):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        # its log goes to a file: a pipe nobody reads fills (64 KiB, a line a request) and stops the server
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env)
         deadline = time.time() + 300
         while not ready():
             if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{self.log.read()[-2000:]}")
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -251,6 +255,7 @@ class Running:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def served_model(port: int) -> str:

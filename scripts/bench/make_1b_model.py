@@ -9,6 +9,7 @@
     python scripts/bench/make_1b_model.py --shape qwen3.5-2b          # Gated DeltaNet, dense
     python scripts/bench/make_1b_model.py --shape qwen3.5-moe-1.9b    # ... and 64 experts + a shared one
     python scripts/bench/make_1b_model.py --shape gemma4-e2b          # per-layer inputs, shared KV
+    python scripts/bench/make_1b_model.py --shape qwen3-embedding-0.6b   # + its -hf directory pools (embeddings)
 
 Real dimensions (llama-1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, tied embeddings, llama3 RoPE; qwen3-1.7b: Qwen3-1.7B's, 28 layers, 16/8 heads of
@@ -64,6 +65,20 @@ QWEN3_17B = dict(
     num_key_value_heads=8,
     head_dim=128,
     max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+
+# Qwen3-Embedding-0.6B's (Qwen3-0.6B's decoder; last-token pooling, normalized)
+QWEN3_EMBEDDING_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=32768,
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
     rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
@@ -220,6 +235,7 @@ GEMMA4_E2B = dict(
 SHAPES = {  # name -> (transformers config class, model class, dimensions)
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_32_1B),
     "qwen3-1.7b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_17B),
+    "qwen3-embedding-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_EMBEDDING_06B),
     "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_1B),
     "qwen3-moe-1.8b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),
     "qwen3-moe-dense-active": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_MOE_DENSE_ACTIVE),
@@ -262,6 +278,10 @@ def hf_model(cache: Path, shape: str = "llama-1b") -> Path:
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if shape == "qwen3-embedding-0.6b":  # a sentence-transformers directory, as Qwen3-Embedding's
+        from flover.testing.embedding_model import as_sentence_transformer
+
+        as_sentence_transformer(out, out, "last")
     if shape.startswith(
         "qwen3.5"
     ):  # (else AutoTokenizer swaps in Qwen's pre-tokenizer, which the converter does not know)
