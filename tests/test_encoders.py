@@ -16,7 +16,7 @@ from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
 from flover.engine.scheduler import Scheduler
 from flover.request import EmbedParams, Request
-from flover.testing.embedding_model import make_tiny_bert
+from flover.testing.embedding_model import make_tiny_bert, write_bert_gguf
 
 CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))
 TEXTS = [
@@ -103,3 +103,16 @@ def test_whole_prompts_wait_for_an_iteration_with_room():
     for n, length in enumerate([6, 6, 3]):
         chunked.add(Request(str(n), list(range(1, length + 1)), SamplingParams(), embed=EmbedParams()))
     assert [(c.request.request_id, c.length) for c in chunked.schedule().prefill] == [("0", 6), ("1", 4)]
+
+
+@pytest.mark.parametrize("mode, pooling_type", [("mean", 1), ("cls", 2)])
+def test_a_bert_gguf_file_gives_the_directorys_vectors(tiny_bert, tmp_path, mode, pooling_type):
+    """llama.cpp's `bert` layout (write_bert_gguf: its names, its WordPiece spelling, its pooling
+    type): the same tokens and, in float64, the directory's vectors."""
+    model_dir = tiny_bert(mode)
+    gguf_file = write_bert_gguf(model_dir, tmp_path / "bert.gguf", pooling_type)
+    from_file, from_dir = LLM(str(gguf_file), dtype="float64"), LLM(model_dir, dtype="float64")
+    assert from_file.engine.pooling.mode == mode and from_file.engine.max_seq_len == 128
+    for text in TEXTS:
+        assert from_file.engine.tokenizer.encode(text) == from_dir.engine.tokenizer.encode(text), text
+    assert (vectors(from_file, TEXTS) - vectors(from_dir, TEXTS)).abs().max().item() < 1e-12

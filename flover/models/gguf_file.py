@@ -95,7 +95,7 @@ def is_gguf(path: str | Path) -> bool:
 
 @dataclass
 class GGUFTokenizerSpec:
-    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (sentencepiece)
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (sentencepiece), "bert" (WordPiece)
     pre: str | None  # tokenizer.ggml.pre: which split regex the merges were learned with
     tokens: list[str]
     token_types: list[int]  # 1 normal, 3 control (special), 4 user-defined
@@ -105,6 +105,9 @@ class GGUFTokenizerSpec:
     eos_token_id: int | None
     add_bos: bool
     chat_template: str | None
+    add_eos: bool = False  # (BERT's: [CLS] text [SEP])
+    lowercase: bool = False  # tokenizer.ggml.normalizer.lowercase (BERT's uncased WordPiece)
+    unknown_token_id: int | None = None
 
 
 class GGUFFile:
@@ -333,6 +336,9 @@ class GGUFFile:
             eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(self.get("tokenizer.ggml.add_bos_token", model == "llama")),
             chat_template=self.get("tokenizer.chat_template"),
+            add_eos=bool(self.get("tokenizer.ggml.add_eos_token", False)),
+            lowercase=bool(self.get("tokenizer.ggml.normalizer.lowercase", False)),
+            unknown_token_id=self.get("tokenizer.ggml.unknown_token_id"),
         )
 
 
@@ -359,7 +365,7 @@ class GGUFReader:
                     heads = cfg.num_heads
                 elif permuted and hf == "self_attn.k_proj.weight":
                     heads = cfg.num_kv_heads
-                self.names[f"model.layers.{i}.{hf}"] = (f"blk.{i}.{name}", heads)
+                self.names[f"{family.layer_prefix}.{i}.{hf}"] = (f"blk.{i}.{name}", heads)
             if cfg.moe is not None and i in cfg.moe.layers:
                 self._expert_names(cfg.moe, i)
 

@@ -98,7 +98,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, spec: GGUFTokenizerSpec, where: str = "GGUF") -> "Tokenizer":
-        builders = {"gpt2": _byte_level_bpe, "gemma4": _spm_style_bpe}
+        builders = {"gpt2": _byte_level_bpe, "gemma4": _spm_style_bpe, "bert": _wordpiece}
         if spec.model not in builders:
             raise CheckpointError(
                 f"{where}: tokenizer model {spec.model!r} is not supported yet (flover builds "
@@ -112,10 +112,14 @@ class Tokenizer:
             "unk_token": None,
             "pad_token": None,
         }
+        eos = special["eos_token"] if spec.add_eos else None  # (BERT's [SEP] after the text)
         if spec.add_bos and special["bos_token"]:
             bos = special["bos_token"]
+            ends = [(bos, spec.bos_token_id)] + ([(eos, spec.eos_token_id)] if eos and eos != bos else [])
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_token_id)]
+                single=f"{bos} $A" + (f" {eos}" if eos else ""),
+                pair=f"{bos} $A {eos} $B:1 {eos}:1" if eos else f"{bos} $A {bos} $B",
+                special_tokens=ends,
             )
         return cls(backend, special, spec.chat_template, f"{where}: tokenizer.chat_template")
 
@@ -329,6 +333,26 @@ def _spm_style_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
     )
     backend.add_tokens(
         [AddedToken(t, normalized=False, special=False) for t, kind in zip(spec.tokens, spec.token_types) if kind == 4]
+    )
+    return backend
+
+
+def _wordpiece(spec: GGUFTokenizerSpec) -> HFTokenizer:
+    """BERT's WordPiece ("bert"), as llama.cpp's converter stores it: a word's first piece spelled
+    with a leading U+2581, a continuation without (HF's "##" prefix taken off), control tokens as
+    they are; normalized and split as BertNormalizer / BertPreTokenizer do (lowercased where the
+    file says, accents then stripped)."""
+    vocab = {}
+    for i, (t, kind) in enumerate(zip(spec.tokens, spec.token_types)):
+        word = t if kind == 3 else t[1:] if t.startswith("\u2581") else "##" + t
+        vocab.setdefault(word, i)
+    unk = spec.tokens[spec.unknown_token_id] if spec.unknown_token_id is not None else "[UNK]"
+    backend = HFTokenizer(models.WordPiece(vocab=vocab, unk_token=unk, max_input_chars_per_word=100))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=spec.lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in zip(spec.tokens, spec.token_types) if kind == 3]
     )
     return backend
 

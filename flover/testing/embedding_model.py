@@ -81,3 +81,67 @@ def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config)
     )
     fast.save_pretrained(out)
     return as_sentence_transformer(out, out, mode)
+
+
+def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 1) -> Path:
+    """A BERT directory (make_tiny_bert's) as llama.cpp's convert_hf_to_gguf.py writes it (F32): its
+    `bert` metadata and tensor names, the WordPiece vocabulary with a word's first piece spelled
+    with a leading U+2581 and continuations without their "##" (`pooling_type`: 1 mean, 2 cls)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    specials = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    tokens, types = [], []
+    for token, _ in sorted(vocab.items(), key=lambda item: item[1]):
+        special = token in specials
+        tokens.append(token if special else token[2:] if token.startswith("##") else "\u2581" + token)
+        types.append(3 if special else 1)
+    w = gguf.GGUFWriter(str(out), "bert")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_eps(config["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType(pooling_type))
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for name, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("unk", "[UNK]"), ("sep", "[SEP]"), ("pad", "[PAD]")):
+        getattr(w, f"add_{name}_token_id")(vocab[token])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
+    names = {
+        "embeddings.word_embeddings": "token_embd",
+        "embeddings.position_embeddings": "position_embd",
+        "embeddings.token_type_embeddings": "token_types",
+        "embeddings.LayerNorm": "token_embd_norm",
+        "attention.self.query": "attn_q",
+        "attention.self.key": "attn_k",
+        "attention.self.value": "attn_v",
+        "attention.output.dense": "attn_output",
+        "attention.output.LayerNorm": "attn_output_norm",
+        "intermediate.dense": "ffn_up",
+        "output.dense": "ffn_down",
+        "output.LayerNorm": "layer_output_norm",
+    }
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        if name.startswith("pooler.") or name.endswith("position_ids"):
+            continue
+        stem, kind = name.rsplit(".", 1)
+        if stem.startswith("encoder.layer."):
+            _, _, layer, rest = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{names[rest]}.{kind}"
+        else:
+            gguf_name = f"{names[stem]}.{kind}"
+        w.add_tensor(gguf_name, tensor.astype("float32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -36,6 +37,13 @@ WORDS = (
     "question answer search passage vector meaning retrieval document query server client batch "
     "network language system data result value number first last new old small large fast slow"
 ).split()
+
+
+def tokenizer_of(model: Path):
+    from flover.models.checkpoint import open_checkpoint
+    from flover.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(open_checkpoint(model))
 
 
 def passages(count: int, seed: int, tokenizer) -> list[str]:
@@ -74,13 +82,58 @@ async def post_all(url: str, texts: list[str], clients: int, model: str | None) 
     return seconds
 
 
+async def stream_tpot(http: httpx.AsyncClient, url: str, model: str, n: int, tokens: int) -> float:
+    """One streamed completion of `tokens` tokens (EOS ignored): its time per output token after the first."""
+    body = {"model": model, "prompt": f"Story {n}: once upon a time", "max_tokens": tokens, "stream": True}
+    body |= {"ignore_eos": True, "temperature": 0}
+    stamps = []
+    async with http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+async def chats_beside_passages(url: str, model: str, texts: list[str], streams: int, clients: int) -> dict:
+    """TPOT of `streams` chat streams alone, then while `clients` clients embed `texts` (looped
+    until the streams end): the medians and their ratio."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=streams + clients)) as http:
+        alone = await asyncio.gather(*(stream_tpot(http, url, model, n, 128) for n in range(streams)))
+        done = asyncio.Event()
+        embedded = 0
+
+        async def embed_until_done(k: int) -> None:
+            nonlocal embedded
+            while not done.is_set():
+                text = texts[(k + embedded * clients) % len(texts)]
+                response = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": text}, timeout=600)
+                response.raise_for_status()
+                embedded += 1
+
+        embedders = [asyncio.ensure_future(embed_until_done(k)) for k in range(clients)]
+        await asyncio.sleep(2.0)  # (the passages flowing before the streams start)
+        start = time.perf_counter()
+        beside = await asyncio.gather(*(stream_tpot(http, url, model, n, 128) for n in range(streams)))
+        seconds = time.perf_counter() - start
+        done.set()
+        await asyncio.gather(*embedders)
+    alone_ms, beside_ms = 1000 * statistics.median(alone), 1000 * statistics.median(beside)
+    return {
+        "tpot_alone_ms": alone_ms,
+        "tpot_beside_passages_ms": beside_ms,
+        "ratio": beside_ms / alone_ms,
+        "passages_per_s_meanwhile": embedded / seconds,
+    }
+
+
 def served(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def run_flover(model: Path, texts: list[str], clients: int, threads: int, dtype: str, seq_len: int) -> float:
+def run_flover(model: Path, texts: list[str], clients: int, threads: int, dtype: str, seq_len: int, extra="") -> float:
     port = free_port()
-    server, _ = launch_flover(model, ["--dtype", dtype], clients, threads, seq_len, http_port=port)
+    serve_args = ["--dtype", dtype, *shlex.split(extra)]
+    server, _ = launch_flover(model, serve_args, clients, threads, seq_len, http_port=port)
     try:
         url = f"http://127.0.0.1:{port}"
         return asyncio.run(post_all(url, texts, clients, served(url)))
@@ -122,17 +175,32 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=512, help="positions per input for all three")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="JSON results")
+    ap.add_argument("--flover-args", default="", help="more `flover serve` flags (e.g. --pooling last)")
+    ap.add_argument(
+        "--chat-streams",
+        type=int,
+        default=0,
+        help="N > 0: instead, the TPOT of N chat streams alone and beside the passages (one flover server)",
+    )
     args = ap.parse_args()
+    if args.chat_streams:
+        return chat_streams(args)
 
-    from flover.models.tokenizer import Tokenizer
-
-    texts = passages(args.passages, args.seed, Tokenizer.from_directory(args.model))
-    tokens = sum(len(Tokenizer.from_directory(args.model).encode(t)) for t in texts)
+    tokenizer = tokenizer_of(args.model)
+    texts = passages(args.passages, args.seed, tokenizer)
+    tokens = sum(len(tokenizer.encode(t)) for t in texts)
     log(f"{len(texts)} passages, {tokens} tokens ({tokens / len(texts):.0f} a passage), {args.clients} clients")
     binary = llama_server(args.cache) if args.gguf else None
     times: dict[str, list[float]] = {"flover": [], "llama.cpp": [], "sentence-transformers": []}
     for round_ in range(args.rounds):
-        runs = [("flover", lambda: run_flover(args.model, texts, args.clients, args.threads, args.dtype, args.seq_len))]
+        runs = [
+            (
+                "flover",
+                lambda: run_flover(
+                    args.model, texts, args.clients, args.threads, args.dtype, args.seq_len, args.flover_args
+                ),
+            )
+        ]
         if binary is not None:
             runs.append(
                 ("llama.cpp", lambda: run_llama(binary, args.gguf, texts, args.clients, args.threads, args.seq_len))
@@ -157,6 +225,29 @@ def main() -> int:
         "seconds": times,
         "flover_vs": {name: rate["flover"] / r for name, r in rate.items() if name != "flover"},
     }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def chat_streams(args) -> int:
+    """The issue's third figure: chat streams' TPOT alone and while passages go through, one server."""
+    texts = passages(args.passages, args.seed, tokenizer_of(args.model))
+    results = []
+    for round_ in range(args.rounds):
+        port = free_port()
+        slots = args.chat_streams + args.clients
+        serve_args = ["--dtype", args.dtype, *shlex.split(args.flover_args)]
+        server, _ = launch_flover(args.model, serve_args, slots, args.threads, args.seq_len, port)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            results.append(asyncio.run(chats_beside_passages(url, served(url), texts, args.chat_streams, args.clients)))
+        finally:
+            server.stop()
+        log(f"round {round_ + 1}: {results[-1]}")
+    result = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    result |= {"rounds": results, "streams": args.chat_streams, "clients": args.clients, "dtype": args.dtype}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

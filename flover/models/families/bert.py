@@ -1,10 +1,12 @@
 """BERT-family text encoders (all-MiniLM, BGE, E5, GTE as sentence-transformers save them:
-BertModel's tensors at the top level): embeddings only, never text. Their graph is
+BertModel's tensors at the top level; and llama.cpp's `bert` GGUF files): embeddings only, never text. Their graph is
 models/bert.py's (absolute positions, post-norm LayerNorms, erf GELU, attention both ways within
 an input); their pooling is the directory's modules.json (models/pooling.py)."""
 
+import dataclasses
+
 from flover.models.families._shared import Family, sizes
-from flover.models.model_config import CheckpointError
+from flover.models.model_config import CheckpointError, ModelConfig
 
 
 def bert_fields(raw: dict) -> dict:
@@ -36,10 +38,57 @@ def bert_fields(raw: dict) -> dict:
     )
 
 
+def bert_from_gguf(file, cfg: ModelConfig) -> ModelConfig:
+    """A `bert` GGUF file (llama.cpp's converter): an encoder (its causal flag false), LayerNorms,
+    biases everywhere, as many token types as its token_types table has rows."""
+    if file.get("bert.attention.causal", False):
+        raise CheckpointError(f"{file.path}: bert.attention.causal is true: not an encoder flover serves")
+    types = file.tensors.get("token_types.weight")
+    return dataclasses.replace(
+        cfg,
+        norm_eps=file.number("bert.attention.layer_norm_epsilon", 1e-12),
+        hidden_act="gelu",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        norm_layout="post",
+        gated_mlp=False,
+        encoder=True,
+        token_types=types.shape[0] if types is not None else 2,
+        eos_token_ids=(),
+    )
+
+
+BERT_GGUF_LAYER_NAMES = {
+    f"{hf}.{kind}": f"{name}.{kind}"
+    for hf, name in {
+        "attention.self.query": "attn_q",
+        "attention.self.key": "attn_k",
+        "attention.self.value": "attn_v",
+        "attention.output.dense": "attn_output",
+        "attention.output.LayerNorm": "attn_output_norm",
+        "intermediate.dense": "ffn_up",
+        "output.dense": "ffn_down",
+        "output.LayerNorm": "layer_output_norm",
+    }.items()
+    for kind in ("weight", "bias")
+}
+
 FAMILY = Family(
     name="bert",
     hf_architectures=("BertModel",),
     from_hf=bert_fields,
+    gguf_arch="bert",
+    from_gguf=bert_from_gguf,
+    gguf_names=BERT_GGUF_LAYER_NAMES,
+    gguf_global_names={
+        "embeddings.word_embeddings.weight": "token_embd.weight",
+        "embeddings.position_embeddings.weight": "position_embd.weight",
+        "embeddings.token_type_embeddings.weight": "token_types.weight",
+        "embeddings.LayerNorm.weight": "token_embd_norm.weight",
+        "embeddings.LayerNorm.bias": "token_embd_norm.bias",
+    },
     decoder="flover.models.bert:BertEncoder",
     native=False,  # (LayerNorm, erf GELU and attention both ways: not the native step's yet)
     layer_prefix="encoder.layer",
