@@ -282,6 +282,17 @@ class EngineConfig:
         metadata=flag("--speculate-ngram", "the last N tokens are looked up for a draft (default 3)", metavar="N"),
     )
     seed: int = field(default=0, metadata=flag("--seed", "seeds requests that bring no seed"))
+    embed_share: float = field(
+        default=0.5,
+        metadata=flag(
+            "--embed-share",
+            "beside decoding requests, embedding inputs take rows worth at most this share of an "
+            "iteration's time (by its fitted cost), at least one row: the decoding requests' time per "
+            "token grows at most by it (default 0.5; without decoding requests they take the whole budget)",
+            type=float,
+            metavar="F",
+        ),
+    )
     pooling: str | None = field(
         default=None,
         metadata=flag(
@@ -390,6 +401,8 @@ class EngineConfig:
                 f"prompt_first_iterations={self.prompt_first_iterations}, prompt_first_tokens="
                 f"{self.prompt_first_tokens}: must be >= 0 and >= 1"
             )
+        if not 0 <= self.embed_share <= 1e6:
+            raise ValueError(f"embed_share={self.embed_share}: must be a share >= 0")
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
         if self.speculate is not None and not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:

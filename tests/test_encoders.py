@@ -14,8 +14,8 @@ from flover import LLM
 from flover.apps.fetch import EMBEDDING_MODEL, FetchError, fetch_packaged_model
 from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
-from flover.engine.scheduler import Scheduler
-from flover.request import EmbedParams, Request
+from flover.engine.scheduler import PromptFirst, Scheduler
+from flover.request import EmbedParams, Request, StepResult
 from flover.testing.embedding_model import make_tiny_bert, write_bert_gguf
 
 CACHE = Path(os.environ.get("FLOVER_TEST_CACHE", Path.home() / ".cache" / "flover-tests"))
@@ -116,3 +116,25 @@ def test_a_bert_gguf_file_gives_the_directorys_vectors(tiny_bert, tmp_path, mode
     for text in TEXTS:
         assert from_file.engine.tokenizer.encode(text) == from_dir.engine.tokenizer.encode(text), text
     assert (vectors(from_file, TEXTS) - vectors(from_dir, TEXTS)).abs().max().item() < 1e-12
+
+
+def test_embedding_inputs_beside_decode_rows_take_their_share_and_never_hold_chats_back():
+    scheduler = Scheduler(max_slots=8, max_batch_tokens=256, prompt_first=PromptFirst(3, 192), embed_share=0.5)
+    chat = Request("chat", [1, 2, 3], SamplingParams(max_new_tokens=50))
+    scheduler.add(chat)
+    plan = scheduler.schedule()  # the chat's prompt
+    scheduler.update(plan, StepResult(sampled=[chat], token_ids=[7]), 0.0)
+    scheduler.add(Request("e", list(range(1, 200)), SamplingParams(), embed=EmbedParams()))
+    scheduler.add(Request("f", list(range(1, 200)), SamplingParams(), embed=EmbedParams()))
+    plan = scheduler.schedule()
+    # the chat decodes (embedding inputs never make prompts go first); theirs: 0.5 x (16 + 1) = 8 rows
+    assert [r.request_id for r in plan.decode] == ["chat"]
+    assert [(c.request.request_id, c.length) for c in plan.prefill] == [("e", 8)]
+    scheduler.update(plan, StepResult(sampled=[chat], token_ids=[7]), 0.0)
+    scheduler.add(Request("chat2", [4, 5], SamplingParams(max_new_tokens=5)))
+    plan = scheduler.schedule()
+    # a chat's prompt goes first (the decode row deferred), still only 8 embedding rows beside the
+    # decoding request; the later chat is admitted past the embedding input that found no room
+    assert plan.decode == []
+    assert [(c.request.request_id, c.length) for c in plan.prefill] == [("e", 8), ("chat2", 2)]
+    assert [r.request_id for r in scheduler.waiting] == ["f"]

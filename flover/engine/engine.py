@@ -117,6 +117,7 @@ class Engine(ServingEngine):
             window,
             depth=pipe.place.stages if pipe is not None else 1,
             whole_prompts=cfg.encoder,
+            embed_share=config.embed_share,
         )
         # TP: the leader's intake reaches every rank's scheduler (pipeline stages: the leader's plans do)
         self.channel = IntakeChannel(tp_comm) if tp_comm is not None and pipe is None else None

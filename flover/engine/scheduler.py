@@ -69,10 +69,15 @@ class Scheduler:
         window: WindowedKV | None = None,
         depth: int = 1,
         whole_prompts: bool = False,
+        embed_share: float = 0.5,
     ):
         """`window`: the sliding-window layers' bounded rows (None: every layer keeps every position).
         `depth`: plans in flight at most (pipeline stages). `whole_prompts`: a prompt is never cut
-        into chunks (an encoder's input attends both ways): it waits for an iteration with room."""
+        into chunks (an encoder's input attends both ways): it waits for an iteration with room.
+        `embed_share`: beside decode rows, embedding inputs take rows worth at most this share of
+        the iteration's time (by the fitted iteration cost), at least one: the decoding requests'
+        time per token grows at most by it (they are background work; with no decode rows they
+        take the whole budget)."""
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
         self.max_slots = max_slots
@@ -83,6 +88,8 @@ class Scheduler:
         self.window = window
         self.depth = depth
         self.whole_prompts = whole_prompts
+        self.embed_share = embed_share
+        self._embed_room = 0  # embedding rows this iteration may still take
         if whole_prompts and prompt_first.iterations and prompt_first.tokens < max_batch_tokens:
             self.prompt_first = PromptFirst(iterations=0)  # (no decode rows to defer; it would cut the budget)
         self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
@@ -133,7 +140,11 @@ class Scheduler:
             decoding = sum(1 for r in self.slots[: self.num_live] if not r.prefilling)
             plan.decode = plan.decode[: -(-decoding // self.depth)]
         budget = self.max_batch_tokens - len(plan.decode)
-        prompts_wait = bool(self._prefilling) or (bool(self.waiting) and self.num_live < self.max_slots)
+        # (embedding inputs are background: they never defer decode rows for prompts first; beside
+        # decoding requests, decoding now or deferred, they take their share of rows: _embed_rows)
+        prompts_wait = any(r.embed is None for r in self._prefilling) or (
+            self.num_live < self.max_slots and any(r.embed is None for r in self.waiting)
+        )
         if plan.decode and prompts_wait and self._prompt_only < self.prompt_first.iterations:
             plan.decode = []
             budget = min(self.max_batch_tokens, self.prompt_first.tokens)
@@ -141,6 +152,7 @@ class Scheduler:
         else:
             self._prompt_only = 0
 
+        self._embed_room = self._embed_rows(sum(1 for r in self.slots[: self.num_live] if r and not r.prefilling))
         # 4a. continue chunked prompts, oldest first.
         for request in self._prefilling:
             if budget == 0:
@@ -169,9 +181,13 @@ class Scheduler:
         """Step 4b: waiting requests into the slots after the live range, each after its longest
         cached prefix, while a slot is free and the budget allows; the budget left."""
         now = time.perf_counter()
+        deferred = []  # embedding inputs past this iteration's room for them: first in line again after
         while self.waiting and budget > 0 and self.num_live < self.max_slots:
             if self.whole_prompts and self.waiting[0].prompt_len > budget:
                 break  # (FCFS: it goes first in a later iteration; the engine keeps any input within one's budget)
+            if self.waiting[0].embed is not None and self._embed_room == 0:
+                deferred.append(self.waiting.popleft())
+                continue
             request = self.waiting.popleft()
             request.state = RequestState.RUNNING
             request.timings.scheduled = now
@@ -192,7 +208,16 @@ class Scheduler:
             request.window_base = self.window.base_for(request.num_computed) if self.window else 0
             self._prefilling.append(request)
             budget -= self._add_chunk(plan, request, budget)
+        self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _embed_rows(self, decode_rows: int) -> int:
+        """The rows embedding inputs may take this iteration: beside `decode_rows` decoding requests,
+        those that cost `embed_share` of a decode iteration (a + b rows: share x (knee + decode
+        rows)), at least one; without any, all of them."""
+        if not decode_rows or self.whole_prompts:
+            return self.max_batch_tokens
+        return max(1, int(self.embed_share * (self.iteration_cost.knee + decode_rows)))
 
     def _decode_snapshots(self, plan: StepPlan) -> None:
         """Recurrent layers: a decoding request whose next token completes a block has its state
@@ -293,6 +318,11 @@ class Scheduler:
     def _add_chunk(self, plan: StepPlan, request: Request, budget: int) -> int:
         if self.window is not None:  # a slot's windowed rows take at most `chunk` new positions at once
             budget = min(budget, self.window.chunk)
+        if request.embed is not None:  # (its share beside decode rows)
+            budget = min(budget, self._embed_room)
+            if budget == 0:
+                return 0
+            self._embed_room -= min(budget, request.prompt_len - request.num_computed)
         start = request.num_computed
         length = min(request.prompt_len - start, budget)
         edge = self._prompt_snapshot_edge(request)
