@@ -283,12 +283,12 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata=flag("--seed", "seeds requests that bring no seed"))
     embed_share: float = field(
-        default=0.5,
+        default=0.25,
         metadata=flag(
             "--embed-share",
             "beside decoding requests, embedding inputs take rows worth at most this share of an "
             "iteration's time (by its fitted cost), at least one row: the decoding requests' time per "
-            "token grows at most by it (default 0.5; without decoding requests they take the whole budget)",
+            "token grows by about it (default 0.25; without decoding requests they take the whole budget)",
             type=float,
             metavar="F",
         ),

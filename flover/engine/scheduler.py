@@ -69,14 +69,14 @@ class Scheduler:
         window: WindowedKV | None = None,
         depth: int = 1,
         whole_prompts: bool = False,
-        embed_share: float = 0.5,
+        embed_share: float = 0.25,
     ):
         """`window`: the sliding-window layers' bounded rows (None: every layer keeps every position).
         `depth`: plans in flight at most (pipeline stages). `whole_prompts`: a prompt is never cut
         into chunks (an encoder's input attends both ways): it waits for an iteration with room.
         `embed_share`: beside decode rows, embedding inputs take rows worth at most this share of
         the iteration's time (by the fitted iteration cost), at least one: the decoding requests'
-        time per token grows at most by it (they are background work; with no decode rows they
+        time per token grows by about it (they are background work; with no decode rows they
         take the whole budget)."""
         if max_batch_tokens < max_slots:
             raise ValueError("max_batch_tokens must be >= max_slots")
