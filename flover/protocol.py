@@ -101,9 +101,9 @@ class GenerateRequest:
     chat_template_kwargs: dict | None = None  # with messages: more variables for the chat template
 
 
-def parse_generate(message: dict) -> GenerateRequest:
-    """Check a generate message's shape; the sampling fields are checked by SamplingParams (the
-    one place that knows their limits). Raises ProtocolError naming the first problem."""
+def _checked_fields(message: dict, known: frozenset) -> tuple:
+    """A request message's id (raises if it is not a valid one) and its fields all `known`; (the id,
+    a ProtocolError maker for this request's invalid fields)."""
     rid = request_id_of(message)
     if rid is None:
         raise ProtocolError(
@@ -112,9 +112,16 @@ def parse_generate(message: dict) -> GenerateRequest:
             echo_id(message),
         )
     bad = lambda why: ProtocolError(INVALID_REQUEST, why, rid)  # noqa: E731
-    unknown = sorted(str(k) for k in set(message) - GENERATE_KEYS)
+    unknown = sorted(str(k) for k in set(message) - known)
     if unknown:
         raise bad(f"unknown field(s) {unknown}")
+    return rid, bad
+
+
+def parse_generate(message: dict) -> GenerateRequest:
+    """Check a generate message's shape; the sampling fields are checked by SamplingParams (the
+    one place that knows their limits). Raises ProtocolError naming the first problem."""
+    rid, bad = _checked_fields(message, GENERATE_KEYS)
     present = [k for k in PROMPT_KEYS if k in message]
     if len(present) != 1:
         raise bad(f"exactly one of {', '.join(PROMPT_KEYS)} is required")
@@ -161,17 +168,7 @@ class EmbedRequest:
 
 def parse_embed(message: dict) -> EmbedRequest:
     """Check an embed message's shape (one input; the engine checks the numbers against the model)."""
-    rid = request_id_of(message)
-    if rid is None:
-        raise ProtocolError(
-            INVALID_REQUEST,
-            f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters or an integer",
-            echo_id(message),
-        )
-    bad = lambda why: ProtocolError(INVALID_REQUEST, why, rid)  # noqa: E731
-    unknown = sorted(str(k) for k in set(message) - EMBED_KEYS)
-    if unknown:
-        raise bad(f"unknown field(s) {unknown}")
+    rid, bad = _checked_fields(message, EMBED_KEYS)
     value = message.get("input")
     integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     if not isinstance(value, str) and not (isinstance(value, list) and all(map(integer, value))):
