@@ -85,6 +85,7 @@ def test_bad_embedding_calls_get_a_400_and_the_server_goes_on(api):
         ({"input": "x", "dimensions": 10**6}, "dimensions"),
         ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
         ({"input": [list(range(1, 200))]}, "truncate_prompt_tokens"),
+        ({"input": "red blue green yellow " * 100}, "truncate_prompt_tokens"),  # (text: tokenized off the loop)
     ]:
         response = post(body)
         assert response.status_code == 400 and says in response.json()["error"]["message"], (body, response.text)

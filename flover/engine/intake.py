@@ -106,10 +106,7 @@ class Intake:
         dims, hidden = embed.dimensions, self.model_config.hidden_size
         if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= hidden):
             raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {hidden}] (the model's width)")
-        try:
-            token_ids, text = given.tokenized if given.tokenized is not None else self.input_ids(given.prompt, keep)
-        except PromptTooLong as e:
-            raise PromptTooLong(f"{e}; truncate_prompt_tokens keeps an input's first tokens") from None
+        token_ids, text = given.tokenized if given.tokenized is not None else self.input_ids(given.prompt, keep)
         token_ids = token_ids[:keep] if keep is not None else token_ids
         if len(token_ids) > limit:
             raise PromptTooLong(
@@ -130,7 +127,12 @@ class Intake:
     def input_ids(self, prompt, keep: int | None = None) -> tuple[list[int], str | None]:
         """An embedding input's token ids (and its text if it came as text): special tokens added;
         `keep`: the first so many of a longer input (None: longer than max_seq_len is refused)."""
-        return self._prompt_ids(prompt) if keep is None else self._truncated_ids(prompt, keep)
+        if keep is not None:
+            return self._truncated_ids(prompt, keep)
+        try:
+            return self._prompt_ids(prompt)
+        except PromptTooLong as e:
+            raise PromptTooLong(f"{e}; truncate_prompt_tokens keeps an input's first tokens") from None
 
     def _truncated_ids(self, prompt, keep: int) -> tuple[list[int], str | None]:
         """The first `keep` tokens of an input that may be longer than max_seq_len."""
