@@ -82,10 +82,11 @@ PROCESS_SIGNS = re.compile(
     r"Server\(|\bserver\b|Popen|subprocess|flover_run|http_front|sys\.executable|\bpip\b"
     r"|build_library|load_library|qemu|\bcc\b"
 )
-SLOW_TESTS = re.compile(  # (by name: their reference runs, the real model, the paper suite, the largest vocabularies)
+SLOW_TESTS = re.compile(  # (by name: their reference runs, the real model, the paper suite, the largest vocabularies,
+    # sentence-transformers' references)
     r"test_float64_greedy_generation_matches_transformers|test_logits_match_transformers\[.*float32"
     r"|test_native_step_gives_the_pytorch_logits|test_greedy_tokens_and_logits_equal_transformers_on_the_same_file"
-    r"|smollm2|paper_suite|49152\]|128256\]"
+    r"|smollm2|paper_suite|49152\]|128256\]|sentence_transformers"
 )
 
 
