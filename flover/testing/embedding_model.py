@@ -83,6 +83,24 @@ def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config)
     return as_sentence_transformer(out, out, mode)
 
 
+# what llama.cpp's converter names BERT's tensors (written out here, not taken from families/bert.py:
+# the test files check that family's names against an independent table)
+CONVERTER_BERT_NAMES = {
+    "embeddings.word_embeddings": "token_embd",
+    "embeddings.position_embeddings": "position_embd",
+    "embeddings.token_type_embeddings": "token_types",
+    "embeddings.LayerNorm": "token_embd_norm",
+    "attention.self.query": "attn_q",
+    "attention.self.key": "attn_k",
+    "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output",
+    "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up",
+    "output.dense": "ffn_down",
+    "output.LayerNorm": "layer_output_norm",
+}
+
+
 def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 1) -> Path:
     """A BERT directory (make_tiny_bert's) as llama.cpp's convert_hf_to_gguf.py writes it (F32): its
     `bert` metadata and tensor names, the WordPiece vocabulary with a word's first piece spelled
@@ -116,20 +134,7 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
-    names = {
-        "embeddings.word_embeddings": "token_embd",
-        "embeddings.position_embeddings": "position_embd",
-        "embeddings.token_type_embeddings": "token_types",
-        "embeddings.LayerNorm": "token_embd_norm",
-        "attention.self.query": "attn_q",
-        "attention.self.key": "attn_k",
-        "attention.self.value": "attn_v",
-        "attention.output.dense": "attn_output",
-        "attention.output.LayerNorm": "attn_output_norm",
-        "intermediate.dense": "ffn_up",
-        "output.dense": "ffn_down",
-        "output.LayerNorm": "layer_output_norm",
-    }
+    names = CONVERTER_BERT_NAMES
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         if name.startswith("pooler.") or name.endswith("position_ids"):
             continue
