@@ -30,7 +30,11 @@ def changed_build(tmp_path, monkeypatch, changes: list[tuple[str, str]]):
         assert old in header.read_text()
         header.write_text(header.read_text().replace(old, new))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv(KERNELS_ENV, "generic")  # (the quickest build)
+    monkeypatch.setenv(KERNELS_ENV, "generic")  # (the quickest build: generic, and unoptimized, below)
+    quick = tmp_path / "quick-cc"  # (-O0 after the build's -O3: the layout of its structs is what is read)
+    quick.write_text('#!/bin/sh\nexec cc "$@" -O0\n')
+    quick.chmod(0o755)
+    monkeypatch.setenv("CC", str(quick))
     return lambda: abi.load_library(root=root)
 
 
