@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from flover.server import openai_api as oa
-from flover.server.http_state import Front, as_api_error, error_response, read_json, wait_watching
+from flover.server.http_state import Front, as_api_error, error_response, front_of, read_json, wait_watching
 
 MAX_INPUTS = 2048  # inputs of one call (OpenAI's own bound)
 IN_FLIGHT = 64  # of one call's inputs, sent to the daemon at once
@@ -159,7 +159,3 @@ async def rerank(request: Request):
         "results": results,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-
-
-def front_of(request: Request) -> Front:
-    return request.app.state.front

@@ -16,13 +16,18 @@ from flover.client import FloverError
 from flover.engine.intake import PromptTooLong
 from flover.server import openai_api as oa
 from flover.server.http_embeddings import embeddings, rerank
-from flover.server.http_state import TOKENIZE_FIELDS, Front, as_api_error, error_response, log, read_json, wait_watching
+from flover.server.http_state import (
+    TOKENIZE_FIELDS,
+    Front,
+    as_api_error,
+    error_response,
+    front_of,
+    log,
+    read_json,
+    wait_watching,
+)
 from flover.server.prometheus import render
 from flover.server.sse import StreamFramer
-
-
-def front_of(request: Request) -> Front:
-    return request.app.state.front
 
 
 async def health(request: Request):

@@ -54,6 +54,11 @@ async def wait_watching(request: Request, tasks) -> bool:
             return False
 
 
+def front_of(request: Request) -> "Front":
+    """The app's Front (http_api.build_app puts it in the app's state)."""
+    return request.app.state.front
+
+
 class Front:
     """The app's state: one AsyncClient to the daemon, the tokenizer, the served name."""
 
