@@ -16,7 +16,7 @@ import pytest
 from flover import LLM
 from flover.client import FloverError
 from flover.testing.embedding_model import as_sentence_transformer, make_tiny_bert
-from tests.helpers import Server, flover_run, free_port, read_records, write_jsonl
+from tests.helpers import Server, flover_run, flover_run_ok, free_port, read_records, write_jsonl
 
 TEXTS = ["the cat sat on the mat", "a river runs through the city", "hi", "red blue green yellow " * 5]
 
@@ -178,3 +178,17 @@ def test_an_encoder_serves_embeddings_and_refuses_chats(tmp_path):
             client.completions.create(model=model["id"], prompt="hello", max_tokens=4)
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_embeddings_under_tensor_parallelism_equal_one_ranks(model_dir, tmp_path):
+    """Two ranks (mpirun): the intake carries each input's embedding options to the follower, whose
+    scheduler then plans the same iterations; the vectors are one rank's (float64)."""
+    prompts = tmp_path / "in.jsonl"
+    lines = [{"id": str(n), "prompt": text} for n, text in enumerate(TEXTS)]
+    write_jsonl(prompts, [*lines, {"id": "ids", "input_ids": [5, 6, 7, 8], "dimensions": 8}])
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    flover_run_ok(1, model_dir, prompts, one, "--embed")
+    flover_run_ok(2, model_dir, prompts, two, "--embed")
+    alone, split = ({r["id"]: r["embedding"] for r in read_records(path)} for path in (one, two))
+    assert alone.keys() == split.keys() == {"0", "1", "2", "3", "ids"} and len(split["ids"]) == 8
+    assert max(np.abs(np.array(alone[k]) - np.array(split[k])).max() for k in alone) < 1e-12
