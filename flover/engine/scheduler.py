@@ -90,8 +90,6 @@ class Scheduler:
         self.whole_prompts = whole_prompts
         self.embed_share = embed_share
         self._embed_room = 0  # embedding rows this iteration may still take
-        if whole_prompts and prompt_first.iterations and prompt_first.tokens < max_batch_tokens:
-            self.prompt_first = PromptFirst(iterations=0)  # (no decode rows to defer; it would cut the budget)
         self.iteration_cost = IterationCost()  # the engine reports each iteration's rows and time
         self._prompt_only = 0  # prompt-only iterations in a row so far
         self.requests: dict[str, Request] = {}  # every request from add() until it leaves (all below)
@@ -215,7 +213,7 @@ class Scheduler:
         """The rows embedding inputs may take this iteration: beside `decode_rows` decoding requests,
         those that cost `embed_share` of a decode iteration (a + b rows: share x (knee + decode
         rows)), at least one; without any, all of them."""
-        if not decode_rows or self.whole_prompts:
+        if not decode_rows:
             return self.max_batch_tokens
         return max(1, int(self.embed_share * (self.iteration_cost.knee + decode_rows)))
 
