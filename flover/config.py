@@ -82,14 +82,14 @@ class SamplingParams:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ValueError(f"SamplingParams.{name}={shown}: {why}")
 
-        if self.max_new_tokens is not None and not _int_in(self.max_new_tokens, 1, MAX_INT32):
+        if self.max_new_tokens is not None and not int_in(self.max_new_tokens, 1, MAX_INT32):
             bad("max_new_tokens", f"must be an integer in [1, {MAX_INT32}] or null (the rest of the context)")
         if not _number_in(self.temperature, 0, MAX_TEMPERATURE):
             bad(
                 "temperature",
                 f"must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy; below {GREEDY_BELOW:g}: greedy too)",
             )
-        if not _int_in(self.top_k, 0, MAX_INT32):
+        if not int_in(self.top_k, 0, MAX_INT32):
             bad("top_k", f"must be an integer in [0, {MAX_INT32}] (0 disables it)")
         if not _number_in(self.top_p, 0, 1) or self.top_p == 0:
             bad("top_p", "must be a number in (0, 1]")
@@ -101,13 +101,13 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not _number_in(getattr(self, name), -2, 2):
                 bad(name, "must be a number in [-2, 2] (OpenAI's range; 0 disables it)")
-        if self.seed is not None and not _int_in(self.seed, 0, 2**63 - 1):
+        if self.seed is not None and not int_in(self.seed, 0, 2**63 - 1):
             bad("seed", "must be an integer in [0, 2**63) or null")
         for name in ("stop_token_ids", "eos_token_ids"):
             value = getattr(self, name)
             if value is None and name == "eos_token_ids":
                 continue
-            if not isinstance(value, tuple) or not all(_int_in(t, 0, MAX_INT32) for t in value):
+            if not isinstance(value, tuple) or not all(int_in(t, 0, MAX_INT32) for t in value):
                 bad(name, f"must be a list of integers in [0, {MAX_INT32}]")
             if len(value) > MAX_TOKEN_ID_LIST:
                 bad(name, f"at most {MAX_TOKEN_ID_LIST} token ids")
@@ -118,7 +118,7 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
-        if not _int_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS):
+        if not int_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS):
             bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
             bad("top_logprobs", "needs logprobs or prompt_logprobs set to true")
@@ -151,7 +151,7 @@ class SamplingParams:
         return tuple(f.name for f in fields(cls))
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -163,7 +163,7 @@ def _logit_bias_ok(bias) -> bool:
         and all(
             isinstance(pair, tuple)
             and len(pair) == 2
-            and _int_in(pair[0], 0, MAX_INT32)
+            and int_in(pair[0], 0, MAX_INT32)
             and _number_in(pair[1], -100, 100)
             for pair in bias
         )
@@ -171,8 +171,8 @@ def _logit_bias_ok(bias) -> bool:
     )
 
 
-def _int_in(value, low: int, high: int) -> bool:
-    return _is_int(value) and low <= value <= high
+def int_in(value, low: int, high: int) -> bool:
+    return is_int(value) and low <= value <= high
 
 
 def _number_in(value, low: float, high: float) -> bool:
@@ -180,7 +180,7 @@ def _number_in(value, low: float, high: float) -> bool:
     exactly, so 2**64 never reaches a float conversion."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return (_is_int(value) or math.isfinite(value)) and low <= value <= high
+    return (is_int(value) or math.isfinite(value)) and low <= value <= high
 
 
 SAMPLING_KEYS = frozenset(SamplingParams.field_names())  # what a request may set per request
@@ -193,6 +193,7 @@ CUDA_GRAPHS = ("auto", "off", "eager")
 # Iterations as one native call (flover/native/forward.py). auto: on CPU at
 # any TP in float32/bfloat16 (quantized or not), when a C compiler is there.
 NATIVE_FORWARD = ("auto", "off")
+POOLING_MODES = ("mean", "cls", "last", "max", "mean_sqrt_len")  # embeddings' (flover/models/pooling.py)
 NATIVE_KERNELS = ("auto", "avx512bf16", "avx512vnni", "avx512", "avx2", "neon", "generic")
 
 
@@ -300,7 +301,7 @@ class EngineConfig:
             "embeddings from any decoder: its final hidden states pooled (mean, cls, last: the last token's, "
             "max, mean_sqrt_len), normalized (default: as a sentence-transformers directory's modules.json "
             "or a GGUF file's pooling_type says; a model that says none serves no embeddings)",
-            choices=("mean", "cls", "last", "max", "mean_sqrt_len"),
+            choices=POOLING_MODES,
         ),
     )
     prefix_cache_mib: float = field(

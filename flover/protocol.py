@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams
+from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS, SamplingParams, is_int
 from flover.tools import check_tools
 
 OPS = ("generate", "embed", "cancel", "health", "stats")
@@ -170,13 +170,12 @@ def parse_embed(message: dict) -> EmbedRequest:
     """Check an embed message's shape (one input; the engine checks the numbers against the model)."""
     rid, bad = _checked_fields(message, EMBED_KEYS)
     value = message.get("input")
-    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    if not isinstance(value, str) and not (isinstance(value, list) and all(map(integer, value))):
+    if not isinstance(value, str) and not (isinstance(value, list) and all(map(is_int, value))):
         raise bad("`input` must be a string or a list of integers (token ids)")
     numbers = {}
     for key in ("dimensions", "truncate_prompt_tokens"):
         number = message.get(key)
-        if number is not None and (not integer(number) or number < 1):
+        if number is not None and (not is_int(number) or number < 1):
             raise bad(f"`{key}` must be a positive integer")
         numbers[key] = number
     return EmbedRequest(rid, value, **numbers)

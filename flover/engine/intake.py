@@ -10,7 +10,7 @@ import re
 import time
 from typing import Sequence
 
-from flover.config import SamplingParams
+from flover.config import SamplingParams, int_in
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens
@@ -101,10 +101,10 @@ class Intake:
         if given.messages is not None or given.params is not None or given.stream:
             raise ValueError("an embedding input is a text or token ids: no messages, sampling or streaming")
         keep = embed.truncate_prompt_tokens
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= limit):
+        if keep is not None and not int_in(keep, 1, limit):
             raise ValueError(f"truncate_prompt_tokens={keep!r}: must be an integer in [1, max_seq_len={limit}]")
         dims, hidden = embed.dimensions, self.model_config.hidden_size
-        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= hidden):
+        if dims is not None and not int_in(dims, 1, hidden):
             raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {hidden}] (the model's width)")
         token_ids, text = given.tokenized if given.tokenized is not None else self.input_ids(given.prompt, keep)
         token_ids = token_ids[:keep] if keep is not None else token_ids

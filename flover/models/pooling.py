@@ -13,10 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from flover.config import POOLING_MODES  # ("last": the last token's row, as Qwen3-Embedding's)
 from flover.models.model_config import CheckpointError
 
-# what --pooling takes; "last" is the last token's row (decoder embedding models: Qwen3-Embedding)
-POOLING_MODES = ("mean", "cls", "last", "max", "mean_sqrt_len")
 # sentence-transformers' Pooling config keys -> our modes
 _ST_MODES = {
     "pooling_mode_mean_tokens": "mean",

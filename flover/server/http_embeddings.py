@@ -17,6 +17,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from flover.config import is_int
 from flover.server import openai_api as oa
 from flover.server.http_state import Front, as_api_error, error_response, front_of, read_json, wait_watching
 
@@ -28,14 +29,13 @@ RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "tr
 
 def _positive(body: dict, name: str) -> int | None:
     value = body.get(name)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    if value is not None and (not is_int(value) or value < 1):
         raise oa.ApiError(400, f"{name}: expected a positive integer", param=name)
     return value
 
 
 def _is_ids(value) -> bool:
-    integer = lambda t: isinstance(t, int) and not isinstance(t, bool)  # noqa: E731
-    return isinstance(value, list) and bool(value) and all(map(integer, value))
+    return isinstance(value, list) and bool(value) and all(map(is_int, value))
 
 
 def embedding_inputs(value) -> list[str | list[int]]:
