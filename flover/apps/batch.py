@@ -132,15 +132,20 @@ class Progress:
 LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")  # when asked
 
 
+def embedding_record(request_id: str, vector: list[float], prompt_tokens: int, queue_s, e2e_s) -> dict:
+    """An embedding input's record (`flover run --embed`), locally or through a daemon."""
+    return {
+        "id": request_id,
+        "embedding": vector,
+        "usage": {"prompt_tokens": prompt_tokens},
+        "latency": {"queue_s": queue_s, "e2e_s": e2e_s},
+    }
+
+
 def result_record(out: RequestOutput, with_token_ids: bool) -> dict:
     t = out.timings
-    if out.embedding is not None:  # an embedding input's
-        return {
-            "id": out.request_id,
-            "embedding": out.embedding,
-            "usage": {"prompt_tokens": len(out.prompt_token_ids)},
-            "latency": {"queue_s": t["queue_time"], "e2e_s": t["e2e"]},
-        }
+    if out.embedding is not None:
+        return embedding_record(out.request_id, out.embedding, len(out.prompt_token_ids), t["queue_time"], t["e2e"])
     record = {
         "id": out.request_id,
         "text": out.text,
@@ -298,13 +303,8 @@ class BatchRunner:
 
 def remote_result_record(event: dict, with_token_ids: bool) -> dict:
     if "embedding" in event:
-        t = event["timings"]
-        return {
-            "id": event["id"],
-            "embedding": event["embedding"],
-            "usage": {"prompt_tokens": event["usage"]["prompt_tokens"]},
-            "latency": {"queue_s": t["queue_s"], "e2e_s": t["e2e_s"]},
-        }
+        t, tokens = event["timings"], event["usage"]["prompt_tokens"]
+        return embedding_record(event["id"], event["embedding"], tokens, t["queue_s"], t["e2e_s"])
     record = {
         "id": event["id"],
         "text": event.get("text"),
@@ -424,11 +424,19 @@ class RemoteBatchRunner:
             check_kind(record, self.embed is not None)
         except ValueError as e:
             return self._fail(record, "invalid_request", f"line {record.line}: {e}")
-        message = {"op": "generate", "id": record.id, "stream": False, "params": {**self._base, **record.sampling}}
+        try:
+            self.client.send(self._message(record))
+        except FloverError as e:  # too large to send: a property of the prompt
+            return self._fail(record, e.code, f"line {record.line}: {e.message}")
+        in_flight[record.id] = record
+
+    def _message(self, record: PromptRecord) -> dict:
+        """The record as the daemon's embed op (`--embed`) or generate op."""
         if self.embed is not None:
             options = {**asdict(self.embed), **record.embed_options}
-            message = embed_message(record.id, record.prompt, **{k: v for k, v in options.items() if v is not None})
-        elif record.messages is not None:
+            return embed_message(record.id, record.prompt, **{k: v for k, v in options.items() if v is not None})
+        message = {"op": "generate", "id": record.id, "stream": False, "params": {**self._base, **record.sampling}}
+        if record.messages is not None:
             message["messages"] = record.messages
             if record.template_kwargs:
                 message["chat_template_kwargs"] = record.template_kwargs
@@ -436,11 +444,7 @@ class RemoteBatchRunner:
             message["prompt"] = record.prompt
         else:
             message["input_ids"] = record.prompt
-        try:
-            self.client.send(message)
-        except FloverError as e:  # too large to send: a property of the prompt
-            return self._fail(record, e.code, f"line {record.line}: {e.message}")
-        in_flight[record.id] = record
+        return message
 
     def _fail(self, record: PromptRecord, code: str, message: str) -> None:
         log.warning("%s", message)

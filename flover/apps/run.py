@@ -77,9 +77,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     embed = EmbedParams(args.dimensions, args.truncate_prompt_tokens) if args.embed else None
     if embed is None and (args.dimensions is not None or args.truncate_prompt_tokens is not None):
         raise ValueError("--dimensions and --truncate-prompt-tokens go with --embed")
-    parts = {"prompts_sha256": digest, "params": asdict(params), "token_ids": args.token_ids}
-    if embed is not None:  # (a results file of another kind is not resumed by this one)
-        parts = {"prompts_sha256": digest, "embed": asdict(embed)}
+    # what the results file is of (a file of another kind or other settings is not resumed by this run)
+    parts = {"prompts_sha256": digest} | (
+        {"embed": asdict(embed)} if embed else {"params": asdict(params), "token_ids": args.token_ids}
+    )
     offsets = arrival_offsets(args.arrival, args.rate, args.interval, args.seed)
     run = _run_remote if args.connect else _run_local
     summary = run(args, read, ids, parts, offsets, params, embed)

@@ -495,7 +495,8 @@ class Daemon:
                 raise protocol.ProtocolError(protocol.INVALID_REQUEST, refused, req.id)
         else:
             req = protocol.parse_generate(message)
-        if getattr(req, "stream", False) and envelope:
+        stream = getattr(req, "stream", False)  # (an embed op never streams)
+        if stream and envelope:
             raise protocol.ProtocolError(
                 protocol.INVALID_REQUEST,
                 "a REQ socket takes one reply per request: send `stream: false`, or use a DEALER socket to stream",
@@ -510,7 +511,6 @@ class Daemon:
                 protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; retry later", req.id
             )
         engine_id = str(next(self._engine_ids))  # ours: client ids may repeat across connections
-        stream = getattr(req, "stream", False)
         flight = InFlight(identity, req.id, stream, envelope, fd, user, arrived=time.perf_counter())
         if isinstance(req, protocol.EmbedRequest):
             if isinstance(req.input, str):
