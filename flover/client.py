@@ -76,7 +76,8 @@ def _generate_message(request_id, prompt, input_ids, messages, stream: bool, par
 
 
 def embed_message(request_id, input: str | list[int], **options) -> dict:
-    """An embed op (docs/protocol.md): one input; `options` dimensions, truncate_prompt_tokens."""
+    """An embed op (docs/protocol.md): one input; `options` dimensions, truncate_prompt_tokens,
+    document (a reranker's pair: `input` is the query, the final's embedding its score)."""
     return {"op": "embed", "id": request_id, "input": input, **options}
 
 
@@ -283,8 +284,9 @@ class Client:
 
     def embed(self, input: str | list[int], *, request_id=None, **options) -> dict:
         """One input's final event: its `embedding`, usage, timings. `options`: dimensions,
-        truncate_prompt_tokens. Many inputs: send them all first (embed_message) and wait for
-        each, so that they share the server's iterations."""
+        truncate_prompt_tokens, document (a reranker's pair: the embedding is its score). Many
+        inputs: send them all first (embed_message) and wait for each, so that they share the
+        server's iterations."""
         rid = self.new_id() if request_id is None else request_id
         self.send(embed_message(rid, input, **options))
         return self.wait(rid)

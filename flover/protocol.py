@@ -3,7 +3,8 @@
 Requests from clients:
   {"op": "generate", "id": ID, "prompt": str | "input_ids": [int] | "messages": [...],
    "params": {SamplingParams fields}, "stream": bool}
-  {"op": "embed", "id": ID, "input": str | [int], "dimensions"?: int, "truncate_prompt_tokens"?: int}
+  {"op": "embed", "id": ID, "input": str | [int], "dimensions"?: int, "truncate_prompt_tokens"?: int,
+   "document"?: str}   (a reranker's pair: `input` the query; the final's embedding is its score)
   {"op": "cancel", "id": ID}
   {"op": "health", "id"?: ID}    {"op": "stats", "id"?: ID}
 Events to clients: "token", "final", "error", "health", "stats" (see the event helpers below).
@@ -24,7 +25,7 @@ OPS = ("generate", "embed", "cancel", "health", "stats")
 MAX_MESSAGE_BYTES = 1 << 20  # the server's default bound on one message (--max-message-bytes)
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
 GENERATE_KEYS = frozenset({"op", "id", "params", "stream", "tools", "chat_template_kwargs", *PROMPT_KEYS})
-EMBED_KEYS = frozenset({"op", "id", "input", "dimensions", "truncate_prompt_tokens"})
+EMBED_KEYS = frozenset({"op", "id", "input", "dimensions", "truncate_prompt_tokens", "document"})
 MAX_ID_LENGTH = MAX_REQUEST_ID_LENGTH  # characters of a string id
 
 # Error codes a client can act on.
@@ -164,6 +165,7 @@ class EmbedRequest:
     input: str | list[int]
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    document: str | None = None  # a reranker's pair: `input` is its query
 
 
 def parse_embed(message: dict) -> EmbedRequest:
@@ -178,7 +180,10 @@ def parse_embed(message: dict) -> EmbedRequest:
         if number is not None and (not is_int(number) or number < 1):
             raise bad(f"`{key}` must be a positive integer")
         numbers[key] = number
-    return EmbedRequest(rid, value, **numbers)
+    document = message.get("document")
+    if document is not None and (not isinstance(document, str) or not isinstance(value, str)):
+        raise bad("`document` and `input` of a pair must both be strings")
+    return EmbedRequest(rid, value, **numbers, document=document)
 
 
 def beside_messages(request: dict, key: str, has_messages: bool, check) -> object | None:

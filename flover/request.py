@@ -67,6 +67,10 @@ class EmbedParams:
 
     dimensions: int | None = None  # only the first so many components (normalized after the cut)
     truncate_prompt_tokens: int | None = None  # a longer input keeps its first so many tokens (None: refused)
+    # a reranker's (cross-encoder's) pair: the prompt is the query, this its document; the score
+    # comes back as the one-component `embedding`. A pair that is too long loses document tokens.
+    document: str | None = None
+    second_segment: int | None = None  # (set by the intake) the pair's first token of token type 1
 
 
 @dataclass
@@ -81,7 +85,8 @@ class RequestInput:
     stream: bool = False  # text deltas with every new token
     messages: list | None = None  # a chat instead of `prompt`, rendered with the checkpoint's template
     cache_salt: str | None = None  # it shares cached prompt prefixes only with requests of the same salt
-    tokenized: "tuple[list[int], str | None] | None" = None  # what tokenize(prompt, messages) already gave
+    # what tokenize(prompt, messages) already gave (an embedding's: input_ids', with the pair's second part)
+    tokenized: "tuple[list[int], str | None] | tuple[list[int], str | None, int | None] | None" = None
     embed: EmbedParams | None = None  # an embedding request (prompt only, never messages)
 
 

@@ -169,7 +169,7 @@ def test_an_encoder_serves_embeddings_and_refuses_chats(tmp_path):
     try:
         url = f"http://127.0.0.1:{port}"
         model = httpx.get(f"{url}/v1/models").json()["data"][0]
-        assert model["capabilities"] == ["embeddings", "rerank"]
+        assert model["capabilities"] == ["embeddings", "rerank", "score"]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         answer = client.embeddings.create(model=model["id"], input=TEXTS, encoding_format="float")
         want = np.array([o.embedding for o in LLM(model_dir, dtype="float64").embed(TEXTS)])

@@ -30,7 +30,7 @@ from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
-from flover.models.pooling import chosen_pooling
+from flover.models.pooling import chosen_pooling, cosine
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
@@ -502,6 +502,30 @@ class LLM:
             inputs = [inputs]
         embed = EmbedParams(dimensions, truncate_prompt_tokens)
         return self._run([RequestInput(text, embed=embed) for text in inputs], "input")
+
+    def score(
+        self, query: str, documents: str | Sequence[str], truncate_prompt_tokens: int | None = None
+    ) -> list[float]:
+        """Each document's relevance to `query`, in document order: a reranker's (cross-encoder's)
+        score of the (query, document) pair, as sentence-transformers' CrossEncoder.predict gives
+        it; an embedding model's cosine similarity of the two vectors. `truncate_prompt_tokens`:
+        a longer pair loses the document's last tokens (a longer text its last tokens)."""
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        pooling = self.engine.pooling
+        if pooling is None or not pooling.classify:
+            vectors = [o.embedding for o in self.embed([query, *documents], None, truncate_prompt_tokens)]
+            return [cosine(vectors[0], v) for v in vectors[1:]]
+        if self.engine.model_config.num_labels != 1:
+            raise ValueError(f"score: this classifier has {self.engine.model_config.num_labels} labels, not one score")
+        return [o.embedding[0] for o in self.pair_outputs(query, documents, truncate_prompt_tokens)]
+
+    def pair_outputs(
+        self, query: str, documents: Sequence[str], truncate_prompt_tokens: int | None = None
+    ) -> list[RequestOutput]:
+        """A reranker's output for each (query, document) pair, in document order: `.embedding`
+        holds its label scores (one for a reranker), activated as its checkpoint says."""
+        given = [RequestInput(query, embed=EmbedParams(None, truncate_prompt_tokens, d)) for d in documents]
+        return self._run(given, "document")
 
     def _run(self, given: list[RequestInput], what: str) -> list[RequestOutput]:
         """Every request validated before any is queued, then stepped until all are finished:

@@ -5,6 +5,7 @@ here touches the engine's state, so tokenizing may run on another thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -14,7 +15,7 @@ from flover.config import SamplingParams, int_in
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens
-from flover.request import Request, RequestInput, Timings
+from flover.request import EmbedParams, Request, RequestInput, Timings
 from flover.structured.grammars import Grammars
 from flover.structured.spec import GrammarLimits
 
@@ -96,17 +97,20 @@ class Intake:
 
     def _embed_request(self, request_id: str, given: RequestInput) -> Request:
         """An embedding input: text (special tokens added, as sentence-transformers' tokenizer
-        call does) or token ids, never a chat; longer than max_seq_len only when truncation is asked."""
+        call does) or token ids, never a chat; longer than max_seq_len only when truncation is
+        asked. A cross-encoder's: a (query, document) pair of texts, joined by its tokenizer."""
         embed, limit = given.embed, self.max_seq_len
         if given.messages is not None or given.params is not None or given.stream:
             raise ValueError("an embedding input is a text or token ids: no messages, sampling or streaming")
         keep = embed.truncate_prompt_tokens
         if keep is not None and not int_in(keep, 1, limit):
             raise ValueError(f"truncate_prompt_tokens={keep!r}: must be an integer in [1, max_seq_len={limit}]")
+        self._check_pairing(embed)
         dims, hidden = embed.dimensions, self.model_config.hidden_size
         if dims is not None and not int_in(dims, 1, hidden):
             raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {hidden}] (the model's width)")
-        token_ids, text = given.tokenized if given.tokenized is not None else self.input_ids(given.prompt, keep)
+        tokenized = given.tokenized or self.input_ids(given.prompt, keep, embed.document)
+        token_ids, text, second = tokenized if len(tokenized) == 3 else (*tokenized, None)
         token_ids = token_ids[:keep] if keep is not None else token_ids
         if len(token_ids) > limit:
             raise PromptTooLong(
@@ -121,16 +125,35 @@ class Intake:
             prompt=text,
             timings=Timings(arrival=arrival),
             cache_salt=given.cache_salt,
-            embed=embed,
+            embed=dataclasses.replace(embed, document=None, second_segment=second),
         )
 
-    def input_ids(self, prompt, keep: int | None = None) -> tuple[list[int], str | None]:
-        """An embedding input's token ids (and its text if it came as text): special tokens added;
-        `keep`: the first so many of a longer input (None: longer than max_seq_len is refused)."""
+    def _check_pairing(self, embed: EmbedParams) -> None:
+        """A cross-encoder takes pairs and only pairs; a pair has no dimensions to cut."""
+        if self.model_config.classifier is not None:
+            if embed.document is None:
+                raise ValueError(
+                    f"{self.model_config.architecture} is a reranker: it scores (query, document) pairs "
+                    "(rerank, score), it makes no embeddings"
+                )
+            if not isinstance(embed.document, str) or not embed.document:
+                raise ValueError("a pair's document is a non-empty text")
+            if embed.dimensions is not None:
+                raise ValueError("dimensions: a reranker's scores are not cut")
+        elif embed.document is not None:
+            raise ValueError("a (query, document) pair is scored by a reranker (a cross-encoder); this model embeds")
+
+    def input_ids(self, prompt, keep: int | None = None, document: str | None = None):
+        """An embedding input's (token ids, its text if it came as text, where a pair's second
+        part begins or None): special tokens added; `keep`: the first so many of a longer input
+        (None: longer than max_seq_len is refused); `document`: the input is a (prompt, document)
+        pair, and a pair longer than `keep` loses the document's last tokens."""
+        if document is not None:
+            return self._pair_ids(prompt, document, keep)
         if keep is not None:
-            return self._truncated_ids(prompt, keep)
+            return (*self._truncated_ids(prompt, keep), None)
         try:
-            return self._prompt_ids(prompt)
+            return (*self._prompt_ids(prompt), None)
         except PromptTooLong as e:
             raise PromptTooLong(f"{e}; truncate_prompt_tokens keeps an input's first tokens") from None
 
@@ -151,6 +174,24 @@ class Intake:
         if not ids:
             raise ValueError("the input is empty")
         return ids[:keep], prompt
+
+    def _pair_ids(self, query, document: str, keep: int | None) -> tuple[list[int], str, int | None]:
+        if not isinstance(query, str) or not query or not isinstance(document, str) or not document:
+            raise ValueError("a pair is two non-empty texts: a query and a document")
+        if self.tokenizer is None:
+            raise ValueError("pairs need the checkpoint's tokenizer")
+        contexts = 1 if keep is None else TRUNCATED_TEXT_CONTEXTS
+        if self.tokenizer.cannot_fit(query + document, contexts * self.max_seq_len):
+            raise PromptTooLong(
+                f"pair of {len((query + document).encode('utf-8', 'surrogatepass'))} bytes cannot fit in "
+                f"{contexts} x max_seq_len={self.max_seq_len} tokens"
+            )
+        try:
+            ids, types = self.tokenizer.encode_pair(query, document, keep)
+        except TooManyTokens as e:
+            raise PromptTooLong(f"the query alone takes {e.count} of truncate_prompt_tokens={keep}") from None
+        second = types.index(1) if 1 in types and self.model_config.token_types > 1 else None
+        return self._checked(ids), query, second
 
     @property
     def grammars(self) -> Grammars:

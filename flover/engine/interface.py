@@ -64,9 +64,9 @@ class ServingEngine(ABC):
     ) -> tuple[list[int], str | None]:
         return self.intake.tokenize(prompt, messages, tools, template_kwargs=template_kwargs)
 
-    def input_ids(self, prompt: str | Sequence[int], keep: int | None = None) -> tuple[list[int], str | None]:
-        """An embedding input's (Intake.input_ids)."""
-        return self.intake.input_ids(prompt, keep)
+    def input_ids(self, prompt: str | Sequence[int], keep: int | None = None, document: str | None = None):
+        """An embedding input's or a pair's (Intake.input_ids)."""
+        return self.intake.input_ids(prompt, keep, document)
 
     @property
     @abstractmethod
@@ -77,7 +77,11 @@ class ServingEngine(ABC):
     def capabilities(self) -> list[str]:
         """What the served model does, as /v1/models lists it."""
         text = [] if self.intake.model_config.encoder else ["completion", "chat"]
-        return text + (["embeddings", "rerank"] if self.embeddings_refused is None else [])
+        if self.embeddings_refused is not None:
+            return text
+        return text + (
+            ["rerank", "score"] if self.intake.model_config.classifier else ["embeddings", "rerank", "score"]
+        )
 
     @property
     def grammars(self) -> Grammars:

@@ -48,6 +48,7 @@ class ForwardBatch:
     # (the forward fills `pooled`: an output, beside the logits it returns)
     pool_rows: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+    token_types: torch.Tensor | None = None  # [T] (an encoder's) 1 for a pair's second part; None: all 0
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from flover.models.attention import ForwardBatch
-from flover.models.layers import Linear, activation, new_param, rows, whole
+from flover.models.layers import Linear, activation, new_param, whole
 from flover.models.model_config import CheckpointError, ModelConfig
 from flover.models.safetensors_reader import WeightSpec
 from flover.models.tp_layout import TPLayout
 
 QKV = ("query", "key", "value")
+CLASSIFIER_NAMES = ("classifier.dense", "classifier.out_proj")  # RoBERTa's head
 
 
 class EncoderLayer(nn.Module):
@@ -62,24 +63,31 @@ class BertEncoder(nn.Module):
         h = cfg.hidden_size
         p = lambda *shape: new_param(*shape, dtype=dtype, device=device)  # noqa: E731
         self.embed = p(cfg.vocab_size, h)
-        self.positions = p(cfg.max_position_embeddings, h)
-        self.token_type = p(1, h)  # row 0 of the token-type table: every input is one segment
+        self.positions = p(cfg.max_position_embeddings + cfg.position_offset, h)
+        self.token_type = p(max(cfg.token_types, 1), h)  # row 0 for an input, 1 for a pair's second part
         self.embed_norm_weight, self.embed_norm_bias = p(h), p(h)
         self.layers = nn.ModuleList(EncoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.act = activation(cfg.hidden_act)
+        if cfg.classifier is not None:  # a cross-encoder's head: dense + tanh, then to its labels
+            # (plain tensors: it runs on one pooled row at a time, in that row's dtype)
+            self.head_weights = nn.ParameterList([p(h, h), p(h), p(cfg.num_labels, h), p(cfg.num_labels)])
 
     def weight_specs(self) -> list[WeightSpec]:
         cfg, h = self.cfg, self.cfg.hidden_size
         e = "embeddings"
         specs = [
             WeightSpec(self.embed, (whole(f"{e}.word_embeddings.weight", (cfg.vocab_size, h)),)),
-            WeightSpec(self.positions, (whole(f"{e}.position_embeddings.weight", (cfg.max_position_embeddings, h)),)),
-            WeightSpec(self.token_type, (rows(f"{e}.token_type_embeddings.weight", (cfg.token_types, h), 0, 1),)),
+            WeightSpec(self.positions, (whole(f"{e}.position_embeddings.weight", tuple(self.positions.shape)),)),
+            WeightSpec(self.token_type, (whole(f"{e}.token_type_embeddings.weight", tuple(self.token_type.shape)),)),
             WeightSpec(self.embed_norm_weight, (whole(f"{e}.LayerNorm.weight", (h,)),)),
             WeightSpec(self.embed_norm_bias, (whole(f"{e}.LayerNorm.bias", (h,)),)),
         ]
         for n, layer in enumerate(self.layers):
             specs += layer.weight_specs(cfg, f"encoder.layer.{n}")
+        if cfg.classifier is not None:
+            dense, out = ("pooler.dense", "classifier") if cfg.classifier == "pooler" else CLASSIFIER_NAMES
+            names = (f"{dense}.weight", f"{dense}.bias", f"{out}.weight", f"{out}.bias")
+            specs += [WeightSpec(w, (whole(n, tuple(w.shape)),)) for w, n in zip(self.head_weights, names)]
         return specs
 
     def forward(self, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -87,7 +95,8 @@ class BertEncoder(nn.Module):
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         """[T] token ids at their positions -> [T, hidden] (word + position + token type, normed)."""
-        x = self.embed[batch.input_ids] + self.positions[batch.positions] + self.token_type
+        types = self.token_type[0] if batch.token_types is None else self.token_type[batch.token_types]
+        x = self.embed[batch.input_ids] + self.positions[batch.positions + self.cfg.position_offset] + types
         return self._norm(x, self.embed_norm_weight, self.embed_norm_bias)
 
     def run_layers(self, hidden: torch.Tensor, batch: ForwardBatch, kv: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -118,6 +127,12 @@ class BertEncoder(nn.Module):
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's rows as they are (its own LayerNorm was its last step)."""
         return hidden
+
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's first row [hidden] -> its label scores [num_labels] (the row's dtype:
+        float64 where the reference check asks)."""
+        dense_w, dense_b, out_w, out_b = (w.to(first.dtype) for w in self.head_weights)
+        return F.linear(torch.tanh(F.linear(first, dense_w, dense_b)), out_w, out_b)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """No token is ever sampled from an encoder: [B, 0]."""

@@ -62,7 +62,7 @@ class HFDirectory:
     def reader(self, cfg: ModelConfig) -> CheckpointReader:
         from flover.models.safetensors_reader import CheckpointReader
 
-        return CheckpointReader(self.path, stacked_experts(cfg))
+        return CheckpointReader(self.path, stacked_experts(cfg), family_of(cfg).weight_prefixes)
 
     def check_tensors(self, cfg: ModelConfig) -> None:
         """config.json's shape against the tensors the files hold, before anything is built from it."""

@@ -304,6 +304,11 @@ class ModelConfig:
     # vectors made and no text; `token_types`: rows of its token-type table
     encoder: bool = False
     token_types: int = 0
+    # a cross-encoder (reranker): its first row through a head to `num_labels` scores. "pooler":
+    # BERT's pooler (dense, tanh) then its classifier; "dense": RoBERTa's classifier.dense, tanh, out_proj
+    classifier: str | None = None
+    num_labels: int = 0
+    position_offset: int = 0  # position p reads row p + offset of the position table (RoBERTa's pad + 1)
 
     def kv_layers(self) -> list[int]:
         """The layers that keep keys and values (the others keep a recurrent state instead, or

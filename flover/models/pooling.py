@@ -10,6 +10,7 @@ runner/pooling.py (this file is read where torch is not imported: the HTTP front
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +29,23 @@ _ST_MODES = {
 _GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
 
 
+# a cross-encoder's activation on its label scores (sentence-transformers' CrossEncoder default:
+# sigmoid for one label, none for more; its config.json may name one)
+ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "none",
+}
+
+
 @dataclass(frozen=True)
 class Pooling:
     mode: str  # one of POOLING_MODES
     normalize: bool  # each vector divided by its Euclidean length
     source: str  # where it was read (said in the log and in errors)
+    # a cross-encoder (reranker): the pooled row goes through the model's head to label scores,
+    # then `activation` ("sigmoid" or "none"); its requests are (query, document) pairs
+    classify: bool = False
+    activation: str = "none"
 
     @property
     def every_row(self) -> bool:
@@ -46,8 +59,33 @@ def _checked_mode(mode: str, source: str) -> str:
     return mode
 
 
+def classifier_pooling(path: Path) -> Pooling | None:
+    """A cross-encoder directory's (config.json: a *ForSequenceClassification): its first row
+    through its head, then sigmoid for one label (none for more) unless its config.json names
+    sentence-transformers' activation. None: the directory is no classifier."""
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        architecture = (config.get("architectures") or [""])[0]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None  # (reading the model's config names what is wrong)
+    if not isinstance(architecture, str) or not architecture.endswith("ForSequenceClassification"):
+        return None
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+    named = (config.get("sentence_transformers") or {}).get("activation_fn")
+    named = named or config.get("sbert_ce_default_activation_function")
+    if named is not None and named not in ACTIVATIONS:
+        raise CheckpointError(f"{config_file}: activation_fn {named!r} is not one of {', '.join(ACTIVATIONS)}")
+    activation = ACTIVATIONS[named] if named else "sigmoid" if labels == 1 else "none"
+    return Pooling("cls", False, str(config_file), classify=True, activation=activation)
+
+
 def directory_pooling(path: Path) -> Pooling | None:
-    """A sentence-transformers directory's pooling (modules.json), or None when it has none."""
+    """A sentence-transformers directory's pooling (modules.json), a cross-encoder's, or None
+    when it has none."""
+    classifier = classifier_pooling(path)
+    if classifier is not None:
+        return classifier
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return None
@@ -85,6 +123,10 @@ def chosen_pooling(asked: str | None, found: Pooling | None) -> Pooling | None:
     """`--pooling` over what the checkpoint says (the checkpoint's normalization kept)."""
     if asked is None:
         return found
+    if found is not None and found.classify:
+        raise CheckpointError(
+            f"--pooling: {found.source} is a reranker (a cross-encoder): it scores pairs with its own head"
+        )
     mode = _checked_mode(asked, "--pooling")
     return Pooling(mode, True if found is None else found.normalize, "--pooling")
 
@@ -110,3 +152,10 @@ def sentence_max_tokens(path: Path) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise CheckpointError(f"{config_file}: max_seq_length must be a positive integer, got {value!r}")
     return value
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """Two vectors' cosine similarity (an embedding model's score of a pair; 0 for a zero vector)."""
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm else 0.0

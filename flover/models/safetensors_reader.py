@@ -54,14 +54,18 @@ LANGUAGE_MODEL = "model.language_model."
 class CheckpointReader:
     """Maps tensor names to the safetensors file holding them."""
 
-    def __init__(self, model_dir: str | Path, stacked: dict[str, Stacked] | None = None):
-        """`stacked`: per-expert names the model asks for -> where they lie in stacked tensors."""
+    def __init__(
+        self, model_dir: str | Path, stacked: dict[str, Stacked] | None = None, prefixes: tuple[str, ...] = ()
+    ):
+        """`stacked`: per-expert names the model asks for -> where they lie in stacked tensors;
+        `prefixes`: a task model's prefixes of its base model's names, read without them."""
         self.dir = Path(model_dir)
         self._handles: dict[Path, object] = {}
         self.files = self._weight_map()
         self.stacked = stacked or {}
         # a multimodal checkpoint's language model (model.language_model.*) read as model.*
         aliases = {"model." + n.removeprefix(LANGUAGE_MODEL): n for n in self.files if n.startswith(LANGUAGE_MODEL)}
+        aliases |= {n.removeprefix(p): n for p in prefixes for n in self.files if n.startswith(p)}
         self.stored = {alias: name for alias, name in aliases.items() if alias not in self.files}
         self.files |= {alias: self.files[name] for alias, name in self.stored.items()}
 

@@ -138,6 +138,19 @@ class Tokenizer:
             raise TooManyTokens(len(encoding))
         return encoding.ids
 
+    def encode_pair(self, first: str, second: str, keep: int | None = None) -> tuple[list[int], list[int]]:
+        """Two texts as one input, joined as the tokenizer joins a pair (BERT's [CLS] a [SEP] b
+        [SEP]; transformers' tokenizer(a, b)): its ids and token types. `keep`: at most so many
+        tokens, the second text's last ones dropped (TooManyTokens when the first leaves none)."""
+        a, b = self._tok.encode_batch([first, second], add_special_tokens=False)
+        if keep is not None:
+            room = keep - len(a) - self._tok.num_special_tokens_to_add(True)
+            if room < 1:
+                raise TooManyTokens(len(a))
+            b.truncate(room)
+        pair = self._tok.post_process(a, b, add_special_tokens=True)
+        return pair.ids, pair.type_ids
+
     def set_template_limits(self, limits: TemplateLimits) -> None:
         """What rendering one chat may cost (before the first chat)."""
         if self.chat_template is not None:

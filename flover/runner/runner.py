@@ -163,9 +163,16 @@ class ModelRunner:
             if p.count:
                 r.pooled.add(pooled[p.first : p.first + p.count])
             if p.completes:
-                done.append((r, r.pooled.vector(r.embed.dimensions).tolist()))
+                done.append((r, self._vector(r).tolist()))
                 r.pooled = None
         return done
+
+    def _vector(self, r: Request) -> torch.Tensor:
+        """A request's vector; a cross-encoder's: its label scores from the pooled first row."""
+        if not self.pooling.classify:
+            return r.pooled.vector(r.embed.dimensions)
+        scores = self.model.classify(r.pooled.vector())  # [num_labels]
+        return torch.sigmoid(scores) if self.pooling.activation == "sigmoid" else scores
 
     def expert_load(self) -> list[dict] | None:
         """A mixture of experts: per layer of experts, the rows routed to each expert so far (both
@@ -220,7 +227,7 @@ class ModelRunner:
         num_decode = len(ids)
         draft_rows = num_decode - len(decode)
 
-        prefills, sample_rows, score_rows, pool_rows = [], list(range(num_decode)), [], []
+        prefills, sample_rows, score_rows, pool_rows, types = [], list(range(num_decode)), [], [], []
         snapshots = dict(plan.decode_snapshots)  # (no drafts then: decode index = token row)
         rows_of = IterationRows(list(decode), drafts=plan.drafts if draft_rows else [])
         row = num_decode
@@ -238,7 +245,7 @@ class ModelRunner:
             if chunk.snapshot is not None:
                 snapshots[row - 1] = chunk.snapshot
             if r.embed is not None:  # pooled, never sampled
-                self._pooled_chunk(chunk, row - chunk.length, pool_rows, rows_of)
+                self._pooled_chunk(chunk, row - chunk.length, pool_rows, rows_of, types)
             elif chunk.completes_prompt:
                 sample_rows.append(row - 1)
                 rows_of.sampled.append(r)
@@ -257,16 +264,23 @@ class ModelRunner:
             draft_rows=draft_rows,
             snapshots=snapshots,
             pool_rows=as_tensor(pool_rows) if rows_of.pooling else None,
+            token_types=as_tensor(types + [0] * (len(ids) - len(types))) if types else None,
         )
         if self.buffer.window is not None:
             bases = {r.slot: r.window_base for r in (*decode, *(c.request for c in plan.prefill))}
             batch.window = self._window_rows(batch, positions, slots, bases, [r.slot for r in decode], span_lens)
         return batch, rows_of
 
-    def _pooled_chunk(self, chunk: PrefillChunk, first_row: int, pool_rows: list[int], rows_of: IterationRows) -> None:
+    def _pooled_chunk(
+        self, chunk: PrefillChunk, first_row: int, pool_rows: list[int], rows_of: IterationRows, types: list[int]
+    ) -> None:
         """An embedding request's prompt chunk (its first token at `first_row`): the rows its
-        pooling keeps join the iteration's pooled rows."""
+        pooling keeps join the iteration's pooled rows; a pair's rows their token types (`types`,
+        the iteration's so far: rows before are type 0)."""
         r = chunk.request
+        if r.embed.second_segment is not None:
+            types += [0] * (first_row - len(types))
+            types += [int(chunk.start + k >= r.embed.second_segment) for k in range(chunk.length)]
         kept = pooled_rows(self.pooling, chunk.start, chunk.length, r.prompt_len)
         rows_of.pooling.append(PoolRows(r, len(pool_rows), len(kept), chunk.completes_prompt))
         pool_rows += [first_row + k for k in kept]

@@ -537,7 +537,7 @@ class Daemon:
         """On the tokenizing worker: the prompt's tokens (text or chat), and the request's
         structure compiled (cached, so that queuing it on the loop finds it ready)."""
         if isinstance(req, protocol.EmbedRequest):
-            return self.engine.input_ids(req.input, req.truncate_prompt_tokens)
+            return self.engine.input_ids(req.input, req.truncate_prompt_tokens, req.document)
         if req.params.structured is not None:
             self.engine.grammars.compile(req.params.structured)
         if req.messages is not None or isinstance(req.prompt, str):
@@ -552,7 +552,7 @@ class Daemon:
                 cache_salt=flight.user,
                 arrival_time=flight.arrived,
                 tokenized=tokenized,
-                embed=EmbedParams(req.dimensions, req.truncate_prompt_tokens),
+                embed=EmbedParams(req.dimensions, req.truncate_prompt_tokens, req.document),
             )
             try:
                 request = self.engine.make_request(given)

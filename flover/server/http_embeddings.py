@@ -3,14 +3,14 @@ server and vLLM answer) over the daemon's `embed` op: one op per input, at most 
 call in the daemon at a time (a call of many inputs never fills the waiting queue that other
 clients share), all of them riding the same fused iterations as the chats.
 
-Reranking with an embedding model is the cosine similarity of the query's vector and each
-document's (as vLLM scores with embedding models)."""
+Reranking with a reranker (a cross-encoder) is its score of each (query, document) pair; with an
+embedding model, the cosine similarity of the query's vector and each document's (as vLLM scores
+with embedding models)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import math
 import uuid
 
 import numpy as np
@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from flover.config import is_int
+from flover.models.pooling import cosine
 from flover.server import openai_api as oa
 from flover.server.http_state import Front, as_api_error, error_response, front_of, read_json, wait_watching
 
@@ -55,19 +56,20 @@ def embedding_inputs(value) -> list[str | list[int]]:
     return inputs
 
 
-async def embed_all(request: Request, front: Front, inputs: list, options: dict) -> list[dict] | None:
-    """Each input's final event, in order (None: the client hung up); the first refusal raises.
-    At most IN_FLIGHT in the daemon at once; whatever is unfinished when this ends is cancelled."""
+async def embed_all(request: Request, front: Front, calls: list[dict]) -> list[dict] | None:
+    """Each embed op's final event, in order (`calls`: each op's fields, `input` and options;
+    None: the client hung up); the first refusal raises. At most IN_FLIGHT in the daemon at
+    once; whatever is unfinished when this ends is cancelled."""
     prefix = f"http-{uuid.uuid4().hex[:12]}"
-    results: list[dict | None] = [None] * len(inputs)
+    results: list[dict | None] = [None] * len(calls)
     running: dict[asyncio.Future, tuple[int, str]] = {}
-    following = iter(enumerate(inputs))
+    following = iter(enumerate(calls))
     try:
         while True:
             while len(running) < IN_FLIGHT and (item := next(following, None)) is not None:
-                n, value = item
+                n, fields = item
                 rid = f"{prefix}-{n}"
-                running[asyncio.ensure_future(front.client.embed(value, request_id=rid, **options))] = (n, rid)
+                running[asyncio.ensure_future(front.client.embed(request_id=rid, **fields))] = (n, rid)
             if not running:
                 return results
             if not await wait_watching(request, list(running)):
@@ -97,7 +99,8 @@ async def embeddings(request: Request):
         if encoding not in ("float", "base64"):
             raise oa.ApiError(400, "encoding_format: expected float or base64", param="encoding_format")
         options = {name: _positive(body, name) for name in ("dimensions", "truncate_prompt_tokens")}
-        finals = await embed_all(request, front, inputs, {k: v for k, v in options.items() if v is not None})
+        options = {k: v for k, v in options.items() if v is not None}
+        finals = await embed_all(request, front, [{"input": i, **options} for i in inputs])
     except Exception as e:  # the daemon's refusal, or anything else: this call ends here
         return error_response(as_api_error(e))
     if finals is None:
@@ -114,12 +117,6 @@ async def embeddings(request: Request):
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
     return await front.off_loop(JSONResponse, answer)
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = math.fsum(x * y for x, y in zip(a, b))
-    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
-    return dot / norm if norm else 0.0
 
 
 async def rerank(request: Request):
@@ -139,13 +136,21 @@ async def rerank(request: Request):
         top_n = _positive(body, "top_n") or len(documents)
         keep = _positive(body, "truncate_prompt_tokens")
         options = {} if keep is None else {"truncate_prompt_tokens": keep}
-        finals = await embed_all(request, front, [query, *documents], options)
+        pairs = front.capabilities is not None and "embeddings" not in front.capabilities  # a reranker
+        texts = (
+            [{"input": query, "document": d} for d in documents]
+            if pairs
+            else [{"input": query}] + [{"input": d} for d in documents]
+        )
+        finals = await embed_all(request, front, [{**t, **options} for t in texts])
     except Exception as e:
         return error_response(as_api_error(e))
     if finals is None:
         return JSONResponse({}, status_code=499)
-    query_vector = finals[0]["embedding"]
-    scores = [_cosine(query_vector, f["embedding"]) for f in finals[1:]]
+    if pairs:
+        scores = [f["embedding"][0] for f in finals]
+    else:
+        scores = [cosine(finals[0]["embedding"], f["embedding"]) for f in finals[1:]]
     order = sorted(range(len(documents)), key=lambda n: -scores[n])[:top_n]
     with_text = body.get("return_documents", True) is not False
     results = [

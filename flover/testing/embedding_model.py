@@ -83,6 +83,47 @@ def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config)
     return as_sentence_transformer(out, out, mode)
 
 
+def make_tiny_cross_encoder(out: str | Path, kind: str = "bert", labels: int = 1, seed: int = 0) -> Path:
+    """A random reranker as sentence-transformers' CrossEncoder saves one: BertForSequenceClassification
+    (ms-marco-MiniLM's kind: pair tokens of type 1 after the first [SEP]) or, `kind` "xlm-roberta",
+    XLMRobertaForSequenceClassification (BGE-reranker's: positions after the padding id, one token
+    type, `[CLS] a [SEP] [SEP] b [SEP]` as RoBERTa's `<s> a </s></s> b </s>`)."""
+    import torch
+    import transformers
+    from tokenizers import processors
+
+    out = Path(out)
+    tok = train_wordpiece(512, seed)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=labels)
+    torch.manual_seed(seed)
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=128, **sizes)
+        model = transformers.BertForSequenceClassification(config)
+    else:
+        cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] [SEP] $B [SEP]",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        )
+        config = transformers.XLMRobertaConfig(
+            vocab_size=tok.get_vocab_size(), max_position_embeddings=130, type_vocab_size=1, pad_token_id=0, **sizes
+        )
+        model = transformers.XLMRobertaForSequenceClassification(config)
+    with torch.no_grad():  # (transformers zeroes biases and sets LayerNorms to ones: make them count)
+        for name, tensor in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    model.save_pretrained(out)
+    tokenizer = (
+        transformers.BertTokenizerFast if kind == "bert" else transformers.PreTrainedTokenizerFast
+    )  # (types or none)
+    tokenizer(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    ).save_pretrained(out)
+    return out
+
+
 # what llama.cpp's converter names BERT's tensors (written out here, not taken from families/bert.py:
 # the test files check that family's names against an independent table)
 CONVERTER_BERT_NAMES = {

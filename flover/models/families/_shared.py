@@ -39,6 +39,9 @@ class Family:
     native: bool = True  # the native step runs it (its features are the decoder's)
     layer_prefix: str = "model.layers"  # of its checkpoints' layer tensors
     embed_name: str = "model.embed_tokens.weight"
+    # a task model's prefix of its base model's tensors (BertForSequenceClassification's `bert.`),
+    # read as if it were absent
+    weight_prefixes: tuple[str, ...] = ()
     # tiny random checkpoints (flover.testing.tiny_model): transformers' config class, and the keywords
     # that class needs beyond the common sizes (preset, eos id -> keywords)
     test_config: str = ""

@@ -1,7 +1,12 @@
 """BERT-family text encoders (all-MiniLM, BGE, E5, GTE as sentence-transformers save them:
 BertModel's tensors at the top level; and llama.cpp's `bert` GGUF files): embeddings only, never text. Their graph is
 models/bert.py's (absolute positions, post-norm LayerNorms, erf GELU, attention both ways within
-an input); their pooling is the directory's modules.json (models/pooling.py)."""
+an input); their pooling is the directory's modules.json (models/pooling.py).
+
+Cross-encoders (rerankers: ms-marco-MiniLM as BertForSequenceClassification, BGE-reranker as
+XLMRobertaForSequenceClassification) are the same encoder with a head on the first row: they
+score a (query, document) pair read as one input. RoBERTa's differ only in where positions
+start in their table (after the padding id) and in the head's names."""
 
 import dataclasses
 
@@ -20,8 +25,16 @@ def bert_fields(raw: dict) -> dict:
     head_dim = raw["hidden_size"] // heads
     if head_dim * heads != raw["hidden_size"]:
         raise CheckpointError(f"config.json: hidden_size {raw['hidden_size']} is not a multiple of {heads} heads")
+    offset = raw.get("pad_token_id", 1) + 1 if raw.get("model_type") in ROBERTA_TYPES else 0
+    given = sizes(raw, head_dim, 512)
     return dict(
-        **{**sizes(raw, head_dim, 512), "norm_eps": raw.get("layer_norm_eps", 1e-12)},
+        **{
+            **given,
+            "norm_eps": raw.get("layer_norm_eps", 1e-12),
+            "max_position_embeddings": given["max_position_embeddings"] - offset,  # (positions served)
+        },
+        position_offset=offset,
+        **classifier_fields(raw),
         hidden_act=raw.get("hidden_act", "gelu"),
         tie_word_embeddings=False,
         rope_theta=10000.0,  # (no RoPE: absolute position embeddings)
@@ -36,6 +49,21 @@ def bert_fields(raw: dict) -> dict:
         encoder=True,
         token_types=raw.get("type_vocab_size", 2),
     )
+
+
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+
+
+def classifier_fields(raw: dict) -> dict:
+    """A *ForSequenceClassification's head: BERT's pooler and classifier, or RoBERTa's
+    classifier.dense and out_proj; its label count (id2label's, as transformers counts)."""
+    architecture = (raw.get("architectures") or [""])[0]
+    if not architecture.endswith("ForSequenceClassification"):
+        return {}
+    labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 2
+    if raw.get("problem_type") not in (None, "regression", "single_label_classification", "multi_label_classification"):
+        raise CheckpointError(f"config.json: problem_type {raw['problem_type']!r} is not a classifier flover serves")
+    return dict(classifier="dense" if raw.get("model_type") in ROBERTA_TYPES else "pooler", num_labels=labels)
 
 
 def bert_from_gguf(file, cfg: ModelConfig) -> ModelConfig:
@@ -77,7 +105,14 @@ BERT_GGUF_LAYER_NAMES = {
 
 FAMILY = Family(
     name="bert",
-    hf_architectures=("BertModel",),
+    hf_architectures=(
+        "BertModel",
+        "BertForSequenceClassification",
+        "RobertaModel",
+        "RobertaForSequenceClassification",
+        "XLMRobertaModel",
+        "XLMRobertaForSequenceClassification",
+    ),
     from_hf=bert_fields,
     gguf_arch="bert",
     from_gguf=bert_from_gguf,
@@ -92,6 +127,7 @@ FAMILY = Family(
     decoder="flover.models.bert:BertEncoder",
     native=False,  # (LayerNorm, erf GELU and attention both ways: not the native step's yet)
     layer_prefix="encoder.layer",
+    weight_prefixes=("bert.", "roberta."),
     embed_name="embeddings.word_embeddings.weight",
     number_fields=("layer_norm_eps",),
 )

@@ -1,0 +1,133 @@
+"""Rerankers (cross-encoders): a (query, document) pair read as one input, its first row through
+the model's head to a score. Random BertForSequenceClassification (ms-marco-MiniLM's kind) and
+XLMRobertaForSequenceClassification (BGE-reranker's) equal sentence-transformers' CrossEncoder in
+float64; long pairs lose document tokens only when asked; `/v1/rerank` through a real daemon."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+import torch
+
+from flover import LLM
+from flover.engine.intake import PromptTooLong
+from flover.testing.embedding_model import make_tiny_bert, make_tiny_cross_encoder
+from tests.helpers import Server, free_port
+
+QUERY = "what is the capital of france"
+DOCUMENTS = [
+    "paris is the capital of france",
+    "the cat sat on the mat",
+    "berlin is a city in germany and it is large",
+    "Über café: naïve 東京 data",
+]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    made = {}
+
+    def make(kind: str, labels: int = 1) -> str:
+        if (kind, labels) not in made:
+            out = tmp_path_factory.mktemp(f"{kind}-{labels}")
+            made[kind, labels] = str(make_tiny_cross_encoder(out, kind, labels))
+        return made[kind, labels]
+
+    return make
+
+
+def cross_encoder_reference(model_dir: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.CrossEncoder(model_dir, device="cpu")
+    model.model.to(torch.float64)
+    return model.predict(pairs, convert_to_tensor=True)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_cross_encoder_scores_equal_sentence_transformers(reranker, kind):
+    """BERT's pairs carry token type 1 after their first [SEP]; RoBERTa's positions start after the
+    padding id: either left out moves every score."""
+    model_dir = reranker(kind)
+    want = cross_encoder_reference(model_dir, [(QUERY, d) for d in DOCUMENTS])
+    got = torch.tensor(LLM(model_dir, dtype="float64").score(QUERY, DOCUMENTS), dtype=torch.float64)
+    assert (got - want).abs().max().item() < 1e-9
+    single = LLM(model_dir, dtype="float32").score(QUERY, DOCUMENTS)
+    assert (torch.tensor(single, dtype=torch.float64) - want).abs().max().item() < 1e-5
+
+
+def test_a_classifier_of_three_labels_gives_its_logits(reranker):
+    """More than one label: no activation (sentence-transformers' default), every label's score."""
+    model_dir = reranker("bert", 3)
+    want = cross_encoder_reference(model_dir, [(QUERY, d) for d in DOCUMENTS[:2]])
+    llm = LLM(model_dir, dtype="float64")
+    got = [o.embedding for o in llm.pair_outputs(QUERY, DOCUMENTS[:2])]
+    assert (torch.tensor(got, dtype=torch.float64) - want).abs().max().item() < 1e-9
+    with pytest.raises(ValueError, match="3 labels"):
+        llm.score(QUERY, DOCUMENTS)
+
+
+def test_pairs_in_one_iteration_score_as_alone(reranker):
+    llm = LLM(reranker("bert"), dtype="float64")
+    alone = [llm.score(QUERY, d)[0] for d in DOCUMENTS]
+    together = llm.score(QUERY, DOCUMENTS * 3)
+    assert max(abs(a - b) for a, b in zip(alone * 3, together)) < 1e-12
+
+
+def test_a_long_pair_loses_document_tokens_only_when_asked(reranker):
+    """As transformers' tokenizer(query, document, truncation="only_second", max_length=keep)."""
+    import transformers
+
+    model_dir = reranker("bert")
+    llm = LLM(model_dir, dtype="float64", max_seq_len=32)
+    long_document = " ".join(DOCUMENTS * 4)
+    with pytest.raises(PromptTooLong, match="truncate_prompt_tokens"):
+        llm.score(QUERY, long_document)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float64)
+    encoded = tokenizer(QUERY, long_document, truncation="only_second", max_length=24, return_tensors="pt")
+    assert encoded["input_ids"].shape[1] == 24
+    want = torch.sigmoid(model(**encoded).logits[0, 0]).item()
+    assert abs(llm.score(QUERY, long_document, truncate_prompt_tokens=24)[0] - want) < 1e-9
+    with pytest.raises(PromptTooLong, match="the query alone"):
+        llm.score(" ".join([QUERY] * 5), "paris", truncate_prompt_tokens=8)
+
+
+def test_pairs_and_single_inputs_go_to_the_model_made_for_them(reranker, tmp_path):
+    """A reranker makes no embeddings, an embedding model scores by cosine similarity."""
+    llm = LLM(reranker("bert"), dtype="float64")
+    assert llm.engine.capabilities == ["rerank", "score"]
+    with pytest.raises(ValueError, match="reranker"):
+        llm.embed("paris")
+    with pytest.raises(ValueError, match="reranker"):
+        LLM(reranker("bert"), dtype="float64", pooling="mean")
+    encoder = LLM(str(make_tiny_bert(tmp_path / "bert", "mean")), dtype="float64")
+    vectors = torch.tensor([o.embedding for o in encoder.embed([QUERY, *DOCUMENTS])], dtype=torch.float64)
+    cosine = torch.nn.functional.cosine_similarity(vectors[1:], vectors[:1])
+    assert (torch.tensor(encoder.score(QUERY, DOCUMENTS), dtype=torch.float64) - cosine).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="scored by a reranker"):
+        encoder.pair_outputs(QUERY, DOCUMENTS)
+
+
+def test_a_served_reranker_answers_rerank_and_refuses_embeddings(reranker):
+    model_dir = reranker("xlm-roberta")
+    port = free_port()
+    server = Server(model_dir, "--max-slots", "4", "--max-seq-len", "128", "--http", f"127.0.0.1:{port}")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert model["capabilities"] == ["rerank", "score"]
+        body = {"query": QUERY, "documents": DOCUMENTS, "top_n": 3, "return_documents": False}
+        answer = httpx.post(f"{url}/v1/rerank", json=body, timeout=60).json()
+        scores = LLM(model_dir, dtype="float64").score(QUERY, DOCUMENTS)
+        want = sorted(range(len(DOCUMENTS)), key=lambda n: -scores[n])[:3]
+        assert [r["index"] for r in answer["results"]] == want
+        assert max(abs(r["relevance_score"] - scores[r["index"]]) for r in answer["results"]) < 1e-6
+        assert "document" not in answer["results"][0] and answer["usage"]["prompt_tokens"] > 0
+        refused = httpx.post(f"{url}/v1/embeddings", json={"input": "paris"}, timeout=60)
+        assert refused.status_code == 400 and "reranker" in refused.json()["error"]["message"]
+        again = httpx.post(f"{url}/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS[:1]}, timeout=60)
+        assert again.status_code == 200 and len(again.json()["results"]) == 1
+    finally:
+        server.stop(signal.SIGKILL)
