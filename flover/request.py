@@ -70,7 +70,10 @@ class EmbedParams:
     # a reranker's (cross-encoder's) pair: the prompt is the query, this its document; the score
     # comes back as the one-component `embedding`. A pair that is too long loses document tokens.
     document: str | None = None
-    second_segment: int | None = None  # (set by the intake) the pair's first token of token type 1
+    # (set by the intake) a pair joined into the prompt's ids (a follower rank gets the ids so), and
+    # where its tokens of type 1 begin (None: one type)
+    pair: bool = False
+    second_segment: int | None = None
 
 
 @dataclass

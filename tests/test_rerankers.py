@@ -1,7 +1,10 @@
-"""Rerankers (cross-encoders): a (query, document) pair read as one input, its first row through
-the model's head to a score. Random BertForSequenceClassification (ms-marco-MiniLM's kind) and
-XLMRobertaForSequenceClassification (BGE-reranker's) equal sentence-transformers' CrossEncoder in
-float64; long pairs lose document tokens only when asked; `/v1/rerank` through a real daemon."""
+"""Rerankers: a (query, document) pair read as one input. Cross-encoders (random
+BertForSequenceClassification, ms-marco-MiniLM's kind, and XLMRobertaForSequenceClassification,
+BGE-reranker's) put its first row through their head; decoder rerankers (Qwen3-Reranker's kind,
+sentence-transformers' LogitScore) render it with their chat template and score the last row's
+yes / no logits. Both equal sentence-transformers' CrossEncoder in float64; a decoder reranker's
+scores ride the fused iterations beside generations bit for bit; long pairs lose document tokens
+only when asked; `/v1/rerank` through a real daemon, and two ranks under mpirun."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import pytest
 import torch
 
 from flover import LLM
+from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
-from flover.testing.embedding_model import make_tiny_bert, make_tiny_cross_encoder
-from tests.helpers import Server, free_port
+from flover.request import EmbedParams, RequestInput
+from flover.testing.embedding_model import as_logit_score_reranker, make_tiny_bert, make_tiny_cross_encoder
+from tests.helpers import Server, flover_run_ok, free_port, read_records, write_jsonl
 
 QUERY = "what is the capital of france"
 DOCUMENTS = [
@@ -38,11 +43,19 @@ def reranker(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def decoder_reranker(make_model, tmp_path_factory) -> str:
+    """A random Qwen3 as a LogitScore reranker (tokens 100 and 101 stand for "yes" and "no")."""
+    return str(as_logit_score_reranker(make_model("qwen3"), tmp_path_factory.mktemp("qwen3-reranker"), 100, 101))
+
+
 def cross_encoder_reference(model_dir: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    """sentence-transformers' scores, a pair at a time (a decoder's batch is left-padded, which
+    moves its positions in transformers)."""
     sentence_transformers = pytest.importorskip("sentence_transformers")
     model = sentence_transformers.CrossEncoder(model_dir, device="cpu")
     model.model.to(torch.float64)
-    return model.predict(pairs, convert_to_tensor=True)
+    return torch.cat([model.predict([pair], convert_to_tensor=True) for pair in pairs])
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
@@ -131,3 +144,46 @@ def test_a_served_reranker_answers_rerank_and_refuses_embeddings(reranker):
         assert again.status_code == 200 and len(again.json()["results"]) == 1
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_decoder_reranker_equals_sentence_transformers(decoder_reranker):
+    """The pair rendered by the chat template as a query and a document message (no assistant
+    prompt added), the last row's logit of the true token minus the false one's, then sigmoid."""
+    want = cross_encoder_reference(decoder_reranker, [(QUERY, d) for d in DOCUMENTS])
+    llm = LLM(decoder_reranker, dtype="float64")
+    assert llm.engine.capabilities == ["completion", "chat", "rerank", "score"]
+    assert (torch.tensor(llm.score(QUERY, DOCUMENTS), dtype=torch.float64) - want).abs().max().item() < 1e-9
+    with pytest.raises(ValueError, match="never cut"):
+        llm.score(QUERY, DOCUMENTS[0], truncate_prompt_tokens=64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_reranker_scores_beside_generations_are_bit_exact(decoder_reranker, dtype):
+    """Pairs and generations in the same fused iterations (the native step): every score is the
+    one it gets alone, bit for bit, and every generation the tokens it gets alone."""
+    llm = LLM(decoder_reranker, dtype=dtype, max_seq_len=512)
+    alone = [llm.score(QUERY, d)[0] for d in DOCUMENTS]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["the river", "a model of the city", "one two three"]
+    solo = [llm.generate(p, params)[0].token_ids for p in prompts]
+    engine = llm.engine
+    ids = [engine.enqueue(engine.make_request(RequestInput(p, params))) for p in prompts]
+    ids += [engine.enqueue(engine.make_request(RequestInput(QUERY, embed=EmbedParams(document=d)))) for d in DOCUMENTS]
+    finals = {}
+    while len(finals) < len(ids):
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [finals[i].token_ids for i in ids[:3]] == solo
+    assert [finals[i].embedding[0] for i in ids[3:]] == alone
+
+
+def test_a_decoder_reranker_under_tensor_parallelism_scores_as_one_rank(decoder_reranker, tmp_path):
+    """Two ranks (mpirun): the last rows' logits gathered from both vocabulary halves; the follower
+    ends the pairs as the leader does (`flover run --embed` over lines with a document)."""
+    prompts = tmp_path / "pairs.jsonl"
+    write_jsonl(prompts, [{"id": str(n), "prompt": QUERY, "document": d} for n, d in enumerate(DOCUMENTS)])
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    flover_run_ok(1, decoder_reranker, prompts, one, "--embed", "--max-seq-len", "512")
+    flover_run_ok(2, decoder_reranker, prompts, two, "--embed", "--max-seq-len", "512")
+    alone, split = ({r["id"]: r["embedding"][0] for r in read_records(path)} for path in (one, two))
+    assert alone.keys() == split.keys() == {"0", "1", "2", "3"}
+    assert max(abs(alone[k] - split[k]) for k in alone) < 1e-12

@@ -25,7 +25,7 @@ from flover.config import MAX_REQUEST_ID_LENGTH, SAMPLING_KEYS
 from flover.protocol import check_template_kwargs
 
 PROMPT_KEYS = ("prompt", "input_ids", "messages")
-EMBED_KEYS = ("dimensions", "truncate_prompt_tokens")  # an embedding input's own options
+EMBED_KEYS = ("dimensions", "truncate_prompt_tokens", "document")  # an embedding input's own options (document: a pair)
 
 
 class PromptFileError(ValueError):

@@ -30,7 +30,7 @@ from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
 from flover.models import file_quantization, open_checkpoint
-from flover.models.pooling import chosen_pooling, cosine
+from flover.models.pooling import Pooling, chosen_pooling, cosine, pair_kind
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
 from flover.models.tp_layout import TPLayout
@@ -101,11 +101,7 @@ class Engine(ServingEngine):
                 ", ".join(f"{a}-{b - 1}" for a, b in StageLayout.ranges(cfg, pipe.place.stages)),
             )
         self.runner = self._build_runner(checkpoint, max_seq_len, prefix_blocks, window, tp_comm, snapshots)
-        self.pooling = chosen_pooling(config.pooling, checkpoint.pooling())  # embeddings (None: it makes none)
-        self.runner.pooling = self.pooling
-        if self.pooling is not None and self.is_leader:
-            normed = "normalized" if self.pooling.normalize else "not normalized"
-            log.info("embeddings: %s pooling, %s (%s)", self.pooling.mode, normed, self.pooling.source)
+        self.pooling = self._pooling(config, checkpoint)  # embeddings (None: it makes none)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
         self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window, snapshots) if prefix_blocks else None
         self.scheduler = Scheduler(
@@ -242,6 +238,17 @@ class Engine(ServingEngine):
         """Queue a request; it joins the running batch at the next iteration. Raises
         ValueError (and changes nothing) when the request cannot be served."""
         return self.enqueue(self.make_request(RequestInput(prompt, params, request_id)))
+
+    def _pooling(self, config: EngineConfig, checkpoint) -> Pooling | None:
+        """How embedding requests pool (and whether the model is a reranker, which takes pairs)."""
+        pooling = chosen_pooling(config.pooling, checkpoint.pooling())
+        self.runner.pooling = pooling
+        self.intake.pairs = pair_kind(pooling, self.model_config.vocab_size)
+        if pooling is not None and self.is_leader:
+            normed = "normalized" if pooling.normalize else "not normalized"
+            kind = f", a reranker ({self.intake.pairs})" if self.intake.pairs else ""
+            log.info("embeddings: %s pooling, %s%s (%s)", pooling.mode, normed, kind, pooling.source)
+        return pooling
 
     def make_request(self, given: RequestInput) -> Request:
         """Validate and tokenize (Intake.build: ValueError naming what is wrong), under an id not
@@ -515,8 +522,9 @@ class LLM:
         if pooling is None or not pooling.classify:
             vectors = [o.embedding for o in self.embed([query, *documents], None, truncate_prompt_tokens)]
             return [cosine(vectors[0], v) for v in vectors[1:]]
-        if self.engine.model_config.num_labels != 1:
-            raise ValueError(f"score: this classifier has {self.engine.model_config.num_labels} labels, not one score")
+        labels = 1 if pooling.logit_tokens else self.engine.model_config.num_labels
+        if labels != 1:
+            raise ValueError(f"score: this classifier has {labels} labels, not one score")
         return [o.embedding[0] for o in self.pair_outputs(query, documents, truncate_prompt_tokens)]
 
     def pair_outputs(

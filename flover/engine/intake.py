@@ -50,6 +50,10 @@ class Intake:
         self.grammar_limits, self.checks_grammars = grammar_limits, checks_grammars
         self.refuse_over_context = refuse_over_context
         self._grammars: Grammars | None = None
+        # a reranker's (query, document) pairs (the engine sets it from the model's pooling): "tokenizer"
+        # (a cross-encoder's, joined as its tokenizer joins a pair), "template" (a decoder's, rendered by its
+        # chat template as a query and a document message); None: the model takes no pairs
+        self.pairs: str | None = None
 
     def build(self, request_id: str, given: RequestInput) -> Request:
         """Validate and tokenize `given` under `request_id`; raises ValueError naming what is
@@ -109,8 +113,11 @@ class Intake:
         dims, hidden = embed.dimensions, self.model_config.hidden_size
         if dims is not None and not int_in(dims, 1, hidden):
             raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {hidden}] (the model's width)")
-        tokenized = given.tokenized or self.input_ids(given.prompt, keep, embed.document)
-        token_ids, text, second = tokenized if len(tokenized) == 3 else (*tokenized, None)
+        if embed.pair and embed.document is None:  # joined already (the leader's pair, on a follower rank)
+            token_ids, text, second = self._prompt_ids(given.prompt)[0], None, embed.second_segment
+        else:
+            tokenized = given.tokenized or self.input_ids(given.prompt, keep, embed.document)
+            token_ids, text, second = tokenized if len(tokenized) == 3 else (*tokenized, None)
         token_ids = token_ids[:keep] if keep is not None else token_ids
         if len(token_ids) > limit:
             raise PromptTooLong(
@@ -125,22 +132,24 @@ class Intake:
             prompt=text,
             timings=Timings(arrival=arrival),
             cache_salt=given.cache_salt,
-            embed=dataclasses.replace(embed, document=None, second_segment=second),
+            embed=dataclasses.replace(
+                embed, document=None, pair=embed.pair or embed.document is not None, second_segment=second
+            ),
         )
 
     def _check_pairing(self, embed: EmbedParams) -> None:
         """A cross-encoder takes pairs and only pairs; a pair has no dimensions to cut."""
-        if self.model_config.classifier is not None:
-            if embed.document is None:
+        if self.pairs is not None:
+            if embed.document is None and not embed.pair:
                 raise ValueError(
                     f"{self.model_config.architecture} is a reranker: it scores (query, document) pairs "
                     "(rerank, score), it makes no embeddings"
                 )
-            if not isinstance(embed.document, str) or not embed.document:
+            if embed.document is not None and (not isinstance(embed.document, str) or not embed.document):
                 raise ValueError("a pair's document is a non-empty text")
             if embed.dimensions is not None:
                 raise ValueError("dimensions: a reranker's scores are not cut")
-        elif embed.document is not None:
+        elif embed.document is not None or embed.pair:
             raise ValueError("a (query, document) pair is scored by a reranker (a cross-encoder); this model embeds")
 
     def input_ids(self, prompt, keep: int | None = None, document: str | None = None):
@@ -180,6 +189,8 @@ class Intake:
             raise ValueError("a pair is two non-empty texts: a query and a document")
         if self.tokenizer is None:
             raise ValueError("pairs need the checkpoint's tokenizer")
+        if self.pairs == "template":
+            return self._rendered_pair(query, document, keep)
         contexts = 1 if keep is None else TRUNCATED_TEXT_CONTEXTS
         if self.tokenizer.cannot_fit(query + document, contexts * self.max_seq_len):
             raise PromptTooLong(
@@ -192,6 +203,19 @@ class Intake:
             raise PromptTooLong(f"the query alone takes {e.count} of truncate_prompt_tokens={keep}") from None
         second = types.index(1) if 1 in types and self.model_config.token_types > 1 else None
         return self._checked(ids), query, second
+
+    def _rendered_pair(self, query: str, document: str, keep: int | None) -> tuple[list[int], str, None]:
+        """A decoder reranker's pair: its chat template's rendering of a query and a document
+        message (no assistant prompt added, as sentence-transformers renders it). Never cut: the
+        template's end is what the model answers after."""
+        if keep is not None:
+            raise ValueError("truncate_prompt_tokens: a decoder reranker's pair is never cut (its template ends it)")
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+        self._check_text_size(query + document)
+        fits = self.max_seq_len * self.tokenizer.max_token_bytes
+        text = self.tokenizer.render_chat(messages, None, {"add_generation_prompt": False}, max_bytes=fits)
+        self._check_text_size(text)
+        return self._checked(self._encode(text, False)), query, None
 
     @property
     def grammars(self) -> Grammars:

@@ -79,9 +79,7 @@ class ServingEngine(ABC):
         text = [] if self.intake.model_config.encoder else ["completion", "chat"]
         if self.embeddings_refused is not None:
             return text
-        return text + (
-            ["rerank", "score"] if self.intake.model_config.classifier else ["embeddings", "rerank", "score"]
-        )
+        return text + (["rerank", "score"] if self.intake.pairs else ["embeddings", "rerank", "score"])
 
     @property
     def grammars(self) -> Grammars:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from flover.config import POOLING_MODES  # ("last": the last token's row, as Qwen3-Embedding's)
+from flover.config import POOLING_MODES, is_int  # ("last": the last token's row, as Qwen3-Embedding's)
 from flover.models.model_config import CheckpointError
 
 # sentence-transformers' Pooling config keys -> our modes
@@ -46,6 +46,10 @@ class Pooling:
     # then `activation` ("sigmoid" or "none"); its requests are (query, document) pairs
     classify: bool = False
     activation: str = "none"
+    # a decoder reranker's (sentence-transformers' LogitScore, as Qwen3-Reranker's): the score is the
+    # last row's logit of the first token minus the second's (None: that logit alone); its pairs
+    # are rendered by the chat template as a query and a document message
+    logit_tokens: tuple[int, int | None] | None = None
 
     @property
     def every_row(self) -> bool:
@@ -74,10 +78,35 @@ def classifier_pooling(path: Path) -> Pooling | None:
     labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
     named = (config.get("sentence_transformers") or {}).get("activation_fn")
     named = named or config.get("sbert_ce_default_activation_function")
+    return Pooling("cls", False, str(config_file), classify=True, activation=_activation(path, named, labels))
+
+
+def _activation(path: Path, named: str | None, labels: int) -> str:
+    """A cross-encoder's activation: the one its files name (sentence-transformers 6 writes it in
+    config_sentence_transformers.json, earlier ones in config.json), else sigmoid for one label."""
+    st_file = path / "config_sentence_transformers.json"
+    if named is None and st_file.is_file():
+        try:
+            named = json.loads(st_file.read_text()).get("activation_fn")
+        except (ValueError, AttributeError) as e:
+            raise CheckpointError(f"{st_file}: not a sentence-transformers config ({e!r})") from None
     if named is not None and named not in ACTIVATIONS:
-        raise CheckpointError(f"{config_file}: activation_fn {named!r} is not one of {', '.join(ACTIVATIONS)}")
-    activation = ACTIVATIONS[named] if named else "sigmoid" if labels == 1 else "none"
-    return Pooling("cls", False, str(config_file), classify=True, activation=activation)
+        raise CheckpointError(f"{path}: activation_fn {named!r} is not one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[named] if named else "sigmoid" if labels == 1 else "none"
+
+
+def _logit_score(path: Path, module_dir: str) -> Pooling:
+    """A decoder reranker's LogitScore module (its true and false token ids)."""
+    config_file = path / module_dir / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        true, false = config["true_token_id"], config.get("false_token_id")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{config_file}: cannot read the LogitScore config ({e!r})") from None
+    if not is_int(true) or not (false is None or is_int(false)):
+        raise CheckpointError(f"{config_file}: true_token_id / false_token_id must be token ids")
+    activation = _activation(path, None, 1)
+    return Pooling("last", False, str(config_file), classify=True, activation=activation, logit_tokens=(true, false))
 
 
 def directory_pooling(path: Path) -> Pooling | None:
@@ -94,6 +123,8 @@ def directory_pooling(path: Path) -> Pooling | None:
         kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{modules_file}: not a sentence-transformers module list ({e!r})") from None
+    if set(kinds) == {"Transformer", "LogitScore"}:
+        return _logit_score(path, kinds["LogitScore"])
     if "Pooling" not in kinds:
         return None
     unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
@@ -129,6 +160,20 @@ def chosen_pooling(asked: str | None, found: Pooling | None) -> Pooling | None:
         )
     mode = _checked_mode(asked, "--pooling")
     return Pooling(mode, True if found is None else found.normalize, "--pooling")
+
+
+def pair_kind(pooling: Pooling | None, vocab_size: int) -> str | None:
+    """How a reranker takes its (query, document) pairs (Intake.pairs): "tokenizer" (a cross-encoder),
+    "template" (a decoder's LogitScore, whose token ids must be the model's); None: not a reranker."""
+    if pooling is None or not pooling.classify:
+        return None
+    if pooling.logit_tokens is None:
+        return "tokenizer"
+    if not all(t is None or 0 <= t < vocab_size for t in pooling.logit_tokens):
+        raise CheckpointError(
+            f"{pooling.source}: token ids {pooling.logit_tokens} outside the vocabulary ({vocab_size})"
+        )
+    return "template"
 
 
 def pooled_rows(pooling: Pooling, start: int, length: int, prompt_len: int) -> range:

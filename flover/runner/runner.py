@@ -50,6 +50,7 @@ class IterationRows:
     scoring: list[PromptRows] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # of the first len(drafts) sampled requests
     pooling: list[PoolRows] = field(default_factory=list)
+    ranked: list[Request] = field(default_factory=list)  # decoder rerankers' pairs: their last rows' logits last
 
     def request_drafts(self) -> list[list[int]]:
         """Each sampled request's draft (empty where it has none)."""
@@ -135,7 +136,7 @@ class ModelRunner:
         batch, rows = self.build_batch(plan)
         logits = self.forward(batch, rows)  # [B, vocab] (or greedy ids): the one fused forward
         result = self.sample(logits, rows)  # with drafts: the tokens each one's accepted part gives
-        result.embeddings = self.pool(batch.pooled, rows.pooling)
+        result.embeddings += self.pool(batch.pooled, rows.pooling)  # (after any decoder reranker's scores)
         result.rows, result.draft_rows = batch.input_ids.shape[0], batch.draft_rows
         result.seconds = time.perf_counter() - started
         return result
@@ -144,7 +145,7 @@ class ModelRunner:
         """[B, vocab] logits of the sampled rows (this rank's vocabulary block under TP); or,
         given the iteration's `rows` and all of them plain greedy, maybe their ids already (the
         native step's screened head): sample() takes either."""
-        greedy = rows is not None and not rows.scoring and plain_greedy(rows.sampled)
+        greedy = rows is not None and not rows.scoring and not rows.ranked and plain_greedy(rows.sampled)
         for backend in self.backends:
             out = backend.run(batch, greedy=greedy)
             if out is not None:
@@ -168,11 +169,20 @@ class ModelRunner:
         return done
 
     def _vector(self, r: Request) -> torch.Tensor:
-        """A request's vector; a cross-encoder's: its label scores from the pooled first row."""
+        """A request's vector; a cross-encoder's: its label scores from its pooled first row."""
         if not self.pooling.classify:
             return r.pooled.vector(r.embed.dimensions)
-        scores = self.model.classify(r.pooled.vector())  # [num_labels]
+        return self._activated(self.model.classify(r.pooled.vector()))  # [num_labels]
+
+    def _activated(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(scores) if self.pooling.activation == "sigmoid" else scores
+
+    def _ranked(self, logits: torch.Tensor, ranked: list[Request]) -> list[tuple[Request, list[float]]]:
+        """A decoder reranker's pairs: logits [pairs, vocab] of their last rows -> each one's score,
+        the true token's logit minus the false one's (float64), activated."""
+        true, false = self.pooling.logit_tokens
+        scores = logits[:, true].double() - (logits[:, false].double() if false is not None else 0.0)
+        return [(r, [value]) for r, value in zip(ranked, self._activated(scores).tolist())]
 
     def expert_load(self) -> list[dict] | None:
         """A mixture of experts: per layer of experts, the rows routed to each expert so far (both
@@ -227,7 +237,7 @@ class ModelRunner:
         num_decode = len(ids)
         draft_rows = num_decode - len(decode)
 
-        prefills, sample_rows, score_rows, pool_rows, types = [], list(range(num_decode)), [], [], []
+        prefills, sample_rows, score_rows, ranked_rows, pool_rows, types = [], list(range(num_decode)), [], [], [], []
         snapshots = dict(plan.decode_snapshots)  # (no drafts then: decode index = token row)
         rows_of = IterationRows(list(decode), drafts=plan.drafts if draft_rows else [])
         row = num_decode
@@ -245,7 +255,7 @@ class ModelRunner:
             if chunk.snapshot is not None:
                 snapshots[row - 1] = chunk.snapshot
             if r.embed is not None:  # pooled, never sampled
-                self._pooled_chunk(chunk, row - chunk.length, pool_rows, rows_of, types)
+                self._pooled_chunk(chunk, row - chunk.length, pool_rows, rows_of, types, ranked_rows)
             elif chunk.completes_prompt:
                 sample_rows.append(row - 1)
                 rows_of.sampled.append(r)
@@ -260,7 +270,7 @@ class ModelRunner:
             span_lens=as_tensor(span_lens),
             max_decode_len=max(span_lens, default=0),
             prefills=prefills,
-            sample_rows=as_tensor(sample_rows + score_rows),
+            sample_rows=as_tensor(sample_rows + score_rows + ranked_rows),
             draft_rows=draft_rows,
             snapshots=snapshots,
             pool_rows=as_tensor(pool_rows) if rows_of.pooling else None,
@@ -272,12 +282,24 @@ class ModelRunner:
         return batch, rows_of
 
     def _pooled_chunk(
-        self, chunk: PrefillChunk, first_row: int, pool_rows: list[int], rows_of: IterationRows, types: list[int]
+        self,
+        chunk: PrefillChunk,
+        first_row: int,
+        pool_rows: list[int],
+        rows_of: IterationRows,
+        types: list[int],
+        ranked_rows: list[int],
     ) -> None:
         """An embedding request's prompt chunk (its first token at `first_row`): the rows its
         pooling keeps join the iteration's pooled rows; a pair's rows their token types (`types`,
-        the iteration's so far: rows before are type 0)."""
+        the iteration's so far: rows before are type 0). A decoder reranker's pair pools nothing:
+        its last row's logits are its score (`ranked_rows`)."""
         r = chunk.request
+        if self.pooling.logit_tokens is not None:
+            if chunk.completes_prompt:
+                ranked_rows.append(first_row + chunk.length - 1)
+                rows_of.ranked.append(r)
+            return
         if r.embed.second_segment is not None:
             types += [0] * (first_row - len(types))
             types += [int(chunk.start + k >= r.embed.second_segment) for k in range(chunk.length)]
@@ -339,15 +361,28 @@ class ModelRunner:
 
     def _sample_all_rows(self, logits: torch.Tensor | list[int] | None, rows: IterationRows) -> StepResult:
         """One id per sampled row (a drafting request has several)."""
-        if not rows.sampled and not rows.scoring:  # (only prompt chunks or embedding rows: every rank alike)
+        if not rows.sampled and not rows.scoring and not rows.ranked:  # (only prompt chunks or pooled rows)
             return StepResult()
         if isinstance(logits, list):
             return self._broadcast(logits, None, {}, [])
         if self.comm is not None:
             logits = self._gather_vocab(logits)  # the leader gets [B, vocab]; followers None
         sampled = rows.per_row()
-        if not self.is_leader:
-            return StepResult(token_ids=self.comm.broadcast_ids(None, len(sampled)))
+        if not self.is_leader:  # (a follower's scheduler ends the ranked pairs too; the leader reports them)
+            ranked = [(r, [0.0]) for r in rows.ranked]
+            return StepResult(token_ids=self.comm.broadcast_ids(None, len(sampled)), embeddings=ranked)
+        ranked = []
+        if rows.ranked:  # the last rows: scores, not samples
+            ranked, logits = self._ranked(logits[-len(rows.ranked) :], rows.ranked), logits[: -len(rows.ranked)]
+        result = self._leader_sample(logits, rows, sampled)
+        result.embeddings = ranked
+        return result
+
+    def _leader_sample(self, logits: torch.Tensor, rows: IterationRows, sampled: list[Request]) -> StepResult:
+        """The leader's ids for the sampled rows (`sampled`: each row's request) and the scoring
+        rows' logprobs, from the gathered logits [rows, vocab]; then broadcast."""
+        if not sampled and not rows.scoring:  # (a decoder reranker's rows alone)
+            return self._broadcast([], None, {}, [])
         prompt_logprobs = []
         if rows.scoring:
             prompt_logprobs = self._score_prompts(logits[len(sampled) :], rows.scoring)

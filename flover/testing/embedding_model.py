@@ -124,6 +124,58 @@ def make_tiny_cross_encoder(out: str | Path, kind: str = "bert", labels: int = 1
     return out
 
 
+# Qwen3-Reranker's prompt as a chat template that carries sentence-transformers' query / document roles
+RERANKER_TEMPLATE = (
+    "{%- set ns = namespace(query='', document='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'query' -%}{%- set ns.query = m.content -%}"
+    "{%- elif m.role == 'document' -%}{%- set ns.document = m.content -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a '
+    "web search query, retrieve relevant passages that answer the query\n<Query>: {{ ns.query }}\n<Document>: "
+    "{{ ns.document }}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+def as_logit_score_reranker(src: str | Path, out: str | Path, true_id: int, false_id: int | None) -> Path:
+    """A copy of the decoder checkpoint `src` at `out` as sentence-transformers' CrossEncoder saves
+    a decoder reranker (Qwen3-Reranker's kind): a Transformer module, then LogitScore (the score
+    is the last position's logit of `true_id` minus `false_id`'s, then sigmoid), and a chat
+    template that renders a (query, document) pair as Qwen3-Reranker's prompt."""
+    out = Path(out)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_LogitScore",
+            "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore",
+        },
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=1))
+    (out / "1_LogitScore").mkdir(exist_ok=True)
+    score = {"true_token_id": true_id, "false_token_id": false_id, "module_input_name": "causal_logits"}
+    (out / "1_LogitScore" / "config.json").write_text(json.dumps(score))
+    forward = {"method": "forward", "method_output_name": "logits"}
+    st = {
+        "transformer_task": "text-generation",
+        "modality_config": {"text": forward, "message": {**forward, "format": "flat"}},
+        "module_output_name": "causal_logits",
+    }
+    (out / "sentence_bert_config.json").write_text(json.dumps(st))
+    (out / "config_sentence_transformers.json").write_text(
+        json.dumps({"model_type": "CrossEncoder", "activation_fn": "torch.nn.modules.activation.Sigmoid"})
+    )
+    tokenizer_config = out / "tokenizer_config.json"
+    config = json.loads(tokenizer_config.read_text())
+    config.update(chat_template=RERANKER_TEMPLATE, pad_token=config.get("pad_token") or config.get("eos_token"))
+    tokenizer_config.write_text(json.dumps(config, indent=1))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
 # what llama.cpp's converter names BERT's tensors (written out here, not taken from families/bert.py:
 # the test files check that family's names against an independent table)
 CONVERTER_BERT_NAMES = {
