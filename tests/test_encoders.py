@@ -138,3 +138,41 @@ def test_embedding_inputs_beside_decode_rows_take_their_share_and_never_hold_cha
     assert plan.decode == []
     assert [(c.request.request_id, c.length) for c in plan.prefill] == [("e", 8), ("chat2", 2)]
     assert [r.request_id for r in scheduler.waiting] == ["f"]
+
+
+def test_embedding_gemma_equals_sentence_transformers(tmp_path):
+    """EmbeddingGemma: Gemma 3 with attention both ways (the sliding-window layers: keys less than
+    window // 2 + 1 away on either side; inputs longer than that), mean pooling, two Dense
+    projections, Normalize. Causal attention, or a window one way, moves every vector."""
+    from flover.testing.embedding_model import make_tiny_embedding_gemma
+
+    model_dir = str(make_tiny_embedding_gemma(tmp_path / "embeddinggemma"))
+    texts = TEXTS[:2] + [TEXTS[4]]
+    llm = LLM(model_dir, dtype="float64")
+    assert llm.engine.capabilities == ["embeddings", "rerank", "score"]
+    got = vectors(llm, texts)
+    assert got.shape == (3, 48)
+    assert (got - reference(model_dir, texts, torch.float64)).abs().max().item() < 1e-9
+    assert (vectors(LLM(model_dir, dtype="float32"), texts) - got).abs().max().item() < 1e-5
+    cut = torch.tensor(llm.embed(texts[0], dimensions=16)[0].embedding, dtype=torch.float64)
+    assert (cut - torch.nn.functional.normalize(got[0, :16] / got[0].norm(), dim=0)).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match=r"\[1, 48\]"):
+        llm.embed("hi", dimensions=49)
+    with pytest.raises(ValueError, match="not text"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2))
+
+
+def test_a_dense_module_that_does_not_fit_is_refused_at_load(tmp_path):
+    import json
+
+    from flover.models.model_config import CheckpointError
+    from flover.testing.embedding_model import make_tiny_embedding_gemma
+
+    model_dir = make_tiny_embedding_gemma(tmp_path / "embeddinggemma")
+    config_file = model_dir / "3_Dense" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "in_features": 64}))
+    with pytest.raises(CheckpointError, match="3_Dense: its weights do not map 128 components to 48"):
+        LLM(str(model_dir), dtype="float64")
+    config_file.write_text("{")
+    with pytest.raises(CheckpointError, match="cannot read the Dense config"):
+        LLM(str(model_dir), dtype="float64")

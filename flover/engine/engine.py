@@ -45,6 +45,7 @@ from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.kv_window import WindowedKV
 from flover.runner.pipeline import InFlight
+from flover.runner.pooling import DenseStack
 
 if TYPE_CHECKING:  # a type only: the runner holds it
     from flover.native.forward import NativeForward
@@ -89,7 +90,7 @@ class Engine(ServingEngine):
         self.tp = TPLayout.build(cfg, tp_comm.rank if tp_comm else 0, tp_comm.size if tp_comm else 1)
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg, checkpoint.default_max_tokens())
-        if cfg.encoder and config.max_batch_tokens < max_seq_len:  # (an encoder's input comes whole)
+        if cfg.embeds_only and config.max_batch_tokens < max_seq_len:  # (an encoder's input comes whole)
             self.config = config = dataclasses.replace(config, max_batch_tokens=max_seq_len)
         self.tokenizer, self.intake = self._intake(checkpoint, max_seq_len)
         prefix_blocks, window, snapshots = self._kv_plan(max_seq_len)
@@ -112,7 +113,7 @@ class Engine(ServingEngine):
             self._speculation(self.runner.native, self.runner.graphs),
             window,
             depth=pipe.place.stages if pipe is not None else 1,
-            whole_prompts=cfg.encoder,
+            whole_prompts=cfg.embeds_only,
             embed_share=config.embed_share,
         )
         # TP: the leader's intake reaches every rank's scheduler (pipeline stages: the leader's plans do)
@@ -169,7 +170,7 @@ class Engine(ServingEngine):
         state snapshots). Per rank; the same counts on every rank (heads split evenly), which keeps
         their prefix indexes making the same decisions (docs/prefix_cache.md)."""
         config, cfg = self.config, self.model_config
-        if cfg.encoder:  # (no KV kept: nothing to cache, no window)
+        if cfg.embeds_only:  # (no KV kept after an input: nothing to cache; whole inputs: no window)
             return 0, None, 0
         block_bytes = kv_bytes_per_position(cfg, self.tp, self.dtype) * BLOCK_TOKENS
         budget = config.prefix_cache_mib * 2**20
@@ -244,6 +245,9 @@ class Engine(ServingEngine):
         pooling = chosen_pooling(config.pooling, checkpoint.pooling())
         self.runner.pooling = pooling
         self.intake.pairs = pair_kind(pooling, self.model_config.vocab_size)
+        if pooling is not None and pooling.dense:
+            self.runner.dense = DenseStack(pooling, self.model_config.hidden_size)
+            self.intake.vector_width = self.runner.dense.width
         if pooling is not None and self.is_leader:
             normed = "normalized" if pooling.normalize else "not normalized"
             kind = f", a reranker ({self.intake.pairs})" if self.intake.pairs else ""
@@ -258,7 +262,7 @@ class Engine(ServingEngine):
             raise ValueError(f"request id {request_id!r} is already in flight")
         if given.embed is not None and self.embeddings_refused is not None:
             raise ValueError(self.embeddings_refused)
-        if given.embed is None and self.model_config.encoder:
+        if given.embed is None and self.model_config.embeds_only:
             raise ValueError(f"{self.model_config.architecture} is a text encoder: it makes embeddings, not text")
         return self.intake.build(request_id, given)
 

@@ -54,6 +54,7 @@ class Intake:
         # (a cross-encoder's, joined as its tokenizer joins a pair), "template" (a decoder's, rendered by its
         # chat template as a query and a document message); None: the model takes no pairs
         self.pairs: str | None = None
+        self.vector_width = model_config.hidden_size  # of its vectors (the engine sets it after Dense modules)
 
     def build(self, request_id: str, given: RequestInput) -> Request:
         """Validate and tokenize `given` under `request_id`; raises ValueError naming what is
@@ -110,9 +111,9 @@ class Intake:
         if keep is not None and not int_in(keep, 1, limit):
             raise ValueError(f"truncate_prompt_tokens={keep!r}: must be an integer in [1, max_seq_len={limit}]")
         self._check_pairing(embed)
-        dims, hidden = embed.dimensions, self.model_config.hidden_size
-        if dims is not None and not int_in(dims, 1, hidden):
-            raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {hidden}] (the model's width)")
+        dims, width = embed.dimensions, self.vector_width
+        if dims is not None and not int_in(dims, 1, width):
+            raise ValueError(f"dimensions={dims!r}: must be an integer in [1, {width}] (the model's vectors')")
         if embed.pair and embed.document is None:  # joined already (the leader's pair, on a follower rank)
             token_ids, text, second = self._prompt_ids(given.prompt)[0], None, embed.second_segment
         else:

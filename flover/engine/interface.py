@@ -76,7 +76,7 @@ class ServingEngine(ABC):
     @property
     def capabilities(self) -> list[str]:
         """What the served model does, as /v1/models lists it."""
-        text = [] if self.intake.model_config.encoder else ["completion", "chat"]
+        text = [] if self.intake.model_config.embeds_only else ["completion", "chat"]
         if self.embeddings_refused is not None:
             return text
         return text + (["rerank", "score"] if self.intake.pairs else ["embeddings", "rerank", "score"])

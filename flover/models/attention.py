@@ -75,6 +75,8 @@ class AttentionOptions:
     scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim) (Gemma 3: query_pre_attn_scalar ** -0.5)
     # gpt-oss: a learned logit per query head [heads] in each softmax's denominator (its weight dropped)
     sinks: torch.Tensor | None = None
+    # (EmbeddingGemma) a whole input's rows see each other both ways; within `window` on either side
+    bidirectional: bool = False
 
 
 def write_kv(
@@ -162,11 +164,15 @@ def _decode(
     return out if batch.decode_rows is None else out[batch.decode_rows]
 
 
-def _prefill_mask(start_pos: int, end: int, window: int | None, device: torch.device) -> torch.Tensor:
+def _prefill_mask(
+    start_pos: int, end: int, window: int | None, device: torch.device, bidirectional: bool = False
+) -> torch.Tensor:
     """[end - start_pos, end] True where a key must be ignored: queries at positions start_pos..,
-    keys at 0..; causal, and within the window if any."""
+    keys at 0..; causal, and within the window if any (both ways: keys less than `window` away)."""
     query_pos = torch.arange(start_pos, end, device=device)[:, None]
     key_pos = torch.arange(end, device=device)[None, :]
+    if bidirectional:
+        return (key_pos - query_pos).abs() >= (window if window is not None else end + 1)
     mask = key_pos > query_pos  # causal
     if window is not None:
         mask |= key_pos <= query_pos - window
@@ -184,10 +190,10 @@ def _prefill(
         k, v = k_slot[None, :, :end], v_slot[None, :, :end]  # [1, kvh, end, d]
         if span.start_pos == 0 and (opts.window is None or end <= opts.window):
             out = F.scaled_dot_product_attention(
-                qh, k, v, is_causal=True, enable_gqa=heads != kv_heads, scale=opts.scale
+                qh, k, v, is_causal=not opts.bidirectional, enable_gqa=heads != kv_heads, scale=opts.scale
             )
         else:  # a later chunk (or a window): queries sit at start_pos.., keys at 0..
-            visible = ~_prefill_mask(span.start_pos, end, opts.window, q.device)
+            visible = ~_prefill_mask(span.start_pos, end, opts.window, q.device, opts.bidirectional)
             out = F.scaled_dot_product_attention(
                 qh, k, v, attn_mask=visible, enable_gqa=heads != kv_heads, scale=opts.scale
             )
@@ -199,7 +205,13 @@ def _prefill(
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g, c, end]
     sinks = None if opts.sinks is None else opts.sinks.view(kv_heads, heads // kv_heads, 1, 1)  # [kvh, g, 1, 1]
     weights = _softmax_weights(
-        scores, _prefill_mask(span.start_pos, end, opts.window, q.device), head_dim, q.dtype, v.dtype, opts.scale, sinks
+        scores,
+        _prefill_mask(span.start_pos, end, opts.window, q.device, opts.bidirectional),
+        head_dim,
+        q.dtype,
+        v.dtype,
+        opts.scale,
+        sinks,
     )
     out = torch.matmul(weights, v)  # [kvh, g, c, d]
     return out.permute(2, 0, 1, 3).reshape(length, heads * head_dim)

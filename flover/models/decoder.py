@@ -103,6 +103,7 @@ class DecoderLayer(nn.Module):
             window=window,
             decode_in_float32=dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu",
             scale=cfg.attn_scale,
+            bidirectional=cfg.bidirectional,
         )
 
     def _gemma4_parts(self, cfg: ModelConfig, p, lin, moe: bool) -> None:

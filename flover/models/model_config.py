@@ -309,6 +309,21 @@ class ModelConfig:
     classifier: str | None = None
     num_labels: int = 0
     position_offset: int = 0  # position p reads row p + offset of the position table (RoBERTa's pad + 1)
+    # (EmbeddingGemma) a decoder whose attention sees its whole input both ways (a sliding-window
+    # layer: keys less than its window away on either side): it makes embeddings only
+    bidirectional: bool = False
+
+    @property
+    def embeds_only(self) -> bool:
+        """An encoder or a bidirectional decoder: each input comes whole, vectors and no text."""
+        return self.encoder or self.bidirectional
+
+    @property
+    def runs_natively(self) -> bool:
+        """Whether the native step knows this model's features (its family's, not both-way attention)."""
+        from flover.models.families import family_of
+
+        return family_of(self).native and not self.bidirectional
 
     def kv_layers(self) -> list[int]:
         """The layers that keep keys and values (the others keep a recurrent state instead, or

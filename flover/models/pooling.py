@@ -50,6 +50,8 @@ class Pooling:
     # last row's logit of the first token minus the second's (None: that logit alone); its pairs
     # are rendered by the chat template as a query and a document message
     logit_tokens: tuple[int, int | None] | None = None
+    # sentence-transformers' Dense modules after the pooling, in order (their directories)
+    dense: tuple[Path, ...] = ()
 
     @property
     def every_row(self) -> bool:
@@ -120,16 +122,21 @@ def directory_pooling(path: Path) -> Pooling | None:
         return None
     try:
         modules = json.loads(modules_file.read_text())
-        kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+        order = [(m["type"].rsplit(".", 1)[-1], m.get("path", "")) for m in modules]
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{modules_file}: not a sentence-transformers module list ({e!r})") from None
-    if set(kinds) == {"Transformer", "LogitScore"}:
+    kinds = dict(order)
+    if [kind for kind, _ in order] == ["Transformer", "LogitScore"]:
         return _logit_score(path, kinds["LogitScore"])
     if "Pooling" not in kinds:
         return None
-    unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
-    if unknown:  # (EmbeddingGemma's Dense projections: not yet)
-        raise CheckpointError(f"{modules_file}: modules {', '.join(sorted(unknown))} are not supported")
+    names = [kind for kind, _ in order]
+    dense = tuple(where for kind, where in order if kind == "Dense")
+    expected = ["Transformer", "Pooling", *["Dense"] * len(dense), *(["Normalize"] if "Normalize" in kinds else [])]
+    if names != expected:  # (a Dense module's own file: dense_config)
+        raise CheckpointError(
+            f"{modules_file}: modules {', '.join(names)}; supported: Transformer, Pooling, Dense..., Normalize"
+        )
     config_file = path / kinds["Pooling"] / "config.json"
     try:
         config = json.loads(config_file.read_text())
@@ -138,7 +145,37 @@ def directory_pooling(path: Path) -> Pooling | None:
     modes = [mode for key, mode in _ST_MODES.items() if config.get(key)]
     if len(modes) != 1 or not config.get("include_prompt", True):
         raise CheckpointError(f"{config_file}: one pooling mode with the whole prompt is supported; it asks {config}")
-    return Pooling(modes[0], "Normalize" in kinds, str(modules_file))
+    return Pooling(modes[0], "Normalize" in kinds, str(modules_file), dense=tuple(path / d for d in dense))
+
+
+# a Dense module's activation_function (sentence-transformers' names) -> ours
+DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "none", "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """One of sentence-transformers' Dense modules after the pooling (EmbeddingGemma's projections)."""
+
+    weights: Path  # its model.safetensors: linear.weight [out, in], linear.bias [out] if any
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # "none" or "tanh"
+
+
+def dense_config(module_dir: Path) -> DenseConfig:
+    config_file = module_dir / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        dims = config["in_features"], config["out_features"]
+        bias, named = config.get("bias", True), config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{config_file}: cannot read the Dense config ({e!r})") from None
+    if not all(is_int(d) and d > 0 for d in dims) or not isinstance(bias, bool):
+        raise CheckpointError(f"{config_file}: in_features / out_features must be positive integers, bias a bool")
+    if named not in DENSE_ACTIVATIONS or config.get("use_residual"):
+        raise CheckpointError(f"{config_file}: activation {named!r} (or a residual) is not supported")
+    return DenseConfig(module_dir / "model.safetensors", *dims, bias, DENSE_ACTIVATIONS[named])
 
 
 def gguf_pooling(pooling_type: int | None, source: str) -> Pooling | None:

@@ -66,6 +66,8 @@ class CheckpointReader:
         # a multimodal checkpoint's language model (model.language_model.*) read as model.*
         aliases = {"model." + n.removeprefix(LANGUAGE_MODEL): n for n in self.files if n.startswith(LANGUAGE_MODEL)}
         aliases |= {n.removeprefix(p): n for p in prefixes for n in self.files if n.startswith(p)}
+        if any(n.startswith("layers.") for n in self.files):  # a base model's (Gemma3TextModel, Qwen3Model)
+            aliases |= {"model." + n: n for n in self.files}
         self.stored = {alias: name for alias, name in aliases.items() if alias not in self.files}
         self.files |= {alias: self.files[name] for alias, name in self.stored.items()}
 

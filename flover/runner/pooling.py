@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from flover.models.pooling import Pooling
+from flover.models.model_config import CheckpointError
+from flover.models.pooling import Pooling, dense_config
 
 BLOCK = 64  # positions summed together
 
@@ -41,9 +42,10 @@ class PooledRows:
             self.sums += list(rows[:whole].view(-1, BLOCK, rows.shape[1]).to(torch.float64).sum(dim=1))
             self.tail = rows[whole:].clone() if whole < rows.shape[0] else None
 
-    def vector(self, dimensions: int | None = None) -> torch.Tensor:
-        """The input's vector [dimensions or hidden] (at least float32): the first `dimensions`
-        components (Matryoshka), normalized after the cut where the model normalizes."""
+    def vector(self, dimensions: int | None = None, dense: "DenseStack | None" = None) -> torch.Tensor:
+        """The input's vector [dimensions or width] (at least float32): through the model's Dense
+        modules if any, then the first `dimensions` components (Matryoshka), normalized after the
+        cut where the model normalizes."""
         mode = self.pooling.mode
         if mode in ("cls", "last", "max"):
             vector = self.kept.to(torch.promote_types(self.kept.dtype, torch.float32))
@@ -51,8 +53,51 @@ class PooledRows:
             sums = self.sums + ([self.tail.to(torch.float64).sum(dim=0)] if self.tail is not None else [])
             total = torch.stack(sums).sum(dim=0)  # [hidden] float64, the blocks in order
             vector = total / (self.count if mode == "mean" else self.count**0.5)
+        if dense is not None:
+            vector = dense(vector)
         if dimensions is not None:
             vector = vector[:dimensions]
         if self.pooling.normalize:
             vector = torch.nn.functional.normalize(vector, p=2, dim=0)
+        return vector
+
+
+class DenseStack:
+    """sentence-transformers' Dense modules after the pooling (EmbeddingGemma's two projections),
+    read from their own safetensors files and run on one pooled vector at a time, in its dtype."""
+
+    def __init__(self, pooling: Pooling, hidden: int):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        self.layers = []
+        width = hidden
+        for module_dir in pooling.dense:
+            config = dense_config(module_dir)
+            try:
+                tensors = load_file(config.weights)
+            except (OSError, SafetensorError) as e:
+                raise CheckpointError(f"{config.weights}: cannot read the Dense weights ({e})") from None
+            weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
+            if (
+                config.in_features != width
+                or weight is None
+                or tuple(weight.shape) != (config.out_features, width)
+                or (bias is None) == config.bias
+                or (bias is not None and tuple(bias.shape) != (config.out_features,))
+            ):
+                raise CheckpointError(
+                    f"{module_dir}: its weights do not map {width} components to {config.out_features}"
+                )
+            self.layers.append((weight, bias, config.activation))
+            width = config.out_features
+        self.width = width  # of the vectors it makes
+
+    def __call__(self, vector: torch.Tensor) -> torch.Tensor:
+        """[in] -> [out], each layer in the vector's dtype (float64 where the reference check asks)."""
+        for weight, bias, activation in self.layers:
+            vector = torch.nn.functional.linear(
+                vector, weight.to(vector.dtype), None if bias is None else bias.to(vector.dtype)
+            )
+            vector = torch.tanh(vector) if activation == "tanh" else vector
         return vector

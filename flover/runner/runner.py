@@ -23,7 +23,7 @@ from flover.request import Logprob, PromptRows, Request, StepResult
 from flover.runner.cuda_graphs import DecodeGraphs
 from flover.runner.kv_buffer import SlotBuffer
 from flover.runner.plan import PrefillChunk, StepPlan
-from flover.runner.pooling import PooledRows
+from flover.runner.pooling import DenseStack, PooledRows
 from flover.runner.sampler import SamplingTensors, greedy, sample, token_logprobs
 from flover.structured.grammars import allowed_bits
 
@@ -108,6 +108,7 @@ class ModelRunner:
         self.is_leader = comm is None or comm.rank == 0
         self.broadcasts_ids = True  # the followers' schedulers take the sampled ids (not under --pp)
         self.pooling: Pooling | None = None  # how embedding requests pool (the engine sets it)
+        self.dense: DenseStack | None = None  # and the Dense modules after the pooling, if any
         self._rng = random.Random(seed)  # seeds requests that bring none
         state = buffer.add_state  # per-slot sampling parameters (a request's lengths and tokens are its own)
         self._temperature = state("temperature", torch.float32)
@@ -171,7 +172,7 @@ class ModelRunner:
     def _vector(self, r: Request) -> torch.Tensor:
         """A request's vector; a cross-encoder's: its label scores from its pooled first row."""
         if not self.pooling.classify:
-            return r.pooled.vector(r.embed.dimensions)
+            return r.pooled.vector(r.embed.dimensions, self.dense)
         return self._activated(self.model.classify(r.pooled.vector()))  # [num_labels]
 
     def _activated(self, scores: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,64 @@ def make_tiny_cross_encoder(out: str | Path, kind: str = "bert", labels: int = 1
     return out
 
 
+def make_tiny_embedding_gemma(out: str | Path, seed: int = 0, window: int = 8) -> Path:
+    """A random EmbeddingGemma (Gemma3TextModel with attention both ways: two sliding-window layers of
+    `window` (keys less than window // 2 + 1 away on either side), then a global one) as its
+    sentence-transformers directory: mean pooling, two Dense projections (64 -> 128 -> 48, no bias,
+    no activation), Normalize."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from flover.testing.tiny_model import EOS, train_tokenizer
+
+    out = Path(out)
+    tok = train_tokenizer(512, seed)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=window,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        use_bidirectional_attention=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3TextModel(config)
+    with torch.no_grad():  # (norm weights start at zero, as (1 + w): make them count)
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS
+    ).save_pretrained(out)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=1))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, ST_POOLING_KEYS["mean"]: True})
+    )
+    for module, (n_in, n_out) in (("2_Dense", (64, 128)), ("3_Dense", (128, 48))):
+        (out / module).mkdir(exist_ok=True)
+        dense = {"in_features": n_in, "out_features": n_out, "bias": False}
+        dense["activation_function"] = "torch.nn.modules.linear.Identity"
+        (out / module / "config.json").write_text(json.dumps(dense))
+        save_file({"linear.weight": torch.randn(n_out, n_in) / n_in**0.5}, str(out / module / "model.safetensors"))
+    return out
+
+
 # Qwen3-Reranker's prompt as a chat template that carries sentence-transformers' query / document roles
 RERANKER_TEMPLATE = (
     "{%- set ns = namespace(query='', document='') -%}"

@@ -1,6 +1,7 @@
 """Gemma 3 (text): four norms a layer (before and after attention and the MLP), each multiplying
 (1 + weight) in float32; the embeddings times sqrt(hidden); GeGLU; q and k normed per head; its
-own score scale (query_pre_attn_scalar); sliding-window layers with a RoPE base of their own."""
+own score scale (query_pre_attn_scalar); sliding-window layers with a RoPE base of their own.
+EmbeddingGemma is this model with attention both ways (use_bidirectional_attention): embeddings only."""
 
 import dataclasses
 
@@ -44,6 +45,9 @@ def from_hf(raw: dict) -> dict:
     theta, scaling = rope({"rope_parameters": full})
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     window = raw.get("sliding_window")
+    both_ways = bool(raw.get("use_bidirectional_attention"))
+    if both_ways and window:  # (EmbeddingGemma) keys less than window // 2 + 1 away on either side, as transformers
+        window = window // 2 + 1
     return dict(
         **sizes(raw, head_dim, 131_072),
         **features(raw["hidden_size"]),
@@ -57,6 +61,7 @@ def from_hf(raw: dict) -> dict:
         sliding_windows=tuple(window if t == "sliding_attention" and window else None for t in types),
         attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
         local_rope_theta=float(local.get("rope_theta", 10_000.0)),
+        bidirectional=both_ways,
     ) | ({"hidden_act": raw["hidden_activation"]} if raw.get("hidden_activation") else {})
 
 
@@ -89,7 +94,7 @@ def from_gguf(file, cfg):
 
 FAMILY = Family(
     name="gemma3",
-    hf_architectures=("Gemma3ForCausalLM",),
+    hf_architectures=("Gemma3ForCausalLM", "Gemma3TextModel"),  # (the latter: EmbeddingGemma's, as it saves)
     from_hf=from_hf,
     gguf_arch="gemma3",
     from_gguf=from_gguf,
