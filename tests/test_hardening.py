@@ -411,7 +411,7 @@ def _stream_without_reading(server: Server, n: int, pause: float) -> dict:
             if event["event"] == "token":
                 tokens[event["id"]] += event["token_ids"]
             else:
-                assert event["id"] not in ends  # exactly one end per request
+                assert event.get("id") in tokens and event["id"] not in ends, event  # one end per request
                 ends[event["id"]] = event
         return {i: (tokens[i], ends[i]) for i in range(n)}
     finally:

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,21 @@ CROSS_CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64
 
 
 def build_check(compiler: str, flags: tuple[str, ...], out: Path) -> Path:
+    """The check program with the native sources, each file compiled on its own core (the build's
+    flags, one compiler call per file: twice as fast on 2 cores as one call for all), then linked."""
     cflags = [f for f in (*CFLAGS, *flags) if f not in ("-shared", "-fPIC", "-fvisibility=hidden")]
+
+    def compile_one(source: Path) -> Path:
+        obj = out.parent / f"{source.stem}.o"
+        command = [compiler, *cflags, f"-I{NATIVE_DIR}", "-c", "-o", str(obj), str(source)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return obj
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        objects = list(pool.map(compile_one, [CHECK, *c_files()]))
     done = subprocess.run(
-        [compiler, *cflags, f"-I{NATIVE_DIR}", "-o", str(out), str(CHECK), *map(str, c_files()), "-lm"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [compiler, *cflags, "-o", str(out), *map(str, objects), "-lm"], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
