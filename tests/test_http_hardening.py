@@ -210,8 +210,16 @@ def slow_front(tmp_path_factory):
 
 def test_a_streamed_client_that_hangs_up_while_queued_leaves_the_queue(slow_front):
     server, url = slow_front
-    busy = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "n": 2}
-    blocker = threading.Thread(target=lambda: post(url, "/v1/completions", busy, timeout=120))
+    busy = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "n": 2, "stream": True}
+    done = threading.Event()
+
+    def hold_both_slots():  # until the checks are done; then it hangs up (which frees them at once)
+        with httpx.stream("POST", f"{url}/v1/completions", json=busy, timeout=120) as r:
+            for _ in r.iter_lines():
+                if done.is_set():
+                    break
+
+    blocker = threading.Thread(target=hold_both_slots)
     blocker.start()
     deadline = time.monotonic() + 10
     while in_flight(server)["running"] < 2 and time.monotonic() < deadline:
@@ -229,6 +237,7 @@ def test_a_streamed_client_that_hangs_up_while_queued_leaves_the_queue(slow_fron
     many = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 8})  # 6 places wait at most
     assert many.status_code == 429
     assert many.json()["error"]["type"] == "rate_limit_error" and many.json()["error"]["code"] == "overloaded"
+    done.set()
     blocker.join(120)
     assert_still_serving(url)
 
