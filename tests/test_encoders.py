@@ -80,9 +80,9 @@ def test_all_minilm_equals_sentence_transformers(minilm):
 
 
 def test_an_encoder_takes_inputs_whole_and_makes_no_text(tiny_bert):
-    # a budget of 16 tokens a step is raised to the context: an input is never cut
+    # a budget of 16 tokens a step is raised to the context (and to 2,048): an input is never cut
     llm = LLM(tiny_bert("mean"), dtype="float64", max_batch_tokens=16, max_slots=4)
-    assert llm.engine.config.max_batch_tokens == llm.engine.max_seq_len == 128
+    assert llm.engine.max_seq_len == 128 and llm.engine.config.max_batch_tokens == 2048
     want = vectors(LLM(tiny_bert("mean"), dtype="float64"), TEXTS)
     assert (vectors(llm, TEXTS) - want).abs().max().item() < 1e-12
     with pytest.raises(ValueError, match="makes embeddings, not text"):

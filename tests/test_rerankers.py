@@ -176,14 +176,19 @@ def test_decoder_reranker_scores_beside_generations_are_bit_exact(decoder_rerank
     assert [finals[i].embedding[0] for i in ids[3:]] == alone
 
 
-def test_a_decoder_reranker_under_tensor_parallelism_scores_as_one_rank(decoder_reranker, tmp_path):
-    """Two ranks (mpirun): the last rows' logits gathered from both vocabulary halves; the follower
-    ends the pairs as the leader does (`flover run --embed` over lines with a document)."""
+def test_a_decoder_reranker_under_tensor_parallelism_and_in_groups_scores_as_one_rank(decoder_reranker, tmp_path):
+    """Two ranks (mpirun): the last rows' logits gathered from both vocabulary halves, the follower
+    ending the pairs as the leader does; and two data-parallel groups of one rank, the pairs spread
+    over them (`flover run --embed` over lines with a document)."""
     prompts = tmp_path / "pairs.jsonl"
     write_jsonl(prompts, [{"id": str(n), "prompt": QUERY, "document": d} for n, d in enumerate(DOCUMENTS)])
-    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    flover_run_ok(1, decoder_reranker, prompts, one, "--embed", "--max-seq-len", "512")
-    flover_run_ok(2, decoder_reranker, prompts, two, "--embed", "--max-seq-len", "512")
-    alone, split = ({r["id"]: r["embedding"][0] for r in read_records(path)} for path in (one, two))
-    assert alone.keys() == split.keys() == {"0", "1", "2", "3"}
-    assert max(abs(alone[k] - split[k]) for k in alone) < 1e-12
+    runs = {"one": (1,), "tp2": (2,), "dp2": (2, "--tp", "1")}
+    scores = {}
+    for name, (ranks, *flags) in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        flover_run_ok(ranks, decoder_reranker, prompts, out, "--embed", "--max-seq-len", "512", *flags)
+        scores[name] = {r["id"]: r["embedding"][0] for r in read_records(out)}
+    assert scores["one"].keys() == {"0", "1", "2", "3"}
+    for name in ("tp2", "dp2"):
+        assert scores[name].keys() == scores["one"].keys()
+        assert max(abs(scores["one"][k] - scores[name][k]) for k in scores["one"]) < 1e-12, name

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
-from flover.apps.prompt_file import PromptRecord
+from flover.apps.prompt_file import EMBED_KEYS, PromptRecord
 from flover.apps.results_file import MAX_HELD, OrderedWriter, ResultsFile, UnorderedWriter
 from flover.client import FloverError, embed_message
 from flover.config import SamplingParams
@@ -433,8 +433,10 @@ class RemoteBatchRunner:
     def _message(self, record: PromptRecord) -> dict:
         """The record as the daemon's embed op (`--embed`) or generate op."""
         if self.embed is not None:
-            options = {**asdict(self.embed), **record.embed_options}
-            return embed_message(record.id, record.prompt, **{k: v for k, v in options.items() if v is not None})
+            options = {**asdict(self.embed), **record.embed_options}  # (the op's own fields: EMBED_KEYS)
+            return embed_message(
+                record.id, record.prompt, **{k: options[k] for k in EMBED_KEYS if options[k] is not None}
+            )
         message = {"op": "generate", "id": record.id, "stream": False, "params": {**self._base, **record.sampling}}
         if record.messages is not None:
             message["messages"] = record.messages

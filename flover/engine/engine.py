@@ -60,6 +60,9 @@ TORCH_DTYPES = {
 }
 
 
+ENCODER_BATCH_TOKENS = 2048  # an embeddings-only model's token budget of an iteration, at least
+
+
 class Engine(ServingEngine):
     """One persistent inference instance: model weights, the slot buffer and the scheduler."""
 
@@ -90,8 +93,10 @@ class Engine(ServingEngine):
         self.tp = TPLayout.build(cfg, tp_comm.rank if tp_comm else 0, tp_comm.size if tp_comm else 1)
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg, checkpoint.default_max_tokens())
-        if cfg.embeds_only and config.max_batch_tokens < max_seq_len:  # (an encoder's input comes whole)
-            self.config = config = dataclasses.replace(config, max_batch_tokens=max_seq_len)
+        if cfg.embeds_only and config.max_batch_tokens < max(max_seq_len, ENCODER_BATCH_TOKENS):
+            # an encoder's input comes whole; with no decode rows to keep short, iterations of
+            # many inputs go faster (docs/embeddings.md, "Beside chats")
+            self.config = config = dataclasses.replace(config, max_batch_tokens=max(max_seq_len, ENCODER_BATCH_TOKENS))
         self.tokenizer, self.intake = self._intake(checkpoint, max_seq_len)
         prefix_blocks, window, snapshots = self._kv_plan(max_seq_len)
         if pipe is not None and self.is_leader:

@@ -117,8 +117,10 @@ class BertEncoder(nn.Module):
         for span in batch.prefills:
             if span.start_pos != 0:  # (the scheduler admits encoder inputs whole)
                 raise RuntimeError("an encoder input came cut into chunks")
-            q, k, v = qkv[span.token_start : span.token_start + span.length].permute(1, 2, 0, 3)  # [heads, L, d] each
-            out.append(F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(span.length, heads * d))
+            q, k, v = qkv[None, span.token_start : span.token_start + span.length].permute(2, 0, 3, 1, 4)
+            # [1, heads, L, d] each: 4-D inputs take PyTorch's fused CPU kernel (3-D ones its unfused math)
+            attended = F.scaled_dot_product_attention(q, k, v)[0]  # [heads, L, d]
+            out.append(attended.transpose(0, 1).reshape(span.length, heads * d))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
