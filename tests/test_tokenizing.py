@@ -61,3 +61,17 @@ def test_errors_cancels_and_gone_connections():
     assert isinstance(done["1"].error, ValueError) and done["1"].result is None
     assert done["2"].cancelled and done["2"].result == "ok"
     tok.close()
+
+
+def test_the_worker_goes_on_to_the_next_job_while_the_loop_is_busy():
+    """The loop collects results between iterations; meanwhile the worker must not wait for it to
+    start the next job (it did: a fused iteration then got one text input each)."""
+    tok = FairWorker(lambda payload: payload * 2, workers=1)
+    for i in range(20):
+        tok.submit(Job(bytes([i % 3]), str(i), i))
+    deadline = time.monotonic() + 10
+    while sum(job.done for job in tok.jobs.values()) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the loop inside an iteration: finished() is not called)
+    done = tok.finished()
+    assert len(done) == 20 and sorted(j.result for j in done) == [2 * i for i in range(20)] and len(tok) == 0
+    tok.close()
