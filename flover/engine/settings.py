@@ -7,7 +7,7 @@ import dataclasses
 
 from flover.config import EngineConfig
 from flover.hardware import resolve_dtype
-from flover.models import ModelConfig
+from flover.models import ModelConfig, runs_natively
 
 DEFAULT_MAX_SEQ_LEN = 2048  # when neither the user nor a shorter model says otherwise
 
@@ -15,7 +15,7 @@ DEFAULT_MAX_SEQ_LEN = 2048  # when neither the user nor a shorter model says oth
 def native_step_may_run(native_forward: str, cfg: ModelConfig) -> bool:
     """Whether the native step may run this model (it can still decline: no compiler, ...): what
     `--dtype auto` and `--quantization auto` decide by, here and in the CLI."""
-    return native_forward == "auto" and cfg.runs_natively
+    return native_forward == "auto" and runs_natively(cfg)
 
 
 def resolve_config(config: EngineConfig, cfg: ModelConfig, file_quantization: str) -> EngineConfig:

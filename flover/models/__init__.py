@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 from flover.models.checkpoint import HFDirectory, file_quantization, load_model_config, open_checkpoint
-from flover.models.families import FAMILIES, family_of
+from flover.models.families import FAMILIES, family_of, runs_natively
 from flover.models.gguf_file import GGUFFile
 from flover.models.model_config import CheckpointError, ModelConfig
 
@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "FAMILIES",
     "family_of",
+    "runs_natively",
     "ModelConfig",
     "HFDirectory",
     "GGUFFile",

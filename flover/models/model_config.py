@@ -318,13 +318,6 @@ class ModelConfig:
         """An encoder or a bidirectional decoder: each input comes whole, vectors and no text."""
         return self.encoder or self.bidirectional
 
-    @property
-    def runs_natively(self) -> bool:
-        """Whether the native step knows this model's features (its family's, not both-way attention)."""
-        from flover.models.families import family_of
-
-        return family_of(self).native and not self.bidirectional
-
     def kv_layers(self) -> list[int]:
         """The layers that keep keys and values (the others keep a recurrent state instead, or
         read another layer's)."""

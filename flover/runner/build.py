@@ -13,7 +13,7 @@ import torch
 
 from flover.config import EngineConfig
 from flover.hardware import return_freed_heap
-from flover.models import ModelConfig, load_model, pack_projections, release_projections
+from flover.models import ModelConfig, load_model, pack_projections, release_projections, runs_natively
 from flover.models.gated_deltanet import state_dtype, state_shapes
 from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
@@ -54,7 +54,7 @@ def build_runner(checkpoint, s: RankSetup) -> ModelRunner:
     config, cfg = s.config, s.cfg
     native_wanted = (
         config.native_forward == "auto"
-        and cfg.runs_natively  # (its family file says whether the native step knows its features)
+        and runs_natively(cfg)  # (its family file says whether the native step knows its features)
         and s.device.type == "cpu"
         and s.dtype in (torch.float32, torch.bfloat16)
     )

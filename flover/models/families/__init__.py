@@ -36,6 +36,11 @@ def family_of(cfg: ModelConfig) -> Family:
     return BY_ARCHITECTURE[cfg.architecture]
 
 
+def runs_natively(cfg: ModelConfig) -> bool:
+    """Whether the native step knows this model's features (its family's; not attention both ways)."""
+    return family_of(cfg).native and not cfg.bidirectional
+
+
 def gguf_family(file) -> Family | None:
     """The family of a GGUF file (gguf_file.GGUFFile): of its general.architecture, the one that
     claims it, else the one that claims nothing; None where no family reads that arch."""
