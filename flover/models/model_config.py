@@ -234,6 +234,15 @@ class LinearAttentionConfig:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
+def sequence_classifier_labels(raw: dict) -> int | None:
+    """A config.json's label count where it is a *ForSequenceClassification (a cross-encoder;
+    id2label's count, as transformers counts, else 2), or None where it is no classifier."""
+    architecture = (raw.get("architectures") or [""])[0]
+    if not isinstance(architecture, str) or not architecture.endswith("ForSequenceClassification"):
+        return None
+    return raw.get("num_labels") or len(raw.get("id2label") or {}) or 2
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flover.config import POOLING_MODES, is_int  # ("last": the last token's row, as Qwen3-Embedding's)
-from flover.models.model_config import CheckpointError
+from flover.models.model_config import CheckpointError, sequence_classifier_labels
 
 # sentence-transformers' Pooling config keys -> our modes
 _ST_MODES = {
@@ -72,12 +72,11 @@ def classifier_pooling(path: Path) -> Pooling | None:
     config_file = path / "config.json"
     try:
         config = json.loads(config_file.read_text())
-        architecture = (config.get("architectures") or [""])[0]
+        labels = sequence_classifier_labels(config)
     except (OSError, ValueError, AttributeError, TypeError):
         return None  # (reading the model's config names what is wrong)
-    if not isinstance(architecture, str) or not architecture.endswith("ForSequenceClassification"):
+    if labels is None:
         return None
-    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
     named = (config.get("sentence_transformers") or {}).get("activation_fn")
     named = named or config.get("sbert_ce_default_activation_function")
     return Pooling("cls", False, str(config_file), classify=True, activation=_activation(path, named, labels))

@@ -11,7 +11,7 @@ start in their table (after the padding id) and in the head's names."""
 import dataclasses
 
 from flover.models.families._shared import Family, sizes
-from flover.models.model_config import CheckpointError, ModelConfig
+from flover.models.model_config import CheckpointError, ModelConfig, sequence_classifier_labels
 
 
 def bert_fields(raw: dict) -> dict:
@@ -57,10 +57,9 @@ ROBERTA_TYPES = ("roberta", "xlm-roberta")
 def classifier_fields(raw: dict) -> dict:
     """A *ForSequenceClassification's head: BERT's pooler and classifier, or RoBERTa's
     classifier.dense and out_proj; its label count (id2label's, as transformers counts)."""
-    architecture = (raw.get("architectures") or [""])[0]
-    if not architecture.endswith("ForSequenceClassification"):
+    labels = sequence_classifier_labels(raw)
+    if labels is None:
         return {}
-    labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 2
     if raw.get("problem_type") not in (None, "regression", "single_label_classification", "multi_label_classification"):
         raise CheckpointError(f"config.json: problem_type {raw['problem_type']!r} is not a classifier flover serves")
     return dict(classifier="dense" if raw.get("model_type") in ROBERTA_TYPES else "pooler", num_labels=labels)
