@@ -93,10 +93,11 @@ class Engine(ServingEngine):
         self.tp = TPLayout.build(cfg, tp_comm.rank if tp_comm else 0, tp_comm.size if tp_comm else 1)
         self.stage = StageLayout.build(cfg, pipe.place.stage, pipe.place.stages) if pipe else None
         max_seq_len = resolve_max_seq_len(config, cfg, checkpoint.default_max_tokens())
-        if cfg.embeds_only and config.max_batch_tokens < max(max_seq_len, ENCODER_BATCH_TOKENS):
+        encoder_budget = max(max_seq_len, ENCODER_BATCH_TOKENS)
+        if cfg.embeds_only and config.max_batch_tokens < encoder_budget:
             # an encoder's input comes whole; with no decode rows to keep short, iterations of
             # many inputs go faster (docs/embeddings.md, "Beside chats")
-            self.config = config = dataclasses.replace(config, max_batch_tokens=max(max_seq_len, ENCODER_BATCH_TOKENS))
+            self.config = config = dataclasses.replace(config, max_batch_tokens=encoder_budget)
         self.tokenizer, self.intake = self._intake(checkpoint, max_seq_len)
         prefix_blocks, window, snapshots = self._kv_plan(max_seq_len)
         if pipe is not None and self.is_leader:

@@ -156,9 +156,12 @@ def _compile(compiler: str, flags: tuple[str, ...], sources: list[Path], path: P
         with ThreadPoolExecutor(len(os.sched_getaffinity(0)) or 1) as pool:
             built = list(pool.map(lambda source: _compile_one(compiler, flags, source, objects), sources))
         _run_compiler([compiler, *flags, "-o", str(partial), *map(str, built), "-lm"], compiler)
-    except (NativeUnavailable, OSError) as e:
+    except NativeUnavailable:
         partial.unlink(missing_ok=True)
-        raise e if isinstance(e, NativeUnavailable) else NativeUnavailable(f"cannot build in {path.parent}: {e}") from e
+        raise
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise NativeUnavailable(f"cannot build in {path.parent}: {e}") from e
     finally:
         shutil.rmtree(objects, ignore_errors=True)
     try:
