@@ -162,6 +162,25 @@ def test_embedding_gemma_equals_sentence_transformers(tmp_path):
         llm.generate("hello", SamplingParams(max_new_tokens=2))
 
 
+def test_a_gemma_embedding_gguf_file_gives_the_directorys_vectors(tmp_path):
+    """llama.cpp's `gemma-embedding` file (its converter with --sentence-transformers-dense-modules:
+    the window as config.json's, llama.cpp's layer pattern, pooling type mean, the Dense weights as
+    dense_2 / dense_3): attention both ways, and in float64 the directory's vectors."""
+    from flover.testing.embedding_model import make_tiny_embedding_gemma, write_embedding_gemma_gguf
+
+    model_dir = make_tiny_embedding_gemma(tmp_path / "embeddinggemma", layers=6, out_width=64)
+    gguf_file = write_embedding_gemma_gguf(model_dir, tmp_path / "embeddinggemma.gguf")
+    texts = TEXTS[:2] + [TEXTS[4]]
+    from_file, from_dir = LLM(str(gguf_file), dtype="float64"), LLM(str(model_dir), dtype="float64")
+    cfg = from_file.engine.model_config
+    assert cfg.bidirectional and cfg.sliding_windows == (5,) * 5 + (None,)
+    assert from_file.engine.capabilities == ["embeddings", "rerank", "score"]
+    got = vectors(from_file, texts)
+    assert got.shape == (3, 64)
+    assert (got - vectors(from_dir, texts)).abs().max().item() < 1e-12
+    assert (got - reference(str(model_dir), texts, torch.float64)).abs().max().item() < 1e-9
+
+
 def test_a_dense_module_that_does_not_fit_is_refused_at_load(tmp_path):
     import json
 
@@ -171,7 +190,7 @@ def test_a_dense_module_that_does_not_fit_is_refused_at_load(tmp_path):
     model_dir = make_tiny_embedding_gemma(tmp_path / "embeddinggemma")
     config_file = model_dir / "3_Dense" / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "in_features": 64}))
-    with pytest.raises(CheckpointError, match="3_Dense: its weights do not map 128 components to 48"):
+    with pytest.raises(CheckpointError, match="3_Dense/model.safetensors: its Dense weights do not map 128 .* to 48"):
         LLM(str(model_dir), dtype="float64")
     config_file.write_text("{")
     with pytest.raises(CheckpointError, match="cannot read the Dense config"):

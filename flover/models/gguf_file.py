@@ -29,7 +29,7 @@ from flover.models.families import GGUF_ARCHES, gguf_family
 from flover.models.families._shared import Family
 from flover.models.gguf_grids import block_grid
 from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
-from flover.models.pooling import Pooling, gguf_pooling
+from flover.models.pooling import DenseConfig, Pooling, gguf_pooling
 
 if TYPE_CHECKING:
     import torch
@@ -157,7 +157,24 @@ class GGUFFile:
     def pooling(self) -> Pooling | None:
         """How it makes embeddings, where llama.cpp's converter wrote an embedding model's pooling."""
         key = f"{self.arch}.pooling_type"
-        return gguf_pooling(self.integer(key), f"{self.path}: {key}")
+        pooling = gguf_pooling(self.integer(key), f"{self.path}: {key}")
+        if pooling is None:
+            return None
+        return dataclasses.replace(pooling, dense=self._dense_modules())
+
+    def _dense_modules(self) -> tuple[DenseConfig, ...]:
+        """EmbeddingGemma's projections after the pooling, as the converter stores them (with
+        --sentence-transformers-dense-modules): dense_2 then dense_3, without bias or activation."""
+        found = []
+        for name in ("dense_2.weight", "dense_3.weight"):
+            t = self.tensors.get(name)
+            if t is None:
+                break
+            if len(t.shape) != 2:
+                raise CheckpointError(f"{self.path}: {name} has shape {list(t.shape)}; a matrix expected")
+            out_features, in_features = t.shape
+            found.append(DenseConfig(self.path, in_features, out_features, False, "none", weight_name=name))
+        return tuple(found)
 
     def check_tensors(self, cfg: ModelConfig) -> None:
         """The header's shape against the tensors the file holds, before anything is built from it."""

@@ -50,8 +50,8 @@ class Pooling:
     # last row's logit of the first token minus the second's (None: that logit alone); its pairs
     # are rendered by the chat template as a query and a document message
     logit_tokens: tuple[int, int | None] | None = None
-    # sentence-transformers' Dense modules after the pooling, in order (their directories)
-    dense: tuple[Path, ...] = ()
+    # sentence-transformers' Dense modules after the pooling, in order (EmbeddingGemma's)
+    dense: tuple["DenseConfig", ...] = ()
 
     @property
     def every_row(self) -> bool:
@@ -144,7 +144,8 @@ def directory_pooling(path: Path) -> Pooling | None:
     modes = [mode for key, mode in _ST_MODES.items() if config.get(key)]
     if len(modes) != 1 or not config.get("include_prompt", True):
         raise CheckpointError(f"{config_file}: one pooling mode with the whole prompt is supported; it asks {config}")
-    return Pooling(modes[0], "Normalize" in kinds, str(modules_file), dense=tuple(path / d for d in dense))
+    dense_configs = tuple(dense_config(path / d) for d in dense)
+    return Pooling(modes[0], "Normalize" in kinds, str(modules_file), dense=dense_configs)
 
 
 # a Dense module's activation_function (sentence-transformers' names) -> ours
@@ -153,13 +154,16 @@ DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "none", "torch.nn.modul
 
 @dataclass(frozen=True)
 class DenseConfig:
-    """One of sentence-transformers' Dense modules after the pooling (EmbeddingGemma's projections)."""
+    """One of sentence-transformers' Dense modules after the pooling (EmbeddingGemma's projections):
+    from its directory, or as llama.cpp's converter stores it in a GGUF file (dense_2, dense_3)."""
 
-    weights: Path  # its model.safetensors: linear.weight [out, in], linear.bias [out] if any
+    weights: Path  # its model.safetensors (or the GGUF file)
     in_features: int
     out_features: int
     bias: bool
     activation: str  # "none" or "tanh"
+    weight_name: str = "linear.weight"  # [out, in]
+    bias_name: str = "linear.bias"  # [out], where `bias`
 
 
 def dense_config(module_dir: Path) -> DenseConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flover.models.model_config import CheckpointError
-from flover.models.pooling import Pooling, dense_config
+from flover.models.pooling import DenseConfig, Pooling
 
 BLOCK = 64  # positions summed together
 
@@ -64,21 +64,14 @@ class PooledRows:
 
 class DenseStack:
     """sentence-transformers' Dense modules after the pooling (EmbeddingGemma's two projections),
-    read from their own safetensors files and run on one pooled vector at a time, in its dtype."""
+    read from their own safetensors files (or the GGUF file that holds them) and run on one pooled
+    vector at a time, in its dtype."""
 
     def __init__(self, pooling: Pooling, hidden: int):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         self.layers = []
         width = hidden
-        for module_dir in pooling.dense:
-            config = dense_config(module_dir)
-            try:
-                tensors = load_file(config.weights)
-            except (OSError, SafetensorError) as e:
-                raise CheckpointError(f"{config.weights}: cannot read the Dense weights ({e})") from None
-            weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
+        for config in pooling.dense:
+            weight, bias = _dense_tensors(config)
             if (
                 config.in_features != width
                 or weight is None
@@ -87,7 +80,7 @@ class DenseStack:
                 or (bias is not None and tuple(bias.shape) != (config.out_features,))
             ):
                 raise CheckpointError(
-                    f"{module_dir}: its weights do not map {width} components to {config.out_features}"
+                    f"{config.weights}: its Dense weights do not map {width} components to {config.out_features}"
                 )
             self.layers.append((weight, bias, config.activation))
             width = config.out_features
@@ -101,3 +94,21 @@ class DenseStack:
             )
             vector = torch.tanh(vector) if activation == "tanh" else vector
         return vector
+
+
+def _dense_tensors(config: DenseConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A Dense module's weight and bias (None where absent), float32 or as stored."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from flover.models.gguf_file import GGUFFile, is_gguf
+
+    if is_gguf(config.weights):
+        tensors = GGUFFile(config.weights).tensors
+        found = (tensors.get(config.weight_name), tensors.get(config.bias_name) if config.bias else None)
+        return tuple(None if t is None else torch.from_numpy(t.dequantize()) for t in found)
+    try:
+        tensors = load_file(config.weights)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{config.weights}: cannot read the Dense weights ({e})") from None
+    return tensors.get(config.weight_name), tensors.get(config.bias_name)

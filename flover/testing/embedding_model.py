@@ -124,11 +124,13 @@ def make_tiny_cross_encoder(out: str | Path, kind: str = "bert", labels: int = 1
     return out
 
 
-def make_tiny_embedding_gemma(out: str | Path, seed: int = 0, window: int = 8) -> Path:
-    """A random EmbeddingGemma (Gemma3TextModel with attention both ways: two sliding-window layers of
-    `window` (keys less than window // 2 + 1 away on either side), then a global one) as its
-    sentence-transformers directory: mean pooling, two Dense projections (64 -> 128 -> 48, no bias,
-    no activation), Normalize."""
+def make_tiny_embedding_gemma(
+    out: str | Path, seed: int = 0, window: int = 8, layers: int = 3, out_width: int = 48
+) -> Path:
+    """A random EmbeddingGemma (Gemma3TextModel with attention both ways: sliding-window layers of
+    `window` (keys less than window // 2 + 1 away on either side), every 6th and the last one
+    global) as its sentence-transformers directory: mean pooling, two Dense projections
+    (64 -> 128 -> out_width, no bias, no activation), Normalize."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -141,13 +143,13 @@ def make_tiny_embedding_gemma(out: str | Path, seed: int = 0, window: int = 8) -
         vocab_size=tok.get_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=256,
         sliding_window=window,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        layer_types=["full_attention" if i % 6 == 5 or i == layers - 1 else "sliding_attention" for i in range(layers)],
         query_pre_attn_scalar=16,
         use_bidirectional_attention=True,
     )
@@ -173,7 +175,7 @@ def make_tiny_embedding_gemma(out: str | Path, seed: int = 0, window: int = 8) -
     (out / "1_Pooling" / "config.json").write_text(
         json.dumps({"word_embedding_dimension": 64, ST_POOLING_KEYS["mean"]: True})
     )
-    for module, (n_in, n_out) in (("2_Dense", (64, 128)), ("3_Dense", (128, 48))):
+    for module, (n_in, n_out) in (("2_Dense", (64, 128)), ("3_Dense", (128, out_width))):
         (out / module).mkdir(exist_ok=True)
         dense = {"in_features": n_in, "out_features": n_out, "bias": False}
         dense["activation_function"] = "torch.nn.modules.linear.Identity"
@@ -301,3 +303,23 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_embedding_gemma_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """An EmbeddingGemma directory (make_tiny_embedding_gemma's, 6 layers: llama.cpp's layer pattern)
+    as llama.cpp's converter writes it with --sentence-transformers-dense-modules: a
+    `gemma-embedding` file with its pooling type and the Dense weights as dense_2 / dense_3."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from flover.testing.tiny_model import write_gguf
+
+    model_dir = Path(model_dir)
+
+    def pooling_and_dense(w):
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+        for module, name in (("2_Dense", "dense_2"), ("3_Dense", "dense_3")):
+            weight = load_file(model_dir / module / "model.safetensors")["linear.weight"]
+            w.add_tensor(f"{name}.weight", weight.astype("float32"))
+
+    return write_gguf(model_dir, out, qtype, arch="gemma-embedding", extra=pooling_and_dense)

@@ -168,7 +168,13 @@ BLOCK_SCALE_OFFSETS = {"Q6_K": (-2,), "Q2_K": (-4, -2), "Q3_K": (-2,), "IQ4_XS":
 
 
 def write_gguf(
-    model_dir: str | Path, out: str | Path, qtype: str = "Q8_0", types: dict[str, str] | None = None, seed: int = 0
+    model_dir: str | Path,
+    out: str | Path,
+    qtype: str = "Q8_0",
+    types: dict[str, str] | None = None,
+    seed: int = 0,
+    arch: str | None = None,
+    extra=None,
 ) -> Path:
     """Write a Hugging Face directory (of a family flover reads GGUF files of) as one GGUF file the
     way llama.cpp's convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation where
@@ -176,7 +182,9 @@ def write_gguf(
     F16, BF16, Q8_0, Q4_0, Q4_1, ... whatever the `gguf` package's quantizer implements). `types`:
     GGUF name ending -> type, for mixes such as Q4_K_M's (attn_v.weight: Q6_K); K-quants
     (RANDOM_BLOCK_SCALES) hold random blocks, not the checkpoint's values. For tests: real GGUF
-    files of random models, in the types users download."""
+    files of random models, in the types users download. `arch`: general.architecture where the
+    converter names this family's file otherwise (gemma-embedding); `extra(writer)` adds what
+    else the file holds (an embedding model's pooling and Dense tensors)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -189,7 +197,9 @@ def write_gguf(
     tensors = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
-    w = gguf.GGUFWriter(str(out), gguf_family.gguf_arch)
+    if not any(name.startswith("model.") for name in tensors):  # (a base model's: Gemma3TextModel's)
+        tensors = {f"model.{name}": t for name, t in tensors.items()}
+    w = gguf.GGUFWriter(str(out), arch or gguf_family.gguf_arch)
     w.add_name(model_dir.name)
     rope = _write_gguf_metadata(w, config, gguf_family.gguf_arch)
     _write_gguf_tokenizer(w, model_dir)
@@ -204,6 +214,8 @@ def write_gguf(
         tensors = family.test_gguf_tensors(config, tensors)
     tensors = _write_family_metadata(w, config, gguf_family.gguf_arch, rope, tensors)
     _write_gguf_tensors(w, config, gguf_family, tensors, qtype, types or {}, seed)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -249,7 +261,7 @@ def _write_family_metadata(w, config: dict, arch: str, rope: dict, tensors: dict
         _write_phi3_rope(w, config, rope)
     if arch == "gemma3":  # as the converter writes it (the pattern stays llama.cpp's default: every 6th global)
         local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
-        w.add_float32("gemma3.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
+        w.add_float32(f"{w.arch}.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
         w.add_sliding_window(config["sliding_window"])
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts:  # as the converter: the experts' counts and width; their tensors stacked below

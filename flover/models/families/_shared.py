@@ -29,6 +29,7 @@ class Family:
     hf_architectures: tuple[str, ...]  # config.json "architectures" it serves
     from_hf: Callable[[dict], dict]
     gguf_arch: str | None = None  # general.architecture of its GGUF files (None: none read)
+    gguf_other_arches: tuple[str, ...] = ()  # the converter's other names for its models (gemma-embedding)
     from_gguf: Callable[[Any, ModelConfig], ModelConfig] | None = None
     gguf_claims: Callable[[Any], bool] | None = None
     gguf_qk_permuted: bool = False  # llama.cpp's converter permuted Q and K's rows for its RoPE

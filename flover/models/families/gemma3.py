@@ -69,7 +69,8 @@ def from_gguf(file, cfg):
     """As llama.cpp reads a gemma3 file: the local layers by the sliding-window pattern (an array
     of flags, or every n-th layer global: 6), their RoPE base, the score scale (1 / sqrt(head_dim);
     27B's 62 layers: of hidden / heads, the query_pre_attn_scalar the file does not store). Its
-    norm weights hold w + 1 (the reader takes norm_offset off)."""
+    norm weights hold w + 1 (the reader takes norm_offset off). A gemma-embedding file is
+    EmbeddingGemma's: the same layers with attention both ways."""
     a, window = file.arch, cfg.sliding_windows[0]
     if file.get(f"{a}.final_logit_softcapping") is not None:
         raise CheckpointError(f"{file.path}: {a}.final_logit_softcapping (soft-capping) is not supported")
@@ -83,12 +84,16 @@ def from_gguf(file, cfg):
     else:
         raise CheckpointError(f"{file.path}: {a}.attention.sliding_window_pattern must be a positive integer")
     scalar = cfg.hidden_size / cfg.num_heads if cfg.num_layers == 62 else cfg.head_dim
+    both_ways = a == "gemma-embedding"  # (its window as config.json's: halved as from_hf halves it)
+    if both_ways and window:
+        window = window // 2 + 1
     return dataclasses.replace(
         cfg,
         **features(cfg.hidden_size),
         attn_scale=float(scalar) ** -0.5,
         local_rope_theta=file.number(f"{a}.rope.freq_base_swa", 10000.0),
         sliding_windows=tuple(window if window and is_local else None for is_local in local),
+        bidirectional=both_ways,
     )
 
 
@@ -97,6 +102,7 @@ FAMILY = Family(
     hf_architectures=("Gemma3ForCausalLM", "Gemma3TextModel"),  # (the latter: EmbeddingGemma's, as it saves)
     from_hf=from_hf,
     gguf_arch="gemma3",
+    gguf_other_arches=("gemma-embedding",),  # (EmbeddingGemma: attention both ways, embeddings only)
     from_gguf=from_gguf,
     gguf_names={
         "post_attention_layernorm.weight": "post_attention_norm.weight",
