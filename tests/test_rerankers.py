@@ -18,7 +18,13 @@ from flover import LLM
 from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
 from flover.request import EmbedParams, RequestInput
-from flover.testing.embedding_model import as_logit_score_reranker, make_tiny_bert, make_tiny_cross_encoder
+from flover.testing.embedding_model import (
+    as_logit_score_reranker,
+    make_tiny_bert,
+    make_tiny_cross_encoder,
+    write_bert_gguf,
+    write_qwen3_reranker_gguf,
+)
 from tests.helpers import Server, flover_run_ok, free_port, read_records, write_jsonl
 
 QUERY = "what is the capital of france"
@@ -174,6 +180,45 @@ def test_decoder_reranker_scores_beside_generations_are_bit_exact(decoder_rerank
         finals.update((o.request_id, o) for o in engine.step() if o.finished)
     assert [finals[i].token_ids for i in ids[:3]] == solo
     assert [finals[i].embedding[0] for i in ids[3:]] == alone
+
+
+def test_a_qwen3_reranker_gguf_file_scores_as_its_directory(decoder_reranker, make_model, tmp_path):
+    """llama.cpp's Qwen3-Reranker file (rank pooling; cls.output = the LM head's yes / no rows, the
+    untied head itself dropped; its rerank prompt): the pair filled into the prompt, the last row
+    through cls.output, the first label's softmax: the LogitScore directory's scores in float64,
+    the same bits alone and fused in float32, and no text (the file has no LM head)."""
+    gguf_file = str(write_qwen3_reranker_gguf(make_model("qwen3"), tmp_path / "reranker.gguf", 100, 101))
+    from_file, from_dir = LLM(gguf_file, dtype="float64"), LLM(decoder_reranker, dtype="float64")
+    assert from_file.engine.capabilities == ["rerank", "score"]
+    got = torch.tensor(from_file.score(QUERY, DOCUMENTS), dtype=torch.float64)
+    assert (got - torch.tensor(from_dir.score(QUERY, DOCUMENTS), dtype=torch.float64)).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="it scores pairs"):
+        from_file.generate("hello", SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="is a reranker"):
+        from_file.embed("hello")
+    fast = LLM(gguf_file, dtype="float32", max_seq_len=512)
+    assert fast.score(QUERY, DOCUMENTS) == [fast.score(QUERY, d)[0] for d in DOCUMENTS]
+
+
+def test_a_bert_reranker_gguf_file_scores_as_llama_cpp_reads_it(reranker, tmp_path):
+    """llama.cpp's converter writes a BERT cross-encoder without its pooler (the classifier as
+    cls.output, no pooling type): the [CLS] row straight into the classifier, then sigmoid, the
+    document's tokens of type 1 as the tokenizer gives them."""
+    import transformers
+
+    model_dir = reranker("bert")
+    gguf_file = str(write_bert_gguf(model_dir, tmp_path / "reranker.gguf", None))
+    llm = LLM(gguf_file, dtype="float64")
+    assert llm.engine.capabilities == ["rerank", "score"]
+    model = transformers.BertForSequenceClassification.from_pretrained(model_dir, dtype=torch.float64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    want = []
+    for document in DOCUMENTS:
+        with torch.no_grad():
+            first = model.bert(**tokenizer(QUERY, document, return_tensors="pt")).last_hidden_state[0, 0]
+            want.append(torch.sigmoid(model.classifier(first))[0].item())
+    got = llm.score(QUERY, DOCUMENTS)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-9
 
 
 def test_a_decoder_reranker_under_tensor_parallelism_and_in_groups_scores_as_one_rank(decoder_reranker, tmp_path):

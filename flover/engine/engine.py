@@ -251,6 +251,7 @@ class Engine(ServingEngine):
         pooling = chosen_pooling(config.pooling, checkpoint.pooling())
         self.runner.pooling = pooling
         self.intake.pairs = pair_kind(pooling, self.model_config.vocab_size)
+        self.intake.pair_template = pooling.pair_template if pooling is not None else None
         if pooling is not None and pooling.dense:
             self.runner.dense = DenseStack(pooling, self.model_config.hidden_size)
             self.intake.vector_width = self.runner.dense.width
@@ -270,6 +271,10 @@ class Engine(ServingEngine):
             raise ValueError(self.embeddings_refused)
         if given.embed is None and self.model_config.embeds_only:
             raise ValueError(f"{self.model_config.architecture} is a text encoder: it makes embeddings, not text")
+        if given.embed is None and self.intake.pair_template is not None:
+            raise ValueError(
+                "this model is a reranker's GGUF file (its converter dropped the LM head): it scores pairs"
+            )
         return self.intake.build(request_id, given)
 
     @property
@@ -532,7 +537,7 @@ class LLM:
         if pooling is None or not pooling.classify:
             vectors = [o.embedding for o in self.embed([query, *documents], None, truncate_prompt_tokens)]
             return [cosine(vectors[0], v) for v in vectors[1:]]
-        labels = 1 if pooling.logit_tokens else self.engine.model_config.num_labels
+        labels = pooling.scores or self.engine.model_config.num_labels
         if labels != 1:
             raise ValueError(f"score: this classifier has {labels} labels, not one score")
         return [o.embedding[0] for o in self.pair_outputs(query, documents, truncate_prompt_tokens)]

@@ -54,6 +54,7 @@ class Intake:
         # (a cross-encoder's, joined as its tokenizer joins a pair), "template" (a decoder's, rendered by its
         # chat template as a query and a document message); None: the model takes no pairs
         self.pairs: str | None = None
+        self.pair_template: str | None = None  # a reranker GGUF file's prompt ({query}, {document}): scores only
         self.vector_width = model_config.hidden_size  # of its vectors (the engine sets it after Dense modules)
 
     def build(self, request_id: str, given: RequestInput) -> Request:
@@ -207,14 +208,19 @@ class Intake:
 
     def _rendered_pair(self, query: str, document: str, keep: int | None) -> tuple[list[int], str, None]:
         """A decoder reranker's pair: its chat template's rendering of a query and a document
-        message (no assistant prompt added, as sentence-transformers renders it). Never cut: the
-        template's end is what the model answers after."""
+        message (no assistant prompt added, as sentence-transformers renders it), or its GGUF
+        file's rerank prompt filled in (as llama-server fills it). Never cut: the template's end
+        is what the model answers after."""
         if keep is not None:
             raise ValueError("truncate_prompt_tokens: a decoder reranker's pair is never cut (its template ends it)")
-        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
         self._check_text_size(query + document)
-        fits = self.max_seq_len * self.tokenizer.max_token_bytes
-        text = self.tokenizer.render_chat(messages, None, {"add_generation_prompt": False}, max_bytes=fits)
+        if self.pair_template is not None:  # (llama.cpp's rerank prompt: each placeholder replaced once over)
+            given = {"{query}": query, "{document}": document}
+            text = re.sub(r"\{query\}|\{document\}", lambda m: given[m.group(0)], self.pair_template)
+        else:
+            messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+            fits = self.max_seq_len * self.tokenizer.max_token_bytes
+            text = self.tokenizer.render_chat(messages, None, {"add_generation_prompt": False}, max_bytes=fits)
         self._check_text_size(text)
         return self._checked(self._encode(text, False)), query, None
 

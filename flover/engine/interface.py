@@ -76,7 +76,8 @@ class ServingEngine(ABC):
     @property
     def capabilities(self) -> list[str]:
         """What the served model does, as /v1/models lists it."""
-        text = [] if self.intake.model_config.embeds_only else ["completion", "chat"]
+        scores_only = self.intake.model_config.embeds_only or self.intake.pair_template is not None
+        text = [] if scores_only else ["completion", "chat"]
         if self.embeddings_refused is not None:
             return text
         return text + (["rerank", "score"] if self.intake.pairs else ["embeddings", "rerank", "score"])

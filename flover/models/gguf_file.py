@@ -29,7 +29,7 @@ from flover.models.families import GGUF_ARCHES, gguf_family
 from flover.models.families._shared import Family
 from flover.models.gguf_grids import block_grid
 from flover.models.model_config import CheckpointError, ModelConfig, MoEConfig, check_sizes, validate_model_config
-from flover.models.pooling import DenseConfig, Pooling, gguf_pooling
+from flover.models.pooling import GGUF_RANK, DenseConfig, Pooling, gguf_pooling
 
 if TYPE_CHECKING:
     import torch
@@ -157,10 +157,47 @@ class GGUFFile:
     def pooling(self) -> Pooling | None:
         """How it makes embeddings, where llama.cpp's converter wrote an embedding model's pooling."""
         key = f"{self.arch}.pooling_type"
-        pooling = gguf_pooling(self.integer(key), f"{self.path}: {key}")
+        kind = self.integer(key)
+        if kind == GGUF_RANK or (kind is None and self.arch == "bert" and "cls.output.weight" in self.tensors):
+            return self._rank_pooling(f"{self.path}: {key}")
+        pooling = gguf_pooling(kind, f"{self.path}: {key}")
         if pooling is None:
             return None
         return dataclasses.replace(pooling, dense=self._dense_modules())
+
+    def _rank_pooling(self, source: str) -> Pooling:
+        """A reranker file (llama.cpp's rank pooling; a bert file with a classifier without it, as
+        llama-server --rerank reads one): the first row (an encoder's) or the last (a decoder's)
+        through the file's head as llama.cpp runs it: cls and tanh, then cls.output, whichever the
+        file holds. Qwen3's two labels (yes, no) give the first one's softmax; one label sigmoid."""
+        head = []
+        for name, activation in (("cls", "tanh"), ("cls.output", "none")):
+            t = self.tensors.get(f"{name}.weight")
+            if t is None:
+                continue
+            if len(t.shape) != 2:
+                raise CheckpointError(f"{self.path}: {name}.weight has shape {list(t.shape)}; a matrix expected")
+            bias = f"{name}.bias" in self.tensors
+            head.append(
+                DenseConfig(self.path, t.shape[1], t.shape[0], bias, activation, f"{name}.weight", f"{name}.bias")
+            )
+        if not head:
+            raise CheckpointError(f"{source}: a reranker's file without its head (cls / cls.output tensors)")
+        causal, labels = self.get(f"{self.arch}.attention.causal", True), head[-1].out_features
+        softmax = self.arch == "qwen3"  # (as llama.cpp: a Qwen3 reranker's yes / no)
+        if softmax and labels != 2:
+            raise CheckpointError(f"{self.path}: cls.output holds {labels} labels; a Qwen3 reranker's are yes, no")
+        template = self.get("tokenizer.chat_template.rerank") if causal else None
+        if causal and not (isinstance(template, str) and "{query}" in template and "{document}" in template):
+            raise CheckpointError(
+                f"{source}: a decoder reranker's file needs its rerank prompt (tokenizer.chat_template.rerank, "
+                "text with {query} and {document})"
+            )
+        activation = "softmax" if softmax else "sigmoid" if labels == 1 else "none"
+        mode = "last" if causal else "cls"
+        return Pooling(
+            mode, False, source, classify=True, activation=activation, dense=tuple(head), pair_template=template
+        )
 
     def _dense_modules(self) -> tuple[DenseConfig, ...]:
         """EmbeddingGemma's projections after the pooling, as the converter stores them (with

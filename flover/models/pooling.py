@@ -27,10 +27,12 @@ _ST_MODES = {
 }
 # llama.cpp's LLAMA_POOLING_TYPE_*: 1 mean, 2 cls, 3 last (0 none; 4 rank is a reranker's)
 _GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
+GGUF_RANK = 4
 
 
 # a cross-encoder's activation on its label scores (sentence-transformers' CrossEncoder default:
-# sigmoid for one label, none for more; its config.json may name one)
+# sigmoid for one label, none for more; its config.json may name one). "softmax" (llama.cpp's
+# Qwen3 rerankers: two labels, yes and no): the first label's share, sigmoid of the difference
 ACTIVATIONS = {
     "torch.nn.modules.activation.Sigmoid": "sigmoid",
     "torch.nn.modules.linear.Identity": "none",
@@ -50,8 +52,19 @@ class Pooling:
     # last row's logit of the first token minus the second's (None: that logit alone); its pairs
     # are rendered by the chat template as a query and a document message
     logit_tokens: tuple[int, int | None] | None = None
-    # sentence-transformers' Dense modules after the pooling, in order (EmbeddingGemma's)
+    # sentence-transformers' Dense modules after the pooling, in order (EmbeddingGemma's); a
+    # reranker GGUF file's: its head (cls, cls.output) on the pooled row, in place of the model's
     dense: tuple["DenseConfig", ...] = ()
+    # llama.cpp's rerank prompt (tokenizer.chat_template.rerank: text with {query} and {document});
+    # its pairs are that text, and the model scores pairs only (its converter dropped the LM head)
+    pair_template: str | None = None
+
+    @property
+    def scores(self) -> int | None:
+        """A reranker's label scores a pair (None: the model's head says: num_labels)."""
+        if self.logit_tokens is not None or self.activation == "softmax":
+            return 1
+        return self.dense[-1].out_features if self.classify and self.dense else None
 
     @property
     def every_row(self) -> bool:
@@ -186,7 +199,7 @@ def gguf_pooling(pooling_type: int | None, source: str) -> Pooling | None:
     if not pooling_type:
         return None
     if pooling_type not in _GGUF_MODES:
-        raise CheckpointError(f"{source}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
+        raise CheckpointError(f"{source}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last, 4 rank)")
     return Pooling(_GGUF_MODES[pooling_type], True, source)
 
 
@@ -204,9 +217,12 @@ def chosen_pooling(asked: str | None, found: Pooling | None) -> Pooling | None:
 
 def pair_kind(pooling: Pooling | None, vocab_size: int) -> str | None:
     """How a reranker takes its (query, document) pairs (Intake.pairs): "tokenizer" (a cross-encoder),
-    "template" (a decoder's LogitScore, whose token ids must be the model's); None: not a reranker."""
+    "template" (a decoder's: its LogitScore, whose token ids must be the model's, or its GGUF file's
+    rerank prompt); None: not a reranker."""
     if pooling is None or not pooling.classify:
         return None
+    if pooling.pair_template is not None:
+        return "template"
     if pooling.logit_tokens is None:
         return "tokenizer"
     if not all(t is None or 0 <= t < vocab_size for t in pooling.logit_tokens):

@@ -173,9 +173,13 @@ class ModelRunner:
         """A request's vector; a cross-encoder's: its label scores from its pooled first row."""
         if not self.pooling.classify:
             return r.pooled.vector(r.embed.dimensions, self.dense)
+        if self.dense is not None:  # (a reranker GGUF file's head: llama.cpp's cls, cls.output)
+            return self._activated(self.dense(r.pooled.vector()))
         return self._activated(self.model.classify(r.pooled.vector()))  # [num_labels]
 
     def _activated(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.pooling.activation == "softmax":  # (two labels: the first one's share)
+            return torch.sigmoid(scores[..., :1].double() - scores[..., 1:].double())
         return torch.sigmoid(scores) if self.pooling.activation == "sigmoid" else scores
 
     def _ranked(self, logits: torch.Tensor, ranked: list[Request]) -> list[tuple[Request, list[float]]]:

@@ -195,6 +195,7 @@ RERANKER_TEMPLATE = (
     'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a '
     "web search query, retrieve relevant passages that answer the query\n<Query>: {{ ns.query }}\n<Document>: "
     "{{ ns.document }}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    "{{ '' }}"  # (else jinja drops the source's last newline)
 )
 
 
@@ -254,10 +255,12 @@ CONVERTER_BERT_NAMES = {
 }
 
 
-def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 1) -> Path:
+def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | None = 1) -> Path:
     """A BERT directory (make_tiny_bert's) as llama.cpp's convert_hf_to_gguf.py writes it (F32): its
     `bert` metadata and tensor names, the WordPiece vocabulary with a word's first piece spelled
-    with a leading U+2581 and continuations without their "##" (`pooling_type`: 1 mean, 2 cls)."""
+    with a leading U+2581 and continuations without their "##" (`pooling_type`: 1 mean, 2 cls,
+    None: none written). A cross-encoder's (make_tiny_cross_encoder's BERT) as it writes one: the
+    classifier as cls.output, the pooler dropped."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -278,7 +281,8 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 
     w.add_head_count(config["num_attention_heads"])
     w.add_layer_norm_eps(config["layer_norm_eps"])
     w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType(pooling_type))
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
     w.add_tokenizer_model("bert")
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -289,7 +293,11 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
     names = CONVERTER_BERT_NAMES
     for name, tensor in load_file(model_dir / "model.safetensors").items():
+        name = name.removeprefix("bert.")  # (a cross-encoder's: its head as cls.output, the pooler dropped)
         if name.startswith("pooler.") or name.endswith("position_ids"):
+            continue
+        if name.startswith("classifier."):
+            w.add_tensor(name.replace("classifier", "cls.output"), tensor.astype("float32"))
             continue
         stem, kind = name.rsplit(".", 1)
         if stem.startswith("encoder.layer."):
@@ -323,3 +331,39 @@ def write_embedding_gemma_gguf(model_dir: str | Path, out: str | Path, qtype: st
             w.add_tensor(f"{name}.weight", weight.astype("float32"))
 
     return write_gguf(model_dir, out, qtype, arch="gemma-embedding", extra=pooling_and_dense)
+
+
+# the rerank prompt llama.cpp's converter stores in a Qwen3 reranker's file (RERANKER_TEMPLATE's text)
+LLAMA_RERANK_PROMPT = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a '
+    "web search query, retrieve relevant passages that answer the query\n<Query>: {query}\n<Document>: "
+    "{document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+def write_qwen3_reranker_gguf(model_dir: str | Path, out: str | Path, true_id: int, false_id: int) -> Path:
+    """A Qwen3 directory as llama.cpp's converter writes a Qwen3-Reranker (F32): rank pooling, the
+    labels yes and no, its rerank prompt, cls.output = the LM head's rows of `true_id` and
+    `false_id`; an untied LM head itself dropped (as the converter drops it)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from flover.testing.tiny_model import write_gguf
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    tied = config.get("tie_word_embeddings", False)
+    head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"].astype(np.float32)
+
+    def rank(w):
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": LLAMA_RERANK_PROMPT}])
+        w.add_tensor("cls.output.weight", np.stack([head[true_id], head[false_id]]))
+
+    return write_gguf(model_dir, out, "F32", extra=rank, skip=("lm_head.weight",))

@@ -175,6 +175,7 @@ def write_gguf(
     seed: int = 0,
     arch: str | None = None,
     extra=None,
+    skip: tuple[str, ...] = (),
 ) -> Path:
     """Write a Hugging Face directory (of a family flover reads GGUF files of) as one GGUF file the
     way llama.cpp's convert_hf_to_gguf.py lays it out (metadata names, Q/K row permutation where
@@ -184,7 +185,8 @@ def write_gguf(
     (RANDOM_BLOCK_SCALES) hold random blocks, not the checkpoint's values. For tests: real GGUF
     files of random models, in the types users download. `arch`: general.architecture where the
     converter names this family's file otherwise (gemma-embedding); `extra(writer)` adds what
-    else the file holds (an embedding model's pooling and Dense tensors)."""
+    else the file holds (an embedding model's pooling and Dense tensors); `skip`: Hugging Face
+    tensor names it leaves out (a reranker's LM head, which the converter drops)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -199,6 +201,7 @@ def write_gguf(
         tensors.update(load_file(str(file)))
     if not any(name.startswith("model.") for name in tensors):  # (a base model's: Gemma3TextModel's)
         tensors = {f"model.{name}": t for name, t in tensors.items()}
+    tensors = {name: t for name, t in tensors.items() if name not in skip}
     w = gguf.GGUFWriter(str(out), arch or gguf_family.gguf_arch)
     w.add_name(model_dir.name)
     rope = _write_gguf_metadata(w, config, gguf_family.gguf_arch)
