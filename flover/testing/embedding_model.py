@@ -291,8 +291,18 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
+    _write_bert_tensors(w, load_file(model_dir / "model.safetensors"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_bert_tensors(w, tensors: dict) -> None:
+    """A BERT's tensors under the converter's names (a cross-encoder's head as cls.output)."""
     names = CONVERTER_BERT_NAMES
-    for name, tensor in load_file(model_dir / "model.safetensors").items():
+    for name, tensor in tensors.items():
         name = name.removeprefix("bert.")  # (a cross-encoder's: its head as cls.output, the pooler dropped)
         if name.startswith("pooler.") or name.endswith("position_ids"):
             continue
@@ -306,11 +316,6 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
         else:
             gguf_name = f"{names[stem]}.{kind}"
         w.add_tensor(gguf_name, tensor.astype("float32"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def write_embedding_gemma_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
