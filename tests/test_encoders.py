@@ -118,6 +118,24 @@ def test_a_bert_gguf_file_gives_the_directorys_vectors(tiny_bert, tmp_path, mode
     assert (vectors(from_file, TEXTS) - vectors(from_dir, TEXTS)).abs().max().item() < 1e-12
 
 
+def test_an_xlm_roberta_gguf_file_gives_the_directorys_vectors(tmp_path):
+    """BGE-M3's kind: XLM-RoBERTa with SentencePiece's unigram vocabulary, as llama.cpp's converter
+    writes it (a `bert` file, tokenizer model t5, the position table without its first
+    pad_token_id + 1 rows): the directory's tokens and, in float64, its vectors."""
+    from flover.testing.embedding_model import make_tiny_xlm_roberta, write_xlm_roberta_gguf
+
+    model_dir = str(make_tiny_xlm_roberta(tmp_path / "xlm-roberta"))
+    gguf_file = write_xlm_roberta_gguf(model_dir, tmp_path / "xlm-roberta.gguf", pooling_type=2)
+    from_file, from_dir = LLM(str(gguf_file), dtype="float64"), LLM(model_dir, dtype="float64")
+    texts = TEXTS + ["  spaces   between words  ", "Über café: naïve 東京 data", "<s> marks </s>"]
+    for text in texts:
+        assert from_file.engine.tokenizer.encode(text) == from_dir.engine.tokenizer.encode(text), text
+    assert from_file.engine.model_config.max_position_embeddings == 128
+    texts = [t for t in texts if len(from_dir.engine.tokenizer.encode(t)) <= 128]
+    assert (vectors(from_file, texts) - vectors(from_dir, texts)).abs().max().item() < 1e-12
+    assert (vectors(from_dir, texts) - reference(model_dir, texts, torch.float64)).abs().max().item() < 1e-9
+
+
 def test_embedding_inputs_beside_decode_rows_take_their_share_and_never_hold_chats_back():
     scheduler = Scheduler(max_slots=8, max_batch_tokens=256, prompt_first=PromptFirst(3, 192), embed_share=0.5)
     chat = Request("chat", [1, 2, 3], SamplingParams(max_new_tokens=50))

@@ -22,8 +22,10 @@ from flover.testing.embedding_model import (
     as_logit_score_reranker,
     make_tiny_bert,
     make_tiny_cross_encoder,
+    make_tiny_xlm_roberta,
     write_bert_gguf,
     write_qwen3_reranker_gguf,
+    write_xlm_roberta_gguf,
 )
 from tests.helpers import Server, flover_run_ok, free_port, read_records, write_jsonl
 
@@ -219,6 +221,17 @@ def test_a_bert_reranker_gguf_file_scores_as_llama_cpp_reads_it(reranker, tmp_pa
             want.append(torch.sigmoid(model.classifier(first))[0].item())
     got = llm.score(QUERY, DOCUMENTS)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-9
+
+
+def test_an_xlm_roberta_reranker_gguf_file_scores_as_its_directory(tmp_path):
+    """BGE-reranker's kind as llama.cpp's converter writes it (unigram vocabulary as tokenizer
+    model t5, the pair as `<s> q </s></s> d </s>`, the head as cls + tanh then cls.output):
+    sentence-transformers' scores of the directory, in float64."""
+    model_dir = str(make_tiny_xlm_roberta(tmp_path / "bge-reranker", reranker=True))
+    gguf_file = str(write_xlm_roberta_gguf(model_dir, tmp_path / "bge-reranker.gguf"))
+    want = cross_encoder_reference(model_dir, [(QUERY, d) for d in DOCUMENTS])
+    got = torch.tensor(LLM(gguf_file, dtype="float64").score(QUERY, DOCUMENTS), dtype=torch.float64)
+    assert (got - want).abs().max().item() < 1e-9
 
 
 def test_a_decoder_reranker_under_tensor_parallelism_and_in_groups_scores_as_one_rank(decoder_reranker, tmp_path):

@@ -108,6 +108,12 @@ class GGUFTokenizerSpec:
     add_eos: bool = False  # (BERT's: [CLS] text [SEP])
     lowercase: bool = False  # tokenizer.ggml.normalizer.lowercase (BERT's uncased WordPiece)
     unknown_token_id: int | None = None
+    # SentencePiece's unigram model ("t5": XLM-RoBERTa's): its normalization, and its pair's
+    # doubled separator (tokenizer.ggml.add_sep_token: `<s> a </s></s> b </s>`)
+    add_space_prefix: bool = True
+    remove_extra_whitespaces: bool = False
+    precompiled_charsmap: bytes = b""
+    add_sep: bool = False
 
 
 class GGUFFile:
@@ -393,7 +399,19 @@ class GGUFFile:
             add_eos=bool(self.get("tokenizer.ggml.add_eos_token", False)),
             lowercase=bool(self.get("tokenizer.ggml.normalizer.lowercase", False)),
             unknown_token_id=self.get("tokenizer.ggml.unknown_token_id"),
+            add_space_prefix=bool(self.get("tokenizer.ggml.add_space_prefix", True)),
+            remove_extra_whitespaces=bool(self.get("tokenizer.ggml.remove_extra_whitespaces", False)),
+            precompiled_charsmap=self._bytes("tokenizer.ggml.precompiled_charsmap"),
+            add_sep=bool(self.get("tokenizer.ggml.add_sep_token", False)),
         )
+
+    def _bytes(self, key: str) -> bytes:
+        """An array of bytes (b"" where absent)."""
+        value = self.get(key) or b""
+        try:
+            return bytes(value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{self.path}: metadata {key!r} must be an array of bytes") from None
 
 
 class GGUFReader:

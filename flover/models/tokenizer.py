@@ -98,7 +98,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, spec: GGUFTokenizerSpec, where: str = "GGUF") -> "Tokenizer":
-        builders = {"gpt2": _byte_level_bpe, "gemma4": _spm_style_bpe, "bert": _wordpiece}
+        builders = {"gpt2": _byte_level_bpe, "gemma4": _spm_style_bpe, "bert": _wordpiece, "t5": _unigram}
         if spec.model not in builders:
             raise CheckpointError(
                 f"{where}: tokenizer model {spec.model!r} is not supported yet (flover builds "
@@ -118,7 +118,7 @@ class Tokenizer:
             ends = [(bos, spec.bos_token_id)] + ([(eos, spec.eos_token_id)] if eos and eos != bos else [])
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A" + (f" {eos}" if eos else ""),
-                pair=f"{bos} $A {eos} $B:1 {eos}:1" if eos else f"{bos} $A {bos} $B",
+                pair=_pair_template(spec, bos, eos),
                 special_tokens=ends,
             )
         return cls(backend, special, spec.chat_template, f"{where}: tokenizer.chat_template")
@@ -341,6 +341,48 @@ def _spm_style_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in zip(spec.tokens, spec.token_types) if kind == 3]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, kind in zip(spec.tokens, spec.token_types) if kind == 4]
+    )
+    return backend
+
+
+def _pair_template(spec: GGUFTokenizerSpec, bos: str, eos: str | None) -> str:
+    """How a pair is joined: BERT's `[CLS] a [SEP] b [SEP]` (b of token type 1), XLM-RoBERTa's
+    `<s> a </s></s> b </s>` (a unigram vocabulary with add_sep), or `bos a bos b`."""
+    if eos is None:
+        return f"{bos} $A {bos} $B"
+    if spec.model == "t5" and spec.add_sep:
+        return f"{bos} $A {eos} {eos} $B {eos}"
+    return f"{bos} $A {eos} $B:1 {eos}:1"
+
+
+def _unigram(spec: GGUFTokenizerSpec) -> HFTokenizer:
+    """SentencePiece's unigram model ("t5": XLM-RoBERTa's, BGE-M3's), as llama.cpp reads it: the
+    pieces and their scores, the file's precompiled normalization (if any), spaces merged and the
+    text's ends stripped where it says so, each word marked with U+2581 (a first one too, where
+    add_space_prefix); control tokens special, user-defined ones added."""
+    if spec.scores is None or len(spec.scores) != len(spec.tokens):
+        raise CheckpointError("a unigram vocabulary (tokenizer model t5) needs a score for each token")
+    unknown = spec.unknown_token_id
+    if unknown is None:
+        unknown = next((i for i, kind in enumerate(spec.token_types) if kind == 2), None)
+    if unknown is not None and not 0 <= unknown < len(spec.tokens):
+        raise CheckpointError(f"the unknown token id {unknown} is outside the vocabulary ({len(spec.tokens)})")
+    try:
+        backend = HFTokenizer(models.Unigram(list(zip(spec.tokens, map(float, spec.scores))), unknown, False))
+        steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    except Exception as e:  # (tokenizers' own errors: a malformed vocabulary or charsmap is input)
+        raise CheckpointError(f"an unreadable unigram vocabulary or precompiled charsmap ({e})") from None
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    backend.normalizer = normalizers.Sequence(steps)
+    prefix = "always" if spec.add_space_prefix else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prefix)
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=prefix)
     backend.add_special_tokens(
         [AddedToken(t, normalized=False, special=True) for t, kind in zip(spec.tokens, spec.token_types) if kind == 3]
     )

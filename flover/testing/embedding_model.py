@@ -64,6 +64,27 @@ def train_wordpiece(vocab_size: int, seed: int = 0):
     return tok
 
 
+def train_unigram(vocab_size: int, seed: int = 0):
+    """An XLM-RoBERTa-style tokenizer (SentencePiece's unigram model, words marked with U+2581, runs
+    of spaces merged; `<s> a </s>` and `<s> a </s></s> b </s>`) trained on the test corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from flover.testing.tiny_model import corpus
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>")
+    tok.train_from_iterator(corpus(seed=seed), trainer)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    return tok
+
+
 def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config) -> Path:
     """A random BertModel (transformers, fixed seed; `config` overrides its sizes) with a trained
     WordPiece tokenizer, as a sentence-transformers directory pooling as `mode`, normalized."""
@@ -81,6 +102,35 @@ def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config)
     )
     fast.save_pretrained(out)
     return as_sentence_transformer(out, out, mode)
+
+
+def make_tiny_xlm_roberta(out: str | Path, reranker: bool = False, seed: int = 0) -> Path:
+    """A random XLM-RoBERTa with the unigram tokenizer (train_unigram), as BGE's are saved:
+    bge-m3's kind (XLMRobertaModel as a sentence-transformers directory: CLS pooling, normalized)
+    or, `reranker`, bge-reranker's (XLMRobertaForSequenceClassification, one label). Padding id 1,
+    so positions start at 2."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    tok = train_unigram(512, seed)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    ids = dict(
+        pad_token_id=tok.token_to_id("<pad>"), bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>")
+    )
+    config = transformers.XLMRobertaConfig(
+        vocab_size=tok.get_vocab_size(), max_position_embeddings=130, type_vocab_size=1, num_labels=1, **ids, **sizes
+    )
+    torch.manual_seed(seed)
+    model = (transformers.XLMRobertaForSequenceClassification if reranker else transformers.XLMRobertaModel)(config)
+    with torch.no_grad():  # (transformers zeroes biases and sets LayerNorms to ones: make them count)
+        for name, tensor in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    model.save_pretrained(out)
+    specials = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", cls_token="<s>")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, sep_token="</s>", **specials).save_pretrained(out)
+    return out if reranker else as_sentence_transformer(out, out, "cls")
 
 
 def make_tiny_cross_encoder(out: str | Path, kind: str = "bert", labels: int = 1, seed: int = 0) -> Path:
@@ -274,15 +324,7 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
         tokens.append(token if special else token[2:] if token.startswith("##") else "\u2581" + token)
         types.append(3 if special else 1)
     w = gguf.GGUFWriter(str(out), "bert")
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_layer_norm_eps(config["layer_norm_eps"])
-    w.add_causal_attention(False)
-    if pooling_type is not None:
-        w.add_pooling_type(gguf.PoolingType(pooling_type))
+    _write_bert_metadata(w, config, pooling_type, config["max_position_embeddings"])
     w.add_tokenizer_model("bert")
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -292,6 +334,60 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
     w.add_add_eos_token(True)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
     _write_bert_tensors(w, load_file(model_dir / "model.safetensors"))
+    return _finish(w, out)
+
+
+def write_xlm_roberta_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | None = None) -> Path:
+    """An XLM-RoBERTa directory (make_tiny_xlm_roberta's) as the converter writes one (F32): arch
+    `bert`, the unigram vocabulary as tokenizer model "t5" (pieces, scores, add_space_prefix,
+    remove_extra_whitespaces; no precompiled charsmap: the test tokenizer has none), add_sep, the
+    position table without its first pad_token_id + 1 rows, the head as cls / cls.output."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = json.loads((model_dir / "config.json").read_text())
+    model = json.loads((model_dir / "tokenizer.json").read_text())["model"]
+    pieces = [piece for piece, _ in model["vocab"]]
+    offset = config["pad_token_id"] + 1
+    w = gguf.GGUFWriter(str(out), "bert")
+    _write_bert_metadata(w, config, pooling_type, config["max_position_embeddings"] - offset)
+    w.add_tokenizer_model("t5")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(pieces)
+    w.add_token_scores([float(score) for _, score in model["vocab"]])
+    kinds = {"<s>": 3, "<pad>": 3, "</s>": 3, "<unk>": 2}
+    w.add_token_types([kinds.get(piece, 1) for piece in pieces])
+    w.add_add_space_prefix(True)
+    w.add_remove_extra_whitespaces(True)
+    for name, token in (("bos", "<s>"), ("eos", "</s>"), ("unk", "<unk>"), ("sep", "</s>"), ("pad", "<pad>")):
+        getattr(w, f"add_{name}_token_id")(pieces.index(token))
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(True)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in ("embeddings.position_embeddings.weight", "roberta.embeddings.position_embeddings.weight"):
+        if name in tensors:
+            tensors[name] = tensors[name][offset:]
+    _write_bert_tensors(w, tensors)
+    return _finish(w, out)
+
+
+def _write_bert_metadata(w, config: dict, pooling_type: int | None, positions: int) -> None:
+    import gguf
+
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(positions)
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_eps(config["layer_norm_eps"])
+    w.add_causal_attention(False)
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
+
+
+def _finish(w, out: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -299,18 +395,22 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
     return out
 
 
+# a cross-encoder's head -> the converter's names (BERT's classifier alone is the output projection)
+CONVERTER_HEAD_NAMES = {"classifier.dense": "cls", "classifier.out_proj": "cls.output", "classifier": "cls.output"}
+
+
 def _write_bert_tensors(w, tensors: dict) -> None:
-    """A BERT's tensors under the converter's names (a cross-encoder's head as cls.output)."""
+    """A BERT's tensors under the converter's names (a cross-encoder's head as cls / cls.output,
+    the pooler dropped)."""
     names = CONVERTER_BERT_NAMES
     for name, tensor in tensors.items():
-        name = name.removeprefix("bert.")  # (a cross-encoder's: its head as cls.output, the pooler dropped)
+        name = name.removeprefix("bert.").removeprefix("roberta.")
         if name.startswith("pooler.") or name.endswith("position_ids"):
             continue
-        if name.startswith("classifier."):
-            w.add_tensor(name.replace("classifier", "cls.output"), tensor.astype("float32"))
-            continue
         stem, kind = name.rsplit(".", 1)
-        if stem.startswith("encoder.layer."):
+        if stem in CONVERTER_HEAD_NAMES:
+            gguf_name = f"{CONVERTER_HEAD_NAMES[stem]}.{kind}"
+        elif stem.startswith("encoder.layer."):
             _, _, layer, rest = stem.split(".", 3)
             gguf_name = f"blk.{layer}.{names[rest]}.{kind}"
         else:
