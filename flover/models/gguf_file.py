@@ -409,9 +409,11 @@ class GGUFFile:
         """An array of bytes (b"" where absent)."""
         value = self.get(key) or b""
         try:
-            return bytes(value)
+            if isinstance(value, (list, bytes)):
+                return bytes(value)
         except (TypeError, ValueError):
-            raise CheckpointError(f"{self.path}: metadata {key!r} must be an array of bytes") from None
+            pass
+        raise CheckpointError(f"{self.path}: metadata {key!r} must be an array of bytes")
 
 
 class GGUFReader:

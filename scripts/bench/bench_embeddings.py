@@ -141,8 +141,10 @@ def run_flover(model: Path, texts: list[str], clients: int, threads: int, dtype:
         server.stop()
 
 
-def run_llama(binary: Path, gguf: Path, texts: list[str], clients: int, threads: int, seq_len: int) -> float:
-    extra = ["--embeddings", "--pooling", "mean", "-ub", str(seq_len), "-b", str(max(2048, seq_len))]
+def run_llama(
+    binary: Path, gguf: Path, texts: list[str], clients: int, threads: int, seq_len: int, pooling: str = "mean"
+) -> float:
+    extra = ["--embeddings", "--pooling", pooling, "-ub", str(seq_len), "-b", str(max(2048, seq_len))]
     server, port = launch_llama(binary, gguf, clients, threads, seq_len, extra)
     try:
         return asyncio.run(post_all(f"http://127.0.0.1:{port}", texts, clients, None))
@@ -150,12 +152,12 @@ def run_llama(binary: Path, gguf: Path, texts: list[str], clients: int, threads:
         server.stop()
 
 
-def run_sentence_transformers(model: Path, texts: list[str], threads: int, seq_len: int) -> float:
+def run_sentence_transformers(model: Path, texts: list[str], threads: int, seq_len: int, dtype: str) -> float:
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(threads)
-    st = SentenceTransformer(str(model), device="cpu")
+    st = SentenceTransformer(str(model), device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
     st.max_seq_length = seq_len
     start = time.perf_counter()
     st.encode(texts, batch_size=32)
@@ -176,6 +178,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="JSON results")
     ap.add_argument("--flover-args", default="", help="more `flover serve` flags (e.g. --pooling last)")
+    ap.add_argument("--flover-gguf", action="store_true", help="flover serves the GGUF file (else the directory)")
+    ap.add_argument("--llama-pooling", default="mean", help="llama-server's --pooling (Qwen3-Embedding: last)")
+    ap.add_argument("--st-dtype", default="float32", help="sentence-transformers' dtype (bfloat16: as saved)")
     ap.add_argument(
         "--chat-streams",
         type=int,
@@ -197,16 +202,30 @@ def main() -> int:
             (
                 "flover",
                 lambda: run_flover(
-                    args.model, texts, args.clients, args.threads, args.dtype, args.seq_len, args.flover_args
+                    args.gguf if args.flover_gguf else args.model,
+                    texts,
+                    args.clients,
+                    args.threads,
+                    args.dtype,
+                    args.seq_len,
+                    args.flover_args,
                 ),
             )
         ]
         if binary is not None:
             runs.append(
-                ("llama.cpp", lambda: run_llama(binary, args.gguf, texts, args.clients, args.threads, args.seq_len))
+                (
+                    "llama.cpp",
+                    lambda: run_llama(
+                        binary, args.gguf, texts, args.clients, args.threads, args.seq_len, args.llama_pooling
+                    ),
+                )
             )
         runs.append(
-            ("sentence-transformers", lambda: run_sentence_transformers(args.model, texts, args.threads, args.seq_len))
+            (
+                "sentence-transformers",
+                lambda: run_sentence_transformers(args.model, texts, args.threads, args.seq_len, args.st_dtype),
+            )
         )
         if round_ % 2:
             runs.reverse()
@@ -221,6 +240,9 @@ def main() -> int:
         "clients": args.clients,
         "threads": args.threads,
         "dtype": args.dtype,
+        "sentence_transformers_dtype": args.st_dtype,
+        "llama_pooling": args.llama_pooling,
+        "flover_model": "gguf" if args.flover_gguf else "directory",
         "passages_per_s": rate,
         "seconds": times,
         "flover_vs": {name: rate["flover"] / r for name, r in rate.items() if name != "flover"},
