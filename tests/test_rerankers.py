@@ -17,6 +17,7 @@ import torch
 from flover import LLM
 from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
+from flover.models.model_config import CheckpointError
 from flover.request import EmbedParams, RequestInput
 from flover.testing.embedding_model import (
     as_logit_score_reranker,
@@ -200,6 +201,11 @@ def test_a_qwen3_reranker_gguf_file_scores_as_its_directory(decoder_reranker, ma
         from_file.embed("hello")
     fast = LLM(gguf_file, dtype="float32", max_seq_len=512)
     assert fast.score(QUERY, DOCUMENTS) == [fast.score(QUERY, d)[0] for d in DOCUMENTS]
+    # a file without its prompt, or with one that has nowhere to put the document, is refused at load
+    for n, prompt in enumerate((None, "<Query>: {query}")):
+        broken = write_qwen3_reranker_gguf(make_model("qwen3"), tmp_path / f"broken{n}.gguf", 100, 101, prompt)
+        with pytest.raises(CheckpointError, match="needs its rerank prompt"):
+            LLM(str(broken), dtype="float64")
 
 
 def test_a_bert_reranker_gguf_file_scores_as_llama_cpp_reads_it(reranker, tmp_path):

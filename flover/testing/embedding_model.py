@@ -447,10 +447,12 @@ LLAMA_RERANK_PROMPT = (
 )
 
 
-def write_qwen3_reranker_gguf(model_dir: str | Path, out: str | Path, true_id: int, false_id: int) -> Path:
+def write_qwen3_reranker_gguf(
+    model_dir: str | Path, out: str | Path, true_id: int, false_id: int, prompt: str | None = LLAMA_RERANK_PROMPT
+) -> Path:
     """A Qwen3 directory as llama.cpp's converter writes a Qwen3-Reranker (F32): rank pooling, the
-    labels yes and no, its rerank prompt, cls.output = the LM head's rows of `true_id` and
-    `false_id`; an untied LM head itself dropped (as the converter drops it)."""
+    labels yes and no, its rerank `prompt` (None: none), cls.output = the LM head's rows of
+    `true_id` and `false_id`; an untied LM head itself dropped (as the converter drops it)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -468,7 +470,8 @@ def write_qwen3_reranker_gguf(model_dir: str | Path, out: str | Path, true_id: i
     def rank(w):
         w.add_pooling_type(gguf.PoolingType.RANK)
         w.add_classifier_output_labels(["yes", "no"])
-        w.add_chat_template([{"name": "rerank", "template": LLAMA_RERANK_PROMPT}])
+        if prompt is not None:
+            w.add_chat_template([{"name": "rerank", "template": prompt}])
         w.add_tensor("cls.output.weight", np.stack([head[true_id], head[false_id]]))
 
     return write_gguf(model_dir, out, "F32", extra=rank, skip=("lm_head.weight",))
