@@ -15,6 +15,7 @@ from flover.apps.fetch import EMBEDDING_MODEL, FetchError, fetch_packaged_model
 from flover.config import SamplingParams
 from flover.engine.intake import PromptTooLong
 from flover.engine.scheduler import PromptFirst, Scheduler
+from flover.models.model_config import CheckpointError
 from flover.request import EmbedParams, Request, StepResult
 from flover.testing.embedding_model import make_tiny_bert, write_bert_gguf
 
@@ -134,6 +135,29 @@ def test_an_xlm_roberta_gguf_file_gives_the_directorys_vectors(tmp_path):
     texts = [t for t in texts if len(from_dir.engine.tokenizer.encode(t)) <= 128]
     assert (vectors(from_file, texts) - vectors(from_dir, texts)).abs().max().item() < 1e-12
     assert (vectors(from_dir, texts) - reference(model_dir, texts, torch.float64)).abs().max().item() < 1e-9
+    # a file whose precompiled normalization cannot be read, or would make the tokenizer panic on
+    # text, is refused at load (never one request at a time)
+    for n, charsmap in enumerate((b"\x01\x02\x03", bytes(16))):
+        broken = write_xlm_roberta_gguf(model_dir, tmp_path / f"broken{n}.gguf", 2, charsmap)
+        with pytest.raises(CheckpointError, match="unreadable unigram vocabulary or precompiled charsmap"):
+            LLM(str(broken), dtype="float64")
+
+
+def test_a_tokenizer_panic_on_one_text_is_that_texts_error():
+    """tokenizers' Rust code panics (a BaseException) on some malformed vocabularies; on a text
+    it is that text's ValueError (the request's 400), not an exception that ends the server."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, normalizers
+
+    from flover.models.tokenizer import Tokenizer
+
+    backend = Backend(models.Unigram([("a", -1.0), ("<unk>", -5.0)], 1, False))
+    backend.normalizer = normalizers.Precompiled(bytes(16))  # (builds; panics on the first text)
+    tokenizer = Tokenizer(backend, dict.fromkeys(("bos_token", "eos_token", "unk_token", "pad_token")), None)
+    with pytest.raises(ValueError, match="the tokenizer failed on this text"):
+        tokenizer.encode("abc")
+    with pytest.raises(ValueError, match="the tokenizer failed on this text"):
+        tokenizer.encode_pair("abc", "d")
 
 
 def test_embedding_inputs_beside_decode_rows_take_their_share_and_never_hold_chats_back():

@@ -133,7 +133,7 @@ class Tokenizer:
         (`encode_batch` of one: unlike `encode`, it releases the GIL while it works, so a long text
         tokenized on a worker thread does not stop the engine loop.) Beyond `max_tokens` tokens:
         TooManyTokens, before the ids become a Python list."""
-        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        encoding = _unpanicked(lambda: self._tok.encode_batch([text], add_special_tokens=add_special_tokens))[0]
         if max_tokens is not None and len(encoding) > max_tokens:
             raise TooManyTokens(len(encoding))
         return encoding.ids
@@ -142,7 +142,7 @@ class Tokenizer:
         """Two texts as one input, joined as the tokenizer joins a pair (BERT's [CLS] a [SEP] b
         [SEP]; transformers' tokenizer(a, b)): its ids and token types. `keep`: at most so many
         tokens, the second text's last ones dropped (TooManyTokens when the first leaves none)."""
-        a, b = self._tok.encode_batch([first, second], add_special_tokens=False)
+        a, b = _unpanicked(lambda: self._tok.encode_batch([first, second], add_special_tokens=False))
         if keep is not None:
             room = keep - len(a) - self._tok.num_special_tokens_to_add(True)
             if room < 1:
@@ -350,6 +350,22 @@ def _spm_style_bpe(spec: GGUFTokenizerSpec) -> HFTokenizer:
     return backend
 
 
+PROBE_TEXT = "Aa 1 \u00e9\u00df \u6771\u4eac \U0001f642\t\u2581"  # (a vocabulary's normalization tried at load)
+
+
+def _unpanicked(call):
+    """`call()`, where tokenizers' Rust code may panic (pyo3's PanicException, a BaseException: a
+    malformed vocabulary, or a text it cannot handle): then a ValueError, one text's failure."""
+    try:
+        return call()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise ValueError(f"the tokenizer failed on this text ({str(e)[:200]})") from None
+
+
 def _pair_template(spec: GGUFTokenizerSpec, bos: str, eos: str | None) -> str:
     """How a pair is joined: BERT's `[CLS] a [SEP] b [SEP]` (b of token type 1), XLM-RoBERTa's
     `<s> a </s></s> b </s>` (a unigram vocabulary with add_sep), or `bos a bos b`."""
@@ -372,10 +388,11 @@ def _unigram(spec: GGUFTokenizerSpec) -> HFTokenizer:
         unknown = next((i for i, kind in enumerate(spec.token_types) if kind == 2), None)
     if unknown is not None and not 0 <= unknown < len(spec.tokens):
         raise CheckpointError(f"the unknown token id {unknown} is outside the vocabulary ({len(spec.tokens)})")
-    try:
+    try:  # (a malformed vocabulary or charsmap is input: tokenizers' errors, or its panics on a first text)
         backend = HFTokenizer(models.Unigram(list(zip(spec.tokens, map(float, spec.scores))), unknown, False))
         steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
-    except Exception as e:  # (tokenizers' own errors: a malformed vocabulary or charsmap is input)
+        _unpanicked(lambda: [step.normalize_str(PROBE_TEXT) for step in steps])
+    except Exception as e:
         raise CheckpointError(f"an unreadable unigram vocabulary or precompiled charsmap ({e})") from None
     if spec.remove_extra_whitespaces:
         steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]

@@ -337,11 +337,14 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
     return _finish(w, out)
 
 
-def write_xlm_roberta_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | None = None) -> Path:
+def write_xlm_roberta_gguf(
+    model_dir: str | Path, out: str | Path, pooling_type: int | None = None, charsmap: bytes = b""
+) -> Path:
     """An XLM-RoBERTa directory (make_tiny_xlm_roberta's) as the converter writes one (F32): arch
     `bert`, the unigram vocabulary as tokenizer model "t5" (pieces, scores, add_space_prefix,
-    remove_extra_whitespaces; no precompiled charsmap: the test tokenizer has none), add_sep, the
-    position table without its first pad_token_id + 1 rows, the head as cls / cls.output."""
+    remove_extra_whitespaces; the test tokenizer has no precompiled `charsmap`: one only where
+    given), add_sep, the position table without its first pad_token_id + 1 rows, the head as cls
+    / cls.output."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -360,6 +363,8 @@ def write_xlm_roberta_gguf(model_dir: str | Path, out: str | Path, pooling_type:
     w.add_token_types([kinds.get(piece, 1) for piece in pieces])
     w.add_add_space_prefix(True)
     w.add_remove_extra_whitespaces(True)
+    if charsmap:
+        w.add_precompiled_charsmap(charsmap)
     for name, token in (("bos", "<s>"), ("eos", "</s>"), ("unk", "<unk>"), ("sep", "</s>"), ("pad", "<pad>")):
         getattr(w, f"add_{name}_token_id")(pieces.index(token))
     w.add_add_bos_token(True)
