@@ -39,6 +39,29 @@ def test_connections_take_turns_and_one_pile_delays_another_by_one_job():
     tok.close()
 
 
+def test_a_job_that_raises_past_exception_is_its_error_and_the_worker_goes_on():
+    """A library's panic (pyo3's PanicException is a BaseException) ends that job with an error;
+    the worker thread lives on to take the next one."""
+
+    class Panic(BaseException):
+        pass
+
+    def work(payload):
+        if payload == "panics":
+            raise Panic("index out of bounds")
+        return payload
+
+    tok = FairWorker(work, workers=1)
+    tok.submit(Job(b"A", "1", "panics"))
+    tok.submit(Job(b"A", "2", "fine"))
+    done = {j.engine_id: j for j in collect(tok, 2)}
+    assert isinstance(done["1"].error, RuntimeError) and "index out of bounds" in str(done["1"].error)
+    assert done["2"].result == "fine" and done["2"].error is None
+    tok.submit(Job(b"A", "3", "again"))
+    assert [j.result for j in collect(tok, 1)] == ["again"]
+    tok.close()
+
+
 def test_errors_cancels_and_gone_connections():
     gate = threading.Event()
 

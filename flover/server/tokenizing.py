@@ -109,8 +109,11 @@ class FairWorker:
                 job.result = self.work(job.payload)
             except Exception as e:  # the request's own problem (too long, a template's refusal, ...)
                 job.error = e
-            job.done = True
-            os.write(self._wake, b".")
+            except BaseException as e:  # (a library's panic): still that request's, never a lost worker
+                job.error = RuntimeError(f"{type(e).__name__}: {e}")
+            finally:
+                job.done = True
+                os.write(self._wake, b".")
 
     def _next_job(self) -> Job | None:
         """(Under the lock.) From the connection served longest ago; now running."""
