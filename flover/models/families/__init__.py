@@ -28,9 +28,7 @@ def _discover() -> dict[str, Family]:
 FAMILIES: dict[str, Family] = _discover()
 BY_ARCHITECTURE = {arch: f for f in FAMILIES.values() for arch in f.hf_architectures}
 SUPPORTED = tuple(BY_ARCHITECTURE)  # every config.json architecture served
-GGUF_ARCHES = tuple(
-    dict.fromkeys(a for f in FAMILIES.values() if f.gguf_arch for a in (f.gguf_arch, *f.gguf_other_arches))
-)
+GGUF_ARCHES = tuple(dict.fromkeys(a for f in FAMILIES.values() for a in f.gguf_arches))
 
 
 def family_of(cfg: ModelConfig) -> Family:
@@ -46,7 +44,7 @@ def runs_natively(cfg: ModelConfig) -> bool:
 def gguf_family(file) -> Family | None:
     """The family of a GGUF file (gguf_file.GGUFFile): of its general.architecture, the one that
     claims it, else the one that claims nothing; None where no family reads that arch."""
-    candidates = [f for f in FAMILIES.values() if file.arch in (f.gguf_arch, *f.gguf_other_arches)]
+    candidates = [f for f in FAMILIES.values() if file.arch in f.gguf_arches]
     claiming = [f for f in candidates if f.gguf_claims is not None and f.gguf_claims(file)]
     unclaiming = [f for f in candidates if f.gguf_claims is None]
     return (claiming or unclaiming or [None])[0]

@@ -54,6 +54,11 @@ class Family:
     test_gguf_tensors: Callable[[dict, dict], dict] | None = None
     number_fields: tuple[str, ...] = ()  # its own config.json fields, each a number where present
 
+    @property
+    def gguf_arches(self) -> tuple[str, ...]:
+        """Every general.architecture its GGUF files carry."""
+        return (self.gguf_arch, *self.gguf_other_arches) if self.gguf_arch else ()
+
     def decoder_class(self):
         import importlib
 
