@@ -69,9 +69,9 @@ class DenseStack:
 
     def __init__(self, pooling: Pooling, hidden: int):
         self.layers = []
-        width = hidden
+        width, opened = hidden, {}  # (a GGUF file's header parsed once for all its layers)
         for config in pooling.dense:
-            weight, bias = _dense_tensors(config)
+            weight, bias = _dense_tensors(config, opened)
             if (
                 config.in_features != width
                 or weight is None
@@ -96,15 +96,18 @@ class DenseStack:
         return vector
 
 
-def _dense_tensors(config: DenseConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A Dense module's weight and bias (None where absent), float32 or as stored."""
+def _dense_tensors(config: DenseConfig, opened: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A Dense module's weight and bias (None where absent), float32 or as stored; `opened`: the
+    GGUF files read so far, by path."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from flover.models.gguf_file import GGUFFile, is_gguf
 
     if is_gguf(config.weights):
-        tensors = GGUFFile(config.weights).tensors
+        if config.weights not in opened:
+            opened[config.weights] = GGUFFile(config.weights)
+        tensors = opened[config.weights].tensors
         found = (tensors.get(config.weight_name), tensors.get(config.bias_name) if config.bias else None)
         return tuple(None if t is None else torch.from_numpy(t.dequantize()) for t in found)
     try:
