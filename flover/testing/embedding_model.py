@@ -104,6 +104,16 @@ def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config)
     return as_sentence_transformer(out, out, mode)
 
 
+def _randomize_biases_and_norms(model) -> None:
+    """transformers zeroes biases and sets LayerNorms to ones: make them count."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+
+
 def make_tiny_xlm_roberta(out: str | Path, reranker: bool = False, seed: int = 0) -> Path:
     """A random XLM-RoBERTa with the unigram tokenizer (train_unigram), as BGE's are saved:
     bge-m3's kind (XLMRobertaModel as a sentence-transformers directory: CLS pooling, normalized)
@@ -123,10 +133,7 @@ def make_tiny_xlm_roberta(out: str | Path, reranker: bool = False, seed: int = 0
     )
     torch.manual_seed(seed)
     model = (transformers.XLMRobertaForSequenceClassification if reranker else transformers.XLMRobertaModel)(config)
-    with torch.no_grad():  # (transformers zeroes biases and sets LayerNorms to ones: make them count)
-        for name, tensor in model.named_parameters():
-            if name.endswith("bias") or "LayerNorm" in name:
-                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    _randomize_biases_and_norms(model)
     model.save_pretrained(out)
     specials = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", cls_token="<s>")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, sep_token="</s>", **specials).save_pretrained(out)
@@ -160,10 +167,7 @@ def make_tiny_cross_encoder(out: str | Path, kind: str = "bert", labels: int = 1
             vocab_size=tok.get_vocab_size(), max_position_embeddings=130, type_vocab_size=1, pad_token_id=0, **sizes
         )
         model = transformers.XLMRobertaForSequenceClassification(config)
-    with torch.no_grad():  # (transformers zeroes biases and sets LayerNorms to ones: make them count)
-        for name, tensor in model.named_parameters():
-            if name.endswith("bias") or "LayerNorm" in name:
-                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    _randomize_biases_and_norms(model)
     model.save_pretrained(out)
     tokenizer = (
         transformers.BertTokenizerFast if kind == "bert" else transformers.PreTrainedTokenizerFast
