@@ -420,7 +420,7 @@ def test_the_small_types_run_on_their_own_codes(make_gguf_mix, embedding):
     compared, engine = compare_on_random_arrivals(path, "bfloat16", quantization="auto")
     native = engine.runner.native
     assert engine.config.quantization == "file" and native.quantized_projections == 4 * 2 + 1
-    kinds = {grid.part[i].kind for grid in native._grids for i in range(grid.parts)}
+    kinds = {grid.part[i].kind for grid in native._weights.grids for i in range(grid.parts)}
     assert {abi.G_Q2_K, abi.G_Q3_K, abi.G_IQ4_NL, abi.G_IQ4_XS} <= kinds
     assert native.int8_input_projections == native.quantized_projections
     # here 0.5% at the median, 1.1% at most (generic C and AVX2 alike); one sub-block's scale read
@@ -439,7 +439,7 @@ def test_mxfp4_experts_run_on_their_4bit_codes(make_model, tmp_path):
 
     path = write_gguf(make_model("gpt-oss"), tmp_path / "oss.gguf", "Q8_0", types={"_exps.weight": "MXFP4"})
     compared, engine = compare_on_random_arrivals(str(path), "bfloat16", quantization="auto")
-    kinds = {grid.part[i].kind for grid in engine.runner.native._grids for i in range(grid.parts)}
+    kinds = {grid.part[i].kind for grid in engine.runner.native._weights.grids for i in range(grid.parts)}
     assert abi.G_MXFP4 in kinds and engine.config.quantization == "file"
     # here 0.41% at the median, 0.61% at most (the same on every family); one table entry off by a
     # sixth (the largest FP4 value read as 11 for 12) gives 0.67% / 0.97%: the bounds tell them apart

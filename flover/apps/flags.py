@@ -64,14 +64,15 @@ def start_engine(args: argparse.Namespace, serving: bool = False):
 def resolve_dtype(args: argparse.Namespace) -> str:
     """`--dtype auto` as the engine resolves it: bfloat16 where the device has it, or where the
     native step's kernels widen it for this model (the checkpoint's family decides)."""
-    from flover.engine.settings import native_step_may_run
+    from flover.engine.settings import bfloat16_by_default
     from flover.hardware import resolve_dtype as resolve
-    from flover.models import open_checkpoint
+    from flover.models import file_quantization, open_checkpoint
 
     native_forward = getattr(args, "native_forward", "auto")
     native_step = native_forward == "auto"  # (no model named: as the native step would run)
     if getattr(args, "model", None):
-        native_step = native_step_may_run(native_forward, open_checkpoint(args.model).model_config())
+        checkpoint = open_checkpoint(args.model)
+        native_step = bfloat16_by_default(native_forward, checkpoint.model_config(), file_quantization(checkpoint))
     return resolve("auto", getattr(args, "device", "cpu"), native_step)
 
 

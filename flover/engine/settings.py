@@ -18,12 +18,21 @@ def native_step_may_run(native_forward: str, cfg: ModelConfig) -> bool:
     return native_forward == "auto" and runs_natively(cfg)
 
 
+def bfloat16_by_default(native_forward: str, cfg: ModelConfig, file_quantization: str) -> bool:
+    """Whether `--dtype auto` takes bfloat16 on a CPU whose native step only widens it (no bfloat16
+    arithmetic): where the native step runs the model, except a text encoder from 16- or 32-bit
+    weights. An encoder is compute-bound, so widened bfloat16 would save no time and cost
+    precision; a quantized encoder file's codes take bfloat16 inputs."""
+    return native_step_may_run(native_forward, cfg) and (not cfg.encoder or file_quantization == "file")
+
+
 def resolve_config(config: EngineConfig, cfg: ModelConfig, file_quantization: str) -> EngineConfig:
     """`config` with dtype and quantization decided (no "auto" past here); ValueError when they
     conflict. `file_quantization`: what a quantized file's own codes allow ("file" or "none")."""
     native_step = native_step_may_run(config.native_forward, cfg)
     asked = config.dtype
-    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, native_step))
+    bf16 = bfloat16_by_default(config.native_forward, cfg, file_quantization)
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, bf16))
     if config.quantization == "auto":
         native_bf16 = native_step and config.dtype == "bfloat16" and config.device == "cpu"
         config = dataclasses.replace(config, quantization=file_quantization if native_bf16 else "none")

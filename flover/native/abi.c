@@ -47,6 +47,13 @@ static const AbiEntry ABI[] = {
     AT(Layer, beside_pre), AT(Layer, beside_post_mlp), AT(Layer, beside_post_experts), AT(Layer, router_scale),
     AT(Layer, expert_scale),
 
+    SIZE(Encoder), AT(Encoder, positions), AT(Encoder, position_rows), AT(Encoder, position_offset),
+    AT(Encoder, token_types), AT(Encoder, type_rows), AT(Encoder, norm), AT(Encoder, norm_bias), AT(Encoder, gelu_tanh),
+    SIZE(EncoderLayer), AT(EncoderLayer, qkv), AT(EncoderLayer, qkv_grid), AT(EncoderLayer, qkv_bias), AT(EncoderLayer, o),
+    AT(EncoderLayer, o_grid), AT(EncoderLayer, o_bias), AT(EncoderLayer, attn_norm), AT(EncoderLayer, attn_norm_bias),
+    AT(EncoderLayer, up), AT(EncoderLayer, up_grid), AT(EncoderLayer, up_bias), AT(EncoderLayer, down),
+    AT(EncoderLayer, down_grid), AT(EncoderLayer, down_bias), AT(EncoderLayer, mlp_norm), AT(EncoderLayer, mlp_norm_bias),
+
     SIZE(GridPart), AT(GridPart, kind), AT(GridPart, rows), AT(GridPart, group), AT(GridPart, lows),
     AT(GridPart, codes), AT(GridPart, scales), AT(GridPart, x8), AT(GridPart, offset),
     SIZE(Grid), AT(Grid, parts), AT(Grid, part),

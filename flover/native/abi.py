@@ -83,6 +83,18 @@ Layer = _int64_struct(
     "One layer's weight addresses, 0 where absent; its sliding window; each projection's Grid or 0; its KV; "
     "its experts' tables.",
 )
+Encoder = _int64_struct(
+    "Encoder",
+    "positions position_rows position_offset token_types type_rows norm norm_bias gelu_tanh",
+    "A BERT-family encoder's embedding tables and LayerNorm, its GELU's form (native.h: Encoder).",
+)
+EncoderLayer = _int64_struct(
+    "EncoderLayer",
+    """
+    qkv qkv_grid qkv_bias o o_grid o_bias attn_norm attn_norm_bias
+    up up_grid up_bias down down_grid down_bias mlp_norm mlp_norm_bias""",
+    "One post-norm encoder block's projections (blocked weight or Grid), biases and LayerNorms.",
+)
 GridPart = _int64_struct(
     "GridPart",
     "kind rows group lows codes scales x8 offset",
@@ -96,7 +108,7 @@ class Grid(ctypes.Structure):
     _fields_ = [("parts", I64), ("part", GridPart * MAX_PARTS)]
 
 
-STRUCTS = (Model, Layer, GridPart, Grid)
+STRUCTS = (Model, Layer, Encoder, EncoderLayer, GridPart, Grid)
 
 
 class AbiEntry(ctypes.Structure):
@@ -188,6 +200,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.flover_forward.restype = i32
     lib.flover_head.argtypes = [ctypes.POINTER(Model), p, i32, p, p, p, ctypes.c_double, i32]
     lib.flover_head.restype = i32
+    lib.flover_encode_floats.argtypes = [ctypes.POINTER(Model), i32, i32]
+    lib.flover_encode_floats.restype = i64
+    lib.flover_check_encoder.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Encoder), p]
+    lib.flover_check_encoder.restype = i32
+    lib.flover_encode.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Encoder), p, i32, p, p, p, p, i32, p, p]
+    lib.flover_encode.argtypes += [ctypes.c_double, i32]
+    lib.flover_encode.restype = i32
     lib.flover_kernels.restype = ctypes.c_char_p
     lib.flover_check_model.argtypes = [ctypes.POINTER(Model)]
     lib.flover_check_model.restype = i32

@@ -122,6 +122,15 @@ def layer_linears(model: DecoderForCausalLM) -> list:
     return linears
 
 
+def projection_runs(linears: list, packed: bool) -> dict[int, list[Run]]:
+    """id(linear) -> its runs of codes, for the linears that run on codes (int4's only where its codes were kept)."""
+    return {
+        id(lin): runs_of(lin.quantized, packed)
+        for lin in linears
+        if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)
+    }
+
+
 @dataclass
 class WeightPlan:
     """What the native step copies, and how: projections with codes as runs of them (grids.py: no
@@ -142,11 +151,7 @@ class WeightPlan:
         tied = model.cfg.tie_word_embeddings and ends and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight if ends else None
         linears = layer_linears(model)
-        runs = {
-            id(lin): runs_of(lin.quantized, packed)
-            for lin in linears + ends
-            if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)
-        }
+        runs = projection_runs(linears + ends, packed)
         for lin in linears:
             why = check_runs(runs.get(id(lin), []))
             if why is not None:
@@ -158,6 +163,17 @@ class WeightPlan:
         screen = HeadScreen.of(head) if screened and not head_runs and head is not None else None
         return cls(head, runs, [lin for lin in linears + ends if id(lin) in runs], dense, screen)
 
+    @classmethod
+    def of_projections(cls, linears: list, packed: bool) -> "WeightPlan":
+        """The plan of projections alone (an encoder's: no head, no screen)."""
+        runs = projection_runs(linears, packed)
+        for lin in linears:
+            why = check_runs(runs.get(id(lin), []))
+            if why is not None:
+                raise NativeUnavailable(why)
+        dense = [lin.weight for lin in linears if id(lin) not in runs]
+        return cls(None, runs, [lin for lin in linears if id(lin) in runs], dense, None)
+
     def arena(self, dtype: torch.dtype) -> WeightArena:
         shapes = [(blocked_shape(w), dtype) for w in self.dense] + (self.screen.shapes if self.screen else [])
         shapes += [shape for lin in self.quantized for run in self.runs[id(lin)] for shape in run.shapes]
@@ -166,6 +182,34 @@ class WeightPlan:
             return WeightArena(nbytes)
         except (OSError, MemoryError) as e:
             raise NativeUnavailable(f"no memory for the blocked weights ({nbytes / 2**20:.0f} MiB): {e}") from e
+
+
+class PlacedWeights:
+    """The native step's copies of a plan's weights in one arena: blocked dense weights, and each
+    projection on codes as its runs with a Grid, referenced while the C code runs."""
+
+    def __init__(self, plan: WeightPlan, dtype: torch.dtype):
+        self.plan, self.dtype, self.arena = plan, dtype, plan.arena(dtype)
+        self.grids: list[abi.Grid] = []
+
+    def address(self, weight: torch.Tensor | None, block: bool = False) -> int:
+        """A weight's address for the C code (0: none); `block`: of its blocked copy in the arena."""
+        if weight is None:
+            return 0
+        if block:
+            weight = block_weight(weight, self.arena.take(blocked_shape(weight), self.dtype))
+        assert weight.is_contiguous() and weight.dtype == self.dtype
+        return weight.data_ptr()
+
+    def placed(self, runs: list[Run]) -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(self.arena.take(shape, kind) for shape, kind in run.shapes) for run in runs]
+
+    def projection(self, lin) -> tuple[int, int]:
+        """(blocked weight, Grid) addresses: a projection on codes has no weight here."""
+        if id(lin) not in self.plan.runs:
+            return self.address(lin.weight, block=True), 0
+        self.grids.append(grid_struct(self.plan.runs[id(lin)], self.placed(self.plan.runs[id(lin)])))
+        return 0, ctypes.addressof(self.grids[-1])
 
 
 class NativeForward:
@@ -202,10 +246,9 @@ class NativeForward:
         self.vocab = plan.head.shape[0] if plan.head is not None else model.tp.vocab
         layer_modes = {lin.quantized.mode for lin in plan.quantized if lin is not model.lm_head}  # (before release)
         self.quantization = next(iter(sorted(layer_modes)), None)
-        self._arena = plan.arena(dtype)
+        self._weights = PlacedWeights(plan, dtype)
         # float32 copies held while C reads them: norms (Gemma 3, OLMo 2), gpt-oss's sink logits
         self._norm_weights: list[torch.Tensor] = []
-        self._grids: list[abi.Grid] = []  # each quantized projection's, referenced while the C code runs
         self._expert_tables: list[torch.Tensor] = []  # each layer of experts' address arrays, likewise
         self._model_struct = self._model_struct_of(plan, buffer, comm)
         if release and model.lm_head is not None:
@@ -227,13 +270,7 @@ class NativeForward:
         self.screened_rows = self.full_head_rows = 0  # greedy rows whose ids came back; of them, with every logit
 
     def _address(self, weight: torch.Tensor | None, block: bool = False) -> int:
-        """A weight's address for the C code (0: none); `block`: of its blocked copy in the arena."""
-        if weight is None:
-            return 0
-        if block:
-            weight = block_weight(weight, self._arena.take(blocked_shape(weight), self.dtype))
-        assert weight.is_contiguous() and weight.dtype == self.dtype
-        return weight.data_ptr()
+        return self._weights.address(weight, block)
 
     def _norm_address(self, weight: torch.Tensor | None) -> int:
         """A norm weight's address: as it is, or a float32 copy of its own where the norm rounds
@@ -298,15 +335,8 @@ class NativeForward:
             **shared,
         )
 
-    def _placed(self, runs: list[Run]) -> list[tuple[torch.Tensor, ...]]:
-        return [tuple(self._arena.take(shape, kind) for shape, kind in run.shapes) for run in runs]
-
     def _projection(self, plan: WeightPlan, lin) -> tuple[int, int]:
-        """(blocked weight, Grid) addresses: a projection on codes has no weight here."""
-        if id(lin) not in plan.runs:
-            return self._address(lin.weight, block=True), 0
-        self._grids.append(grid_struct(plan.runs[id(lin)], self._placed(plan.runs[id(lin)])))
-        return 0, ctypes.addressof(self._grids[-1])
+        return self._weights.projection(lin)
 
     def _head_fields(self, plan: WeightPlan) -> dict[str, int]:
         """The head's addresses: a GGUF file's codes (a Grid, which a tied embedding shares), int8
@@ -319,12 +349,12 @@ class NativeForward:
             fields["head_grid"] = self._projection(plan, lm_head)[1]
             fields["embed_grid"] = fields["head_grid"] if tied else 0  # looked up in the same codes
         elif id(lm_head) in plan.runs:
-            ((codes, scales),) = self._placed(plan.runs[id(lm_head)])
+            ((codes, scales),) = self._weights.placed(plan.runs[id(lm_head)])
             plan.runs[id(lm_head)][0].fill(codes, scales)
             fields.update(head=codes.data_ptr(), head_scales=scales.data_ptr())
         else:
             fields["head"] = self._address(plan.head, block=True)
-        screen = plan.screen.place(self._arena) if plan.screen is not None else (0, 0, 0)
+        screen = plan.screen.place(self._weights.arena) if plan.screen is not None else (0, 0, 0)
         return fields | dict(zip(("head_screen", "head_screen_scales", "head_bounds"), screen))
 
     def _model_struct_of(self, plan: WeightPlan, buffer: KVSlots, comm) -> abi.Model:

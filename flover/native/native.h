@@ -18,6 +18,8 @@
  *   experts.c          a layer's mixture of experts: routing, each chosen expert once over its rows
  *   gated_deltanet.c   Gated DeltaNet layers: the conv and the delta rule over each sequence's rows
  *   llama_forward.c    one fused iteration, top to bottom
+ *   encoder_forward.c  one fused iteration of a BERT-family encoder (LayerNorms, GELU, attention
+ *                      both ways within each input), top to bottom
  *   abi.c              the sizes, offsets and codes below, for flover/native/abi.py to check
  *
  * A struct or code changed here changes in flover/native/abi.py too (and in abi.c's table): a
@@ -142,6 +144,22 @@ typedef struct {
      * (float32 copies of the model-dtype values) */
     int64_t beside_pre, beside_post_mlp, beside_post_experts, router_scale, expert_scale;
 } Layer;
+
+/* abi.py's Encoder: a BERT-family encoder's embeddings (encoder_forward.c; the Model holds its
+ * sizes and word embeddings): the position table (position_rows rows; position p at row p +
+ * position_offset) and the token-type table (type_rows rows), in the model dtype; the
+ * embeddings' LayerNorm weight and bias; gelu_tanh 1: the MLP's GELU is the tanh form, else erf's. */
+typedef struct {
+    int64_t positions, position_rows, position_offset, token_types, type_rows, norm, norm_bias, gelu_tanh;
+} Encoder;
+
+/* abi.py's EncoderLayer: one post-norm block (LayerNorm after each residual add): each
+ * projection's blocked weight or Grid (the other 0) and its bias (model dtype, 0: none), and the
+ * LayerNorms' weights and biases (model dtype). */
+typedef struct {
+    int64_t qkv, qkv_grid, qkv_bias, o, o_grid, o_bias, attn_norm, attn_norm_bias;
+    int64_t up, up_grid, up_bias, down, down_grid, down_bias, mlp_norm, mlp_norm_bias;
+} EncoderLayer;
 
 /* Codes a projection's output rows are stored in (tiles.c): 4-bit codes with a scale and a zero
  * per 32 inputs (stored, or from Q4_K's super-blocks: G_INT4_K); Q6_K's 6-bit and Q5_K's 5-bit
@@ -351,6 +369,8 @@ void norm_then_residual(const Model *md, float *hidden, float *out, int rows, in
 void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 void swiglu_clamped_mul(const float *gate_up, int64_t inter, int bf, float limit, float alpha, float *out);
+void layer_norm(const float *x, const void *weight, const void *bias, float eps, int64_t h, int bf, float *out);
+void gelu_row(const float *x, int64_t n, int tanh_form, int bf, float *out);
 
 /* ---- experts.c --------------------------------------------------------------------------------- */
 /* The scratch of a layer of experts (llama_forward.c's work layout places it). */

@@ -129,3 +129,52 @@ void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
         v_storen(out + i, v_rnd(v_mul(act, v_loadn(up + i, n)), bf), n);
     }
 }
+
+/* LayerNorm of one row as F.layer_norm (BERT's): mean and variance in float32, then
+ * (x - mean) * rstd * weight + bias, rounded once; weight and bias in the model dtype. In place
+ * is allowed (out == x). */
+void layer_norm(const float *x, const void *weight, const void *bias, float eps, int64_t h, int bf, float *out) {
+    v16 acc = v_zero();
+    for (int64_t i = 0; i < h; i += 16) acc = v_add(acc, v_loadn(x + i, h - i));
+    const v16 mean = v_set1(v_reduce_add(acc) / (float)h);
+    v16 var = v_zero();
+    for (int64_t i = 0; i < h; i += 16) {
+        const v16 d = v_select(lanes(h - i), v_sub(v_loadn(x + i, h - i), mean), v_zero());
+        var = v_fmadd(d, d, var);
+    }
+    const v16 r = v_set1(1.f / sqrtf(v_reduce_add(var) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16) {
+        const int64_t n = h - i;
+        const v16 y = v_fmadd(v_mul(v_sub(v_loadn(x + i, n), mean), r), v_loadx(weight, i, bf, n), v_loadx(bias, i, bf, n));
+        v_storen(out + i, v_rnd(y, bf), n);
+    }
+}
+
+/* erf as PyTorch's vectorized CPU kernels compute it (Abramowitz and Stegun 7.1.26: |error| below
+ * 1.5e-7): sign(x) (1 - r(t) t exp(-x^2)), t = 1 / (1 + 0.3275911 |x|). */
+static inline v16 v_erf(v16 x) {
+    const v16 one = v_set1(1.f), t = v_div(one, v_fmadd(v_set1(0.3275911f), v_abs(x), one));
+    v16 r = v_fmadd(v_set1(1.061405429f), t, v_set1(-1.453152027f));
+    r = v_fmadd(r, t, v_set1(1.421413741f));
+    r = v_fmadd(r, t, v_set1(-0.284496736f));
+    r = v_fmadd(r, t, v_set1(0.254829592f));
+    const v16 e = v_fnmadd(v_mul(v_exp(v_sub(v_zero(), v_mul(x, x))), t), r, one);
+    return v_select(v_gt(v_zero(), x), v_sub(v_zero(), e), e);
+}
+
+/* out = rnd(gelu(x)) over n values, as F.gelu: erf's form (x / 2 (1 + erf(x / sqrt 2))), or with
+ * tanh_form the tanh approximation (gelu_mul's). */
+void gelu_row(const float *x, int64_t n, int tanh_form, int bf, float *out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const int64_t m = n - i;
+        const v16 g = v_loadn(x + i, m), half = v_mul(v_set1(0.5f), g);
+        v16 act;
+        if (tanh_form) {
+            const v16 y = v_mul(v_set1(0.7978845608028654f), v_fmadd(v_mul(v_set1(0.044715f), v_mul(g, g)), g, g));
+            const v16 t = v_sub(v_set1(1.f), v_div(v_set1(2.f), v_add(v_exp(v_add(y, y)), v_set1(1.f))));
+            act = v_mul(half, v_add(v_set1(1.f), t));
+        } else
+            act = v_mul(half, v_add(v_set1(1.f), v_erf(v_mul(g, v_set1(0.70710678118654752f)))));
+        v_storen(out + i, v_rnd(act, bf), m);
+    }
+}

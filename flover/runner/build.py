@@ -18,6 +18,7 @@ from flover.models.gated_deltanet import state_dtype, state_shapes
 from flover.models.stage_layout import StageLayout
 from flover.models.tp_layout import TPLayout
 from flover.native.build import NativeUnavailable
+from flover.native.encoder import NativeEncoder
 from flover.native.forward import NativeForward
 from flover.parallel.comm import Communicator
 from flover.parallel.pipeline import StageLink
@@ -176,23 +177,29 @@ def _decode_graphs(model, buffer: SlotBuffer, config) -> DecodeGraphs:
     return graphs
 
 
-def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) -> NativeForward | None:
+def _native_forward(model: torch.nn.Module, buffer: SlotBuffer, s: RankSetup) -> NativeForward | NativeEncoder | None:
     """The native step over the model's row-major weights (loaded unpacked for it). It runs
     every iteration (at most max_batch_tokens rows; Engine.score chunks longer sequences), so
     PyTorch's copies of the projections are released, unless the config keeps them; without it
     the model packs them for PyTorch."""
     config, started = s.config, time.perf_counter()
+    release, threads = not config.keep_pytorch_weights, torch.get_num_threads()
     try:
-        native = NativeForward(
-            model,
-            buffer,
-            s.dtype,
-            torch.get_num_threads(),
-            config.max_batch_tokens,
-            release=not config.keep_pytorch_weights,
-            comm=s.comm,
-            kernels=config.native_kernels,
-        )
+        if s.cfg.encoder:  # (BERT-family: a step of its own, attention both ways)
+            native = NativeEncoder(
+                model, s.dtype, threads, config.max_batch_tokens, s.max_seq_len, release, config.native_kernels
+            )
+        else:
+            native = NativeForward(
+                model,
+                buffer,
+                s.dtype,
+                threads,
+                config.max_batch_tokens,
+                release=release,
+                comm=s.comm,
+                kernels=config.native_kernels,
+            )
     except NativeUnavailable as e:
         log.warning("native step off, iterations run on PyTorch only: %s", e)
         pack_projections(model, config.max_slots)

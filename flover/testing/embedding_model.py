@@ -309,12 +309,13 @@ CONVERTER_BERT_NAMES = {
 }
 
 
-def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | None = 1) -> Path:
+def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | None = 1, qtype: str = "F32") -> Path:
     """A BERT directory (make_tiny_bert's) as llama.cpp's convert_hf_to_gguf.py writes it (F32): its
     `bert` metadata and tensor names, the WordPiece vocabulary with a word's first piece spelled
     with a leading U+2581 and continuations without their "##" (`pooling_type`: 1 mean, 2 cls,
     None: none written). A cross-encoder's (make_tiny_cross_encoder's BERT) as it writes one: the
-    classifier as cls.output, the pooler dropped."""
+    classifier as cls.output, the pooler dropped. `qtype` (e.g. Q8_0): the layers' projection
+    weights in those blocks, as llama-quantize leaves such a file (the rest F32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -337,7 +338,7 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
-    _write_bert_tensors(w, load_file(model_dir / "model.safetensors"))
+    _write_bert_tensors(w, load_file(model_dir / "model.safetensors"), qtype)
     return _finish(w, out)
 
 
@@ -408,10 +409,12 @@ def _finish(w, out: Path) -> Path:
 CONVERTER_HEAD_NAMES = {"classifier.dense": "cls", "classifier.out_proj": "cls.output", "classifier": "cls.output"}
 
 
-def _write_bert_tensors(w, tensors: dict) -> None:
+def _write_bert_tensors(w, tensors: dict, qtype: str = "F32") -> None:
     """A BERT's tensors under the converter's names (a cross-encoder's head as cls / cls.output,
-    the pooler dropped)."""
-    names = CONVERTER_BERT_NAMES
+    the pooler dropped); the layers' 2-D weights as `qtype`."""
+    import gguf
+
+    names, quantized = CONVERTER_BERT_NAMES, gguf.GGMLQuantizationType[qtype]
     for name, tensor in tensors.items():
         name = name.removeprefix("bert.").removeprefix("roberta.")
         if name.startswith("pooler.") or name.endswith("position_ids"):
@@ -424,7 +427,10 @@ def _write_bert_tensors(w, tensors: dict) -> None:
             gguf_name = f"blk.{layer}.{names[rest]}.{kind}"
         else:
             gguf_name = f"{names[stem]}.{kind}"
-        w.add_tensor(gguf_name, tensor.astype("float32"))
+        if gguf_name.startswith("blk.") and tensor.ndim == 2 and qtype != "F32":
+            w.add_tensor(gguf_name, gguf.quants.quantize(tensor.astype("float32"), quantized), raw_dtype=quantized)
+        else:
+            w.add_tensor(gguf_name, tensor.astype("float32"))
 
 
 def write_embedding_gemma_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:

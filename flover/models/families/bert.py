@@ -124,7 +124,7 @@ FAMILY = Family(
         "embeddings.LayerNorm.bias": "token_embd_norm.bias",
     },
     decoder="flover.models.bert:BertEncoder",
-    native=False,  # (LayerNorm, erf GELU and attention both ways: not the native step's yet)
+    native=True,  # (its own step: native/encoder_forward.c)
     layer_prefix="encoder.layer",
     weight_prefixes=("bert.", "roberta."),
     embed_name="embeddings.word_embeddings.weight",
