@@ -20,52 +20,72 @@ int vector_attention(const Model *md) {
     return group <= MAX_GROUP && d <= MAX_HEAD_DIM && d % 2 == 0;
 }
 
-/* G queries of one kv head over dimensions [i0, i0 + PV_DIMS): each value row is loaded (and
- * widened from bfloat16) once for the G queries. Query g's weight of key t is sc[g * qs + t * ts],
- * its output outs[g] (divided by total[g], rounded to the model dtype). Per output, keys are
- * added in order first..len-1. */
-#define PV_BLOCK(G)                                                                                        \
-    static void pv_block_##G(const void *v_base, int64_t pos, int bf, int64_t i0, int64_t d, int64_t first, \
-                             int64_t len, const float *sc, int64_t qs, int64_t ts, const float *total,  \
-                             float *const *outs) {                                                     \
-        int64_t n[PV_CHUNKS];                                                                              \
-        v16 acc[G][PV_CHUNKS];                                                                             \
-        for (int c = 0; c < PV_CHUNKS; c++) n[c] = d - i0 - 16 * c;                                        \
+/* G queries of one kv head over C x 16 dimensions from i0: each value row is loaded (and widened
+ * from bfloat16) once for the G queries. Query g's weight of key t is sc[g * qs + t * ts], its
+ * output outs[g] (divided by total[g], rounded to the model dtype). Per output, keys are added in
+ * order first..len-1 (so C changes no result, only the work done on lanes past head_dim). */
+#define PV_BLOCK(G, C)                                                                                     \
+    static void pv_block_##G##_##C(const void *v_base, int64_t pos, int bf, int64_t i0, int64_t d,        \
+                                   int64_t first, int64_t len, const float *sc, int64_t qs, int64_t ts,   \
+                                   const float *total, float *const *outs) {                             \
+        int64_t n[C];                                                                                      \
+        v16 acc[G][C];                                                                                     \
+        for (int c = 0; c < C; c++) n[c] = d - i0 - 16 * c;                                                \
         for (int g = 0; g < G; g++)                                                                        \
-            for (int c = 0; c < PV_CHUNKS; c++) acc[g][c] = v_zero();                                      \
+            for (int c = 0; c < C; c++) acc[g][c] = v_zero();                                              \
         for (int64_t t = first; t < len; t++) {                                                            \
-            v16 v[PV_CHUNKS];                                                                              \
-            for (int c = 0; c < PV_CHUNKS; c++)                                                            \
+            v16 v[C];                                                                                      \
+            for (int c = 0; c < C; c++)                                                                    \
                 v[c] = n[c] > 0 ? v_loadx(v_base, t * pos + i0 + 16 * c, bf, n[c]) : v_zero();             \
             for (int g = 0; g < G; g++) {                                                                  \
                 const v16 p = v_set1(sc[g * qs + t * ts]);                                                 \
-                for (int c = 0; c < PV_CHUNKS; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);               \
+                for (int c = 0; c < C; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);                       \
             }                                                                                              \
         }                                                                                                  \
         for (int g = 0; g < G; g++)                                                                        \
-            for (int c = 0; c < PV_CHUNKS; c++)                                                            \
+            for (int c = 0; c < C; c++)                                                                    \
                 if (n[c] > 0) v_storen(outs[g] + i0 + 16 * c, v_rnd(v_div(acc[g][c], v_set1(total[g])), bf), n[c]); \
     }
-PV_BLOCK(1)
-PV_BLOCK(2)
-PV_BLOCK(3)
-PV_BLOCK(4)
+#define HALF_CHUNKS (PV_CHUNKS / 2)
+PV_BLOCK(1, PV_CHUNKS)
+PV_BLOCK(2, PV_CHUNKS)
+PV_BLOCK(3, PV_CHUNKS)
+PV_BLOCK(4, PV_CHUNKS)
+PV_BLOCK(1, HALF_CHUNKS)
+PV_BLOCK(2, HALF_CHUNKS)
+PV_BLOCK(3, HALF_CHUNKS)
+PV_BLOCK(4, HALF_CHUNKS)
+PV_BLOCK(8, HALF_CHUNKS)
 #undef PV_BLOCK
 
-/* pv_block over `queries` queries, PV_QUERIES at a time, and every PV_DIMS dimensions. */
+/* pv_block over `queries` queries, PV_QUERIES at a time, and every PV_DIMS dimensions (the last
+ * ones, where they fit, in half the chunks: heads of 32 dims on 64-dim blocks did twice the work). */
 static void weigh_values(const void *v_base, int64_t pos, int bf, int64_t d, int64_t first, int64_t len,
                          const float *sc, int64_t qs, int64_t ts, int64_t queries, const float *total,
                          float *const *outs) {
-    for (int64_t j0 = 0; j0 < queries; j0 += PV_QUERIES) {
+#define PV_CALL(G, C) pv_block_##G##_##C(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0)
+    int64_t j0 = 0;
+    if (d <= 16 * HALF_CHUNKS) /* (small heads: twice the queries a value row is loaded for) */
+        for (const int64_t i0 = 0; j0 + 8 <= queries; j0 += 8) {
+            const float *s = sc + j0 * qs;
+            PV_CALL(8, HALF_CHUNKS);
+        }
+    for (; j0 < queries; j0 += PV_QUERIES) {
         const int64_t n = queries - j0 < PV_QUERIES ? queries - j0 : PV_QUERIES;
         const float *s = sc + j0 * qs;
         for (int64_t i0 = 0; i0 < d; i0 += PV_DIMS) {
-            if (n == 4) pv_block_4(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
-            else if (n == 3) pv_block_3(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
-            else if (n == 2) pv_block_2(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
-            else pv_block_1(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0);
+            if (d - i0 <= 16 * HALF_CHUNKS) {
+                if (n == 4) PV_CALL(4, HALF_CHUNKS);
+                else if (n == 3) PV_CALL(3, HALF_CHUNKS);
+                else if (n == 2) PV_CALL(2, HALF_CHUNKS);
+                else PV_CALL(1, HALF_CHUNKS);
+            } else if (n == 4) PV_CALL(4, PV_CHUNKS);
+            else if (n == 3) PV_CALL(3, PV_CHUNKS);
+            else if (n == 2) PV_CALL(2, PV_CHUNKS);
+            else PV_CALL(1, PV_CHUNKS);
         }
     }
+#undef PV_CALL
 }
 
 /* Scores of keys [t0, t0 + keys) (keys <= 16) for one query head, scaled: 16 dot products,
@@ -235,8 +255,10 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
             sum = v_add(sum, v_select(v_gt(sinkv, v_set1(-INFINITY)), v_exp(v_sub(sinkv, best)), v_zero()));
         v_store(total + jb * 16, sum);
     }
-    for (int64_t j0 = 0; j0 < nq; j0 += PV_QUERIES) { /* PV_QUERIES queries at a time over their keys only */
-        const int64_t n_j = nq - j0 < PV_QUERIES ? nq - j0 : PV_QUERIES;
+    /* a few queries at a time over their keys only (a query's weights past its own keys are exact zeros) */
+    const int64_t step = d <= 16 * HALF_CHUNKS ? 8 : PV_QUERIES;
+    for (int64_t j0 = 0; j0 < nq; j0 += step) {
+        const int64_t n_j = nq - j0 < step ? nq - j0 : step;
         weigh_values(v_base, pos, bf, d, (int64_t)first[j0], (int64_t)len[j0 + n_j - 1], S - kmin * width + j0, 1,
                      width, n_j, total + j0, outs + j0);
     }
