@@ -309,17 +309,23 @@ static void check_attention(void) {
         if (bf)
             for (int i = 0; i < ROWS * qkv_n; i++) wide[i] = rnd(wide[i], 1);
         memset(mid, 0, sizeof mid);
-        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 0, 20, k, v, NULL, scores, mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, NULL, 0, 20, k, v, NULL, scores, mid);
         print(bf ? "attend_prompt bf16" : "attend_prompt f32", mid, ROWS * q_size);
         memset(mid, 0, sizeof mid);
-        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 0, 20, k, v, sinks + group, scores, mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, NULL, 0, 20, k, v, sinks + group, scores, mid);
         print(bf ? "attend_prompt bf16 sinks" : "attend_prompt f32 sinks", mid, ROWS * q_size);
         /* the same queries over a slot whose window rows start at position 16 (they read keys 31..54) */
         const int64_t es = bf ? 2 : 4;
         memset(mid, 0, sizeof mid);
-        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, 16, 20, (const char *)k + 16 * D * es,
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, NULL, 16, 20, (const char *)k + 16 * D * es,
                       (const char *)v + 16 * D * es, NULL, scores, mid);
         print(bf ? "attend_prompt bf16 based" : "attend_prompt f32 based", mid, ROWS * q_size);
+        /* both ways: an input of 70 positions, keys less than 18 away on either side (the first
+         * rows' window stops short of the input's end, the last rows' reaches it) */
+        const int64_t ends[ROWS] = {SEQ, SEQ, SEQ, SEQ, SEQ};
+        memset(mid, 0, sizeof mid);
+        attend_prompt(&md, wide, qkv_n, q_size, 0, ROWS, 1, positions, ends, 0, 18, k, v, NULL, scores, mid);
+        print(bf ? "attend_prompt bf16 both ways" : "attend_prompt f32 both ways", mid, ROWS * q_size);
     }
 }
 

@@ -20,10 +20,11 @@ def native_step_may_run(native_forward: str, cfg: ModelConfig) -> bool:
 
 def bfloat16_by_default(native_forward: str, cfg: ModelConfig, file_quantization: str) -> bool:
     """Whether `--dtype auto` takes bfloat16 on a CPU whose native step only widens it (no bfloat16
-    arithmetic): where the native step runs the model, except a text encoder from 16- or 32-bit
-    weights. An encoder is compute-bound, so widened bfloat16 would save no time and cost
-    precision; a quantized encoder file's codes take bfloat16 inputs."""
-    return native_step_may_run(native_forward, cfg) and (not cfg.encoder or file_quantization == "file")
+    arithmetic): where the native step runs the model, except an embeddings-only model (a text
+    encoder, EmbeddingGemma) from 16- or 32-bit weights. Its inputs are all prompt, compute-bound,
+    so widened bfloat16 would save no time and cost precision; a quantized file's codes take
+    bfloat16 inputs."""
+    return native_step_may_run(native_forward, cfg) and (not cfg.embeds_only or file_quantization == "file")
 
 
 def resolve_config(config: EngineConfig, cfg: ModelConfig, file_quantization: str) -> EngineConfig:

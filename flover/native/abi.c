@@ -29,6 +29,7 @@ static const AbiEntry ABI[] = {
     AT(Model, delta_dv), AT(Model, delta_conv), AT(Model, delta_tiled), AT(Model, snapshot_rows), AT(Model, attn_gate),
     AT(Model, shared_inter), AT(Model, max_head_dim), AT(Model, max_kv_heads), AT(Model, max_inter), AT(Model, v_norm),
     AT(Model, per_layer_width), AT(Model, per_layer_inputs), AT(Model, per_layer_proj), AT(Model, per_layer_norm),
+    AT(Model, bidirectional),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),

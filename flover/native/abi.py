@@ -64,7 +64,8 @@ Model = _int64_struct(
     embed_scale:d attn_scale:d norm_f32 act local_cos local_sin
     experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d residual_scale:d
     delta_key_heads delta_value_heads delta_dk delta_dv delta_conv delta_tiled snapshot_rows attn_gate shared_inter
-    max_head_dim max_kv_heads max_inter v_norm per_layer_width per_layer_inputs per_layer_proj per_layer_norm""",
+    max_head_dim max_kv_heads max_inter v_norm per_layer_width per_layer_inputs per_layer_proj per_layer_norm
+    bidirectional""",
     "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
 )
 Layer = _int64_struct(

@@ -183,10 +183,12 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
  * numbers are computed in the same order whatever the block holds (the tile sums each score over
  * dimensions in order; exact zeros for the other rows' keys add nothing), so a prompt row's
  * result does not depend on how its prompt was chunked or with what it shares the iteration.
- * Needs keys stored as rows of head_dim (kv_pos == head_dim). */
+ * Needs keys stored as rows of head_dim (kv_pos == head_dim). `ends` (attention both ways: each
+ * row's input whole in this iteration): row r sees its input's keys up to ends[r] (within
+ * `window` on either side), not only those up to its own position; NULL: causal. */
 void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
-                   int64_t g, const int64_t *positions, int64_t base, int64_t window, const void *k_base,
-                   const void *v_base, const float *sinks, float *scratch, float *mid) {
+                   int64_t g, const int64_t *positions, const int64_t *ends, int64_t base, int64_t window,
+                   const void *k_base, const void *v_base, const float *sinks, float *scratch, float *mid) {
     const int bf = md->dtype == DT_BF16;
     const int64_t d = md->head_dim, pos = md->kv_pos, group = md->heads / md->kv_heads, es = bf ? 2 : 4;
     const int64_t nq = n * group, nb = (nq + 15) / 16, width = nb * 16;
@@ -209,7 +211,8 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
             for (int64_t i = 0; i < d; i++) to[i * 16] = q ? q[i] : 0.f;
         }
         if (j < nq) {
-            const int64_t at = positions[r0 + j / group] + 1, from = first_key(at, window) - base;
+            const int64_t r = r0 + j / group, p = positions[r], from = first_key(p + 1, window) - base;
+            const int64_t at = !ends ? p + 1 : window > 0 && p + window < ends[r] ? p + window : ends[r];
             len[j] = (float)(at - base); /* rows of the cache, which start at position `base` */
             first[j] = (float)(from > 0 ? from : 0);
             outs[j] = mid + (r0 + j / group) * q_size + (g * group + j % group) * d;

@@ -4,10 +4,9 @@
  * blocked weights or a GGUF file's codes, attention.c's blocked prompt attention, row_ops.c).
  *
  * An encoder keeps no KV: a layer's keys and values go to scratch rows of this iteration, and
- * each input's rows attend to all of that input's rows (both ways). Blocks of up to
- * MAX_BLOCK_QUERIES rows of one input take attend_prompt with every row placed at the input's
- * last position, so each sees every key; a row's result depends on its own input only, so fusion
- * changes no bit.
+ * each input's rows attend to all of that input's rows (both ways): blocks of up to
+ * MAX_BLOCK_QUERIES rows of one input take attend_prompt with the input's end as every row's last
+ * key. A row's result depends on its own input only, so fusion changes no bit.
  *
  * Rounding follows the PyTorch path step by step, as llama_forward.c's: in bfloat16 every
  * intermediate PyTorch rounds (the embeddings' sums, each projection with its bias, each residual
@@ -22,9 +21,9 @@
  * output rows (qkv, o, up, down), attention out / GELU, the kernels' operand copies, the layer's
  * keys and values ([2][heads][rows][head_dim], model dtype), the grids' group sums, per thread the
  * blocked attention's scratch, the attention blocks (first row, rows, the input's first row:
- * int64) and each row's input's last position (int64). */
+ * int64) and each row's input's length (int64). */
 typedef struct {
-    int64_t hidden, wide, mid, xb, kv, xsum, scores, per_thread, blocks, last, end;
+    int64_t hidden, wide, mid, xb, kv, xsum, scores, per_thread, blocks, ends, end;
 } EncoderWork;
 
 static inline int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -41,8 +40,8 @@ static EncoderWork encoder_work(const Model *md, int64_t rows, int nt) {
     w.scores = w.xsum + rows * (widest / 16 + 1);
     w.per_thread = MAX_BLOCK_QUERIES * (md->head_dim + md->max_seq) + 6 * md->head_dim; /* attend_prompt's */
     w.blocks = w.scores + nt * w.per_thread;
-    w.last = w.blocks + 6 * rows; /* 3 int64 per block, at most one block per row */
-    w.end = w.last + 2 * rows;
+    w.ends = w.blocks + 6 * rows; /* 3 int64 per block, at most one block per row */
+    w.end = w.ends + 2 * rows;
     return w;
 }
 
@@ -101,15 +100,19 @@ static void add_and_norm(float *hidden, const float *out, int64_t weight, int64_
 
 /* The attention blocks of the inputs (spans: [n_spans][first row, rows]): up to MAX_BLOCK_QUERIES
  * rows of one input each, as (first row, rows, the input's first row); and each row's input's
- * last position in `last` (attend_prompt's positions: every row sees the input's every key).
- * Returns the blocks, or -1 where a span leaves the rows or is longer than max_seq. */
-static int64_t attention_blocks(const Model *md, const int64_t *spans, int n_spans, int rows, int64_t *blocks,
-                                int64_t *last) {
+ * length in `ends` (every row sees the input's every key).
+ * Returns the blocks, or -1 where a span leaves the rows, is longer than max_seq or does not run
+ * from position 0. */
+static int64_t attention_blocks(const Model *md, const int64_t *spans, int n_spans, const int64_t *positions, int rows,
+                                int64_t *blocks, int64_t *ends) {
     int64_t n = 0;
     for (int s = 0; s < n_spans; s++) {
         const int64_t first = spans[2 * s], len = spans[2 * s + 1];
         if (first < 0 || len <= 0 || len > md->max_seq || first + len > rows) return -1;
-        for (int64_t r = first; r < first + len; r++) last[r] = len - 1;
+        for (int64_t r = first; r < first + len; r++) {
+            if (positions[r] != r - first) return -1; /* (an input comes whole, from position 0) */
+            ends[r] = len;
+        }
         for (int64_t r = first; r < first + len; r += MAX_BLOCK_QUERIES) {
             blocks[3 * n] = r, blocks[3 * n + 1] = first + len - r < MAX_BLOCK_QUERIES ? first + len - r : MAX_BLOCK_QUERIES;
             blocks[3 * n + 2] = first, n++;
@@ -137,8 +140,8 @@ API int flover_encode(const Model *md, const Encoder *en, const EncoderLayer *la
     float *scores = work + at.scores;
     void *xb = work + at.xb;
     char *keys = (char *)(work + at.kv), *values = keys + rows * h * es; /* [heads][rows][d] each */
-    int64_t *blocks = (int64_t *)(work + at.blocks), *last = (int64_t *)(work + at.last);
-    const int64_t n_blocks = attention_blocks(md, spans, n_spans, rows, blocks, last);
+    int64_t *blocks = (int64_t *)(work + at.blocks), *ends = (int64_t *)(work + at.ends);
+    const int64_t n_blocks = attention_blocks(md, spans, n_spans, positions, rows, blocks, ends);
     if (n_blocks < 0) return -1;
 #define PROJECT(W, X, N, K, Y)                                                                             \
     if (ly->W##_grid)                                                                                      \
@@ -159,7 +162,7 @@ API int flover_encode(const Model *md, const Encoder *en, const EncoderLayer *la
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < n_blocks * heads; task++) {
             const int64_t *b = blocks + 3 * (task / heads), g = task % heads, base = (g * rows + b[2]) * d * es;
-            attend_prompt(md, wide, 3 * h, h, b[0], b[1], g, last, 0, 0, keys + base, values + base, 0,
+            attend_prompt(md, wide, 3 * h, h, b[0], b[1], g, positions, ends, 0, 0, keys + base, values + base, 0,
                           scores + (int64_t)omp_get_thread_num() * at.per_thread, mid);
         }
         PROJECT(o, mid, h, h, wide)

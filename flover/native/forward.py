@@ -60,6 +60,8 @@ SHAPE_CHECKS = {
     9: "the Gated DeltaNet layers' heads (value heads a multiple of key heads), dims (at most 512) or conv taps "
     "(2 to 64), or a layer of them lacks its weights or states",
     10: "a layer's per-layer input lacks its projection or norm, or the model its width",
+    11: "attention both ways runs in the blocked prompt kernel only (at most 16 query heads per kv head, "
+    "heads of at most 512 dims, KV rows of head_dim)",
 }
 CLAMPED_SWIGLU = 2  # Model.act of gpt-oss's experts (native.h)
 
@@ -286,6 +288,7 @@ class NativeForward:
         model, cfg = self.model, self.model.cfg
         norm_f32 = int(cfg.norm_float32 or bool(cfg.norm_offset))
         fields = dict(act=ACTIVATIONS[cfg.hidden_act], norm_f32=norm_f32, attn_scale=cfg.attn_scale or 0.0)
+        fields["bidirectional"] = int(cfg.bidirectional)  # (EmbeddingGemma)
         if model.embed_scale is not None:  # as the PyTorch forward rounds it
             fields["embed_scale"] = float(model.embed_scale)
         if cfg.residual_scale is not None:
@@ -608,7 +611,10 @@ class NativeForward:
             self.threads,
         )
         if full < 0:
-            raise RuntimeError("native step: a row's position or token id is out of range")
+            raise RuntimeError(
+                "native step: a row's position or token id is out of range "
+                "(or, attention both ways, an input not whole in the iteration)"
+            )
         self.iterations += 1
         return full
 

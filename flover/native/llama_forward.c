@@ -50,10 +50,11 @@ static void reduce_rows(const Model *md, float *x, int64_t n) {
  * gate_up outputs, attention out / activation, the model-dtype copies that feed the kernels, per
  * thread the attention scratch (a decode row's scores of one kv head's query heads, or a prompt
  * block's blocked queries and scores: `per_thread` floats), per row and group of 16 or 32
- * inputs their sum (grids with minimums), and the prompt blocks (first row and row count, int64). `end`: the floats the
+ * inputs their sum (grids with minimums), the prompt blocks (first row and row count, int64), a
+ * recurrent layer's runs and a bidirectional model's input lengths (int64). `end`: the floats the
  * caller allocates (flover_work_floats). */
 typedef struct {
-    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, runs, experts, fused, per_layer, end;
+    int64_t hidden, normed, wide, mid, xb, scores, per_thread, xsum, blocks, runs, ends, experts, fused, per_layer, end;
 } Work;
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -103,7 +104,8 @@ static Work work_layout(const Model *model, int64_t rows, int64_t nt) {
     w.xsum = w.scores + nt * w.per_thread;
     w.blocks = w.xsum + rows * (widest / 16 + 1);
     w.runs = w.blocks + 4 * rows;      /* 2 int64 per block, at most one block per row */
-    w.experts = w.runs + 4 * rows;     /* DeltaNet: 2 int64 per run of one sequence's rows */
+    w.ends = w.runs + 4 * rows;        /* DeltaNet: 2 int64 per run of one sequence's rows */
+    w.experts = w.ends + 2 * rows;     /* (attention both ways) each row's input's length, int64 */
     /* a layer of experts: logits, picks (int64) and weights, each expert's first entry (int64), the
      * entries' rows (int64) and weights, an expert's rows' inputs and outputs, the rows' sums (ExpertsWork) */
     w.fused = w.experts + (md->experts ? rows * (md->experts + 6 * md->top_k + 5 * h) + 2 * (md->experts + 1) : 0);
@@ -278,6 +280,8 @@ API int flover_check_layers(const Model *md, const Layer *layers) {
                    layer_view(md, ly).head_dim > widest_view(md).head_dim ||
                    layer_view(md, ly).kv_heads > widest_view(md).kv_heads || layer_view(md, ly).inter > widest_view(md).inter)
             return 6; /* a slot's rows and heads must not overlap one another */
+        if (md->bidirectional && !prompt_blocks_group(md, layers))
+            return 11; /* attention both ways runs in the blocked prompt kernel only */
         if ((ly->pl_gate || ly->pl_gate_grid) && (!md->per_layer_width || !(ly->pl_proj || ly->pl_proj_grid) || !ly->pl_norm))
             return 10; /* a per-layer input: its gate, projection and norm */
         if (ly->router ? !md->experts || !ly->expert_load || !(ly->expert_gate_up || ly->expert_gate_up_grid) ||
@@ -360,6 +364,21 @@ API int flover_head(const Model *md, const float *hidden, int n_out, void *logit
     return head_rows(md, &at, work, hidden, n_out, 0, logits, greedy_ids, (float)eps_d, nt);
 }
 
+/* (attention both ways) Each row's input's length into ends[r]: an input is a run of consecutive
+ * rows of one slot from position 0, whole in this iteration. Nonzero where a row is a decode row
+ * or an input does not start at position 0. */
+static int input_ends(const int64_t *slots, const int64_t *positions, int decode_rows, int rows, int64_t *ends) {
+    if (decode_rows) return 1;
+    for (int r = 0; r < rows;) {
+        int n = 1;
+        while (r + n < rows && slots[r + n] == slots[r] && positions[r + n] == positions[r + n - 1] + 1) n++;
+        if (positions[r] != 0) return 1;
+        for (int i = r; i < r + n; i++) ends[i] = n;
+        r += n;
+    }
+    return 0;
+}
+
 /* One iteration: `rows` tokens, token r at position positions[r] of slot slots[r] (decode tokens
  * and prompt tokens alike: its K/V are written there, and it attends to its slot's keys up to
  * its own position, which this iteration's earlier prompt tokens have written). Logits of the
@@ -417,6 +436,8 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
         }
         single_from = rows;
     }
+    int64_t *ends = md->bidirectional ? (int64_t *)(work + at.ends) : 0; /* attention both ways */
+    if (ends && input_ends(slots, positions, decode_rows, rows, ends)) return -1;
     int64_t *runs = (int64_t *)(work + at.runs); /* DeltaNet: each sequence's rows */
     const int64_t n_runs = md->delta_value_heads ? delta_runs(slots, positions, rows, runs) : 0;
 
@@ -481,7 +502,7 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             float *scratch = scores + (int64_t)omp_get_thread_num() * at.per_thread;
             if (task < n_blocks * kvh) {
                 const int64_t *b = blocks + 2 * (task / kvh), g = task % kvh;
-                attend_prompt(lmd, wide, qkv_n, q_size, b[0], b[1], g, positions, row_base(md, ly, slots[b[0]]),
+                attend_prompt(lmd, wide, qkv_n, q_size, b[0], b[1], g, positions, ends, row_base(md, ly, slots[b[0]]),
                               ly->window, kv_head_base(md, ly, 0, slots[b[0]], g),
                               kv_head_base(md, ly, 1, slots[b[0]], g), sinks ? sinks + g * group : 0, scratch, mid);
                 continue;

@@ -92,6 +92,10 @@ typedef struct {
      * embedding (blocked) and the norm of its parts (float32 [width]) */
     int64_t max_head_dim, max_kv_heads, max_inter, v_norm, per_layer_width, per_layer_inputs;
     int64_t per_layer_proj, per_layer_norm;
+    /* 1: attention both ways within each input, every input whole in its iteration from position 0
+     * (EmbeddingGemma): a prompt row sees its input's keys after it too (within a window on either
+     * side); it needs the blocked prompt kernel on every layer */
+    int64_t bidirectional;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the
@@ -415,8 +419,8 @@ static inline int64_t first_key(int64_t len, int64_t window) { return window > 0
 void attend(const Model *md, const float *q, int64_t group, const void *k_base, const void *v_base, int64_t first,
             int64_t len, const float *sinks, float *scores, float *out);
 void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_size, int64_t r0, int64_t n,
-                   int64_t g, const int64_t *positions, int64_t base, int64_t window, const void *k_base,
-                   const void *v_base, const float *sinks, float *scratch, float *mid);
+                   int64_t g, const int64_t *positions, const int64_t *ends, int64_t base, int64_t window,
+                   const void *k_base, const void *v_base, const float *sinks, float *scratch, float *mid);
 
 /* ---- greedy.c ---------------------------------------------------------------------------------- */
 int64_t argmax_row(const void *row, int64_t vocab, int bf, const uint16_t *allowed);

@@ -37,8 +37,8 @@ def family_of(cfg: ModelConfig) -> Family:
 
 
 def runs_natively(cfg: ModelConfig) -> bool:
-    """Whether the native step knows this model's features (its family's; not attention both ways)."""
-    return family_of(cfg).native and not cfg.bidirectional
+    """Whether the native step knows this model's features (its family's)."""
+    return family_of(cfg).native
 
 
 def gguf_family(file) -> Family | None:
