@@ -300,8 +300,11 @@ class EngineConfig:
             "--pooling",
             "embeddings from any decoder: its final hidden states pooled (mean, cls, last: the last token's, "
             "max, mean_sqrt_len), normalized (default: as a sentence-transformers directory's modules.json "
-            "or a GGUF file's pooling_type says; a model that says none serves no embeddings)",
-            choices=POOLING_MODES,
+            "or a GGUF file's pooling_type says; a model that says none serves no embeddings); or rank: a "
+            "decoder as a reranker (Qwen3-Reranker's uploads), as sentence-transformers' CrossEncoder "
+            "loads one: each (query, document) pair rendered by the chat template, scored by the last "
+            "token's logit of 'yes' minus 'no', sigmoid",
+            choices=(*POOLING_MODES, "rank"),
         ),
     )
     prefix_cache_mib: float = field(

@@ -8,7 +8,9 @@ only when asked; `/v1/rerank` through a real daemon, and two ranks under mpirun.
 
 from __future__ import annotations
 
+import json
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ from flover.engine.intake import PromptTooLong
 from flover.models.model_config import CheckpointError
 from flover.request import EmbedParams, RequestInput
 from flover.testing.embedding_model import (
+    as_causal_reranker,
     as_logit_score_reranker,
     make_tiny_bert,
     make_tiny_cross_encoder,
@@ -256,3 +259,27 @@ def test_a_decoder_reranker_under_tensor_parallelism_and_in_groups_scores_as_one
     for name in ("tp2", "dp2"):
         assert scores[name].keys() == scores["one"].keys()
         assert max(abs(scores["one"][k] - scores[name][k]) for k in scores["one"]) < 1e-12, name
+
+
+def test_a_causal_lm_with_pooling_rank_scores_as_sentence_transformers(make_model, tmp_path):
+    """Qwen3-Reranker's uploads (a causal LM, no modules.json): `--pooling rank` reads them as
+    sentence-transformers' CrossEncoder does, the last row's "yes" minus "no" logit, sigmoid."""
+    model_dir = str(as_causal_reranker(make_model("qwen3"), tmp_path / "qwen3-reranker-upload"))
+    want = cross_encoder_reference(model_dir, [(QUERY, d) for d in DOCUMENTS])
+    llm = LLM(model_dir, dtype="float64", pooling="rank")
+    assert llm.engine.capabilities == ["completion", "chat", "rerank", "score"]
+    got = torch.tensor(llm.score(QUERY, DOCUMENTS), dtype=torch.float64)
+    assert (got - want).abs().max().item() < 1e-9
+    with pytest.raises(ValueError, match="--pooling rank"):  # (without it: a generator)
+        LLM(model_dir, dtype="float64").score(QUERY, DOCUMENTS)
+    with pytest.raises(CheckpointError, match="no 'yes' or 'no' token"):
+        LLM(make_model("qwen3"), pooling="rank")
+    # a template that knows only user / assistant would render every pair as nothing
+    chat_only = "{% for m in messages %}{% if m.role in ('user', 'assistant') %}{{ m.content }}{% endif %}{% endfor %}"
+    config_file = Path(model_dir) / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": chat_only}))
+    (Path(model_dir) / "chat_template.jinja").write_text(chat_only)
+    with pytest.raises(CheckpointError, match="drops a pair's query and document"):
+        LLM(model_dir, pooling="rank")
+    with pytest.raises(CheckpointError, match="no LM head"):
+        LLM(make_tiny_bert(tmp_path / "bert", "mean"), pooling="rank")

@@ -29,7 +29,7 @@ from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
-from flover.models import file_quantization, open_checkpoint
+from flover.models import CheckpointError, file_quantization, open_checkpoint
 from flover.models.pooling import Pooling, chosen_pooling, cosine, pair_kind
 from flover.models.stage_layout import StageLayout
 from flover.models.tokenizer import Tokenizer, load_tokenizer
@@ -248,10 +248,14 @@ class Engine(ServingEngine):
 
     def _pooling(self, config: EngineConfig, checkpoint) -> Pooling | None:
         """How embedding requests pool (and whether the model is a reranker, which takes pairs)."""
-        pooling = chosen_pooling(config.pooling, checkpoint.pooling())
+        if config.pooling == "rank" and self.model_config.embeds_only:
+            raise CheckpointError(f"--pooling rank: {self.model_config.architecture} has no LM head to score with")
+        pooling = chosen_pooling(config.pooling, checkpoint.pooling(), self.tokenizer.token_id)
         self.runner.pooling = pooling
         self.intake.pairs = pair_kind(pooling, self.model_config.vocab_size)
         self.intake.pair_template = pooling.pair_template if pooling is not None else None
+        if self.intake.pairs == "template" and self.intake.pair_template is None:
+            self.intake.check_pair_template()  # (the chat template renders the pairs)
         if pooling is not None and pooling.dense:
             self.runner.dense = DenseStack(pooling, self.model_config.hidden_size)
             self.intake.vector_width = self.runner.dense.width
@@ -283,7 +287,8 @@ class Engine(ServingEngine):
         if self.pooling is None:
             return (
                 "this model makes no embeddings: its checkpoint names no pooling (a sentence-transformers "
-                "modules.json, a GGUF pooling_type); serve it with --pooling mean|cls|last for a decoder's"
+                "modules.json, a GGUF pooling_type); serve it with --pooling mean|cls|last for a decoder's, "
+                "--pooling rank to score pairs with it as a reranker"
             )
         if self.pipe is not None:
             return "embeddings run in one engine, not across pipeline stages (--pp)"

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from flover.config import SamplingParams, int_in
 from flover.hardware import return_freed_heap
-from flover.models import ModelConfig
+from flover.models import CheckpointError, ModelConfig
 from flover.models.tokenizer import IncrementalDetokenizer, Tokenizer, TooManyTokens
 from flover.request import EmbedParams, Request, RequestInput, Timings
 from flover.structured.grammars import Grammars
@@ -206,6 +206,27 @@ class Intake:
         second = types.index(1) if 1 in types and self.model_config.token_types > 1 else None
         return self._checked(ids), query, second
 
+    def check_pair_template(self) -> None:
+        """CheckpointError unless the chat template carries a (query, document) pair: rendered with
+        another query, and with another document, the text must change (sentence-transformers
+        probes the same way; a template that knows only user / assistant renders a pair to
+        nothing, and the model would score an empty prompt)."""
+        probes = [("alpha", "bravo"), ("charlie", "bravo"), ("alpha", "foxtrot")]
+        try:
+            base, *varied = [self._render_pair(q, d, 1 << 20) for q, d in probes]
+        except ValueError as e:
+            raise CheckpointError(f"a reranker's chat template cannot render a (query, document) pair: {e}") from None
+        dropped = [role for role, text in zip(("query", "document"), varied) if text == base]
+        if dropped:
+            raise CheckpointError(
+                f"the chat template drops a pair's {' and '.join(dropped)}: a reranker's template renders "
+                "a 'query' and a 'document' message (as Qwen3-Reranker's does)"
+            )
+
+    def _render_pair(self, query: str, document: str, max_bytes: int) -> str:
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+        return self.tokenizer.render_chat(messages, None, {"add_generation_prompt": False}, max_bytes=max_bytes)
+
     def _rendered_pair(self, query: str, document: str, keep: int | None) -> tuple[list[int], str, None]:
         """A decoder reranker's pair: its chat template's rendering of a query and a document
         message (no assistant prompt added, as sentence-transformers renders it), or its GGUF
@@ -218,9 +239,7 @@ class Intake:
             given = {"{query}": query, "{document}": document}
             text = re.sub(r"\{query\}|\{document\}", lambda m: given[m.group(0)], self.pair_template)
         else:
-            messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
-            fits = self.max_seq_len * self.tokenizer.max_token_bytes
-            text = self.tokenizer.render_chat(messages, None, {"add_generation_prompt": False}, max_bytes=fits)
+            text = self._render_pair(query, document, self.max_seq_len * self.tokenizer.max_token_bytes)
         self._check_text_size(text)
         return self._checked(self._encode(text, False)), query, None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,14 +204,29 @@ def gguf_pooling(pooling_type: int | None, source: str) -> Pooling | None:
     return Pooling(_GGUF_MODES[pooling_type], True, source)
 
 
-def chosen_pooling(asked: str | None, found: Pooling | None) -> Pooling | None:
-    """`--pooling` over what the checkpoint says (the checkpoint's normalization kept)."""
+RANK = "rank"  # --pooling's reranker choice (llama.cpp's name for rank pooling)
+RANK_TOKENS = ("yes", "no")  # sentence-transformers' default LogitScore tokens for a causal LM
+
+
+def chosen_pooling(
+    asked: str | None, found: Pooling | None, token_id: Callable[[str], int | None] = lambda _: None
+) -> Pooling | None:
+    """`--pooling` over what the checkpoint says (the checkpoint's normalization kept). "rank": the
+    model as a reranker, as sentence-transformers' CrossEncoder loads a causal LM's directory
+    (Qwen3-Reranker's uploads): the last row's logit of "yes" minus "no", then sigmoid (`token_id`:
+    the tokenizer's lookup of a vocabulary entry)."""
     if asked is None:
         return found
     if found is not None and found.classify:
         raise CheckpointError(
             f"--pooling: {found.source} is a reranker (a cross-encoder): it scores pairs with its own head"
         )
+    if asked == RANK:
+        ids = [token_id(token) for token in RANK_TOKENS]
+        if None in ids:
+            missing = [token for token, i in zip(RANK_TOKENS, ids) if i is None]
+            raise CheckpointError(f"--pooling rank: the vocabulary has no {' or '.join(map(repr, missing))} token")
+        return Pooling("last", False, "--pooling rank", classify=True, activation="sigmoid", logit_tokens=tuple(ids))
     mode = _checked_mode(asked, "--pooling")
     return Pooling(mode, True if found is None else found.normalize, "--pooling")
 

@@ -138,6 +138,10 @@ class Tokenizer:
             raise TooManyTokens(len(encoding))
         return encoding.ids
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled `token` (as transformers' convert_tokens_to_ids), or None."""
+        return self._tok.token_to_id(token)
+
     def encode_pair(self, first: str, second: str, keep: int | None = None) -> tuple[list[int], list[int]]:
         """Two texts as one input, joined as the tokenizer joins a pair (BERT's [CLS] a [SEP] b
         [SEP]; transformers' tokenizer(a, b)): its ids and token types. `keep`: at most so many

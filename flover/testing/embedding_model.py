@@ -291,6 +291,27 @@ def as_logit_score_reranker(src: str | Path, out: str | Path, true_id: int, fals
     return out
 
 
+def as_causal_reranker(src: str | Path, out: str | Path, seed: int = 0) -> Path:
+    """A copy of the decoder checkpoint `src` at `out` as Qwen3-Reranker's uploads are: a causal LM
+    and nothing else (no modules.json: sentence-transformers' CrossEncoder then scores a pair by the
+    last position's logit of "yes" minus "no"), with "yes" and "no" added to its vocabulary (the
+    embedding grown to hold them) and a chat template that renders a (query, document) pair."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    torch.manual_seed(seed)  # (the grown embedding's rows are drawn)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+    tokenizer.add_tokens(["yes", "no"])
+    model.resize_token_embeddings(len(tokenizer))
+    tokenizer.chat_template = RERANKER_TEMPLATE
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 # what llama.cpp's converter names BERT's tensors (written out here, not taken from families/bert.py:
 # the test files check that family's names against an independent table)
 CONVERTER_BERT_NAMES = {
