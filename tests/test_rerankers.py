@@ -24,6 +24,7 @@ from flover.request import EmbedParams, RequestInput
 from flover.testing.embedding_model import (
     as_causal_reranker,
     as_logit_score_reranker,
+    as_sequence_scorer,
     make_tiny_bert,
     make_tiny_cross_encoder,
     make_tiny_xlm_roberta,
@@ -283,3 +284,21 @@ def test_a_causal_lm_with_pooling_rank_scores_as_sentence_transformers(make_mode
         LLM(model_dir, pooling="rank")
     with pytest.raises(CheckpointError, match="no LM head"):
         LLM(make_tiny_bert(tmp_path / "bert", "mean"), pooling="rank")
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_a_decoder_sequence_classifier_scores_as_sentence_transformers(make_model, tmp_path, chat_template):
+    """Qwen3-Reranker's seq-cls conversions (Qwen3ForSequenceClassification: a `score` head on the
+    last token, no LM head): pairs rendered as sentence-transformers renders them (the chat template's
+    query and document messages, else the tokenizer's pair), scores only."""
+    model_dir = str(as_sequence_scorer(make_model("qwen3"), tmp_path / "qwen3-seq-cls", chat_template))
+    want = cross_encoder_reference(model_dir, [(QUERY, d) for d in DOCUMENTS])
+    llm = LLM(model_dir, dtype="float64")
+    assert llm.engine.capabilities == ["rerank", "score"]
+    got = torch.tensor(llm.score(QUERY, DOCUMENTS), dtype=torch.float64)
+    assert (got - want).abs().max().item() < 1e-9
+    with pytest.raises(ValueError, match="it scores pairs"):
+        llm.generate("hello", SamplingParams(max_new_tokens=2))
+    single = LLM(model_dir, dtype="float32")
+    fused = single.score(QUERY, DOCUMENTS * 2)
+    assert fused == [single.score(QUERY, d)[0] for d in DOCUMENTS] * 2  # (the native step: the same bits)

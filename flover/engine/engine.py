@@ -254,6 +254,7 @@ class Engine(ServingEngine):
         self.runner.pooling = pooling
         self.intake.pairs = pair_kind(pooling, self.model_config.vocab_size)
         self.intake.pair_template = pooling.pair_template if pooling is not None else None
+        self.intake.scores_only = pooling is not None and pooling.scores_only
         if self.intake.pairs == "template" and self.intake.pair_template is None:
             self.intake.check_pair_template()  # (the chat template renders the pairs)
         if pooling is not None and pooling.dense:
@@ -275,9 +276,10 @@ class Engine(ServingEngine):
             raise ValueError(self.embeddings_refused)
         if given.embed is None and self.model_config.embeds_only:
             raise ValueError(f"{self.model_config.architecture} is a text encoder: it makes embeddings, not text")
-        if given.embed is None and self.intake.pair_template is not None:
+        if given.embed is None and self.intake.scores_only:
             raise ValueError(
-                "this model is a reranker's GGUF file (its converter dropped the LM head): it scores pairs"
+                "this model is a reranker whose files hold no LM head (a reranker's GGUF file, a "
+                "*ForSequenceClassification): it scores pairs"
             )
         return self.intake.build(request_id, given)
 

@@ -54,7 +54,8 @@ class Intake:
         # (a cross-encoder's, joined as its tokenizer joins a pair), "template" (a decoder's, rendered by its
         # chat template as a query and a document message); None: the model takes no pairs
         self.pairs: str | None = None
-        self.pair_template: str | None = None  # a reranker GGUF file's prompt ({query}, {document}): scores only
+        self.pair_template: str | None = None  # a reranker GGUF file's prompt ({query}, {document})
+        self.scores_only = False  # the model's files hold no LM head (a reranker's GGUF file or seq-cls): no text
         self.vector_width = model_config.hidden_size  # of its vectors (the engine sets it after Dense modules)
 
     def build(self, request_id: str, given: RequestInput) -> Request:

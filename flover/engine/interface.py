@@ -76,7 +76,7 @@ class ServingEngine(ABC):
     @property
     def capabilities(self) -> list[str]:
         """What the served model does, as /v1/models lists it."""
-        scores_only = self.intake.model_config.embeds_only or self.intake.pair_template is not None
+        scores_only = self.intake.model_config.embeds_only or self.intake.scores_only
         text = [] if scores_only else ["completion", "chat"]
         if self.embeddings_refused is not None:
             return text

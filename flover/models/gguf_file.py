@@ -202,7 +202,14 @@ class GGUFFile:
         activation = "softmax" if softmax else "sigmoid" if labels == 1 else "none"
         mode = "last" if causal else "cls"
         return Pooling(
-            mode, False, source, classify=True, activation=activation, dense=tuple(head), pair_template=template
+            mode,
+            False,
+            source,
+            classify=True,
+            activation=activation,
+            dense=tuple(head),
+            pair_template=template,
+            scores_only=template is not None,
         )
 
     def _dense_modules(self) -> tuple[DenseConfig, ...]:

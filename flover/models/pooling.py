@@ -59,6 +59,10 @@ class Pooling:
     # llama.cpp's rerank prompt (tokenizer.chat_template.rerank: text with {query} and {document});
     # its pairs are that text, and the model scores pairs only (its converter dropped the LM head)
     pair_template: str | None = None
+    # a decoder scorer's pairs go through its chat template as a query and a document message
+    chat_pairs: bool = False
+    # the model's files hold no LM head (a reranker GGUF file, a *ForSequenceClassification): no text
+    scores_only: bool = False
 
     @property
     def scores(self) -> int | None:
@@ -93,7 +97,46 @@ def classifier_pooling(path: Path) -> Pooling | None:
         return None
     named = (config.get("sentence_transformers") or {}).get("activation_fn")
     named = named or config.get("sbert_ce_default_activation_function")
-    return Pooling("cls", False, str(config_file), classify=True, activation=_activation(path, named, labels))
+    activation = _activation(path, named, labels)
+    from flover.models.families import decoder_scorer
+
+    if decoder_scorer(config.get("architectures")) is not None:
+        return _decoder_scorer_pooling(path, config, labels, activation)
+    return Pooling("cls", False, str(config_file), classify=True, activation=activation)
+
+
+def _decoder_scorer_pooling(path: Path, config: dict, labels: int, activation: str) -> Pooling:
+    """A decoder's *ForSequenceClassification (Qwen3-Reranker's seq-cls conversions): its last row
+    (after the final norm) through its `score` head [labels, hidden], no bias; the pairs as
+    sentence-transformers' CrossEncoder renders them (the chat template's query and document
+    messages where the tokenizer has a template, else the tokenizer's own pair). It has no LM head."""
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    weights = _tensor_file(path, "score.weight")
+    score = DenseConfig(weights, hidden, labels, False, "none", "score.weight", "score.bias")
+    chat = _has_chat_template(path)
+    return Pooling(
+        "last", False, str(path / "config.json"), True, activation, dense=(score,), chat_pairs=chat, scores_only=True
+    )
+
+
+def _tensor_file(path: Path, name: str) -> Path:
+    """The safetensors file of a directory that holds tensor `name` (a sharded checkpoint's index says which)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return path / json.loads(index.read_text())["weight_map"][name]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: no file for {name} ({e!r})") from None
+    return path / "model.safetensors"
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _activation(path: Path, named: str | None, labels: int) -> str:
@@ -237,7 +280,7 @@ def pair_kind(pooling: Pooling | None, vocab_size: int) -> str | None:
     rerank prompt); None: not a reranker."""
     if pooling is None or not pooling.classify:
         return None
-    if pooling.pair_template is not None:
+    if pooling.pair_template is not None or pooling.chat_pairs:
         return "template"
     if pooling.logit_tokens is None:
         return "tokenizer"

@@ -99,8 +99,7 @@ class DenseStack:
 def _dense_tensors(config: DenseConfig, opened: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A Dense module's weight and bias (None where absent), float32 or as stored; `opened`: the
     GGUF files read so far, by path."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     from flover.models.gguf_file import GGUFFile, is_gguf
 
@@ -110,8 +109,9 @@ def _dense_tensors(config: DenseConfig, opened: dict) -> tuple[torch.Tensor | No
         tensors = opened[config.weights].tensors
         found = (tensors.get(config.weight_name), tensors.get(config.bias_name) if config.bias else None)
         return tuple(None if t is None else torch.from_numpy(t.dequantize()) for t in found)
-    try:
-        tensors = load_file(config.weights)
+    try:  # (only the head's tensors: a decoder scorer's file holds the whole model)
+        with safe_open(config.weights, framework="pt") as f:
+            names = set(f.keys())
+            return tuple(f.get_tensor(n) if n in names else None for n in (config.weight_name, config.bias_name))
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{config.weights}: cannot read the Dense weights ({e})") from None
-    return tensors.get(config.weight_name), tensors.get(config.bias_name)

@@ -312,6 +312,32 @@ def as_causal_reranker(src: str | Path, out: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def as_sequence_scorer(src: str | Path, out: str | Path, chat_template: bool = True, seed: int = 0) -> Path:
+    """The decoder checkpoint `src` as a *ForSequenceClassification at `out`, as the "seq-cls"
+    conversions of Qwen3-Reranker are saved: its base model and a `score` head [1, hidden] on the
+    last token, no LM head; with `chat_template`, Qwen3-Reranker's prompt as the template
+    (sentence-transformers then renders a pair through it), else none (the tokenizer's pair)."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    causal = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    config = causal.config
+    config.architectures = [type(causal).__name__.replace("ForCausalLM", "ForSequenceClassification")]
+    config.num_labels, config.pad_token_id = 1, config.eos_token_id
+    torch.manual_seed(seed)
+    scorer = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    scorer.model.load_state_dict(causal.model.state_dict())
+    scorer.save_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+    tokenizer.chat_template = RERANKER_TEMPLATE if chat_template else None
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    tokenizer.save_pretrained(out)
+    if not chat_template:
+        (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
 # what llama.cpp's converter names BERT's tensors (written out here, not taken from families/bert.py:
 # the test files check that family's names against an independent table)
 CONVERTER_BERT_NAMES = {

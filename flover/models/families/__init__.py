@@ -50,6 +50,16 @@ def gguf_family(file) -> Family | None:
     return (claiming or unclaiming or [None])[0]
 
 
+def decoder_scorer(architectures) -> str | None:
+    """For a decoder's *ForSequenceClassification (Qwen3-Reranker's "seq-cls" conversions: its base
+    model and a `score` head on the last token), the *ForCausalLM whose family reads it; else None."""
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        return None
+    causal = architectures[0].removesuffix("ForSequenceClassification") + "ForCausalLM"
+    family = BY_ARCHITECTURE.get(causal)
+    return causal if architectures[0].endswith("ForSequenceClassification") and family is not None else None
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """A Hugging Face directory's config.json (and generation_config.json's special ids), read by
     the family of its architecture and checked (model_config.validate_model_config)."""
@@ -57,6 +67,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     raw = read_json(path)
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in BY_ARCHITECTURE), None) if isinstance(archs, list) else None
+    scorer = arch is None and decoder_scorer(archs) is not None
+    arch = decoder_scorer(archs) if scorer else arch
     if arch is None:
         raise CheckpointError(
             f"{path}: architecture {archs or raw.get('model_type')!r} is not supported; "
@@ -77,6 +89,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: eos_token_id / bos_token_id must be integers ({e})") from None
     dtype = raw.get("dtype") or raw.get("torch_dtype")
+    if scorer:  # (no LM head in its files: the embedding stands in, and it serves scores only)
+        fields["tie_word_embeddings"] = True
     config = ModelConfig(architecture=arch, eos_token_ids=eos, bos_token_id=bos, checkpoint_dtype=dtype, **fields)
     validate_model_config(config, str(path))
     return config
