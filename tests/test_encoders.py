@@ -4,6 +4,7 @@ fetched); inputs come whole, never chunked; an encoder makes no text."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -237,3 +238,30 @@ def test_a_dense_module_that_does_not_fit_is_refused_at_load(tmp_path):
     config_file.write_text("{")
     with pytest.raises(CheckpointError, match="cannot read the Dense config"):
         LLM(str(model_dir), dtype="float64")
+
+
+def test_nomic_bert_equals_sentence_transformers_from_each_kind_of_file(tmp_path):
+    """nomic-embed-text's kind: RoPE in place of a position table, SwiGLU, no biases. transformers'
+    NomicBertModel directory (float64 within 1e-9 of sentence-transformers), nomic-ai's own upload
+    of it (GPT-2-style config keys: the same vectors, the positions it was trained for) and llama.cpp's
+    `nomic-bert` file (the same tokens and vectors)."""
+    import shutil
+
+    from flover.testing.embedding_model import as_nomic_upload, make_tiny_nomic_bert, write_nomic_bert_gguf
+
+    model_dir = make_tiny_nomic_bert(tmp_path / "nomic")
+    llm = LLM(str(model_dir), dtype="float64")
+    got = vectors(llm, TEXTS)
+    assert (got - reference(str(model_dir), TEXTS, torch.float64)).abs().max().item() < 1e-9
+    upload = as_nomic_upload(Path(shutil.copytree(model_dir, tmp_path / "nomic-upload")))
+    from_upload = LLM(str(upload), dtype="float64")
+    assert from_upload.engine.max_seq_len == 128  # (n_positions says 256)
+    assert (vectors(from_upload, TEXTS) - got).abs().max().item() < 1e-12
+    from_file = LLM(str(write_nomic_bert_gguf(model_dir, tmp_path / "nomic.gguf")), dtype="float64")
+    for text in TEXTS:
+        assert from_file.engine.tokenizer.encode(text) == llm.engine.tokenizer.encode(text), text
+    assert (vectors(from_file, TEXTS) - got).abs().max().item() < 1e-12
+    config = json.loads((upload / "config.json").read_text())
+    (upload / "config.json").write_text(json.dumps({**config, "prenorm": True}))
+    with pytest.raises(CheckpointError, match="prenorm"):
+        LLM(str(upload))

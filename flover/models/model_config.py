@@ -318,6 +318,8 @@ class ModelConfig:
     classifier: str | None = None
     num_labels: int = 0
     position_offset: int = 0  # position p reads row p + offset of the position table (RoBERTa's pad + 1)
+    encoder_rope: bool = False  # (nomic-bert) RoPE on each head's q and k in place of a position table
+    encoder_names: str = "bert"  # whose names an encoder's tensors have (models/bert.py NAMES)
     # (EmbeddingGemma) a decoder whose attention sees its whole input both ways (a sliding-window
     # layer: keys less than its window away on either side): it makes embeddings only
     bidirectional: bool = False

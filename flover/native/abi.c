@@ -48,8 +48,9 @@ static const AbiEntry ABI[] = {
     AT(Layer, beside_pre), AT(Layer, beside_post_mlp), AT(Layer, beside_post_experts), AT(Layer, router_scale),
     AT(Layer, expert_scale),
 
-    SIZE(Encoder), AT(Encoder, positions), AT(Encoder, position_rows), AT(Encoder, position_offset),
-    AT(Encoder, token_types), AT(Encoder, type_rows), AT(Encoder, norm), AT(Encoder, norm_bias), AT(Encoder, gelu_tanh),
+    SIZE(Encoder), AT(Encoder, positions), AT(Encoder, position_rows), AT(Encoder, position_offset), AT(Encoder, cos),
+    AT(Encoder, sin), AT(Encoder, token_types), AT(Encoder, type_rows), AT(Encoder, norm), AT(Encoder, norm_bias),
+    AT(Encoder, act),
     SIZE(EncoderLayer), AT(EncoderLayer, qkv), AT(EncoderLayer, qkv_grid), AT(EncoderLayer, qkv_bias), AT(EncoderLayer, o),
     AT(EncoderLayer, o_grid), AT(EncoderLayer, o_bias), AT(EncoderLayer, attn_norm), AT(EncoderLayer, attn_norm_bias),
     AT(EncoderLayer, up), AT(EncoderLayer, up_grid), AT(EncoderLayer, up_bias), AT(EncoderLayer, down),
@@ -62,7 +63,7 @@ static const AbiEntry ABI[] = {
     CODE(DT_F32), CODE(DT_BF16), CODE(G_INT4), CODE(G_INT4_K), CODE(G_INT6_K), CODE(G_INT5_K), CODE(G_INT8_ROWS),
     CODE(G_INT8_GROUPS), CODE(G_INT8_K5), CODE(G_INT8_K6), CODE(G_MXFP4), CODE(G_Q2_K), CODE(G_Q3_K),
     CODE(G_IQ4_NL), CODE(G_IQ4_XS), CODE(X8_NONE), CODE(X8_SMALL), CODE(X8_SIGNED),
-    CODE(MAX_PARTS), CODE(Q4K_SUPER_BYTES), CODE(Q6K_SUPER_BYTES), CODE(Q2K_SUPER_BYTES), CODE(IQ4XS_SUPER_BYTES), CODE(SAMPLE_SCRATCH_BYTES_PER_TOKEN),
+    CODE(MAX_PARTS), CODE(ENC_GELU), CODE(ENC_GELU_TANH), CODE(ENC_SWIGLU), CODE(Q4K_SUPER_BYTES), CODE(Q6K_SUPER_BYTES), CODE(Q2K_SUPER_BYTES), CODE(IQ4XS_SUPER_BYTES), CODE(SAMPLE_SCRATCH_BYTES_PER_TOKEN),
     {NULL, 0},
 };
 

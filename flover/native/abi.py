@@ -18,6 +18,7 @@ DT_F32, DT_BF16 = 0, 1
 G_Q2_K, G_Q3_K, G_IQ4_NL, G_IQ4_XS = range(13, 17)
 X8_NONE, X8_SMALL, X8_SIGNED = 0, 1, 2
 MAX_PARTS = 4  # runs of codes per projection
+ENC_GELU, ENC_GELU_TANH, ENC_SWIGLU = 0, 1, 2  # an encoder's MLP activation (Encoder.act)
 Q4K_SUPER_BYTES, Q6K_SUPER_BYTES, Q2K_SUPER_BYTES, IQ4XS_SUPER_BYTES = 384, 320, 384, 192  # per 256 inputs, 16 rows
 SAMPLE_SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c: per thread, per vocabulary entry
 CODES = (
@@ -40,6 +41,9 @@ CODES = (
     "X8_SMALL",
     "X8_SIGNED",
     "MAX_PARTS",
+    "ENC_GELU",
+    "ENC_GELU_TANH",
+    "ENC_SWIGLU",
     "Q4K_SUPER_BYTES",
     "Q6K_SUPER_BYTES",
     "Q2K_SUPER_BYTES",
@@ -86,8 +90,8 @@ Layer = _int64_struct(
 )
 Encoder = _int64_struct(
     "Encoder",
-    "positions position_rows position_offset token_types type_rows norm norm_bias gelu_tanh",
-    "A BERT-family encoder's embedding tables and LayerNorm, its GELU's form (native.h: Encoder).",
+    "positions position_rows position_offset cos sin token_types type_rows norm norm_bias act",
+    "A BERT-family encoder's embedding tables (or RoPE's), LayerNorm and MLP activation (native.h: Encoder).",
 )
 EncoderLayer = _int64_struct(
     "EncoderLayer",

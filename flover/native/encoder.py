@@ -20,7 +20,7 @@ from flover.native.abi import kernels_of, load_library
 from flover.native.build import NativeUnavailable
 from flover.native.forward import DTYPE_CODES, PlacedWeights, WeightPlan
 
-GELU_FORMS = {"gelu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # Encoder.gelu_tanh (native.h)
+GELU_FORMS = {"gelu": abi.ENC_GELU, "gelu_pytorch_tanh": abi.ENC_GELU_TANH, "gelu_new": abi.ENC_GELU_TANH}
 PROJECTIONS = ("qkv", "o", "up", "down")
 
 # flover_check_encoder's codes
@@ -28,7 +28,8 @@ ENCODER_CHECKS = {
     1: "every size must be positive",
     2: "hidden size must be heads x head_dim",
     3: "head_dim must be even and at most 512, hidden and intermediate sizes even",
-    4: "the position table is shorter than the positions served, or an embedding table or norm is missing",
+    4: "the position table is shorter than the positions served (or RoPE lacks its tables), an embedding table "
+    "or norm is missing, or the activation code is unknown",
     5: "a layer lacks a projection or a LayerNorm",
 }
 
@@ -39,8 +40,11 @@ def encoder_unsupported(model: torch.nn.Module, dtype: torch.dtype) -> str | Non
         return f"{type(model).__name__} is not models/bert.py's encoder"
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (float32 and bfloat16 only)"
-    if model.cfg.hidden_act not in GELU_FORMS:
-        return f"activation {model.cfg.hidden_act!r} ({', '.join(GELU_FORMS)} only)"
+    cfg = model.cfg
+    if cfg.gated_mlp and cfg.hidden_act != "silu" or not cfg.gated_mlp and cfg.hidden_act not in GELU_FORMS:
+        return f"activation {cfg.hidden_act!r} (SwiGLU's silu, or {', '.join(GELU_FORMS)})"
+    if model.rotary is not None and (model.rotary.interleaved or model.rotary.rotary_dim != cfg.head_dim):
+        return "RoPE other than rotate-half over whole heads"
     if any(getattr(layer, name).weight is None for layer in model.layers for name in PROJECTIONS):
         return "dense weights were not kept"
     return None
@@ -85,15 +89,18 @@ class NativeEncoder:
             kv_pos=cfg.head_dim,  # (this iteration's keys, rows of head_dim)
             embed=model.embed.data_ptr(),
         )
+        table, rotary = model.positions, model.rotary  # (one of them: absolute positions, or RoPE's tables)
         self._encoder_struct = abi.Encoder(
-            positions=model.positions.data_ptr(),
-            position_rows=model.positions.shape[0],
+            positions=table.data_ptr() if table is not None else 0,
+            position_rows=table.shape[0] if table is not None else 0,
             position_offset=cfg.position_offset,
+            cos=rotary.cos.data_ptr() if rotary is not None else 0,
+            sin=rotary.sin.data_ptr() if rotary is not None else 0,
             token_types=model.token_type.data_ptr(),
             type_rows=model.token_type.shape[0],
             norm=model.embed_norm_weight.data_ptr(),
             norm_bias=model.embed_norm_bias.data_ptr(),
-            gelu_tanh=GELU_FORMS[cfg.hidden_act],
+            act=abi.ENC_SWIGLU if cfg.gated_mlp else GELU_FORMS[cfg.hidden_act],
         )
         self._layer_structs = (abi.EncoderLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):

@@ -29,7 +29,7 @@ typedef struct {
 static inline int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static EncoderWork encoder_work(const Model *md, int64_t rows, int nt) {
-    const int64_t h = md->hidden, widest = larger(3 * h, md->inter), inner = larger(h, md->inter);
+    const int64_t h = md->hidden, widest = larger(3 * h, 2 * md->inter), inner = larger(h, md->inter);
     EncoderWork w;
     w.hidden = 0;
     w.wide = w.hidden + rows * h;
@@ -55,8 +55,9 @@ API int flover_check_encoder(const Model *md, const Encoder *en, const EncoderLa
         return 1;
     if (md->heads * md->head_dim != md->hidden || md->kv_heads != md->heads || md->kv_pos != md->head_dim) return 2;
     if (md->head_dim % 2 || md->head_dim > MAX_HEAD_DIM || md->hidden % 2 || md->inter % 2) return 3;
-    if (!en->positions || en->position_offset < 0 || en->position_rows < md->max_seq + en->position_offset ||
-        !en->token_types || en->type_rows <= 0 || !en->norm || !en->norm_bias)
+    const int table = en->positions && en->position_offset >= 0 && en->position_rows >= md->max_seq + en->position_offset;
+    if (!(en->positions ? table : en->cos && en->sin) || !en->token_types || en->type_rows <= 0 || !en->norm ||
+        !en->norm_bias || en->act < ENC_GELU || en->act > ENC_SWIGLU)
         return 4;
     for (int64_t l = 0; l < md->layers; l++) {
         const EncoderLayer *ly = &layers[l];
@@ -67,8 +68,8 @@ API int flover_check_encoder(const Model *md, const Encoder *en, const EncoderLa
     return 0;
 }
 
-/* Rows into the residual stream: word + position + token type (each sum rounded, as PyTorch's
- * adds), then the embeddings' LayerNorm. */
+/* Rows into the residual stream: word + position (where a table holds them) + token type (each sum
+ * rounded, as PyTorch's adds), then the embeddings' LayerNorm. */
 static void embed_rows(const Model *md, const Encoder *en, const int64_t *tokens, const int64_t *positions,
                        const int64_t *types, int rows, float *hidden, float eps, int bf, int nt) {
     const int64_t h = md->hidden;
@@ -78,8 +79,8 @@ static void embed_rows(const Model *md, const Encoder *en, const int64_t *tokens
         const int64_t t = tokens[r], p = positions[r] + en->position_offset, ty = types ? types[r] : 0;
         for (int64_t i = 0; i < h; i += 16) {
             const int64_t n = h - i;
-            const v16 sum = v_rnd(v_add(v_loadx((const void *)md->embed, t * h + i, bf, n),
-                                        v_loadx((const void *)en->positions, p * h + i, bf, n)), bf);
+            v16 sum = v_loadx((const void *)md->embed, t * h + i, bf, n);
+            if (en->positions) sum = v_rnd(v_add(sum, v_loadx((const void *)en->positions, p * h + i, bf, n)), bf);
             v_storen(x + i, v_rnd(v_add(sum, v_loadx((const void *)en->token_types, ty * h + i, bf, n)), bf), n);
         }
         layer_norm(x, (const void *)en->norm, (const void *)en->norm_bias, eps, h, bf, x);
@@ -154,11 +155,15 @@ API int flover_encode(const Model *md, const Encoder *en, const EncoderLayer *la
         const EncoderLayer *ly = &layers[l];
         PROJECT(qkv, hidden, 3 * h, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
-        for (int r = 0; r < rows; r++) /* each head's key and value rows, in the model dtype */
+        for (int r = 0; r < rows; r++) { /* (nomic-bert: q and k turned), each head's key and value rows */
+            for (int64_t hh = 0; en->cos && hh < 2 * heads; hh++)
+                rope(wide + r * 3 * h + hh * d, (const char *)en->cos + positions[r] * d * es,
+                     (const char *)en->sin + positions[r] * d * es, d, bf);
             for (int64_t g = 0; g < heads; g++) {
                 to_model_dtype(wide + r * 3 * h + h + g * d, keys + (g * rows + r) * d * es, d, bf);
                 to_model_dtype(wide + r * 3 * h + 2 * h + g * d, values + (g * rows + r) * d * es, d, bf);
             }
+        }
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int64_t task = 0; task < n_blocks * heads; task++) {
             const int64_t *b = blocks + 3 * (task / heads), g = task % heads, base = (g * rows + b[2]) * d * es;
@@ -167,9 +172,13 @@ API int flover_encode(const Model *md, const Encoder *en, const EncoderLayer *la
         }
         PROJECT(o, mid, h, h, wide)
         add_and_norm(hidden, wide, ly->attn_norm, ly->attn_norm_bias, rows, h, eps, bf, nt);
-        PROJECT(up, hidden, md->inter, h, wide)
+        const int64_t inter = md->inter, up_n = en->act == ENC_SWIGLU ? 2 * inter : inter;
+        PROJECT(up, hidden, up_n, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
-        for (int r = 0; r < rows; r++) gelu_row(wide + r * md->inter, md->inter, (int)en->gelu_tanh, bf, mid + r * md->inter);
+        for (int r = 0; r < rows; r++) {
+            if (en->act == ENC_SWIGLU) silu_mul(wide + r * up_n, inter, bf, mid + r * inter);
+            else gelu_row(wide + r * inter, inter, en->act == ENC_GELU_TANH, bf, mid + r * inter);
+        }
         PROJECT(down, mid, h, md->inter, wide)
         add_and_norm(hidden, wide, ly->mlp_norm, ly->mlp_norm_bias, rows, h, eps, bf, nt);
     }

@@ -18,8 +18,8 @@
  *   experts.c          a layer's mixture of experts: routing, each chosen expert once over its rows
  *   gated_deltanet.c   Gated DeltaNet layers: the conv and the delta rule over each sequence's rows
  *   llama_forward.c    one fused iteration, top to bottom
- *   encoder_forward.c  one fused iteration of a BERT-family encoder (LayerNorms, GELU, attention
- *                      both ways within each input), top to bottom
+ *   encoder_forward.c  one fused iteration of a BERT-family encoder (LayerNorms, GELU or SwiGLU,
+ *                      absolute positions or RoPE, attention both ways within each input)
  *   abi.c              the sizes, offsets and codes below, for flover/native/abi.py to check
  *
  * A struct or code changed here changes in flover/native/abi.py too (and in abi.c's table): a
@@ -151,10 +151,13 @@ typedef struct {
 
 /* abi.py's Encoder: a BERT-family encoder's embeddings (encoder_forward.c; the Model holds its
  * sizes and word embeddings): the position table (position_rows rows; position p at row p +
- * position_offset) and the token-type table (type_rows rows), in the model dtype; the
- * embeddings' LayerNorm weight and bias; gelu_tanh 1: the MLP's GELU is the tanh form, else erf's. */
+ * position_offset; 0: none, nomic-bert's RoPE instead, from the tables cos / sin [max_seq,
+ * head_dim] in the model dtype, the sign folded in as llama_forward.c's) and the token-type table
+ * (type_rows rows), in the model dtype; the embeddings' LayerNorm weight and bias; the MLP's act:
+ * ENC_GELU (erf's), ENC_GELU_TANH, or ENC_SWIGLU (the up projection's rows [gate | up]). */
+enum { ENC_GELU = 0, ENC_GELU_TANH = 1, ENC_SWIGLU = 2 };
 typedef struct {
-    int64_t positions, position_rows, position_offset, token_types, type_rows, norm, norm_bias, gelu_tanh;
+    int64_t positions, position_rows, position_offset, cos, sin, token_types, type_rows, norm, norm_bias, act;
 } Encoder;
 
 /* abi.py's EncoderLayer: one post-norm block (LayerNorm after each residual add): each

@@ -104,6 +104,63 @@ def make_tiny_bert(out: str | Path, mode: str = "mean", seed: int = 0, **config)
     return as_sentence_transformer(out, out, mode)
 
 
+def make_tiny_nomic_bert(out: str | Path, seed: int = 0) -> Path:
+    """A random NomicBertModel (transformers: RoPE, SwiGLU, no biases) with a trained WordPiece
+    tokenizer, as a sentence-transformers directory (mean pooling, normalized), 128 positions."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    tok = train_wordpiece(512, seed)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    config = transformers.NomicBertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=128, **sizes)
+    torch.manual_seed(seed)
+    model = transformers.NomicBertModel(config)
+    with torch.no_grad():  # (transformers sets LayerNorms to ones and zeros: make them count)
+        for name, tensor in model.named_parameters():
+            if "norm" in name.lower():
+                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    model.save_pretrained(out)
+    fast = transformers.BertTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+    fast.save_pretrained(out)
+    return as_sentence_transformer(out, out, "mean")
+
+
+def as_nomic_upload(model_dir: Path) -> Path:
+    """A NomicBertModel directory rewritten in place as nomic-ai's uploads are: GPT-2-style config
+    keys, twice the positions it was trained for stated as n_positions (as v1.5's 8192 and 2048);
+    transformers already saves the tensors under their remote code's names."""
+    config = json.loads((model_dir / "config.json").read_text())
+    legacy = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "n_embd": config["hidden_size"],
+        "n_head": config["num_attention_heads"],
+        "n_layer": config["num_hidden_layers"],
+        "n_inner": config["intermediate_size"],
+        "n_positions": 2 * config["max_position_embeddings"],
+        "max_trained_positions": config["max_position_embeddings"],
+        "vocab_size": config["vocab_size"],
+        "type_vocab_size": config["type_vocab_size"],
+        "layer_norm_epsilon": config["layer_norm_eps"],
+        "rotary_emb_base": (config.get("rope_parameters") or {}).get("rope_theta", 1000),
+        "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False,
+        "rotary_scaling_factor": None,
+        "activation_function": "swiglu",
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+        "prenorm": False,
+        "causal": False,
+        "pad_token_id": config.get("pad_token_id", 0),
+    }
+    (model_dir / "config.json").write_text(json.dumps(legacy, indent=1))
+    return model_dir
+
+
 def _randomize_biases_and_norms(model) -> None:
     """transformers zeroes biases and sets LayerNorms to ones: make them count."""
     import torch
@@ -368,6 +425,16 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
 
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "bert")
+    _write_bert_metadata(w, config, pooling_type, config["max_position_embeddings"])
+    _write_wordpiece(w, model_dir)
+    _write_bert_tensors(w, load_file(model_dir / "model.safetensors"), qtype)
+    return _finish(w, out)
+
+
+def _write_wordpiece(w, model_dir: Path) -> None:
+    """A WordPiece vocabulary as the converter writes it: a word's first piece spelled with a
+    leading U+2581, continuations without their "##", BERT's specials and flags."""
     vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     specials = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
     tokens, types = [], []
@@ -375,8 +442,6 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
         special = token in specials
         tokens.append(token if special else token[2:] if token.startswith("##") else "\u2581" + token)
         types.append(3 if special else 1)
-    w = gguf.GGUFWriter(str(out), "bert")
-    _write_bert_metadata(w, config, pooling_type, config["max_position_embeddings"])
     w.add_tokenizer_model("bert")
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -385,7 +450,46 @@ def write_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int | 
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
-    _write_bert_tensors(w, load_file(model_dir / "model.safetensors"), qtype)
+
+
+# nomic-ai's tensor names -> llama.cpp's (its converter's NomicBertModel)
+CONVERTER_NOMIC_NAMES = {
+    "attn.Wqkv": "attn_qkv",
+    "attn.out_proj": "attn_output",
+    "norm1": "attn_output_norm",
+    "mlp.fc11": "ffn_up",
+    "mlp.fc12": "ffn_gate",
+    "mlp.fc2": "ffn_down",
+    "norm2": "layer_output_norm",
+}
+
+
+def write_nomic_bert_gguf(model_dir: str | Path, out: str | Path, pooling_type: int = 1) -> Path:
+    """A nomic-bert directory (make_tiny_nomic_bert's) as llama.cpp's converter writes it (F32):
+    `nomic-bert` metadata with its RoPE base, the WordPiece vocabulary as write_bert_gguf's, and
+    the tensors under its names (q / k / v fused as attn_qkv, fc11 up, fc12 gate)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "nomic-bert")
+    _write_bert_metadata(w, config, pooling_type, config["max_position_embeddings"])
+    w.add_rope_freq_base(float((config.get("rope_parameters") or {}).get("rope_theta", 1000.0)))
+    _write_wordpiece(w, model_dir)
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        if name.startswith("encoder.layers."):
+            _, _, n, stem = name.split(".", 3)
+            stem, kind = stem.rsplit(".", 1)
+            name = f"blk.{n}.{CONVERTER_NOMIC_NAMES[stem]}.{kind}"
+        else:
+            name = {
+                "embeddings.word_embeddings.weight": "token_embd.weight",
+                "embeddings.token_type_embeddings.weight": "token_types.weight",
+                "emb_ln.weight": "token_embd_norm.weight",
+                "emb_ln.bias": "token_embd_norm.bias",
+            }[name]
+        w.add_tensor(name, tensor.astype("float32"))
     return _finish(w, out)
 
 
