@@ -102,14 +102,15 @@ static void add_and_norm(float *hidden, const float *out, int64_t weight, int64_
 /* The attention blocks of the inputs (spans: [n_spans][first row, rows]): up to MAX_BLOCK_QUERIES
  * rows of one input each, as (first row, rows, the input's first row); and each row's input's
  * length in `ends` (every row sees the input's every key).
- * Returns the blocks, or -1 where a span leaves the rows, is longer than max_seq or does not run
- * from position 0. */
+ * Returns the blocks, or -1 where the spans do not cover the rows one after another, or one is
+ * longer than max_seq or does not run from position 0. */
 static int64_t attention_blocks(const Model *md, const int64_t *spans, int n_spans, const int64_t *positions, int rows,
                                 int64_t *blocks, int64_t *ends) {
-    int64_t n = 0;
+    int64_t n = 0, next = 0; /* (the spans cover the rows in order: at most one block per row) */
     for (int s = 0; s < n_spans; s++) {
         const int64_t first = spans[2 * s], len = spans[2 * s + 1];
-        if (first < 0 || len <= 0 || len > md->max_seq || first + len > rows) return -1;
+        if (first != next || len <= 0 || len > md->max_seq || first + len > rows) return -1;
+        next = first + len;
         for (int64_t r = first; r < first + len; r++) {
             if (positions[r] != r - first) return -1; /* (an input comes whole, from position 0) */
             ends[r] = len;
@@ -119,7 +120,7 @@ static int64_t attention_blocks(const Model *md, const int64_t *spans, int n_spa
             blocks[3 * n + 2] = first, n++;
         }
     }
-    return n;
+    return next == rows ? n : -1;
 }
 
 /* One iteration: `rows` tokens, token r at positions[r] of its input with token type types[r]
