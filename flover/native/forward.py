@@ -124,13 +124,19 @@ def layer_linears(model: DecoderForCausalLM) -> list:
     return linears
 
 
-def projection_runs(linears: list, packed: bool) -> dict[int, list[Run]]:
-    """id(linear) -> its runs of codes, for the linears that run on codes (int4's only where its codes were kept)."""
-    return {
+def projection_runs(linears: list, packed: bool, heads: list = ()) -> dict[int, list[Run]]:
+    """id(linear) -> its runs of codes, for the linears (and `heads`) that run on codes (int4's only
+    where its codes were kept); NativeUnavailable where the layers' kernels cannot take a linear's."""
+    runs = {
         id(lin): runs_of(lin.quantized, packed)
-        for lin in linears
+        for lin in [*linears, *heads]
         if lin.quantized is not None and (lin.quantized.mode != "int4" or lin.quantized.codes is not None)
     }
+    for lin in linears:
+        why = check_runs(runs.get(id(lin), []))
+        if why is not None:
+            raise NativeUnavailable(why)
+    return runs
 
 
 @dataclass
@@ -153,11 +159,7 @@ class WeightPlan:
         tied = model.cfg.tie_word_embeddings and ends and model.lm_head.quantized is None
         head = model.embed if tied else model.lm_head.weight if ends else None
         linears = layer_linears(model)
-        runs = projection_runs(linears + ends, packed)
-        for lin in linears:
-            why = check_runs(runs.get(id(lin), []))
-            if why is not None:
-                raise NativeUnavailable(why)
+        runs = projection_runs(linears, packed, ends)
         head_runs = id(model.lm_head) in runs
         dense = ([] if head_runs or head is None else [head]) + [lin.weight for lin in linears if id(lin) not in runs]
         dense += [layer.experts.router for layer in model.layers if layer.experts is not None]
@@ -169,10 +171,6 @@ class WeightPlan:
     def of_projections(cls, linears: list, packed: bool) -> "WeightPlan":
         """The plan of projections alone (an encoder's: no head, no screen)."""
         runs = projection_runs(linears, packed)
-        for lin in linears:
-            why = check_runs(runs.get(id(lin), []))
-            if why is not None:
-                raise NativeUnavailable(why)
         dense = [lin.weight for lin in linears if id(lin) not in runs]
         return cls(None, runs, [lin for lin in linears if id(lin) in runs], dense, None)
 
@@ -257,7 +255,7 @@ class NativeForward:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup ...
             if self._model_struct.embed_grid:  # ... unless the head's codes are
                 model.embed.data = torch.empty(0, dtype=dtype)
-        self._layer_structs = self._layer_structs_of(plan, release, buffer)
+        self._layer_structs = self._layer_structs_of(release, buffer)
         failed = self.lib.flover_check_layers(self._model_struct, self._layer_structs)
         if failed:
             raise ValueError(f"native step: {SHAPE_CHECKS[failed]}")
@@ -314,12 +312,12 @@ class NativeForward:
             fields.update(act=CLAMPED_SWIGLU, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
         return fields
 
-    def _experts_layer_fields(self, plan: WeightPlan, experts, release: bool) -> dict:
+    def _experts_layer_fields(self, experts, release: bool) -> dict:
         """Layer's fields of a layer of experts: its blocked router, and per expert the address of
         its blocked gate_up / down weight or of their Grid, in int64 arrays."""
         tables = {}
         for kind, linears in (("gate_up", experts.gate_up), ("down", experts.down)):
-            placed = [self._projection(plan, lin) for lin in linears]
+            placed = [self._weights.projection(lin) for lin in linears]
             for lin in linears if release else ():
                 lin.release()
             biases = [self._address(lin.bias) for lin in linears]  # (gpt-oss; else zeros)
@@ -327,7 +325,7 @@ class NativeForward:
                 values = biases if column is None else [p[column] for p in placed]
                 self._expert_tables.append(torch.tensor(values, dtype=torch.int64))
                 tables[field] = self._expert_tables[-1].data_ptr() if any(values) else 0
-        shared = recurrent.shared_expert_fields(experts, lambda lin: self._projection(plan, lin), self._address)
+        shared = recurrent.shared_expert_fields(experts, self._weights.projection, self._address)
         for lin in (experts.shared_gate_up, experts.shared_down) if shared and release else ():
             lin.release()
         return dict(
@@ -338,9 +336,6 @@ class NativeForward:
             **shared,
         )
 
-    def _projection(self, plan: WeightPlan, lin) -> tuple[int, int]:
-        return self._weights.projection(lin)
-
     def _head_fields(self, plan: WeightPlan) -> dict[str, int]:
         """The head's addresses: a GGUF file's codes (a Grid, which a tied embedding shares), int8
         rows (--quantization int4 / int8), or a blocked dense head; and its greedy screen's."""
@@ -349,7 +344,7 @@ class NativeForward:
         if lm_head is None:  # a later pipeline stage: no head
             return fields
         if id(lm_head) in plan.runs and lm_head.quantized.mode == "file":
-            fields["head_grid"] = self._projection(plan, lm_head)[1]
+            fields["head_grid"] = self._weights.projection(lm_head)[1]
             fields["embed_grid"] = fields["head_grid"] if tied else 0  # looked up in the same codes
         elif id(lm_head) in plan.runs:
             ((codes, scales),) = self._weights.placed(plan.runs[id(lm_head)])
@@ -436,23 +431,23 @@ class NativeForward:
                 fields[name] = self._norm_weights[-1].data_ptr()
         return fields
 
-    def _layer_structs_of(self, plan: WeightPlan, release: bool, buffer: KVSlots) -> ctypes.Array:
+    def _layer_structs_of(self, release: bool, buffer: KVSlots) -> ctypes.Array:
         """native.h's Layer of every layer, in one array; `release`: each projection once copied."""
         layers = (abi.Layer * len(self.model.layers))()
         for i, (layer, window) in enumerate(zip(self.model.layers, self.model.windows)):
             # (a DeltaNet layer: no qkv / o, its states in the buffer instead of KV, native/recurrent.py)
             present = [name for name in PROJECTIONS if getattr(layer, name) is not None]  # (experts: no MLP)
-            blocked = {name: self._projection(plan, getattr(layer, name)) for name in present}
+            blocked = {name: self._weights.projection(getattr(layer, name)) for name in present}
             blocked.update({name: (0, 0) for name in PROJECTIONS if name not in present})
             if release:
                 for name in present:
                     getattr(layer, name).release()
-            experts = {} if layer.experts is None else self._experts_layer_fields(plan, layer.experts, release)
+            experts = {} if layer.experts is None else self._experts_layer_fields(layer.experts, release)
             if layer.sinks is not None:  # (gpt-oss) a float32 copy of its heads' sink logits
                 self._norm_weights.append(layer.sinks.detach().float().contiguous())
                 experts["sinks"] = self._norm_weights[-1].data_ptr()
             if layer.linear is not None:
-                state = self._delta_fields(plan, layer.linear, buffer.layers[i], release)
+                state = self._delta_fields(layer.linear, buffer.layers[i], release)
             else:
                 state = self._kv_fields(buffer, i)
             layers[i] = abi.Layer(
@@ -495,10 +490,9 @@ class NativeForward:
             kv_pos=kv.stride(3),
         )
 
-    def _delta_fields(self, plan: WeightPlan, linear, state, release: bool) -> dict:
+    def _delta_fields(self, linear, state, release: bool) -> dict:
         """A DeltaNet layer's projections, small tensors and states (native/recurrent.py)."""
-        projection = lambda lin: self._projection(plan, lin)  # noqa: E731
-        fields = recurrent.layer_fields(linear, state, projection, self._address, self._norm_weights)
+        fields = recurrent.layer_fields(linear, state, self._weights.projection, self._address, self._norm_weights)
         if release:
             linear.in_proj.release()
             linear.out.release()
