@@ -265,6 +265,8 @@ API int flover_check_model(const Model *md) {
 
 /* What flover_forward assumes of each layer's KV, checked once as the model is: 0, or 6. */
 API int flover_check_layers(const Model *md, const Layer *layers) {
+    if (md->bidirectional && !prompt_blocks_group(md, layers))
+        return 11; /* attention both ways runs in the blocked prompt kernel only */
     for (int64_t l = 0; l < md->layers; l++) {
         const Layer *ly = &layers[l];
         if (ly->delta) { /* a DeltaNet layer: its projections and states instead of KV */
@@ -280,8 +282,6 @@ API int flover_check_layers(const Model *md, const Layer *layers) {
                    layer_view(md, ly).head_dim > widest_view(md).head_dim ||
                    layer_view(md, ly).kv_heads > widest_view(md).kv_heads || layer_view(md, ly).inter > widest_view(md).inter)
             return 6; /* a slot's rows and heads must not overlap one another */
-        if (md->bidirectional && !prompt_blocks_group(md, layers))
-            return 11; /* attention both ways runs in the blocked prompt kernel only */
         if ((ly->pl_gate || ly->pl_gate_grid) && (!md->per_layer_width || !(ly->pl_proj || ly->pl_proj_grid) || !ly->pl_norm))
             return 10; /* a per-layer input: its gate, projection and norm */
         if (ly->router ? !md->experts || !ly->expert_load || !(ly->expert_gate_up || ly->expert_gate_up_grid) ||
