@@ -116,16 +116,20 @@ void swiglu_clamped_mul(const float *gate_up, int64_t inter, int bf, float limit
     }
 }
 
-/* out = rnd(rnd(gelu_tanh(gate)) * up), as F.gelu(approximate="tanh") then the product (Gemma's
- * GeGLU): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1). */
+/* F.gelu(approximate="tanh"), unrounded: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+ * tanh(y) = 1 - 2 / (exp(2y) + 1). */
+static inline v16 v_gelu_tanh(v16 g) {
+    const v16 y = v_mul(v_set1(0.7978845608028654f), v_fmadd(v_mul(v_set1(0.044715f), v_mul(g, g)), g, g));
+    const v16 t = v_sub(v_set1(1.f), v_div(v_set1(2.f), v_add(v_exp(v_add(y, y)), v_set1(1.f))));
+    return v_mul(v_mul(v_set1(0.5f), g), v_add(v_set1(1.f), t));
+}
+
+/* out = rnd(rnd(gelu_tanh(gate)) * up), as F.gelu(approximate="tanh") then the product (Gemma's GeGLU). */
 void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
     const float *up = gate_up + inter;
     for (int64_t i = 0; i < inter; i += 16) {
         const int64_t n = inter - i;
-        const v16 g = v_loadn(gate_up + i, n);
-        const v16 y = v_mul(v_set1(0.7978845608028654f), v_fmadd(v_mul(v_set1(0.044715f), v_mul(g, g)), g, g));
-        const v16 t = v_sub(v_set1(1.f), v_div(v_set1(2.f), v_add(v_exp(v_add(y, y)), v_set1(1.f))));
-        const v16 act = v_rnd(v_mul(v_mul(v_set1(0.5f), g), v_add(v_set1(1.f), t)), bf);
+        const v16 act = v_rnd(v_gelu_tanh(v_loadn(gate_up + i, n)), bf);
         v_storen(out + i, v_rnd(v_mul(act, v_loadn(up + i, n)), bf), n);
     }
 }
@@ -167,14 +171,9 @@ static inline v16 v_erf(v16 x) {
 void gelu_row(const float *x, int64_t n, int tanh_form, int bf, float *out) {
     for (int64_t i = 0; i < n; i += 16) {
         const int64_t m = n - i;
-        const v16 g = v_loadn(x + i, m), half = v_mul(v_set1(0.5f), g);
-        v16 act;
-        if (tanh_form) {
-            const v16 y = v_mul(v_set1(0.7978845608028654f), v_fmadd(v_mul(v_set1(0.044715f), v_mul(g, g)), g, g));
-            const v16 t = v_sub(v_set1(1.f), v_div(v_set1(2.f), v_add(v_exp(v_add(y, y)), v_set1(1.f))));
-            act = v_mul(half, v_add(v_set1(1.f), t));
-        } else
-            act = v_mul(half, v_add(v_set1(1.f), v_erf(v_mul(g, v_set1(0.70710678118654752f)))));
+        const v16 g = v_loadn(x + i, m);
+        const v16 act = tanh_form ? v_gelu_tanh(g)
+                                  : v_mul(v_mul(v_set1(0.5f), g), v_add(v_set1(1.f), v_erf(v_mul(g, v_set1(0.70710678118654752f)))));
         v_storen(out + i, v_rnd(act, bf), m);
     }
 }
