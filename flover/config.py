@@ -194,6 +194,7 @@ CUDA_GRAPHS = ("auto", "off", "eager")
 # any TP in float32/bfloat16 (quantized or not), when a C compiler is there.
 NATIVE_FORWARD = ("auto", "off")
 POOLING_MODES = ("mean", "cls", "last", "max", "mean_sqrt_len")  # embeddings' (flover/models/pooling.py)
+RANK = "rank"  # --pooling's other choice: a decoder as a reranker (llama.cpp's name for rank pooling)
 NATIVE_KERNELS = ("auto", "avx512bf16", "avx512vnni", "avx512", "avx2", "neon", "generic")
 
 
@@ -304,7 +305,7 @@ class EngineConfig:
             "decoder as a reranker (Qwen3-Reranker's uploads), as sentence-transformers' CrossEncoder "
             "loads one: each (query, document) pair rendered by the chat template, scored by the last "
             "token's logit of 'yes' minus 'no', sigmoid",
-            choices=(*POOLING_MODES, "rank"),
+            choices=(*POOLING_MODES, RANK),
         ),
     )
     prefix_cache_mib: float = field(

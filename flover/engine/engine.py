@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from flover.config import EngineConfig, SamplingParams, threads_per_rank
+from flover.config import RANK, EngineConfig, SamplingParams, threads_per_rank
 from flover.engine.intake import Intake
 from flover.engine.interface import EngineStats, ServingEngine
 from flover.engine.output import OutputProcessor
@@ -248,7 +248,7 @@ class Engine(ServingEngine):
 
     def _pooling(self, config: EngineConfig, checkpoint) -> Pooling | None:
         """How embedding requests pool (and whether the model is a reranker, which takes pairs)."""
-        if config.pooling == "rank" and self.model_config.embeds_only:
+        if config.pooling == RANK and self.model_config.embeds_only:
             raise CheckpointError(f"--pooling rank: {self.model_config.architecture} has no LM head to score with")
         pooling = chosen_pooling(config.pooling, checkpoint.pooling(), self.tokenizer.token_id)
         self.runner.pooling = pooling

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flover.config import POOLING_MODES, is_int  # ("last": the last token's row, as Qwen3-Embedding's)
+from flover.config import POOLING_MODES, RANK, is_int  # ("last": the last token's row, as Qwen3-Embedding's)
 from flover.models.model_config import CheckpointError, sequence_classifier_labels
 
 # sentence-transformers' Pooling config keys -> our modes
@@ -247,7 +247,6 @@ def gguf_pooling(pooling_type: int | None, source: str) -> Pooling | None:
     return Pooling(_GGUF_MODES[pooling_type], True, source)
 
 
-RANK = "rank"  # --pooling's reranker choice (llama.cpp's name for rank pooling)
 RANK_TOKENS = ("yes", "no")  # sentence-transformers' default LogitScore tokens for a causal LM
 
 

@@ -55,9 +55,9 @@ def decoder_scorer(architectures) -> str | None:
     model and a `score` head on the last token), the *ForCausalLM whose family reads it; else None."""
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return None
-    causal = architectures[0].removesuffix("ForSequenceClassification") + "ForCausalLM"
-    family = BY_ARCHITECTURE.get(causal)
-    return causal if architectures[0].endswith("ForSequenceClassification") and family is not None else None
+    stem = architectures[0].removesuffix("ForSequenceClassification")
+    causal = stem + "ForCausalLM"
+    return causal if stem != architectures[0] and causal in BY_ARCHITECTURE else None
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
