@@ -116,10 +116,7 @@ def make_tiny_nomic_bert(out: str | Path, seed: int = 0) -> Path:
     config = transformers.NomicBertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=128, **sizes)
     torch.manual_seed(seed)
     model = transformers.NomicBertModel(config)
-    with torch.no_grad():  # (transformers sets LayerNorms to ones and zeros: make them count)
-        for name, tensor in model.named_parameters():
-            if "norm" in name.lower():
-                tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    _randomize_biases_and_norms(model)
     model.save_pretrained(out)
     fast = transformers.BertTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
@@ -162,12 +159,13 @@ def as_nomic_upload(model_dir: Path) -> Path:
 
 
 def _randomize_biases_and_norms(model) -> None:
-    """transformers zeroes biases and sets LayerNorms to ones: make them count."""
+    """transformers zeroes biases and sets LayerNorms to ones: make them count (BERT's `LayerNorm`,
+    nomic-bert's `post_attention_layernorm` too)."""
     import torch
 
     with torch.no_grad():
         for name, tensor in model.named_parameters():
-            if name.endswith("bias") or "LayerNorm" in name:
+            if name.endswith("bias") or "layernorm" in name.lower():
                 tensor.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
 
 
