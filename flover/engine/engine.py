@@ -252,7 +252,9 @@ class Engine(ServingEngine):
             raise CheckpointError(f"--pooling rank: {self.model_config.architecture} has no LM head to score with")
         pooling = chosen_pooling(config.pooling, checkpoint.pooling(), self.tokenizer.token_id)
         self.runner.pooling = pooling
-        self.intake.pairs = pair_kind(pooling, self.model_config.vocab_size)
+        self.intake.pairs = pair_kind(
+            pooling, self.model_config.vocab_size, self.tokenizer.chat_template_source is not None
+        )
         self.intake.pair_template = pooling.pair_template if pooling is not None else None
         self.intake.scores_only = pooling is not None and pooling.scores_only
         if self.intake.pairs == "template" and self.intake.pair_template is None:

@@ -59,7 +59,8 @@ class Pooling:
     # llama.cpp's rerank prompt (tokenizer.chat_template.rerank: text with {query} and {document});
     # its pairs are that text, and the model scores pairs only (its converter dropped the LM head)
     pair_template: str | None = None
-    # a decoder scorer's pairs go through its chat template as a query and a document message
+    # a decoder scorer's pairs go through its chat template as a query and a document message, where
+    # its tokenizer has one (else they are joined as the tokenizer joins a pair), as sentence-transformers'
     chat_pairs: bool = False
     # the model's files hold no LM head (a reranker GGUF file, a *ForSequenceClassification): no text
     scores_only: bool = False
@@ -111,32 +112,10 @@ def _decoder_scorer_pooling(path: Path, config: dict, labels: int, activation: s
     sentence-transformers' CrossEncoder renders them (the chat template's query and document
     messages where the tokenizer has a template, else the tokenizer's own pair). It has no LM head."""
     hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
-    weights = _tensor_file(path, "score.weight")
-    score = DenseConfig(weights, hidden, labels, False, "none", "score.weight", "score.bias")
-    chat = _has_chat_template(path)
+    score = DenseConfig(path, hidden, labels, False, "none", "score.weight", "score.bias")  # (in the model's files)
     return Pooling(
-        "last", False, str(path / "config.json"), True, activation, dense=(score,), chat_pairs=chat, scores_only=True
+        "last", False, str(path / "config.json"), True, activation, dense=(score,), chat_pairs=True, scores_only=True
     )
-
-
-def _tensor_file(path: Path, name: str) -> Path:
-    """The safetensors file of a directory that holds tensor `name` (a sharded checkpoint's index says which)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return path / json.loads(index.read_text())["weight_map"][name]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: no file for {name} ({e!r})") from None
-    return path / "model.safetensors"
-
-
-def _has_chat_template(path: Path) -> bool:
-    if (path / "chat_template.jinja").is_file():
-        return True
-    try:
-        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _activation(path: Path, named: str | None, labels: int) -> str:
@@ -214,7 +193,7 @@ class DenseConfig:
     """One of sentence-transformers' Dense modules after the pooling (EmbeddingGemma's projections):
     from its directory, or as llama.cpp's converter stores it in a GGUF file (dense_2, dense_3)."""
 
-    weights: Path  # its model.safetensors (or the GGUF file)
+    weights: Path  # its model.safetensors (or the GGUF file, or the model's directory: its tensors)
     in_features: int
     out_features: int
     bias: bool
@@ -273,13 +252,14 @@ def chosen_pooling(
     return Pooling(mode, True if found is None else found.normalize, "--pooling")
 
 
-def pair_kind(pooling: Pooling | None, vocab_size: int) -> str | None:
+def pair_kind(pooling: Pooling | None, vocab_size: int, chat_template: bool = False) -> str | None:
     """How a reranker takes its (query, document) pairs (Intake.pairs): "tokenizer" (a cross-encoder),
-    "template" (a decoder's: its LogitScore, whose token ids must be the model's, or its GGUF file's
-    rerank prompt); None: not a reranker."""
+    "template" (a decoder's: its LogitScore, whose token ids must be the model's, its GGUF file's
+    rerank prompt, or a decoder scorer's where the tokenizer has a `chat_template`); None: not a
+    reranker."""
     if pooling is None or not pooling.classify:
         return None
-    if pooling.pair_template is not None or pooling.chat_pairs:
+    if pooling.pair_template is not None or pooling.chat_pairs and chat_template:
         return "template"
     if pooling.logit_tokens is None:
         return "tokenizer"

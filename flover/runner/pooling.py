@@ -9,6 +9,8 @@ and at most BLOCK - 1 rows (not its whole prompt's rows: 512 MiB for 32k positio
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from flover.models.model_config import CheckpointError
@@ -102,14 +104,19 @@ def _dense_tensors(config: DenseConfig, opened: dict) -> tuple[torch.Tensor | No
     from safetensors import SafetensorError, safe_open
 
     from flover.models.gguf_file import GGUFFile, is_gguf
+    from flover.models.safetensors_reader import CheckpointReader, Source
 
+    if Path(config.weights).is_dir():  # (a decoder scorer's head, among the model's own tensors)
+        reader = CheckpointReader(config.weights)
+        names = (config.weight_name, config.bias_name)
+        return tuple(reader.read(Source(n, reader.shape(n))) if reader.has(n) else None for n in names)
     if is_gguf(config.weights):
         if config.weights not in opened:
             opened[config.weights] = GGUFFile(config.weights)
         tensors = opened[config.weights].tensors
         found = (tensors.get(config.weight_name), tensors.get(config.bias_name) if config.bias else None)
         return tuple(None if t is None else torch.from_numpy(t.dequantize()) for t in found)
-    try:  # (only the head's tensors: a decoder scorer's file holds the whole model)
+    try:
         with safe_open(config.weights, framework="pt") as f:
             names = set(f.keys())
             return tuple(f.get_tensor(n) if n in names else None for n in (config.weight_name, config.bias_name))
