@@ -6,6 +6,7 @@ BF16's dot products where the CPU has them)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import platform
 import random
@@ -20,6 +21,7 @@ from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import LLM, Engine
 from flover.hardware import cpu_flags
 from flover.models.attention import ForwardBatch, PrefillSpan
+from flover.models.quant import Grid
 from flover.native.abi import load_library
 from flover.native.build import (
     KERNELS_ENV,
@@ -238,6 +240,21 @@ def test_engine_without_a_compiler_decodes_with_pytorch(llama_dir, monkeypatch, 
     while engine.has_unfinished():
         finals += [o for o in engine.step() if o.finished]
     assert len(finals[0].token_ids) == 5
+
+
+def test_a_files_decoded_grids_and_head_go_once_the_native_step_has_copied_them(make_gguf_mix):
+    """The native step copies a GGUF file's codes into its arena; the grids they were decoded into
+    (a byte a code: 1.3 GB of a 1B Q4_K_M file's) and the released head's 16-bit values must go
+    with PyTorch's copies, or the engine holds the model more than once."""
+    gc.collect()
+    grids = sum(isinstance(o, Grid) for o in gc.get_objects())
+    engine = Engine(EngineConfig(make_gguf_mix("Q6_K"), dtype="bfloat16", quantization="auto", max_slots=2))
+    assert engine.runner.native is not None and engine.config.quantization == "file"
+    gc.collect()
+    assert sum(isinstance(o, Grid) for o in gc.get_objects()) == grids
+    vocab, hidden = engine.model_config.vocab_size, engine.model_config.hidden_size
+    heads = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (vocab, hidden)]
+    assert not heads  # the tied head's codes are the token lookup too
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])

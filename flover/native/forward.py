@@ -256,6 +256,7 @@ class NativeForward:
             if self._model_struct.embed_grid:  # ... unless the head's codes are
                 model.embed.data = torch.empty(0, dtype=dtype)
         self._layer_structs = self._layer_structs_of(release, buffer)
+        plan.head = None  # (its copy, codes or screen are in the arena: a released head's weight goes now)
         failed = self.lib.flover_check_layers(self._model_struct, self._layer_structs)
         if failed:
             raise ValueError(f"native step: {SHAPE_CHECKS[failed]}")
@@ -348,7 +349,7 @@ class NativeForward:
             fields["embed_grid"] = fields["head_grid"] if tied else 0  # looked up in the same codes
         elif id(lm_head) in plan.runs:
             ((codes, scales),) = self._weights.placed(plan.runs[id(lm_head)])
-            plan.runs[id(lm_head)][0].fill(codes, scales)
+            plan.runs[id(lm_head)][0].fill_once(codes, scales)
             fields.update(head=codes.data_ptr(), head_scales=scales.data_ptr())
         else:
             fields["head"] = self._address(plan.head, block=True)

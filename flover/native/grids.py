@@ -54,6 +54,16 @@ class Run:
     x8: int = X8_NONE  # takes int8 inputs (tiles_int8.c's layouts): codes below 64, or signed bytes
     offset: int = 0  # x8 bytes: the stored code that means 0
 
+    def fill_once(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Fill the arena's tensors, then let go of `fill`: it holds the source grids (a GGUF
+        file's codes as bytes, 1 GB for a 1B model), which the arena's copy replaces."""
+        fill, self.fill = self.fill, _filled
+        fill(codes, scales)
+
+
+def _filled(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    raise RuntimeError("this run's arena tensors were filled already")
+
 
 def rows_last(per_row: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
     """[n, *rest] -> [blocks, *rest, 16]: rows padded with `fill` to whole blocks of 16, a block's
@@ -487,7 +497,7 @@ def grid_struct(runs: list[Run], tensors: list[tuple[torch.Tensor, torch.Tensor]
     """native.h's Grid for the runs, placed (codes, scales) in the arena and filled."""
     grid = abi.Grid(parts=len(runs))
     for i, (run, (codes, scales)) in enumerate(zip(runs, tensors)):
-        run.fill(codes, scales)
+        run.fill_once(codes, scales)
         grid.part[i] = abi.GridPart(
             kind=run.kind,
             rows=run.rows,

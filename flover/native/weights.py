@@ -69,13 +69,14 @@ class HeadScreen:
             codes.append(quantized.data)
             scales.append(quantized.scales)
         run = int8_rows_run(QuantizedWeight("int8", torch.cat(codes), torch.cat(scales), 0))
-        return cls(run.shapes + [((vocab,), torch.float32)], lambda out: run.fill(*out), torch.cat(bounds))
+        return cls(run.shapes + [((vocab,), torch.float32)], lambda out: run.fill_once(*out), torch.cat(bounds))
 
     def place(self, arena: "WeightArena") -> tuple[int, int, int]:
         """Into the arena: (copy, its row scales or 0, bounds) addresses."""
         tensors = [arena.take(shape, dtype) for shape, dtype in self.shapes]
         self.fill(tensors[:-1])
         tensors[-1].copy_(self.bounds)
+        self.fill = self.bounds = None  # (they hold the screen's source: the arena has it now)
         scales = tensors[1].data_ptr() if len(tensors) == 3 else 0
         return tensors[0].data_ptr(), scales, tensors[-1].data_ptr()
 
