@@ -318,6 +318,26 @@ class EngineConfig:
             metavar="MIB",
         ),
     )
+    prefix_cache_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "--prefix-cache-dir",
+            "also keep the prefix cache's blocks in this directory, written as they are stored: a later "
+            "process with the same model file, dtype and KV layout starts from them (the first turn "
+            "after a restart hits). A file of another model, dtype or build, a truncated or a changed "
+            "one is ignored with a warning (one rank only: not with --tp or --pp)",
+            metavar="DIR",
+        ),
+    )
+    prefix_cache_disk_mib: float = field(
+        default=4096,
+        metadata=flag(
+            "--prefix-cache-disk",
+            "MiB of files --prefix-cache-dir keeps (least recently used go first; default 4096)",
+            type=float,
+            metavar="MIB",
+        ),
+    )
     # Touch the prefix pool's pages at start-up: faulted in one by one, its first stores cost page
     # faults inside iterations; left lazy, memory grows as it fills. (A flag of `flover serve` only.)
     prefault_prefix_cache: bool = field(
@@ -410,6 +430,8 @@ class EngineConfig:
             raise ValueError(f"embed_share={self.embed_share}: must be a share >= 0")
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
+        if not 0 < self.prefix_cache_disk_mib < 2**40:
+            raise ValueError(f"prefix_cache_disk_mib={self.prefix_cache_disk_mib}: must be a size in MiB above 0")
         if self.speculate is not None and not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:
             raise ValueError(
                 f"speculate={self.speculate}, speculate_ngram={self.speculate_ngram}: draft tokens must "

@@ -17,6 +17,8 @@ import itertools
 import logging
 import time
 from collections import deque
+from importlib.metadata import version
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
@@ -26,6 +28,7 @@ from flover.engine.intake import Intake
 from flover.engine.interface import EngineStats, ServingEngine
 from flover.engine.output import OutputProcessor
 from flover.engine.prefix_cache import BLOCK_TOKENS, PrefixCache
+from flover.engine.prefix_disk import PrefixDisk, checkpoint_digest, fingerprint
 from flover.engine.scheduler import PromptFirst, Scheduler
 from flover.engine.settings import resolve_config, resolve_max_seq_len
 from flover.engine.speculation import DEFAULT_DRAFT_TOKENS, Speculation
@@ -110,7 +113,7 @@ class Engine(ServingEngine):
         self.runner = self._build_runner(checkpoint, max_seq_len, prefix_blocks, window, tp_comm, snapshots)
         self.pooling = self._pooling(config, checkpoint)  # embeddings (None: it makes none)
         self.outputs = OutputProcessor(self.tokenizer, on_fail=self._tell_followers_failed)
-        self.prefix_cache = PrefixCache(prefix_blocks, BLOCK_TOKENS, window, snapshots) if prefix_blocks else None
+        self.prefix_cache = self._prefix_cache(checkpoint, prefix_blocks, window, snapshots)
         self.scheduler = Scheduler(
             config.max_slots,
             config.max_batch_tokens,
@@ -176,6 +179,11 @@ class Engine(ServingEngine):
         state snapshots). Per rank; the same counts on every rank (heads split evenly), which keeps
         their prefix indexes making the same decisions (docs/prefix_cache.md)."""
         config, cfg = self.config, self.model_config
+        if config.prefix_cache_dir is not None and self.comm is not None:
+            raise ValueError(
+                "--prefix-cache-dir: one rank only (tensor or pipeline parallel ranks would have to agree "
+                "on every block read from disk); data-parallel groups of one rank each may share a directory"
+            )
         if cfg.embeds_only:  # (no KV kept after an input: nothing to cache; whole inputs: no window)
             return 0, None, 0
         block_bytes = kv_bytes_per_position(cfg, self.tp, self.dtype) * BLOCK_TOKENS
@@ -208,6 +216,74 @@ class Engine(ServingEngine):
                 one / 2**20,
             )
         return budget - snapshots * one, snapshots
+
+    def _prefix_cache(self, checkpoint, blocks: int, window: WindowedKV | None, snapshots: int) -> PrefixCache | None:
+        """The prefix cache (None: off), with its directory when --prefix-cache-dir names one."""
+        config, buffer = self.config, self.runner.buffer
+        if not blocks:
+            if config.prefix_cache_dir is not None:
+                log.warning("--prefix-cache-dir %s: not used, the prefix cache is off", config.prefix_cache_dir)
+            return None
+        disk = None
+        if config.prefix_cache_dir is not None:
+            disk = PrefixDisk(
+                config.prefix_cache_dir,
+                self._disk_fingerprint(checkpoint, window),
+                int(config.prefix_cache_disk_mib * 2**20),
+            )
+            log.info(
+                "prefix cache on disk: %s, %d files (%.1f MiB of %.0f), written as blocks are stored",
+                disk.dir,
+                disk.files,
+                disk.nbytes / 2**20,
+                config.prefix_cache_disk_mib,
+            )
+        return PrefixCache(blocks, BLOCK_TOKENS, window, snapshots, disk, (buffer.block_nbytes, buffer.snapshot_nbytes))
+
+    def _disk_fingerprint(self, checkpoint, window: WindowedKV | None) -> bytes:
+        """What a cached block's bytes depend on: the model's files, the dtype and quantization,
+        the build that computes them (its kernels) and the pool's and snapshots' layout."""
+        buffer, native = self.runner.buffer, self.runner.native
+        pools = [
+            (g.windowed, str(g.pool.dtype), tuple(g.pool.shape[:2]), tuple(g.pool.shape[3:])) for g in buffer.groups
+        ]
+        states = [
+            (str(t.dtype), tuple(t.shape[2:])) for t in (buffer.snapshot_conv, buffer.snapshot_state) if t is not None
+        ]
+        return fingerprint(
+            [
+                version("flover"),
+                checkpoint_digest(checkpoint.path),
+                self.config.dtype,
+                self.config.quantization,
+                Path(native.lib._name).name if native is not None else f"torch {torch.__version__}",
+                pools,
+                states,
+                (window.capacity, sorted(window.layers)) if window is not None else None,
+                self.model_config,
+            ]
+        )
+
+    def _persist(self) -> None:
+        """The blocks (and snapshots) stored by the plan just run go to disk (their rows hold them now)."""
+        cache = self.prefix_cache
+        if cache is None or cache.disk is None:
+            return
+        writes, states = cache.take_writes()
+        for w in writes:
+            cache.disk.write_block(w.key, w.previous, w.tokens, w.whole, self.runner.buffer.block_bytes(w.row))
+        for row, key in states:
+            cache.disk.write_state(key, self.runner.buffer.snapshot_bytes(row))
+
+    def flush_prefix_cache(self) -> None:
+        """With --prefix-cache-dir: the requests that finished are stored (as the next iteration
+        would) and every stored block is on disk when this returns."""
+        cache = self.prefix_cache
+        if cache is None or cache.disk is None:
+            return
+        self.runner.execute(self.scheduler.release())
+        self._persist()
+        cache.disk.flush()
 
     def _speculation(self, native: NativeForward | None, graphs: DecodeGraphs | None) -> Speculation:
         """The drafts' settings, or off where rows cannot carry them (said when they were asked
@@ -359,11 +435,22 @@ class Engine(ServingEngine):
                 "blocks_used": cache.used_blocks,
                 "blocks_total": cache.num_blocks,
                 "block_tokens": cache.block_tokens,
+                "block_bytes": buffer.block_nbytes,
+                **(self._disk_stats(cache.disk) if cache.disk is not None else {}),
             },
             native_kernels=self.runner.native.kernels if self.runner.native is not None else None,
             expert_load=self.runner.expert_load(),
             pipeline=self.runner.pipeline_stats(len(self._flights)) if self.pipe is not None else None,
+            kv_bytes_per_token=kv_bytes_per_position(self.model_config, self.tp, self.dtype),
         )
+
+    @staticmethod
+    def _disk_stats(disk: PrefixDisk) -> dict:
+        return {
+            "disk_files": disk.files,
+            "disk_bytes": disk.nbytes,
+            **{f"disk_{k}": v for k, v in dataclasses.asdict(disk.stats).items()},
+        }
 
     @torch.inference_mode()
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -375,6 +462,7 @@ class Engine(ServingEngine):
         ids, _ = self.intake.tokenize(token_ids)
         if self.scheduler.num_live >= self.config.max_slots and self.comm is None:
             self.runner.execute(self.scheduler.release())  # requests that finished still hold their slots
+            self._persist()
         slot = self.scheduler.num_live
         if slot >= self.config.max_slots or len(ids) > self.max_seq_len:
             raise ValueError("no free slot, or the sequence is longer than max_seq_len")
@@ -429,6 +517,9 @@ class Engine(ServingEngine):
         if self.pipe is not None and self.is_leader:
             self.runner.stop_followers()
         self.intake.close()
+        if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+            self.flush_prefix_cache()
+            self.prefix_cache.disk.close()
 
     def _tell_followers_failed(self, request_id: str) -> None:
         """A request failed on the leader alone: the followers retire it at the next boundary."""
@@ -448,6 +539,7 @@ class Engine(ServingEngine):
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
+        self._persist()
         updates = self.scheduler.update(plan, result, time.perf_counter())
         outputs += self.outputs.emit(updates, time.perf_counter())
         self._count(result, time.perf_counter() - started)
@@ -575,4 +667,5 @@ class LLM:
             for out in engine.step():
                 if out.finished:
                     finals[out.request_id] = out
+        engine.flush_prefix_cache()  # (with a directory: these sequences' blocks are in it now)
         return [finals[i] for i in ids]

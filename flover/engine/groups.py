@@ -281,7 +281,8 @@ def _sum_prefix_caches(caches: list[dict | None]) -> dict | None:
     caches = [c for c in caches if c]
     if not caches:
         return None
-    return {key: sum(c[key] for c in caches) if key != "block_tokens" else caches[0][key] for key in caches[0]}
+    alike = ("block_tokens", "block_bytes")  # (sizes, the same in every group)
+    return {key: caches[0][key] if key in alike else sum(c[key] for c in caches) for key in caches[0]}
 
 
 def _sum_expert_loads(loads: list[list[dict] | None]) -> list[dict] | None:

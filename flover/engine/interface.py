@@ -41,6 +41,7 @@ class EngineStats:
     # pipeline stages: {"stages", "in_flight": plans now, "busy": each stage's share of time at work
     # since the start (1 - busy: its bubble), "busy_s": those seconds, "mib_sent": each stage's activations sent}
     pipeline: dict | None = None
+    kv_bytes_per_token: int = 0  # one position's K and V over every layer that keeps them (this rank's)
 
 
 class ServingEngine(ABC):

@@ -26,9 +26,14 @@ block edge worth keeping (the last one of its prompt, the last one it generated)
 to that block when the block is stored; rows are evicted with their blocks, or alone (least
 recently used first) when another is wanted.
 
+On disk (`disk`, engine/prefix_disk.py): every block stored (and snapshot attached) is also
+written to a directory, and a lookup that runs out of blocks in memory goes on from there: each
+block found on disk takes a pool row as a stored one does and comes with the plan's copies (its
+bytes: `take_fills`); the blocks to write after the plan ran: `take_writes`.
+
 Pure bookkeeping, no tensors: the scheduler plans the copies, the slot buffer makes them. Every
 rank of a tensor-parallel job keeps its own index over its own shard of the pool and, seeing the
-same requests in the same order, makes the same decisions.
+same requests in the same order, makes the same decisions (the disk: one rank only, engine.py).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+from flover.engine.prefix_disk import STATE, PrefixDisk, chain_key
 from flover.runner.kv_window import WindowedKV
 from flover.runner.plan import BlockCopy
 
@@ -50,6 +56,7 @@ class _Block:
     index: int  # row in the pool
     key: tuple  # (parent uid, or the root of its partition; the block's tokens)
     whole: bool = True  # holds the windowed layers' rows too
+    disk_key: bytes = b""  # its key on disk (prefix_disk.chain_key), with one
 
 
 @dataclass
@@ -60,14 +67,34 @@ class PrefixStats:
     cached_tokens: int = 0  # prompt tokens they did reuse
     stored_blocks: int = 0
     evicted_blocks: int = 0
+    disk_hits: int = 0  # lookups that took at least one block from disk
+    disk_cached_tokens: int = 0  # prompt tokens those blocks held
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """A block just stored, for the disk: its pool row's bytes are its file's, once the plan ran."""
+
+    row: int
+    key: bytes
+    previous: bytes
+    tokens: tuple
+    whole: bool
 
 
 class PrefixCache:
     def __init__(
-        self, num_blocks: int, block_tokens: int = BLOCK_TOKENS, window: WindowedKV | None = None, snapshots: int = 0
+        self,
+        num_blocks: int,
+        block_tokens: int = BLOCK_TOKENS,
+        window: WindowedKV | None = None,
+        snapshots: int = 0,
+        disk: PrefixDisk | None = None,
+        nbytes: tuple[int, int] = (0, 0),
     ):
         """`window`: the model's windowed layers' bound (None: every layer keeps every position).
-        `snapshots`: rows of recurrent state (0: the model has no recurrent layers)."""
+        `snapshots`: rows of recurrent state (0: the model has no recurrent layers). `disk`: the
+        blocks' files, and `nbytes` the bytes of a block's and of a snapshot's (with a disk)."""
         self.num_blocks, self.block_tokens, self.window = num_blocks, block_tokens, window
         self._by_key: dict[tuple, _Block] = {}
         self._lru: OrderedDict[int, _Block] = OrderedDict()  # pool row -> block, least recently used first
@@ -77,6 +104,11 @@ class PrefixCache:
         self.recurrent = snapshots > 0
         self._snapshot_of: OrderedDict[int, int] = OrderedDict()  # block uid -> snapshot row, LRU first
         self._free_snapshots = list(range(snapshots - 1, -1, -1))
+        self.disk, (self.block_nbytes, self.state_nbytes) = disk, nbytes
+        self._writes: dict[int, BlockWrite] = {}  # pool row -> its block, to write once the plan ran
+        self._state_writes: dict[int, bytes] = {}  # snapshot row -> its block's disk key, likewise
+        self._fills: list[tuple[int, bytes]] = []  # (pool row, a block's bytes read from disk)
+        self._state_fills: list[tuple[int, bytes]] = []  # (snapshot row, states read from disk)
 
     @property
     def used_blocks(self) -> int:
@@ -87,7 +119,9 @@ class PrefixCache:
         position 0 (full blocks only: len(copies) x block_tokens tokens). `salt`: the partition
         (requests share cached blocks only within one; None is the common one). With windowed
         layers, the slot's window base is then `window.base_for(len(copies) x block_tokens)`."""
-        blocks = self._usable(self._chain(tokens, limit, salt))
+        chain = self._chain(tokens, limit, salt)
+        found = self._from_disk(tokens, limit, salt, chain) if self.disk is not None else []
+        blocks = self._usable(chain + found)
         s = self.stats
         s.lookups += 1
         s.queried_tokens += limit - limit % self.block_tokens
@@ -95,6 +129,10 @@ class PrefixCache:
             s.hits += 1
             s.cached_tokens += len(blocks) * self.block_tokens
             self._touch(blocks)
+        if len(blocks) > len(chain):
+            s.disk_hits += 1
+            s.disk_cached_tokens += (len(blocks) - len(chain)) * self.block_tokens
+            self.disk.stats.hits += 1
         t = self.block_tokens
         base = self.window.base_for(len(blocks) * t) if self.window else None
         return [BlockCopy(slot, i * t, b.index, self._row(i * t, base)) for i, b in enumerate(blocks)]
@@ -106,6 +144,56 @@ class PrefixCache:
         block = self._lru[copies[-1].block]
         self._snapshot_of.move_to_end(block.uid)
         return self._snapshot_of[block.uid]
+
+    def _from_disk(self, tokens: Sequence[int], limit: int, salt: str | None, chain: list[_Block]) -> list[_Block]:
+        """The blocks after `chain` that the disk holds, each put in a pool row as if stored (its
+        bytes among the fills); recurrent models: up to the last one whose snapshot it holds."""
+        t, found, last = self.block_tokens, [], chain[-1] if chain else None
+        keep = {b.index for b in chain}
+        for start in range(len(chain) * t, limit - t + 1, t):
+            previous = last.disk_key if last is not None else self.disk.root(salt)
+            own = tuple(tokens[start : start + t])
+            key = chain_key(previous, own)
+            if not self.disk.has(key):
+                break
+            got = self.disk.read_block(key, previous, own, self.block_nbytes)
+            index = self._take_row(keep) if got is not None else None
+            if index is None:
+                break
+            block = _Block(next(self._uids), index, (last.uid if last else _root(salt), own), got.whole, key)
+            self._by_key[block.key] = block
+            self._lru[index] = block
+            keep.add(index)
+            found.append(block)
+            self._fills.append((index, got.payload))
+            last = block
+        if self.recurrent:
+            self._snapshot_from_disk(found)
+        return found
+
+    def _snapshot_from_disk(self, found: list[_Block]) -> None:
+        """The deepest of `found` whose state snapshot the disk holds gets it (a snapshot row)."""
+        for block in reversed(found):
+            if not self.disk.has(block.disk_key, STATE):
+                continue
+            payload = self.disk.read_state(block.disk_key, self.state_nbytes)
+            row = self.reserve_snapshot() if payload is not None else None
+            if row is not None:
+                self._snapshot_of[block.uid] = row
+                self._state_fills.append((row, payload))
+            return
+
+    def take_fills(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+        """(pool rows, snapshot rows) to fill with bytes read from disk before this plan's loads."""
+        fills, self._fills, states, self._state_fills = self._fills, [], self._state_fills, []
+        return fills, states
+
+    def take_writes(self) -> tuple[list[BlockWrite], list[tuple[int, bytes]]]:
+        """The blocks stored (and snapshot rows attached: (row, block's key)) since the last call,
+        for the disk: their rows hold them once the plan that stored them ran."""
+        writes, self._writes = list(self._writes.values()), {}
+        states, self._state_writes = list(self._state_writes.items()), {}
+        return writes, states
 
     def _usable(self, chain: list[_Block]) -> list[_Block]:
         """The longest start of `chain` after which a query finds its window's rows in whole blocks
@@ -142,7 +230,14 @@ class PrefixCache:
                 break
             parent = chain[-1].uid if chain else _root(salt)
             whole = base is None or start >= base
-            block = _Block(next(self._uids), index, (parent, tuple(tokens[start : start + t])), whole)
+            own = tuple(tokens[start : start + t])
+            previous = key = b""
+            if self.disk is not None:
+                previous = chain[-1].disk_key if chain else self.disk.root(salt)
+                key = chain_key(previous, own)
+                if not self.disk.has(key):
+                    self._writes[index] = BlockWrite(index, key, previous, own, whole)
+            block = _Block(next(self._uids), index, (parent, own), whole, key)
             self._by_key[block.key] = block
             self._lru[index] = block
             keep.add(index)
@@ -173,6 +268,7 @@ class PrefixCache:
         for index, block in self._lru.items():  # least recently used first
             if index not in keep:
                 del self._lru[index], self._by_key[block.key]
+                self._writes.pop(index, None)  # (the row takes another block in this plan)
                 if block.uid in self._snapshot_of:
                     self._free_snapshots.append(self._snapshot_of.pop(block.uid))
                 self.stats.evicted_blocks += 1
@@ -187,10 +283,12 @@ class PrefixCache:
             return self._free_snapshots.pop()
         if self._snapshot_of:
             _uid, row = self._snapshot_of.popitem(last=False)
+            self._state_writes.pop(row, None)  # (the row takes another state in this plan)
             return row
         return None
 
     def release_snapshot(self, row: int) -> None:
+        self._state_writes.pop(row, None)
         self._free_snapshots.append(row)
 
     def attach_snapshot(self, tokens: Sequence[int], end: int, salt: str | None, row: int) -> bool:
@@ -202,6 +300,8 @@ class PrefixCache:
             self.release_snapshot(row)
             return False
         self._snapshot_of[chain[-1].uid] = row
+        if self.disk is not None and not self.disk.has(chain[-1].disk_key, STATE):
+            self._state_writes[row] = chain[-1].disk_key
         return True
 
 

@@ -160,6 +160,8 @@ class Scheduler:
 
         # 4b. admit waiting requests FCFS into the slots after the live range.
         budget = self._admit(plan, budget)
+        if self.prefix is not None and self.prefix.disk is not None:
+            plan.pool_fills, plan.state_fills = self.prefix.take_fills()
 
         # 5. drafts, in what budget prompts left, of tokens likely enough to be accepted to pay
         #    for their rows in an iteration of this size (speculation.py).

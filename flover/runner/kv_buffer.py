@@ -278,6 +278,34 @@ class SlotBuffer:
                 2, 0, 1, 3, 4, 5
             )
 
+    # -- the prefix pool's rows as bytes (the prefix cache on disk: engine/prefix_disk.py) -------
+    @property
+    def block_nbytes(self) -> int:
+        """One pool row's bytes: every group's [layers, 2, heads, block_tokens, dim]."""
+        return sum(g.pool[:, :, 0].numel() * g.pool.element_size() for g in self.groups if g.pool is not None)
+
+    @property
+    def snapshot_nbytes(self) -> int:
+        """One snapshot row's bytes: every recurrent layer's conv and recurrent state."""
+        if self.snapshot_conv is None:
+            return 0
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.snapshot_conv, self.snapshot_state))
+
+    def block_bytes(self, row: int) -> bytes:
+        return _as_bytes([g.pool[:, :, row] for g in self.groups if g.pool is not None])
+
+    def snapshot_bytes(self, row: int) -> bytes:
+        return _as_bytes([self.snapshot_conv[:, row], self.snapshot_state[:, row]])
+
+    def fill_blocks(self, fills: Sequence[tuple[int, bytes]]) -> None:
+        """Pool rows <- bytes block_bytes gave (checked by the reader: as many as block_nbytes)."""
+        for row, payload in fills:
+            _from_bytes([g.pool[:, :, row] for g in self.groups if g.pool is not None], payload)
+
+    def fill_snapshots(self, fills: Sequence[tuple[int, bytes]]) -> None:
+        for row, payload in fills:
+            _from_bytes([self.snapshot_conv[:, row], self.snapshot_state[:, row]], payload)
+
     def _pairs(
         self, copies: Sequence[BlockCopy]
     ) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]]:
@@ -288,6 +316,20 @@ class SlotBuffer:
         windowed = [(c.slot, c.window_row, c.block) for c in copies if c.window_row is not None]
         pairs = [(g.kv, g.pool, windowed if g.windowed else full) for g in self.groups if g.pool is not None]
         return [(kv, pool, picked) for kv, pool, picked in pairs if picked]
+
+
+def _as_bytes(views: list[torch.Tensor]) -> bytes:
+    """The views' elements, one after another, as bytes (on the host)."""
+    return b"".join(v.contiguous().cpu().view(torch.uint8).numpy().tobytes() for v in views)
+
+
+def _from_bytes(views: list[torch.Tensor], payload: bytes) -> None:
+    """The views <- their elements from payload, one after another (_as_bytes' inverse)."""
+    data, at = torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0
+    for view in views:
+        n = view.numel() * view.element_size()
+        view.copy_(data[at : at + n].view(view.dtype).view(view.shape))
+        at += n
 
 
 def _slot_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:

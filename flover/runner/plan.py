@@ -55,6 +55,10 @@ class StepPlan:
     loads: list[BlockCopy] = field(default_factory=list)  # prefix pool -> admitted slots, after them
     shifts: list[WindowShift] = field(default_factory=list)  # windowed layers' rows slide, after the loads
     state_loads: list[StateCopy] = field(default_factory=list)  # snapshots -> admitted slots, with the loads
+    # blocks and snapshots a lookup read from disk (engine/prefix_disk.py): their bytes into their
+    # pool and snapshot rows, before the loads copy them on
+    pool_fills: list[tuple[int, bytes]] = field(default_factory=list)
+    state_fills: list[tuple[int, bytes]] = field(default_factory=list)
     decode_snapshots: dict[int, int] = field(default_factory=dict)  # decode index -> row its state goes to
     num_live: int = 0  # live slots are [0, num_live) after this plan
     moved_kv_len: int = 0  # the longest cached sequence among the moved slots (what the moves copy)

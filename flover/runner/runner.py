@@ -204,8 +204,12 @@ class ModelRunner:
 
     def admit(self, plan: StepPlan) -> None:
         """Write the per-slot state of requests that got a slot in this plan, and copy their
-        cached prefixes into their slots."""
+        cached prefixes into their slots (those read from disk into the pool first)."""
+        if plan.pool_fills:
+            self.buffer.fill_blocks(plan.pool_fills)
         self.buffer.load_blocks(plan.loads)
+        if plan.state_fills:
+            self.buffer.fill_snapshots(plan.state_fills)
         if plan.state_loads:
             self.buffer.load_states(plan.state_loads)
         for request in plan.admitted:

@@ -671,6 +671,7 @@ class Daemon:
             "slots_used": e.running,
             "slots_total": e.slots_total,
             "kv_bytes": e.kv_bytes,
+            "kv_bytes_per_token": e.kv_bytes_per_token,
             "kv_tokens": e.kv_tokens,
             "kv_use": e.kv_use,
             "iterations": e.iterations,

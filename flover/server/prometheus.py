@@ -27,6 +27,7 @@ class _Snapshot:
                 ("kv_cache_usage_perc", "Share of the KV buffer's positions in use (0-1)", s["kv_use"]),
                 ("kv_slots_used", "Slots of the contiguous KV buffer in use", s["slots_used"]),
                 ("kv_slots_total", "Slots of the contiguous KV buffer", s["slots_total"]),
+                ("kv_cache_bytes_per_token", "KV bytes one position takes over every layer", s["kv_bytes_per_token"]),
             ),
         )
         yield from self._one_each(
@@ -81,6 +82,8 @@ class _Snapshot:
                     ),
                 ),
             )
+        if p is not None and "disk_files" in p:  # --prefix-cache-dir
+            yield from self._prefix_disk(p)
         if s.get("native_kernels"):  # an info metric: which kernels the native step runs
             info = GaugeMetricFamily(
                 PREFIX + "native_kernels_info", "The native step's kernel family", labels=[*names, "kernels"]
@@ -149,6 +152,37 @@ class _Snapshot:
             family = HistogramMetricFamily(PREFIX + name, HISTOGRAMS[name][1], labels=names)
             family.add_metric([self.model], buckets, h["sum"])
             yield family
+
+    def _prefix_disk(self, p: dict):
+        yield from self._one_each(
+            CounterMetricFamily,
+            (
+                (
+                    "prefix_cache_disk_hits",
+                    "Lookups that took blocks from the prefix cache's directory",
+                    p["disk_hits"],
+                ),
+                ("prefix_cache_disk_hit_tokens", "Prompt tokens those blocks held", p["disk_cached_tokens"]),
+                ("prefix_cache_disk_blocks_written", "Blocks written to the directory", p["disk_blocks_written"]),
+                (
+                    "prefix_cache_disk_files_ignored",
+                    "Files ignored: another model's, truncated or changed",
+                    p["disk_files_ignored"],
+                ),
+                (
+                    "prefix_cache_disk_writes_dropped",
+                    "Blocks not written: the writer was behind",
+                    p["disk_writes_dropped"],
+                ),
+            ),
+        )
+        yield from self._one_each(
+            GaugeMetricFamily,
+            (
+                ("prefix_cache_disk_files", "Files in the prefix cache's directory", p["disk_files"]),
+                ("prefix_cache_disk_bytes", "Their bytes (bounded by --prefix-cache-disk)", p["disk_bytes"]),
+            ),
+        )
 
     def _one_each(self, kind, rows):
         """A family of `kind` with this model's one sample, per (name, help, value) row."""
