@@ -50,25 +50,27 @@ def run_without_cache(model: str, prompts, dtype: str = "float64") -> list[list[
     return tokens_of(LLM(model, **options).generate(prompts, GREEDY))
 
 
-@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
-def test_a_restarted_engine_starts_the_next_turns_from_the_blocks_on_disk(llama_dir, tmp_path, dtype):
+@pytest.mark.parametrize("variant,dtype", [("llama", "float64"), ("llama", "bfloat16"), ("gemma3", "float64")])
+def test_a_restarted_engine_starts_the_next_turns_from_the_blocks_on_disk(make_model, tmp_path, variant, dtype):
     """Three conversations' first turns in one engine, shut down; a new engine on the same
     directory takes the next turns' resent history from disk (float64: the PyTorch forward;
-    bfloat16: the native step) and gives exactly the tokens of an engine without any cache."""
+    bfloat16: the native step; Gemma 3's sliding-window layers: blocks saved partial before a
+    slot's window) and gives exactly the tokens of an engine without any cache."""
+    model = make_model(variant)
     first = conversations(0)
-    before = LLM(llama_dir, **engine_options(tmp_path, dtype))
+    before = LLM(model, **engine_options(tmp_path, dtype))
     answers = before.generate(first, GREEDY)
     before.engine.shutdown()
     files = list(tmp_path.glob("*/*.block"))
     assert len(files) == sum((len(p) + 6 - 1) // 16 for p in first)  # every whole block of every sequence
 
     turns = [p + list(a.token_ids) + [7, 8, 9] for p, a in zip(first, answers)]
-    after = LLM(llama_dir, **engine_options(tmp_path, dtype))
+    after = LLM(model, **engine_options(tmp_path, dtype))
     got = after.generate(turns, GREEDY)
     stats = after.engine.stats().prefix_cache
     assert stats["disk_hits"] == 3 and stats["disk_files_ignored"] == 0
     assert [o.cached_tokens for o in got] == [(len(p) + 6 - 1) // 16 * 16 for p in first]
-    assert tokens_of(got) == run_without_cache(llama_dir, turns, dtype)
+    assert tokens_of(got) == run_without_cache(model, turns, dtype)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "changed", "another model's"])
