@@ -132,7 +132,6 @@ class PrefixCache:
         if len(blocks) > len(chain):
             s.disk_hits += 1
             s.disk_cached_tokens += (len(blocks) - len(chain)) * self.block_tokens
-            self.disk.stats.hits += 1
         t = self.block_tokens
         base = self.window.base_for(len(blocks) * t) if self.window else None
         return [BlockCopy(slot, i * t, b.index, self._row(i * t, base)) for i, b in enumerate(blocks)]

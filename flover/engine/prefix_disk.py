@@ -53,7 +53,6 @@ class DiskBlock:
 
 @dataclass
 class DiskStats:
-    hits: int = 0  # lookups that found at least one block on disk
     blocks_read: int = 0
     blocks_written: int = 0
     states_read: int = 0
