@@ -17,6 +17,7 @@ import pytest
 
 from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import LLM, Engine
+from flover.engine.prefix_cache import PrefixCache
 from flover.engine.prefix_disk import PrefixDisk, chain_key
 from tests.helpers import Server, flover_run_ok
 
@@ -211,3 +212,27 @@ def test_flover_run_again_on_the_same_directory_reads_the_prompts_blocks_from_di
     (two,) = map(json.loads, (tmp_path / "two.jsonl").read_text().splitlines())
     assert one["usage"]["cached_tokens"] == 0 and two["usage"]["cached_tokens"] == 64
     assert one["token_ids"] == two["token_ids"]
+
+
+def test_a_block_read_from_disk_never_takes_a_row_this_plans_loads_read(tmp_path):
+    """A full pool: one request's lookup loads rows from memory, the next one's reads blocks from
+    disk; those bytes land before the loads run, so they may only take other rows (an evicted row
+    that a load still reads would give the first request the second one's KV)."""
+    disk = PrefixDisk(tmp_path, bytes(32), max_bytes=2**30)
+    cache = PrefixCache(3, 16, disk=disk, nbytes=(8, 0))
+    kept, stored = [1] * 16 + [2] * 16 + [0], [5] * 16 + [6] * 16 + [0]
+    cache.store(kept, 32, slot=0)  # rows of the pool: kept's two blocks, one free
+    previous = disk.root(None)
+    for n in range(2):  # the other sequence's two blocks only on disk
+        key = chain_key(previous, stored[16 * n : 16 * n + 16])
+        disk.write_block(key, previous, stored[16 * n : 16 * n + 16], True, bytes([n]) * 8)
+        previous = key
+    disk.flush()
+    cache.take_fills(), cache.take_writes()
+    loads = cache.lookup(kept, 32, slot=1)
+    assert len(loads) == 2
+    assert len(cache.lookup(stored, 32, slot=2)) == 1  # the free row only: the others are loaded from
+    fills, _ = cache.take_fills()
+    assert [row for row, _ in fills] == [2] and not {c.block for c in loads} & {row for row, _ in fills}
+    assert len(cache.lookup(stored, 32, slot=0)) == 2  # the next plan may evict them
+    disk.close()

@@ -109,6 +109,10 @@ class PrefixCache:
         self._state_writes: dict[int, bytes] = {}  # snapshot row -> its block's disk key, likewise
         self._fills: list[tuple[int, bytes]] = []  # (pool row, a block's bytes read from disk)
         self._state_fills: list[tuple[int, bytes]] = []  # (snapshot row, states read from disk)
+        # rows this plan's loads read (with a disk): a block read from disk must not take one, its
+        # bytes land before the loads run
+        self._pinned: set[int] = set()
+        self._pinned_snapshots: set[int] = set()
 
     @property
     def used_blocks(self) -> int:
@@ -132,6 +136,8 @@ class PrefixCache:
         if len(blocks) > len(chain):
             s.disk_hits += 1
             s.disk_cached_tokens += (len(blocks) - len(chain)) * self.block_tokens
+        if self.disk is not None:
+            self._pinned.update(b.index for b in blocks)
         t = self.block_tokens
         base = self.window.base_for(len(blocks) * t) if self.window else None
         return [BlockCopy(slot, i * t, b.index, self._row(i * t, base)) for i, b in enumerate(blocks)]
@@ -142,13 +148,15 @@ class PrefixCache:
             return None
         block = self._lru[copies[-1].block]
         self._snapshot_of.move_to_end(block.uid)
+        if self.disk is not None:
+            self._pinned_snapshots.add(self._snapshot_of[block.uid])
         return self._snapshot_of[block.uid]
 
     def _from_disk(self, tokens: Sequence[int], limit: int, salt: str | None, chain: list[_Block]) -> list[_Block]:
         """The blocks after `chain` that the disk holds, each put in a pool row as if stored (its
         bytes among the fills); recurrent models: up to the last one whose snapshot it holds."""
         t, found, last = self.block_tokens, [], chain[-1] if chain else None
-        keep = {b.index for b in chain}
+        keep = {b.index for b in chain} | self._pinned
         for start in range(len(chain) * t, limit - t + 1, t):
             previous = last.disk_key if last is not None else self.disk.root(salt)
             own = tuple(tokens[start : start + t])
@@ -176,15 +184,30 @@ class PrefixCache:
             if not self.disk.has(block.disk_key, STATE):
                 continue
             payload = self.disk.read_state(block.disk_key, self.state_nbytes)
-            row = self.reserve_snapshot() if payload is not None else None
+            row = self._snapshot_row() if payload is not None else None
             if row is not None:
                 self._snapshot_of[block.uid] = row
                 self._state_fills.append((row, payload))
+                self._pinned_snapshots.add(row)
             return
 
+    def _snapshot_row(self) -> int | None:
+        """reserve_snapshot's row for a state read from disk: never one this plan loads from."""
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        for uid, row in self._snapshot_of.items():  # least recently used first
+            if row not in self._pinned_snapshots:
+                del self._snapshot_of[uid]
+                self._state_writes.pop(row, None)
+                return row
+        return None
+
     def take_fills(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
-        """(pool rows, snapshot rows) to fill with bytes read from disk before this plan's loads."""
+        """(pool rows, snapshot rows) to fill with bytes read from disk before this plan's loads;
+        the plan's lookups are over (its rows are free to take again)."""
         fills, self._fills, states, self._state_fills = self._fills, [], self._state_fills, []
+        self._pinned.clear()
+        self._pinned_snapshots.clear()
         return fills, states
 
     def take_writes(self) -> tuple[list[BlockWrite], list[tuple[int, bytes]]]:
