@@ -183,6 +183,10 @@ VARIANTS = {
     "llama-vocab509-kv4": ("llama", dict(num_key_value_heads=4), dict(vocab_size=509)),
     # head_dim 80 (not a multiple of 64) and 6 query heads sharing one kv head
     "llama-head80-group6": ("llama", dict(num_key_value_heads=1), dict(hidden_size=480, num_heads=6)),
+    # heads of whole blocks of 32 (--kv-dtype's codes): two blocks a row, the heads (4 x 64) wider
+    # than hidden and the MLP; and one block, in a sliding window
+    "llama-head64": ("llama", dict(head_dim=64)),
+    "mistral-window8-head32": ("mistral", dict(sliding_window=8, head_dim=32)),
     # inputs in multiples of 256 (K-quants' super-blocks) for GGUF files of mixed block types,
     # tied embeddings (as SmolLM2's and Llama 3.2's)
     "llama-256": ("llama", {}, dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True)),

@@ -54,6 +54,7 @@ def random_params(rng: random.Random) -> SamplingParams:
         ("mistral-window8", 7, "bfloat16", "none"),
         ("llama", 8, "bfloat16", "int4"),
         ("qwen2", 9, "bfloat16", "int8"),
+        ("llama-head64", 14, "bfloat16", "none"),  # (attention's output wider than hidden and the MLP)
     ],
 )
 def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, variant, seed, dtype, quantization):

@@ -89,7 +89,10 @@ static Work work_layout(const Model *model, int64_t rows, int64_t nt) {
     const int64_t pl = md->per_layer_width; /* (Gemma 4) a per-layer input's gate, then [gate | input] pairs */
     const int64_t widest =
         max3(max3(qkv, 2 * md->inter, 2 * md->expert_inter), max3(delta, shared, h), max3(3 * pl, md->layers * pl, 0));
-    const int64_t inner = max3(max3(md->inter, h, md->expert_inter), md->delta_value_heads * md->delta_dv, pl);
+    /* mid: the MLP's inner rows, and attention's output (heads x head_dim: wider than hidden and the
+     * MLP where heads are wide and the MLP narrow, e.g. Qwen3-MoE's) */
+    const int64_t inner = max3(max3(md->inter, h, md->expert_inter), md->delta_value_heads * md->delta_dv,
+                               max3(pl, md->heads * md->head_dim, 0));
     Work w;
     w.hidden = 0;
     w.normed = w.hidden + rows * h;
