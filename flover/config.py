@@ -10,6 +10,21 @@ from flover.chat_template import TemplateLimits
 from flover.flags import flag
 from flover.structured.spec import GrammarLimits, Structured
 
+KV_KINDS = ("q8_0", "q4_0")  # --kv-dtype's blocks (models/kv_codes.py)
+
+
+def kv_kinds(spec: str) -> tuple[str, str] | None:
+    """--kv-dtype's K and V kinds: "auto" (the model's dtype: None), "q8_0", or "q8_0,q4_0" (K, V).
+    ValueError naming what is wrong."""
+    if spec == "auto":
+        return None
+    kinds = tuple(spec.split(","))
+    kinds = kinds * 2 if len(kinds) == 1 else kinds
+    if len(kinds) != 2 or any(k not in KV_KINDS for k in kinds):
+        raise ValueError(f"kv_dtype={spec!r}: auto, or K[,V] of {', '.join(KV_KINDS)} (e.g. q8_0 or q8_0,q4_0)")
+    return kinds
+
+
 # What one request may ask for. Every value must fit the engine's per-slot tensors (int64 /
 # float32) and keep the sampler's arithmetic finite; the per-token stop check must stay cheap.
 # docs/protocol.md lists these limits.
@@ -318,6 +333,16 @@ class EngineConfig:
             metavar="MIB",
         ),
     )
+    kv_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "--kv-dtype",
+            "the KV cache's rows: auto (the model's dtype), or q8_0 / q4_0 for K and V, or K,V apart "
+            "(e.g. q8_0,q4_0): llama.cpp's blocks of 32 behind a float16 scale (-ctk / -ctv), 1.06 and "
+            "0.56 bytes a value where bfloat16 takes 2; heads of a multiple of 32 dims, on the CPU",
+            metavar="K[,V]",
+        ),
+    )
     prefix_cache_dir: str | None = field(
         default=None,
         metadata=flag(
@@ -430,6 +455,7 @@ class EngineConfig:
             raise ValueError(f"embed_share={self.embed_share}: must be a share >= 0")
         if not 0 <= self.prefix_cache_mib < 2**30:
             raise ValueError(f"prefix_cache_mib={self.prefix_cache_mib}: must be a size in MiB (0 turns it off)")
+        kv_kinds(self.kv_dtype)  # (ValueError naming the choices)
         if not 0 < self.prefix_cache_disk_mib < 2**40:
             raise ValueError(f"prefix_cache_disk_mib={self.prefix_cache_disk_mib}: must be a size in MiB above 0")
         if self.speculate is not None and not 0 <= self.speculate <= 64 or not 1 <= self.speculate_ngram <= 64:

@@ -12,9 +12,9 @@ from tests.helpers import run_random_arrivals
 
 
 def solo_tokens(
-    model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64", quantization: str = "none"
+    model_dir: str, prompt: list[int], params: SamplingParams, dtype: str = "float64", **options
 ) -> list[int]:
-    llm = LLM(model_dir, dtype=dtype, max_slots=1, max_seq_len=128, quantization=quantization)
+    llm = LLM(model_dir, dtype=dtype, max_slots=1, max_seq_len=128, **options)
     return llm.generate([prompt], params)[0].token_ids
 
 
@@ -61,7 +61,11 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
     """Many requests, random arrival iterations, random prompt and output lengths, fewer slots
     than requests and a small token budget (so prompts are chunked and holes appear in the
     middle of the buffer). Each request's tokens must equal its solo run, greedy or seeded."""
-    model_dir = make_model(variant)
+    check_fused_equals_solo(make_model(variant), seed, dtype, quantization=quantization)
+
+
+def check_fused_equals_solo(model_dir: str, seed: int, dtype: str, **options) -> None:
+    """test_outputs_do_not_depend_on_what_a_request_is_fused_with's run, with these engine options."""
     rng = random.Random(seed)
     jobs = []
     for i in range(14):
@@ -69,11 +73,7 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
         jobs.append((rng.randint(0, 30), str(i), prompt, random_params(rng)))
     jobs.sort(key=lambda j: j[0])
 
-    engine = Engine(
-        EngineConfig(
-            model_dir, dtype=dtype, max_slots=4, max_seq_len=128, max_batch_tokens=12, quantization=quantization
-        )
-    )
+    engine = Engine(EngineConfig(model_dir, dtype=dtype, max_slots=4, max_seq_len=128, max_batch_tokens=12, **options))
     assert (engine.runner.native is not None) == (dtype != "float64")
     finals, it, moves_seen, live_seen = {}, 0, 0, set()
     pending = list(jobs)
@@ -92,7 +92,7 @@ def test_outputs_do_not_depend_on_what_a_request_is_fused_with(make_model, varia
     assert len(finals) == len(jobs)
     assert max(live_seen) == 4  # the buffer was full at some point
     for _, rid, prompt, params in jobs:
-        assert finals[rid].token_ids == solo_tokens(model_dir, prompt, params, dtype, quantization), rid
+        assert finals[rid].token_ids == solo_tokens(model_dir, prompt, params, dtype, **options), rid
         assert len(finals[rid].token_ids) == params.max_new_tokens
 
 

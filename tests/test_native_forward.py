@@ -50,7 +50,7 @@ Compared = tuple[int, int, float, float, bool]  # decode rows, prompt rows, max 
 
 
 def compare_on_random_arrivals(
-    model_dir: str, dtype: str, seed: int = 0, quantization: str = "none"
+    model_dir: str, dtype: str, seed: int = 0, quantization: str = "none", **options
 ) -> tuple[list[Compared], Engine]:
     """random_arrival_jobs (some scoring their prompts) into 6 slots, in iterations of up to 24
     tokens. Every iteration the native step takes is also run through the
@@ -68,6 +68,7 @@ def compare_on_random_arrivals(
             speculate=0,  # draft rows: the PyTorch forward cannot run them
             quantization=quantization,
             keep_pytorch_weights=True,
+            **options,
         )
     )
     runner, native = engine.runner, engine.runner.native

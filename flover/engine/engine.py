@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from flover.config import RANK, EngineConfig, SamplingParams, threads_per_rank
+from flover.config import RANK, EngineConfig, SamplingParams, kv_kinds, threads_per_rank
 from flover.engine.intake import Intake
 from flover.engine.interface import EngineStats, ServingEngine
 from flover.engine.output import OutputProcessor
@@ -186,7 +186,8 @@ class Engine(ServingEngine):
             )
         if cfg.embeds_only:  # (no KV kept after an input: nothing to cache; whole inputs: no window)
             return 0, None, 0
-        block_bytes = kv_bytes_per_position(cfg, self.tp, self.dtype) * BLOCK_TOKENS
+        self._check_kv_dtype()
+        block_bytes = kv_bytes_per_position(cfg, self.tp, self.dtype, kv_kinds(config.kv_dtype)) * BLOCK_TOKENS
         budget = config.prefix_cache_mib * 2**20
         snapshots = 0
         if cfg.linear_attention is not None and budget:
@@ -196,6 +197,20 @@ class Engine(ServingEngine):
             return prefix_blocks, None, snapshots
         window = WindowedKV.plan(cfg.sliding_windows, max_seq_len, config.max_batch_tokens, BLOCK_TOKENS)
         return prefix_blocks, window, snapshots
+
+    def _check_kv_dtype(self) -> None:
+        """--kv-dtype's blocks: 32 values of one head, on the CPU (ValueError otherwise)."""
+        config, cfg = self.config, self.model_config
+        if kv_kinds(config.kv_dtype) is None:
+            return
+        if self.device.type != "cpu":
+            raise ValueError(f"--kv-dtype {config.kv_dtype}: KV codes are read by the CPU's native step only")
+        dims = {cfg.layer_head_dim(n) for n in cfg.kv_layers()}
+        if any(d % 32 for d in dims):
+            raise ValueError(
+                f"--kv-dtype {config.kv_dtype}: blocks of 32 values of one head, and this model's heads "
+                f"have {', '.join(map(str, sorted(dims)))} dims"
+            )
 
     def _snapshot_plan(self, budget: float) -> tuple[float, int]:
         """Recurrent layers keep no KV to rebuild their state from: half the prefix cache's bytes
@@ -255,6 +270,7 @@ class Engine(ServingEngine):
                 version("flover"),
                 checkpoint_digest(checkpoint.path),
                 self.config.dtype,
+                self.config.kv_dtype,
                 self.config.quantization,
                 Path(native.lib._name).name if native is not None else f"torch {torch.__version__}",
                 pools,
@@ -441,7 +457,9 @@ class Engine(ServingEngine):
             native_kernels=self.runner.native.kernels if self.runner.native is not None else None,
             expert_load=self.runner.expert_load(),
             pipeline=self.runner.pipeline_stats(len(self._flights)) if self.pipe is not None else None,
-            kv_bytes_per_token=kv_bytes_per_position(self.model_config, self.tp, self.dtype),
+            kv_bytes_per_token=kv_bytes_per_position(
+                self.model_config, self.tp, self.dtype, kv_kinds(self.config.kv_dtype)
+            ),
         )
 
     @staticmethod

@@ -90,13 +90,16 @@ def write_kv(
 def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, opts: AttentionOptions
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads * head_dim]. K/V of this iteration are already cached."""
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. K/V of this iteration are already cached
+    (a tensor, or --kv-dtype's codes: models/kv_codes.KVCodes, read as the range attention takes)."""
     outputs = []
     if batch.num_decode:
-        outputs.append(_decode(q[: batch.num_decode], k_cache, v_cache, batch, opts))
+        rows = (slice(None, batch.decode_span), slice(None), slice(None, batch.max_decode_len))
+        outputs.append(_decode(q[: batch.num_decode], k_cache[rows], v_cache[rows], batch, opts))
     for span in batch.prefills:
         q_span = q[span.token_start : span.token_start + span.length]
-        outputs.append(_prefill(q_span, k_cache[span.slot], v_cache[span.slot], span, opts))
+        rows = (span.slot, slice(None), slice(None, span.start_pos + span.length))
+        outputs.append(_prefill(q_span, k_cache[rows], v_cache[rows], span, opts))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 

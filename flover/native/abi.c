@@ -29,7 +29,7 @@ static const AbiEntry ABI[] = {
     AT(Model, delta_dv), AT(Model, delta_conv), AT(Model, delta_tiled), AT(Model, snapshot_rows), AT(Model, attn_gate),
     AT(Model, shared_inter), AT(Model, max_head_dim), AT(Model, max_kv_heads), AT(Model, max_inter), AT(Model, v_norm),
     AT(Model, per_layer_width), AT(Model, per_layer_inputs), AT(Model, per_layer_proj), AT(Model, per_layer_norm),
-    AT(Model, bidirectional),
+    AT(Model, bidirectional), AT(Model, k_type), AT(Model, v_type),
 
     SIZE(Layer), AT(Layer, input_norm), AT(Layer, qkv), AT(Layer, qkv_bias), AT(Layer, o), AT(Layer, o_bias),
     AT(Layer, post_norm), AT(Layer, gate_up), AT(Layer, gate_up_bias), AT(Layer, down), AT(Layer, down_bias),
@@ -63,7 +63,7 @@ static const AbiEntry ABI[] = {
     CODE(DT_F32), CODE(DT_BF16), CODE(G_INT4), CODE(G_INT4_K), CODE(G_INT6_K), CODE(G_INT5_K), CODE(G_INT8_ROWS),
     CODE(G_INT8_GROUPS), CODE(G_INT8_K5), CODE(G_INT8_K6), CODE(G_MXFP4), CODE(G_Q2_K), CODE(G_Q3_K),
     CODE(G_IQ4_NL), CODE(G_IQ4_XS), CODE(X8_NONE), CODE(X8_SMALL), CODE(X8_SIGNED),
-    CODE(MAX_PARTS), CODE(ENC_GELU), CODE(ENC_GELU_TANH), CODE(ENC_SWIGLU), CODE(Q4K_SUPER_BYTES), CODE(Q6K_SUPER_BYTES), CODE(Q2K_SUPER_BYTES), CODE(IQ4XS_SUPER_BYTES), CODE(SAMPLE_SCRATCH_BYTES_PER_TOKEN),
+    CODE(MAX_PARTS), CODE(ENC_GELU), CODE(ENC_GELU_TANH), CODE(ENC_SWIGLU), CODE(Q4K_SUPER_BYTES), CODE(Q6K_SUPER_BYTES), CODE(Q2K_SUPER_BYTES), CODE(IQ4XS_SUPER_BYTES), CODE(SAMPLE_SCRATCH_BYTES_PER_TOKEN), CODE(KV_DTYPE), CODE(KV_Q8_0), CODE(KV_Q4_0),
     {NULL, 0},
 };
 

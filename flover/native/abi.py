@@ -21,6 +21,7 @@ MAX_PARTS = 4  # runs of codes per projection
 ENC_GELU, ENC_GELU_TANH, ENC_SWIGLU = 0, 1, 2  # an encoder's MLP activation (Encoder.act)
 Q4K_SUPER_BYTES, Q6K_SUPER_BYTES, Q2K_SUPER_BYTES, IQ4XS_SUPER_BYTES = 384, 320, 384, 192  # per 256 inputs, 16 rows
 SAMPLE_SCRATCH_BYTES_PER_TOKEN = 28  # sampling.c: per thread, per vocabulary entry
+KV_DTYPE, KV_Q8_0, KV_Q4_0 = 0, 1, 2  # Model.k_type / v_type: rows of the model's dtype, or llama.cpp's blocks
 CODES = (
     "DT_F32",
     "DT_BF16",
@@ -49,6 +50,9 @@ CODES = (
     "Q2K_SUPER_BYTES",
     "IQ4XS_SUPER_BYTES",
     "SAMPLE_SCRATCH_BYTES_PER_TOKEN",
+    "KV_DTYPE",
+    "KV_Q8_0",
+    "KV_Q4_0",
 )
 
 
@@ -69,8 +73,9 @@ Model = _int64_struct(
     experts top_k expert_inter norm_topk weights_f32 topk_softmax swiglu_limit:d swiglu_alpha:d residual_scale:d
     delta_key_heads delta_value_heads delta_dk delta_dv delta_conv delta_tiled snapshot_rows attn_gate shared_inter
     max_head_dim max_kv_heads max_inter v_norm per_layer_width per_layer_inputs per_layer_proj per_layer_norm
-    bidirectional""",
-    "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements).",
+    bidirectional k_type v_type""",
+    "The model's shape and weight addresses (native.h: Model; pointers as addresses, KV strides in elements, "
+    "in bytes where K and V are codes).",
 )
 Layer = _int64_struct(
     "Layer",
@@ -220,6 +225,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.flover_argmax.argtypes = [p, i32, i64, i64, i32, p, i32]
     lib.flover_argmax.restype = None
     lib.flover_packed_codes.restype = i32
+    lib.flover_kv_quantize.argtypes = [p, p, i64, i64, i32]
+    lib.flover_kv_quantize.restype = None
+    lib.flover_kv_dequantize.argtypes = [p, i64, i64, i32, i32, p]
+    lib.flover_kv_dequantize.restype = None
     lib.flover_sample_scale.argtypes = [p, i32, i64, i64, p, p, p, i64, p, p, p, p, i32]
     lib.flover_sample_scale.restype = i32
     lib.flover_sample_draw.argtypes = [p, i32, i64, p, p, p, p, p, p, p, i32]

@@ -2,6 +2,7 @@
  * (attend), and a block of consecutive prompt rows of one slot (attend_prompt). Float32 softmax
  * and weighted sum of values, as the PyTorch path's attention; outputs rounded to the model
  * dtype. A row's result depends only on its own slot and position. */
+#include "kv_codes.h"
 #include "native.h"
 
 /* The weighted sum of values: PV_QUERIES queries at a time, over PV_CHUNKS x 16 dimensions, the
@@ -25,7 +26,7 @@ int vector_attention(const Model *md) {
  * output outs[g] (divided by total[g], rounded to the model dtype). Per output, keys are added in
  * order first..len-1 (so C changes no result, only the work done on lanes past head_dim). */
 #define PV_BLOCK(G, C)                                                                                     \
-    static void pv_block_##G##_##C(const void *v_base, int64_t pos, int bf, int64_t i0, int64_t d,        \
+    static void pv_block_##G##_##C(const void *v_base, int64_t pos, int bf, int vt, int64_t i0, int64_t d, \
                                    int64_t first, int64_t len, const float *sc, int64_t qs, int64_t ts,   \
                                    const float *total, float *const *outs) {                             \
         int64_t n[C];                                                                                      \
@@ -36,7 +37,9 @@ int vector_attention(const Model *md) {
         for (int64_t t = first; t < len; t++) {                                                            \
             v16 v[C];                                                                                      \
             for (int c = 0; c < C; c++)                                                                    \
-                v[c] = n[c] > 0 ? v_loadx(v_base, t * pos + i0 + 16 * c, bf, n[c]) : v_zero();             \
+                v[c] = n[c] <= 0 ? v_zero()                                                                \
+                       : vt  ? v_rnd(kv_load16((const uint8_t *)v_base + t * pos, i0 + 16 * c, vt), bf)    \
+                             : v_loadx(v_base, t * pos + i0 + 16 * c, bf, n[c]);                           \
             for (int g = 0; g < G; g++) {                                                                  \
                 const v16 p = v_set1(sc[g * qs + t * ts]);                                                 \
                 for (int c = 0; c < C; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);                       \
@@ -60,10 +63,10 @@ PV_BLOCK(8, HALF_CHUNKS)
 
 /* pv_block over `queries` queries, PV_QUERIES at a time, and every PV_DIMS dimensions (the last
  * ones, where they fit, in half the chunks: heads of 32 dims on 64-dim blocks did twice the work). */
-static void weigh_values(const void *v_base, int64_t pos, int bf, int64_t d, int64_t first, int64_t len,
+static void weigh_values(const void *v_base, int64_t pos, int bf, int vt, int64_t d, int64_t first, int64_t len,
                          const float *sc, int64_t qs, int64_t ts, int64_t queries, const float *total,
                          float *const *outs) {
-#define PV_CALL(G, C) pv_block_##G##_##C(v_base, pos, bf, i0, d, first, len, s, qs, ts, total + j0, outs + j0)
+#define PV_CALL(G, C) pv_block_##G##_##C(v_base, pos, bf, vt, i0, d, first, len, s, qs, ts, total + j0, outs + j0)
     int64_t j0 = 0;
     if (d <= 16 * HALF_CHUNKS) /* (small heads: twice the queries a value row is loaded for) */
         for (const int64_t i0 = 0; j0 + 8 <= queries; j0 += 8) {
@@ -92,9 +95,15 @@ static void weigh_values(const void *v_base, int64_t pos, int bf, int64_t d, int
  * summed across lanes together (v_sum_each). bfloat16 keys meet the query's bfloat16 copy qb
  * (exact: it holds bfloat16 values) in the dot-product instruction where the CPU has it. */
 static inline void score_keys(const float *q, const uint16_t *qb, const void *k_base, int64_t pos, int64_t d,
-                              int bf, int64_t t0, int64_t keys, float scale, float *sc) {
+                              int bf, int kt, int64_t t0, int64_t keys, float scale, float *sc) {
     v16 acc[16];
-    if (!(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
+    if (kt) /* codes (kv_codes.h): rows of pos bytes, every 16 values whole (d a multiple of 32) */
+        for (int64_t j = 0; j < 16; j++) {
+            acc[j] = v_zero();
+            for (int64_t i = 0; j < keys && i < d; i += 16)
+                acc[j] = v_fmadd(v_load(q + i), v_rnd(kv_load16((const uint8_t *)k_base + (t0 + j) * pos, i, kt), bf), acc[j]);
+        }
+    else if (!(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
         for (int64_t j = 0; j < 16; j++) {
             acc[j] = v_zero();
             for (int64_t i = 0; j < keys && i < d; i += 16)
@@ -112,9 +121,10 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
     const int64_t d = md->head_dim, pos = md->kv_pos, stride = md->max_seq;
     const float scale = md->attn_scale > 0 ? (float)md->attn_scale : 1.f / sqrtf((float)d);
     if (vector_attention(md)) {
+        const int kt = (int)md->k_type;
         uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
-        if (bf && has_bf16_dot()) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
-        const int64_t es = bf ? 2 : 4;
+        if (bf && has_bf16_dot() && !kt) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
+        const int64_t es = kt ? 1 : bf ? 2 : 4;
         for (int64_t t0 = first; t0 < len; t0 += 16) { /* 16 keys at a time, one head after another */
             /* a task reads two short streams: ask for the keys two blocks ahead and for this
              * block's values (needed after the softmax) before the prefetchers ramp up */
@@ -126,7 +136,7 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
                 }
             }
             for (int64_t g = 0; g < group; g++)
-                score_keys(q + g * d, qb + g * d, k_base, pos, d, bf, t0, len - t0 < 16 ? len - t0 : 16, scale,
+                score_keys(q + g * d, qb + g * d, k_base, pos, d, bf, kt, t0, len - t0 < 16 ? len - t0 : 16, scale,
                            scores + g * stride);
         }
         float total[MAX_GROUP];
@@ -148,7 +158,7 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
         }
         float *outs[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) outs[g] = out + g * d;
-        weigh_values(v_base, pos, bf, d, first, len, scores, stride, 1, group, total, outs);
+        weigh_values(v_base, pos, bf, (int)md->v_type, d, first, len, scores, stride, 1, group, total, outs);
         return;
     }
     for (int64_t g = 0; g < group; g++) { /* groups or heads too large for the scratch above */
@@ -224,7 +234,10 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
         const int mt = tile_rows(bf, (int)(kmax - t), (int)nb);
         float out[6 * 4 * 16];
         const void *rows = (const char *)k_base + t * pos * es;
-        if (bf && !operand_is_bf16(W_BF16)) { /* bfloat16 keys, read by the tile as floats */
+        if (md->k_type) { /* codes: the tile's keys as the tile reads the model dtype's */
+            kv_rows_to((const uint8_t *)k_base, pos, t, mt, d, (int)md->k_type, bf, keys, bf && operand_is_bf16(W_BF16));
+            rows = keys;
+        } else if (bf && !operand_is_bf16(W_BF16)) { /* bfloat16 keys, read by the tile as floats */
             for (int64_t i = 0; i < mt * d; i += 16) v_storen(keys + i, v_load_bf16n((const uint16_t *)rows + i, mt * d - i), mt * d - i);
             rows = keys;
         }
@@ -262,7 +275,16 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     const int64_t step = d <= 16 * HALF_CHUNKS ? 8 : PV_QUERIES;
     for (int64_t j0 = 0; j0 < nq; j0 += step) {
         const int64_t n_j = nq - j0 < step ? nq - j0 : step;
-        weigh_values(v_base, pos, bf, d, (int64_t)first[j0], (int64_t)len[j0 + n_j - 1], S - kmin * width + j0, 1,
-                     width, n_j, total + j0, outs + j0);
+        weigh_values(v_base, pos, bf, (int)md->v_type, d, (int64_t)first[j0], (int64_t)len[j0 + n_j - 1],
+                     S - kmin * width + j0, 1, width, n_j, total + j0, outs + j0);
     }
+}
+
+/* kv_codes.h's rows through the library (tests: the native step's codes are PyTorch's and
+ * gguf's): n rows of d floats -> n rows of blocks; and back, rounded to the dtype (bf) */
+API void flover_kv_quantize(const float *x, uint8_t *out, int64_t n, int64_t d, int type) {
+    for (int64_t r = 0; r < n; r++) kv_quantize_row(x + r * d, out + r * (d / 32) * kv_block_bytes(type), d, type);
+}
+API void flover_kv_dequantize(const uint8_t *rows, int64_t n, int64_t d, int type, int bf, float *out) {
+    kv_rows_to(rows, (d / 32) * kv_block_bytes(type), 0, n, d, type, bf, out, 0);
 }

@@ -23,6 +23,7 @@ import torch
 
 from flover.models.attention import ForwardBatch
 from flover.models.decoder import DecoderForCausalLM
+from flover.models.kv_codes import QuantizedKV
 from flover.native import abi, recurrent
 from flover.native.abi import ALL_REDUCE, kernels_of, load_library
 from flover.native.build import NativeUnavailable
@@ -34,7 +35,8 @@ from flover.native.weights import HeadScreen, WeightArena, block_weight, blocked
 class KVSlots(Protocol):
     """What the native step reads of the runner's KV buffer (runner/kv_buffer.SlotBuffer)."""
 
-    layers: Sequence[torch.Tensor]  # per layer [2, slots, kv_heads, positions, head_dim]
+    layers: Sequence[torch.Tensor]  # per layer [2, slots, kv_heads, positions, head_dim] (or a QuantizedKV)
+    kv_kinds: tuple[str, str] | None  # --kv-dtype's K and V blocks (models/kv_codes.py), None: the dtype's
     max_seq_len: int
     window_base: torch.Tensor | None  # int64 [slots]: each slot's window base, where layers slide
     window: object | None  # the windowed layers (runner/kv_window.WindowedKV: .layers), or None
@@ -62,8 +64,21 @@ SHAPE_CHECKS = {
     10: "a layer's per-layer input lacks its projection or norm, or the model its width",
     11: "attention both ways runs in the blocked prompt kernel only (at most 16 query heads per kv head, "
     "heads of at most 512 dims, KV rows of head_dim)",
+    12: "--kv-dtype's codes need heads of a multiple of 32 dims read by the vector attention (at most 16 query "
+    "heads per kv head, heads of at most 512 dims)",
 }
 CLAMPED_SWIGLU = 2  # Model.act of gpt-oss's experts (native.h)
+
+
+def _kv_rows(kv) -> torch.Tensor | None:
+    """A layer's KV tensor (--kv-dtype's codes: its bytes), None for a recurrent layer's state."""
+    return kv if isinstance(kv, torch.Tensor) else kv.rows if isinstance(kv, QuantizedKV) else None
+
+
+def _kv_types(buffer: KVSlots) -> dict:
+    kinds = buffer.kv_kinds
+    codes = {"q8_0": abi.KV_Q8_0, "q4_0": abi.KV_Q4_0}
+    return {} if kinds is None else dict(k_type=codes[kinds[0]], v_type=codes[kinds[1]])
 
 
 def argmax(lib: ctypes.CDLL, logits: torch.Tensor, threads: int, out=None) -> list[int]:
@@ -369,7 +384,8 @@ class NativeForward:
             vocab=self.vocab,
             dtype=DTYPE_CODES[self.dtype],
             max_seq=buffer.max_seq_len,
-            kv_pos=next(kv for kv in buffer.layers if isinstance(kv, torch.Tensor)).stride(3),
+            kv_pos=next(_kv_rows(kv) for kv in buffer.layers if _kv_rows(kv) is not None).stride(3),
+            **_kv_types(buffer),
             window_base=buffer.window_base.data_ptr() if buffer.window_base is not None else 0,
             embed=model.embed.data_ptr() if model.embed is not None else 0,
             final_norm=self._norm_address(model.norm),
@@ -478,12 +494,13 @@ class NativeForward:
         return layers
 
     def _kv_fields(self, buffer: KVSlots, i: int) -> dict:
-        """An attention layer's KV: its address and strides in elements, positions a slot keeps."""
-        kv = buffer.layers[i]  # [2, slots, kv_heads, positions, head_dim]
-        assert kv.is_contiguous() and kv.dtype == self.dtype
+        """An attention layer's KV: its address and strides in elements (codes: in bytes, V's row
+        kv_kind after K's), positions a slot keeps."""
+        kv = _kv_rows(buffer.layers[i])  # [2, slots, kv_heads, positions, head_dim] (codes: [1, ..., bytes])
+        assert kv.is_contiguous() and kv.dtype == (self.dtype if buffer.kv_kinds is None else torch.uint8)
         return dict(
             kv=kv.data_ptr(),
-            kv_kind=kv.stride(0),
+            kv_kind=kv.stride(0) if buffer.kv_kinds is None else buffer.layers[i].v.start,
             kv_slot=kv.stride(1),
             kv_head=kv.stride(2),
             kv_len=kv.shape[3],

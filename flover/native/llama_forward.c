@@ -22,11 +22,21 @@
 #include <math.h>
 #include <omp.h>
 
+#include "kv_codes.h"
 #include "native.h"
+
+/* The bytes of a KV stride's unit: the model dtype's element, or a byte where K and V are codes */
+static inline int64_t kv_unit(const Model *md) { return md->k_type ? 1 : md->dtype == DT_BF16 ? 2 : 4; }
 
 /* Where kv head g of `slot` keeps its keys (v = 0) or values (v = 1) in layer ly's cache. */
 static inline char *kv_head_base(const Model *md, const Layer *ly, int v, int64_t slot, int64_t g) {
-    return (char *)ly->kv + (v * ly->kv_kind + slot * ly->kv_slot + g * ly->kv_head) * (md->dtype == DT_BF16 ? 2 : 4);
+    return (char *)ly->kv + (v * ly->kv_kind + slot * ly->kv_slot + g * ly->kv_head) * kv_unit(md);
+}
+
+/* A row of d values (float32 of the model dtype's) into the cache at dst: that dtype, or codes */
+static inline void kv_store(const float *x, char *dst, int64_t d, int type, int bf) {
+    if (type) kv_quantize_row(x, (uint8_t *)dst, d, type);
+    else to_model_dtype(x, dst, d, bf);
 }
 
 /* The position row 0 of `slot` holds in layer ly's cache: its window base for a windowed layer
@@ -127,7 +137,7 @@ static int64_t prompt_blocks_group(const Model *md, const Layer *layers) {
     for (int64_t l = 0; l < md->layers; l++) {
         if (layers[l].delta) continue;
         const Model v = layer_view(md, &layers[l]);
-        if (!vector_attention(&v) || v.kv_pos != v.head_dim) return 0;
+        if (!vector_attention(&v) || (v.kv_pos != v.head_dim && !md->k_type)) return 0; /* (codes: read per tile) */
         if (v.heads / v.kv_heads > most) most = v.heads / v.kv_heads;
     }
     return most;
@@ -266,6 +276,16 @@ API int flover_check_model(const Model *md) {
     return 0;
 }
 
+/* A layer's K and V codes: both of llama.cpp's kinds, heads of whole blocks that the vector
+ * attention reads (no scalar fallback reads codes), V's row after K's within a position's */
+static int kv_codes_fit(const Model *md, const Layer *ly) {
+    const Model v = layer_view(md, ly);
+    if (md->k_type < KV_Q8_0 || md->k_type > KV_Q4_0 || md->v_type < KV_Q8_0 || md->v_type > KV_Q4_0) return 0;
+    const int64_t k_bytes = v.head_dim / 32 * kv_block_bytes((int)md->k_type);
+    const int64_t v_bytes = v.head_dim / 32 * kv_block_bytes((int)md->v_type);
+    return vector_attention(&v) && v.head_dim % 32 == 0 && ly->kv_kind >= k_bytes && v.kv_pos >= ly->kv_kind + v_bytes;
+}
+
 /* What flover_forward assumes of each layer's KV, checked once as the model is: 0, or 6. */
 API int flover_check_layers(const Model *md, const Layer *layers) {
     if (md->bidirectional && !prompt_blocks_group(md, layers))
@@ -285,6 +305,8 @@ API int flover_check_layers(const Model *md, const Layer *layers) {
                    layer_view(md, ly).head_dim > widest_view(md).head_dim ||
                    layer_view(md, ly).kv_heads > widest_view(md).kv_heads || layer_view(md, ly).inter > widest_view(md).inter)
             return 6; /* a slot's rows and heads must not overlap one another */
+        if (!ly->delta && (md->k_type || md->v_type) && !kv_codes_fit(md, ly))
+            return 12; /* --kv-dtype's codes: whole blocks, read by the vector attention */
         if ((ly->pl_gate || ly->pl_gate_grid) && (!md->per_layer_width || !(ly->pl_proj || ly->pl_proj_grid) || !ly->pl_norm))
             return 10; /* a per-layer input: its gate, projection and norm */
         if (ly->router ? !md->experts || !ly->expert_load || !(ly->expert_gate_up || ly->expert_gate_up_grid) ||
@@ -494,8 +516,9 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             for (int64_t g = 0; g < kvh; g++) {
                 float *v = row + q_size + kv_size + g * d;
                 if (md->v_norm) norm_row(md, v, md->v_norm, eps, d, bf, v); /* (Gemma 4) ones: no weight */
-                to_model_dtype(row + q_size + g * d, kv_head_base(md, ly, 0, slots[r], g) + at * lmd->kv_pos * es, d, bf);
-                to_model_dtype(v, kv_head_base(md, ly, 1, slots[r], g) + at * lmd->kv_pos * es, d, bf);
+                const int64_t row_at = at * lmd->kv_pos * kv_unit(md);
+                kv_store(row + q_size + g * d, kv_head_base(md, ly, 0, slots[r], g) + row_at, d, (int)md->k_type, bf);
+                kv_store(v, kv_head_base(md, ly, 1, slots[r], g) + row_at, d, (int)md->v_type, bf);
             }
         }
         const float *sinks = (const float *)ly->sinks; /* (gpt-oss) each query head's sink logit, or none */

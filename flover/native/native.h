@@ -36,6 +36,7 @@
 #define API __attribute__((visibility("default"))) /* everything else stays inside the library */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { KV_DTYPE = 0, KV_Q8_0 = 1, KV_Q4_0 = 2 }; /* Model.k_type, v_type */
 
 /* abi.py's Model: int64 fields, pointers as addresses. */
 typedef struct {
@@ -96,6 +97,10 @@ typedef struct {
      * (EmbeddingGemma): a prompt row sees its input's keys after it too (within a window on either
      * side); it needs the blocked prompt kernel on every layer */
     int64_t bidirectional;
+    /* --kv-dtype: K's and V's rows as llama.cpp's blocks (KV_Q8_0, KV_Q4_0: kv_codes.h; then every
+     * KV stride above and in Layer is in bytes and a position's V row follows its K row at kv_kind),
+     * else KV_DTYPE (both: rows of the model's dtype, strides in its elements) */
+    int64_t k_type, v_type;
 } Model;
 
 /* abi.py's Layer: weight addresses of one layer, 0 where the model has no such bias; the

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flover.config import EngineConfig
+from flover.config import EngineConfig, kv_kinds
 from flover.hardware import return_freed_heap
 from flover.models import ModelConfig, load_model, pack_projections, release_projections, runs_natively
 from flover.models.gated_deltanet import state_dtype, state_shapes
@@ -134,6 +134,7 @@ def _slot_buffer(s: RankSetup, scratch_slots: int) -> SlotBuffer:
         recurrent=recurrent_layout(cfg, s.tp, s.dtype, layers, s.snapshots),
         shapes=kv_shapes(cfg, s.tp, layers),
         kv_sources=[cfg.kv_source(n) - layers.start for n in layers] if cfg.kv_sources else None,
+        kv_kinds=kv_kinds(config.kv_dtype),
     )
 
 
@@ -145,10 +146,12 @@ def kv_shapes(cfg: ModelConfig, tp: TPLayout, layers: range) -> list[tuple[int, 
     return [(tp.with_kv_heads(cfg.layer_kv_heads(n)).kv_heads, cfg.layer_head_dim(n)) for n in layers]
 
 
-def kv_bytes_per_position(cfg: ModelConfig, tp: TPLayout, dtype: torch.dtype) -> int:
-    """This rank's KV bytes of one position over every layer that keeps KV."""
+def kv_bytes_per_position(
+    cfg: ModelConfig, tp: TPLayout, dtype: torch.dtype, kinds: tuple[str, str] | None = None
+) -> int:
+    """This rank's KV bytes of one position over every layer that keeps KV (`kinds`: --kv-dtype's)."""
     shapes = kv_shapes(cfg, tp, range(cfg.num_layers)) or [(tp.kv_heads, cfg.head_dim)] * cfg.num_layers
-    return sum(kv_cache_bytes(1, 1, shapes[n][0], 1, shapes[n][1], dtype) for n in cfg.kv_layers())
+    return sum(kv_cache_bytes(1, 1, shapes[n][0], 1, shapes[n][1], dtype, kinds) for n in cfg.kv_layers())
 
 
 def recurrent_layout(

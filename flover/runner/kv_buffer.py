@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from flover.models.kv_codes import position_bytes, quantized_kv
 from flover.runner.kv_window import WindowedKV, WindowShift
 from flover.runner.plan import BlockCopy, Move, StateCopy
 
@@ -70,10 +71,16 @@ def plan_compaction(occupied: Sequence[bool]) -> list[Move]:
 
 
 def kv_cache_bytes(
-    num_layers: int, max_slots: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    max_slots: int,
+    kv_heads: int,
+    max_seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kinds: tuple[str, str] | None = None,
 ) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * max_slots * kv_heads * max_seq_len * head_dim * elem
+    """`kinds`: --kv-dtype's K and V blocks (models/kv_codes.py; None: rows of `dtype`)."""
+    return num_layers * max_slots * kv_heads * max_seq_len * position_bytes(head_dim, dtype, kinds)
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -111,6 +118,7 @@ class KVGroup:
     windowed: bool
     kv: torch.Tensor
     pool: torch.Tensor | None
+    head_dim: int = 0
 
 
 class SlotBuffer:
@@ -119,6 +127,10 @@ class SlotBuffer:
     Recurrent layers (Gated DeltaNet) keep no KV: their per-slot conv and recurrent states lie in
     `conv` [layers, slots, channels, K - 1] and `recurrent_state` [layers, slots, heads, dk, dv],
     `layers[n]` is the pair of layer n's, and the shuffle moves them with the KV rows.
+
+    With --kv-dtype's codes (`kv_kinds`, models/kv_codes.py) a group's tensor holds bytes, `[layers,
+    1, slots, kv_heads, positions, K row + V row]`, and `layers[n]` is a QuantizedKV (kv[0], kv[1]
+    read and write the model's dtype; `.rows` the bytes); the copies below move bytes alike.
 
     With windowed KV (kv_window.py) the sliding-window layers live apart, `[windowed layers, 2,
     max_slots, kv_heads, capacity, head_dim]`, and the per-slot state `window_base` says which
@@ -148,6 +160,7 @@ class SlotBuffer:
         recurrent: RecurrentLayout | None = None,
         shapes: Sequence[tuple[int, int]] | None = None,
         kv_sources: Sequence[int] | None = None,
+        kv_kinds: tuple[str, str] | None = None,
     ):
         """`prefix_blocks`: rows of the prefix pool, each `block_tokens` positions (0: none).
         `scratch_slots`: KV slots past the last real one that padding rows may write (CUDA graphs).
@@ -155,7 +168,8 @@ class SlotBuffer:
         `window`: the sliding-window layers' bound (None: every layer keeps max_seq_len positions).
         `recurrent`: the layers that keep a recurrent state per slot instead of KV (None: none).
         `shapes`: per layer (kv_heads, head_dim) where they differ between layers (None: all alike).
-        `kv_sources`: per layer, the layer whose KV it reads (None: each its own)."""
+        `kv_sources`: per layer, the layer whose KV it reads (None: each its own).
+        `kv_kinds`: K's and V's blocks (None: rows of `dtype`)."""
         if prefix_blocks or window:  # whole blocks per slot, so that a slot's blocks are one view away
             max_seq_len = -(-max_seq_len // block_tokens) * block_tokens
         stateful = sorted(recurrent.layers) if recurrent else []
@@ -166,10 +180,13 @@ class SlotBuffer:
         slots = max_slots + scratch_slots
         state = recurrent.slot_bytes(dtype) * (slots + recurrent.snapshots) if recurrent else 0  # (with snapshots)
         sized = [(len(layers), heads, dim, positions) for (_, heads, dim, positions), layers in kinds.items()]
-        need, pool = _fitting_bytes(sized, max_slots, slots, dtype, block_tokens, prefix_blocks, device, state)
-        self.groups = _groups(kinds, slots, (prefix_blocks, block_tokens), dtype, device, prefault_pool)
+        need, pool = _fitting_bytes(
+            sized, max_slots, slots, (dtype, kv_kinds), block_tokens, prefix_blocks, device, state
+        )
+        self.groups = _groups(kinds, slots, (prefix_blocks, block_tokens), (dtype, kv_kinds), device, prefault_pool)
         self.kv = self.groups[0].kv if self.groups else None  # (the first group's: what most models have)
-        self.layers = _layer_views(self.groups, sources)  # per layer [2, slots, kv_heads, positions, head_dim]
+        self.kv_kinds = kv_kinds
+        self.layers = _layer_views(self.groups, sources, kv_kinds, dtype)  # per layer [2, slots, kv_heads, ...]
         self.recurrent, self.state_nbytes = recurrent, state
         self._recurrent_buffers(recurrent, stateful, slots, dtype, device)
         self.window = window
@@ -352,28 +369,38 @@ def _index(picked: list[tuple[int, int, int]], block_tokens: int, device: torch.
     return t[:, 0], t[:, 1] // block_tokens, t[:, 2]
 
 
-def _groups(kinds: dict, slots: int, blocks: tuple[int, int], dtype, device, prefault: bool) -> list[KVGroup]:
+def _groups(kinds: dict, slots: int, blocks: tuple[int, int], dtypes: tuple, device, prefault: bool) -> list[KVGroup]:
     """One KV tensor (and prefix pool: `blocks` of `block_tokens`) per kind of layers. Zeros, not
-    empty: masked-out positions are multiplied by 0 in attention and must not be NaN."""
-    count, tokens = blocks
+    empty: masked-out positions are multiplied by 0 in attention and must not be NaN (codes: a
+    zero scale). dtypes: (the model's, --kv-dtype's kinds or None)."""
+    (count, tokens), (dtype, kv_kinds) = blocks, dtypes
+
+    def shape(layers: list[int], rows: int, heads: int, positions: int, dim: int) -> tuple[int, ...]:
+        if kv_kinds is None:
+            return (len(layers), 2, rows, heads, positions, dim)
+        return (len(layers), 1, rows, heads, positions, position_bytes(dim, dtype, kv_kinds))
+
+    kind = dtype if kv_kinds is None else torch.uint8
     return [
         KVGroup(
             layers,
             windowed,
-            zeroed_tensor((len(layers), 2, slots, heads, positions, dim), dtype, device),
-            _prefix_pool((len(layers), 2, count, heads, tokens, dim), dtype, device, prefault),
+            zeroed_tensor(shape(layers, slots, heads, positions, dim), kind, device),
+            _prefix_pool(shape(layers, count, heads, tokens, dim), kind, device, prefault),
+            dim,
         )
         for (windowed, heads, dim, positions), layers in kinds.items()
     ]
 
 
-def _layer_views(groups: list[KVGroup], sources: list[int]) -> list:
-    """Per layer its [2, slots, kv_heads, positions, head_dim] in its group's tensor, or the layer's
-    it reads (Gemma 4's shared KV); None for a layer keeping none (recurrent: set after)."""
+def _layer_views(groups: list[KVGroup], sources: list[int], kv_kinds, dtype: torch.dtype) -> list:
+    """Per layer its [2, slots, kv_heads, positions, head_dim] in its group's tensor (codes: its
+    QuantizedKV), or the layer's it reads (Gemma 4's shared KV); None for a layer keeping none
+    (recurrent: set after)."""
     views: list = [None] * len(sources)
     for group in groups:
         for i, n in enumerate(group.layers):
-            views[n] = group.kv[i]
+            views[n] = group.kv[i] if kv_kinds is None else quantized_kv(group.kv[i], kv_kinds, group.head_dim, dtype)
     for n, source in enumerate(sources):
         if source != n:
             views[n] = views[source]
@@ -395,7 +422,7 @@ def _fitting_bytes(
     sized: list[tuple[int, int, int, int]],
     max_slots: int,
     slots: int,
-    dtype: torch.dtype,
+    dtypes: tuple,
     block_tokens: int,
     prefix_blocks: int,
     device,
@@ -403,11 +430,12 @@ def _fitting_bytes(
 ):
     """(the KV's bytes, the prefix pool's) where they fit the device's memory beside `state` bytes
     of recurrent layers' states and snapshots, else MemoryError naming the sizes and the flags
-    that lower them. sized: per KV group (layers, kv heads, head_dim, positions)."""
-    need = sum(kv_cache_bytes(layers, slots, heads, positions, dim, dtype) for layers, heads, dim, positions in sized)
-    pool = sum(
-        kv_cache_bytes(layers, prefix_blocks, heads, block_tokens, dim, dtype) for layers, heads, dim, _ in sized
-    )
+    that lower them. sized: per KV group (layers, kv heads, head_dim, positions); dtypes: (the
+    model's, --kv-dtype's kinds or None)."""
+    dtype, kinds = dtypes
+    need = sum(kv_cache_bytes(n, slots, heads, positions, dim, dtype, kinds) for n, heads, dim, positions in sized)
+    pool = sum(kv_cache_bytes(n, prefix_blocks, heads, block_tokens, dim, dtype, kinds) for n, heads, dim, _ in sized)
+    dtype = dtype if kinds is None else "/".join(kinds)
     have = available_memory_bytes(device)
     if need + pool + state > have:
         groups = " + ".join(

@@ -1,0 +1,94 @@
+/* --kv-dtype's rows (Model.k_type / v_type): llama.cpp's blocks of 32 values behind a float16
+ * scale, ggml's block_q8_0 {d, int8 qs[32]} and block_q4_0 {d, qs[16]: value j in the low nibble
+ * of byte j, 16 + j in the high one}, byte for byte; quantized as ggml-quants.c's reference rows
+ * (roundf; q4_0 by the value of largest magnitude over -8), written by llama_forward.c, read by
+ * attention.c 16 values at a time. flover/models/kv_codes.py is the same in PyTorch, and the
+ * values read are the same: scale times code, then rounded to the model's dtype. */
+#ifndef FLOVER_KV_CODES_H
+#define FLOVER_KV_CODES_H
+
+#include <math.h>
+#include <string.h>
+
+#include "native.h"
+
+static inline int kv_block_bytes(int type) { return type == KV_Q8_0 ? 34 : 18; }
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    if (e == 0) { /* zero, or subnormal: m 2^-24, exact */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t x = sign | (e == 31 ? 0x7f800000 | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* float32 -> float16, rounded to nearest even (as torch's and numpy's casts) */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0)); /* inf, NaN */
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                              /* >= 65520: inf */
+    if (ax < 0x38800000) { /* below 2^-14: a subnormal's m = |f| 2^24, rounded (exact scaling) */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)rintf(a * 16777216.f));
+    }
+    return (uint16_t)(sign | ((ax - 0x38000000 + 0xfff + ((ax >> 13) & 1)) >> 13));
+}
+
+/* a product kept apart from the add after it (gcc contracts a * b + c into an FMA, which
+ * rounds once where PyTorch rounds twice) */
+static inline float kept(float v) {
+    volatile float w = v;
+    return w;
+}
+
+/* One head's row of d values (float32, of the model dtype's values) -> d / 32 blocks at dst */
+static inline void kv_quantize_row(const float *x, uint8_t *dst, int64_t d, int type) {
+    for (int64_t b = 0; b < d / 32; b++, x += 32, dst += kv_block_bytes(type)) {
+        float most = 0.f, largest = 0.f;
+        for (int j = 0; j < 32; j++)
+            if (most < fabsf(x[j])) most = fabsf(x[j]), largest = x[j];
+        const float scale = type == KV_Q8_0 ? most / 127.f : largest / -8.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+        const uint16_t h = f32_to_f16(scale);
+        memcpy(dst, &h, 2);
+        if (type == KV_Q8_0)
+            for (int j = 0; j < 32; j++) dst[2 + j] = (uint8_t)(int8_t)roundf(x[j] * inverse);
+        else
+            for (int j = 0; j < 16; j++) {
+                const int lo = (int)(kept(x[j] * inverse) + 8.5f), hi = (int)(kept(x[16 + j] * inverse) + 8.5f);
+                dst[2 + j] = (uint8_t)((lo < 15 ? lo : 15) | (hi < 15 ? hi : 15) << 4);
+            }
+    }
+}
+
+/* Values i..i+15 (i a multiple of 16) of a row of blocks: scale times code (q4_0: code - 8) */
+static inline v16 kv_load16(const uint8_t *row, int64_t i, int type) {
+    const uint8_t *block = row + (i / 32) * kv_block_bytes(type);
+    uint16_t h;
+    memcpy(&h, block, 2);
+    const v16 scale = v_set1(f16_to_f32(h));
+    if (type == KV_Q8_0) return v_mul(scale, v_load_i8((const int8_t *)block + 2 + i % 32));
+    int8_t codes[16];
+    for (int j = 0; j < 16; j++) codes[j] = (int8_t)((i % 32 ? block[2 + j] >> 4 : block[2 + j] & 15) - 8);
+    return v_mul(scale, v_load_i8(codes));
+}
+
+/* Rows [t0, t0 + n) of `rows` (a row every `pos` bytes) -> n x d values at out: floats of the model
+ * dtype's values, or bfloat16 (as16) */
+static inline void kv_rows_to(const uint8_t *rows, int64_t pos, int64_t t0, int64_t n, int64_t d, int type, int bf,
+                              void *out, int as16) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < d; i += 16) {
+            const v16 v = v_rnd(kv_load16(rows + (t0 + t) * pos, i, type), bf);
+            if (as16) v_storex(out, t * d + i, v, 1, 16);
+            else v_store((float *)out + t * d + i, v);
+        }
+}
+
+#endif
