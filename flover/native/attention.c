@@ -97,7 +97,11 @@ static void weigh_values(const void *v_base, int64_t pos, int bf, int vt, int64_
 static inline void score_keys(const float *q, const uint16_t *qb, const void *k_base, int64_t pos, int64_t d,
                               int bf, int kt, int64_t t0, int64_t keys, float scale, float *sc) {
     v16 acc[16];
-    if (kt) /* codes (kv_codes.h): rows of pos bytes, every 16 values whole (d a multiple of 32) */
+    uint16_t kb[16 * MAX_HEAD_DIM]; /* (codes: 16 keys in bfloat16 for the dot product) */
+    if (kt && bf && has_bf16_dot()) { /* codes as bfloat16 rows: the dot product bfloat16 KV takes */
+        kv_rows_to((const uint8_t *)k_base, pos, t0, keys, d, kt, 1, kb, 1);
+        keys_bf16_dot(qb, kb, d, d, 0, keys, acc);
+    } else if (kt) /* codes (kv_codes.h): rows of pos bytes, every 16 values whole (d a multiple of 32) */
         for (int64_t j = 0; j < 16; j++) {
             acc[j] = v_zero();
             for (int64_t i = 0; j < keys && i < d; i += 16)
@@ -123,7 +127,7 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
     if (vector_attention(md)) {
         const int kt = (int)md->k_type;
         uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
-        if (bf && has_bf16_dot() && !kt) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
+        if (bf && has_bf16_dot()) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
         const int64_t es = kt ? 1 : bf ? 2 : 4;
         for (int64_t t0 = first; t0 < len; t0 += 16) { /* 16 keys at a time, one head after another */
             /* a task reads two short streams: ask for the keys two blocks ahead and for this

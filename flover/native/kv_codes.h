@@ -14,6 +14,10 @@
 
 static inline int kv_block_bytes(int type) { return type == KV_Q8_0 ? 34 : 18; }
 
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* (exact, subnormals too) */
+#else
 static inline float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
     if (e == 0) { /* zero, or subnormal: m 2^-24, exact */
@@ -25,6 +29,7 @@ static inline float f16_to_f32(uint16_t h) {
     memcpy(&f, &x, 4);
     return f;
 }
+#endif
 
 /* float32 -> float16, rounded to nearest even (as torch's and numpy's casts) */
 static inline uint16_t f32_to_f16(float f) {

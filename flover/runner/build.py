@@ -232,7 +232,7 @@ def _log_memory(s: RankSetup, buffer: SlotBuffer) -> None:
         config.max_slots,
         s.max_seq_len,
         f"; {len(window.layers)} sliding-window layers x {window.capacity}" if window else "",
-        config.dtype,
+        config.dtype if buffer.kv_kinds is None else "K {} and V {} blocks".format(*buffer.kv_kinds),
         f", weights {config.quantization}" if config.quantization != "none" else "",
     )
     log.info(
