@@ -49,7 +49,8 @@ def main() -> None:
     ref_logits = [reference_engine.score(p + r)[len(p) - 1 : -1].double() for p, r in zip(prompts, reference)]
     kv = {k: e.stats().kv_bytes_per_token for k, e in engines.items()}
     print(f"{args.model}, {args.dtype}, {len(prompts)} prompts, {args.new_tokens} greedy tokens each\n")
-    print("| KV (K, V) | bytes a token | top-1 agreement | mean KL(dtype's KV ‖ codes) | logit error median / max | greedy runs equal |")
+    print("| KV (K, V) | bytes a token | top-1 agreement | mean KL(dtype's KV ‖ codes) ", end="")
+    print("| logit error median / max | greedy runs equal |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind, engine in engines.items():
         agree = total = 0
