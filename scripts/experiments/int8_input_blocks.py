@@ -17,10 +17,8 @@ median and max over positions), and the greedy runs equal to the float path's.
 from __future__ import annotations
 
 import argparse
-import statistics
 
-import torch
-from quant_accuracy import PROMPTS, greedy  # (this directory's: the same prompts and greedy runs)
+from quant_accuracy import PROMPTS, against_reference, greedy  # (this directory's: the same prompts, runs, scores)
 
 from flover import Engine, EngineConfig
 from flover.models.layers import Linear
@@ -54,21 +52,7 @@ def main() -> None:
     for way, label, engine in ways:
         if engine is torch_engine:
             set_blocks(engine, way, kept)
-        agree = total = 0
-        kl, errors = 0.0, []
-        for p, r, ref in zip(prompts, reference, ref_logits):
-            logits = engine.score(p + r)[len(p) - 1 : -1].double()
-            lp, ref_lp = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
-            agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
-            total += len(r)
-            kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
-            errors += ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
-        same = sum(g == r for g, r in zip(greedy(engine, prompts, args.new_tokens), reference))
-        print(
-            f"| {label} | {agree / total:.1%} | {kl / total:.5f} | {statistics.median(errors):.2%} / "
-            f"{max(errors):.2%} | {same}/{len(prompts)} |",
-            flush=True,
-        )
+        print(f"| {label} | {against_reference(engine, prompts, reference, ref_logits, args.new_tokens)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ equal to the reference's.
 from __future__ import annotations
 
 import argparse
-import statistics
 
-import torch
-from quant_accuracy import PROMPTS, greedy  # (this directory's: the same prompts and greedy runs)
+from quant_accuracy import PROMPTS, against_reference, greedy  # (this directory's: the same prompts, runs, scores)
 
 from flover import Engine, EngineConfig
 
@@ -53,22 +51,8 @@ def main() -> None:
     print("| logit error median / max | greedy runs equal |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind, engine in engines.items():
-        agree = total = 0
-        kl, errors = 0.0, []
-        for p, r, ref in zip(prompts, reference, ref_logits):
-            logits = engine.score(p + r)[len(p) - 1 : -1].double()
-            lp, ref_lp = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
-            agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
-            total += len(r)
-            kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
-            errors += ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
-        same = sum(g == r for g, r in zip(greedy(engine, prompts, args.new_tokens), reference))
-        label = args.dtype if kind == "auto" else kind
-        print(
-            f"| {label} | {kv[kind]} | {agree / total:.1%} | {kl / total:.5f} | {statistics.median(errors):.2%} / "
-            f"{max(errors):.2%} | {same}/{len(prompts)} |",
-            flush=True,
-        )
+        cells = against_reference(engine, prompts, reference, ref_logits, args.new_tokens)
+        print(f"| {args.dtype if kind == 'auto' else kind} | {kv[kind]} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

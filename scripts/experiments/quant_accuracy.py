@@ -59,6 +59,28 @@ def greedy(e: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
+def against_reference(
+    e: Engine, prompts: list[list[int]], reference: list[list[int]], ref_logits: list[torch.Tensor], new: int
+) -> str:
+    """One way scored on the reference's sequences (teacher forcing) and run greedily: the table's
+    cells "top-1 agreement | mean KL(reference ‖ way) | logit error median / max | greedy runs equal"."""
+    agree = total = 0
+    kl, errors = 0.0, []
+    for p, r, ref in zip(prompts, reference, ref_logits):
+        logits = e.score(p + r)[len(p) - 1 : -1].double()
+        lp, ref_lp = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
+        agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
+        total += len(r)
+        kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
+        errors += ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
+    same = sum(g == r for g, r in zip(greedy(e, prompts, new), reference))
+    errors.sort()
+    return (
+        f"{agree / total:.1%} | {kl / total:.5f} | {errors[len(errors) // 2]:.2%} / {errors[-1]:.2%} | "
+        f"{same}/{len(prompts)}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
