@@ -90,9 +90,9 @@ static inline void kv_rows_to(const uint8_t *rows, int64_t pos, int64_t t0, int6
                               void *out, int as16) {
     for (int64_t t = 0; t < n; t++)
         for (int64_t i = 0; i < d; i += 16) {
-            const v16 v = v_rnd(kv_load16(rows + (t0 + t) * pos, i, type), bf);
-            if (as16) v_storex(out, t * d + i, v, 1, 16);
-            else v_store((float *)out + t * d + i, v);
+            const v16 v = kv_load16(rows + (t0 + t) * pos, i, type);
+            if (as16) v_storex(out, t * d + i, v, 1, 16); /* (rounds to bfloat16 as it stores) */
+            else v_store((float *)out + t * d + i, v_rnd(v, bf));
         }
 }
 
