@@ -595,6 +595,13 @@ def main() -> int:
     )
     ap.add_argument("--speculate-ngram", type=int, default=3, metavar="N", help="... found by the last N tokens")
     ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        metavar="K[,V]",
+        help="both servers' KV cache in llama.cpp's blocks: q8_0, q4_0 or K,V (llama-server -ctk / -ctv with "
+        "flash attention, flover --kv-dtype); default: each server's 16-bit KV",
+    )
+    ap.add_argument(
         "--workload",
         choices=("tokens", "chat"),
         default="tokens",
@@ -619,6 +626,10 @@ def main() -> int:
     chat = args.workload == "chat"
     sampling = json.loads(args.sampling)
     llama_extra, flover_extra = speculation_args(args.speculate, args.speculate_ngram)
+    if args.kv_dtype != "auto":  # both servers' KV in the same llama.cpp blocks (its quantized V needs flash attention)
+        k, v = (args.kv_dtype.split(",") * 2)[:2]
+        llama_extra += ["-ctk", k, "-ctv", v, "-fa", "on"]
+        flover_extra += ["--kv-dtype", args.kv_dtype]
     if args.gomp_spincount is not None:
         os.environ["GOMP_SPINCOUNT"] = args.gomp_spincount  # both servers inherit it
     cache = Path(args.cache)
