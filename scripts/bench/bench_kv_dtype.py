@@ -6,8 +6,8 @@ ids, rounds alternating between them.
     python scripts/bench/bench_kv_dtype.py --model F.gguf --context 4096 --rounds 3
 
 Each round: a --context-token prompt prefilled, then --tokens greedy tokens (no speculation);
-the round's figure is the median decode step. Reported per kind: the median of the rounds, its
-ratio to the model dtype's, and the KV bytes a token.
+the round's figure is the median decode step (ab_native.run_round's). Reported per kind: the
+median of the rounds, its ratio to the model dtype's, and the KV bytes a token.
 """
 
 from __future__ import annotations
@@ -15,23 +15,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
+import sys
+from pathlib import Path
 
-from flover import Engine, EngineConfig, SamplingParams
+from flover import Engine, EngineConfig
 
-
-def round_ms(engine: Engine, prompt: list[int], tokens: int, tag: str) -> float:
-    engine.add_request(prompt, SamplingParams(max_new_tokens=tokens, ignore_eos=True), request_id=tag)
-    steps = []
-    while engine.has_unfinished():
-        decoding = bool(engine.scheduler.running) and all(
-            r.num_computed >= len(r.prompt_token_ids) for r in engine.scheduler.running
-        )
-        start = time.perf_counter()
-        engine.step()
-        if decoding:
-            steps.append(time.perf_counter() - start)
-    return 1000 * statistics.median(steps)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_native import run_round  # (the median of the iterations where every row decodes)
 
 
 def main() -> None:
@@ -53,7 +43,7 @@ def main() -> None:
     ms = {k: [] for k in kinds}
     for r in range(args.rounds):
         for k in kinds if r % 2 == 0 else kinds[::-1]:
-            ms[k].append(round_ms(engines[k], prompt, args.tokens, f"{k}-{r}"))
+            ms[k].append(1000 * run_round(engines[k], [prompt], args.tokens, f"{k}-{r}")[0])
             print(f"round {r + 1} {k}: {ms[k][-1]:.2f} ms a token", flush=True)
     base = statistics.median(ms[kinds[0]])
     print(f"\none stream at {args.context} tokens of context, {args.model}")
