@@ -161,9 +161,7 @@ class PrefixCache:
             previous = last.disk_key if last is not None else self.disk.root(salt)
             own = tuple(tokens[start : start + t])
             key = chain_key(previous, own)
-            if not self.disk.has(key):
-                break
-            got = self.disk.read_block(key, previous, own, self.block_nbytes)
+            got = self.disk.read_block(key, previous, own, self.block_nbytes)  # (None: no such file, or a bad one)
             index = self._take_row(keep) if got is not None else None
             if index is None:
                 break

@@ -75,7 +75,7 @@ class PrefixDisk:
         for path in sorted(self.dir.iterdir(), key=_mtime):
             if path.suffix in SUFFIX.values():
                 self._files[path.name] = path.stat().st_size
-                self._bytes += path.stat().st_size
+                self._bytes += self._files[path.name]
             elif ".tmp-" in path.name:  # a write a process did not finish
                 path.unlink(missing_ok=True)
         with self._lock:
@@ -169,9 +169,9 @@ class PrefixDisk:
         self._enqueue(key, STATE, key, (), True, payload)
 
     def _enqueue(self, key: bytes, kind: int, previous: bytes, tokens: tuple, whole: bool, payload: bytes) -> None:
-        name = _name(key, kind)
-        if name in self._files:
+        if self.has(key, kind):
             return
+        name = _name(key, kind)
         head = HEADER.pack(MAGIC, kind, int(whole), len(tokens), previous, self.fingerprint, len(payload))
         body = head + struct.pack(f"<{len(tokens)}i", *tokens) + payload
         with self._lock:
