@@ -299,29 +299,37 @@ class SlotBuffer:
     @property
     def block_nbytes(self) -> int:
         """One pool row's bytes: every group's [layers, 2, heads, block_tokens, dim]."""
-        return sum(g.pool[:, :, 0].numel() * g.pool.element_size() for g in self.groups if g.pool is not None)
+        return sum(v.numel() * v.element_size() for v in self._pool_row(0))
 
     @property
     def snapshot_nbytes(self) -> int:
         """One snapshot row's bytes: every recurrent layer's conv and recurrent state."""
         if self.snapshot_conv is None:
             return 0
-        return sum(t[:, 0].numel() * t.element_size() for t in (self.snapshot_conv, self.snapshot_state))
+        return sum(v.numel() * v.element_size() for v in self._snapshot_row(0))
+
+    def _pool_row(self, row: int) -> list[torch.Tensor]:
+        """Pool row `row` of every group: [layers, 2, heads, block_tokens, dim] views."""
+        return [g.pool[:, :, row] for g in self.groups if g.pool is not None]
+
+    def _snapshot_row(self, row: int) -> list[torch.Tensor]:
+        """Snapshot row `row`: every recurrent layer's conv, then its recurrent state."""
+        return [self.snapshot_conv[:, row], self.snapshot_state[:, row]]
 
     def block_bytes(self, row: int) -> bytes:
-        return _as_bytes([g.pool[:, :, row] for g in self.groups if g.pool is not None])
+        return _as_bytes(self._pool_row(row))
 
     def snapshot_bytes(self, row: int) -> bytes:
-        return _as_bytes([self.snapshot_conv[:, row], self.snapshot_state[:, row]])
+        return _as_bytes(self._snapshot_row(row))
 
     def fill_blocks(self, fills: Sequence[tuple[int, bytes]]) -> None:
         """Pool rows <- bytes block_bytes gave (checked by the reader: as many as block_nbytes)."""
         for row, payload in fills:
-            _from_bytes([g.pool[:, :, row] for g in self.groups if g.pool is not None], payload)
+            _from_bytes(self._pool_row(row), payload)
 
     def fill_snapshots(self, fills: Sequence[tuple[int, bytes]]) -> None:
         for row, payload in fills:
-            _from_bytes([self.snapshot_conv[:, row], self.snapshot_state[:, row]], payload)
+            _from_bytes(self._snapshot_row(row), payload)
 
     def _pairs(
         self, copies: Sequence[BlockCopy]
