@@ -101,17 +101,14 @@ static inline void score_keys(const float *q, const uint16_t *qb, const void *k_
     if (kt && bf && has_bf16_dot()) { /* codes as bfloat16 rows: the dot product bfloat16 KV takes */
         kv_rows_to((const uint8_t *)k_base, pos, t0, keys, d, kt, 1, kb, 1);
         keys_bf16_dot(qb, kb, d, d, 0, keys, acc);
-    } else if (kt) /* codes (kv_codes.h): rows of pos bytes, every 16 values whole (d a multiple of 32) */
-        for (int64_t j = 0; j < 16; j++) {
+    } else if (kt || !(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
+        for (int64_t j = 0; j < 16; j++) { /* (codes: rows of pos bytes, every 16 values whole: d a multiple of 32) */
             acc[j] = v_zero();
             for (int64_t i = 0; j < keys && i < d; i += 16)
-                acc[j] = v_fmadd(v_load(q + i), v_rnd(kv_load16((const uint8_t *)k_base + (t0 + j) * pos, i, kt), bf), acc[j]);
-        }
-    else if (!(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
-        for (int64_t j = 0; j < 16; j++) {
-            acc[j] = v_zero();
-            for (int64_t i = 0; j < keys && i < d; i += 16)
-                acc[j] = v_fmadd(v_loadn(q + i, d - i), v_loadx(k_base, (t0 + j) * pos + i, bf, d - i), acc[j]);
+                acc[j] = v_fmadd(v_loadn(q + i, d - i),
+                                 kt ? v_rnd(kv_load16((const uint8_t *)k_base + (t0 + j) * pos, i, kt), bf)
+                                    : v_loadx(k_base, (t0 + j) * pos + i, bf, d - i),
+                                 acc[j]);
         }
     v_storen(sc + t0, v_mul(v_sum_each(acc), v_set1(scale)), keys);
 }
