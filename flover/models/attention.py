@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from flover.models.kv_codes import CodeRows, code_scores, code_values
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -123,13 +125,23 @@ def _softmax_weights(
     return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1].to(v_dtype)
 
 
-def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool) -> bool:
+def _scores(q: torch.Tensor, k: torch.Tensor | CodeRows, dtype: torch.dtype) -> torch.Tensor:
+    """q [..., queries, d] x k [..., keys, d] -> [..., queries, keys] (codes: kv_codes.code_scores)."""
+    return code_scores(q, k) if isinstance(k, CodeRows) else torch.matmul(q, k.to(dtype).transpose(-1, -2))
+
+
+def _weighed(weights: torch.Tensor, v: torch.Tensor | CodeRows) -> torch.Tensor:
+    return code_values(weights, v) if isinstance(v, CodeRows) else torch.matmul(weights, v)
+
+
+def _fused_kernel(q: torch.Tensor, opts: AttentionOptions, decode: bool, codes: bool = False) -> bool:
     """PyTorch's fused attention (scaled_dot_product_attention) in place of the matmul / softmax /
     matmul sequence. On CPU (its flash kernel, float32 inside as the sequence) faster for one decode
     row and for prompt chunks (docs/design_notes.md, "measured choices"). On CUDA for prompt chunks only:
     eager decode iterations, whose key length changes every time, ran slower with it there. Not
-    for GPT-J, whose scores are float32 on 16-bit inputs, nor with attention sinks (no such term)."""
-    return opts.scores_dtype is None and opts.sinks is None and (q.device.type == "cpu" or not decode)
+    for GPT-J, whose scores are float32 on 16-bit inputs, nor with attention sinks (no such term),
+    nor on --kv-dtype's codes (read as blocks: kv_codes.code_scores)."""
+    return not codes and opts.scores_dtype is None and opts.sinks is None and (q.device.type == "cpu" or not decode)
 
 
 def _decode(
@@ -140,7 +152,7 @@ def _decode(
     span, length = batch.decode_span, batch.max_decode_len
     if (
         span == 1
-        and _fused_kernel(q, opts, decode=True)
+        and _fused_kernel(q, opts, decode=True, codes=isinstance(k_cache, CodeRows))
         and (opts.window is None or length <= opts.window)
         and int(batch.span_lens[0]) == length
     ):
@@ -156,14 +168,15 @@ def _decode(
         q = q_span
     dtype = torch.float32 if opts.decode_in_float32 else opts.scores_dtype or q.dtype
     qg = q.view(span, kv_heads, heads // kv_heads, head_dim).to(dtype)  # [n, kvh, group, d]
-    k = k_cache[:span, :, :length].to(dtype)  # [n, kvh, len, d] view of the live slots
+    k = k_cache[:span, :, :length]  # [n, kvh, len, d] view of the live slots
     v = v_cache[:span, :, :length]
-    if opts.decode_in_float32:
+    if opts.decode_in_float32 and not isinstance(v, CodeRows):
         v = v.to(dtype)
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, kvh, group, len]
+    scores = _scores(qg, k, dtype)  # [n, kvh, group, len]
     sinks = None if opts.sinks is None else opts.sinks.view(kv_heads, heads // kv_heads, 1)  # [kvh, group, 1]
-    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v.dtype, opts.scale, sinks)
-    out = torch.matmul(weights, v).reshape(span, heads * head_dim).to(q.dtype)  # [n, heads * d]
+    v_dtype = torch.float32 if isinstance(v, CodeRows) else v.dtype
+    weights = _softmax_weights(scores, batch.decode_mask(opts.window), head_dim, q.dtype, v_dtype, opts.scale, sinks)
+    out = _weighed(weights, v).reshape(span, heads * head_dim).to(q.dtype)  # [n, heads * d]
     return out if batch.decode_rows is None else out[batch.decode_rows]
 
 
@@ -188,7 +201,7 @@ def _prefill(
     length, heads, head_dim = q.shape
     kv_heads = k_slot.shape[0]
     end = span.start_pos + length
-    if _fused_kernel(q, opts, decode=False):
+    if _fused_kernel(q, opts, decode=False, codes=isinstance(k_slot, CodeRows)):
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, c, d]
         k, v = k_slot[None, :, :end], v_slot[None, :, :end]  # [1, kvh, end, d]
         if span.start_pos == 0 and (opts.window is None or end <= opts.window):
@@ -203,18 +216,18 @@ def _prefill(
         return out[0].transpose(0, 1).reshape(length, heads * head_dim)  # [c, heads * d]
     dtype = opts.scores_dtype or q.dtype
     qg = q.view(length, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3).to(dtype)  # [kvh, g, c, d]
-    k = k_slot[:, :end].unsqueeze(1).to(dtype)  # [kvh, 1, end, d]
+    k = k_slot[:, :end].unsqueeze(1)  # [kvh, 1, end, d]
     v = v_slot[:, :end].unsqueeze(1)
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g, c, end]
+    scores = _scores(qg, k, dtype)  # [kvh, g, c, end]
     sinks = None if opts.sinks is None else opts.sinks.view(kv_heads, heads // kv_heads, 1, 1)  # [kvh, g, 1, 1]
     weights = _softmax_weights(
         scores,
         _prefill_mask(span.start_pos, end, opts.window, q.device, opts.bidirectional),
         head_dim,
         q.dtype,
-        v.dtype,
+        torch.float32 if isinstance(v, CodeRows) else v.dtype,
         opts.scale,
         sinks,
     )
-    out = torch.matmul(weights, v)  # [kvh, g, c, d]
+    out = _weighed(weights, v).to(q.dtype)  # [kvh, g, c, d]
     return out.permute(2, 0, 1, 3).reshape(length, heads * head_dim)

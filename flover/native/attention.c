@@ -4,6 +4,7 @@
  * dtype. A row's result depends only on its own slot and position. */
 #include "kv_codes.h"
 #include "native.h"
+#include "simd_int8.h"
 
 /* The weighted sum of values: PV_QUERIES queries at a time, over PV_CHUNKS x 16 dimensions, the
  * accumulators in registers (AVX-512: 4 x 4 of 32; the narrower families take fewer). */
@@ -35,14 +36,19 @@ int vector_attention(const Model *md) {
         for (int g = 0; g < G; g++)                                                                        \
             for (int c = 0; c < C; c++) acc[g][c] = v_zero();                                              \
         for (int64_t t = first; t < len; t++) {                                                            \
+            const uint8_t *row = (const uint8_t *)v_base + t * pos;                                        \
             v16 v[C];                                                                                      \
-            for (int c = 0; c < C; c++)                                                                    \
+            float scales[C]; /* (codes: each chunk's block scale, taken into the weight) */                \
+            for (int c = 0; c < C; c++) {                                                                  \
                 v[c] = n[c] <= 0 ? v_zero()                                                                \
-                       : vt  ? v_rnd(kv_load16((const uint8_t *)v_base + t * pos, i0 + 16 * c, vt), bf)    \
+                       : vt  ? kv_codes16(row, i0 + 16 * c, vt)                                            \
                              : v_loadx(v_base, t * pos + i0 + 16 * c, bf, n[c]);                           \
+                scales[c] = vt && n[c] > 0 ? kv_scale(row, i0 + 16 * c, vt) : 1.f;                         \
+            }                                                                                              \
             for (int g = 0; g < G; g++) {                                                                  \
-                const v16 p = v_set1(sc[g * qs + t * ts]);                                                 \
-                for (int c = 0; c < C; c++) acc[g][c] = v_fmadd(p, v[c], acc[g][c]);                       \
+                const float s = sc[g * qs + t * ts];                                                       \
+                for (int c = 0; c < C; c++)                                                                \
+                    acc[g][c] = v_fmadd(v_set1(vt ? s * scales[c] : s), v[c], acc[g][c]);                  \
             }                                                                                              \
         }                                                                                                  \
         for (int g = 0; g < G; g++)                                                                        \
@@ -95,22 +101,56 @@ static void weigh_values(const void *v_base, int64_t pos, int bf, int vt, int64_
  * summed across lanes together (v_sum_each). bfloat16 keys meet the query's bfloat16 copy qb
  * (exact: it holds bfloat16 values) in the dot-product instruction where the CPU has it. */
 static inline void score_keys(const float *q, const uint16_t *qb, const void *k_base, int64_t pos, int64_t d,
-                              int bf, int kt, int64_t t0, int64_t keys, float scale, float *sc) {
+                              int bf, int64_t t0, int64_t keys, float scale, float *sc) {
     v16 acc[16];
-    uint16_t kb[16 * MAX_HEAD_DIM]; /* (codes: 16 keys in bfloat16 for the dot product) */
-    if (kt && bf && has_bf16_dot()) { /* codes as bfloat16 rows: the dot product bfloat16 KV takes */
-        kv_rows_to((const uint8_t *)k_base, pos, t0, keys, d, kt, 1, kb, 1);
-        keys_bf16_dot(qb, kb, d, d, 0, keys, acc);
-    } else if (kt || !(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
-        for (int64_t j = 0; j < 16; j++) { /* (codes: rows of pos bytes, every 16 values whole: d a multiple of 32) */
+    if (!(bf && has_bf16_dot() && keys_bf16_dot(qb, (const uint16_t *)k_base, pos, d, t0, keys, acc)))
+        for (int64_t j = 0; j < 16; j++) {
             acc[j] = v_zero();
             for (int64_t i = 0; j < keys && i < d; i += 16)
-                acc[j] = v_fmadd(v_loadn(q + i, d - i),
-                                 kt ? v_rnd(kv_load16((const uint8_t *)k_base + (t0 + j) * pos, i, kt), bf)
-                                    : v_loadx(k_base, (t0 + j) * pos + i, bf, d - i),
-                                 acc[j]);
+                acc[j] = v_fmadd(v_loadn(q + i, d - i), v_loadx(k_base, (t0 + j) * pos + i, bf, d - i), acc[j]);
         }
     v_storen(sc + t0, v_mul(v_sum_each(acc), v_set1(scale)), keys);
+}
+
+/* Scores of keys [t0, t0 + keys) (keys <= 16, rows of codes pos bytes apart) for nq queries
+ * quantized to int8 (kv_quantize_query): query j's of key t0 + i at out[j * os + i]. A lane a key: each block's
+ * codes gathered 4 bytes a lane, integer dot products with the query's codes (exact), then
+ * score = (sum over blocks, in order, of sum x (key's scale x query's scale)) x scale: a key's
+ * score is the same whatever else the call holds. */
+static void score_codes(const QueryCodes *qc, int64_t nq, const uint8_t *k_base, int64_t pos, int64_t d, int kt,
+                        int64_t t0, int64_t keys, float scale, float *out, int64_t os) {
+    const uint8_t *rows = k_base + t0 * pos;
+    for (int64_t b = 0; b < d / 32; b++) {
+        const uint8_t *block = rows + b * kv_block_bytes(kt);
+        float key_scales[16];
+        for (int64_t t = 0; t < 16; t++) key_scales[t] = t < keys ? kv_scale(rows + t * pos, 32 * b, kt) : 0.f;
+        const v16 ks = v_load(key_scales);
+        q64 rows8[8], lo[4], hi[4];
+        s64 w8[8];
+        if (kt == KV_Q8_0) {
+            q_rows32(block + 2, pos, keys, rows8);
+            for (int i = 0; i < 8; i++) w8[i] = s_from(rows8[i]);
+        } else {
+            q_rows16(block + 2, pos, keys, rows8);
+            for (int i = 0; i < 4; i++) q_nibbles(rows8[i], &lo[i], &hi[i]);
+        }
+        for (int64_t j = 0; j < nq; j++) {
+            const int8_t *x = qc[j].codes + 32 * b;
+            i16 acc = i_zero();
+            v16 sums;
+            if (kt == KV_Q8_0) {
+                for (int i = 0; i < 8; i++) acc = s_dot4(acc, w8[i], x + 4 * i);
+                sums = v_from_i(s_done(acc, qc[j].sum[b]));
+            } else { /* nibble n is value n - 8 */
+                for (int i = 0; i < 4; i++) acc = i_dot4x2(acc, lo[i], x + 4 * i, hi[i], x + 16 + 4 * i);
+                sums = v_sub(v_from_i(acc), v_set1(8.f * (float)qc[j].sum[b]));
+            }
+            const v16 term = v_mul(sums, v_mul(ks, v_set1(qc[j].scale[b])));
+            float *o = out + j * os;
+            v_storen(o, b ? v_add(v_loadn(o, keys), term) : term, keys);
+        }
+    }
+    for (int64_t j = 0; j < nq; j++) v_storen(out + j * os, v_mul(v_loadn(out + j * os, keys), v_set1(scale)), keys);
 }
 
 /* q: the group's query heads, `group` rows of d floats, d apart (head after head); keys [first,
@@ -124,7 +164,10 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
     if (vector_attention(md)) {
         const int kt = (int)md->k_type;
         uint16_t qb[MAX_GROUP * MAX_HEAD_DIM];
-        if (bf && has_bf16_dot()) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
+        QueryCodes qc[MAX_GROUP];
+        if (kt)
+            for (int64_t g = 0; g < group; g++) kv_quantize_query(q + g * d, d, bf, &qc[g]);
+        else if (bf && has_bf16_dot()) to_model_dtype(q, qb, group * d, 1); /* the dot product's operand */
         const int64_t es = kt ? 1 : bf ? 2 : 4;
         for (int64_t t0 = first; t0 < len; t0 += 16) { /* 16 keys at a time, one head after another */
             /* a task reads two short streams: ask for the keys two blocks ahead and for this
@@ -136,9 +179,11 @@ void attend(const Model *md, const float *q, int64_t group, const void *k_base, 
                     v_prefetch_l2(vr + b);
                 }
             }
-            for (int64_t g = 0; g < group; g++)
-                score_keys(q + g * d, qb + g * d, k_base, pos, d, bf, kt, t0, len - t0 < 16 ? len - t0 : 16, scale,
-                           scores + g * stride);
+            const int64_t keys = len - t0 < 16 ? len - t0 : 16;
+            if (kt) score_codes(qc, group, (const uint8_t *)k_base, pos, d, kt, t0, keys, scale, scores + t0, stride);
+            else
+                for (int64_t g = 0; g < group; g++)
+                    score_keys(q + g * d, qb + g * d, k_base, pos, d, bf, t0, keys, scale, scores + g * stride);
         }
         float total[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) {
@@ -231,14 +276,23 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
         } else first[j] = len[j] = 0.f, sink[j] = -INFINITY; /* padding: no keys */
     }
     const int64_t kmin = (int64_t)first[0], kmax = (int64_t)len[nq - 1]; /* positions rise along the block */
-    for (int64_t t = kmin; t < kmax;) {
+    if (md->k_type) { /* codes: the decode rows' int8 scores, 16 keys at a time, into S's columns */
+        QueryCodes qc[MAX_BLOCK_QUERIES];
+        float part[MAX_BLOCK_QUERIES * 16];
+        for (int64_t j = 0; j < nq; j++)
+            kv_quantize_query(wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d, d, bf, &qc[j]);
+        for (int64_t t0 = kmin; t0 < kmax; t0 += 16) {
+            const int64_t keys = kmax - t0 < 16 ? kmax - t0 : 16;
+            score_codes(qc, nq, (const uint8_t *)k_base, pos, d, (int)md->k_type, t0, keys, scale, part, 16);
+            for (int64_t i = 0; i < keys; i++)
+                for (int64_t j = 0; j < nq; j++) S[(t0 + i - kmin) * width + j] = part[j * 16 + i];
+        }
+    }
+    for (int64_t t = md->k_type ? kmax : kmin; t < kmax;) {
         const int mt = tile_rows(bf, (int)(kmax - t), (int)nb);
         float out[6 * 4 * 16];
         const void *rows = (const char *)k_base + t * pos * es;
-        if (md->k_type) { /* codes: the tile's keys as the tile reads the model dtype's */
-            kv_rows_to((const uint8_t *)k_base, pos, t, mt, d, (int)md->k_type, bf, keys, bf && operand_is_bf16(W_BF16));
-            rows = keys;
-        } else if (bf && !operand_is_bf16(W_BF16)) { /* bfloat16 keys, read by the tile as floats */
+        if (bf && !operand_is_bf16(W_BF16)) { /* bfloat16 keys, read by the tile as floats */
             for (int64_t i = 0; i < mt * d; i += 16) v_storen(keys + i, v_load_bf16n((const uint16_t *)rows + i, mt * d - i), mt * d - i);
             rows = keys;
         }

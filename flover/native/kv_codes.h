@@ -72,6 +72,44 @@ static inline void kv_quantize_row(const float *x, uint8_t *dst, int64_t d, int 
     }
 }
 
+/* The codes of values i..i+15 (i a multiple of 16) of a row of blocks, as floats (q4_0: code - 8),
+ * and the scale of their block: the weighted sum of values takes the scale into each weight */
+static inline v16 kv_codes16(const uint8_t *row, int64_t i, int type) {
+    const uint8_t *block = row + (i / 32) * kv_block_bytes(type);
+    if (type == KV_Q8_0) return v_load_i8((const int8_t *)block + 2 + i % 32);
+    return v_sub(v_load_nibbles(block + 2, i % 32 != 0), v_set1(8.f));
+}
+static inline float kv_scale(const uint8_t *row, int64_t i, int type) {
+    uint16_t h;
+    memcpy(&h, row + (i / 32) * kv_block_bytes(type), 2);
+    return f16_to_f32(h);
+}
+
+/* A query head against keys of codes (attention.c's score_codes): its d values (rounded to the
+ * model dtype) in int8 blocks of 32 as llama.cpp's q8_0 activations, codes roundf(q / scale)
+ * with scale = max |q| / 127 (kept in float32), and each block's sum of codes (q4_0's - 8 and
+ * VNNI's + 128 on q8_0 keys are taken back with it). models/kv_codes.py quantize_queries is the
+ * same. */
+typedef struct {
+    int8_t codes[MAX_HEAD_DIM];
+    float scale[MAX_HEAD_DIM / 32];
+    int32_t sum[MAX_HEAD_DIM / 32];
+} QueryCodes;
+
+static inline void kv_quantize_query(const float *q, int64_t d, int bf, QueryCodes *out) {
+    for (int64_t b = 0; b < d / 32; b++) {
+        float x[32], most = 0.f;
+        for (int j = 0; j < 32; j++) x[j] = rnd(q[32 * b + j], bf);
+        for (int j = 0; j < 32; j++)
+            if (most < fabsf(x[j])) most = fabsf(x[j]);
+        const float scale = most / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) out->codes[32 * b + j] = (int8_t)roundf(x[j] * inverse);
+        for (int j = 0; j < 32; j++) sum += out->codes[32 * b + j];
+        out->scale[b] = scale, out->sum[b] = sum;
+    }
+}
+
 /* Values i..i+15 (i a multiple of 16) of a row of blocks: scale times code (q4_0: code - 8) */
 static inline v16 kv_load16(const uint8_t *row, int64_t i, int type) {
     const uint8_t *block = row + (i / 32) * kv_block_bytes(type);

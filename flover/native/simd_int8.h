@@ -20,6 +20,9 @@
  *                       q_or joins it to a crumb, Q3_K's 3-bit codes
  *   q_fifth(&h, &lo, &hi)  5-bit codes from nibbles: h's bit 0 joins lo at bit 4, its bit 4
  *                       joins hi there, then h shifts down by 1 for the next call
+ *   q_gather(p, stride, n)   16 rows' 4 bytes (rows stride bytes apart, rows n.. zeros), a lane each
+ *   q_rows32(p, stride, n, out[8]), q_rows16(p, stride, n, out[4])   16 rows' 32 (16) bytes as 8 (4)
+ *                       q_gather's: the keys of --kv-dtype's codes (AVX-512: loads and a transpose)
  *   s64   64 bytes of signed codes (-128..127: Q8_0's), as s_load prepares them
  *   s_dot4(acc, w, x)   i_dot4 for signed codes: VNNI adds (w + 128) x (its first operand is
  *                       unsigned), which s_done(acc, sum of the group's x) takes back once per
@@ -56,6 +59,15 @@ static inline int32_t x4_bytes(const int8_t *x) { /* 4 input bytes as one lane's
 #include "arch/arm/neon_int8.h"
 #else
 #include "arch/generic_int8.h"
+#endif
+
+#if !defined(HAVE_Q_ROWS) /* q_gather's lanes for 16 rows of 32 or 16 bytes */
+static inline void q_rows32(const uint8_t *p, int64_t stride, int64_t n, q64 out[8]) {
+    for (int i = 0; i < 8; i++) out[i] = q_gather(p + 4 * i, stride, n);
+}
+static inline void q_rows16(const uint8_t *p, int64_t stride, int64_t n, q64 out[4]) {
+    for (int i = 0; i < 4; i++) out[i] = q_gather(p + 4 * i, stride, n);
+}
 #endif
 
 #endif

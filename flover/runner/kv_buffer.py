@@ -186,7 +186,7 @@ class SlotBuffer:
         self.groups = _groups(kinds, slots, (prefix_blocks, block_tokens), (dtype, kv_kinds), device, prefault_pool)
         self.kv = self.groups[0].kv if self.groups else None  # (the first group's: what most models have)
         self.kv_kinds = kv_kinds
-        self.layers = _layer_views(self.groups, sources, kv_kinds, dtype)  # per layer [2, slots, kv_heads, ...]
+        self.layers = _layer_views(self.groups, sources, kv_kinds)  # per layer [2, slots, kv_heads, ...]
         self.recurrent, self.state_nbytes = recurrent, state
         self._recurrent_buffers(recurrent, stateful, slots, dtype, device)
         self.window = window
@@ -401,14 +401,14 @@ def _groups(kinds: dict, slots: int, blocks: tuple[int, int], dtypes: tuple, dev
     ]
 
 
-def _layer_views(groups: list[KVGroup], sources: list[int], kv_kinds, dtype: torch.dtype) -> list:
+def _layer_views(groups: list[KVGroup], sources: list[int], kv_kinds) -> list:
     """Per layer its [2, slots, kv_heads, positions, head_dim] in its group's tensor (codes: its
     QuantizedKV), or the layer's it reads (Gemma 4's shared KV); None for a layer keeping none
     (recurrent: set after)."""
     views: list = [None] * len(sources)
     for group in groups:
         for i, n in enumerate(group.layers):
-            views[n] = group.kv[i] if kv_kinds is None else quantized_kv(group.kv[i], kv_kinds, group.head_dim, dtype)
+            views[n] = group.kv[i] if kv_kinds is None else quantized_kv(group.kv[i], kv_kinds, group.head_dim)
     for n, source in enumerate(sources):
         if source != n:
             views[n] = views[source]

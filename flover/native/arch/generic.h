@@ -73,6 +73,7 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
     *odd = VG((float)p[2 * _i + 1]);
 }
 static inline v16 v_load_u8(const uint8_t *p) { return VG((float)p[_i]); }
+static inline v16 v_load_nibbles(const uint8_t *p, int high) { return VG((float)(high ? p[_i] >> 4 : p[_i] & 15)); }
 static inline v16 v_load_i8(const int8_t *p) { return VG((float)p[_i]); }
 static inline void v_widen_q4_pairs(const uint8_t *p, v16 *even, v16 *odd) {
     *even = VG((float)((p[_i] & 15) - 8));

@@ -31,6 +31,11 @@ static inline q64 q_or(q64 a, q64 b) {
     for (int i = 0; i < 64; i++) a.b[i] |= b.b[i];
     return a;
 }
+static inline q64 q_gather(const uint8_t *p, int64_t stride, int64_t n) { /* (rows n.. not read: zeros) */
+    uint8_t b[64] = {0};
+    for (int64_t r = 0; r < n && r < 16; r++) memcpy(b + 4 * r, p + r * stride, 4);
+    return q_load(b);
+}
 static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
     for (int i = 0; i < 64; i++) lo->b[i] |= (uint8_t)((h->b[i] & 1) << 4), hi->b[i] |= h->b[i] & 0x10, h->b[i] >>= 1;
 }

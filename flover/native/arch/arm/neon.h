@@ -132,6 +132,12 @@ static inline v16 v_load_u8(const uint8_t *p) {
     v.q[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), v.q[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)));
     return v;
 }
+static inline v16 v_load_nibbles(const uint8_t *p, int high) { /* 16 bytes' low (or high) nibbles */
+    const uint8x16_t b = vld1q_u8(p);
+    uint8_t n[16];
+    vst1q_u8(n, high ? vshrq_n_u8(b, 4) : vandq_u8(b, vdupq_n_u8(15)));
+    return v_load_u8(n);
+}
 static inline v16 v_load_i8(const int8_t *p) {
     const int8x16_t b = vld1q_s8(p);
     const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));

@@ -32,6 +32,11 @@ static inline q64 q_or(q64 a, q64 b) {
     for (int i = 0; i < 4; i++) a.q[i] = vorrq_u8(a.q[i], b.q[i]);
     return a;
 }
+static inline q64 q_gather(const uint8_t *p, int64_t stride, int64_t n) { /* (rows n.. not read: zeros) */
+    uint8_t b[64] = {0};
+    for (int64_t r = 0; r < n && r < 16; r++) memcpy(b + 4 * r, p + r * stride, 4);
+    return q_load(b);
+}
 static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
     const uint8x16_t m = vdupq_n_u8(0x10);
     for (int i = 0; i < 4; i++) {

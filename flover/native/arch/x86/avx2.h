@@ -122,6 +122,12 @@ static inline v16 v_load_u8(const uint8_t *p) {
     return V2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 }
+static inline v16 v_load_nibbles(const uint8_t *p, int high) { /* 16 bytes' low (or high) nibbles */
+    const __m256i m = _mm256_set1_epi32(15), lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                  hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    return V2(_mm256_cvtepi32_ps(_mm256_and_si256(high ? _mm256_srli_epi32(lo, 4) : lo, m)),
+              _mm256_cvtepi32_ps(_mm256_and_si256(high ? _mm256_srli_epi32(hi, 4) : hi, m)));
+}
 static inline v16 v_load_i8(const int8_t *p) {
     return V2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));

@@ -27,6 +27,13 @@ static inline q64 q_high2(q64 *h) {
     return r;
 }
 static inline q64 q_or(q64 a, q64 b) { return (q64){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+static inline q64 q_gather(const uint8_t *p, int64_t stride, int64_t n) { /* (rows n.. not read: zeros) */
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t)stride));
+    const __m256i r = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), zero = _mm256_setzero_si256();
+    const __m256i m_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n), r), m_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)n - 8), r);
+    return (q64){_mm256_mask_i32gather_epi32(zero, (const int *)p, at, m_lo, 1),
+                 _mm256_mask_i32gather_epi32(zero, (const int *)(p + 8 * stride), at, m_hi, 1)};
+}
 static inline __m256i fifth_8(__m256i codes, __m256i bits) { return _mm256_or_si256(codes, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))); }
 static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) {
     *lo = (q64){fifth_8(lo->lo, _mm256_slli_epi16(h->lo, 4)), fifth_8(lo->hi, _mm256_slli_epi16(h->hi, 4))};

@@ -76,6 +76,10 @@ static inline void v_widen_q8_pairs(const int8_t *p, v16 *even, v16 *odd) {
 static inline v16 v_load_u8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+static inline v16 v_load_nibbles(const uint8_t *p, int high) { /* 16 bytes' low (or high) nibbles */
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(high ? _mm512_srli_epi32(b, 4) : b, _mm512_set1_epi32(15)));
+}
 static inline v16 v_load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }

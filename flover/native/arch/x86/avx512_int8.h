@@ -20,6 +20,11 @@ static inline q64 q_high2(q64 *h) { /* 16-bit shifts: bits crossing into a neigh
     return r;
 }
 static inline q64 q_or(q64 a, q64 b) { return _mm512_or_si512(a, b); }
+static inline q64 q_gather(const uint8_t *p, int64_t stride, int64_t n) { /* (rows n.. not read: zeros) */
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int32_t)stride));
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)lanes(n), at, p, 1);
+}
 static inline void q_fifth(q64 *h, q64 *lo, q64 *hi) { /* 16-bit shifts: bits 0 and 4 never cross bytes */
     const __m512i m = _mm512_set1_epi8(0x10);
     *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(*h, 4), m));
@@ -35,6 +40,46 @@ static inline q64 q_bit2(q64 *h) {
     const q64 r = _mm512_and_si512(_mm512_slli_epi16(*h, 2), _mm512_set1_epi8(4));
     *h = _mm512_srli_epi16(*h, 1);
     return r;
+}
+/* q_gather's lanes for 16 rows of 32 bytes (q_rows32: 8 vectors, bytes 4i..4i+3 of row r in lane
+ * r of out[i]) or of 16 (q_rows16: 4), by loads and a transpose in registers: a gather costs by
+ * element (8 of 16 elements cost more than the 24 shuffles here). Rows n.. read as zeros. */
+#define HAVE_Q_ROWS 1
+static inline const void *q_row(const uint8_t *p, int64_t stride, int64_t r, int64_t n) {
+    static const uint8_t zeros[32];
+    return r < n ? p + r * stride : zeros;
+}
+static inline void q_rows32(const uint8_t *p, int64_t stride, int64_t n, q64 out[8]) {
+    __m512i a[8], t[8], u[8]; /* a[k]: rows (k, k + 4) for k < 4, (k + 4, k + 8) after */
+    for (int k = 0; k < 8; k++) {
+        const int64_t r = k < 4 ? k : k + 4;
+        a[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q_row(p, stride, r, n))),
+                                  _mm256_loadu_si256((const __m256i *)q_row(p, stride, r + 4, n)), 1);
+    }
+    for (int g = 0; g < 8; g += 4) { /* 4 x 4 transposes in each 128-bit lane */
+        t[g] = _mm512_unpacklo_epi32(a[g], a[g + 1]), t[g + 1] = _mm512_unpackhi_epi32(a[g], a[g + 1]);
+        t[g + 2] = _mm512_unpacklo_epi32(a[g + 2], a[g + 3]), t[g + 3] = _mm512_unpackhi_epi32(a[g + 2], a[g + 3]);
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]), u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]), u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* u[j] lanes: bytes 4j.. of rows 0-3, 4(j+4).. of rows 0-3, 4j.. of rows 4-7, ... */
+        out[j] = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        out[j + 4] = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+static inline void q_rows16(const uint8_t *p, int64_t stride, int64_t n, q64 out[4]) {
+    __m512i b[4]; /* b[k]: rows k, k + 4, k + 8, k + 12 */
+    for (int k = 0; k < 4; k++) {
+        b[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q_row(p, stride, k, n)));
+        for (int l = 1; l < 4; l++) {
+            const __m128i row = _mm_loadu_si128((const __m128i *)q_row(p, stride, k + 4 * l, n));
+            b[k] = l == 1 ? _mm512_inserti32x4(b[k], row, 1) : l == 2 ? _mm512_inserti32x4(b[k], row, 2) : _mm512_inserti32x4(b[k], row, 3);
+        }
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(b[0], b[1]), t1 = _mm512_unpackhi_epi32(b[0], b[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(b[2], b[3]), t3 = _mm512_unpackhi_epi32(b[2], b[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 static inline i16 i_zero(void) { return _mm512_setzero_si512(); }
 static inline i16 i_dot4(i16 acc, q64 w, const int8_t *x) {
