@@ -1,7 +1,9 @@
 /* Attention of the native step: a decode row's query heads over their slot's cached keys
  * (attend), and a block of consecutive prompt rows of one slot (attend_prompt). Float32 softmax
  * and weighted sum of values, as the PyTorch path's attention; outputs rounded to the model
- * dtype. A row's result depends only on its own slot and position. */
+ * dtype. A row's result depends only on its own slot and position. --kv-dtype's codes are read
+ * as llama.cpp reads them: keys against int8 queries (score_codes), each value block's scale in
+ * the weights (pv_block). */
 #include "kv_codes.h"
 #include "native.h"
 #include "simd_int8.h"
@@ -113,10 +115,11 @@ static inline void score_keys(const float *q, const uint16_t *qb, const void *k_
 }
 
 /* Scores of keys [t0, t0 + keys) (keys <= 16, rows of codes pos bytes apart) for nq queries
- * quantized to int8 (kv_quantize_query): query j's of key t0 + i at out[j * os + i]. A lane a key: each block's
- * codes gathered 4 bytes a lane, integer dot products with the query's codes (exact), then
- * score = (sum over blocks, in order, of sum x (key's scale x query's scale)) x scale: a key's
- * score is the same whatever else the call holds. */
+ * quantized to int8 (kv_quantize_query): query j's of key t0 + i at out[j * os + i]. A lane a
+ * key: each block's codes 4 bytes a lane (q_rows32 / q_rows16), integer dot products with the
+ * query's codes (exact, as the int8 weight tiles'), then score = (sum over blocks, in order, of
+ * sum x (key's scale x query's scale)) x scale: a key's score is the same whatever else the call
+ * holds (models/kv_codes.py code_scores computes the same). */
 static void score_codes(const QueryCodes *qc, int64_t nq, const uint8_t *k_base, int64_t pos, int64_t d, int kt,
                         int64_t t0, int64_t keys, float scale, float *out, int64_t os) {
     const uint8_t *rows = k_base + t0 * pos;

@@ -137,7 +137,7 @@ static int64_t prompt_blocks_group(const Model *md, const Layer *layers) {
     for (int64_t l = 0; l < md->layers; l++) {
         if (layers[l].delta) continue;
         const Model v = layer_view(md, &layers[l]);
-        if (!vector_attention(&v) || (v.kv_pos != v.head_dim && !md->k_type)) return 0; /* (codes: read per tile) */
+        if (!vector_attention(&v) || (v.kv_pos != v.head_dim && !md->k_type)) return 0; /* (codes: score_codes reads rows of any stride) */
         if (v.heads / v.kv_heads > most) most = v.heads / v.kv_heads;
     }
     return most;
