@@ -337,6 +337,23 @@ def launch_llama(
     return server, port
 
 
+def kv_slots(model: Path, kv_dtype: str, seq_len: int, budget_mib: float) -> tuple[int, int]:
+    """(conversations of seq_len positions whose KV fits budget_mib, KV bytes a token): the same for
+    both servers, whose 16-bit KV (f16 / bfloat16) and blocks (-ctk / --kv-dtype) take the same
+    bytes a position. Uniform layers only (not Gemma 4's two shapes)."""
+    import torch
+
+    from flover.config import kv_kinds
+    from flover.models.checkpoint import open_checkpoint
+    from flover.models.kv_codes import position_bytes
+
+    cfg = open_checkpoint(model).model_config()
+    per_token = (
+        len(list(cfg.kv_layers())) * cfg.num_kv_heads * position_bytes(cfg.head_dim, torch.bfloat16, kv_kinds(kv_dtype))
+    )
+    return int(budget_mib * 2**20 // (per_token * seq_len)), per_token
+
+
 def speculation_args(draft: int | None, ngram: int) -> tuple[list[str], list[str]]:
     """(llama-server's, flover's) arguments: None, each as it ships (flover speculates by
     default, llama-server does not); 0, neither; K, both the same prompt-lookup speculation:
@@ -569,6 +586,15 @@ def main() -> int:
         default=384,
         help="positions per slot for both servers (llama-server -c N*seq-len, flover --max-seq-len)",
     )
+    ap.add_argument(
+        "--kv-budget-mib",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="both servers get as many slots of --seq-len positions as this much KV holds (with --kv-dtype's "
+        "bytes a position: llama-server -np / -c, flover --max-slots), instead of one per request: "
+        "how many conversations a fixed memory serves",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default="bench-vs-llamacpp.json")
     ap.add_argument(
@@ -648,6 +674,12 @@ def main() -> int:
     binary = llama_server(cache, args.llama_build)
     same_file_only = set(args.dtypes.split(",")) == {"file"}
     hf_dir = None if same_file_only else hf_directory(gguf, cache)  # the same weights as 16/32-bit files
+    slots = args.requests
+    if args.kv_budget_mib is not None:
+        slots, per_token = kv_slots(gguf, args.kv_dtype, args.seq_len, args.kv_budget_mib)
+        log(f"{args.kv_budget_mib:g} MiB of KV at {per_token} bytes a token: {slots} slots of {args.seq_len} positions")
+        if slots < 1:
+            sys.exit("--kv-budget-mib holds no conversation of --seq-len positions")
     table: dict = {}
     for run in range(args.runs):
         for dtype in args.dtypes.split(","):
@@ -659,13 +691,13 @@ def main() -> int:
                 (
                     llama_name,
                     lambda: start_llama(
-                        binary, llama_model, args.requests, args.threads, llama_extra, chat, sampling, args.seq_len
+                        binary, llama_model, slots, args.threads, llama_extra, chat, sampling, args.seq_len
                     ),
                 ),
                 (
                     "flover " + dtype,
                     lambda: start_flover(
-                        flover_model, dtype, args.requests, args.threads, flover_extra, chat, sampling, args.seq_len
+                        flover_model, dtype, slots, args.threads, flover_extra, chat, sampling, args.seq_len
                     ),
                 ),
             ]
@@ -706,7 +738,13 @@ def main() -> int:
         rows.setdefault(workload, {})[name] = medians(results, ("tok_s", "ttft_p50", "tpot_p50", "gap_max", "rss_mib"))
     Path(args.out).write_text(
         json.dumps(
-            {"args": vars(args), "medians": rows, "runs": {f"{w} | {n}": r for (w, n), r in table.items()}}, indent=1
+            {
+                "args": vars(args),
+                "slots": slots,
+                "medians": rows,
+                "runs": {f"{w} | {n}": r for (w, n), r in table.items()},
+            },
+            indent=1,
         )
     )
     what = "chat questions, EOS honoured, at most" if chat else f"{args.prompt_len}-token prompts,"
@@ -714,7 +752,8 @@ def main() -> int:
         f"\nmedians of {args.runs} alternating run(s), {what} {args.gen_len} tokens out, "
         f"{'sampling ' + args.sampling if chat and sampling != GREEDY else 'greedy'}, {args.threads} threads"
         f"{', every other request in a JSON schema' if args.structured_half else ''}"
-        f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}\n"
+        f"{SPECULATION[None if args.speculate is None else min(1, args.speculate)]}"
+        f"{'' if args.kv_budget_mib is None else f', {slots} slots in {args.kv_budget_mib:g} MiB of KV'}\n"
     )
     print(
         "| workload | engine | out tok/s | TTFT p50 | TPOT p50 | longest gap | resident |\n"
