@@ -15,7 +15,16 @@ from gguf import GGMLQuantizationType, quants
 
 from flover.config import EngineConfig, SamplingParams
 from flover.engine.engine import LLM, Engine
-from flover.models.kv_codes import dequantize, position_bytes, quantize, row_bytes
+from flover.models.kv_codes import (
+    CodeRows,
+    code_scores,
+    code_values,
+    dequantize,
+    position_bytes,
+    quantize,
+    quantize_queries,
+    row_bytes,
+)
 from flover.native.abi import KV_Q4_0, KV_Q8_0, load_library
 from flover.native.build import KERNELS_ENV, runnable_families
 from tests.test_engine import check_fused_equals_solo
@@ -44,6 +53,31 @@ def test_pytorchs_codes_are_ggufs_bytes_and_values(kind):
     theirs = quants.quantize(x.numpy(), GGUF[kind])
     assert np.array_equal(ours.numpy().reshape(theirs.shape), theirs)
     assert np.array_equal(dequantize(ours, kind, 64).numpy(), quants.dequantize(theirs, GGUF[kind]).reshape(40, 64))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_attention_on_codes_is_the_quantized_queries_against_the_keys_values_and_the_values(kind):
+    """code_scores: the queries' int8 codes are gguf's q8_0 codes of them (the scale kept in
+    float32), and the scores are those queries' dot products with the keys' values; code_values
+    weighs the values' values (float64 references)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 5, 64, generator=g) * torch.logspace(-3, 1, 5)[:, None]  # [.., queries, d]
+    keys = quantize(torch.randn(2, 1, 7, 64, generator=g), kind)  # [.., keys, bytes]: broadcast over dim 1
+    codes, scales = quantize_queries(q)
+    q8 = torch.from_numpy(quants.quantize(q.reshape(-1, 64).numpy(), GGMLQuantizationType.Q8_0)).reshape(30, 2, 34)
+    assert torch.equal(codes.reshape(30, 2, 32), q8[..., 2:].contiguous().view(torch.int8).float())
+    assert torch.equal(
+        scales.to(torch.float16), q8[..., :2].contiguous().view(torch.float16)[..., 0].reshape(2, 3, 5, 2)
+    )
+    queries = (codes.double() * scales.double()[..., None]).reshape(2, 3, 5, 64)
+    values = dequantize(keys, kind, 64).double()
+    expect = queries @ values.transpose(-1, -2)
+    got = code_scores(q, CodeRows(keys, kind, 64))
+    assert got.shape == (2, 3, 5, 7) and torch.allclose(got.double(), expect, rtol=1e-5, atol=1e-6 * expect.abs().max())
+    weights = torch.softmax(torch.randn(2, 3, 5, 7, generator=g), dim=-1)
+    expect = weights.double() @ values
+    got = code_values(weights, CodeRows(keys, kind, 64))
+    assert got.shape == (2, 3, 5, 64) and torch.allclose(got.double(), expect, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", runnable_families())
@@ -131,16 +165,19 @@ def test_cached_prefixes_and_their_files_carry_codes(make_model, tmp_path):
     assert [o.token_ids for o in in_memory] == [o.token_ids for o in after] == [o.token_ids for o in cold]
 
 
-def test_tp2_on_kv_codes_gives_the_tp1_tokens(make_model, tmp_path):
-    """Each rank keeps its kv heads' codes: TP=2 gives TP=1's greedy tokens (float32, the native
-    step; only the all-reduces' order differs)."""
+def test_tp2_and_pp2_on_kv_codes_give_the_single_engines_tokens(make_model, tmp_path):
+    """Each rank keeps its kv heads' codes (--tp 2), each stage its layers' (--pp 2, plans in
+    flight): both give one engine's greedy tokens (float32, the native step; only the
+    all-reduces' order differs, and no stage changes a number)."""
     from tests.helpers import REQUESTS, flover_run_ok, tokens_by_id, write_jsonl
 
     prompts = tmp_path / "in.jsonl"
     write_jsonl(prompts, REQUESTS)
     results = {}
-    for ranks in (1, 2):
-        out = tmp_path / f"tp{ranks}.jsonl"
-        flover_run_ok(ranks, make_model("llama-head64"), prompts, out, "--dtype", "float32", "--kv-dtype", "q8_0,q4_0")
-        results[ranks] = tokens_by_id(out)
-    assert len(results[1]) == len(REQUESTS) and results[2] == results[1]
+    for name, ranks, flags in (("one", 1, ()), ("tp2", 2, ("--tp", "2")), ("pp2", 2, ("--pp", "2"))):
+        out = tmp_path / f"{name}.jsonl"
+        flover_run_ok(
+            ranks, make_model("llama-head64"), prompts, out, "--dtype", "float32", "--kv-dtype", "q8_0,q4_0", *flags
+        )
+        results[name] = tokens_by_id(out)
+    assert len(results["one"]) == len(REQUESTS) and results["tp2"] == results["one"] == results["pp2"]
