@@ -344,5 +344,5 @@ API void flover_kv_quantize(const float *x, uint8_t *out, int64_t n, int64_t d, 
     for (int64_t r = 0; r < n; r++) kv_quantize_row(x + r * d, out + r * (d / 32) * kv_block_bytes(type), d, type);
 }
 API void flover_kv_dequantize(const uint8_t *rows, int64_t n, int64_t d, int type, int bf, float *out) {
-    kv_rows_to(rows, (d / 32) * kv_block_bytes(type), 0, n, d, type, bf, out, 0);
+    kv_rows_to(rows, (d / 32) * kv_block_bytes(type), n, d, type, bf, out);
 }

@@ -2,8 +2,9 @@
  * scale, ggml's block_q8_0 {d, int8 qs[32]} and block_q4_0 {d, qs[16]: value j in the low nibble
  * of byte j, 16 + j in the high one}, byte for byte; quantized as ggml-quants.c's reference rows
  * (roundf; q4_0 by the value of largest magnitude over -8), written by llama_forward.c, read by
- * attention.c 16 values at a time. flover/models/kv_codes.py is the same in PyTorch, and the
- * values read are the same: scale times code, then rounded to the model's dtype. */
+ * attention.c: keys against queries quantized alike (kv_quantize_query), values as codes with
+ * their block's scale in the weights (kv_codes16, kv_scale). flover/models/kv_codes.py is the
+ * same in PyTorch. */
 #ifndef FLOVER_KV_CODES_H
 #define FLOVER_KV_CODES_H
 
@@ -122,16 +123,11 @@ static inline v16 kv_load16(const uint8_t *row, int64_t i, int type) {
     return v_mul(scale, v_load_i8(codes));
 }
 
-/* Rows [t0, t0 + n) of `rows` (a row every `pos` bytes) -> n x d values at out: floats of the model
- * dtype's values, or bfloat16 (as16) */
-static inline void kv_rows_to(const uint8_t *rows, int64_t pos, int64_t t0, int64_t n, int64_t d, int type, int bf,
-                              void *out, int as16) {
+/* n rows of blocks (a row every `pos` bytes) -> n x d floats of the model dtype's values: what a
+ * cache of codes holds (tests compare them with PyTorch's; attention reads the codes themselves) */
+static inline void kv_rows_to(const uint8_t *rows, int64_t pos, int64_t n, int64_t d, int type, int bf, float *out) {
     for (int64_t t = 0; t < n; t++)
-        for (int64_t i = 0; i < d; i += 16) {
-            const v16 v = kv_load16(rows + (t0 + t) * pos, i, type);
-            if (as16) v_storex(out, t * d + i, v, 1, 16); /* (rounds to bfloat16 as it stores) */
-            else v_store((float *)out + t * d + i, v_rnd(v, bf));
-        }
+        for (int64_t i = 0; i < d; i += 16) v_store(out + t * d + i, v_rnd(kv_load16(rows + t * pos, i, type), bf));
 }
 
 #endif
