@@ -114,10 +114,11 @@ def test_the_cache_takes_the_bytes_its_kinds_say_and_refuses_what_they_cannot_ho
 @pytest.mark.parametrize("kv_dtype", ["q8_0", "q4_0", "q8_0,q4_0"])
 def test_native_step_gives_the_pytorch_logits_on_kv_codes(make_model, variant, kv_dtype, monkeypatch):
     """The native step reads the codes (decode rows, prompt blocks, a sliding window) as PyTorch
-    reads them dequantized, in float32: the summation order's noise (2e-7 of the logits, as
-    with float32 KV), and where the two paths' keys differ in their last bit a code may round
-    the other way (one step of its block: up to ~1e-4 of a logit here and there). A scale read
-    from the wrong block or row is off by the logits' own size."""
+    does (int8 queries against the keys' codes, value scales in the weights), in float32: the
+    summation order's noise (2e-7 of the logits, as with float32 KV), and where the two paths'
+    inputs differ in their last bit a code (of a key, a value or a query) may round the other way
+    (one step of its block: up to ~1e-4 of a logit here and there). A scale read from the wrong
+    block or row is off by the logits' own size."""
     from tests.test_native_forward import compare_on_random_arrivals
 
     for family in runnable_families():
