@@ -552,6 +552,9 @@ def run_workload(
     for t in threads:
         t.join()
     makespan = time.perf_counter() - start
+    missing = sum(r is None for r in results)  # (a request whose thread raised: its traceback is above)
+    if missing:
+        raise RuntimeError(f"{missing} of {requests} requests got no answer (a timeout or a refused connection)")
     tokens = sum(r[1] for r in results)
     return {
         "tok_s": tokens / makespan,
