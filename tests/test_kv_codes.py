@@ -7,6 +7,7 @@ the prefix cache on disk) moving codes as they move 16-bit rows."""
 from __future__ import annotations
 
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -182,3 +183,33 @@ def test_tp2_and_pp2_on_kv_codes_give_the_single_engines_tokens(make_model, tmp_
         )
         results[name] = tokens_by_id(out)
     assert len(results["one"]) == len(REQUESTS) and results["tp2"] == results["one"] == results["pp2"]
+
+
+def test_flover_serve_answers_from_codes_over_zeromq_and_http_as_llm_does(make_model):
+    """A real daemon with --kv-dtype q8_0,q4_0 (float32, the native step): the ZeroMQ client gets
+    LLM's tokens on the same codes, stats count the codes' bytes, and the HTTP front's completion
+    of the same prompt is the same text."""
+    import httpx
+
+    from tests.helpers import Server, free_port
+
+    model, codes = make_model("llama-head64"), ("--dtype", "float32", "--kv-dtype", "q8_0,q4_0")
+    prompt = [(7 * i) % 400 + 1 for i in range(40)]
+    offline = LLM(model, dtype="float32", kv_dtype="q8_0,q4_0", max_seq_len=256)
+    want = offline.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    port = free_port()
+    server = Server(model, *codes, "--http", f"127.0.0.1:{port}")
+    try:
+        with server.client() as c:
+            got = c.generate(input_ids=prompt, max_new_tokens=8, ignore_eos=True)
+            stats = c.stats()
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert got["token_ids"] == want.token_ids
+    cfg = offline.engine.model_config  # (a K row of q8_0 and a V row of q4_0 a layer and kv head)
+    per_token = cfg.num_layers * cfg.num_kv_heads * position_bytes(cfg.head_dim, torch.float32, ("q8_0", "q4_0"))
+    assert stats["kv_bytes_per_token"] == offline.engine.stats().kv_bytes_per_token == per_token
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want.text
