@@ -45,10 +45,9 @@ def quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x [..., head_dim] (any float dtype; rounded as float32) -> uint8 [..., row_bytes]."""
     *lead, d = x.shape
     blocks = x.to(torch.float32).reshape(-1, d // BLOCK, BLOCK)
-    if kind == "q8_0":
-        scale = blocks.abs().amax(-1, keepdim=True) / 127
-        inverse = torch.where(scale == 0, 0.0, 1 / scale)
-        codes = _roundf(blocks * inverse).to(torch.int8).view(torch.uint8)
+    if kind == "q8_0":  # (the queries' rule: kv_codes.h q8_codes)
+        codes, scale = quantize_queries(x.reshape(-1, d))
+        codes, scale = codes.to(torch.int8).view(torch.uint8), scale[..., None]
     else:
         largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (its sign kept)
         scale = largest / -8

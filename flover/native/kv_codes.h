@@ -54,27 +54,41 @@ static inline float kept(float v) {
     return w;
 }
 
+/* q8_0's rule for 32 values: codes roundf(x / scale), scale = max |x| / 127 (returned in float32;
+ * a cache row keeps it as float16, a query as it is). (A plain compare for the maximum: GCC 12
+ * on aarch64 fails to compile a fmaxf reduction here.) */
+static inline float q8_codes(const float *x, int8_t *codes) {
+    float most = 0.f;
+    for (int j = 0; j < 32; j++)
+        if (most < fabsf(x[j])) most = fabsf(x[j]);
+    const float scale = most / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+    for (int j = 0; j < 32; j++) codes[j] = (int8_t)roundf(x[j] * inverse);
+    return scale;
+}
+
 /* One head's row of d values (float32, of the model dtype's values) -> d / 32 blocks at dst */
 static inline void kv_quantize_row(const float *x, uint8_t *dst, int64_t d, int type) {
     for (int64_t b = 0; b < d / 32; b++, x += 32, dst += kv_block_bytes(type)) {
-        float most = 0.f, largest = 0.f;
-        for (int j = 0; j < 32; j++)
-            if (most < fabsf(x[j])) most = fabsf(x[j]), largest = x[j];
-        const float scale = type == KV_Q8_0 ? most / 127.f : largest / -8.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
-        const uint16_t h = f32_to_f16(scale);
-        memcpy(dst, &h, 2);
-        if (type == KV_Q8_0)
-            for (int j = 0; j < 32; j++) dst[2 + j] = (uint8_t)(int8_t)roundf(x[j] * inverse);
-        else
+        uint16_t h;
+        if (type == KV_Q8_0) {
+            h = f32_to_f16(q8_codes(x, (int8_t *)dst + 2));
+        } else { /* the value of largest magnitude (the first of them) over -8 */
+            float most = 0.f, largest = 0.f;
+            for (int j = 0; j < 32; j++)
+                if (most < fabsf(x[j])) most = fabsf(x[j]), largest = x[j];
+            const float scale = largest / -8.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+            h = f32_to_f16(scale);
             for (int j = 0; j < 16; j++) {
                 const int lo = (int)(kept(x[j] * inverse) + 8.5f), hi = (int)(kept(x[16 + j] * inverse) + 8.5f);
                 dst[2 + j] = (uint8_t)((lo < 15 ? lo : 15) | (hi < 15 ? hi : 15) << 4);
             }
+        }
+        memcpy(dst, &h, 2);
     }
 }
 
 /* The codes of values i..i+15 (i a multiple of 16) of a row of blocks, as floats (q4_0: code - 8),
- * and the scale of their block: the weighted sum of values takes the scale into each weight */
+ * and the scale of their block (the weighted sum of values takes it into each weight) */
 static inline v16 kv_codes16(const uint8_t *row, int64_t i, int type) {
     const uint8_t *block = row + (i / 32) * kv_block_bytes(type);
     if (type == KV_Q8_0) return v_load_i8((const int8_t *)block + 2 + i % 32);
@@ -99,35 +113,24 @@ typedef struct {
 
 static inline void kv_quantize_query(const float *q, int64_t d, int bf, QueryCodes *out) {
     for (int64_t b = 0; b < d / 32; b++) {
-        float x[32], most = 0.f;
+        float x[32];
         for (int j = 0; j < 32; j++) x[j] = rnd(q[32 * b + j], bf);
-        for (int j = 0; j < 32; j++)
-            if (most < fabsf(x[j])) most = fabsf(x[j]);
-        const float scale = most / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+        out->scale[b] = q8_codes(x, out->codes + 32 * b);
         int32_t sum = 0;
-        for (int j = 0; j < 32; j++) out->codes[32 * b + j] = (int8_t)roundf(x[j] * inverse);
         for (int j = 0; j < 32; j++) sum += out->codes[32 * b + j];
-        out->scale[b] = scale, out->sum[b] = sum;
+        out->sum[b] = sum;
     }
 }
 
-/* Values i..i+15 (i a multiple of 16) of a row of blocks: scale times code (q4_0: code - 8) */
-static inline v16 kv_load16(const uint8_t *row, int64_t i, int type) {
-    const uint8_t *block = row + (i / 32) * kv_block_bytes(type);
-    uint16_t h;
-    memcpy(&h, block, 2);
-    const v16 scale = v_set1(f16_to_f32(h));
-    if (type == KV_Q8_0) return v_mul(scale, v_load_i8((const int8_t *)block + 2 + i % 32));
-    int8_t codes[16];
-    for (int j = 0; j < 16; j++) codes[j] = (int8_t)((i % 32 ? block[2 + j] >> 4 : block[2 + j] & 15) - 8);
-    return v_mul(scale, v_load_i8(codes));
-}
-
-/* n rows of blocks (a row every `pos` bytes) -> n x d floats of the model dtype's values: what a
- * cache of codes holds (tests compare them with PyTorch's; attention reads the codes themselves) */
+/* n rows of blocks (a row every `pos` bytes) -> n x d floats of the model dtype's values, scale
+ * times code: what a cache of codes holds (tests compare them with PyTorch's; attention reads the
+ * codes themselves) */
 static inline void kv_rows_to(const uint8_t *rows, int64_t pos, int64_t n, int64_t d, int type, int bf, float *out) {
     for (int64_t t = 0; t < n; t++)
-        for (int64_t i = 0; i < d; i += 16) v_store(out + t * d + i, v_rnd(kv_load16(rows + t * pos, i, type), bf));
+        for (int64_t i = 0; i < d; i += 16) {
+            const uint8_t *row = rows + t * pos;
+            v_store(out + t * d + i, v_rnd(v_mul(v_set1(kv_scale(row, i, type)), kv_codes16(row, i, type)), bf));
+        }
 }
 
 #endif
