@@ -258,10 +258,13 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     float first[MAX_BLOCK_QUERIES], len[MAX_BLOCK_QUERIES]; /* positions, exact in float */
     float total[MAX_BLOCK_QUERIES], *outs[MAX_BLOCK_QUERIES];
     float sink[MAX_BLOCK_QUERIES]; /* each query's head's sink logit (gpt-oss), else -inf: no term */
+    QueryCodes qc[MAX_BLOCK_QUERIES];  /* (codes) */
     for (int64_t j = 0; j < width; j++) {
         const int64_t jb = j / 16, lane = j % 16;
         const float *q = j < nq ? wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d : 0;
-        if (bf) { /* the layout block_weight gives: pairs of inputs, 32 bits a pair */
+        if (md->k_type) { /* codes: the query in int8 blocks (score_codes below), no tile's layout */
+            if (q) kv_quantize_query(q, d, bf, &qc[j]);
+        } else if (bf) { /* the layout block_weight gives: pairs of inputs, 32 bits a pair */
             uint32_t pairs[MAX_HEAD_DIM / 2], *to = (uint32_t *)qt + jb * (d / 2) * 16 + lane;
             if (q) to_model_dtype(q, pairs, d, 1);
             for (int64_t i = 0; i < d / 2; i++) to[i * 16] = q ? pairs[i] : 0;
@@ -280,10 +283,7 @@ void attend_prompt(const Model *md, const float *wide, int64_t qkv_n, int64_t q_
     }
     const int64_t kmin = (int64_t)first[0], kmax = (int64_t)len[nq - 1]; /* positions rise along the block */
     if (md->k_type) { /* codes: the decode rows' int8 scores, 16 keys at a time, into S's columns */
-        QueryCodes qc[MAX_BLOCK_QUERIES];
         float part[MAX_BLOCK_QUERIES * 16];
-        for (int64_t j = 0; j < nq; j++)
-            kv_quantize_query(wide + (r0 + j / group) * qkv_n + (g * group + j % group) * d, d, bf, &qc[j]);
         for (int64_t t0 = kmin; t0 < kmax; t0 += 16) {
             const int64_t keys = kmax - t0 < 16 ? kmax - t0 : 16;
             score_codes(qc, nq, (const uint8_t *)k_base, pos, d, (int)md->k_type, t0, keys, scale, part, 16);
