@@ -130,7 +130,8 @@ class SlotBuffer:
 
     With --kv-dtype's codes (`kv_kinds`, models/kv_codes.py) a group's tensor holds bytes, `[layers,
     1, slots, kv_heads, positions, K row + V row]`, and `layers[n]` is a QuantizedKV (kv[0], kv[1]
-    read and write the model's dtype; `.rows` the bytes); the copies below move bytes alike.
+    quantize what attention writes and give the codes it reads; `.rows` the bytes); the copies
+    below move bytes alike.
 
     With windowed KV (kv_window.py) the sliding-window layers live apart, `[windowed layers, 2,
     max_slots, kv_heads, capacity, head_dim]`, and the per-slot state `window_base` says which
