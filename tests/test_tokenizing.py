@@ -98,3 +98,24 @@ def test_the_worker_goes_on_to_the_next_job_while_the_loop_is_busy():
     done = tok.finished()
     assert len(done) == 20 and sorted(j.result for j in done) == [2 * i for i in range(20)] and len(tok) == 0
     tok.close()
+
+
+def test_cancelled_jobs_stop_counting_as_wanted_at_once():
+    """The daemon's queue bound counts `wanted()`: a request cancelled while its prompt waits to be
+    tokenized (a nice-19 thread on a busy machine can wait long) must free its place at once, or a
+    new request is refused `overloaded` with nothing left waiting (it was, in CI)."""
+    gate = threading.Event()
+    tok = FairWorker(lambda payload: gate.wait(10) and payload, workers=1)
+    for i in range(4):
+        tok.submit(Job(b"A", str(i), i))
+    tok.submit(Job(b"B", "b", "b"))
+    assert tok.wanted() == len(tok) == 5
+    assert tok.cancel("1") and tok.cancel("2") and tok.cancel("2")  # (twice counts once)
+    assert tok.wanted() == 3 and len(tok) == 5  # still to be answered: the loop collects them
+    tok.forget_connection(b"B")
+    assert tok.wanted() == 2 and len(tok) == 4
+    gate.set()
+    done = collect(tok, 4)
+    assert sorted(j.engine_id for j in done if j.cancelled) == ["1", "2"]
+    assert tok.wanted() == len(tok) == 0
+    tok.close()

@@ -506,7 +506,7 @@ class Daemon:
             raise protocol.ProtocolError(protocol.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
-        if not self.engine.can_accept(self.config.max_waiting - self._preparing()):
+        if not self.engine.can_accept(self.config.max_waiting - sum(w.wanted() for w in self.workers)):
             raise protocol.ProtocolError(
                 protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; retry later", req.id
             )
