@@ -653,6 +653,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     chat = args.workload == "chat"
+    if not chat and args.prompt_len + args.gen_len > args.seq_len:  # (both servers would refuse every request)
+        sys.exit(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} exceed --seq-len {args.seq_len}")
     sampling = json.loads(args.sampling)
     llama_extra, flover_extra = speculation_args(args.speculate, args.speculate_ngram)
     if args.kv_dtype != "auto":  # both servers' KV in the same llama.cpp blocks (its quantized V needs flash attention)
