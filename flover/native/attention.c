@@ -53,8 +53,9 @@ int vector_attention(const Model *md) {
                     acc[g][c] = v_fmadd(v_set1(vt ? s * scales[c] : s), v[c], acc[g][c]);                  \
             }                                                                                              \
         }                                                                                                  \
-        for (int g = 0; g < G; g++)                                                                        \
-            for (int c = 0; c < C; c++)                                                                    \
+        /* (unrolled whole: a loop here kept acc in memory, stored at every key) */                     \
+        _Pragma("GCC unroll 32") for (int g = 0; g < G; g++)                                               \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                                            \
                 if (n[c] > 0) v_storen(outs[g] + i0 + 16 * c, v_rnd(v_div(acc[g][c], v_set1(total[g])), bf), n[c]); \
     }
 #define HALF_CHUNKS (PV_CHUNKS / 2)
