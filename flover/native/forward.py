@@ -276,7 +276,9 @@ class NativeForward:
         if failed:
             raise ValueError(f"native step: {SHAPE_CHECKS[failed]}")
         floats = self.lib.flover_work_floats(self._model_struct, max_rows, threads)
-        self._work = torch.empty(floats, dtype=torch.float32)
+        # on 2 MiB pages as the weights: a prompt chunk's outputs are written 16 columns a row at a
+        # time, rows tens of KiB apart, and on 4 KiB pages each such store missed the TLB
+        self._work = WeightArena(floats * 4).take((floats,), torch.float32)
         self.eps = float(model.cfg.norm_eps)
         self._ids = (ctypes.c_int64 * max_rows)()  # greedy's output
         self._screen_scores = torch.empty(0, self.vocab, dtype=torch.float32)  # the screen's scratch, kept

@@ -84,7 +84,7 @@ class HeadScreen:
 class WeightArena:
     """One anonymous mapping for all blocked weights, advised to use 2 MiB pages: a token of one
     request streams every weight once, and 4 KiB pages cost a TLB miss every 4 KiB of it
-    (docs/design_notes.md, "measured choices")."""
+    (docs/design_notes.md, "measured choices"). The native step's scratch is one too."""
 
     HUGE = 2 << 20
 
