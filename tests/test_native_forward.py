@@ -11,6 +11,7 @@ import logging
 import platform
 import random
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -606,6 +607,30 @@ def _with_final_norm(make_model, fill: float, tmp_path, **config):
     engine = Engine(EngineConfig(make_model("llama"), **config))
     engine.runner.model.norm.fill_(fill)  # (the native step reads this tensor's memory)
     return engine.runner.native
+
+
+def test_the_native_step_keeps_the_kv_buffer_it_writes_alive(make_model):
+    """Its structs hold raw addresses into the runner's KV mapping: an engine dropped while its
+    native step is kept (as the helpers here do) must not unmap that memory under it (it did: the
+    full suite died of a segmentation fault in the test below)."""
+    engine = Engine(EngineConfig(make_model("llama"), dtype="bfloat16", max_slots=4, max_seq_len=64))
+    native, kv = engine.runner.native, weakref.ref(engine.runner.buffer)
+    del engine
+    gc.collect()
+    assert kv() is not None, "the KV buffer went while the native step still points into it"
+    batch = ForwardBatch(
+        input_ids=torch.arange(5, 17),
+        positions=torch.arange(12),
+        write_slots=torch.zeros(12, dtype=torch.int64),
+        num_decode=0,
+        decode_span=0,
+        decode_rows=None,
+        span_lens=None,
+        max_decode_len=0,
+        prefills=[PrefillSpan(0, 12, 0, 0)],
+        sample_rows=torch.arange(12),
+    )
+    assert native.run(batch).isfinite().all()
 
 
 @pytest.mark.parametrize("fill", [0.0, float("nan")])

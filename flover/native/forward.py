@@ -265,6 +265,7 @@ class NativeForward:
         # float32 copies held while C reads them: norms (Gemma 3, OLMo 2), gpt-oss's sink logits
         self._norm_weights: list[torch.Tensor] = []
         self._expert_tables: list[torch.Tensor] = []  # each layer of experts' address arrays, likewise
+        self._buffer = buffer  # the structs below point into its KV: it lives as long as they may be read
         self._model_struct = self._model_struct_of(plan, buffer, comm)
         if release and model.lm_head is not None:
             model.lm_head.release()  # a tied head's embedding stays: it is the token lookup ...
