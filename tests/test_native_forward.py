@@ -609,6 +609,22 @@ def _with_final_norm(make_model, fill: float, tmp_path, **config):
     return engine.runner.native
 
 
+def _one_prompt(n: int) -> ForwardBatch:
+    """A batch of one prompt of n tokens (ids 5, 6, ...) in slot 0, every row sampled."""
+    return ForwardBatch(
+        input_ids=torch.arange(5, 5 + n),
+        positions=torch.arange(n),
+        write_slots=torch.zeros(n, dtype=torch.int64),
+        num_decode=0,
+        decode_span=0,
+        decode_rows=None,
+        span_lens=None,
+        max_decode_len=0,
+        prefills=[PrefillSpan(0, n, 0, 0)],
+        sample_rows=torch.arange(n),
+    )
+
+
 def test_the_native_step_keeps_the_kv_buffer_it_writes_alive(make_model):
     """Its structs hold raw addresses into the runner's KV mapping: an engine dropped while its
     native step is kept (as the helpers here do) must not unmap that memory under it (it did: the
@@ -618,19 +634,7 @@ def test_the_native_step_keeps_the_kv_buffer_it_writes_alive(make_model):
     del engine
     gc.collect()
     assert kv() is not None, "the KV buffer went while the native step still points into it"
-    batch = ForwardBatch(
-        input_ids=torch.arange(5, 17),
-        positions=torch.arange(12),
-        write_slots=torch.zeros(12, dtype=torch.int64),
-        num_decode=0,
-        decode_span=0,
-        decode_rows=None,
-        span_lens=None,
-        max_decode_len=0,
-        prefills=[PrefillSpan(0, 12, 0, 0)],
-        sample_rows=torch.arange(12),
-    )
-    assert native.run(batch).isfinite().all()
+    assert native.run(_one_prompt(12)).isfinite().all()
 
 
 @pytest.mark.parametrize("fill", [0.0, float("nan")])
@@ -640,18 +644,7 @@ def test_greedy_beyond_the_screen_with_every_logit_equal_or_nan(make_model, fill
     native = _with_final_norm(
         make_model, fill, tmp_path, dtype="bfloat16", max_slots=4, max_batch_tokens=16, max_seq_len=64
     )
-    batch = ForwardBatch(
-        input_ids=torch.arange(5, 17),
-        positions=torch.arange(12),
-        write_slots=torch.zeros(12, dtype=torch.int64),
-        num_decode=0,
-        decode_span=0,
-        decode_rows=None,
-        span_lens=None,
-        max_decode_len=0,
-        prefills=[PrefillSpan(0, 12, 0, 0)],
-        sample_rows=torch.arange(12),
-    )
+    batch = _one_prompt(12)
     before = native.full_head_rows
     ids = native.run(batch, greedy=True)
     assert ids == native.run(batch).argmax(-1).tolist() == [0] * 12
@@ -666,18 +659,7 @@ def test_screened_greedy_takes_every_logit_when_the_screen_cannot_decide(make_mo
     native = _with_final_norm(
         make_model, fill, tmp_path, dtype="float32", max_slots=4, max_batch_tokens=16, max_seq_len=64
     )
-    batch = ForwardBatch(
-        input_ids=torch.tensor([5, 6, 7]),
-        positions=torch.arange(3),
-        write_slots=torch.zeros(3, dtype=torch.int64),
-        num_decode=0,
-        decode_span=0,
-        decode_rows=None,
-        span_lens=None,
-        max_decode_len=0,
-        prefills=[PrefillSpan(0, 3, 0, 0)],
-        sample_rows=torch.arange(3),
-    )
+    batch = _one_prompt(3)
     ids = native.run(batch, greedy=True)
     assert ids == native.run(batch).argmax(-1).tolist() == [0, 0, 0]
     assert fill == fill or native.run(batch).isnan().all()
