@@ -44,11 +44,11 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x [..., head_dim] (any float dtype; rounded as float32) -> uint8 [..., row_bytes]."""
     *lead, d = x.shape
-    blocks = x.to(torch.float32).reshape(-1, d // BLOCK, BLOCK)
     if kind == "q8_0":  # (the queries' rule: kv_codes.h q8_codes)
         codes, scale = quantize_queries(x.reshape(-1, d))
         codes, scale = codes.to(torch.int8).view(torch.uint8), scale[..., None]
     else:
+        blocks = x.to(torch.float32).reshape(-1, d // BLOCK, BLOCK)
         largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (its sign kept)
         scale = largest / -8
         inverse = torch.where(scale == 0, 0.0, 1 / scale)
