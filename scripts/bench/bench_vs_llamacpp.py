@@ -56,6 +56,7 @@ from flover.bench.metrics import medians, resident_mib
 
 LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
 GREEDY = {"temperature": 0}
+REQUEST_TIMEOUT_S = 3600  # a client waits this long for an answer (llama-server's q8_0-KV prefill is slow)
 ANSWER_FORMAT = {
     "type": "json_schema",
     "json_schema": {
@@ -270,7 +271,7 @@ def chat_request(port: int, question, n: int, model: str, sampling: dict) -> tup
     parameters (greedy: temperature 0); (seconds to the first token, tokens generated, longest
     gap between tokens)."""
     start, gaps, first, tokens, chunks = time.perf_counter(), Gaps(), None, None, 0
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     question, extra = question if isinstance(question, tuple) else (question, {})  # extra: e.g. response_format
     body = {
         "model": model,
@@ -399,7 +400,7 @@ def llama_request(port: int, ids: list[int], n: int) -> tuple[float | None, int,
     """Stream one completion; (seconds to the first token, tokens generated, longest gap between tokens)."""
     start = time.perf_counter()
     gaps = Gaps()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True, "cache_prompt": False}
     conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
     response, first, tokens = conn.getresponse(), None, 0
@@ -485,7 +486,7 @@ def start_flover(
 
     def request(ids: list[int], n: int) -> tuple[float | None, int, float]:
         start, first, tokens, gaps = time.perf_counter(), None, 0, Gaps()
-        with Client(addr, timeout=3600) as c:
+        with Client(addr, timeout=REQUEST_TIMEOUT_S) as c:
             for event in c.stream(input_ids=ids, max_new_tokens=n, ignore_eos=True):
                 if event["event"] == "token":
                     if first is None:
