@@ -144,3 +144,29 @@ def test_a_gguf_chat_template_that_is_not_a_string_turns_chat_off(llama_dir, tmp
     with pytest.raises(ValueError, match=r"m\.gguf: tokenizer\.chat_template must be a string, not int"):
         llm.engine.make_request(RequestInput(None, messages=chat("hi")))
     assert len(llm.generate(["Hello"], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_prompts_cancelled_in_a_lane_free_their_places_up_to_a_bound(llama_dir, tmp_path):
+    """A looping template holds the rendering lane; chats sent and cancelled behind it no longer
+    hold places in the queue (--max-waiting 2: before, the second was refused `overloaded` with
+    nothing waiting), but the lane keeps at most --max-waiting of them, each with its message."""
+    model = with_template(llama_dir, tmp_path / "m", HOSTILE)
+    srv = Server(model, "--max-slots", "1", "--max-waiting", "2", "--template-seconds", "3")
+    try:
+        with srv.client() as c:
+            c.send({"op": "generate", "id": "loop", "messages": chat("loop"), "params": {"max_new_tokens": 3}})
+            for rid in ("c0", "c1", "c2"):
+                c.send({"op": "generate", "id": rid, "messages": chat("hi"), "params": {"max_new_tokens": 3}})
+                c.send({"op": "cancel", "id": rid})
+            assert c.wait("c0")["finish_reason"] == c.wait("c1")["finish_reason"] == "cancelled"
+            with pytest.raises(FloverError) as refused:
+                c.wait("c2")
+            assert refused.value.code == "overloaded"
+            with pytest.raises(FloverError) as looped:
+                c.wait("loop")
+            assert "--template-seconds" in str(looped.value)
+            again = c.generate(messages=chat("hi"), max_new_tokens=3, ignore_eos=True)
+            assert again["usage"]["completion_tokens"] == 3
+    finally:
+        code, err = srv.stop()
+    assert code == 0 and "Traceback" not in err, err[-3000:]

@@ -506,7 +506,10 @@ class Daemon:
             raise protocol.ProtocolError(protocol.SHUTTING_DOWN, "the server is shutting down", req.id)
         if (identity, req.id) in self.by_client:
             raise protocol.ProtocolError(protocol.DUPLICATE_ID, f"request {req.id!r} is already in flight", req.id)
-        if not self.engine.can_accept(self.config.max_waiting - sum(w.wanted() for w in self.workers)):
+        # A prompt cancelled in a lane frees its place at once (the lane answers it when it gets
+        # there); the lanes hold at most max_waiting of those besides, each with its message.
+        wanted, most = sum(w.wanted() for w in self.workers), self.config.max_waiting
+        if self._preparing() - wanted >= most or not self.engine.can_accept(most - wanted):
             raise protocol.ProtocolError(
                 protocol.OVERLOADED, f"{self.config.max_waiting} requests are already waiting; retry later", req.id
             )

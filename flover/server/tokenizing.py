@@ -50,7 +50,6 @@ class FairWorker:
         self.running: list[Job] = []
         self._draining = 0  # worker threads taking jobs
         self.jobs: dict[str, Job] = {}  # engine id -> job, waiting or running
-        self._cancelled = 0  # jobs in `jobs` marked cancelled (only the loop's thread counts them)
         # A worker that finishes writes a byte here, so that an idle loop's poll wakes up.
         self.wakeup_fd, self._wake = os.pipe()
         os.set_blocking(self.wakeup_fd, False)
@@ -60,8 +59,9 @@ class FairWorker:
 
     def wanted(self) -> int:
         """Jobs whose request will queue for a slot: a cancelled one is answered and goes, so it
-        must not keep a new request out of the queue meanwhile."""
-        return len(self.jobs) - self._cancelled
+        must not keep a new request out of the queue meanwhile. (`jobs` and the marks change on
+        the loop's thread only, which asks this.)"""
+        return sum(not job.cancelled for job in self.jobs.values())
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -74,9 +74,8 @@ class FairWorker:
     def cancel(self, engine_id: str) -> bool:
         """Its result is not wanted: it finishes (or is dropped) and comes back marked cancelled."""
         job = self.jobs.get(engine_id)
-        if job is not None and not job.cancelled:
+        if job is not None:
             job.cancelled = True
-            self._cancelled += 1
         return job is not None
 
     def forget_connection(self, connection: bytes) -> None:
@@ -84,12 +83,10 @@ class FairWorker:
         with self._lock:
             for job in self.waiting.pop(connection, ()):
                 del self.jobs[job.engine_id]
-                self._cancelled -= job.cancelled
             self.served.pop(connection, None)
             for job in self.running:
-                if job.connection == connection and not job.cancelled:
+                if job.connection == connection:
                     job.cancelled = True
-                    self._cancelled += 1
 
     def finished(self) -> list[Job]:
         """Jobs whose work ended (in the order they ended)."""
@@ -104,7 +101,6 @@ class FairWorker:
             for job in done:
                 self.running.remove(job)
                 del self.jobs[job.engine_id]
-                self._cancelled -= job.cancelled
         return done
 
     def _drain(self) -> None:
