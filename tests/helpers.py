@@ -270,6 +270,11 @@ class Server:
             cmd, env = [sys.executable, *args], {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()  # "flover serve: ready on ..."
+        if not line:  # its stdout closed: it is exiting (wait for it, so that its stderr says why)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         assert "ready on" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
 
     def client(self, **kw) -> Client:
