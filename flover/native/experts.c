@@ -112,13 +112,16 @@ static void experts_share(const Model *md, int64_t grids, int64_t biases, const 
         const char *bias = biases ? (const char *)((const int64_t *)biases)[e] : 0;
         const Int8Rows xe = int8_rows_from(in, start[e], k);
         float *ye = y + start[e] * n_out;
-        /* block j of the expert: a block of one of its grid's runs (every run but the last whole blocks) */
+        /* blocks j of the expert: blocks of its grid's runs (every run but the last whole blocks), a run at a time */
         int64_t p = 0, first = 0, columns = 0;
-        for (int64_t j = j0; j < j1; j++) {
+        for (int64_t j = j0; j < j1;) {
             while (j - first >= (grid->part[p].rows + 15) / 16)
                 first += (grid->part[p].rows + 15) / 16, columns += grid->part[p].rows, p++;
-            block_x8(&grid->part[p], j - first, k, &xe, (int)m, bias ? bias + columns * (md->dtype == DT_BF16 ? 2 : 4) : 0,
-                     ye + columns, n_out, md->dtype == DT_BF16);
+            const int64_t run_end = first + (grid->part[p].rows + 15) / 16, end = j1 < run_end ? j1 : run_end;
+            blocks_x8(&grid->part[p], j - first, end - first, k, &xe, (int)m,
+                      bias ? bias + columns * (md->dtype == DT_BF16 ? 2 : 4) : 0, ye + columns, n_out,
+                      md->dtype == DT_BF16);
+            j = end;
         }
     }
 }

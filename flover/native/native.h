@@ -365,10 +365,14 @@ void project_kind(int kind, int bf, int64_t w_addr, int64_t scales_addr, int64_t
 void project_grid(const Grid *grid, int bf, int64_t b_addr, const float *x, void *xb, float *xsum, int rows,
                   int64_t n_out, int64_t k, float *y, int nt);
 void grid_row(const Grid *grid, int64_t row, int64_t k, float *out);
-/* block nb (16 outputs) of a run that takes int8 inputs, for `rows` rows of x: rnd(x W^T + bias)
- * as floats at y + row * ldy + 16 nb (outputs past the run's rows not stored) */
-void block_x8(const GridPart *part, int64_t nb, int64_t k, const Int8Rows *x, int rows, const void *bias, float *y,
-              int64_t ldy, int bf);
+/* blocks nb0..nb1-1 (16 outputs each) of a run that takes int8 inputs, for `rows` rows of x:
+ * rnd(x W^T + bias) as floats at y + row * ldy + 16 nb (outputs past the run's rows not stored);
+ * above X8_PANEL_ROWS rows, X8_PANEL_BYTES of codes (an L2's share on every CPU seen) at a time
+ * for each row tile (docs/journal.md (v)) */
+#define X8_PANEL_ROWS 8
+#define X8_PANEL_BYTES (256 * 1024)
+void blocks_x8(const GridPart *part, int64_t nb0, int64_t nb1, int64_t k, const Int8Rows *x, int rows,
+               const void *bias, float *y, int64_t ldy, int bf);
 
 /* ---- row_ops.c --------------------------------------------------------------------------------- */
 void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);

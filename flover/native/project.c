@@ -92,17 +92,27 @@ static const char *block_scales(const GridPart *part, int64_t nb, int64_t k) {
     return (const char *)part->scales + nb * scale_bytes;
 }
 
-void block_x8(const GridPart *part, int64_t nb, int64_t k, const Int8Rows *x, int rows, const void *bias, float *y,
-              int64_t ldy, int bf) {
-    const uint8_t *c = block_codes(part, nb, k);
-    const char *sc = block_scales(part, nb, k);
+/* Blocks nb0..nb1-1 for rows of x, a panel of blocks at a time: a row tile's inputs (8 rows: 8k
+ * bytes) stay in L1 or L2 over the panel while the panel's codes stay in L2. Block by block, every
+ * block read all the rows' inputs again (a 512-token chunk's are 1-4 MiB: from L3; docs/journal.md
+ * (v)). The same tiles and sums, so the same bits. */
+void blocks_x8(const GridPart *part, int64_t nb0, int64_t nb1, int64_t k, const Int8Rows *x, int rows,
+               const void *bias, float *y, int64_t ldy, int bf) {
+    const int64_t block_bytes = block_codes(part, 1, k) - block_codes(part, 0, k);
+    const int64_t panel = rows > X8_PANEL_ROWS && block_bytes < X8_PANEL_BYTES ? X8_PANEL_BYTES / block_bytes : 1;
     float out[12 * 16];
-    for (int m0 = 0; m0 < rows;) {
-        const int mt = x8_tile_rows(rows - m0);
-        const Int8Rows xr = int8_rows_from(x, m0, k);
-        tile_x8(mt, part, c, sc, k, &xr, out);
-        for (int i = 0; i < mt; i++) store_outputs(out + i * 16, bias, nb * 16, part->rows, y, (m0 + i) * ldy, 0, bf);
-        m0 += mt;
+    for (int64_t p0 = nb0; p0 < nb1; p0 += panel) {
+        const int64_t p1 = p0 + panel < nb1 ? p0 + panel : nb1;
+        for (int m0 = 0; m0 < rows;) {
+            const int mt = x8_tile_rows(rows - m0);
+            const Int8Rows xr = int8_rows_from(x, m0, k);
+            for (int64_t nb = p0; nb < p1; nb++) {
+                tile_x8(mt, part, block_codes(part, nb, k), block_scales(part, nb, k), k, &xr, out);
+                for (int i = 0; i < mt; i++)
+                    store_outputs(out + i * 16, bias, nb * 16, part->rows, y, (m0 + i) * ldy, 0, bf);
+            }
+            m0 += mt;
+        }
     }
 }
 
@@ -147,9 +157,10 @@ static void project_groups(const GridPart *part, const void *bias, const float *
             operand_rows(x, xb, rows, k, 1, t, T);
         if (lows && !part->x8) group_sums(x, xsum, rows, k, group, t, T);
 #pragma omp barrier
-        for (int64_t nb = blocks * t / T; nb < blocks * (t + 1) / T; nb++)
-            if (part->x8) block_x8(part, nb, k, &x8, rows, bias, y, ldy, bf);
-            else block_groups(part, nb, k, x, xb, xsum, rows, bias, y, ldy, bf);
+        if (part->x8) blocks_x8(part, blocks * t / T, blocks * (t + 1) / T, k, &x8, rows, bias, y, ldy, bf);
+        else
+            for (int64_t nb = blocks * t / T; nb < blocks * (t + 1) / T; nb++)
+                block_groups(part, nb, k, x, xb, xsum, rows, bias, y, ldy, bf);
     }
 }
 
