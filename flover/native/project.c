@@ -92,14 +92,19 @@ static const char *block_scales(const GridPart *part, int64_t nb, int64_t k) {
     return (const char *)part->scales + nb * scale_bytes;
 }
 
+/* blocks of a panel (1 up to X8_PANEL_ROWS rows) */
+static int64_t x8_panel(const GridPart *part, int64_t k, int rows) {
+    const int64_t block_bytes = block_codes(part, 1, k) - block_codes(part, 0, k);
+    return rows > X8_PANEL_ROWS && block_bytes < X8_PANEL_BYTES ? X8_PANEL_BYTES / block_bytes : 1;
+}
+
 /* Blocks nb0..nb1-1 for rows of x, a panel of blocks at a time: a row tile's inputs (8 rows: 8k
  * bytes) stay in L1 or L2 over the panel while the panel's codes stay in L2. Block by block, every
  * block read all the rows' inputs again (a 512-token chunk's are 1-4 MiB: from L3; docs/journal.md
  * (v)). The same tiles and sums, so the same bits. */
 void blocks_x8(const GridPart *part, int64_t nb0, int64_t nb1, int64_t k, const Int8Rows *x, int rows,
                const void *bias, float *y, int64_t ldy, int bf) {
-    const int64_t block_bytes = block_codes(part, 1, k) - block_codes(part, 0, k);
-    const int64_t panel = rows > X8_PANEL_ROWS && block_bytes < X8_PANEL_BYTES ? X8_PANEL_BYTES / block_bytes : 1;
+    const int64_t panel = x8_panel(part, k, rows);
     float out[12 * 16];
     for (int64_t p0 = nb0; p0 < nb1; p0 += panel) {
         const int64_t p1 = p0 + panel < nb1 ? p0 + panel : nb1;
@@ -157,7 +162,13 @@ static void project_groups(const GridPart *part, const void *bias, const float *
             operand_rows(x, xb, rows, k, 1, t, T);
         if (lows && !part->x8) group_sums(x, xsum, rows, k, group, t, T);
 #pragma omp barrier
-        if (part->x8) blocks_x8(part, blocks * t / T, blocks * (t + 1) / T, k, &x8, rows, bias, y, ldy, bf);
+        if (part->x8 && rows > X8_PANEL_ROWS) { /* panels to whichever thread is free: one slowed by a
+                                                     * neighbour no longer holds the other at the end */
+            const int64_t panel = x8_panel(part, k, rows);
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t p0 = 0; p0 < blocks; p0 += panel)
+                blocks_x8(part, p0, p0 + panel < blocks ? p0 + panel : blocks, k, &x8, rows, bias, y, ldy, bf);
+        } else if (part->x8) blocks_x8(part, blocks * t / T, blocks * (t + 1) / T, k, &x8, rows, bias, y, ldy, bf);
         else
             for (int64_t nb = blocks * t / T; nb < blocks * (t + 1) / T; nb++)
                 block_groups(part, nb, k, x, xb, xsum, rows, bias, y, ldy, bf);
