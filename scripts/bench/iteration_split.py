@@ -29,7 +29,7 @@ import torch
 
 from flover import Engine, EngineConfig, SamplingParams
 
-TILE = re.compile(r"(_x8_\d+|_k256_\d+|^tile_|^block_|_tile|tile_x8|^signed_x8|^bytes_)")
+TILE = re.compile(r"(_x8_\d+|_k256_\d+|^tile_|^blocks?_|_tile|tile_x8|^signed_x8|^bytes_)")
 ATTENTION = re.compile(r"(attend|score_keys|weigh_values|keys_|pv_block|softmax)")
 
 
