@@ -576,11 +576,15 @@ API int flover_forward(const Model *md, const Layer *layers, int rows, int decod
             }
             memcpy(normed, ew.sum, rows * h * sizeof(float));
         } else {
-            PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
+            const int fused = ly->gate_up_grid && !ly->gate_up_bias && !md->act &&
+                              project_swiglu((const Grid *)ly->gate_up_grid, normed, xb, xsum, rows, inter, h, mid, bf, nt);
+            if (!fused) {
+                PROJECT(gate_up, ly->gate_up_bias, normed, 2 * inter, h, wide)
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows >= 8)
-            for (int r = 0; r < rows; r++) {
-                if (md->act) gelu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
-                else silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+                for (int r = 0; r < rows; r++) {
+                    if (md->act) gelu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+                    else silu_mul(wide + r * 2 * inter, inter, bf, mid + r * inter);
+                }
             }
             PROJECT(down, 0, mid, h, inter, normed)
         }

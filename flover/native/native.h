@@ -373,6 +373,11 @@ void grid_row(const Grid *grid, int64_t row, int64_t k, float *out);
 #define X8_PANEL_BYTES (256 * 1024)
 void blocks_x8(const GridPart *part, int64_t nb0, int64_t nb1, int64_t k, const Int8Rows *x, int rows,
                const void *bias, float *y, int64_t ldy, int bf);
+/* (SwiGLU) silu(gate) x up into out [rows, inter] straight from a gate_up grid's tiles ([gate | up],
+ * inter rows each, no bias) where it qualifies (above X8_PANEL_ROWS rows, every run on int8
+ * inputs in whole blocks); 0: it does not, nothing done */
+int project_swiglu(const Grid *grid, const float *x, void *xb, float *xsum, int rows, int64_t inter, int64_t k,
+                   float *out, int bf, int nt);
 
 /* ---- row_ops.c --------------------------------------------------------------------------------- */
 void rms_norm(const float *x, const void *weight, float eps, int64_t h, int bf, float *out);
@@ -382,6 +387,11 @@ void residual_and_norm(const Model *md, float *hidden, float *out, int rows, int
                        int nt);
 void norm_then_residual(const Model *md, float *hidden, float *out, int rows, int64_t norm, int64_t next_norm, float eps, int64_t h,
                         int bf, int nt);
+/* rnd(rnd(silu(gate)) x up) on 16 lanes: silu_mul's step, and project_swiglu's */
+static inline v16 silu_times(v16 gate, v16 up, int bf) {
+    const v16 act = v_rnd(v_div(gate, v_add(v_set1(1.f), v_exp(v_sub(v_zero(), gate)))), bf);
+    return v_rnd(v_mul(act, up), bf);
+}
 void silu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 void gelu_mul(const float *gate_up, int64_t inter, int bf, float *out);
 void swiglu_clamped_mul(const float *gate_up, int64_t inter, int bf, float limit, float alpha, float *out);

@@ -121,6 +121,51 @@ void blocks_x8(const GridPart *part, int64_t nb0, int64_t nb1, int64_t k, const 
     }
 }
 
+/* The run holding output row `row` of a grid, and the block there (the caller's rows start blocks) */
+static const GridPart *grid_block(const Grid *grid, int64_t row, int64_t *nb) {
+    const GridPart *part = grid->part;
+    while (row >= part->rows) row -= part->rows, part++;
+    *nb = row / 16;
+    return part;
+}
+
+/* gate's block j and up's block j of each row tile one after the other, in panels handed to
+ * whichever thread is free (as blocks_x8): gate_up's outputs are never stored (a 512-token chunk's
+ * are 32 MiB of floats) nor read back by a silu_mul pass. The same tiles, roundings (store_outputs
+ * without bias: rnd) and silu_times as project_grid then silu_mul: the same bits. */
+int project_swiglu(const Grid *grid, const float *x, void *xb, float *xsum, int rows, int64_t inter, int64_t k,
+                   float *out, int bf, int nt) {
+    if (rows <= X8_PANEL_ROWS || inter % 16) return 0;
+    for (int64_t p = 0; p < grid->parts; p++)
+        if (!grid->part[p].x8 || grid->part[p].kind == G_INT8_ROWS || grid->part[p].rows % 16) return 0;
+    const Int8Rows x8 = int8_rows_at(xb, xsum, rows, k, x8_block(grid));
+    const int64_t blocks = inter / 16, half = x8_panel(grid->part, k, rows) / 2, panel = half > 1 ? half : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        int8_rows(x, &x8, rows, k, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t j0 = 0; j0 < blocks; j0 += panel) {
+            float gate[12 * 16], up[12 * 16];
+            for (int m0 = 0; m0 < rows;) {
+                const int mt = x8_tile_rows(rows - m0);
+                const Int8Rows xr = int8_rows_from(&x8, m0, k);
+                for (int64_t j = j0; j < j0 + panel && j < blocks; j++) {
+                    int64_t g, u;
+                    const GridPart *gp = grid_block(grid, 16 * j, &g), *up_part = grid_block(grid, inter + 16 * j, &u);
+                    tile_x8(mt, gp, block_codes(gp, g, k), block_scales(gp, g, k), k, &xr, gate);
+                    tile_x8(mt, up_part, block_codes(up_part, u, k), block_scales(up_part, u, k), k, &xr, up);
+                    for (int i = 0; i < mt; i++)
+                        v_store(out + (m0 + i) * inter + 16 * j,
+                                silu_times(v_rnd(v_load(gate + i * 16), bf), v_rnd(v_load(up + i * 16), bf), bf));
+                }
+                m0 += mt;
+            }
+        }
+    }
+    return 1;
+}
+
 /* Block nb for rows of x (float rows of bfloat16 values, or their operand copy in xb) through
  * tiles.c's 4-bit or byte tiles; xsum: their group sums where the run has minimums */
 static void block_groups(const GridPart *part, int64_t nb, int64_t k, const float *x, const void *xb,

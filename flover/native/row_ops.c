@@ -94,9 +94,7 @@ void silu_mul(const float *gate_up, int64_t inter, int bf, float *out) {
     const float *up = gate_up + inter;
     for (int64_t i = 0; i < inter; i += 16) {
         const int64_t n = inter - i;
-        const v16 g = v_loadn(gate_up + i, n);
-        const v16 act = v_rnd(v_div(g, v_add(v_set1(1.f), v_exp(v_sub(v_zero(), g)))), bf);
-        v_storen(out + i, v_rnd(v_mul(act, v_loadn(up + i, n)), bf), n);
+        v_storen(out + i, silu_times(v_loadn(gate_up + i, n), v_loadn(up + i, n), bf), n);
     }
 }
 
