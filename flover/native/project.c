@@ -136,8 +136,12 @@ static const GridPart *grid_block(const Grid *grid, int64_t row, int64_t *nb) {
 int project_swiglu(const Grid *grid, const float *x, void *xb, float *xsum, int rows, int64_t inter, int64_t k,
                    float *out, int bf, int nt) {
     if (rows <= X8_PANEL_ROWS || inter % 16) return 0;
-    for (int64_t p = 0; p < grid->parts; p++)
+    int64_t total = 0; /* (grid_block below walks the runs up to 2 inter rows) */
+    for (int64_t p = 0; p < grid->parts; p++) {
         if (!grid->part[p].x8 || grid->part[p].kind == G_INT8_ROWS || grid->part[p].rows % 16) return 0;
+        total += grid->part[p].rows;
+    }
+    if (total != 2 * inter) return 0;
     const Int8Rows x8 = int8_rows_at(xb, xsum, rows, k, x8_block(grid));
     const int64_t blocks = inter / 16, half = x8_panel(grid->part, k, rows) / 2, panel = half > 1 ? half : 1;
 #pragma omp parallel num_threads(nt)
