@@ -121,11 +121,10 @@ void blocks_x8(const GridPart *part, int64_t nb0, int64_t nb1, int64_t k, const 
     }
 }
 
-/* The run holding output row `row` of a grid, and the block there (the caller's rows start blocks) */
-static const GridPart *grid_block(const Grid *grid, int64_t row, int64_t *nb) {
+/* The run holding output row *row of a grid (the last one past its end), *row made that run's own */
+static const GridPart *grid_run(const Grid *grid, int64_t *row) {
     const GridPart *part = grid->part;
-    while (row >= part->rows) row -= part->rows, part++;
-    *nb = row / 16;
+    while (*row >= part->rows && part < grid->part + grid->parts - 1) *row -= part->rows, part++;
     return part;
 }
 
@@ -136,7 +135,7 @@ static const GridPart *grid_block(const Grid *grid, int64_t row, int64_t *nb) {
 int project_swiglu(const Grid *grid, const float *x, void *xb, float *xsum, int rows, int64_t inter, int64_t k,
                    float *out, int bf, int nt) {
     if (rows <= X8_PANEL_ROWS || inter % 16) return 0;
-    int64_t total = 0; /* (grid_block below walks the runs up to 2 inter rows) */
+    int64_t total = 0; /* (gate's and up's blocks below are within the grid's 2 inter rows) */
     for (int64_t p = 0; p < grid->parts; p++) {
         if (!grid->part[p].x8 || grid->part[p].kind == G_INT8_ROWS || grid->part[p].rows % 16) return 0;
         total += grid->part[p].rows;
@@ -155,10 +154,10 @@ int project_swiglu(const Grid *grid, const float *x, void *xb, float *xsum, int 
                 const int mt = x8_tile_rows(rows - m0);
                 const Int8Rows xr = int8_rows_from(&x8, m0, k);
                 for (int64_t j = j0; j < j0 + panel && j < blocks; j++) {
-                    int64_t g, u;
-                    const GridPart *gp = grid_block(grid, 16 * j, &g), *up_part = grid_block(grid, inter + 16 * j, &u);
-                    tile_x8(mt, gp, block_codes(gp, g, k), block_scales(gp, g, k), k, &xr, gate);
-                    tile_x8(mt, up_part, block_codes(up_part, u, k), block_scales(up_part, u, k), k, &xr, up);
+                    int64_t g = 16 * j, u = inter + 16 * j; /* (runs hold whole blocks: checked above) */
+                    const GridPart *gp = grid_run(grid, &g), *up_part = grid_run(grid, &u);
+                    tile_x8(mt, gp, block_codes(gp, g / 16, k), block_scales(gp, g / 16, k), k, &xr, gate);
+                    tile_x8(mt, up_part, block_codes(up_part, u / 16, k), block_scales(up_part, u / 16, k), k, &xr, up);
                     for (int i = 0; i < mt; i++)
                         v_store(out + (m0 + i) * inter + 16 * j,
                                 silu_times(v_rnd(v_load(gate + i * 16), bf), v_rnd(v_load(up + i * 16), bf), bf));
@@ -277,8 +276,7 @@ static void packed_row(const GridPart *part, int64_t block, int64_t lane, int64_
 /* Row `row` of a grid's weights (k inputs) -> out, floats: a tied embedding's lookup where the
  * head's codes are its only copy. Reads the blocked layouts of tiles.c and tiles_int8.c lane by lane. */
 void grid_row(const Grid *grid, int64_t row, int64_t k, float *out) {
-    const GridPart *part = grid->part;
-    while (row >= part->rows && part < grid->part + grid->parts - 1) row -= part->rows, part++;
+    const GridPart *part = grid_run(grid, &row);
     const int64_t block = row / 16, lane = row % 16;
     if (part->kind == G_INT4 || part->kind == G_INT4_K || part->kind == G_MXFP4) {
         const int k_super = part->kind == G_INT4_K;
