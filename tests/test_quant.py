@@ -158,11 +158,12 @@ def test_int8_inputs_quantize_per_block_as_llama_cpps_q8_rows():
     assert (coarse - x[1, 32:256]).abs().max() > 4 * (fine - x[1, 32:256]).abs().max()
 
 
-def test_only_projections_all_in_q4_k_take_inputs_in_blocks_of_256():
-    """quant.int8_block: a projection whose runs are all Q4_K's (inputs a multiple of 256) takes
-    its int8 inputs per 256, as the native step's x8_block does for its G_INT4_K runs; a fused one
-    with a Q6_K run (a Q4_K_M file's q/k/v), another type or a slice off the super-blocks per 32.
-    The native runs refuse a QuantizedWeight that says otherwise."""
+def test_only_projections_all_in_q4_k_or_q6_k_take_inputs_in_blocks_of_256():
+    """quant.int8_block: a projection whose runs are all Q4_K's or Q6_K's (inputs a multiple of
+    256: a Q4_K_M file's q/k/v with its Q6_K v too) takes its int8 inputs per 256, as the native
+    step's x8_block does for its G_INT4_K, G_INT6_K and G_INT8_K6 runs (6-bit codes packed or as
+    bytes); one with another type or a slice off the super-blocks per 32. The native runs refuse
+    a QuantizedWeight that says otherwise."""
     from flover.models.gguf_grids import block_grid
     from flover.models.quant import Grid, file_weight
     from flover.native.grids import runs_of
@@ -186,14 +187,19 @@ def test_only_projections_all_in_q4_k_take_inputs_in_blocks_of_256():
 
     for grids, block in [
         ([grid("Q4_K", 32, 512), grid("Q4_K", 32, 512)], 256),
-        ([grid("Q4_K", 32, 512), grid("Q6_K", 32, 512)], 32),
+        ([grid("Q4_K", 32, 512), grid("Q6_K", 32, 512)], 256),
+        ([grid("Q6_K", 32, 512)], 256),
+        ([grid("Q6_K", 32, 512), grid("Q8_0", 32, 512)], 32),
         ([grid("Q4_K", 32, 512), grid("Q8_0", 32, 512)], 32),
         ([cut(grid("Q4_K", 32, 512))], 32),
     ]:
         values = torch.zeros(sum(g.codes.shape[0] for g in grids), grids[0].codes.shape[1])
         quantized, _ = file_weight(grids, values, torch.bfloat16)
         assert quantized.int8_inputs == block
-        runs_of(quantized)
+        for packed in (False, True):
+            runs_of(quantized, packed)
         quantized.int8_inputs = 32 if block == 256 else 256
-        with pytest.raises(ValueError, match="int8 inputs in blocks of"):
-            runs_of(quantized)
+        for packed in (False, True):
+            with pytest.raises(ValueError, match="int8 inputs in blocks of"):
+                runs_of(quantized, packed)
+        quantized.int8_inputs = block

@@ -31,12 +31,16 @@
  *                       bytes the same way (IQ4's table values, looked up by q_lut16)
  *   g16   a group's sums before its scale (Q4_K's super-block tiles): maddubs' int16 pairs, or
  *         int32 where the family sums in int32 (VNNI, NEON, plain loops)
+ *   G_INT32             1 where g16 sums in int32 (any number of calls before g_scaled)
  *   g_dot4x2(g, w0, x0, w1, x1)   i_dot4x2 into g: in int16 pairs at most 4 calls of codes below
- *                       16 before g_scaled (4 x 4 x 15 x 127 fits)
+ *                       16 before g_scaled (4 x 4 x 15 x 127 fits), or 1 of codes below 64
  *   g_scaled(acc, g, sc)   acc[r] += g[r] sc[r] (madd with the scale in both halves of a lane,
- *                       mullo, multiply-accumulate), sc from i_scales_u8 (16 unsigned bytes)
+ *                       mullo, multiply-accumulate), sc from i_scales_u8 (16 unsigned bytes) or
+ *                       i_scales_i8 (16 signed: Q6_K's)
  *   i_pairs_u8(a, b), i_pairs_dot(acc, pairs, two)   two groups' minimums per row (16 bytes
- *                       each), acc[r] += a[r] two[0] + b[r] two[1] (two int16: the inputs' sums)
+ *                       each), acc[r] += a[r] two[0] + b[r] two[1] (two int16: the inputs' sums);
+ *                       i_pairs_i8 the same of signed bytes
+ *   i_less32(a, b)      a[r] - 32 b[r] (Q6_K's offset taken back in integers)
  *
  * Every sum is exact (integers), so the families differ in no bit here.
  */

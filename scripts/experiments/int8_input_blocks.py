@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What quantizing a file's projection inputs to int8 costs, per 32 inputs (llama.cpp's Q8_0
-rows) against per 256 (its Q8_K rows, which flover's Q4_K tiles take: tiles_int8.c's x8_block).
+rows) against per 256 (its Q8_K rows, which flover's Q4_K and Q6_K tiles take: tiles_int8.c's x8_block).
 
     python scripts/experiments/int8_input_blocks.py --model smollm2-Q4_K_M.gguf
 
@@ -40,7 +40,7 @@ def main() -> None:
     torch_engine = Engine(EngineConfig(**{**config.__dict__, "native_forward": "off"}))
     kept = {n: m.int8_inputs for n, m in torch_engine.model.named_modules() if isinstance(m, Linear)}
     blocks = [b for b in kept.values() if b]
-    print(f"{len(blocks)} projections on int8 inputs, {blocks.count(256)} of them in blocks of 256 (Q4_K)\n")
+    print(f"{len(blocks)} projections on int8 inputs, {blocks.count(256)} of them in blocks of 256 (Q4_K, Q6_K)\n")
     prompts = [torch_engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     set_blocks(torch_engine, "none", kept)
     reference = greedy(torch_engine, prompts, args.new_tokens)

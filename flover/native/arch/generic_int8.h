@@ -59,6 +59,7 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
     return i_dot4(i_dot4(acc, w0, x0), w1, x1);
 }
 /* A group's sums before its scale (the Q4_K super-block tiles, simd_int8.h): int32 */
+#define G_INT32 1
 typedef i16 g16;
 static inline g16 g_zero(void) { return i_zero(); }
 static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) { return i_dot4x2(g, w0, x0, w1, x1); }
@@ -75,6 +76,16 @@ typedef struct { /* two groups' minimums per row */
     i16 a, b;
 } i16x2;
 static inline i16x2 i_pairs_u8(const uint8_t *a, const uint8_t *b) { return (i16x2){i_scales_u8(a), i_scales_u8(b)}; }
+static inline i16 i_scales_i8(const int8_t *s) {
+    i16 v;
+    for (int r = 0; r < 16; r++) v.i[r] = s[r];
+    return v;
+}
+static inline i16x2 i_pairs_i8(const int8_t *a, const int8_t *b) { return (i16x2){i_scales_i8(a), i_scales_i8(b)}; }
+static inline i16 i_less32(i16 a, i16 b) {
+    for (int r = 0; r < 16; r++) a.i[r] -= 32 * b.i[r];
+    return a;
+}
 static inline i16 i_pairs_dot(i16 acc, i16x2 pairs, const int16_t *two) {
     for (int r = 0; r < 16; r++) acc.i[r] += pairs.a.i[r] * two[0] + pairs.b.i[r] * two[1];
     return acc;

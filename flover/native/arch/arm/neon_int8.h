@@ -81,6 +81,7 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
 }
 /* A group's sums before its scale (the Q4_K super-block tiles, simd_int8.h): int32, scaled by a
  * multiply-accumulate */
+#define G_INT32 1
 typedef i16 g16;
 static inline g16 g_zero(void) { return i_zero(); }
 static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) { return i_dot4x2(g, w0, x0, w1, x1); }
@@ -100,6 +101,15 @@ typedef struct {
     i16 a, b;
 } i16x2;
 static inline i16x2 i_pairs_u8(const uint8_t *a, const uint8_t *b) { return (i16x2){i_scales_u8(a), i_scales_u8(b)}; }
+static inline i16 i_scales_i8(const int8_t *s) {
+    const int8x16_t v = vld1q_s8(s);
+    return widen_s16(vmovl_s8(vget_low_s8(v)), vmovl_high_s8(v));
+}
+static inline i16x2 i_pairs_i8(const int8_t *a, const int8_t *b) { return (i16x2){i_scales_i8(a), i_scales_i8(b)}; }
+static inline i16 i_less32(i16 a, i16 b) {
+    for (int i = 0; i < 4; i++) a.q[i] = vsubq_s32(a.q[i], vshlq_n_s32(b.q[i], 5));
+    return a;
+}
 static inline i16 i_pairs_dot(i16 acc, i16x2 pairs, const int16_t *two) {
     for (int i = 0; i < 4; i++) acc.q[i] = vmlaq_n_s32(vmlaq_n_s32(acc.q[i], pairs.a.q[i], two[0]), pairs.b.q[i], two[1]);
     return acc;

@@ -78,6 +78,7 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
  * maddubs, which g_scaled widens times each row's scale (madd, the scale in both halves of a lane),
  * or int32 with VNNI, times the scale (mullo) */
 #if defined(__AVXVNNI__)
+#define G_INT32 1
 typedef i16 g16;
 static inline g16 g_zero(void) { return i_zero(); }
 static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) { return i_dot4x2(g, w0, x0, w1, x1); }
@@ -86,6 +87,7 @@ static inline i16 g_scaled(i16 acc, g16 g, i16 sc) {
     return (i16){_mm256_add_epi32(acc.lo, _mm256_mullo_epi32(g.lo, sc.lo)), _mm256_add_epi32(acc.hi, _mm256_mullo_epi32(g.hi, sc.hi))};
 }
 #else
+#define G_INT32 0
 typedef q64 g16;
 static inline g16 g_zero(void) { return i_zero(); }
 static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
@@ -93,18 +95,30 @@ static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t
     return (g16){_mm256_add_epi16(g.lo, _mm256_add_epi16(_mm256_maddubs_epi16(w0.lo, a), _mm256_maddubs_epi16(w1.lo, b))),
                  _mm256_add_epi16(g.hi, _mm256_add_epi16(_mm256_maddubs_epi16(w0.hi, a), _mm256_maddubs_epi16(w1.hi, b)))};
 }
-static inline __m256i widen_scales(__m256i s) { return _mm256_or_si256(s, _mm256_slli_epi32(s, 16)); } /* (s < 256) */
+static inline __m256i widen_scales(__m256i s) { /* (-32768 <= s < 32768) */
+    return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s, 16));
+}
 static inline i16 g_scaled(i16 acc, g16 g, i16 sc) {
     return (i16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(g.lo, sc.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(g.hi, sc.hi))};
 }
 #endif
 static inline __m256i u8_lanes(const uint8_t *s) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s)); }
+static inline __m256i i8_lanes(const int8_t *s) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s)); }
 static inline i16 i_scales_u8(const uint8_t *s) { return (i16){widen_scales(u8_lanes(s)), widen_scales(u8_lanes(s + 8))}; }
+static inline i16 i_scales_i8(const int8_t *s) { return (i16){widen_scales(i8_lanes(s)), widen_scales(i8_lanes(s + 8))}; }
 /* two groups' minimums per row as one lane's int16 pair (a, b), and acc += a two[0] + b two[1] */
 typedef i16 i16x2;
+static inline __m256i i_pair(__m256i a, __m256i b) {
+    return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(b, 16));
+}
 static inline i16x2 i_pairs_u8(const uint8_t *a, const uint8_t *b) {
-    return (i16){_mm256_or_si256(u8_lanes(a), _mm256_slli_epi32(u8_lanes(b), 16)),
-                 _mm256_or_si256(u8_lanes(a + 8), _mm256_slli_epi32(u8_lanes(b + 8), 16))};
+    return (i16){i_pair(u8_lanes(a), u8_lanes(b)), i_pair(u8_lanes(a + 8), u8_lanes(b + 8))};
+}
+static inline i16x2 i_pairs_i8(const int8_t *a, const int8_t *b) {
+    return (i16){i_pair(i8_lanes(a), i8_lanes(b)), i_pair(i8_lanes(a + 8), i8_lanes(b + 8))};
+}
+static inline i16 i_less32(i16 a, i16 b) {
+    return (i16){_mm256_sub_epi32(a.lo, _mm256_slli_epi32(b.lo, 5)), _mm256_sub_epi32(a.hi, _mm256_slli_epi32(b.hi, 5))};
 }
 static inline i16 i_pairs_dot(i16 acc, i16x2 pairs, const int16_t *two) {
     const __m256i b = _mm256_set1_epi32(x4_bytes((const int8_t *)two));

@@ -104,24 +104,33 @@ static inline i16 i_dot4x2(i16 acc, q64 w0, const int8_t *x0, q64 w1, const int8
 typedef __m512i g16;
 static inline g16 g_zero(void) { return _mm512_setzero_si512(); }
 #if defined(__AVX512VNNI__)
+#define G_INT32 1
 static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) { return i_dot4x2(g, w0, x0, w1, x1); }
 static inline __m512i widen_scales(__m512i s) { return s; }
 static inline i16 g_scaled(i16 acc, g16 g, i16 sc) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(g, sc)); }
 #else
+#define G_INT32 0
 static inline g16 g_dot4x2(g16 g, q64 w0, const int8_t *x0, q64 w1, const int8_t *x1) {
     return _mm512_add_epi16(g, _mm512_add_epi16(_mm512_maddubs_epi16(w0, _mm512_set1_epi32(x4_bytes(x0))),
                                                 _mm512_maddubs_epi16(w1, _mm512_set1_epi32(x4_bytes(x1)))));
 }
-static inline __m512i widen_scales(__m512i s) { return _mm512_or_si512(s, _mm512_slli_epi32(s, 16)); } /* (s < 256) */
+static inline __m512i widen_scales(__m512i s) { /* (-32768 <= s < 32768) */
+    return _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(s, 16));
+}
 static inline i16 g_scaled(i16 acc, g16 g, i16 sc) { return _mm512_add_epi32(acc, _mm512_madd_epi16(g, sc)); }
 #endif
 static inline __m512i u8_lanes(const uint8_t *s) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)); }
+static inline __m512i i8_lanes(const int8_t *s) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)); }
 static inline i16 i_scales_u8(const uint8_t *s) { return widen_scales(u8_lanes(s)); }
+static inline i16 i_scales_i8(const int8_t *s) { return widen_scales(i8_lanes(s)); }
 /* two groups' minimums per row as one lane's int16 pair (a, b), and acc += a two[0] + b two[1] */
 typedef i16 i16x2;
-static inline i16x2 i_pairs_u8(const uint8_t *a, const uint8_t *b) {
-    return _mm512_or_si512(u8_lanes(a), _mm512_slli_epi32(u8_lanes(b), 16));
+static inline i16x2 i_pairs(__m512i a, __m512i b) {
+    return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(b, 16));
 }
+static inline i16x2 i_pairs_u8(const uint8_t *a, const uint8_t *b) { return i_pairs(u8_lanes(a), u8_lanes(b)); }
+static inline i16x2 i_pairs_i8(const int8_t *a, const int8_t *b) { return i_pairs(i8_lanes(a), i8_lanes(b)); }
+static inline i16 i_less32(i16 a, i16 b) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5)); }
 static inline i16 i_pairs_dot(i16 acc, i16x2 pairs, const int16_t *two) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi32(x4_bytes((const int8_t *)two))));
 }
