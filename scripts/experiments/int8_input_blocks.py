@@ -7,7 +7,7 @@ rows) against per 256 (its Q8_K rows, which flover's Q4_K and Q6_K tiles take: t
 One bfloat16 engine on the file's codes, its PyTorch forward (the native step's reference,
 models/quant.py's int8_inputs), scored three ways by switching the blocks its projections
 quantize their inputs in: none (the float path), 32 everywhere (before), and as this tree
-quantizes them (32, or 256 where every run is Q4_K's: after); then the native step itself. The
+quantizes them (32, or 256 where every run is Q4_K's or Q6_K's: after); then the native step itself. The
 float path writes a greedy continuation of each chat prompt; every other way scores the same
 prompt + continuation (teacher forcing) and generates greedily. Reported: top-1 agreement with
 the float path's next token, mean KL(float ‖ way), the logits' relative error (|Δ| / |logits|,
