@@ -216,13 +216,13 @@ static void check_x8(void) {
         {G_IQ4_NL, 16, 32, 0, (int64_t)nibbles, (int64_t)flat, 2, 0}, /* (each code through IQ4_VALUES) */
         {G_IQ4_XS, 16, 32, 0, (int64_t)nibbles, (int64_t)supers_iq4, 2, 0},
     };
-    /* the same rows in blocks of 256 (Q8_K's), for the Q4_K and Q6_K tiles that take them
-     * (x8_block): row 0's first group all at 127 against codes of 15, the int16 pairs' largest sum
-     * (16 x 15 x 127), and against Q6_K's codes of 63 (2 x 2 x 63 x 127) */
+    /* the same rows in blocks of 256 (Q8_K's), for the K-quant tiles that take them (x8_block):
+     * row 0's first group all at 127 against codes of 15, the int16 pairs' largest sum (16 x 15 x
+     * 127), against Q5_K's codes of 31 (8 x 31 x 127) and Q6_K's of 63 (2 x 2 x 63 x 127) */
     static float x256[ROWS * K], d256[ROWS * SUPERS], q256f[ROWS * K], s16f[ROWS * K / 16], s32f[ROWS * GROUPS];
     static int8_t q256[ROWS * K];
     static int16_t s16[ROWS * K / 16], s32[ROWS * GROUPS];
-    static uint8_t nibbles256[GROUPS * 256], bytes6_256[16 * K];
+    static uint8_t nibbles256[GROUPS * 256], bytes6_256[16 * K], five256[GROUPS * 320], bytes5_256[16 * K];
     memcpy(x256, x, sizeof x256);
     for (int j = 0; j < 32; j++) x256[j] = 2.f;
     const Int8Rows rows256 = {q256, d256, 0, 0, 0, s16, s32, 256};
@@ -236,19 +236,23 @@ static void check_x8(void) {
     memset(nibbles256, 0xff, 256);
     memcpy(bytes6_256, bytes, sizeof bytes6_256);
     memset(bytes6_256, 63, 128);
-    const GridPart k256[3] = {
+    memcpy(five256, five_bits, sizeof five256), memset(five256, 0xff, 128); /* inputs 0..7, 16..23: 31 */
+    memcpy(bytes5_256, bytes5, sizeof bytes5_256), memset(bytes5_256, 31, 256); /* inputs 0..15: 31 */
+    const GridPart k256[5] = {
         {G_INT4_K, 16, 32, 1, (int64_t)nibbles256, (int64_t)supers, 1, 8},
         parts[7], /* (six_bits: u = 63 against row 0's ends already) */
         {G_INT8_K6, 16, 16, 0, (int64_t)bytes6_256, (int64_t)supers6, 1, 32},
+        {G_INT5_K, 16, 32, 1, (int64_t)five256, (int64_t)supers, 1, 0},
+        {G_INT8_K5, 16, 32, 1, (int64_t)bytes5_256, (int64_t)supers, 1, 0},
     };
 
     const int mts[5] = {1, 2, 4, 8, 12};
     char name[64];
-    for (int p = 0; p < 19; p++) {
+    for (int p = 0; p < 21; p++) {
         const GridPart *part = p < 16 ? &parts[p] : &k256[p - 16];
         const Int8Rows *in = p < 16 ? &rows : &rows256;
         const Grid grid = {1, {*part}};
-        const int k_quant = p == 1 || p == 7 || p == 10; /* Q4_K, Q6_K: blocks of 256 on their own */
+        const int k_quant = p == 1 || (p >= 7 && p <= 10); /* Q4_K, Q5_K, Q6_K: blocks of 256 on their own */
         if (x8_block(&grid) != (p < 16 && !k_quant ? 32 : 256)) printf("# x8_block wrong for %d\n", p);
         for (int n = 0; n < 16; n++) grid_row(&grid, n, K, w + n * K);
         for (int i = 0; i < ROWS; i++)

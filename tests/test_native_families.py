@@ -91,7 +91,7 @@ def assert_tiles_match_their_reference(sections: dict[str, list[float]]) -> None
     inputs, in double): the same sums up to float32 rounding; a wrong code, scale or offset is
     off by the outputs' own size."""
     tiles = [name for name in sections if name.startswith("x8 tile ")]
-    assert len(tiles) == 95  # 16 kinds of codes x 5 row counts, and Q4_K's and Q6_K's (two layouts) per 256
+    assert len(tiles) == 105  # 16 kinds of codes x 5 row counts, and the K-quants' (two layouts each) per 256
     for name in tiles:
         part = name.split()[2].rstrip(",")
         reference, got = sections[f"x8 reference {part}"], sections[name]

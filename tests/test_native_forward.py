@@ -413,20 +413,21 @@ def test_a_gguf_files_own_codes_give_the_pytorch_logits(make_gguf_mix, embedding
     assert native.quantized_projections == 4 * 2 + 1 and not native.screens_greedy  # the head's codes: no screen
     assert "the file's own codes" in native.describe()
     # every projection takes int8 inputs (tiles_int8.c), Q8_0's down and head included; a head of
-    # Q4_K's or Q6_K's takes them in blocks of 256 (x8_block), the PyTorch forward's too
+    # K-quant codes takes them in blocks of 256 (x8_block), the PyTorch forward's too
     # (quant.int8_block)
     assert native.int8_input_projections == native.quantized_projections
-    assert engine.runner.model.lm_head.int8_inputs == (256 if embedding in ("Q4_K", "Q6_K") else 32)
+    assert engine.runner.model.lm_head.int8_inputs == (256 if embedding in ("Q4_K", "Q5_K", "Q6_K") else 32)
     rows = [decode + prompt for decode, prompt, *_ in compared]
     assert rows.count(1) >= 3 and max(rows) >= 9  # single rows, and more than one tile of rows
     # the kernels sum codes x inputs exactly where PyTorch reads bfloat16-rounded weights and
     # inputs: a bfloat16 step or two here and there (this random file's Q6_K embedding makes large
     # activations), and where the two paths' inputs differ by such a step an int8 input may round
-    # the other way (one step of its block: per 256 inputs for a Q6_K head, whose largest errors
-    # here went from 0.047 per 32 to 0.064-0.080 per 256); a wrong code or scale is off by the
-    # logits' own size
+    # the other way (one step of its block: per 256 inputs for the K-quants' projections, whose
+    # steps are up to 8x those per 32: here medians 0.004-0.018 and largest 0.03-0.13 against
+    # 0.004-0.015 and 0.03-0.06 when only Q4_K's took blocks of 256); a wrong code or scale is off
+    # by the logits' own size
     relative = sorted(diff / max(1.0, scale) for _, _, diff, scale, _ in compared)
-    assert relative[len(relative) // 2] <= 0.016 and relative[-1] <= 0.1, relative[-5:]
+    assert relative[len(relative) // 2] <= 0.025 and relative[-1] <= 0.16, relative[-5:]
     assert sum(same for *_, same in compared) / len(compared) >= 0.8
 
 

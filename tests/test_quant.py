@@ -158,10 +158,10 @@ def test_int8_inputs_quantize_per_block_as_llama_cpps_q8_rows():
     assert (coarse - x[1, 32:256]).abs().max() > 4 * (fine - x[1, 32:256]).abs().max()
 
 
-def test_only_projections_all_in_q4_k_or_q6_k_take_inputs_in_blocks_of_256():
-    """quant.int8_block: a projection whose runs are all Q4_K's or Q6_K's (inputs a multiple of
-    256: a Q4_K_M file's q/k/v with its Q6_K v too) takes its int8 inputs per 256, as the native
-    step's x8_block does for its G_INT4_K, G_INT6_K and G_INT8_K6 runs (6-bit codes packed or as
+def test_only_projections_all_in_k_quants_take_inputs_in_blocks_of_256():
+    """quant.int8_block: a projection whose runs are all Q4_K's, Q5_K's or Q6_K's (inputs a
+    multiple of 256: a Q4_K_M file's q/k/v with its Q6_K v too) takes its int8 inputs per 256, as
+    the native step's x8_block does for its runs of those kinds (5- and 6-bit codes packed or as
     bytes); one with another type or a slice off the super-blocks per 32. The native runs refuse
     a QuantizedWeight that says otherwise."""
     from flover.models.gguf_grids import block_grid
@@ -171,10 +171,12 @@ def test_only_projections_all_in_q4_k_or_q6_k_take_inputs_in_blocks_of_256():
     rng = np.random.default_rng(0)
 
     def grid(type_name: str, rows: int, inputs: int):
-        block_bytes, block_values = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32)}[type_name]
+        block_bytes, block_values = {"Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256), "Q8_0": (34, 32)}[
+            type_name
+        ]
         raw = rng.integers(0, 256, rows * inputs // block_values * block_bytes, dtype=np.uint8)
         for i in range(0, raw.size, block_bytes):  # float16 d (and dmin) small and finite
-            at = {"Q4_K": (0, 2), "Q6_K": (block_bytes - 2,), "Q8_0": (0,)}[type_name]
+            at = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (block_bytes - 2,), "Q8_0": (0,)}[type_name]
             for j in at:
                 raw[i + j : i + j + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         found = block_grid(type_name, raw, (rows, inputs))
@@ -189,6 +191,7 @@ def test_only_projections_all_in_q4_k_or_q6_k_take_inputs_in_blocks_of_256():
         ([grid("Q4_K", 32, 512), grid("Q4_K", 32, 512)], 256),
         ([grid("Q4_K", 32, 512), grid("Q6_K", 32, 512)], 256),
         ([grid("Q6_K", 32, 512)], 256),
+        ([grid("Q5_K", 32, 512), grid("Q6_K", 32, 512)], 256),  # a Q5_K_M file's q/k/v
         ([grid("Q6_K", 32, 512), grid("Q8_0", 32, 512)], 32),
         ([grid("Q4_K", 32, 512), grid("Q8_0", 32, 512)], 32),
         ([cut(grid("Q4_K", 32, 512))], 32),

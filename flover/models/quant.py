@@ -52,7 +52,7 @@ class QuantizedWeight:
     parts: list["Grid"] | None = None  # file: the output rows' grids, in order (the native step's)
     # file, codes the native step's integer kernels take (Grid.takes_int8_inputs): inputs are
     # quantized to int8 first (int8_inputs), as those kernels take them, in blocks of this many
-    # inputs (32, or 256 where every run is Q4_K's or Q6_K's: int8_block); 0: not quantized
+    # inputs (32, or 256 where every run is a K-quant with a super-block tile: int8_block); 0: not quantized
     int8_inputs: int = 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,9 +167,10 @@ def file_weight(grids: list[Grid], values: torch.Tensor, dtype: torch.dtype) -> 
 
 def int8_block(runs: list[Grid]) -> int:
     """The block of inputs int8 rows are quantized in for these runs: 256 (as llama.cpp's Q8_K
-    rows) where every run is Q4_K's or Q6_K's, whose native tiles sum a super-block in integers,
-    else 32 (as its Q8_0 rows). The native step decides the same from its runs' kinds (x8_block)."""
-    super_tiles = (CODE_RANGES["Q4_K"], CODE_RANGES["Q6_K"])
+    rows) where every run is Q4_K's, Q5_K's or Q6_K's, whose native tiles sum a super-block in
+    integers, else 32 (as its Q8_0 rows). The native step decides the same from its runs' kinds
+    (x8_block)."""
+    super_tiles = (CODE_RANGES["Q4_K"], CODE_RANGES["Q5_K"], CODE_RANGES["Q6_K"])
     k256 = all(r.supers is not None and r.code_range in super_tiles and r.codes.shape[1] % 256 == 0 for r in runs)
     return 256 if k256 else 32
 

@@ -40,6 +40,9 @@ from flover.native.abi import (
     X8_SMALL,
 )
 
+# the kinds whose int8 tiles take inputs in blocks of 256 (tiles_int8.c's x8_block; quant.int8_block)
+SUPER_BLOCK_TILES = (G_INT4_K, G_INT5_K, G_INT8_K5, G_INT6_K, G_INT8_K6)
+
 
 @dataclass
 class Run:
@@ -488,7 +491,7 @@ def runs_of(quantized: QuantizedWeight, packed: bool = False) -> list[Run]:
             low = grid.low if grid.low is not None else torch.zeros_like(grid.scale)
             runs.append(_int4_run(grid.codes, grid.scale, low + 8 * grid.scale, x8))
     # the PyTorch forward quantizes the inputs in the blocks tiles_int8.c's x8_block takes for these runs
-    if x8 and (quantized.int8_inputs == 256) != all(run.kind in (G_INT4_K, G_INT6_K, G_INT8_K6) for run in runs):
+    if x8 and (quantized.int8_inputs == 256) != all(run.kind in SUPER_BLOCK_TILES for run in runs):
         raise ValueError(f"int8 inputs in blocks of {quantized.int8_inputs} for runs of kinds {[r.kind for r in runs]}")
     return runs
 

@@ -324,9 +324,9 @@ static inline Int8Rows int8_rows_from(const Int8Rows *x, int64_t first, int64_t 
 /* row r of `from` (k inputs) -> row i of `to` */
 void copy_int8_row(const Int8Rows *from, int64_t r, const Int8Rows *to, int64_t i, int64_t k);
 int x8_tile_rows(int left); /* rows of the next int8 tile over `left` rows */
-/* The block of inputs a projection's int8 rows are quantized in: 256 where every run is Q4_K's or
- * Q6_K's on int8 inputs (G_INT4_K, G_INT6_K, G_INT8_K6: the super-block tiles), else 32
- * (models/quant.py's int8_block, the same) */
+/* The block of inputs a projection's int8 rows are quantized in: 256 where every run is Q4_K's,
+ * Q5_K's or Q6_K's on int8 inputs (G_INT4_K, G_INT5_K / G_INT8_K5, G_INT6_K / G_INT8_K6: the
+ * super-block tiles), else 32 (models/quant.py's int8_block, the same) */
 int x8_block(const Grid *grid);
 /* MT rows x one block of a run that takes int8 inputs (part->x8), in x's blocks */
 void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x,

@@ -5,7 +5,7 @@
  *
  * Inputs: each row's 32-input blocks x ~ d q, d = max|x| / 127, q = round-to-even(x / d) in
  * -127..127 (int8_rows; models/quant.py's int8_inputs is the same in PyTorch); 256-input blocks
- * for projections all in Q4_K and Q6_K (x8_block, the super-block tiles below). Weights: w =
+ * for projections all in Q4_K, Q5_K and Q6_K (x8_block, the super-block tiles below). Weights: w =
  * scale (u - offset) + zero = scale u + low per group, u the stored unsigned code. So a group's
  * sum is (scale d) sum(u q) + low (d sum(q)), the integer sum exact, every float step per row in
  * the same order whatever the tile: fused rows give the bits they give alone.
@@ -328,12 +328,13 @@ TILE_SIGNED_X8(4)
 TILE_SIGNED_X8(2)
 TILE_SIGNED_X8(1)
 
-/* ---- Q4_K on inputs in blocks of 256 (x8_block: llama.cpp's Q8_K rows): a super-block's sums
- * weighted by each group's integer scale in int32 (g16 sums a group's 32 inputs before g_scaled
- * weighs them), its minimums' share from the inputs' sums per 32, then two float steps per
+/* ---- Q4_K and Q5_K on inputs in blocks of 256 (x8_block: llama.cpp's Q8_K rows): a super-block's
+ * sums weighted by each group's integer scale in int32 (g16 sums a group's 32 inputs before
+ * g_scaled weighs them), its minimums' share from the inputs' sums per 32, then two float steps per
  * super-block and row where blocks of 32 take one per group. Exact integers, the same order for
- * every row. (The other K-quants' tiles of this kind ran 0.90-1.06x on AVX2's layouts: their
- * scales and minimums per 16 cost what the float steps did: docs/journal.md (r).) */
+ * every row. (Q2_K's and Q3_K's keep blocks of 32: their scales and minimums per 16 cost what the
+ * float steps did, 0.95-1.06x on AVX2: docs/journal.md (r); Q5_K's and Q6_K's, 0.84-0.98x of the
+ * per-32 iteration on AVX2 and AVX-512: (w).) */
 /* a super-block done: acc[i] += d dx_i dot_i + low dx_i lows_i, where w = d sc u + low m per group */
 static inline void add_super_x8(v16 *acc, const i16 *dot, const i16 *lows, int mt, v16 d, v16 low, const float *dx,
                                 int64_t stride) {
@@ -350,43 +351,82 @@ static inline void super_lows(i16 *lows, int mt, const i16x2 *pairs, const int16
         for (int j = 0; j < 4; j++) lows[i] = i_pairs_dot(lows[i], pairs[j], s32 + i * stride + 2 * j);
     }
 }
-#define TILE_Q4K_K256(MT)                                                                                  \
-    static void q4k_k256_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        const int64_t supers = k / 256;                                                                    \
+/* the super-block's minimums' share and float steps (Q4_K's and Q5_K's super-blocks alike) */
+static inline void add_super_k4(v16 *acc, const i16 *dot, int mt, const uint8_t *super, const Int8Rows *x, int64_t sb,
+                                int64_t k) {
+    i16x2 m[4];
+    i16 lows[12];
+    for (int j = 0; j < 4; j++) m[j] = i_pairs_u8(super + 256 + 32 * j, super + 272 + 32 * j);
+    super_lows(lows, mt, m, x->s32 + sb * 8, k / 32);
+    add_super_x8(acc, dot, lows, mt, v_load((const float *)super), v_load((const float *)super + 16), x->d + sb, k / 256);
+}
+/* int16 pairs hold 4 g_dot4x2 of 4-bit codes (4 x 4 x 15 x 127) or 2 of 5-bit ones: a group of 32
+ * inputs is weighed once, or by halves (K5_HALVES: int16 families' Q5_K) */
+#define K5_HALVES(FIFTH) (!G_INT32 && (FIFTH) ? 2 : 1)
+#define TILE_NIBBLES_K256(NAME, MT, FIFTH)                                                                 \
+    static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        const int64_t group_bytes = 256 + 64 * (FIFTH);                                                    \
         v16 acc[MT];                                                                                       \
         for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
-        for (int64_t sb = 0; sb < supers; sb++) {                                                          \
+        for (int64_t sb = 0; sb < k / 256; sb++) {                                                         \
             const uint8_t *super = (const uint8_t *)scales + sb * Q4K_SUPER_BYTES;                         \
-            i16 dot[MT], lows[MT];                                                                         \
+            i16 dot[MT];                                                                                   \
             for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
             for (int g = 0; g < 8; g++) {                                                                  \
-                const uint8_t *c = codes + (sb * 8 + g) * 256;                                             \
-                prefetch_ahead(c, 256);                                                                    \
-                g16 part[MT];                                                                              \
-                for (int i = 0; i < MT; i++) part[i] = g_zero();                                           \
-                NO_UNROLL for (int q = 0; q < 4; q++) {                                                    \
-                    q64 lo, hi;                                                                            \
-                    q_nibbles(q_load(c + q * 64), &lo, &hi);                                               \
-                    for (int i = 0; i < MT; i++) {                                                         \
-                        const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * q;                       \
-                        part[i] = g_dot4x2(part[i], lo, xq, hi, xq + 16);                                  \
+                const uint8_t *c = codes + (sb * 8 + g) * group_bytes;                                     \
+                prefetch_ahead(c, (int)group_bytes);                                                       \
+                q64 fifth;                                                                                 \
+                if (FIFTH) fifth = q_load(c + 256);                                                        \
+                for (int h = 0, calls = 4 / K5_HALVES(FIFTH); h < K5_HALVES(FIFTH); h++) {                \
+                    g16 part[MT];                                                                          \
+                    for (int i = 0; i < MT; i++) part[i] = g_zero();                                       \
+                    NO_UNROLL for (int q = h * calls; q < (h + 1) * calls; q++) {                          \
+                        q64 lo, hi;                                                                        \
+                        q_nibbles(q_load(c + q * 64), &lo, &hi);                                           \
+                        if (FIFTH) q_fifth(&fifth, &lo, &hi);                                              \
+                        for (int i = 0; i < MT; i++) {                                                     \
+                            const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * q;                   \
+                            part[i] = g_dot4x2(part[i], lo, xq, hi, xq + 16);                              \
+                        }                                                                                  \
                     }                                                                                      \
+                    const i16 sc = i_scales_u8(super + 128 + g * 16); /* (after the loop: a register less) */ \
+                    for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                   \
                 }                                                                                          \
-                const i16 sc = i_scales_u8(super + 128 + g * 16); /* (after the loop: a register less) */  \
-                for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                       \
             }                                                                                              \
-            i16x2 m[4];                                                                                    \
-            for (int j = 0; j < 4; j++) m[j] = i_pairs_u8(super + 256 + 32 * j, super + 272 + 32 * j);     \
-            super_lows(lows, MT, m, x->s32 + sb * 8, k / 32);                                              \
-            add_super_x8(acc, dot, lows, MT, v_load((const float *)super), v_load((const float *)super + 16), x->d + sb, supers); \
+            add_super_k4(acc, dot, MT, super, x, sb, k);                                                   \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-TILE_Q4K_K256(12)
-TILE_Q4K_K256(8)
-TILE_Q4K_K256(4)
-TILE_Q4K_K256(2)
-TILE_Q4K_K256(1)
+/* Q5_K's codes as bytes (AVX2, NEON, generic): a group's 8 steps of 4 inputs */
+#define TILE_BYTES_Q5K_K256(MT)                                                                            \
+    static void bytes_q5k_k256_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
+        v16 acc[MT];                                                                                       \
+        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
+        for (int64_t sb = 0; sb < k / 256; sb++) {                                                         \
+            const uint8_t *super = (const uint8_t *)scales + sb * Q4K_SUPER_BYTES;                         \
+            i16 dot[MT];                                                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
+            for (int g = 0; g < 8; g++) {                                                                  \
+                const uint8_t *c = codes + (sb * 256 + g * 32) * 16;                                       \
+                prefetch_ahead(c, 512);                                                                    \
+                for (int h = 0, steps = 8 / K5_HALVES(1); h < K5_HALVES(1); h++) {                        \
+                    g16 part[MT];                                                                          \
+                    for (int i = 0; i < MT; i++) part[i] = g_zero();                                       \
+                    for (int t = h * steps; t < (h + 1) * steps; t += 2) {                                 \
+                        const q64 w0 = q_load(c + t * 64), w1 = q_load(c + t * 64 + 64);                   \
+                        for (int i = 0; i < MT; i++) {                                                     \
+                            const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * t;                   \
+                            part[i] = g_dot4x2(part[i], w0, xq, w1, xq + 4);                               \
+                        }                                                                                  \
+                    }                                                                                      \
+                    const i16 sc = i_scales_u8(super + 128 + g * 16);                                      \
+                    for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                   \
+                }                                                                                          \
+            }                                                                                              \
+            add_super_k4(acc, dot, MT, super, x, sb, k);                                                   \
+        }                                                                                                  \
+        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
 
 /* ---- Q6_K on inputs in blocks of 256: each 16 inputs' sum weighed by its int8 scale in int32
  * (g_scaled), the offset's share (32 sc times the inputs' sum per 16) taken back in integers, then
@@ -481,16 +521,23 @@ static inline void add_super_k6(v16 *acc, const i16 *dot, int mt, const uint8_t 
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-#define Q6K_K256_TILES(TILE) TILE(12) TILE(8) TILE(4) TILE(2) TILE(1)
-Q6K_K256_TILES(TILE_Q6K_K256)
-Q6K_K256_TILES(TILE_BYTES_Q6K_K256)
+#define Q4K_K256(MT) TILE_NIBBLES_K256(q4k_k256, MT, 0)
+#define Q5K_K256(MT) TILE_NIBBLES_K256(q5k_k256, MT, 1)
+#define K256_TILES(TILE) TILE(12) TILE(8) TILE(4) TILE(2) TILE(1)
+K256_TILES(Q4K_K256)
+K256_TILES(Q5K_K256)
+K256_TILES(TILE_BYTES_Q5K_K256)
+K256_TILES(TILE_Q6K_K256)
+K256_TILES(TILE_BYTES_Q6K_K256)
 
 /* inputs in blocks of 256 where every run's codes have a super-block tile above (their K-quant
  * kinds), else 32; models/quant.py's int8_block decides the same */
 int x8_block(const Grid *grid) {
     for (int64_t p = 0; p < grid->parts; p++) {
         const int kind = grid->part[p].kind;
-        if (!grid->part[p].x8 || (kind != G_INT4_K && kind != G_INT6_K && kind != G_INT8_K6)) return 32;
+        if (!grid->part[p].x8 || (kind != G_INT4_K && kind != G_INT5_K && kind != G_INT8_K5 && kind != G_INT6_K &&
+                                  kind != G_INT8_K6))
+            return 32;
     }
     return 256;
 }
@@ -512,6 +559,8 @@ void tile_x8(int mt, const GridPart *part, const uint8_t *codes, const void *sca
              float *out) {
     if (x->block == 256 && part->kind == G_INT6_K) GROUP_TILE(q6k_k256, mt, codes, scales, k, x, out);
     else if (x->block == 256 && part->kind == G_INT8_K6) GROUP_TILE(bytes_q6k_k256, mt, codes, scales, k, x, out);
+    else if (x->block == 256 && part->kind == G_INT5_K) GROUP_TILE(q5k_k256, mt, codes, scales, k, x, out);
+    else if (x->block == 256 && part->kind == G_INT8_K5) GROUP_TILE(bytes_q5k_k256, mt, codes, scales, k, x, out);
     else if (x->block == 256) GROUP_TILE(q4k_k256, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4_K) GROUP_TILE(q4k_x8, mt, codes, scales, k, x, out);
     else if (part->kind == G_INT4) GROUP_TILE(q4_x8, mt, codes, scales, k, x, out);
