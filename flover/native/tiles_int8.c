@@ -363,69 +363,63 @@ static inline void add_super_k4(v16 *acc, const i16 *dot, int mt, const uint8_t 
 /* int16 pairs hold 4 g_dot4x2 of 4-bit codes (4 x 4 x 15 x 127) or 2 of 5-bit ones: a group of 32
  * inputs is weighed once, or by halves (K5_HALVES: int16 families' Q5_K) */
 #define K5_HALVES(FIFTH) (!G_INT32 && (FIFTH) ? 2 : 1)
-#define TILE_NIBBLES_K256(NAME, MT, FIFTH)                                                                 \
+/* A super-block tile NAME_MT: per row acc, per super-block dot, which GROUPS(MT, FIFTH) fills from
+ * the super-block's codes (super: its scales), then ADD_SUPER takes it into acc */
+#define K256_TILE(NAME, MT, SUPER_BYTES, GROUPS, FIFTH, ADD_SUPER)                                         \
     static void NAME##_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        const int64_t group_bytes = 256 + 64 * (FIFTH);                                                    \
         v16 acc[MT];                                                                                       \
         for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
         for (int64_t sb = 0; sb < k / 256; sb++) {                                                         \
-            const uint8_t *super = (const uint8_t *)scales + sb * Q4K_SUPER_BYTES;                         \
+            const uint8_t *super = (const uint8_t *)scales + sb * SUPER_BYTES;                             \
             i16 dot[MT];                                                                                   \
             for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            for (int g = 0; g < 8; g++) {                                                                  \
-                const uint8_t *c = codes + (sb * 8 + g) * group_bytes;                                     \
-                prefetch_ahead(c, (int)group_bytes);                                                       \
-                q64 fifth;                                                                                 \
-                if (FIFTH) fifth = q_load(c + 256);                                                        \
-                for (int h = 0, calls = 4 / K5_HALVES(FIFTH); h < K5_HALVES(FIFTH); h++) {                \
-                    g16 part[MT];                                                                          \
-                    for (int i = 0; i < MT; i++) part[i] = g_zero();                                       \
-                    NO_UNROLL for (int q = h * calls; q < (h + 1) * calls; q++) {                          \
-                        q64 lo, hi;                                                                        \
-                        q_nibbles(q_load(c + q * 64), &lo, &hi);                                           \
-                        if (FIFTH) q_fifth(&fifth, &lo, &hi);                                              \
-                        for (int i = 0; i < MT; i++) {                                                     \
-                            const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * q;                   \
-                            part[i] = g_dot4x2(part[i], lo, xq, hi, xq + 16);                              \
-                        }                                                                                  \
-                    }                                                                                      \
-                    const i16 sc = i_scales_u8(super + 128 + g * 16); /* (after the loop: a register less) */ \
-                    for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                   \
-                }                                                                                          \
-            }                                                                                              \
-            add_super_k4(acc, dot, MT, super, x, sb, k);                                                   \
+            GROUPS(MT, FIFTH)                                                                              \
+            ADD_SUPER(acc, dot, MT, super, x, sb, k);                                                      \
         }                                                                                                  \
         for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-/* Q5_K's codes as bytes (AVX2, NEON, generic): a group's 8 steps of 4 inputs */
-#define TILE_BYTES_Q5K_K256(MT)                                                                            \
-    static void bytes_q5k_k256_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        v16 acc[MT];                                                                                       \
-        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
-        for (int64_t sb = 0; sb < k / 256; sb++) {                                                         \
-            const uint8_t *super = (const uint8_t *)scales + sb * Q4K_SUPER_BYTES;                         \
-            i16 dot[MT];                                                                                   \
-            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            for (int g = 0; g < 8; g++) {                                                                  \
-                const uint8_t *c = codes + (sb * 256 + g * 32) * 16;                                       \
-                prefetch_ahead(c, 512);                                                                    \
-                for (int h = 0, steps = 8 / K5_HALVES(1); h < K5_HALVES(1); h++) {                        \
-                    g16 part[MT];                                                                          \
-                    for (int i = 0; i < MT; i++) part[i] = g_zero();                                       \
-                    for (int t = h * steps; t < (h + 1) * steps; t += 2) {                                 \
-                        const q64 w0 = q_load(c + t * 64), w1 = q_load(c + t * 64 + 64);                   \
-                        for (int i = 0; i < MT; i++) {                                                     \
-                            const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * t;                   \
-                            part[i] = g_dot4x2(part[i], w0, xq, w1, xq + 4);                               \
-                        }                                                                                  \
-                    }                                                                                      \
-                    const i16 sc = i_scales_u8(super + 128 + g * 16);                                      \
-                    for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                   \
+/* Q4_K's and Q5_K's 8 groups of 32 inputs in the 4-bit layout (FIFTH: and the plane of fifth bits) */
+#define NIBBLES_K256_GROUPS(MT, FIFTH)                                                                     \
+    for (int g = 0; g < 8; g++) {                                                                          \
+        const int64_t group_bytes = 256 + 64 * (FIFTH);                                                    \
+        const uint8_t *c = codes + (sb * 8 + g) * group_bytes;                                             \
+        prefetch_ahead(c, (int)group_bytes);                                                               \
+        q64 fifth;                                                                                         \
+        if (FIFTH) fifth = q_load(c + 256);                                                                \
+        for (int h = 0, calls = 4 / K5_HALVES(FIFTH); h < K5_HALVES(FIFTH); h++) {                        \
+            g16 part[MT];                                                                                  \
+            for (int i = 0; i < MT; i++) part[i] = g_zero();                                               \
+            NO_UNROLL for (int q = h * calls; q < (h + 1) * calls; q++) {                                  \
+                q64 lo, hi;                                                                                \
+                q_nibbles(q_load(c + q * 64), &lo, &hi);                                                   \
+                if (FIFTH) q_fifth(&fifth, &lo, &hi);                                                      \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * q;                           \
+                    part[i] = g_dot4x2(part[i], lo, xq, hi, xq + 16);                                      \
                 }                                                                                          \
             }                                                                                              \
-            add_super_k4(acc, dot, MT, super, x, sb, k);                                                   \
+            const i16 sc = i_scales_u8(super + 128 + g * 16); /* (after the loop: a register less) */      \
+            for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                           \
         }                                                                                                  \
-        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+    }
+/* Q5_K's codes as bytes (AVX2, NEON, generic): a group's 8 steps of 4 inputs */
+#define BYTES_Q5K_GROUPS(MT, unused)                                                                       \
+    for (int g = 0; g < 8; g++) {                                                                          \
+        const uint8_t *c = codes + (sb * 256 + g * 32) * 16;                                               \
+        prefetch_ahead(c, 512);                                                                            \
+        for (int h = 0, steps = 8 / K5_HALVES(1); h < K5_HALVES(1); h++) {                                \
+            g16 part[MT];                                                                                  \
+            for (int i = 0; i < MT; i++) part[i] = g_zero();                                               \
+            for (int t = h * steps; t < (h + 1) * steps; t += 2) {                                         \
+                const q64 w0 = q_load(c + t * 64), w1 = q_load(c + t * 64 + 64);                           \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 4 * t;                           \
+                    part[i] = g_dot4x2(part[i], w0, xq, w1, xq + 4);                                       \
+                }                                                                                          \
+            }                                                                                              \
+            const i16 sc = i_scales_u8(super + 128 + g * 16);                                              \
+            for (int i = 0; i < MT; i++) dot[i] = g_scaled(dot[i], part[i], sc);                           \
+        }                                                                                                  \
     }
 
 /* ---- Q6_K on inputs in blocks of 256: each 16 inputs' sum weighed by its int8 scale in int32
@@ -463,72 +457,52 @@ static inline void add_super_k6(v16 *acc, const i16 *dot, int mt, const uint8_t 
     for (int i = 0; i < mt; i++)
         acc[i] = v_fmadd(v_mul(d, v_set1(x->d[i * (k / 256) + sb])), v_from_i(i_less32(dot[i], lows[i])), acc[i]);
 }
-#define TILE_Q6K_K256(MT)                                                                                  \
-    static void q6k_k256_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        v16 acc[MT];                                                                                       \
-        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
-        for (int64_t sb = 0; sb < k / 256; sb++) {                                                         \
-            const uint8_t *super = (const uint8_t *)scales + sb * Q6K_SUPER_BYTES;                         \
-            i16 dot[MT];                                                                                   \
-            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            for (int g = 0; g < 8; g++) {                                                                  \
-                const uint8_t *c = codes + (sb * 8 + g) * 384;                                             \
-                prefetch_ahead(c, 384);                                                                    \
-                for (int half = 0; half < 2; half++) {                                                     \
-                    const i16 sc = i_scales_i8((const int8_t *)super + 64 + (2 * g + half) * 16);          \
-                    q64 high = q_load(c + 256 + 64 * half);                                                \
-                    g16 part[MT];                                                                          \
-                    for (int i = 0; i < MT; i++) part[i] = g_zero();                                       \
-                    for (int q = 0; q < 4; q += 2) {                                                       \
-                        q64 w0, w1;                                                                        \
-                        q6_codes(c, q, half, &high, &w0, &w1);                                             \
-                        for (int i = 0; i < MT; i++) {                                                     \
-                            const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 16 * half + 4 * q;       \
-                            k6_step(&part[i], &dot[i], sc, w0, xq, w1, xq + 4);                            \
-                        }                                                                                  \
-                    }                                                                                      \
-                    for (int i = 0; i < MT; i++) dot[i] = k6_done(dot[i], part[i], sc);                    \
+/* Q6_K's 8 groups of 32 inputs in the 6-bit layout, two scales each */
+#define Q6K_K256_GROUPS(MT, unused)                                                                        \
+    for (int g = 0; g < 8; g++) {                                                                          \
+        const uint8_t *c = codes + (sb * 8 + g) * 384;                                                     \
+        prefetch_ahead(c, 384);                                                                            \
+        for (int half = 0; half < 2; half++) {                                                             \
+            const i16 sc = i_scales_i8((const int8_t *)super + 64 + (2 * g + half) * 16);                  \
+            q64 high = q_load(c + 256 + 64 * half);                                                        \
+            g16 part[MT];                                                                                  \
+            for (int i = 0; i < MT; i++) part[i] = g_zero();                                               \
+            for (int q = 0; q < 4; q += 2) {                                                               \
+                q64 w0, w1;                                                                                \
+                q6_codes(c, q, half, &high, &w0, &w1);                                                     \
+                for (int i = 0; i < MT; i++) {                                                             \
+                    const int8_t *xq = x->q + i * k + sb * 256 + g * 32 + 16 * half + 4 * q;               \
+                    k6_step(&part[i], &dot[i], sc, w0, xq, w1, xq + 4);                                    \
                 }                                                                                          \
             }                                                                                              \
-            add_super_k6(acc, dot, MT, super, x, sb, k);                                                   \
+            for (int i = 0; i < MT; i++) dot[i] = k6_done(dot[i], part[i], sc);                            \
         }                                                                                                  \
-        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
     }
-#define TILE_BYTES_Q6K_K256(MT)                                                                            \
-    static void bytes_q6k_k256_##MT(const uint8_t *codes, const void *scales, int64_t k, const Int8Rows *x, float *out) { \
-        v16 acc[MT];                                                                                       \
-        for (int i = 0; i < MT; i++) acc[i] = v_zero();                                                    \
-        for (int64_t sb = 0; sb < k / 256; sb++) {                                                         \
-            const uint8_t *super = (const uint8_t *)scales + sb * Q6K_SUPER_BYTES;                         \
-            i16 dot[MT];                                                                                   \
-            for (int i = 0; i < MT; i++) dot[i] = i_zero();                                                \
-            for (int g = 0; g < 16; g++) { /* 16 inputs a scale */                                         \
-                const uint8_t *c = codes + (sb * 256 + g * 16) * 16;                                       \
-                const i16 sc = i_scales_i8((const int8_t *)super + 64 + g * 16);                           \
-                prefetch_ahead(c, 256);                                                                    \
-                g16 part[MT];                                                                              \
-                for (int i = 0; i < MT; i++) part[i] = g_zero();                                           \
-                for (int t = 0; t < 4; t += 2) {                                                           \
-                    const q64 w0 = q_load(c + t * 64), w1 = q_load(c + t * 64 + 64);                       \
-                    for (int i = 0; i < MT; i++) {                                                         \
-                        const int8_t *xq = x->q + i * k + sb * 256 + g * 16 + 4 * t;                       \
-                        k6_step(&part[i], &dot[i], sc, w0, xq, w1, xq + 4);                                \
-                    }                                                                                      \
-                }                                                                                          \
-                for (int i = 0; i < MT; i++) dot[i] = k6_done(dot[i], part[i], sc);                        \
+/* ... as bytes: 16 groups of 16 inputs */
+#define BYTES_Q6K_GROUPS(MT, unused)                                                                       \
+    for (int g = 0; g < 16; g++) {                                                                         \
+        const uint8_t *c = codes + (sb * 256 + g * 16) * 16;                                               \
+        const i16 sc = i_scales_i8((const int8_t *)super + 64 + g * 16);                                   \
+        prefetch_ahead(c, 256);                                                                            \
+        g16 part[MT];                                                                                      \
+        for (int i = 0; i < MT; i++) part[i] = g_zero();                                                   \
+        for (int t = 0; t < 4; t += 2) {                                                                   \
+            const q64 w0 = q_load(c + t * 64), w1 = q_load(c + t * 64 + 64);                               \
+            for (int i = 0; i < MT; i++) {                                                                 \
+                const int8_t *xq = x->q + i * k + sb * 256 + g * 16 + 4 * t;                               \
+                k6_step(&part[i], &dot[i], sc, w0, xq, w1, xq + 4);                                        \
             }                                                                                              \
-            add_super_k6(acc, dot, MT, super, x, sb, k);                                                   \
         }                                                                                                  \
-        for (int i = 0; i < MT; i++) v_store(out + i * 16, acc[i]);                                        \
+        for (int i = 0; i < MT; i++) dot[i] = k6_done(dot[i], part[i], sc);                                \
     }
-#define Q4K_K256(MT) TILE_NIBBLES_K256(q4k_k256, MT, 0)
-#define Q5K_K256(MT) TILE_NIBBLES_K256(q5k_k256, MT, 1)
-#define K256_TILES(TILE) TILE(12) TILE(8) TILE(4) TILE(2) TILE(1)
-K256_TILES(Q4K_K256)
-K256_TILES(Q5K_K256)
-K256_TILES(TILE_BYTES_Q5K_K256)
-K256_TILES(TILE_Q6K_K256)
-K256_TILES(TILE_BYTES_Q6K_K256)
+#define K256_TILES(NAME, ...) \
+    K256_TILE(NAME, 12, __VA_ARGS__) K256_TILE(NAME, 8, __VA_ARGS__) K256_TILE(NAME, 4, __VA_ARGS__) \
+    K256_TILE(NAME, 2, __VA_ARGS__) K256_TILE(NAME, 1, __VA_ARGS__)
+K256_TILES(q4k_k256, Q4K_SUPER_BYTES, NIBBLES_K256_GROUPS, 0, add_super_k4)
+K256_TILES(q5k_k256, Q4K_SUPER_BYTES, NIBBLES_K256_GROUPS, 1, add_super_k4)
+K256_TILES(bytes_q5k_k256, Q4K_SUPER_BYTES, BYTES_Q5K_GROUPS, 1, add_super_k4)
+K256_TILES(q6k_k256, Q6K_SUPER_BYTES, Q6K_K256_GROUPS, 0, add_super_k6)
+K256_TILES(bytes_q6k_k256, Q6K_SUPER_BYTES, BYTES_Q6K_GROUPS, 0, add_super_k6)
 
 /* inputs in blocks of 256 where every run's codes have a super-block tile above (their K-quant
  * kinds), else 32; models/quant.py's int8_block decides the same */
