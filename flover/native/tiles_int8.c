@@ -31,6 +31,15 @@
 #include "simd_int8.h"
 
 #define NO_UNROLL _Pragma("GCC unroll 1") /* (unrolled, the rows' partial sums spill: docs/journal.md (r)) */
+/* a Q4_K group's 4 steps: unrolled where int32 sums and 32 registers hold 8 rows' sums without the
+ * loop's copies of them (1.05x the tile on Zen 4); Q5_K's fifth bits, and maddubs families, spill
+ * unrolled (0.98x, 0.78x: docs/journal.md (x)) */
+#define PRAGMA(text) _Pragma(#text)
+#if defined(V_AVX512) && defined(__AVX512VNNI__)
+#define GROUP_STEPS(FIFTH) PRAGMA(GCC unroll (4 - 3 * (FIFTH)))
+#else
+#define GROUP_STEPS(FIFTH) NO_UNROLL
+#endif
 
 /* ---- inputs to int8 ---------------------------------------------------------------------------- */
 /* one row's block of n inputs (32 or 256) from xb: codes, d and the codes' sums per 16 inputs */
@@ -389,7 +398,7 @@ static inline void add_super_k4(v16 *acc, const i16 *dot, int mt, const uint8_t 
         for (int h = 0, calls = 4 / K5_HALVES(FIFTH); h < K5_HALVES(FIFTH); h++) {                        \
             g16 part[MT];                                                                                  \
             for (int i = 0; i < MT; i++) part[i] = g_zero();                                               \
-            NO_UNROLL for (int q = h * calls; q < (h + 1) * calls; q++) {                                  \
+            GROUP_STEPS(FIFTH) for (int q = h * calls; q < (h + 1) * calls; q++) {                                \
                 q64 lo, hi;                                                                                \
                 q_nibbles(q_load(c + q * 64), &lo, &hi);                                                   \
                 if (FIFTH) q_fifth(&fifth, &lo, &hi);                                                      \
@@ -462,7 +471,7 @@ static inline void add_super_k6(v16 *acc, const i16 *dot, int mt, const uint8_t 
     for (int g = 0; g < 8; g++) {                                                                          \
         const uint8_t *c = codes + (sb * 8 + g) * 384;                                                     \
         prefetch_ahead(c, 384);                                                                            \
-        for (int half = 0; half < 2; half++) {                                                             \
+        NO_UNROLL for (int half = 0; half < 2; half++) { /* (as a loop: 1.05x, (x)) */                     \
             const i16 sc = i_scales_i8((const int8_t *)super + 64 + (2 * g + half) * 16);                  \
             q64 high = q_load(c + 256 + 64 * half);                                                        \
             g16 part[MT];                                                                                  \
