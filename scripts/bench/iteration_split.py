@@ -5,12 +5,13 @@ int8 / group tiles, the head, attention, OpenMP's waits and the rest.
     python scripts/bench/iteration_split.py --model ~/.cache/flover/llama.cpp/llama-1b-Q4_K_M.gguf
 
 For each row count n: n requests of --prompt-len random ids decode together (greedy, no
-speculation); the iterations with exactly n decode rows are timed (median) and sampled by
-`perf record` (this process, user space). The perf samples are sorted by symbol into tiles
-(tiles.c's and tiles_int8.c's kernels), attention (attention.c), OpenMP (libgomp: barrier
-waits), the rest of the native step, and Python / PyTorch outside it. The head is timed apart: the
-same native head over n rows of hidden states (its share is inside the tiles' too). A prompt
-chunk of --prefill tokens is split the same way. Without perf only the times are printed.
+speculation); once all n decode, the iterations with exactly n decode rows are timed (median)
+and sampled by `perf record` (this process, user space; not the prompts' chunks). The perf
+samples are sorted by symbol into tiles (tiles.c's and tiles_int8.c's kernels), attention
+(attention.c), OpenMP (libgomp: barrier waits), the rest of the native step, and Python /
+PyTorch outside it. The head is timed apart: the same native head over n rows of hidden states
+(its share is inside the tiles' too). A prompt chunk of --prefill tokens is split the same way.
+Without perf only the times are printed.
 """
 
 from __future__ import annotations
@@ -83,17 +84,29 @@ class Sampler:
             self.proc.wait()
 
 
-def decode_times(engine: Engine, rows: int, prompt_len: int, iterations: int, rng: random.Random) -> list[float]:
+def decoding_rows(engine: Engine) -> int:
+    return sum(r.num_computed >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+
+
+def start_decoding(engine: Engine, rows: int, prompt_len: int, iterations: int, rng: random.Random) -> None:
+    """rows requests of prompt_len random ids, stepped until all of them decode (their prompts
+    done, outside the timings and the samples)."""
     params = SamplingParams(max_new_tokens=iterations + 2, ignore_eos=True)
     for i in range(rows):
         prompt = [rng.randrange(1000, 30000) for _ in range(prompt_len)]
         engine.add_request(prompt, params, request_id=f"{rows}-{i}-{time.monotonic_ns()}")
+    while engine.has_unfinished() and decoding_rows(engine) < rows:
+        engine.step()
+
+
+def decode_times(engine: Engine, rows: int) -> list[float]:
+    """The time of each remaining iteration where exactly `rows` rows decode."""
     seconds = []
     while engine.has_unfinished():
-        decoding = [r for r in engine.scheduler.running if r.num_computed >= len(r.prompt_token_ids)]
+        decoding = decoding_rows(engine)
         start = time.perf_counter()
         engine.step()
-        if len(decoding) == rows:
+        if decoding == rows:
             seconds.append(time.perf_counter() - start)
     return seconds
 
@@ -139,14 +152,16 @@ def main() -> None:
     if native is None:
         raise SystemExit("this model does not run on the native step")
     rng = random.Random(0)
-    decode_times(engine, 2, 8, 2, rng)  # (warm up)
+    start_decoding(engine, 2, 8, 2, rng)  # (warm up)
+    decode_times(engine, 2)
     print("| rows | ms an iteration | head ms (share) | tiles | attention | OpenMP waits | native rest | outside |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
             data = f"{tmp}/{n}.data"
-            with Sampler(data) as sampler:
-                seconds = decode_times(engine, n, args.prompt_len, args.iterations, rng)
+            start_decoding(engine, n, args.prompt_len, args.iterations, rng)
+            with Sampler(data) as sampler:  # (the decode iterations only: prompt chunks are measured apart)
+                seconds = decode_times(engine, n)
             shares = perf_shares(data) if sampler.proc is not None else {}
             head = head_seconds(native, n, engine.model.cfg.hidden_size, 9)
             print(row(f"{n} decoding", 1e3 * statistics.median(seconds), 1e3 * head, shares), flush=True)
