@@ -398,7 +398,7 @@ static inline void add_super_k4(v16 *acc, const i16 *dot, int mt, const uint8_t 
         for (int h = 0, calls = 4 / K5_HALVES(FIFTH); h < K5_HALVES(FIFTH); h++) {                        \
             g16 part[MT];                                                                                  \
             for (int i = 0; i < MT; i++) part[i] = g_zero();                                               \
-            GROUP_STEPS(FIFTH) for (int q = h * calls; q < (h + 1) * calls; q++) {                                \
+            GROUP_STEPS(FIFTH) for (int q = h * calls; q < (h + 1) * calls; q++) {                         \
                 q64 lo, hi;                                                                                \
                 q_nibbles(q_load(c + q * 64), &lo, &hi);                                                   \
                 if (FIFTH) q_fifth(&fifth, &lo, &hi);                                                      \
